@@ -1,0 +1,295 @@
+"""The analytic cost model (DESIGN.md section 4), vectorised over arrays of lengths.
+
+All times are seconds, sizes are tokens, bytes are bytes. Per-layer quantities are for one
+transformer layer; ``*_model`` helpers multiply by the number of layers and add embeddings and the
+LM head. A *unit* is one data-parallel replica of ``tp`` GPUs (``tp == 1``: one GPU).
+
+Formulas (h hidden, g KV heads, d head dim, f FFN, m = 3 for SwiGLU / 2 for GELU):
+
+* linear FLOPs, forward, per layer:   2 * T * (h*(h + 2*g*d) + h*h + m*h*f)
+* attention FLOPs, forward, causal:   2 * L^2 * h          (QK^T and PV, half masked)
+* backward = ``backward_linear_factor`` (2.0) / ``backward_attention_factor`` (2.5) x forward
+* kernel time = overhead + FLOPs / (peak * eff_max * n / (n + n_half))
+* link time   = alpha + bytes / bandwidth
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+from zeppelin.schemas.cluster import ClusterSpec
+from zeppelin.schemas.model import ModelSpec
+from zeppelin.schemas.profile import CostProfile, KernelEfficiency, LinkCost, default_profile
+
+ArrayLike = "np.ndarray | float | int"
+
+# bytes per parameter for mixed-precision AdamW: bf16 weights (2) + bf16 grads (2) +
+# fp32 master weights (4) + two fp32 Adam moments (8). fp32 training: 4 + 4 + 8.
+_STATE_BYTES = {"bf16": (2, 2, 12), "fp16": (2, 2, 12), "fp32": (4, 4, 8)}
+
+
+def _arr(x) -> np.ndarray:
+    return np.asarray(x, dtype=np.float64)
+
+
+@dataclass
+class CostModel:
+    cluster: ClusterSpec
+    model: ModelSpec
+    profile: CostProfile = field(default=None)  # type: ignore[assignment]
+    tp: int = 1
+    zero_stage: int = 1
+    tp_overlap: str = "none"
+
+    def __post_init__(self):
+        if self.profile is None:
+            self.profile = default_profile(self.cluster.name, self.cluster.device)
+        if self.tp < 1 or self.cluster.gpus_per_node % self.tp:
+            raise ValueError(f"tp={self.tp} must divide gpus_per_node={self.cluster.gpus_per_node}")
+
+    # ---------------------------------------------------------------- basic quantities
+    @property
+    def peak_flops(self) -> float:
+        return (self.profile.peak_tflops or self.cluster.gpu.peak_tflops) * 1e12
+
+    @property
+    def num_units(self) -> int:
+        return self.cluster.world_size // self.tp
+
+    @property
+    def units_per_node(self) -> int:
+        return self.cluster.gpus_per_node // self.tp
+
+    def node_of_unit(self, unit: int) -> int:
+        return unit // self.units_per_node
+
+    @cached_property
+    def _mlp_mult(self) -> int:
+        return 3 if self.model.mlp == "swiglu" else 2
+
+    @cached_property
+    def linear_flops_per_token(self) -> float:
+        """Forward FLOPs per token per layer of all linear modules."""
+        m = self.model
+        return 2.0 * (m.hidden * (m.hidden + 2 * m.kv_dim) + m.hidden * m.hidden + self._mlp_mult * m.hidden * m.ffn_hidden)
+
+    def linear_flops_fwd(self, tokens) -> np.ndarray:
+        return _arr(tokens) * self.linear_flops_per_token
+
+    def attn_flops_fwd(self, L) -> np.ndarray:
+        """Forward FLOPs of causal attention over sequences of length ``L`` (per layer)."""
+        L = _arr(L)
+        return 2.0 * L * L * self.model.hidden
+
+    def attn_block_flops_fwd(self, lq, lk, causal: bool = False) -> np.ndarray:
+        """Forward FLOPs of ``lq`` queries attending to ``lk`` keys (full block, or causal diagonal)."""
+        f = 4.0 * _arr(lq) * _arr(lk) * self.model.hidden
+        return f / 2.0 if causal else f
+
+    # ---------------------------------------------------------------- compute time
+    def _eff(self, k: KernelEfficiency, n) -> np.ndarray:
+        n = np.maximum(_arr(n), 1.0)
+        return k.eff_max * n / (n + k.n_half)
+
+    @cached_property
+    def _fits(self):
+        return self.profile.fits_for(self.model.name, self.model.dtype, self.tp)
+
+    def attn_time(self, L) -> np.ndarray:
+        """Attention fwd+bwd time per layer of whole sequences of length ``L`` on one unit."""
+        L = _arr(L)
+        if self._fits is not None and self._fits.attention is not None:
+            c = self._fits.attention.coeffs + [0.0] * (3 - len(self._fits.attention.coeffs))
+            return np.where(L > 0, np.maximum(c[0] + c[1] * L + c[2] * L * L, 0.0), 0.0)
+        k = self.profile.attention
+        fl = self.attn_flops_fwd(L) * (1.0 + self.profile.backward_attention_factor) / self.tp
+        return np.where(L > 0, k.overhead_s + fl / (self.peak_flops * self._eff(k, L)), 0.0)
+
+    def attn_block_time(self, lq, lk, causal: bool = False) -> np.ndarray:
+        """fwd+bwd time of one attention block (a ring round's chunk pair) per layer."""
+        lq, lk = _arr(lq), _arr(lk)
+        if self._fits is not None and self._fits.attention is not None:
+            # scale the whole-sequence fit by the block's share of a causal L x L square
+            eq = np.sqrt(np.maximum(lq * lk * (1.0 if causal else 2.0), 0.0))
+            return np.where(lq * lk > 0, self.attn_time(eq), 0.0)
+        k = self.profile.attention
+        fl = self.attn_block_flops_fwd(lq, lk, causal) * (1.0 + self.profile.backward_attention_factor) / self.tp
+        n = np.sqrt(np.maximum(lq * lk, 1.0))
+        return np.where(lq * lk > 0, k.overhead_s + fl / (self.peak_flops * self._eff(k, n)), 0.0)
+
+    def linear_time(self, tokens) -> np.ndarray:
+        """fwd+bwd time per layer of every linear module for ``tokens`` tokens on one unit."""
+        T = _arr(tokens)
+        if self._fits is not None and self._fits.linear is not None:
+            c = self._fits.linear.coeffs + [0.0] * (3 - len(self._fits.linear.coeffs))
+            return np.where(T > 0, np.maximum(c[0] + c[1] * T + c[2] * T * T, 0.0), 0.0)
+        k = self.profile.linear
+        fl = self.linear_flops_fwd(T) * (1.0 + self.profile.backward_linear_factor) / self.tp
+        return np.where(T > 0, k.overhead_s + fl / (self.peak_flops * self._eff(k, T)), 0.0)
+
+    def head_time(self, tokens) -> np.ndarray:
+        """Embedding + LM head + loss, fwd+bwd (once per model, not per layer)."""
+        T = _arr(tokens)
+        fl = 2.0 * T * self.model.hidden * self.model.vocab_size * (1.0 + self.profile.backward_linear_factor)
+        k = self.profile.linear
+        return np.where(T > 0, k.overhead_s + fl / self.tp / (self.peak_flops * self._eff(k, T)), 0.0)
+
+    def seq_compute_time(self, L) -> np.ndarray:
+        """Whole-model fwd+bwd compute of sequences kept local on one unit (attention + linear)."""
+        L = _arr(L)
+        return self.model.num_layers * (self.attn_time(L) + self.linear_time(L)) + self.head_time(L)
+
+    def work(self, L) -> np.ndarray:
+        """Device-seconds of work of sequences of length L, summed over layers (for balancing)."""
+        return self.seq_compute_time(L)
+
+    # ---------------------------------------------------------------- communication
+    @cached_property
+    def intra_link(self) -> LinkCost:
+        if self.profile.intra is not None:
+            return self.profile.intra
+        li = self.cluster.intra_link
+        return LinkCost(alpha_s=li.latency_us * 1e-6, bandwidth_GBps=li.bandwidth_GBps)
+
+    @cached_property
+    def inter_link(self) -> LinkCost:
+        """One NIC's achieved bandwidth and latency."""
+        if self.profile.inter is not None:
+            return self.profile.inter
+        n = self.cluster.nics[0]
+        return LinkCost(alpha_s=n.latency_us * 1e-6, bandwidth_GBps=n.bandwidth_GBps)
+
+    def link(self, cls: str) -> LinkCost:
+        return self.intra_link if cls == "intra" else self.inter_link
+
+    def p2p_time(self, nbytes, cls: str = "intra", sharers=1) -> np.ndarray:
+        """alpha + bytes / (bandwidth / sharers) for a transfer on link class ``intra``/``inter``."""
+        lk = self.link(cls)
+        b = _arr(nbytes)
+        return np.where(b > 0, lk.alpha_s + b * _arr(sharers) / (lk.bandwidth_GBps * 1e9), 0.0)
+
+    @property
+    def act_bytes(self) -> int:
+        return self.model.dtype_bytes
+
+    def kv_bytes(self, tokens) -> np.ndarray:
+        """Bytes of K and V for ``tokens`` tokens (one layer), this unit's TP share."""
+        return _arr(tokens) * 2 * self.model.kv_dim * self.act_bytes / self.tp
+
+    def hidden_bytes(self, tokens) -> np.ndarray:
+        return _arr(tokens) * self.model.hidden * self.act_bytes / self.tp
+
+    def ring_round_bytes(self, chunk_tokens) -> np.ndarray:
+        """Bytes one rank sends per ring round, fwd + bwd, one layer: K,V forward; K,V + dK,dV backward."""
+        return 3.0 * self.kv_bytes(chunk_tokens)
+
+    def tier_link(self, tier: str) -> str:
+        return "inter" if tier == "inter" else "intra"
+
+    def ring_attention_time(self, L, G: int, tier: str = "intra", nic_sharers: float = 1.0) -> np.ndarray:
+        """Per-layer fwd+bwd time of ring attention of whole sequences L over G units (zigzag).
+
+        Each unit holds 2L/(2G) tokens. Round 0 is its local causal block; each of the G-1 later
+        rounds computes a half-masked-equivalent block while the next K/V block travels; a round
+        costs max(compute, transfer).
+        """
+        L = _arr(L)
+        if G <= 1:
+            return self.attn_time(L)
+        held = L / G
+        comp_total = self.attn_time(L) / G  # balanced by zigzag
+        comp_round = comp_total / G
+        comm_round = self.p2p_time(self.ring_round_bytes(held), self.tier_link(tier), nic_sharers)
+        return comp_round + (G - 1) * np.maximum(comp_round, comm_round)
+
+    def ring_exposed_comm(self, L, G: int, tier: str = "intra", nic_sharers: float = 1.0) -> np.ndarray:
+        L = _arr(L)
+        if G <= 1:
+            return np.zeros_like(L)
+        comp_round = self.attn_time(L) / G / G
+        comm_round = self.p2p_time(self.ring_round_bytes(L / G), self.tier_link(tier), nic_sharers)
+        return (G - 1) * np.maximum(comm_round - comp_round, 0.0)
+
+    def alltoall_time(self, bytes_per_rank, G: int, cls: str = "intra") -> np.ndarray:
+        """All-to-all where each rank holds ``bytes_per_rank`` and keeps 1/G of it."""
+        if G <= 1:
+            return np.zeros_like(_arr(bytes_per_rank))
+        eff = self.profile.alltoall_efficiency.get(str(G), 1.0)
+        lk = self.link(cls)
+        moved = _arr(bytes_per_rank) * (G - 1) / G
+        return lk.alpha_s * (G - 1) + moved / (lk.bandwidth_GBps * 1e9 * eff)
+
+    def ulysses_comm_time(self, tokens_per_rank, G: int, cls: str = "intra") -> np.ndarray:
+        """Per-layer fwd+bwd: 4 all-to-alls (Q,K,V in, O out) forward and 4 backward."""
+        m = self.model
+        per = _arr(tokens_per_rank) * (2 * m.hidden + 2 * m.kv_dim) * self.act_bytes / self.tp
+        return 2.0 * self.alltoall_time(per, G, cls)
+
+    def allgather_kv_time(self, tokens_per_rank, G: int, cls: str = "intra") -> np.ndarray:
+        """Per-layer fwd+bwd of all-gather CP: all-gather K,V forward; all-gather + reduce-scatter dK,dV backward."""
+        if G <= 1:
+            return np.zeros_like(_arr(tokens_per_rank))
+        lk = self.link(cls)
+        b = self.kv_bytes(tokens_per_rank) * (G - 1)
+        return 3.0 * (lk.alpha_s * (G - 1) + b / (lk.bandwidth_GBps * 1e9))
+
+    def remap_time(self, max_tokens_moved_per_unit, cls: str = "intra") -> np.ndarray:
+        """Per-layer fwd+bwd: two all-to-alls of hidden activations forward, two backward."""
+        return 4.0 * self.p2p_time(self.hidden_bytes(max_tokens_moved_per_unit), cls)
+
+    def grad_allreduce_time(self, num_units: int | None = None) -> float:
+        """Ring all-reduce of gradients across units (bottleneck: per-GPU share of node NIC bandwidth)."""
+        n = num_units or self.num_units
+        if n <= 1:
+            return 0.0
+        grad_bytes = self.model.num_params() / self.tp * self.act_bytes
+        if self.cluster.num_nodes > 1:
+            bw = self.cluster.node_nic_bandwidth_GBps / self.cluster.gpus_per_node
+            lat = self.inter_link.alpha_s
+        else:
+            bw, lat = self.intra_link.bandwidth_GBps, self.intra_link.alpha_s
+        return float(2.0 * (n - 1) / n * grad_bytes / (bw * 1e9) + 2 * (n - 1) * lat)
+
+    # ---------------------------------------------------------------- memory
+    @cached_property
+    def activation_bytes_per_token(self) -> float:
+        """Activation memory per token held, all layers (flash attention: no L^2 term)."""
+        m = self.model
+        per_layer = self.profile.activation_bytes_per_token_layer or 34.0 * m.hidden * m.dtype_bytes / 2.0
+        return per_layer * m.num_layers / self.tp + m.vocab_size * 4.0 / self.tp
+
+    def model_state_bytes(self, dp: int | None = None) -> float:
+        dp = dp or self.num_units
+        P = self.model.num_params() / self.tp
+        w, g, o = _STATE_BYTES[self.model.dtype]
+        z = self.zero_stage
+        if z == 0:
+            return P * (w + g + o)
+        if z == 1:
+            return P * (w + g) + P * o / dp
+        if z == 2:
+            return P * w + P * (g + o) / dp
+        return P * (w + g + o) / dp
+
+    @cached_property
+    def gpu_capacity_bytes(self) -> float:
+        return (self.cluster.gpu.memory_gb - self.profile.memory_reserved_gb) * 1e9
+
+    @cached_property
+    def token_capacity(self) -> int:
+        """Tokens one GPU (unit member) can hold for activations after model states."""
+        free = self.gpu_capacity_bytes - self.model_state_bytes()
+        return max(int(free / self.activation_bytes_per_token), 0)
+
+    def memory_bytes(self, tokens_held) -> np.ndarray:
+        return self.model_state_bytes() + _arr(tokens_held) * self.activation_bytes_per_token
+
+    # ---------------------------------------------------------------- bounds
+    def best_time_of_sequence(self, L: int, max_units: int | None = None) -> float:
+        """Lower bound on one sequence's step time: its work spread perfectly over the units
+        it may use (at least enough to hold it), ignoring communication."""
+        n = max_units or self.num_units
+        return float(self.work(L) / n) if n else float("inf")

@@ -1,0 +1,1 @@
+"""zeppelin contracts."""

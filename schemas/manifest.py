@@ -1,0 +1,40 @@
+"""ManifestSpec: where a dataset's samples are and how to read each sample's length.
+
+A manifest can be named on the command line directly (a file, a directory or a glob of shards;
+the format is detected from the extension) or through a small JSON document of this schema when
+the defaults do not fit (a different length field, token-id lists, text with a tokenizer).
+The readers live in :mod:`zeppelin.schemas.datasets`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from .common import Doc
+
+MANIFEST_SCHEMA = "zeppelin.manifest/1"
+
+ManifestFormat = Literal["auto", "jsonl", "parquet", "npy", "txt"]
+
+
+class ManifestSpec(Doc):
+    schema_version: Literal["zeppelin.manifest/1"] = MANIFEST_SCHEMA
+    name: str = ""
+    description: str = ""
+    paths: list[str] = Field(min_length=1, description="files, directories or glob patterns (relative to this file)")
+    format: ManifestFormat = "auto"
+    length_field: str | None = Field(default="length", description="field/column holding the length")
+    tokens_field: str | None = Field(default=None, description="field/column holding a list of token ids")
+    text_field: str | None = Field(default=None, description="field/column holding raw text")
+    tokenizer: str | None = Field(
+        default=None,
+        description="for text_field: 'whitespace', 'bytes', or 'module:callable' returning token ids or a count",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "ManifestSpec":
+        if self.text_field and not self.tokenizer:
+            raise ValueError("text_field needs a tokenizer ('whitespace', 'bytes' or 'module:callable')")
+        return self

@@ -1,0 +1,568 @@
+"""Plan / StepPlan: the execution plan shared by every planner, the simulator and the runtime.
+
+File format (streamable, diffable): a header record followed by one record per training step.
+Two encodings are read transparently:
+
+* ``jsonl``  - one compact JSON object per line (large plans);
+* ``pretty`` - each record pretty-printed over several lines, the record's closing brace alone
+  on a line (golden plans in ``plans/``: readable, and ``git diff`` shows what changed).
+
+Either way a reader holds one step in memory at a time (:class:`PlanReader`).
+
+Vocabulary
+----------
+*unit*   A data-parallel unit: one model replica, i.e. ``tp`` GPU ranks that share a tensor-
+         parallel layout. With ``tp == 1`` (the default) unit ``u`` is GPU rank ``u``. Every rank
+         list in a step (groups, layouts, queues, routes) names units. ``StepPlan.replicas``
+         gives the GPU ranks of each unit when they are not the default ``[u*tp, (u+1)*tp)``
+         (Hydraulis plans mix replicas of different TP degree in one step).
+*group*  A set of units that run attention for some sequences together, in ring order:
+         ``local`` (one unit, whole sequences), ``ring`` (zigzag ring attention, P2P K/V passing),
+         ``allgather`` (LLaMA-3 style all-gather of K/V), ``ulysses`` (all-to-all head scatter).
+*placement*  Where one sequence's attention runs: its group and, for each ring position of the
+         group, the token ranges ``[start, end)`` held there (zigzag: position i holds chunks i and
+         2G-1-i of 2G equal chunks).
+*segment*  ``[seq, start, end]``: tokens ``start..end-1`` of sequence ``seq`` of the step.
+
+A unit's *attention buffer* is the concatenation of its segments in queue order (for each group
+in its queue, for each placement of that group in placement order, the unit's ranges). When
+``linear_layout`` is set, the linear modules (MLP, embeddings, LM head) see the tokens in that
+layout instead and the runtime remaps activations between the two.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator, Literal
+
+from pydantic import Field, ValidationError, model_validator
+
+from .cluster import ClusterSpec
+from .common import Doc, InputError, Strict, atomic_write, format_validation_error
+from .model import ModelSpec
+from .profile import CostProfile
+
+PLAN_SCHEMA = "zeppelin.plan/1"
+
+GroupKind = Literal["local", "ring", "allgather", "ulysses"]
+Tier = Literal["local", "intra", "inter"]
+
+
+class Sequence(Strict):
+    sample_id: int = Field(ge=0, description="index of the sample in the manifest")
+    length: int = Field(ge=1, description="tokens used (after truncation)")
+    truncated_from: int | None = Field(default=None, description="original length if truncated")
+
+
+class Replica(Strict):
+    """The GPU ranks of one data-parallel unit and its tensor-parallel degree."""
+
+    ranks: list[int] = Field(min_length=1)
+    tp: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _tp(self) -> "Replica":
+        if len(self.ranks) != self.tp:
+            raise ValueError(f"replica has {len(self.ranks)} ranks but tp={self.tp}")
+        return self
+
+
+class Group(Strict):
+    kind: GroupKind
+    tier: Tier
+    units: list[int] = Field(min_length=1, description="ring order")
+
+    @model_validator(mode="after")
+    def _check(self) -> "Group":
+        if len(set(self.units)) != len(self.units):
+            raise ValueError(f"group lists a unit twice: {self.units}")
+        if self.kind == "local" and len(self.units) != 1:
+            raise ValueError("a local group has exactly one unit")
+        return self
+
+
+class Placement(Strict):
+    seq: int = Field(ge=0, description="index into StepPlan.sequences")
+    group: int = Field(ge=0, description="index into MicroBatch.groups")
+    scheme: Literal["whole", "zigzag", "contiguous"] = "whole"
+    padded_length: int | None = Field(
+        default=None, description="length after padding (e.g. to a multiple of 2*CP); tokens >= length are padding"
+    )
+    ranges: list[list[list[int]]] = Field(
+        description="for each ring position of the group, the [start, end) token ranges held there"
+    )
+
+
+class RoutePath(Strict):
+    via_src: int = Field(description="proxy unit on the source node (== src for the direct path)")
+    via_dst: int = Field(description="proxy unit on the destination node (== dst for the direct path)")
+    nic_src: str
+    nic_dst: str
+    tokens: int = Field(ge=0, description="tokens of the K/V block carried on this path")
+
+
+class Route(Strict):
+    """An inter-node ring transfer (one per ring round) split over NIC paths."""
+
+    group: int = Field(ge=0)
+    src: int
+    dst: int
+    tokens: int = Field(ge=0, description="K/V tokens moved src->dst per ring round")
+    bytes: int = Field(ge=0, description="bytes per ring round per layer (forward)")
+    paths: list[RoutePath] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _sum(self) -> "Route":
+        if sum(p.tokens for p in self.paths) != self.tokens:
+            raise ValueError(f"route {self.src}->{self.dst}: path tokens do not add up to {self.tokens}")
+        return self
+
+
+class RemapInfo(Strict):
+    enabled: bool = False
+    reason: str = ""
+    tokens_moved: int = 0
+    tokens_moved_inter: int = 0
+    predicted_saving_s: float | None = None
+
+
+class MicroBatch(Strict):
+    groups: list[Group] = Field(default_factory=list)
+    placements: list[Placement] = Field(default_factory=list)
+    queues: list[list[int]] = Field(description="per unit: group indices in execution order")
+    linear_layout: list[list[list[int]]] | None = Field(
+        default=None, description="per unit: [seq, start, end] segments for the linear modules (None: no remap)"
+    )
+    remap: RemapInfo = RemapInfo()
+    routes: list[Route] = Field(default_factory=list)
+
+    def attention_segments(self, unit: int) -> list[list[int]]:
+        """The unit's attention buffer as ``[seq, start, end]`` segments, in execution order."""
+        out: list[list[int]] = []
+        by_group: dict[int, list[Placement]] = {}
+        for p in self.placements:
+            by_group.setdefault(p.group, []).append(p)
+        for g in self.queues[unit]:
+            pos = self.groups[g].units.index(unit)
+            for p in by_group.get(g, ()):
+                for s, e in p.ranges[pos]:
+                    if e > s:
+                        out.append([p.seq, s, e])
+        return out
+
+    def linear_segments(self, unit: int) -> list[list[int]]:
+        if self.linear_layout is None:
+            return self.attention_segments(unit)
+        return [list(s) for s in self.linear_layout[unit]]
+
+
+class RankLoads(Strict):
+    """Per-unit predictions (struct of arrays, index = unit)."""
+
+    attention_s: list[float]
+    linear_s: list[float]
+    comm_s: list[float]
+    exposed_comm_s: list[float]
+    total_s: list[float]
+    tokens: list[int]
+    memory_gb: list[float]
+
+
+class Prediction(Strict):
+    step_time_s: float = Field(ge=0)
+    lower_bound_s: float = Field(ge=0, description="max(work_bound, longest_bound)")
+    work_bound_s: float = Field(ge=0, description="total work / number of GPUs")
+    longest_bound_s: float = Field(ge=0, description="best possible time of the longest sequence")
+    per_unit: RankLoads
+    nic_bytes: dict[str, float] = Field(default_factory=dict, description="bytes per NIC per step, with routing")
+    nic_bytes_unrouted: dict[str, float] = Field(default_factory=dict, description="same, without routing")
+
+
+class SolverInfo(Strict):
+    name: str = Field(description="e.g. highs, cbc, greedy")
+    status: str = "ok"
+    gap: float | None = Field(default=None, description="relative optimality gap (0 = proven optimal)")
+    time_s: float = 0.0
+    fallback_reason: str | None = None
+
+
+class StepPlan(Strict):
+    kind: Literal["step"] = "step"
+    step: int = Field(ge=0)
+    sequences: list[Sequence] = Field(min_length=1)
+    replicas: list[Replica] | None = Field(default=None, description="None: uniform units of header.tp ranks")
+    microbatches: list[MicroBatch] = Field(min_length=1)
+    prediction: Prediction | None = None
+    solver: SolverInfo | None = None
+    notes: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.length for s in self.sequences)
+
+
+class InputHashes(Strict):
+    cluster: str
+    model: str
+    profile: str
+    manifest: str
+
+
+class ManifestRef(Strict):
+    path: str = ""
+    format: str = ""
+    num_samples: int = 0
+    num_tokens: int = 0
+
+
+class SamplerConfig(Strict):
+    tokens_per_step: int | None = Field(default=None, ge=1)
+    seqs_per_step: int | None = Field(default=None, ge=1)
+    shuffle: bool = True
+    seed: int = 0
+    max_seq_len: int | None = Field(default=None, ge=1)
+    overflow: Literal["truncate", "reject", "skip"] = "truncate"
+    start_sample: int = Field(default=0, ge=0)
+
+
+class PlanHeader(Doc):
+    schema_version: Literal["zeppelin.plan/1"] = PLAN_SCHEMA
+    kind: Literal["header"] = "header"
+    planner: str
+    planner_options: dict[str, Any] = Field(default_factory=dict)
+    zeppelin_version: str = ""
+    created_at: str = ""
+    seed: int = 0
+    num_steps: int = Field(ge=0)
+    world_size: int = Field(ge=1, description="GPU ranks")
+    tp: int = Field(default=1, ge=1, description="default tensor-parallel degree of a unit")
+    tp_overlap: Literal["none", "slicing", "commfuse"] = "none"
+    zero_stage: int = Field(default=1, ge=0, le=3)
+    cluster: ClusterSpec
+    model: ModelSpec
+    profile: CostProfile
+    hashes: InputHashes
+    manifest: ManifestRef = ManifestRef()
+    sampler: SamplerConfig = SamplerConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> "PlanHeader":
+        if self.world_size != self.cluster.world_size:
+            raise ValueError(
+                f"world_size {self.world_size} does not match the cluster ({self.cluster.world_size} GPUs)"
+            )
+        return self
+
+    @property
+    def num_units(self) -> int:
+        return self.world_size // self.tp
+
+    def replicas(self, step: StepPlan | None = None) -> list[Replica]:
+        if step is not None and step.replicas is not None:
+            return step.replicas
+        t = self.tp
+        return [Replica(ranks=list(range(u * t, (u + 1) * t)), tp=t) for u in range(self.world_size // t)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Structural invariants (cheap, no cost model): run on every load.
+# ---------------------------------------------------------------------------------------------
+
+
+def structural_problems(header: PlanHeader, step: StepPlan, limit: int = 20) -> list[str]:
+    """Invariants every plan must satisfy; returns human-readable problems (empty = valid)."""
+    probs: list[str] = []
+    reps = header.replicas(step)
+    n_units = len(reps)
+    ranks_seen = sorted(r for rep in reps for r in rep.ranks)
+    if ranks_seen != list(range(header.world_size)):
+        probs.append(f"replicas do not cover GPU ranks 0..{header.world_size - 1} exactly once")
+    nseq = len(step.sequences)
+    for mbi, mb in enumerate(step.microbatches):
+        where = f"step {step.step} microbatch {mbi}"
+        if len(mb.queues) != n_units:
+            probs.append(f"{where}: {len(mb.queues)} queues for {n_units} units")
+            continue
+        for gi, g in enumerate(mb.groups):
+            for u in g.units:
+                if not 0 <= u < n_units:
+                    probs.append(f"{where}: group {gi} names unit {u} (have {n_units})")
+        for u, q in enumerate(mb.queues):
+            for g in q:
+                if not 0 <= g < len(mb.groups) or u not in mb.groups[g].units:
+                    probs.append(f"{where}: unit {u} queues group {g} it is not a member of")
+        for gi, g in enumerate(mb.groups):
+            for u in g.units:
+                if gi not in mb.queues[u]:
+                    probs.append(f"{where}: unit {u} is in group {gi} but does not queue it (ring order broken)")
+        for p in mb.placements:
+            if not 0 <= p.seq < nseq:
+                probs.append(f"{where}: placement names sequence {p.seq} (step has {nseq})")
+            if not 0 <= p.group < len(mb.groups):
+                probs.append(f"{where}: sequence {p.seq} placed in missing group {p.group}")
+            elif len(p.ranges) != len(mb.groups[p.group].units):
+                probs.append(
+                    f"{where}: sequence {p.seq} has ranges for {len(p.ranges)} ring positions, "
+                    f"group {p.group} has {len(mb.groups[p.group].units)}"
+                )
+        if len(probs) >= limit:
+            return probs[:limit]
+    # coverage: every token of every sequence exactly once, in attention and in linear layout
+    att: dict[int, list[tuple[int, int]]] = {}
+    lin: dict[int, list[tuple[int, int]]] = {}
+    placed_in: dict[int, int] = {}
+    for mbi, mb in enumerate(step.microbatches):
+        if len(mb.queues) != n_units:
+            continue
+        for p in mb.placements:
+            if p.seq in placed_in:
+                probs.append(f"step {step.step}: sequence {p.seq} placed twice")
+            placed_in[p.seq] = mbi
+            for rs in p.ranges:
+                for r in rs:
+                    if len(r) != 2 or r[0] < 0 or r[1] < r[0]:
+                        probs.append(f"step {step.step}: sequence {p.seq} has a bad range {r}")
+                    else:
+                        att.setdefault(p.seq, []).append((r[0], r[1]))
+        if mb.linear_layout is not None:
+            if len(mb.linear_layout) != n_units:
+                probs.append(f"step {step.step} microbatch {mbi}: linear layout has {len(mb.linear_layout)} units")
+            for segs in mb.linear_layout:
+                for sg in segs:
+                    if len(sg) != 3:
+                        probs.append(f"step {step.step}: bad linear segment {sg}")
+                        continue
+                    lin.setdefault(sg[0], []).append((sg[1], sg[2]))
+                    if placed_in.get(sg[0], mbi) != mbi:
+                        probs.append(f"step {step.step}: sequence {sg[0]} remapped across micro-batches")
+    pad = {p.seq: p.padded_length for mb in step.microbatches for p in mb.placements}
+    remapped = {i for i, mbi in placed_in.items() if step.microbatches[mbi].linear_layout is not None}
+    for name, cover, wanted in (("attention", att, range(nseq)), ("linear", lin, sorted(remapped))):
+        for k in cover:
+            if not 0 <= k < nseq:
+                probs.append(f"step {step.step}: {name} layout names sequence {k} (step has {nseq})")
+        for i in wanted:
+            seq = step.sequences[i]
+            if i not in cover:
+                probs.append(f"step {step.step}: sequence {i} (sample {seq.sample_id}) has no {name} placement")
+                continue
+            end = pad.get(i) or seq.length
+            if pad.get(i) is not None and pad[i] < seq.length:
+                probs.append(f"step {step.step}: sequence {i} padded_length {pad[i]} < length {seq.length}")
+            pos = 0
+            for s, e in sorted(x for x in cover[i] if x[1] > x[0]):
+                if s < pos:
+                    probs.append(f"step {step.step}: {name} layout covers tokens {s}..{min(e, pos) - 1} "
+                                 f"of sequence {i} twice")
+                    break
+                if s > pos:
+                    probs.append(f"step {step.step}: {name} layout misses tokens {pos}..{s - 1} of sequence {i}")
+                    break
+                pos = e
+            else:
+                if pos != end:
+                    what = "misses" if pos < end else "runs past"
+                    probs.append(f"step {step.step}: {name} layout {what} the end of sequence {i} "
+                                 f"(covers {pos} of {end} tokens)")
+        if len(probs) >= limit:
+            break
+    return probs[:limit]
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming reader / atomic writer
+# ---------------------------------------------------------------------------------------------
+
+
+def _dump(record: Doc | Strict, fmt: str) -> str:
+    data = record.model_dump(mode="json", exclude_none=False)
+    if fmt == "jsonl":
+        return json.dumps(data, separators=(",", ":")) + "\n"
+    return _pretty(data) + "\n"
+
+
+def _pretty(obj: Any, indent: int = 0) -> str:
+    """Pretty JSON that keeps short lists (ranges, segments) on one line for readable diffs."""
+    flat = json.dumps(obj, separators=(", ", ": "))
+    if len(flat) + indent <= 100 or not isinstance(obj, (dict, list)) or not obj:
+        return flat
+    pad = " " * (indent + 1)
+    if isinstance(obj, dict):
+        items = [f"{pad}{json.dumps(k)}: {_pretty(v, indent + 1)}" for k, v in obj.items()]
+        return "{\n" + ",\n".join(items) + "\n" + " " * indent + "}"
+    items = [f"{pad}{_pretty(v, indent + 1)}" for v in obj]
+    return "[\n" + ",\n".join(items) + "\n" + " " * indent + "]"
+
+
+class PlanWriter:
+    """Write a plan atomically: nothing appears at ``path`` unless every step was written.
+
+    >>> with PlanWriter(path, header) as w:
+    ...     for step in steps: w.write(step)
+    """
+
+    def __init__(self, path: str | os.PathLike, header: PlanHeader, fmt: Literal["jsonl", "pretty"] = "jsonl"):
+        self.path, self.header, self.fmt = Path(path), header, fmt
+        self._cm = None
+        self._fh = None
+        self.count = 0
+
+    def __enter__(self) -> "PlanWriter":
+        self._cm = atomic_write(self.path)
+        self._fh = self._cm.__enter__()
+        self._fh.write(_dump(self.header, self.fmt))
+        return self
+
+    def write(self, step: StepPlan) -> None:
+        if step.step != self.count:
+            raise ValueError(f"steps must be written in order: expected step {self.count}, got {step.step}")
+        self._fh.write(_dump(step, self.fmt))
+        self.count += 1
+
+    def __exit__(self, et, ev, tb):
+        if et is None and self.count != self.header.num_steps:
+            et = ValueError
+            ev = ValueError(f"header promises {self.header.num_steps} steps, {self.count} written")
+            try:
+                raise ev
+            except ValueError:
+                return self._cm.__exit__(*__import__("sys").exc_info())
+        return self._cm.__exit__(et, ev, tb)
+
+
+def write_plan(path, header: PlanHeader, steps, fmt: Literal["jsonl", "pretty"] = "jsonl") -> None:
+    with PlanWriter(path, header, fmt) as w:
+        for s in steps:
+            w.write(s)
+
+
+class PlanReader:
+    """Stream a plan file: the header is read on open, steps one at a time.
+
+    ``reader.step(k)`` seeks to step ``k`` through an offset index built by one scan of the file
+    (bounded memory). Every step is checked against the structural invariants when read
+    (``check=False`` skips that); a malformed or truncated record is reported with its step number.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, check: bool = True):
+        self.path = Path(path)
+        self.check = check
+        if not self.path.exists():
+            raise InputError("plan file not found", source=self.path)
+        if self.path.is_dir():
+            raise InputError("is a directory, not a plan file", source=self.path)
+        self._offsets: list[int] | None = None
+        with self.path.open("rb") as fh:
+            rec, self._first_step_offset = self._read_record(fh, 0, what="header")
+        if rec is None:
+            raise InputError("empty plan file", source=self.path)
+        if rec.get("kind") != "header":
+            raise InputError("first record is not a plan header", source=self.path)
+        ver = rec.get("schema_version")
+        if ver != PLAN_SCHEMA:
+            raise InputError(f"plan schema_version {ver!r} is not supported (this zeppelin reads {PLAN_SCHEMA!r})",
+                             source=self.path)
+        try:
+            self.header = PlanHeader.model_validate(rec)
+        except ValidationError as e:
+            raise InputError(f"invalid plan header: {format_validation_error(e)}", source=self.path) from None
+
+    # A record is either one JSON line, or a pretty block ending with a line that is exactly "}".
+    def _read_record(self, fh, offset: int, what: str) -> tuple[dict | None, int]:
+        fh.seek(offset)
+        line = fh.readline()
+        while line and not line.strip():
+            line = fh.readline()
+        if not line:
+            return None, fh.tell()
+        buf = [line]
+        if line.rstrip(b"\r\n") != b"{":
+            text = line
+        else:
+            while True:
+                nxt = fh.readline()
+                if not nxt:
+                    raise InputError(f"{what}: truncated record (file ends inside it)", source=self.path)
+                buf.append(nxt)
+                if nxt.rstrip(b"\r\n") == b"}":
+                    break
+            text = b"".join(buf)
+        try:
+            rec = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            msg = getattr(e, "msg", str(e))
+            raise InputError(f"{what}: corrupt or truncated record ({msg})", source=self.path) from None
+        if not isinstance(rec, dict):
+            raise InputError(f"{what}: record is not a JSON object", source=self.path)
+        return rec, fh.tell()
+
+    def _parse_step(self, rec: dict, k: int) -> StepPlan:
+        try:
+            step = StepPlan.model_validate(rec)
+        except ValidationError as e:
+            raise InputError(f"step {k}: invalid step record: {format_validation_error(e)}", source=self.path) from None
+        if step.step != k:
+            raise InputError(f"step {k}: record says step {step.step} (steps out of order)", source=self.path)
+        if self.check:
+            probs = structural_problems(self.header, step, limit=1)
+            if probs:
+                raise InputError(f"step {k}: invalid plan: {probs[0]}", source=self.path)
+        return step
+
+    def __iter__(self) -> Iterator[StepPlan]:
+        with self.path.open("rb") as fh:
+            off = self._first_step_offset
+            k = 0
+            while True:
+                rec, off = self._read_record(fh, off, what=f"step {k}")
+                if rec is None:
+                    break
+                yield self._parse_step(rec, k)
+                k += 1
+        if k != self.header.num_steps:
+            raise InputError(f"step {k}: plan is truncated (header promises {self.header.num_steps} steps, file has {k})",
+                             source=self.path)
+
+    def _index(self) -> list[int]:
+        if self._offsets is None:
+            offs = []
+            with self.path.open("rb") as fh:
+                off = self._first_step_offset
+                k = 0
+                while True:
+                    fh.seek(off)
+                    pos = off
+                    rec, nxt = self._read_record(fh, off, what=f"step {k}")
+                    if rec is None:
+                        break
+                    offs.append(pos)
+                    off = nxt
+                    k += 1
+            self._offsets = offs
+        return self._offsets
+
+    def __len__(self) -> int:
+        return self.header.num_steps
+
+    def step(self, k: int) -> StepPlan:
+        offs = self._index()
+        if not 0 <= k < len(offs):
+            if k < self.header.num_steps:
+                raise InputError(f"step {k}: plan is truncated (file has {len(offs)} steps)", source=self.path)
+            raise InputError(f"step {k} out of range (plan has {self.header.num_steps} steps)", source=self.path)
+        with self.path.open("rb") as fh:
+            rec, _ = self._read_record(fh, offs[k], what=f"step {k}")
+        return self._parse_step(rec, k)
+
+
+def read_plan(path: str | os.PathLike, *, check: bool = True) -> tuple[PlanHeader, list[StepPlan]]:
+    """Read a whole plan (small plans, tests). Use :class:`PlanReader` to stream large ones."""
+    r = PlanReader(path, check=check)
+    return r.header, list(r)
+
+
+def dumps_step(step: StepPlan, fmt: Literal["jsonl", "pretty"] = "jsonl") -> str:
+    return _dump(step, fmt)
+

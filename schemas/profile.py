@@ -1,0 +1,99 @@
+"""CostProfile: fitted coefficients of the cost model and where they came from.
+
+Compute time of a kernel doing ``F`` FLOPs on a problem of size ``n`` (tokens for linear layers,
+sequence length for attention) is modelled as::
+
+    t = overhead_s + F / (peak_flops * eff_max * n / (n + n_half))
+
+(efficiency grows with size and saturates at ``eff_max``). A measured profile may also carry
+polynomial fits per model (``fits``), ``t(n) = c0 + c1*n + c2*n^2`` seconds per layer for forward
+plus backward, which take precedence for the model they were fitted on.
+Communication uses alpha-beta per link class: ``t = alpha_s + bytes / bandwidth``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from .common import Doc, Strict
+
+PROFILE_SCHEMA = "zeppelin.profile/1"
+
+
+class KernelEfficiency(Strict):
+    eff_max: float = Field(gt=0, le=1.0, description="fraction of peak reached by large problems")
+    n_half: float = Field(ge=0, description="size at which half of eff_max is reached")
+    overhead_s: float = Field(default=0.0, ge=0, description="fixed launch cost per call")
+
+
+class LinkCost(Strict):
+    alpha_s: float = Field(ge=0, description="latency per message, seconds")
+    bandwidth_GBps: float = Field(gt=0, description="achieved bandwidth, GB/s per direction")
+
+
+class PolyFit(Strict):
+    """t(n) = c0 + c1*n + c2*n^2 seconds (per layer, forward + backward)."""
+
+    coeffs: list[float] = Field(min_length=1, max_length=3)
+    valid_from: int = Field(default=0, ge=0)
+    valid_to: int | None = None
+    rel_error_median: float | None = None
+    rel_error_max: float | None = None
+
+
+class ModelFits(Strict):
+    model: str = Field(description="model name the fits were measured for")
+    dtype: str
+    attention: PolyFit | None = Field(default=None, description="t(L) for one sequence of length L")
+    linear: PolyFit | None = Field(default=None, description="t(T) for T tokens through all linear modules")
+    tp: int = 1
+
+
+class ProfileSource(Strict):
+    kind: Literal["preset", "measured"] = "preset"
+    machine: str = ""
+    created_at: str = ""
+    notes: str = ""
+
+
+class CostProfile(Doc):
+    schema_version: Literal["zeppelin.profile/1"] = PROFILE_SCHEMA
+    source: ProfileSource = ProfileSource()
+    cluster: str = Field(default="", description="cluster name this profile describes")
+    peak_tflops: float | None = Field(default=None, gt=0, description="overrides the cluster's GPU peak")
+    linear: KernelEfficiency = KernelEfficiency(eff_max=0.75, n_half=512.0, overhead_s=20e-6)
+    attention: KernelEfficiency = KernelEfficiency(eff_max=0.55, n_half=1024.0, overhead_s=30e-6)
+    backward_linear_factor: float = Field(default=2.0, gt=0, description="linear backward / forward")
+    backward_attention_factor: float = Field(default=2.5, gt=0, description="attention backward / forward")
+    intra: LinkCost | None = Field(default=None, description="GPU<->GPU inside a node; default from cluster")
+    inter: LinkCost | None = Field(default=None, description="per NIC across nodes; default from cluster")
+    alltoall_efficiency: dict[str, float] = Field(
+        default_factory=dict, description="achieved fraction of link bandwidth by group size (keys: '2','4',...)"
+    )
+    nic_shared_by_concurrent_transfers: bool = True
+    activation_bytes_per_token_layer: float | None = Field(
+        default=None, gt=0, description="activation memory per token per layer; default from the model"
+    )
+    memory_reserved_gb: float = Field(default=4.0, ge=0, description="framework/workspace reserve per GPU")
+    fits: list[ModelFits] = Field(default_factory=list)
+
+    def fits_for(self, model: str, dtype: str, tp: int = 1) -> ModelFits | None:
+        for f in self.fits:
+            if f.model == model and f.dtype == dtype and f.tp == tp:
+                return f
+        return None
+
+
+def default_profile(cluster_name: str = "", device: str = "cuda") -> CostProfile:
+    """Preset efficiency curves (before `zeppelin profile` has measured the machine)."""
+    if device == "cpu":
+        return CostProfile(
+            cluster=cluster_name,
+            source=ProfileSource(kind="preset", notes="CPU defaults; run `zeppelin profile` to measure"),
+            linear=KernelEfficiency(eff_max=1.0, n_half=64.0, overhead_s=50e-6),
+            attention=KernelEfficiency(eff_max=1.0, n_half=128.0, overhead_s=80e-6),
+            memory_reserved_gb=0.5,
+        )
+    return CostProfile(cluster=cluster_name, source=ProfileSource(kind="preset"))
