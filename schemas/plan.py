@@ -423,12 +423,9 @@ class PlanWriter:
 
     def __exit__(self, et, ev, tb):
         if et is None and self.count != self.header.num_steps:
-            et = ValueError
-            ev = ValueError(f"header promises {self.header.num_steps} steps, {self.count} written")
-            try:
-                raise ev
-            except ValueError:
-                return self._cm.__exit__(*__import__("sys").exc_info())
+            err = ValueError(f"header promises {self.header.num_steps} steps, {self.count} written")
+            self._cm.__exit__(ValueError, err, None)  # removes the temporary file
+            raise err
         return self._cm.__exit__(et, ev, tb)
 
 

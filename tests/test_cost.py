@@ -1,0 +1,158 @@
+"""The cost model against values derived by hand in this file."""
+
+import numpy as np
+import pytest
+
+from zeppelin.planner.cost import CostModel
+from zeppelin.schemas.cluster import ClusterSpec, GPUSpec, LinkSpec, NICSpec, cluster_preset
+from zeppelin.schemas.model import ModelSpec, model_preset
+from zeppelin.schemas.profile import CostProfile, KernelEfficiency, LinkCost
+
+
+def ideal_profile(**kw) -> CostProfile:
+    """Every kernel at 100% of peak, no overheads: times follow FLOPs exactly."""
+    return CostProfile(linear=KernelEfficiency(eff_max=1.0, n_half=0.0, overhead_s=0.0),
+                       attention=KernelEfficiency(eff_max=1.0, n_half=0.0, overhead_s=0.0),
+                       memory_reserved_gb=0.0, **kw)
+
+
+def round_cluster(nodes=2, gpn=2) -> ClusterSpec:
+    # 1 TFLOP/s, 10 GB memory, intra 10 GB/s no latency, one 1 GB/s NIC per node, 1 ms latency
+    return ClusterSpec(name="round", num_nodes=nodes, gpus_per_node=gpn,
+                       gpu=GPUSpec(name="g", peak_tflops=1.0, memory_gb=10.0),
+                       intra_link=LinkSpec(bandwidth_GBps=10.0, latency_us=0.0),
+                       nics=[NICSpec(id="n0", bandwidth_GBps=1.0, latency_us=1000.0)], gpu_nic=["n0"] * gpn)
+
+
+TINY = model_preset("tiny")  # h=64, 4 heads, 2 KV heads (d=16), ffn 176, SwiGLU, fp32, 2 layers, vocab 256
+
+
+def test_linear_flops_by_hand():
+    c = CostModel(round_cluster(), TINY, ideal_profile())
+    # q: 64*64, k and v: 64*32 each, o: 64*64, SwiGLU: 3*64*176; 2 FLOPs per multiply-add
+    per_token = 2 * (64 * 64 + 64 * 32 + 64 * 32 + 64 * 64 + 3 * 64 * 176)
+    assert per_token == 92160
+    assert c.linear_flops_per_token == per_token
+    np.testing.assert_allclose(c.linear_flops_fwd([1, 10, 1000]), [92160, 921600, 92160000])
+
+
+def test_gelu_mlp_flops():
+    m = model_preset("gpt-7b")
+    c = CostModel(cluster_preset("h100"), m)
+    h = 4096
+    assert c.linear_flops_per_token == 2 * (h * h * 3 + h * h + 2 * h * 4 * h)
+
+
+def test_attention_flops_by_hand():
+    c = CostModel(round_cluster(), TINY, ideal_profile())
+    # causal: QK^T is 2*L*L*h FLOPs for the full square, PV the same; half is masked -> 2*L^2*h
+    np.testing.assert_allclose(c.attn_flops_fwd([100, 1000]), [2 * 100**2 * 64, 2 * 1000**2 * 64])
+    # a full (unmasked) 10 x 20 block: 4*lq*lk*h; a causal diagonal block half of that
+    assert float(c.attn_block_flops_fwd(10, 20)) == 4 * 10 * 20 * 64
+    assert float(c.attn_block_flops_fwd(10, 10, causal=True)) == 2 * 10 * 10 * 64
+
+
+def test_times_at_ideal_efficiency():
+    c = CostModel(round_cluster(), TINY, ideal_profile())
+    # fwd + 2x bwd for linear, fwd + 2.5x bwd for attention, at 1e12 FLOP/s
+    np.testing.assert_allclose(c.linear_time(1000), 3 * 92160 * 1000 / 1e12)
+    np.testing.assert_allclose(c.attn_time(1000), 3.5 * 2 * 1000**2 * 64 / 1e12)
+    head = 3 * 2 * 1000 * 64 * 256 / 1e12
+    np.testing.assert_allclose(c.head_time(1000), head)
+    np.testing.assert_allclose(c.seq_compute_time(1000), 2 * (3.5 * 2e6 * 64 + 3 * 92160e3) / 1e12 + head)
+    assert float(c.attn_time(0)) == 0.0 and float(c.linear_time(0)) == 0.0
+
+
+def test_efficiency_curve_and_overhead():
+    prof = CostProfile(linear=KernelEfficiency(eff_max=0.5, n_half=100.0, overhead_s=1e-3))
+    c = CostModel(round_cluster(), TINY, prof)
+    # eff(100) = 0.5 * 100 / 200 = 0.25
+    np.testing.assert_allclose(c.linear_time(100), 1e-3 + 3 * 92160 * 100 / (1e12 * 0.25))
+
+
+def test_vectorised_over_lengths():
+    c = CostModel(cluster_preset("zeppelin-a"), model_preset("llama-7b"))
+    L = np.array([128, 1024, 8192, 65536])
+    t = c.seq_compute_time(L)
+    assert t.shape == (4,)
+    np.testing.assert_allclose(t, [float(c.seq_compute_time(x)) for x in L])
+    assert np.all(np.diff(t) > 0)
+    # attention grows quadratically: 8x length -> ~64x attention FLOPs
+    np.testing.assert_allclose(c.attn_flops_fwd(8192) / c.attn_flops_fwd(1024), 64.0)
+
+
+def test_comm_alpha_beta():
+    c = CostModel(round_cluster(), TINY, ideal_profile())
+    np.testing.assert_allclose(c.p2p_time(1e9, "intra"), 0.1)           # 1 GB over 10 GB/s
+    np.testing.assert_allclose(c.p2p_time(1e9, "inter"), 1.0 + 1e-3)   # 1 GB over 1 GB/s + 1 ms
+    np.testing.assert_allclose(c.p2p_time(1e9, "inter", sharers=2), 2.0 + 1e-3)  # NIC shared by two
+    assert float(c.p2p_time(0, "inter")) == 0.0
+    # measured profile overrides the cluster's nominal links
+    c2 = CostModel(round_cluster(), TINY, ideal_profile(inter=LinkCost(alpha_s=0.0, bandwidth_GBps=0.5)))
+    np.testing.assert_allclose(c2.p2p_time(1e9, "inter"), 2.0)
+
+
+def test_ring_attention_by_hand():
+    c = CostModel(round_cluster(), TINY, ideal_profile())
+    L, G = 400, 2
+    comp_total = 3.5 * 2 * L * L * 64 / 1e12          # whole-sequence attention fwd+bwd
+    comp_round = comp_total / G / G
+    kv = (L / G) * 2 * 32 * 4                          # K and V of the 200 held tokens, fp32, 2 KV heads x 16
+    comm_round = 3 * kv / 10e9                         # K,V fwd + K,V,dK,dV bwd over 10 GB/s
+    expect = comp_round + (G - 1) * max(comp_round, comm_round)
+    np.testing.assert_allclose(c.ring_attention_time(L, G, "intra"), expect)
+    np.testing.assert_allclose(c.ring_exposed_comm(L, G, "intra"), max(comm_round - comp_round, 0.0))
+    # inter-node: 1 GB/s NIC + 1 ms per message: communication exposed
+    comm_inter = 1e-3 + 3 * kv / 1e9
+    np.testing.assert_allclose(c.ring_exposed_comm(L, G, "inter"), comm_inter - comp_round)
+    np.testing.assert_allclose(c.ring_attention_time(L, 1), c.attn_time(L))
+
+
+def test_ulysses_and_allgather_by_hand():
+    c = CostModel(round_cluster(), TINY, ideal_profile())
+    T, G = 1000, 2
+    per = T * (2 * 64 + 2 * 32) * 4                    # Q, O (hidden) and K, V (kv dim), fp32
+    a2a = per * (G - 1) / G / 10e9
+    np.testing.assert_allclose(c.ulysses_comm_time(T, G), 2 * a2a)
+    ag = T * 2 * 32 * 4 * (G - 1) / 10e9
+    np.testing.assert_allclose(c.allgather_kv_time(T, G), 3 * ag)
+    assert float(c.ulysses_comm_time(T, 1)) == 0.0
+
+
+def test_memory_by_zero_stage():
+    m = TINY
+    P = m.num_params()
+    # fp32 training: weights 4, grads 4, Adam moments 8 bytes per parameter
+    for z, expect in ((0, 16 * P), (1, 8 * P + 8 * P / 4), (2, 4 * P + 12 * P / 4), (3, 16 * P / 4)):
+        c = CostModel(round_cluster(), m, ideal_profile(), zero_stage=z)
+        assert c.num_units == 4
+        np.testing.assert_allclose(c.model_state_bytes(), expect)
+    bf = model_preset("llama-7b")
+    c = CostModel(cluster_preset("zeppelin-a"), bf, zero_stage=0)
+    np.testing.assert_allclose(c.model_state_bytes(), 16 * bf.num_params())
+
+
+def test_activation_memory_and_capacity():
+    c = CostModel(round_cluster(), TINY, ideal_profile())
+    per_tok = 34 * 64 * 4 / 2 * 2 + 256 * 4           # 34*h*bytes/2 per layer x 2 layers + fp32 logits
+    np.testing.assert_allclose(c.activation_bytes_per_token, per_tok)
+    cap = int((10e9 - c.model_state_bytes()) / per_tok)
+    assert c.token_capacity == cap
+    np.testing.assert_allclose(c.memory_bytes(100), c.model_state_bytes() + 100 * per_tok)
+
+
+def test_tensor_parallel_splits_work():
+    c1 = CostModel(cluster_preset("zeppelin-a"), model_preset("llama-13b"), tp=1)
+    c2 = CostModel(cluster_preset("zeppelin-a"), model_preset("llama-13b"), tp=2)
+    assert c2.num_units == c1.num_units // 2
+    assert float(c2.kv_bytes(100)) == pytest.approx(float(c1.kv_bytes(100)) / 2)
+    assert float(c2.linear_time(8192)) < float(c1.linear_time(8192))
+    with pytest.raises(ValueError):
+        CostModel(cluster_preset("zeppelin-a"), model_preset("tiny"), tp=3)
+
+
+def test_grad_allreduce():
+    c = CostModel(round_cluster(nodes=1, gpn=4), TINY, ideal_profile())
+    grad = TINY.num_params() * 4
+    np.testing.assert_allclose(c.grad_allreduce_time(), 2 * 3 / 4 * grad / 10e9)
+    assert c.grad_allreduce_time(1) == 0.0
