@@ -1,0 +1,156 @@
+"""Fitting the cost model to measurements, and reading a node's topology.
+
+* :func:`fit_poly` — least squares on *relative* error for ``t(n) = c0 + c1*n + c2*n^2`` (kernel
+  times span orders of magnitude; an absolute fit would ignore the short sequences that matter most
+  for tiering). Coefficients are constrained to be non-negative.
+* :func:`fit_alpha_beta` — ``t(bytes) = alpha + bytes / bandwidth`` for a link class.
+* :func:`parse_nvidia_smi_topo` — GPU count, NVLink and GPU->NIC affinity from ``nvidia-smi topo -m``.
+* :func:`infiniband_devices` — NIC names and rates from ``/sys/class/infiniband``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from zeppelin.schemas.common import InputError
+from zeppelin.schemas.profile import LinkCost, PolyFit
+
+
+@dataclass
+class FitReport:
+    coeffs: list[float]
+    rel_errors: list[float]  # per point, (pred - meas) / meas
+
+    @property
+    def median(self) -> float:
+        return float(np.median(np.abs(self.rel_errors))) if self.rel_errors else 0.0
+
+    @property
+    def worst(self) -> float:
+        return float(np.max(np.abs(self.rel_errors))) if self.rel_errors else 0.0
+
+
+def _nnls(A: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Non-negative least squares by active-set elimination (tiny problems: <= 3 unknowns)."""
+    n = A.shape[1]
+    best, best_res = None, np.inf
+    for mask in range(1, 1 << n):
+        cols = [i for i in range(n) if mask >> i & 1]
+        sub = A[:, cols]
+        scale = np.linalg.norm(sub, axis=0)
+        scale[scale == 0] = 1.0
+        x, *_ = np.linalg.lstsq(sub / scale, b, rcond=None)
+        x = x / scale
+        if np.any(x < -1e-15 * np.abs(x).max()):
+            continue
+        full = np.zeros(n)
+        full[cols] = np.maximum(x, 0.0)
+        res = float(np.sum((A @ full - b) ** 2))
+        if best is None or res < best_res * (1 - 1e-9):
+            best, best_res = full, res
+    return best if best is not None else np.zeros(n)
+
+
+def fit_poly(sizes, times, degree: int = 2) -> FitReport:
+    """Fit t(n) = sum c_i n^i (i <= degree, c_i >= 0) minimising relative squared error."""
+    n = np.asarray(sizes, dtype=np.float64)
+    t = np.asarray(times, dtype=np.float64)
+    if n.shape != t.shape or n.size < degree + 1:
+        raise ValueError(f"need at least {degree + 1} measurements for a degree-{degree} fit, got {n.size}")
+    if np.any(t <= 0):
+        raise ValueError("measured times must be positive")
+    A = np.stack([n**i for i in range(degree + 1)], axis=1) / t[:, None]
+    c = _nnls(A, np.ones_like(t))
+    pred = np.stack([n**i for i in range(degree + 1)], axis=1) @ c
+    return FitReport(coeffs=[float(x) for x in c], rel_errors=[float(x) for x in (pred - t) / t])
+
+
+def poly_fit_record(sizes, times, degree: int = 2) -> tuple[PolyFit, FitReport]:
+    rep = fit_poly(sizes, times, degree)
+    fit = PolyFit(coeffs=rep.coeffs, valid_from=int(min(sizes)), valid_to=int(max(sizes)),
+                  rel_error_median=rep.median, rel_error_max=rep.worst)
+    return fit, rep
+
+
+def fit_alpha_beta(nbytes, times) -> tuple[LinkCost, FitReport]:
+    """t = alpha + bytes / bandwidth (alpha, 1/bandwidth >= 0), relative-error least squares."""
+    rep = fit_poly(nbytes, times, degree=1)
+    alpha, inv_bw = rep.coeffs
+    if inv_bw <= 0:
+        raise ValueError("cannot fit a bandwidth: times do not grow with message size")
+    return LinkCost(alpha_s=alpha, bandwidth_GBps=1.0 / inv_bw / 1e9), rep
+
+
+# ------------------------------------------------------------------------------------ topology
+
+_RANK = {"X": 0, "PIX": 1, "PXB": 2, "PHB": 3, "NODE": 4, "SYS": 5}
+
+
+@dataclass
+class NodeTopology:
+    num_gpus: int
+    nvlinks: list[list[int]]        # bonded NVLink count between GPU pairs (0: none)
+    nics: list[str]                 # NIC device names in column order
+    gpu_nic: list[str]              # nearest NIC of each GPU
+    gpu_nic_relation: list[str]     # PIX / PXB / PHB / NODE / SYS to that NIC
+
+    @property
+    def nvswitch(self) -> bool:
+        n = self.num_gpus
+        return n > 1 and all(self.nvlinks[i][j] > 0 for i in range(n) for j in range(n) if i != j)
+
+
+def parse_nvidia_smi_topo(text: str, source: str = "nvidia-smi topo -m") -> NodeTopology:
+    """Parse the matrix printed by ``nvidia-smi topo -m`` (both the old style with NIC device names
+    as column headers and the newer ``NIC<k>`` columns with a "NIC Legend")."""
+    lines = [ln.rstrip("\n") for ln in text.splitlines()]
+    head_i = next((i for i, ln in enumerate(lines) if re.match(r"^\s+GPU0\b", ln)), None)
+    if head_i is None:
+        raise InputError("no GPU matrix found (expected a header line starting with GPU0)", source=source)
+    cols = [c.strip() for c in lines[head_i].strip().split("\t") if c.strip()]
+    cols = [c for c in cols if c not in ("CPU Affinity", "NUMA Affinity", "GPU NUMA ID")]
+    gpu_cols = [c for c in cols if re.fullmatch(r"GPU\d+", c)]
+    nic_cols = [c for c in cols if not re.fullmatch(r"GPU\d+", c)]
+    legend = dict(re.findall(r"^\s*(NIC\d+):\s*(\S+)\s*$", text, flags=re.M))
+    nic_names = [legend.get(c, c) for c in nic_cols]
+    rows: dict[str, list[str]] = {}
+    for ln in lines[head_i + 1:]:
+        if not ln.strip() or ln.startswith("Legend"):
+            break
+        parts = ln.split("\t")
+        rows[parts[0].strip()] = [p.strip() for p in parts[1:1 + len(cols)]]
+    n = len(gpu_cols)
+    nv = [[0] * n for _ in range(n)]
+    gpu_nic, rel = [], []
+    for i, g in enumerate(gpu_cols):
+        if g not in rows:
+            raise InputError(f"row for {g} missing", source=source)
+        cells = rows[g]
+        for j in range(n):
+            m = re.fullmatch(r"NV(\d+)", cells[j])
+            nv[i][j] = int(m.group(1)) if m else 0
+        if nic_cols:
+            best = min(range(len(nic_cols)), key=lambda k: (_RANK.get(cells[n + k], 9), k))
+            gpu_nic.append(nic_names[best])
+            rel.append(cells[n + best])
+    return NodeTopology(num_gpus=n, nvlinks=nv, nics=nic_names, gpu_nic=gpu_nic, gpu_nic_relation=rel)
+
+
+def infiniband_devices(root: str | Path = "/sys/class/infiniband") -> dict[str, float]:
+    """NIC name -> rate in GB/s from ``/sys/class/infiniband/<dev>/ports/*/rate`` ("400 Gb/sec (4X NDR)")."""
+    out: dict[str, float] = {}
+    root = Path(root)
+    if not root.is_dir():
+        return out
+    for dev in sorted(root.iterdir()):
+        best = 0.0
+        for rate in dev.glob("ports/*/rate"):
+            m = re.match(r"\s*([\d.]+)\s*Gb/sec", rate.read_text())
+            if m:
+                best = max(best, float(m.group(1)) / 8.0)
+        out[dev.name] = best
+    return out
