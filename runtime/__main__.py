@@ -1,0 +1,108 @@
+"""Worker entry point: ``torchrun --nproc-per-node N -m zeppelin.runtime PLAN [options]``.
+
+``zeppelin run`` launches this through torchrun; it can also be started by hand (torchrun, or a
+single plain ``python -m zeppelin.runtime PLAN`` for a one-rank plan). Every rank runs
+:func:`zeppelin.runtime.executor.run_job`. Failures are reported on the failing rank as one line
+``zeppelin: error: [rank R] ...`` on stderr and, when ``ZEPPELIN_ERROR_DIR`` is set (``zeppelin
+run`` sets it), as a JSON error file the launcher summarises; exit codes: 2 bad input, 1 runtime
+failure or ``--verify`` beyond tolerance, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+
+from zeppelin.schemas.common import InputError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m zeppelin.runtime",
+                                description="Run a zeppelin plan on this rank (start it with torchrun).")
+    p.add_argument("plan", help="plan file written by `zeppelin plan`")
+    p.add_argument("--model", default=None, help="model preset or JSON; must match the plan's model hash")
+    p.add_argument("--data", default=None, help="dataset manifest; must match the plan's manifest hash")
+    p.add_argument("--steps", type=int, default=None, help="run the first N steps of the plan (default: all)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None, help="model init seed (default: the plan's seed)")
+    p.add_argument("--metrics", default=None, help="JSON Lines metrics file (default: PLAN.metrics.jsonl)")
+    p.add_argument("--verify", action="store_true", help="compare every step with a single-process reference")
+    p.add_argument("--verify-tol", type=float, default=None, help="relative tolerance (fp32 1e-5, bf16 2e-2)")
+    p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
+    p.add_argument("--timeout", type=float, default=300.0, help="collective / P2P timeout in seconds")
+    p.add_argument("--progress", choices=["auto", "rich", "plain", "none"], default="auto")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads per rank")
+    return p
+
+
+def _report(rank: int, message: str, code: int, tb: str | None = None) -> None:
+    print(f"zeppelin: error: [rank {rank}] {message}", file=sys.stderr, flush=True)
+    d = os.environ.get("ZEPPELIN_ERROR_DIR")
+    if d:
+        try:
+            rec = {"rank": rank, "time": time.time(), "message": message, "code": code, "traceback": tb}
+            path = os.path.join(d, f"rank{rank}.json")
+            tmp = path + ".tmp"
+            with open(tmp, "w") as fh:
+                json.dump(rec, fh)
+            os.replace(tmp, path)
+        except OSError:
+            pass
+
+
+def _on_sigterm(signum, frame):  # the launcher stops the other workers with SIGTERM
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    from .executor import RunConfig, VerifyError, run_job
+
+    cfg = RunConfig(plan=args.plan, model=args.model, data=args.data, steps=args.steps, lr=args.lr,
+                    weight_decay=args.weight_decay, seed=args.seed, metrics=args.metrics, verify=args.verify,
+                    verify_tol=args.verify_tol, checkpoint_every=args.checkpoint_every,
+                    checkpoint_dir=args.checkpoint_dir, resume=args.resume, timeout_s=args.timeout,
+                    progress=args.progress, device=args.device, threads=args.threads)
+    try:
+        summary = run_job(cfg)
+    except InputError as e:
+        _report(rank, str(e), 2)
+        return 2
+    except VerifyError as e:
+        _report(rank, str(e), 1)
+        return 1
+    except KeyboardInterrupt:
+        if rank == 0:
+            print("zeppelin: interrupted", file=sys.stderr, flush=True)
+        return 130
+    except Exception as e:  # noqa: BLE001 - any failure: one line here, the traceback in the error file
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        _report(rank, f"{e.__class__.__name__}: {msg}" if msg else e.__class__.__name__, 1, traceback.format_exc())
+        return 1
+    if rank == 0 and summary:
+        losses = summary["losses"]
+        line = f"zeppelin run: {summary['steps_run']} steps"
+        if losses:
+            line += f", loss {losses[0]:.4f} -> {losses[-1]:.4f}"
+        print(line + f"; metrics in {summary['metrics']}", flush=True)
+        if "verify" in summary:
+            v = summary["verify"]
+            print(f"zeppelin run: --verify max relative differences: loss {v['loss_rel']:.2e}, "
+                  f"outputs {v['hidden_rel']:.2e}, gradients {v['grad_rel']:.2e} "
+                  f"(tolerance {v['tolerance']:g}) - ok", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,553 @@
+"""The executor: runs a plan step by step on the ranks it names.
+
+Per step, on every rank::
+
+    for each micro-batch:  build the rank's inputs (linear layout) -> forward (remaps, the plan's
+                           attention engine) -> loss / predicted tokens of the step -> backward
+    gradient all-reduce (SUM over data-parallel units; the loss is already divided by the step's
+    global number of predicted tokens, so the sum is exactly the single-process gradient)
+    [--verify: rank 0 recomputes the step single-process and compares]
+    AdamW step, metrics line, checkpoint every N steps
+
+Start-up checks run on every rank before any training collective: world size, plan input hashes
+against ``--model``/``--data``, checkpoint compatibility. Each rank's verdict is exchanged with
+one ``all_gather_object`` so that every rank exits with the same one-line error instead of some
+ranks waiting for peers that already left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zeppelin.schemas.common import InputError, content_hash
+from zeppelin.schemas.plan import PlanHeader, PlanReader, StepPlan
+
+from .data import TokenSource, load_token_source, predicted_tokens
+from .model import Layout, LlamaModel, PhaseTimer, reference_step
+
+
+class VerifyError(RuntimeError):
+    """``--verify`` found the distributed step differing from the reference beyond tolerance."""
+
+
+@dataclass
+class RunConfig:
+    plan: str
+    model: str | None = None
+    data: str | None = None
+    steps: int | None = None
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    seed: int | None = None
+    metrics: str | None = None
+    verify: bool = False
+    verify_tol: float | None = None
+    checkpoint_every: int = 0
+    checkpoint_dir: str | None = None
+    resume: bool = False
+    timeout_s: float = 300.0
+    progress: str = "auto"           # auto | rich | plain | none
+    device: str = "auto"             # auto | cpu | cuda
+    threads: int | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout over the plan: remaps and the attention engine of one micro-batch
+# ---------------------------------------------------------------------------------------------
+
+
+class PlanLayout(Layout):
+    """One micro-batch on one rank: the plan's remapper and attention engine."""
+
+    def __init__(self, attn_positions: torch.Tensor, engine, remapper) -> None:
+        self.attn_positions = attn_positions
+        self.engine = engine
+        self.remapper = remapper
+
+    def to_attention(self, x):
+        return self.remapper.to_attention(x)
+
+    def to_linear(self, x):
+        return self.remapper.to_linear(x)
+
+    def attention(self, q, k, v):
+        return self.engine(q, k, v)
+
+
+def _positions(segments: list[list[int]]) -> torch.Tensor:
+    if not segments:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.cat([torch.arange(s, e, dtype=torch.int64) for _, s, e in segments])
+
+
+def _add_bytes(acc: dict[str, int], stats: Any) -> None:
+    if not isinstance(stats, dict):
+        return
+    for cls in ("intra", "inter"):
+        v = stats.get(cls)
+        if isinstance(v, (int, float)):
+            acc[cls] = acc.get(cls, 0) + int(v)
+
+
+def my_unit(header: PlanHeader, step: StepPlan, rank: int) -> int:
+    for u, rep in enumerate(header.replicas(step)):
+        if rank in rep.ranks:
+            return u
+    raise InputError(f"step {step.step}: rank {rank} belongs to no replica of the plan")
+
+
+@dataclass
+class StepResult:
+    loss: float
+    phases: dict[str, float]
+    bytes: dict[str, int]
+    tokens: int
+    hidden: list[tuple[list[list[int]], torch.Tensor]] = field(default_factory=list)
+
+
+class Executor:
+    """Per-rank state of a job: model, optimizer, token source, process groups.
+
+    Usable without torchrun (tests construct it inside an initialised process group).
+    """
+
+    def __init__(self, header: PlanHeader, model: LlamaModel, source: TokenSource, *,
+                 rank: int, world_size: int, device: torch.device, groups=None,
+                 lr: float = 1e-3, weight_decay: float = 0.0) -> None:
+        self.header = header
+        self.model = model
+        self.source = source
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.groups = groups
+        self.cuda = device.type == "cuda"
+        self.params = [p for p in model.parameters()]
+        self.names = [n for n, _ in model.named_parameters()]
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay,
+                                           betas=(0.9, 0.95), eps=1e-8, foreach=False)
+
+    def _now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    # -- one step: forward / backward / all-reduce ---------------------------------------------
+    def forward_backward(self, step: StepPlan, *, keep_hidden: bool = False) -> StepResult:
+        """Gradients of the step's loss in ``param.grad`` (all-reduced); nothing is updated."""
+        from .engine import AttentionEngine
+        from .remap import Remapper
+
+        for p in self.params:
+            p.grad = None
+        self.source.clear()
+        if any(rep.tp != 1 for rep in self.header.replicas(step)):
+            raise InputError(f"step {step.step}: the plan uses tensor-parallel replicas; "
+                             f"this runtime executes tp=1 plans")
+        unit = my_unit(self.header, step, self.rank)
+        n_pred = max(predicted_tokens(step.sequences), 1)
+        timer = PhaseTimer(enabled=True, cuda=self.cuda)
+        phases = {"data": 0.0, "forward": 0.0, "backward": 0.0}
+        nbytes: dict[str, int] = {"intra": 0, "inter": 0}
+        loss_local = torch.zeros((), dtype=torch.float64)
+        tokens = 0
+        hidden = []
+        for mbi, mb in enumerate(step.microbatches):
+            t0 = self._now()
+            lin = mb.linear_segments(unit)
+            att = mb.attention_segments(unit)
+            batch = self.source.segments(step.sequences, lin)
+            toks = torch.from_numpy(batch.tokens).to(self.device)
+            labels = torch.from_numpy(batch.labels).to(self.device)
+            pos = _positions(att).to(self.device)
+            engine = AttentionEngine(self.header, step, mbi, self.rank, groups=self.groups)
+            remapper = Remapper(self.header, step, mbi, self.rank, device=self.device)
+            layout = PlanLayout(pos, engine, remapper)
+            t1 = self._now()
+            loss_sum, h = self.model(toks, labels, layout, timer)
+            loss = loss_sum / n_pred
+            t2 = self._now()
+            loss.backward()
+            t3 = self._now()
+            phases["data"] += t1 - t0
+            phases["forward"] += t2 - t1
+            phases["backward"] += t3 - t2
+            loss_local += loss.detach().double().cpu()
+            tokens += batch.num_tokens
+            _add_bytes(nbytes, getattr(engine, "stats", None))
+            _add_bytes(nbytes, getattr(remapper, "stats", None))
+            if keep_hidden:
+                hidden.append((lin, h.detach().float().cpu()))
+        t4 = self._now()
+        sent = self.allreduce_grads()
+        t5 = self._now()
+        phases["grad_allreduce"] = t5 - t4
+        if self.world_size > 1:
+            dist.all_reduce(loss_local)
+        phases["attention"] = timer.totals.get("attention", 0.0)
+        phases["remap"] = timer.totals.get("remap", 0.0)
+        phases["linear"] = max(phases["forward"] + phases["backward"] - phases["attention"] - phases["remap"], 0.0)
+        nbytes["allreduce"] = sent
+        return StepResult(loss=float(loss_local), phases=phases, bytes=nbytes, tokens=tokens, hidden=hidden)
+
+    def allreduce_grads(self) -> int:
+        """SUM the gradients over all ranks in one flat buffer; returns bytes this rank sent."""
+        grads = []
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        if self.world_size == 1:
+            return 0
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        off = 0
+        for g in grads:
+            n = g.numel()
+            g.copy_(flat[off:off + n].view_as(g))
+            off += n
+        w = self.world_size
+        return int(2 * (w - 1) / w * flat.numel() * flat.element_size())
+
+    def optimizer_step(self) -> float:
+        t0 = self._now()
+        self.optimizer.step()
+        for p in self.params:
+            p.grad = None
+        return self._now() - t0
+
+    # -- --verify ------------------------------------------------------------------------------
+    def verify(self, step: StepPlan, result: StepResult, tol: float) -> dict[str, Any] | None:
+        """Rank 0 recomputes the step single-process and compares loss, final hidden states and
+        every parameter gradient (relative max-norm differences). Collective; returns the report
+        on every rank (or raises :class:`VerifyError` on every rank when beyond ``tol``)."""
+        gathered = [None] * self.world_size if self.rank == 0 else None
+        if self.world_size > 1:
+            dist.gather_object(result.hidden, gathered, dst=0)
+        else:
+            gathered = [result.hidden]
+        report = None
+        if self.rank == 0:
+            ref = reference_step(self.model, step.sequences, self.source, self.device,
+                                 normaliser=max(predicted_tokens(step.sequences), 1))
+            report = compare_with_reference(self.model, step, result.loss, gathered, ref)
+            report["tolerance"] = tol
+            report["ok"] = max(report["loss_rel"], report["hidden_rel"], report["grad_rel"]) <= tol
+        box = [report]
+        if self.world_size > 1:
+            dist.broadcast_object_list(box, src=0)
+        report = box[0]
+        if not report["ok"]:
+            raise VerifyError(
+                f"step {step.step}: --verify failed: relative differences loss {report['loss_rel']:.3g}, "
+                f"outputs {report['hidden_rel']:.3g}, gradients {report['grad_rel']:.3g} "
+                f"(worst: {report['grad_worst']}) exceed tolerance {tol:g}")
+        return report
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max|a-b| / max|b| (0 when both are zero)."""
+    d = float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+    s = float(b.double().abs().max()) if b.numel() else 0.0
+    return d / s if s > 0 else d
+
+
+def compare_with_reference(model: LlamaModel, step: StepPlan, loss: float, gathered, ref) -> dict[str, Any]:
+    """Loss, output and gradient differences of a distributed step vs its single-process reference."""
+    loss_abs = abs(loss - ref["loss"])
+    loss_rel = loss_abs / max(abs(ref["loss"]), 1e-30)
+    # reassemble the distributed final hidden states per sequence (padding rows dropped)
+    worst_h = 0.0
+    for per_rank in gathered:
+        for segs, h in per_rank or []:
+            row = 0
+            for q, s, e in segs:
+                L = step.sequences[q].length
+                e_real = min(e, L)
+                if e_real > s:
+                    worst_h = max(worst_h, _rel(h[row:row + e_real - s], ref["hidden"][q][s:e_real].float().cpu()))
+                row += e - s
+    worst_g, worst_name, grad_abs = 0.0, "", 0.0
+    for name, p in model.named_parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        r = _rel(g, ref["grads"][name])
+        grad_abs = max(grad_abs, float((g.double() - ref["grads"][name].double()).abs().max()))
+        if r >= worst_g:
+            worst_g, worst_name = r, name
+    return {"loss_ref": ref["loss"], "loss_abs": loss_abs, "loss_rel": loss_rel, "hidden_rel": worst_h,
+            "grad_rel": worst_g, "grad_abs": grad_abs, "grad_worst": worst_name}
+
+
+# ---------------------------------------------------------------------------------------------
+# The job: start-up checks, training loop, metrics, checkpoints
+# ---------------------------------------------------------------------------------------------
+
+
+def plan_hash(header: PlanHeader) -> str:
+    return content_hash(header.model_dump(mode="json", exclude={"created_at"}))
+
+
+def _resolve_model_ref(ref: str):
+    from pathlib import Path as _P
+
+    from zeppelin.schemas.common import load_doc
+    from zeppelin.schemas.model import ModelSpec, model_preset
+
+    if ref.endswith(".json") or "/" in ref or _P(ref).exists():
+        return load_doc(ModelSpec, ref)
+    return model_preset(ref)
+
+
+def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSource, int, int]:
+    """Everything a rank can decide alone, before any collective. Returns
+    (reader, token source, first step, end step). Raises InputError."""
+    reader = PlanReader(cfg.plan)
+    header = reader.header
+    if header.world_size != world_size:
+        raise InputError(f"the plan is for {header.world_size} ranks but the job has {world_size} "
+                         f"(launch with --nproc-per-node/--nnodes giving {header.world_size} processes)")
+    if cfg.model is not None:
+        spec = _resolve_model_ref(cfg.model)
+        if content_hash(spec) != header.hashes.model:
+            raise InputError(f"--model {cfg.model} does not match the plan: the plan was made for model "
+                             f"{header.model.name!r} (hash {header.hashes.model}, given {content_hash(spec)})")
+    if header.tp != 1:
+        raise InputError(f"the plan uses tensor parallelism (tp={header.tp}); this runtime executes tp=1 plans")
+    source, mhash = load_token_source(header.model.vocab_size, header.seed, cfg.data)
+    if cfg.data is not None and mhash is not None and mhash != header.hashes.manifest:
+        raise InputError(f"--data {cfg.data} does not match the plan: the plan was made for manifest hash "
+                         f"{header.hashes.manifest}, this one hashes to {mhash}")
+    end = header.num_steps if cfg.steps is None else cfg.steps
+    if cfg.steps is not None and not 1 <= cfg.steps <= header.num_steps:
+        raise InputError(f"--steps {cfg.steps} is out of range (the plan has {header.num_steps} steps)")
+    if cfg.checkpoint_every < 0:
+        raise InputError("--checkpoint-every must be >= 0")
+    if (cfg.checkpoint_every or cfg.resume) and not cfg.checkpoint_dir:
+        raise InputError("--checkpoint-every/--resume need --checkpoint-dir")
+    return reader, source, 0, end
+
+
+class _Progress:
+    """Rank 0's progress display: a rich bar on a terminal, one plain line per step otherwise."""
+
+    def __init__(self, mode: str, total: int, start: int) -> None:
+        self.mode = mode
+        self.bar = None
+        if mode == "auto":
+            self.mode = "rich" if sys.stdout.isatty() else "plain"
+        if self.mode == "rich":
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(TextColumn("[bold]zeppelin run"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("{task.description}"), TimeElapsedColumn())
+            self.bar.start()
+            self.task = self.bar.add_task("", total=total, completed=start)
+        self.total = total
+
+    def update(self, rec: dict) -> None:
+        desc = (f"loss {rec['loss']:.4f}  {rec['step_time_s'] * 1e3:.0f} ms  "
+                f"{rec['tokens_per_s']:.0f} tok/s")
+        if "verify" in rec:
+            desc += f"  verify {max(rec['verify']['grad_rel'], rec['verify']['loss_rel']):.1e}"
+        if self.mode == "rich":
+            self.bar.update(self.task, advance=1, description=desc)
+        elif self.mode == "plain":
+            print(f"step {rec['step'] + 1}/{self.total}  {desc}", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def _peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def run_job(cfg: RunConfig) -> dict[str, Any]:
+    """Run a job on this rank (called by ``python -m zeppelin.runtime`` under torchrun).
+
+    Returns a summary on rank 0 (``{}`` elsewhere). Raises InputError / VerifyError / runtime errors.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if "MASTER_ADDR" not in os.environ:  # a single process without torchrun
+        from .dist_utils import free_port
+
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(free_port())
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    local_err: str | None = None
+    try:
+        reader, source, start, end = startup_checks(cfg, world)
+        header = reader.header
+    except InputError as e:
+        local_err = str(e)
+        reader = header = source = None
+        start = end = 0
+    want_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()
+                                         and (header is None or header.cluster.device == "cuda"))
+    if want_cuda and not torch.cuda.is_available():
+        local_err = local_err or "--device cuda: CUDA is not available on this machine"
+        want_cuda = False
+    backend = "nccl" if want_cuda else "gloo"
+    if want_cuda:
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=cfg.timeout_s),
+                            **({"device_id": device} if want_cuda else {}))
+    try:
+        return _run_initialised(cfg, rank, world, device, local_err, reader, header, source, start, end)
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+
+
+def _agree(world: int, err: str | None) -> None:
+    """Exchange start-up verdicts; every rank raises the first error any rank found."""
+    errs = [None] * world
+    dist.all_gather_object(errs, err)
+    for r, e in enumerate(errs):
+        if e is not None:
+            raise InputError(e if r == dist.get_rank() or e == err else f"rank {r}: {e}")
+
+
+def _run_initialised(cfg, rank, world, device, local_err, reader, header, source, start, end):
+    from .checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+    from .groups import GroupCache, set_default_cache
+
+    # resume: find the checkpoint (rank 0's filesystem view is shared with every local rank)
+    state = None
+    if local_err is None and cfg.resume:
+        try:
+            path = latest_checkpoint(cfg.checkpoint_dir)
+            if path is not None:
+                state = load_checkpoint(path, plan_hash=plan_hash(header), world_size=world)
+                if not 0 <= state["next_step"] <= end:
+                    raise InputError(f"checkpoint resumes at step {state['next_step']}, beyond --steps {end}",
+                                     source=path)
+        except InputError as e:
+            local_err = str(e)
+    _agree(world, local_err)
+    if state is not None:
+        start = state["next_step"]
+    # one scan of the steps to run: validates every record (a corrupt line is reported with its
+    # step number here, on every rank) and collects the process groups the steps need
+    steps_iter = (reader.step(k) for k in range(start, end))
+    try:
+        groups = GroupCache(world, header=header, steps=steps_iter)
+    except InputError as e:
+        # every rank reads the same file: all fail identically before any group was created
+        raise e
+    set_default_cache(groups)
+    seed = header.seed if cfg.seed is None else cfg.seed
+    model = LlamaModel(header.model, seed=seed).to(device)
+    ex = Executor(header, model, source, rank=rank, world_size=world, device=device, groups=groups,
+                  lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        ex.optimizer.load_state_dict(state["optimizer"])
+        if rank < len(state["rng"]):
+            set_rng_state(state["rng"][rank])
+    tol = cfg.verify_tol if cfg.verify_tol is not None else (1e-5 if header.model.dtype == "fp32" else 2e-2)
+    metrics_path = Path(cfg.metrics) if cfg.metrics else Path(cfg.plan).with_suffix(".metrics.jsonl")
+    mfh = None
+    progress = None
+    if rank == 0:
+        metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        mfh = metrics_path.open("a" if state is not None else "w")
+        progress = _Progress(cfg.progress, end, start)
+    phash = plan_hash(header)
+    losses: list[float] = []
+    verify_worst = {"loss_rel": 0.0, "hidden_rel": 0.0, "grad_rel": 0.0}
+    try:
+        for k in range(start, end):
+            step = reader.step(k)
+            t0 = time.perf_counter()
+            res = ex.forward_backward(step, keep_hidden=cfg.verify)
+            tv = time.perf_counter()
+            report = ex.verify(step, res, tol) if cfg.verify else None
+            t_verify = time.perf_counter() - tv
+            res.phases["optimizer"] = ex.optimizer_step()
+            res.phases["step"] = time.perf_counter() - t0 - t_verify
+            if report is not None:
+                for key in verify_worst:
+                    verify_worst[key] = max(verify_worst[key], report[key])
+            res.phases["peak_memory_bytes"] = float(_peak_memory(device))
+            per_rank = [None] * world
+            dist.all_gather_object(per_rank, (res.phases, res.bytes, res.tokens))
+            losses.append(res.loss)
+            if rank == 0:
+                rec = _metrics_record(step, res.loss, per_rank, report)
+                mfh.write(json.dumps(rec) + "\n")
+                mfh.flush()
+                progress.update(rec)
+            if cfg.checkpoint_dir and ((cfg.checkpoint_every and (k + 1) % cfg.checkpoint_every == 0)
+                                       or k + 1 == end):
+                rngs = [None] * world
+                dist.all_gather_object(rngs, rng_state())
+                if rank == 0:
+                    save_checkpoint(cfg.checkpoint_dir, next_step=k + 1, model=model, optimizer=ex.optimizer,
+                                    rng_states=rngs, plan_hash=phash, world_size=world)
+                dist.barrier()
+    finally:
+        if progress is not None:
+            progress.close()
+        if mfh is not None:
+            mfh.close()
+    if rank != 0:
+        return {}
+    summary = {"steps_run": end - start, "first_step": start, "losses": losses,
+               "metrics": str(metrics_path)}
+    if cfg.verify:
+        summary["verify"] = verify_worst | {"tolerance": tol}
+    return summary
+
+
+def _metrics_record(step: StepPlan, loss: float, per_rank: list, report: dict | None) -> dict[str, Any]:
+    phases_names = ["data", "forward", "backward", "attention", "remap", "linear", "grad_allreduce", "optimizer",
+                    "step"]
+    phases = {n: [round(pr[0].get(n, 0.0), 6) for pr in per_rank] for n in phases_names}
+    step_time = max(phases["step"])
+    nbytes: dict[str, int] = {}
+    for pr in per_rank:
+        for cls, v in pr[1].items():
+            nbytes[cls] = nbytes.get(cls, 0) + int(v)
+    rec: dict[str, Any] = {
+        "step": step.step,
+        "loss": loss,
+        "sequences": len(step.sequences),
+        "tokens": step.tokens,
+        "step_time_s": step_time,
+        "tokens_per_s": step.tokens / step_time if step_time > 0 else 0.0,
+        "phases_s": phases,
+        "bytes_sent": nbytes,
+        "tokens_per_rank": [pr[2] for pr in per_rank],
+        "peak_memory_bytes": [int(pr[0].get("peak_memory_bytes", 0)) for pr in per_rank],
+    }
+    if step.prediction is not None:
+        p = step.prediction
+        rec["predicted"] = {"step_time_s": p.step_time_s, "attention_s": p.per_unit.attention_s,
+                            "linear_s": p.per_unit.linear_s, "comm_s": p.per_unit.comm_s,
+                            "exposed_comm_s": p.per_unit.exposed_comm_s}
+    if report is not None:
+        rec["verify"] = report
+    return rec

@@ -1,0 +1,324 @@
+"""A Llama-style decoder whose layers run on a plan's layouts (and its single-process reference).
+
+Each layer::
+
+    x_lin (linear layout, residual stream)
+      -> RMSNorm -> layout.to_attention -> Q/K/V projections -> RoPE (absolute positions)
+      -> layout.attention (the plan's engine: rings, routes, local) -> O projection
+      -> layout.to_linear -> + residual
+      -> RMSNorm -> SwiGLU MLP -> + residual
+
+Embedding, final norm, LM head and the loss run in the linear layout. The model never
+communicates itself: a *layout* object supplies the remaps and the attention. The distributed
+layout (:class:`PlanLayout`) wraps the plan's ``AttentionEngine`` and ``Remapper``; the reference
+layout (:class:`ReferenceLayout`) holds whole sequences and runs plain causal attention, so the
+same parameters give the single-process reference that ``--verify`` and the tests compare with.
+
+Parameters are kept in fp32; with a bf16/fp16 ``ModelSpec`` the matmuls and attention run in that
+dtype (weights cast on use) and norms, RoPE tables, softmax statistics and the loss in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from zeppelin.schemas.model import ModelSpec
+
+from .data import IGNORE_INDEX
+
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compute_dtype(spec: ModelSpec) -> torch.dtype:
+    return COMPUTE_DTYPES[spec.dtype]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight).to(x.dtype)
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape ``[T, head_dim/2]`` for absolute ``positions`` (computed in float64)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim))
+    ang = positions.to(torch.float64)[:, None] * inv[None, :]
+    return ang.cos().float(), ang.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., :D/2], x[..., D/2:]) of ``x: [T, H, D]`` (Llama's rotate-half form)."""
+    d2 = x.shape[-1] // 2
+    xf = x.float()
+    x1, x2 = xf[..., :d2], xf[..., d2:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lengths: list[int]) -> torch.Tensor:
+    """Plain causal attention over packed whole sequences (explicit softmax, fp32 statistics).
+
+    ``q: [T, Hq, D]``, ``k, v: [T, Hkv, D]``; the test oracle for every distributed path.
+    """
+    hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+    rep = hq // hkv
+    scale = 1.0 / math.sqrt(d)
+    outs = []
+    pos = 0
+    for L in seq_lengths:
+        qs = q[pos:pos + L].float().transpose(0, 1)                       # [Hq, L, D]
+        ks = k[pos:pos + L].float().repeat_interleave(rep, dim=1).transpose(0, 1)
+        vs = v[pos:pos + L].float().repeat_interleave(rep, dim=1).transpose(0, 1)
+        s = torch.matmul(qs, ks.transpose(1, 2)) * scale                   # [Hq, L, L]
+        mask = torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1)
+        s = s.masked_fill(mask, float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        outs.append(torch.matmul(p, vs).transpose(0, 1).to(q.dtype))      # [L, Hq, D]
+        pos += L
+    if not outs:
+        return q.new_zeros(q.shape)
+    return torch.cat(outs, dim=0)
+
+
+class Layout:
+    """How a model call sees its tokens. Subclasses supply the attention-layout positions,
+    the remaps between the linear and attention layouts, and the attention itself."""
+
+    attn_positions: torch.Tensor
+
+    def to_attention(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def to_linear(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class ReferenceLayout(Layout):
+    """Single process, whole sequences packed one after the other: no remap, plain attention."""
+
+    def __init__(self, seq_lengths: list[int], device: torch.device | str = "cpu") -> None:
+        self.seq_lengths = list(seq_lengths)
+        self.attn_positions = torch.cat(
+            [torch.arange(L, dtype=torch.int64) for L in self.seq_lengths]
+        ).to(device) if self.seq_lengths else torch.zeros(0, dtype=torch.int64, device=device)
+
+    def attention(self, q, k, v):
+        return reference_attention(q, k, v, self.seq_lengths)
+
+
+class _Mark(torch.autograd.Function):
+    """Identity that records a timestamp when its backward runs (per-phase backward timing)."""
+
+    @staticmethod
+    def forward(ctx, timer, name, edge, *xs):
+        ctx.timer, ctx.name, ctx.edge = timer, name, edge
+        outs = tuple(x.view_as(x) for x in xs)
+        return outs if len(outs) > 1 else outs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.timer.backward_mark(ctx.name, ctx.edge)
+        return (None, None, None, *grads)
+
+
+class PhaseTimer:
+    """Wall time of the attention and remap regions, forward and backward.
+
+    Forward time is measured directly; backward time as the span between the region's output
+    and input marks in the autograd pass (autograd runs a rank's graph in one thread, so the
+    nodes between the two marks are the region's own). On CUDA each mark synchronises the device.
+    """
+
+    def __init__(self, enabled: bool = True, cuda: bool = False) -> None:
+        self.enabled = enabled
+        self.cuda = cuda
+        self.totals: dict[str, float] = {}
+        self._open: dict[str, list[float]] = {}
+
+    def _now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def add(self, name: str, dt: float) -> None:
+        self.totals[name] = self.totals.get(name, 0.0) + dt
+
+    def region(self, name: str, fn, *xs):
+        """Run ``fn(*xs)``, timing it forward, and mark its backward span."""
+        if not self.enabled or not torch.is_grad_enabled():
+            return fn(*xs)
+        xs = _Mark.apply(self, name, "in", *xs)
+        if not isinstance(xs, tuple):
+            xs = (xs,)
+        t0 = self._now()
+        out = fn(*xs)
+        self.add(name, self._now() - t0)
+        return _Mark.apply(self, name, "out", out)
+
+    def backward_mark(self, name: str, edge: str) -> None:
+        t = self._now()
+        if edge == "out":
+            self._open.setdefault(name, []).append(t)
+        else:
+            starts = self._open.get(name)
+            if starts:
+                self.add(name, t - starts.pop())
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        h, d = spec.hidden, spec.head_dim
+        self.hq, self.hkv, self.d = spec.num_heads, spec.num_kv_heads, d
+        self.theta = spec.rope_theta
+        self.wq = nn.Parameter(torch.empty(self.hq * d, h))
+        self.wk = nn.Parameter(torch.empty(self.hkv * d, h))
+        self.wv = nn.Parameter(torch.empty(self.hkv * d, h))
+        self.wo = nn.Parameter(torch.empty(h, self.hq * d))
+
+    def forward(self, a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: Layout,
+                timer: PhaseTimer | None) -> torch.Tensor:
+        dt = a.dtype
+        T = a.shape[0]
+        q = F.linear(a, self.wq.to(dt)).view(T, self.hq, self.d)
+        k = F.linear(a, self.wk.to(dt)).view(T, self.hkv, self.d)
+        v = F.linear(a, self.wv.to(dt)).view(T, self.hkv, self.d)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if timer is not None:
+            o = timer.region("attention", layout.attention, q, k, v)
+        else:
+            o = layout.attention(q, k, v)
+        return F.linear(o.reshape(T, self.hq * self.d), self.wo.to(dt))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        h, f = spec.hidden, spec.ffn_hidden
+        self.gelu = spec.mlp == "gelu"
+        self.w1 = nn.Parameter(torch.empty(f, h))
+        self.w2 = nn.Parameter(torch.empty(h, f))
+        self.w3 = None if self.gelu else nn.Parameter(torch.empty(f, h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dt = x.dtype
+        if self.gelu:
+            return F.linear(F.gelu(F.linear(x, self.w1.to(dt))), self.w2.to(dt))
+        return F.linear(F.silu(F.linear(x, self.w1.to(dt))) * F.linear(x, self.w3.to(dt)), self.w2.to(dt))
+
+
+class Block(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(spec.hidden, spec.norm_eps)
+        self.attn = Attention(spec)
+        self.mlp_norm = RMSNorm(spec.hidden, spec.norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, x, cos, sin, layout: Layout, timer: PhaseTimer | None):
+        h = self.attn_norm(x)
+        if timer is not None:
+            a = timer.region("remap", layout.to_attention, h)
+            o = self.attn(a, cos, sin, layout, timer)
+            o = timer.region("remap", layout.to_linear, o)
+        else:
+            o = layout.to_linear(self.attn(layout.to_attention(h), cos, sin, layout, None))
+        x = x + o
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class LlamaModel(nn.Module):
+    """Decoder-only transformer from a :class:`ModelSpec` (Llama: RMSNorm, RoPE, GQA, SwiGLU)."""
+
+    def __init__(self, spec: ModelSpec, seed: int = 0) -> None:
+        super().__init__()
+        self.spec = spec
+        self.dtype = compute_dtype(spec)
+        self.embed = nn.Parameter(torch.empty(spec.vocab_size, spec.hidden))
+        self.layers = nn.ModuleList(Block(spec) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden, spec.norm_eps)
+        self.lm_head = None if spec.tie_embeddings else nn.Parameter(torch.empty(spec.vocab_size, spec.hidden))
+        self.reset_parameters(seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        """Deterministic init from ``seed`` (independent of the global RNG): N(0, 0.02) for
+        matrices, output projections scaled by 1/sqrt(2*layers), ones for norms."""
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        std = 0.02
+        out_std = std / math.sqrt(2 * self.spec.num_layers)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                s = out_std if name.endswith(("wo", "w2")) else std
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * s)
+
+    def hidden_states(self, tokens: torch.Tensor, layout: Layout, timer: PhaseTimer | None = None) -> torch.Tensor:
+        """Final-norm hidden states ``[T, hidden]`` of the linear-layout ``tokens``."""
+        x = F.embedding(tokens, self.embed).to(self.dtype)
+        cos, sin = rope_tables(layout.attn_positions, self.spec.head_dim, self.spec.rope_theta)
+        for blk in self.layers:
+            x = blk(x, cos, sin, layout, timer)
+        return self.norm(x)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        w = self.embed if self.lm_head is None else self.lm_head
+        return F.linear(h, w.to(h.dtype)).float()
+
+    def loss_sum(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Sum of token cross-entropies (labels == IGNORE_INDEX contribute nothing)."""
+        return F.cross_entropy(self.logits(h), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+    def forward(self, tokens, labels, layout: Layout, timer: PhaseTimer | None = None):
+        h = self.hidden_states(tokens, layout, timer)
+        return self.loss_sum(h, labels), h
+
+
+def reference_step(model: LlamaModel, sequences, source, device: torch.device | str = "cpu",
+                   normaliser: int | None = None) -> dict[str, Any]:
+    """Single-process reference of one step: every sequence whole, plain causal attention.
+
+    Returns ``loss`` (sum of cross-entropies / predicted tokens), the final hidden states of each
+    sequence (``hidden[seq] -> [L, hidden]``) and the gradient of every parameter (``grads``).
+    The model's existing ``.grad`` fields are left untouched.
+    """
+    from .data import predicted_tokens
+
+    lengths = [s.length for s in sequences]
+    segs = [[i, 0, L] for i, L in enumerate(lengths)]
+    batch = source.segments(sequences, segs)
+    tokens = torch.from_numpy(batch.tokens).to(device)
+    labels = torch.from_numpy(batch.labels).to(device)
+    layout = ReferenceLayout(lengths, device)
+    n = normaliser if normaliser is not None else max(predicted_tokens(sequences), 1)
+    params = [p for p in model.parameters()]
+    loss_sum, h = model(tokens, labels, layout)
+    loss = loss_sum / n
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    names = [name for name, _ in model.named_parameters()]
+    hidden = {}
+    pos = 0
+    for i, L in enumerate(lengths):
+        hidden[i] = h[pos:pos + L].detach()
+        pos += L
+    return {
+        "loss": float(loss.detach()),
+        "hidden": hidden,
+        "grads": {nm: (g if g is not None else torch.zeros_like(p)) for nm, g, p in zip(names, grads, params)},
+    }
