@@ -57,7 +57,7 @@ from .base import PlanContext
 if TYPE_CHECKING:  # pragma: no cover
     import networkx as nx
 
-__all__ = ["build_topology", "plan_routes", "nic_load_table", "route_problems", "inter_transfers", "unit_nic"]
+__all__ = ["build_topology", "inter_transfers", "nic_load_table", "plan_routes", "route_problems", "unit_nic"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -69,7 +69,7 @@ def _nic_switch(cluster: ClusterSpec) -> dict[str, int]:
     return {n.id: (n.pcie_switch if n.pcie_switch is not None else i) for i, n in enumerate(cluster.nics)}
 
 
-def build_topology(cluster: ClusterSpec, tp: int = 1) -> "nx.Graph":
+def build_topology(cluster: ClusterSpec, tp: int = 1) -> nx.Graph:
     """The cluster as an undirected networkx graph (every node alike).
 
     Nodes carry ``kind`` (gpu, nvswitch, pcie, host, nic, fabric) and ``node``; GPU nodes also
@@ -122,11 +122,11 @@ def build_topology(cluster: ClusterSpec, tp: int = 1) -> "nx.Graph":
 
 
 @lru_cache(maxsize=16)
-def _topology_cached(cluster_json: str, tp: int) -> "nx.Graph":
+def _topology_cached(cluster_json: str, tp: int) -> nx.Graph:
     return build_topology(ClusterSpec.model_validate_json(cluster_json), tp)
 
 
-def _pcie_path(g: "nx.Graph", gpu: str, nic: str) -> list[str] | None:
+def _pcie_path(g: nx.Graph, gpu: str, nic: str) -> list[str] | None:
     """The PCIe hops from a GPU to a NIC on its node (same switch, or through the host)."""
     if gpu not in g or nic not in g:
         return None
@@ -262,7 +262,7 @@ def _spread(ctx: PlanContext, node: _Node, items: list[tuple[_Transfer, int]], s
             continue
         frac = excess / load[n]
         for t in on[n]:
-            x = min(t.tokens, int(round(frac * t.tokens)))
+            x = min(t.tokens, round(frac * t.tokens))
             if x > 0:
                 moves.append((t, x))
     if not moves:
@@ -282,7 +282,7 @@ def _spread(ctx: PlanContext, node: _Node, items: list[tuple[_Transfer, int]], s
         while left > 0 and j < len(recv_order):
             n = recv_order[j]
             cap = deficit[n] / t.rounds
-            piece = min(left, max(1, int(round(cap))))
+            piece = min(left, max(1, round(cap)))
             deficit[n] -= piece * t.rounds
             if deficit[n] <= 0.5 * t.rounds:
                 j += 1
