@@ -154,3 +154,89 @@ def infiniband_devices(root: str | Path = "/sys/class/infiniband") -> dict[str, 
                 best = max(best, float(m.group(1)) / 8.0)
         out[dev.name] = best
     return out
+
+
+# ------------------------------------------------------------------------------------ profile
+
+
+def _eff_curve(sizes, rates) -> tuple[float, float]:
+    """Fit rate(n) = R * n / (n + n_half) via 1/rate = 1/R + (n_half/R) / n. Returns (R, n_half)."""
+    n = np.asarray(sizes, dtype=np.float64)
+    r = np.asarray(rates, dtype=np.float64)
+    A = np.stack([np.ones_like(n), 1.0 / n], axis=1)
+    (inv_r, slope), *_ = np.linalg.lstsq(A, 1.0 / r, rcond=None)
+    if inv_r <= 0:  # rate still rising linearly at the largest size: take the best measured
+        return float(r.max()), 0.0
+    return float(1.0 / inv_r), float(max(slope / inv_r, 0.0))
+
+
+def build_profile(raw: dict, model, cluster_name: str = "") -> tuple["CostProfile", dict]:
+    """Turn raw measurements from ``zeppelin.runtime.profiler`` into a fitted :class:`CostProfile`.
+
+    Returns the profile and a report with every fit's per-point relative error.
+    """
+    import datetime as _dt
+    import platform
+
+    from zeppelin.schemas.profile import CostProfile, KernelEfficiency, ModelFits, ProfileSource
+
+    from .cost import CostModel
+
+    report: dict = {}
+    att_fit, att_rep = poly_fit_record(raw["attention_lengths"], raw["attention_s"], 2)
+    lin_fit, lin_rep = poly_fit_record(raw["linear_tokens"], raw["linear_s"], 2)
+    report["attention"] = dict(coeffs=att_rep.coeffs, rel_errors=att_rep.rel_errors, median=att_rep.median,
+                               worst=att_rep.worst)
+    report["linear"] = dict(coeffs=lin_rep.coeffs, rel_errors=lin_rep.rel_errors, median=lin_rep.median,
+                            worst=lin_rep.worst)
+
+    # efficiency curves, so that models other than the profiled one can be planned too
+    from zeppelin.schemas.cluster import cluster_preset
+
+    probe = CostModel(cluster_preset("local-cpu"), model)
+    lin_flops = probe.linear_flops_fwd(raw["linear_tokens"]) * 3.0
+    att_flops = probe.attn_flops_fwd(raw["attention_lengths"]) * 3.5
+    R_lin, h_lin = _eff_curve(raw["linear_tokens"], lin_flops / np.asarray(raw["linear_s"]))
+    R_att, h_att = _eff_curve(raw["attention_lengths"], att_flops / np.asarray(raw["attention_s"]))
+    report["rates"] = dict(linear_flops=R_lin, linear_n_half=h_lin, attention_flops=R_att, attention_n_half=h_att)
+
+    links = {}
+    for cls, ts in (raw.get("p2p_s") or {}).items():
+        try:
+            lc, rep = fit_alpha_beta(raw["p2p_bytes"], ts)
+        except ValueError as e:
+            report[f"p2p_{cls}"] = dict(error=str(e))
+            continue
+        links[cls] = lc
+        report[f"p2p_{cls}"] = dict(alpha_s=lc.alpha_s, bandwidth_GBps=lc.bandwidth_GBps,
+                                    rel_errors=rep.rel_errors, median=rep.median, worst=rep.worst)
+    if "inter" not in links and "intra" in links:
+        links["inter"] = links["intra"]  # one node: no inter-node class to measure
+    eff = {}
+    nb = raw.get("collective_bytes", 0)
+    gpn = raw["world"] // max(raw.get("nodes", 1), 1)
+    for G, t in (raw.get("collectives_s") or {}).get("alltoall", {}).items():
+        g = int(G)
+        lk = links.get("intra" if g <= gpn else "inter")
+        if lk and t > 0:
+            achieved = nb * (g - 1) / g / t / 1e9
+            eff[G] = float(min(1.0, achieved / lk.bandwidth_GBps))
+    share = raw.get("concurrent_inter_ratio")
+    topo = raw.get("topology", {})
+    prof = CostProfile(
+        source=ProfileSource(kind="measured", machine=f"{topo.get('hostname', platform.node())} "
+                             f"({topo.get('device', '?')}, {raw['world']} ranks)",
+                             created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                             notes=f"zeppelin profile, model {raw['model']}, {raw.get('elapsed_s', 0):.0f} s"),
+        cluster=cluster_name,
+        peak_tflops=R_lin / 1e12,
+        linear=KernelEfficiency(eff_max=1.0, n_half=h_lin, overhead_s=0.0),
+        attention=KernelEfficiency(eff_max=float(min(1.0, R_att / R_lin)), n_half=h_att, overhead_s=0.0),
+        intra=links.get("intra"),
+        inter=links.get("inter"),
+        alltoall_efficiency=eff,
+        nic_shared_by_concurrent_transfers=bool(share is None or share > 1.5),
+        memory_reserved_gb=0.5 if topo.get("device") == "cpu" else 4.0,
+        fits=[ModelFits(model=raw["model"], dtype=raw["dtype"], attention=att_fit, linear=lin_fit)],
+    )
+    return prof, report

@@ -84,3 +84,37 @@ def test_infiniband_sysfs(tmp_path):
         (p / "rate").write_text(rate + "\n")
     assert infiniband_devices(tmp_path) == {"mlx5_0": 50.0, "mlx5_1": 25.0}
     assert infiniband_devices(tmp_path / "none") == {}
+
+
+def test_build_profile_from_synthetic_measurements():
+    """Raw measurements generated from known coefficients are turned into a profile that reproduces them."""
+    from zeppelin.planner.cost import CostModel
+    from zeppelin.planner.profile_fit import build_profile
+    from zeppelin.schemas.cluster import cluster_preset
+    from zeppelin.schemas.model import model_preset
+
+    m = model_preset("small")
+    Ls = [128, 256, 512, 1024, 2048, 4096]
+    Ts = [128, 512, 1024, 2048, 4096, 8192]
+    att = [1e-4 + 2e-8 * L + 3e-9 * L * L for L in Ls]
+    lin = [5e-4 + 4e-6 * T for T in Ts]
+    sizes = [2**10, 2**14, 2**18, 2**22]
+    raw = dict(model="small", dtype="fp32", world=4, nodes=2, attention_lengths=Ls, attention_s=att,
+               linear_tokens=Ts, linear_s=lin, p2p_bytes=sizes,
+               p2p_s={"intra": [50e-6 + b / 2e9 for b in sizes], "inter": [200e-6 + b / 0.5e9 for b in sizes]},
+               collectives_s={"alltoall": {"2": 2**22 / 2 / 2e9}}, collective_bytes=2**22,
+               concurrent_inter_ratio=1.97, topology={"device": "cpu", "hostname": "test"})
+    prof, report = build_profile(raw, m, cluster_name="local-cpu")
+    assert prof.source.kind == "measured"
+    np.testing.assert_allclose(prof.fits[0].attention.coeffs, [1e-4, 2e-8, 3e-9], rtol=1e-6)
+    np.testing.assert_allclose(prof.fits[0].linear.coeffs[:2], [5e-4, 4e-6], rtol=1e-6)
+    assert prof.intra.bandwidth_GBps == pytest.approx(2.0) and prof.intra.alpha_s == pytest.approx(50e-6)
+    assert prof.inter.bandwidth_GBps == pytest.approx(0.5) and prof.inter.alpha_s == pytest.approx(200e-6)
+    assert prof.alltoall_efficiency["2"] == pytest.approx(1.0)
+    assert prof.nic_shared_by_concurrent_transfers is True
+    assert report["attention"]["worst"] < 1e-6
+    # the cost model uses the fits for the profiled model
+    cm = CostModel(cluster_preset("local-cpu:2x2"), m, prof)
+    np.testing.assert_allclose(cm.attn_time(1000), 1e-4 + 2e-5 + 3e-3)
+    np.testing.assert_allclose(cm.linear_time(1000), 5e-4 + 4e-3, rtol=1e-6)
+    np.testing.assert_allclose(cm.p2p_time(1e6, "inter"), 200e-6 + 1e6 / 0.5e9)

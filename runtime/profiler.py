@@ -1,0 +1,357 @@
+"""`zeppelin profile` measurements, run on every rank under torchrun.
+
+    torchrun --nproc-per-node N -m zeppelin.runtime.profiler --model small -o profile.json [--quick]
+
+Measures, with warm-up and repeated timing (CUDA events on GPU, perf_counter on CPU), all ranks
+at once so that shared resources (CPU cores, memory bandwidth, NICs) are loaded as in training:
+
+* attention forward+backward of one layer over a grid of sequence lengths (the local kernel),
+  and one ring round (a K/V block exchange between ring neighbours concurrent with a block's
+  compute) for each group size;
+* all linear modules of one layer, forward+backward, over a grid of token counts;
+* point-to-point latency/bandwidth for each pair class (same node, other node), all-to-all and
+  all-gather by group size, and whether two concurrent transfers out of one node share a NIC;
+* the topology (``nvidia-smi topo -m``, ``/sys/class/infiniband``; on CPU the local-cpu layout).
+
+Rank 0 fits the :class:`CostProfile` (``zeppelin.planner.profile_fit``) and writes it atomically
+together with the raw measurements and per-point fit errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from zeppelin.schemas.common import InputError, atomic_write_text
+from zeppelin.schemas.model import ModelSpec, model_preset
+
+QUICK = dict(att=[128, 256, 512, 1024, 2048], lin=[128, 512, 1024, 2048, 4096],
+             p2p=[2**10, 2**14, 2**17, 2**20, 2**22], reps=5, warmup=3)
+FULL = dict(att=[128, 256, 512, 1024, 2048, 4096, 8192], lin=[128, 256, 512, 1024, 2048, 4096, 8192, 16384],
+            p2p=[2**10, 2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24], reps=10, warmup=3)
+
+
+class Timer:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn, reps: int, warmup: int) -> float:
+        """Median seconds of ``fn()`` over ``reps`` runs after ``warmup`` runs."""
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(reps):
+            if self.cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                torch.cuda.synchronize()
+                times.append(a.elapsed_time(b) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+
+def _dtype(model: ModelSpec) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[model.dtype]
+
+
+def _attention_fn(q, k, v):
+    try:
+        from zeppelin.runtime.attention import local_attention  # the runtime's own kernel
+    except ImportError:  # pragma: no cover - attention engine not installed
+        local_attention = None
+    L = q.shape[0]
+    if local_attention is not None:
+        cu = torch.tensor([0, L], dtype=torch.int32, device=q.device)
+        return local_attention(q, k, v, cu)
+    rep = q.shape[1] // k.shape[1]
+    kk = k.repeat_interleave(rep, 1).transpose(0, 1)
+    vv = v.repeat_interleave(rep, 1).transpose(0, 1)
+    return torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, is_causal=True).transpose(0, 1)
+
+
+def measure_attention(model: ModelSpec, lengths, dev, timer, reps, warmup):
+    dt = _dtype(model)
+    out = []
+    for L in lengths:
+        q = torch.randn(L, model.num_heads, model.head_dim, device=dev, dtype=dt, requires_grad=True)
+        k = torch.randn(L, model.num_kv_heads, model.head_dim, device=dev, dtype=dt, requires_grad=True)
+        v = torch.randn(L, model.num_kv_heads, model.head_dim, device=dev, dtype=dt, requires_grad=True)
+        g = torch.randn(L, model.num_heads, model.head_dim, device=dev, dtype=dt)
+
+        def step():
+            o = _attention_fn(q, k, v)
+            o.backward(g)
+            q.grad = k.grad = v.grad = None
+
+        dist.barrier()
+        out.append(timer(step, reps, warmup))
+    return out
+
+
+def measure_linear(model: ModelSpec, tokens, dev, timer, reps, warmup):
+    dt = _dtype(model)
+    h, f = model.hidden, model.ffn_hidden
+    shapes = [(h, h), (model.kv_dim, h), (model.kv_dim, h), (h, h)]
+    shapes += [(f, h), (f, h), (h, f)] if model.mlp == "swiglu" else [(f, h), (h, f)]
+    ws = [torch.randn(o, i, device=dev, dtype=dt, requires_grad=True) * (i ** -0.5) for o, i in shapes]
+    ws = [w.detach().requires_grad_(True) for w in ws]
+    out = []
+    for T in tokens:
+        x = torch.randn(T, h, device=dev, dtype=dt, requires_grad=True)
+
+        def step():
+            q = x @ ws[0].t()
+            kk = x @ ws[1].t()
+            vv = x @ ws[2].t()
+            o = q @ ws[3].t()
+            if model.mlp == "swiglu":
+                a = torch.nn.functional.silu(o @ ws[4].t()) * (o @ ws[5].t())
+                y = a @ ws[6].t()
+            else:
+                y = torch.nn.functional.gelu(o @ ws[4].t()) @ ws[5].t()
+            (y.sum() + kk.sum() + vv.sum()).backward()
+            x.grad = None
+            for w in ws:
+                w.grad = None
+
+        dist.barrier()
+        out.append(timer(step, reps, warmup))
+    return out
+
+
+def _pingpong(a: int, b: int, nbytes: int, dev, reps: int, warmup: int) -> float | None:
+    """One-way time between ranks a and b (half the round trip); None on ranks not involved."""
+    rank = dist.get_rank()
+    buf = torch.empty(max(nbytes // 4, 1), dtype=torch.float32, device=dev)
+    if rank not in (a, b):
+        return None
+    peer = b if rank == a else a
+    times = []
+    for i in range(warmup + reps):
+        t0 = time.perf_counter()
+        if rank == a:
+            dist.send(buf, peer)
+            dist.recv(buf, peer)
+        else:
+            dist.recv(buf, peer)
+            dist.send(buf, peer)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) / 2)
+    return statistics.median(times)
+
+
+def measure_p2p(pairs: dict[str, tuple[int, int]], sizes, dev, reps, warmup):
+    res: dict[str, list[float]] = {}
+    for cls, (a, b) in pairs.items():
+        ts = []
+        for n in sizes:
+            dist.barrier()
+            t = _pingpong(a, b, n, dev, reps, warmup)
+            tt = torch.tensor([t if t is not None else 0.0], dtype=torch.float64)
+            dist.all_reduce(tt, op=dist.ReduceOp.MAX)
+            ts.append(float(tt))
+        res[cls] = ts
+    return res
+
+
+def measure_concurrent_inter(gpn: int, nbytes: int, dev, reps, warmup) -> float | None:
+    """Ratio of per-transfer time with two concurrent node0->node1 transfers vs one (2 = shared NIC)."""
+    world = dist.get_world_size()
+    if world < 2 * gpn or gpn < 2:
+        return None
+    single = measure_p2p({"x": (0, gpn)}, [nbytes], dev, reps, warmup)["x"][0]
+    rank = dist.get_rank()
+    buf = torch.empty(nbytes // 4, dtype=torch.float32, device=dev)
+    pairs = {0: gpn, 1: gpn + 1, gpn: 0, gpn + 1: 1}
+    times = []
+    for i in range(warmup + reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank in pairs:
+            if rank < gpn:
+                dist.send(buf, pairs[rank])
+                dist.recv(buf, pairs[rank])
+            else:
+                dist.recv(buf, pairs[rank])
+                dist.send(buf, pairs[rank])
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) / 2)
+    tt = torch.tensor([statistics.median(times) if rank in pairs else 0.0], dtype=torch.float64)
+    dist.all_reduce(tt, op=dist.ReduceOp.MAX)
+    return float(tt) / single if single > 0 else None
+
+
+def measure_collectives(nbytes: int, dev, reps, warmup) -> dict[str, dict[str, float]]:
+    """All-to-all and all-gather time over aligned groups of each power-of-two size (first group)."""
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    out: dict[str, dict[str, float]] = {"alltoall": {}, "allgather": {}}
+    G = 2
+    while G <= world:
+        grp = dist.new_group(list(range(G)))
+        n = max(nbytes // 4 // G * G, G)
+        x = torch.randn(n, device=dev)
+        y = torch.empty_like(x)
+        parts = [torch.empty(n // G, device=dev) for _ in range(G)]
+        for name in ("alltoall", "allgather"):
+            t = None
+            if rank < G:
+                def op():
+                    if name == "alltoall":
+                        dist.all_to_all_single(y, x, group=grp)
+                    else:
+                        dist.all_gather(parts, x[: n // G].contiguous(), group=grp)
+                try:
+                    t = Timer(dev)(op, reps, warmup)
+                except (RuntimeError, ValueError):  # e.g. a backend without all-to-all
+                    t = None
+            tt = torch.tensor([t if t is not None else -1.0], dtype=torch.float64)
+            dist.all_reduce(tt, op=dist.ReduceOp.MAX)
+            if float(tt) > 0:
+                out[name][str(G)] = float(tt)
+        G *= 2
+    return out
+
+
+def measure_ring_round(model: ModelSpec, lengths, nodes_gpn: int, dev, reps, warmup) -> dict[str, list]:
+    """One ring round per group size G: each rank of ranks 0..G-1 sends its K/V block (L/G tokens)
+    to the next and receives from the previous while computing a full block of attention."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dt = _dtype(model)
+    res: dict[str, list] = {}
+    G = 2
+    while G <= world:
+        row = []
+        for L in lengths:
+            n = max(L // G, 1)
+            q = torch.randn(n, model.num_heads, model.head_dim, device=dev, dtype=dt)
+            kv = torch.randn(2, n, model.num_kv_heads, model.head_dim, device=dev, dtype=dt)
+            recv = torch.empty_like(kv)
+            t = None
+            if rank < G:
+                nxt, prv = (rank + 1) % G, (rank - 1) % G
+
+                def rnd():
+                    ops = [dist.P2POp(dist.isend, kv, nxt), dist.P2POp(dist.irecv, recv, prv)]
+                    works = dist.batch_isend_irecv(ops)
+                    _attention_fn(q, kv[0], kv[1])
+                    for w in works:
+                        w.wait()
+                t = Timer(dev)(rnd, reps, warmup)
+            tt = torch.tensor([t if t is not None else 0.0], dtype=torch.float64)
+            dist.all_reduce(tt, op=dist.ReduceOp.MAX)
+            row.append([L, float(tt)])
+        res[str(G)] = row
+        G *= 2
+    return res
+
+
+def detect_topology(world: int, nodes: int) -> dict:
+    info: dict = {"device": "cuda" if torch.cuda.is_available() else "cpu", "hostname": platform.node()}
+    if torch.cuda.is_available() and shutil.which("nvidia-smi"):
+        try:
+            text = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20).stdout
+            from zeppelin.planner.profile_fit import infiniband_devices, parse_nvidia_smi_topo
+
+            topo = parse_nvidia_smi_topo(text)
+            info.update(gpus_per_node=topo.num_gpus, nvswitch=topo.nvswitch, nics=topo.nics,
+                        gpu_nic=topo.gpu_nic, nic_rates_GBps=infiniband_devices(),
+                        gpu_name=torch.cuda.get_device_name(0),
+                        gpu_memory_gb=torch.cuda.get_device_properties(0).total_memory / 1e9)
+        except (OSError, subprocess.SubprocessError, InputError) as e:
+            info["topology_error"] = str(e)
+    else:
+        info.update(gpus_per_node=world // nodes, nodes=nodes, cpu_count=os.cpu_count())
+    return info
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="zeppelin.runtime.profiler")
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--nodes", type=int, default=1, help="how many 'nodes' the processes form (local-cpu)")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("-o", "--output", required=True)
+    ap.add_argument("--cluster-name", default="")
+    a = ap.parse_args(argv)
+
+    model = model_preset(a.model) if not a.model.endswith(".json") else ModelSpec.model_validate_json(open(a.model).read())
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=_dt.timedelta(seconds=300))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if not cuda:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if world % a.nodes:
+        if rank == 0:
+            print(f"zeppelin: error: --nodes {a.nodes} does not divide {world} processes", file=sys.stderr)
+        dist.destroy_process_group()
+        return 2
+    gpn = world // a.nodes
+    grid = QUICK if a.quick else FULL
+    reps, warm = grid["reps"], grid["warmup"]
+    timer = Timer(dev)
+
+    def say(msg):
+        if rank == 0:
+            print(f"[profile] {msg}", file=sys.stderr, flush=True)
+
+    t_start = time.perf_counter()
+    say(f"{world} ranks ({a.nodes} node(s) x {gpn}), model {model.name}, {'quick' if a.quick else 'full'} grid")
+    say("attention forward+backward ...")
+    att = measure_attention(model, grid["att"], dev, timer, reps, warm)
+    say("linear modules forward+backward ...")
+    lin = measure_linear(model, grid["lin"], dev, timer, reps, warm)
+    pairs = {}
+    if gpn >= 2:
+        pairs["intra"] = (0, 1)
+    if a.nodes >= 2:
+        pairs["inter"] = (0, gpn)
+    say(f"point-to-point {', '.join(pairs) or '(single rank: none)'} ...")
+    p2p = measure_p2p(pairs, grid["p2p"], dev, reps, warm) if pairs else {}
+    say("all-to-all / all-gather by group size ...")
+    coll = measure_collectives(grid["p2p"][-1], dev, reps, warm) if world > 1 else {"alltoall": {}, "allgather": {}}
+    say("ring rounds by group size ...")
+    ring = measure_ring_round(model, grid["att"][-3:], gpn, dev, reps, warm) if world > 1 else {}
+    share = measure_concurrent_inter(gpn, grid["p2p"][-1], dev, reps, warm) if a.nodes >= 2 else None
+    topo = detect_topology(world, a.nodes)
+    if rank == 0:
+        from zeppelin.planner.profile_fit import build_profile
+
+        raw = dict(model=model.name, dtype=model.dtype, world=world, nodes=a.nodes, attention_lengths=grid["att"],
+                   attention_s=att, linear_tokens=grid["lin"], linear_s=lin, p2p_bytes=grid["p2p"], p2p_s=p2p,
+                   collectives_s=coll, collective_bytes=grid["p2p"][-1], ring_round_s=ring,
+                   concurrent_inter_ratio=share, topology=topo,
+                   elapsed_s=time.perf_counter() - t_start)
+        prof, report = build_profile(raw, model, cluster_name=a.cluster_name)
+        doc = json.loads(prof.model_dump_json())
+        atomic_write_text(a.output, json.dumps(doc, indent=2) + "\n")
+        atomic_write_text(a.output + ".raw.json", json.dumps(dict(raw, fit_report=report), indent=2) + "\n")
+        print(json.dumps(report))
+        say(f"wrote {a.output} (raw measurements: {a.output}.raw.json) in {time.perf_counter() - t_start:.1f} s")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""`zeppelin profile --quick` on this machine (2 gloo processes)."""
+
+import json
+import subprocess
+
+import pytest
+
+from zeppelin.schemas.common import load_doc
+from zeppelin.schemas.profile import CostProfile
+
+
+@pytest.mark.timeout(240)
+def test_profile_quick_two_ranks(zeppelin_bin, tmp_path):
+    out = tmp_path / "prof.json"
+    r = subprocess.run([zeppelin_bin, "profile", "--quick", "--nproc", "2", "--model", "tiny", "-o", str(out)],
+                       capture_output=True, text=True, timeout=230, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    prof = load_doc(CostProfile, out)
+    assert prof.source.kind == "measured"
+    fit = prof.fits_for("tiny", "fp32")
+    assert fit is not None and fit.attention is not None and fit.linear is not None
+    assert prof.intra is not None and prof.intra.bandwidth_GBps > 0
+    raw = json.loads((tmp_path / "prof.json.raw.json").read_text())
+    assert len(raw["attention_s"]) == len(raw["attention_lengths"]) and all(t > 0 for t in raw["attention_s"])
+    assert "fit_report" in raw and len(raw["fit_report"]["linear"]["rel_errors"]) == len(raw["linear_tokens"])
+    assert "cost-model fit" in r.stdout
+
+
+def test_profile_bad_input(zeppelin_bin, tmp_path):
+    r = subprocess.run([zeppelin_bin, "profile", "--nproc", "3", "--nodes", "2", "-o", str(tmp_path / "p.json")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.strip() == "zeppelin: error: --nodes 2 must divide --nproc 3"
+    r = subprocess.run([zeppelin_bin, "profile", "--model", "nope", "-o", str(tmp_path / "p.json")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "unknown model preset 'nope'" in r.stderr
+    assert not (tmp_path / "p.json").exists()
