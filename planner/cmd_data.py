@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
-
 from zeppelin.schemas.common import InputError, atomic_write
 
 BAR_WIDTH = 14
@@ -84,7 +83,6 @@ def write_histogram_png(path: Path, dataset) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from zeppelin.schemas.datasets import length_histogram
 
     hist = length_histogram(dataset.lengths)
@@ -128,13 +126,13 @@ def check_png_path(png: Path) -> Path:
 
 def stats(
     manifest: str = typer.Argument(..., help="a file, directory, glob ('data/*.jsonl') or *.manifest.json"),
-    length_field: Optional[str] = typer.Option(None, "--length-field", help="field/column with the length "
+    length_field: str | None = typer.Option(None, "--length-field", help="field/column with the length "
                                                "(default: length)"),
-    tokens_field: Optional[str] = typer.Option(None, "--tokens-field", help="field/column with token-id lists"),
-    text_field: Optional[str] = typer.Option(None, "--text-field", help="field/column with raw text"),
-    tokenizer: Optional[str] = typer.Option(None, "--tokenizer",
+    tokens_field: str | None = typer.Option(None, "--tokens-field", help="field/column with token-id lists"),
+    text_field: str | None = typer.Option(None, "--text-field", help="field/column with raw text"),
+    tokenizer: str | None = typer.Option(None, "--tokenizer",
                                             help="for --text-field: whitespace, bytes or module:callable"),
-    png: Optional[Path] = typer.Option(None, "--png", help="also write the histogram as a PNG picture"),
+    png: Path | None = typer.Option(None, "--png", help="also write the histogram as a PNG picture"),
     as_json: bool = typer.Option(False, "--json", help="print machine-readable statistics instead of tables"),
 ) -> None:
     """Length statistics of a dataset manifest: count, tokens, percentiles, a log2 length histogram."""

@@ -23,10 +23,9 @@ epochs), so a run can resume where a previous plan stopped (:attr:`StepSampler.p
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
-
 from zeppelin.schemas.common import InputError
 from zeppelin.schemas.datasets import Dataset
 from zeppelin.schemas.plan import SamplerConfig, Sequence

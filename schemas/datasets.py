@@ -44,9 +44,10 @@ import importlib
 import json
 import os
 from array import array
+from collections.abc import Callable, Iterable
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -54,14 +55,14 @@ from .common import InputError, load_doc
 from .manifest import ManifestSpec
 
 __all__ = [
-    "Dataset",
-    "load_manifest",
-    "default_manifest_path",
-    "length_stats",
-    "length_histogram",
-    "resolve_tokenizer",
     "KNOWN_EXTENSIONS",
     "PERCENTILES",
+    "Dataset",
+    "default_manifest_path",
+    "length_histogram",
+    "length_stats",
+    "load_manifest",
+    "resolve_tokenizer",
 ]
 
 # extension -> format (longest suffixes first when matching)
