@@ -253,6 +253,48 @@ class CostModel:
             bw, lat = self.intra_link.bandwidth_GBps, self.intra_link.alpha_s
         return float(2.0 * (n - 1) / n * grad_bytes / (bw * 1e9) + 2 * (n - 1) * lat)
 
+    # ---------------------------------------------------------------- tensor parallelism (TP-SP)
+    TP_SITES = 8  # collective sites per layer: AG before QKV and MLP-in, RS after O and MLP-out; x2 for backward
+    SLICING_CHUNKS = 4
+
+    def tp_site_times(self, tokens) -> tuple[np.ndarray, np.ndarray]:
+        """(communication, GEMM) time of one TP-SP collective site (all-gather or reduce-scatter
+        of the unit's tokens around a column-/row-parallel GEMM), per layer."""
+        T = _arr(tokens)
+        if self.tp <= 1:
+            z = np.zeros_like(T)
+            return z, z
+        lk = self.intra_link  # a TP group lives inside one node
+        nbytes = T * self.model.hidden * self.act_bytes * (self.tp - 1) / self.tp
+        comm = np.where(T > 0, lk.alpha_s * (self.tp - 1) + nbytes / (lk.bandwidth_GBps * 1e9), 0.0)
+        gemm = self.linear_time(T) / self.TP_SITES
+        return comm, gemm
+
+    def tp_exposed_comm(self, tokens, mode: str | None = None) -> np.ndarray:
+        """Exposed TP-SP communication per layer (fwd+bwd) for ``--tp-overlap`` mode:
+
+        * ``none``: every collective is exposed;
+        * ``slicing``: k chunks, chunk i's transfer overlaps chunk i+1's GEMM; the last chunk's
+          transfer is always exposed (the tail), plus whatever transfer the GEMMs cannot hide;
+        * ``commfuse``: tp-1 P2P steps, each overlapping one shard's GEMM; exposed
+          = sum over steps of max(0, transfer - GEMM); no tail.
+        """
+        mode = mode or self.tp_overlap
+        comm, gemm = self.tp_site_times(tokens)
+        if self.tp <= 1:
+            return comm
+        if mode == "none":
+            per_site = comm
+        elif mode == "slicing":
+            k = self.SLICING_CHUNKS
+            per_site = comm / k + (k - 1) / k * np.maximum(comm - gemm, 0.0)
+        elif mode == "commfuse":
+            steps = self.tp - 1
+            per_site = steps * np.maximum(comm / steps - gemm / self.tp, 0.0)
+        else:
+            raise ValueError(f"unknown tp overlap mode {mode!r} (none, slicing, commfuse)")
+        return self.TP_SITES * per_site
+
     # ---------------------------------------------------------------- memory
     @cached_property
     def activation_bytes_per_token(self) -> float:

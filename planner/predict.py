@@ -77,10 +77,20 @@ def _route_round_time(ctx: PlanContext, mb: MicroBatch, routed: bool) -> dict[in
 
 
 def lower_bounds(ctx: PlanContext, lengths: np.ndarray) -> tuple[float, float]:
-    """(work bound, longest-sequence bound) in seconds."""
+    """(work bound, longest-sequence bound) in seconds.
+
+    The work bound prices attention per sequence and the linear modules on an even share of the
+    step's tokens (kernels are priced on the tokens a unit holds). Both include the gradient
+    all-reduce, which every plan pays in full under this model (it is
+    charged as exposed communication to every unit), so a plan can reach its bound."""
     cost = ctx.cost
     n = ctx.num_units
-    work = float(np.sum(cost.work(lengths))) / n
+    ar = cost.grad_allreduce_time(n)
+    # attention of every sequence, plus the linear modules on an even share of the step's tokens
+    # (linear kernels are priced on the tokens a unit holds, as predict_step does, not per sequence)
+    share = float(np.sum(lengths)) / n
+    lin = ctx.model.num_layers * float(cost.linear_time(share)) + float(cost.head_time(share))
+    work = ctx.model.num_layers * float(np.sum(cost.attn_time(lengths))) / n + lin + ar
     Lmax = int(lengths.max())
     best = float("inf")
     G = 1
@@ -91,7 +101,7 @@ def lower_bounds(ctx: PlanContext, lengths: np.ndarray) -> tuple[float, float]:
             t += float(cost.head_time(Lmax / G))
             best = min(best, t)
         G *= 2
-    return work, best
+    return work, best + ar
 
 
 def predict_step(ctx: PlanContext, step: StepPlan, routed: bool = True) -> Prediction:
@@ -148,6 +158,10 @@ def predict_step(ctx: PlanContext, step: StepPlan, routed: bool = True) -> Predi
         for u in range(n):
             lin_held[u] = sum(e - s for _, s, e in mb.linear_segments(u))
         lin += layers * cost.linear_time(lin_held) + cost.head_time(lin_held)
+        if ctx.tp > 1:
+            t_tp = layers * cost.tp_exposed_comm(lin_held)
+            comm += t_tp
+            exposed += t_tp
         if mb.linear_layout is not None:
             moved = np.zeros(n)
             for u in range(n):

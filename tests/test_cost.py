@@ -156,3 +156,21 @@ def test_grad_allreduce():
     grad = TINY.num_params() * 4
     np.testing.assert_allclose(c.grad_allreduce_time(), 2 * 3 / 4 * grad / 10e9)
     assert c.grad_allreduce_time(1) == 0.0
+
+
+def test_tp_overlap_modes_by_hand():
+    cl = round_cluster(nodes=1, gpn=4)
+    c = CostModel(cl, TINY, ideal_profile(), tp=2)
+    T = 4096
+    comm = T * 64 * 4 * (2 - 1) / 2 / 10e9          # all-gather/reduce-scatter of half the tokens' hidden, fp32
+    gemm = float(c.linear_time(T)) / 8
+    cm, gm = c.tp_site_times(T)
+    np.testing.assert_allclose([float(cm), float(gm)], [comm, gemm])
+    np.testing.assert_allclose(c.tp_exposed_comm(T, "none"), 8 * comm)
+    np.testing.assert_allclose(c.tp_exposed_comm(T, "slicing"), 8 * (comm / 4 + 0.75 * max(comm - gemm, 0.0)))
+    np.testing.assert_allclose(c.tp_exposed_comm(T, "commfuse"), 8 * max(comm - gemm / 2, 0.0))
+    assert float(c.tp_exposed_comm(T, "commfuse")) <= float(c.tp_exposed_comm(T, "slicing")) <= float(
+        c.tp_exposed_comm(T, "none"))
+    assert float(CostModel(cl, TINY, ideal_profile()).tp_exposed_comm(T, "none")) == 0.0
+    with pytest.raises(ValueError, match="unknown tp overlap mode 'x'"):
+        c.tp_exposed_comm(T, "x")
