@@ -6,7 +6,6 @@ import networkx as nx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from zeppelin.planner.base import PlanContext
 from zeppelin.planner.routing import build_topology, nic_load_table, plan_routes, route_problems
 from zeppelin.schemas.cluster import cluster_preset
