@@ -1,0 +1,309 @@
+"""FlexSP (Wang et al., ASPLOS 2025) as a planner: heterogeneous Ulysses groups chosen by a MILP.
+
+Per step:
+
+1. micro-batch count ``M`` searched in ``[M_min, M_min + mb_search)``, ``M_min`` the fewest
+   micro-batches whose tokens fit the cluster's memory; sequences go to micro-batches by
+   token-balanced LPT (longest first);
+2. per micro-batch, lengths are bucketed into ``Q`` (16) buckets by dynamic programming minimising
+   the padding error sum(bucket bound - length);
+3. the MILP: group slots of every usable power-of-two size ``s`` (``s`` divides the heads per
+   unit), binary ``y[s,j]`` (slot used) and integer ``x[q,s,j]`` (sequences of bucket ``q`` in the
+   slot); minimise ``C`` s.t. every used group's time <= C, its per-unit tokens <= the memory
+   capacity, sum of used sizes <= N, every sequence in exactly one group. Group time is the cost
+   model's Ulysses time, affine in the bucket counts: ``layers * sum attn(L)/s`` plus the linear
+   modules, head and 4+4 all-to-alls on ``sum L / s`` tokens per unit;
+4. warm start: the best greedy *homogeneous* solution (all groups of one size, sequences by LPT on
+   time under the memory cap); solved with PuLP (HiGHS, else CBC) under a time limit shared by all
+   solves of the step; the step keeps the better of MILP and greedy for every micro-batch;
+5. the groups become aligned unit blocks (largest first) and the bucket counts concrete sequences.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from zeppelin.schemas.plan import Sequence, SolverInfo, StepPlan
+
+from . import bl_milp
+from .base import PlanContext, Planner, PlanningError, register
+from .bl_common import StepBuilder, Timer, ceil_div, check_capacity, lpt, opt, pow2_sizes, seq_label
+
+
+def bucketize(lengths: list[int], Q: int) -> tuple[list[int], list[int]]:
+    """Bucket bounds (ascending) and each length's bucket (cached: the M search revisits micro-batches)."""
+    bounds = _bucket_bounds(tuple(sorted(lengths)), Q)
+    idx = np.searchsorted(np.asarray(bounds), np.asarray(lengths, dtype=np.int64), side="left")
+    return list(bounds), [int(x) for x in idx]
+
+
+@lru_cache(maxsize=256)
+def _bucket_bounds(lengths: tuple[int, ...], Q: int) -> tuple[int, ...]:
+    """Bucket bounds (ascending) minimising sum(bound - length) with at most ``Q`` buckets, and
+    each length's bucket index. Exact O(Q * D^2) dynamic programme over the D distinct lengths."""
+    vals, counts = np.unique(np.asarray(lengths, dtype=np.int64), return_counts=True)
+    D = len(vals)
+    if D <= Q:
+        bounds = [int(v) for v in vals]
+    else:
+        cnt = np.concatenate([[0], np.cumsum(counts)]).astype(np.float64)
+        tot = np.concatenate([[0], np.cumsum(counts * vals)]).astype(np.float64)
+        # pad(i, j): distinct values i..j (inclusive) in one bucket bounded by vals[j]
+        inf = float("inf")
+        best = np.full((Q + 1, D), inf)
+        arg = np.zeros((Q + 1, D), dtype=np.int64)
+        best[1] = cnt[1:] * vals - tot[1:]
+        for q in range(2, Q + 1):
+            for j in range(q - 1, D):
+                i = np.arange(q - 1, j + 1)  # first distinct value of the last bucket
+                c = best[q - 1][i - 1] + (cnt[j + 1] - cnt[i]) * vals[j] - (tot[j + 1] - tot[i])
+                k = int(np.argmin(c))
+                best[q][j], arg[q][j] = c[k], i[k]
+        bounds, j, q = [], D - 1, Q
+        while q >= 1 and j >= 0:
+            bounds.append(int(vals[j]))
+            j = int(arg[q][j]) - 1 if q > 1 else -1
+            q -= 1
+        bounds.reverse()
+    return tuple(bounds)
+
+
+def _bucketed(lengths: list[int], Q: int) -> list[int]:
+    bounds, bucket = bucketize(lengths, Q)
+    return [bounds[b] for b in bucket]
+
+
+class _Model:
+    """The cost of one Ulysses group of ``s`` units, affine in its sequences: fixed[s] + sum coef(L, s)."""
+
+    def __init__(self, ctx: PlanContext, sizes: list[int]):
+        c, layers = ctx.cost, ctx.model.num_layers
+        self.ctx, self.layers = ctx, layers
+        self.slope: dict[int, float] = {}
+        self.fixed: dict[int, float] = {}
+        for s in sizes:
+            link = "inter" if s > ctx.units_per_node else "intra"
+
+            def f(T, s=s, link=link):
+                comm = c.ulysses_comm_time(T, s, link) if s > 1 else 0.0
+                return float(layers * (c.linear_time(T) + comm) + c.head_time(T))
+
+            a = f(2.0) - f(1.0)
+            self.slope[s], self.fixed[s] = a, f(1.0) - a
+
+    def coef(self, L, s: int) -> np.ndarray:
+        L = np.asarray(L, dtype=np.float64)
+        return self.layers * self.ctx.cost.attn_time(L) / s + self.slope[s] * L / s
+
+    def group_time(self, lengths, s: int) -> float:
+        if len(lengths) == 0:
+            return 0.0
+        return float(self.fixed[s] + np.sum(self.coef(lengths, s)))
+
+
+def _greedy_homogeneous(model: _Model, lengths: list[int], sizes: list[int], n: int, cap: int):
+    """Best homogeneous solution: all groups of one size, LPT on time under the memory cap.
+
+    Returns (C, s, assignment: group index per sequence) or None if no size is feasible."""
+    best = None
+    for s in sizes:
+        need = [ceil_div(L, s) for L in lengths]
+        if max(need) > cap:
+            continue
+        G = n // s
+        coef = model.coef(lengths, s)
+        load = np.full(G, model.fixed[s])
+        held = np.zeros(G)
+        used = np.zeros(G, dtype=bool)
+        out = [0] * len(lengths)
+        ok = True
+        for i in sorted(range(len(lengths)), key=lambda k: (-coef[k], k)):
+            room = held + need[i] <= cap
+            if not room.any():
+                ok = False
+                break
+            cand = np.where(room, load + coef[i], np.inf)
+            g = int(np.argmin(cand))
+            out[i], load[g], held[g], used[g] = g, load[g] + coef[i], held[g] + need[i], True
+        if not ok:
+            continue
+        C = float(load[used].max())
+        if best is None or C < best[0]:
+            best = (C, s, out)
+    return best
+
+
+def _solve_microbatch(model, lengths, sizes, n, cap, Q, time_limit, use_milp):
+    """Groups of one micro-batch: list of (size, [indices into lengths]), with C and solver records."""
+    bounds, bucket = bucketize(lengths, Q)
+    Ub = [bounds[b] for b in bucket]
+    greedy = _greedy_homogeneous(model, Ub, sizes, n, cap)
+    if greedy is None:
+        return None
+    Cg, sg, ag = greedy
+    greedy_groups = [(sg, [i for i in range(len(lengths)) if ag[i] == g]) for g in range(n // sg)]
+    greedy_groups = [gr for gr in greedy_groups if gr[1]]
+    rec = {"greedy_C": Cg, "greedy_size": sg}
+    if not use_milp or len(lengths) == 0:
+        return greedy_groups, Cg, rec, None
+    import pulp
+
+    nq = len(bounds)
+    counts = [0] * nq
+    for b in bucket:
+        counts[b] += 1
+    prob = pulp.LpProblem("flexsp", pulp.LpMinimize)
+    C = pulp.LpVariable("C", lowBound=0)
+    prob += C
+    y, x = {}, {}
+    for s in sizes:
+        need = [ceil_div(bounds[q], s) for q in range(nq)]
+        coef = model.coef(bounds, s)
+        for j in range(min(n // s, len(lengths))):
+            y[s, j] = pulp.LpVariable(f"y_{s}_{j}", cat="Binary")
+            terms_t, terms_m = [], []
+            for q in range(nq):
+                if need[q] > cap:
+                    continue
+                x[q, s, j] = pulp.LpVariable(f"x_{q}_{s}_{j}", lowBound=0, upBound=counts[q], cat="Integer")
+                prob += x[q, s, j] <= counts[q] * y[s, j]
+                terms_t.append(float(coef[q]) * x[q, s, j])
+                terms_m.append(need[q] * x[q, s, j])
+            prob += pulp.lpSum(terms_t) + model.fixed[s] * y[s, j] <= C
+            prob += pulp.lpSum(terms_m) <= cap
+            if j > 0:
+                prob += y[s, j] <= y[s, j - 1]
+    prob += pulp.lpSum(s * y[s, j] for (s, j) in y) <= n
+    for q in range(nq):
+        prob += pulp.lpSum(v for (qq, s, j), v in x.items() if qq == q) == counts[q]
+    # warm start: the greedy homogeneous solution (slot j of size sg = greedy group j)
+    start = {v: 0.0 for v in x.values()}
+    start.update({v: 0.0 for v in y.values()})
+    start[C] = Cg
+    for j, (s, members) in enumerate(greedy_groups):
+        start[y[s, j]] = 1.0
+        for i in members:
+            start[x[bucket[i], s, j]] += 1.0
+    res = bl_milp.solve(prob, time_limit, start)
+    if not res.has_solution:
+        return greedy_groups, Cg, rec, res
+    # read the solution back into concrete groups (sequences of a bucket, longest first)
+    pools = {q: sorted((i for i in range(len(lengths)) if bucket[i] == q), key=lambda i: -lengths[i])
+             for q in range(nq)}
+    groups = []
+    ok = True
+    for (s, j), yv in y.items():
+        if bl_milp.value(yv) < 0.5:
+            continue
+        members = []
+        for q in range(nq):
+            k = int(round(bl_milp.value(x[q, s, j]))) if (q, s, j) in x else 0
+            for _ in range(k):
+                if not pools[q]:
+                    ok = False
+                    break
+                members.append(pools[q].pop(0))
+        if members:
+            groups.append((s, members))
+    if not ok or any(pools[q] for q in pools) or sum(s for s, _ in groups) > n:
+        rec["milp_rejected"] = "solution does not cover the micro-batch"
+        return greedy_groups, Cg, rec, res
+    for s, members in groups:
+        if sum(ceil_div(lengths[i], s) for i in members) > cap:
+            rec["milp_rejected"] = "solution exceeds memory"
+            return greedy_groups, Cg, rec, res
+    Cm = max(model.group_time([Ub[i] for i in m], s) for s, m in groups)
+    rec["milp_C"] = Cm
+    if Cm > Cg:  # a time-limited solve can in principle return worse than its start
+        return greedy_groups, Cg, rec, res
+    return groups, Cm, rec, res
+
+
+@register
+class FlexSP(Planner):
+    name = "flexsp"
+    description = ("FlexSP: per micro-batch a MILP over heterogeneous power-of-two Ulysses groups with "
+                   "bucketed lengths (Q=16), greedy warm start, micro-batch count search")
+
+    def plan_step(self, ctx: PlanContext, step: int, sequences: list[Sequence]) -> StepPlan:
+        t = Timer()
+        cap = check_capacity(ctx, self.name)
+        time_limit = opt(self.options, "time_limit", float, 5.0, self.name, minimum=0.0)
+        Q = opt(self.options, "buckets", int, 16, self.name, minimum=1)
+        span = opt(self.options, "mb_search", int, 5, self.name, minimum=1)
+        mode = str(self.options.get("solver", "milp"))
+        if mode not in ("milp", "greedy"):
+            raise PlanningError(f"flexsp: option solver={mode!r} must be 'milp' or 'greedy'")
+        n = ctx.num_units
+        heads = ctx.model.num_heads // ctx.tp
+        sizes = [s for s in pow2_sizes(n) if heads % s == 0]
+        smax = sizes[-1]
+        lengths = [s.length for s in sequences]
+        for i, s in enumerate(sequences):
+            if ceil_div(s.length, smax) > cap:
+                raise PlanningError(f"{seq_label(i, s)} does not fit flexsp: the largest Ulysses group "
+                                    f"({smax} units; the degree must divide the {heads} heads per unit) holds "
+                                    f"{smax * cap} tokens")
+        model = _Model(ctx, sizes)
+        m_min = max(1, ceil_div(sum(lengths), n * cap))
+        # pass 1: dispatch + greedy for every M (cheap), to know how many MILPs share the time budget
+        cands = []
+        for M in range(m_min, m_min + span):
+            owner = lpt(lengths, M)
+            mbs = [[i for i in range(len(lengths)) if owner[i] == m] for m in range(M)]
+            mbs = [mb for mb in mbs if mb]
+            if all(_greedy_homogeneous(model, _bucketed([lengths[i] for i in mb], Q), sizes, n, cap) for mb in mbs):
+                cands.append((M, mbs))
+        if not cands:
+            raise PlanningError(f"flexsp: no micro-batch count in [{m_min}, {m_min + span}) fits the step's "
+                                f"{sum(lengths)} tokens into memory ({cap} tokens per GPU, {n} units)")
+        per_solve = time_limit / max(1, sum(len(mbs) for _, mbs in cands))
+        best = None
+        records = []
+        for M, mbs in cands:
+            total, sol, recs, results = 0.0, [], [], []
+            for mb in mbs:
+                out = _solve_microbatch(model, [lengths[i] for i in mb], sizes, n, cap, Q, per_solve,
+                                        mode == "milp")
+                if out is None:
+                    break
+                groups, Cm, rec, res = out
+                total += Cm
+                sol.append([(s, [mb[i] for i in members]) for s, members in groups])
+                recs.append(rec)
+                if res is not None:
+                    results.append(res)
+            else:
+                records.append({"M": M, "objective_s": total})
+                if best is None or total < best[0]:
+                    best = (total, M, sol, recs, results)
+        if best is None:  # unreachable: pass 1 kept only M whose every micro-batch has a greedy solution
+            raise PlanningError("flexsp: internal error: no micro-batch count produced a plan")
+        total, M, sol, recs, results = best
+        b = StepBuilder(ctx, sequences, self.name)
+        for k, groups in enumerate(sol):
+            start = 0
+            for s, members in sorted(groups, key=lambda g: -g[0]):
+                units = list(range(start, start + s))
+                start += s
+                for i in sorted(members, key=lambda i: -lengths[i]):
+                    b.place(k, "ulysses", units, i)
+        if results:
+            solver_name = results[0].solver
+            status = "optimal" if all(r.status == "optimal" for r in results) else "time_limit"
+            gaps = [r.gap for r in results]
+            gap = None if any(g is None for g in gaps) else max(gaps)
+            fallback = None
+            if any(not r.has_solution for r in results):
+                fallback = "no MILP solution within the time limit for some micro-batches: greedy kept"
+        else:
+            solver_name, status, gap, fallback = "greedy", "ok", None, None
+            if mode == "milp":
+                fallback = "every micro-batch was trivial"
+        return b.finish(step, SolverInfo(name=solver_name, status=status, gap=gap, time_s=t.elapsed,
+                                         fallback_reason=fallback),
+                        notes={"microbatches": M, "objective_s": total, "m_search": records,
+                               "greedy_objective_s": sum(r["greedy_C"] for r in recs),
+                               "group_sizes": [sorted((s for s, _ in g), reverse=True) for g in sol]})

@@ -1,0 +1,325 @@
+"""Hydraulis (Li, Fu et al., SIGMOD 2026) as a planner: heterogeneous replicas, two-stage assignment.
+
+Per step:
+
+1. *parallel strategy*: candidate replica configurations mix model replicas of different tensor-
+   parallel degrees (``tp_degrees``, default 1, 2, 4, 8 where they divide a node and the heads): the
+   largest degree is one whose memory holds the step's longest sequence, ``k`` replicas of it
+   (k = 1, 2, 4, ...) and the remaining GPUs as replicas of a smaller degree. Each candidate is
+   scored by its stage-1 dispatch; the best one is used. Replicas are aligned blocks of GPU ranks,
+   largest degree first; the plan's units are these replicas (``StepPlan.replicas``).
+2. *stage 1, dispatch*: sequences that fit only the largest replicas go first, among those; then
+   every sequence (most expensive first) goes to the replica where it finishes earliest, i.e. that
+   minimises the resulting maximum cost. Randomised greedy with restarts (perturbed order, random
+   choice among near-best replicas); the best makespan wins.
+3. *stage 2, packing*: per replica, sequences are packed into micro-batches by an ILP minimising the
+   largest micro-batch time under the token capacity, for several micro-batch counts ``v``; the
+   count minimising the pipeline time ``(max + c) * (pp - 1 + v)`` (pp = 1 here, ``c`` the fixed
+   cost of a micro-batch) is kept. Greedy LPT packing is the warm start and the fallback.
+
+The prediction uses one cost model per TP degree (:func:`predict_replicas`), since units differ.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+from zeppelin.schemas.plan import Prediction, RankLoads, Replica, Sequence, SolverInfo, StepPlan
+
+from . import bl_milp
+from .base import PlanContext, Planner, PlanningError, register
+from .bl_common import StepBuilder, Timer, ceil_div, check_capacity, opt, pow2_sizes, seq_label
+from .cost import CostModel
+
+
+def _cost_models(ctx: PlanContext, degrees: list[int]) -> dict[int, CostModel]:
+    cache = ctx.__dict__.setdefault("_hydraulis_cost_models", {})
+    for t in degrees:
+        if t not in cache:
+            cache[t] = CostModel(ctx.cluster, ctx.model, ctx.profile, tp=t, zero_stage=ctx.zero_stage,
+                                 tp_overlap=ctx.tp_overlap)
+    return {t: cache[t] for t in degrees}
+
+
+def tp_comm_time(cm: CostModel, tokens) -> np.ndarray:
+    """Whole-model fwd+bwd tensor-parallel communication of a replica holding ``tokens`` tokens.
+
+    Megatron TP with sequence parallelism: per layer an all-gather before and a reduce-scatter after
+    both the attention and the MLP block forward, the same four collectives backward; each moves
+    (t-1)/t of the ``tokens x hidden`` activations per rank over the intra-node link. The shared
+    cost model has no TP term (its units are whole replicas), so Hydraulis' mixed-TP replicas
+    would otherwise get tensor parallelism for free.
+    """
+    t = cm.tp
+    T = np.asarray(tokens, dtype=np.float64)
+    if t <= 1:
+        return np.zeros_like(T)
+    lk = cm.intra_link
+    nbytes = T * cm.model.hidden * cm.model.dtype_bytes * (t - 1) / t
+    per_coll = np.where(T > 0, lk.alpha_s * (t - 1) + nbytes / (lk.bandwidth_GBps * 1e9), 0.0)
+    return cm.model.num_layers * 8.0 * per_coll
+
+
+def predict_replicas(ctx: PlanContext, step: StepPlan) -> Prediction:
+    """Analytic prediction of a step whose units are replicas of different TP degrees (all groups local)."""
+    from .predict import lower_bounds
+
+    reps = step.replicas
+    cms = _cost_models(ctx, sorted({r.tp for r in reps}))
+    n = len(reps)
+    layers = ctx.model.num_layers
+    attn, lin, tokens, mem_tok = np.zeros(n), np.zeros(n), np.zeros(n, dtype=np.int64), np.zeros(n)
+    tpc = np.zeros(n)
+    for mb in step.microbatches:
+        held = np.zeros(n)
+        for p in mb.placements:
+            g = mb.groups[p.group]
+            if g.kind != "local" or len(g.units) != 1:
+                raise PlanningError("hydraulis: internal error: replica plans hold whole sequences only")
+            u = g.units[0]
+            L = p.padded_length or step.sequences[p.seq].length
+            attn[u] += layers * float(cms[reps[u].tp].attn_time(L))
+            held[u] += L
+        for u in range(n):
+            cm = cms[reps[u].tp]
+            lin[u] += float(layers * cm.linear_time(held[u]) + cm.head_time(held[u]))
+            tpc[u] += float(tp_comm_time(cm, held[u]))
+        tokens += held.astype(np.int64)
+        mem_tok = np.maximum(mem_tok, held)
+    comm = np.array([cms[r.tp].grad_allreduce_time(n) for r in reps]) + tpc
+    total = attn + lin + comm
+    lengths = np.array([s.length for s in step.sequences], dtype=np.float64)
+    # bounds for the best TP degree used (a larger degree shortens the longest sequence)
+    work_b, long_b = min((lower_bounds(PlanContext(ctx.cluster, ctx.model, ctx.profile, tp=d,
+                                                   zero_stage=ctx.zero_stage), lengths)
+                          for d in sorted(cms)), key=lambda wb: max(wb))
+    return Prediction(
+        step_time_s=float(total.max()), lower_bound_s=max(work_b, long_b), work_bound_s=work_b,
+        longest_bound_s=long_b,
+        per_unit=RankLoads(
+            attention_s=[float(x) for x in attn], linear_s=[float(x) for x in lin], comm_s=[float(x) for x in comm],
+            exposed_comm_s=[float(x) for x in comm], total_s=[float(x) for x in total],
+            tokens=[int(x) for x in tokens],
+            memory_gb=[float(cms[reps[u].tp].memory_bytes(mem_tok[u])) / 1e9 for u in range(n)],
+        ),
+    )
+
+
+def _dispatch(cost: np.ndarray, fits: np.ndarray, big: np.ndarray, rng, restarts: int) -> tuple[float, list[int]]:
+    """Stage 1. cost[i, r]: time of sequence i on replica r; fits[i, r]: memory allows it;
+    big[r]: replica r is of the largest degree. Returns (makespan, replica per sequence)."""
+    n_seq, n_rep = cost.shape
+    only_big = ~(fits & ~big[None, :]).any(axis=1)
+    base = cost.min(axis=1)
+    best = None
+    for attempt in range(restarts):
+        noise = rng.uniform(0.9, 1.1, n_seq) if attempt else np.ones(n_seq)
+        order = sorted(range(n_seq), key=lambda i: (not only_big[i], -base[i] * noise[i], i))
+        load = np.zeros(n_rep)
+        out = [0] * n_seq
+        for i in order:
+            finish = np.where(fits[i], load + cost[i], np.inf)
+            if attempt:
+                near = np.flatnonzero(finish <= finish.min() * 1.02)
+                r = int(rng.choice(near))
+            else:
+                r = int(np.argmin(finish))
+            out[i] = r
+            load[r] += cost[i, r]
+        span = float(load.max())
+        if best is None or span < best[0]:
+            best = (span, out)
+    return best
+
+
+def _lpt_pack(items: list[int], c: dict[int, float], L: dict[int, int], cap: int, v: int) -> list[list[int]] | None:
+    """Greedy packing into v micro-batches: most expensive first to the cheapest bin with room."""
+    bins: list[list[int]] = [[] for _ in range(v)]
+    load, held = [0.0] * v, [0] * v
+    for i in sorted(items, key=lambda k: (-c[k], k)):
+        room = [m for m in range(v) if held[m] + L[i] <= cap]
+        if not room:
+            return None
+        m = min(room, key=lambda m: (load[m], m))
+        bins[m].append(i)
+        load[m] += c[i]
+        held[m] += L[i]
+    return bins
+
+
+def _pack_ilp(items, c, L, cap, v, start, time_limit):
+    import pulp
+
+    order = sorted(items, key=lambda k: (-c[k], k))
+    prob = pulp.LpProblem("hydraulis_pack", pulp.LpMinimize)
+    z = pulp.LpVariable("z", lowBound=0)
+    prob += z
+    x = {}
+    for a, i in enumerate(order):
+        for m in range(min(v, a + 1)):  # symmetry breaking: the a-th item uses one of the first a+1 bins
+            x[i, m] = pulp.LpVariable(f"x_{i}_{m}", cat="Binary")
+        prob += pulp.lpSum(x[i, m] for m in range(min(v, a + 1))) == 1
+    for m in range(v):
+        prob += pulp.lpSum(c[i] * x[i, mm] for (i, mm) in x if mm == m) <= z
+        prob += pulp.lpSum(L[i] * x[i, mm] for (i, mm) in x if mm == m) <= cap
+    warm = None
+    if start is not None:
+        # relabel the greedy bins so that they respect the symmetry-breaking order
+        pos = {i: a for a, i in enumerate(order)}
+        bins = sorted((b for b in start if b), key=lambda b: min(pos[i] for i in b))
+        warm = {var: 0.0 for var in x.values()}
+        ok = True
+        for m, b in enumerate(bins):
+            for i in b:
+                if (i, m) not in x:
+                    ok = False
+                else:
+                    warm[x[i, m]] = 1.0
+        warm[z] = max(sum(c[i] for i in b) for b in bins)
+        warm = warm if ok else None
+    res = bl_milp.solve(prob, time_limit, warm)
+    if not res.has_solution:
+        return None, res
+    bins = [[] for _ in range(v)]
+    for (i, m), var in x.items():
+        if bl_milp.value(var) > 0.5:
+            bins[m].append(i)
+    if sorted(j for b in bins for j in b) != sorted(items) or any(sum(L[i] for i in b) > cap for b in bins):
+        return None, res
+    return bins, res
+
+
+@register
+class Hydraulis(Planner):
+    name = "hydraulis"
+    description = ("Hydraulis: heterogeneous model replicas (mixed TP degrees) with two-stage assignment: "
+                   "randomised greedy dispatch to replicas, then ILP packing into micro-batches")
+
+    def _degrees(self, ctx: PlanContext) -> list[int]:
+        raw = self.options.get("tp_degrees", "1,2,4,8")
+        try:
+            want = sorted({int(x) for x in (raw.split(",") if isinstance(raw, str) else raw)})
+        except (TypeError, ValueError):
+            raise PlanningError(f"hydraulis: option tp_degrees={raw!r} is not a list of integers") from None
+        heads = ctx.model.num_heads
+        out = [t for t in want if t >= 1 and ctx.cluster.gpus_per_node % t == 0 and heads % t == 0]
+        if not out:
+            raise PlanningError(f"hydraulis: none of tp_degrees={raw!r} divides both the {ctx.cluster.gpus_per_node} "
+                                f"GPUs per node and the {heads} heads")
+        return out
+
+    def plan_step(self, ctx: PlanContext, step: int, sequences: list[Sequence]) -> StepPlan:
+        t = Timer()
+        check_capacity(ctx, self.name)
+        time_limit = opt(self.options, "time_limit", float, 5.0, self.name, minimum=0.0)
+        restarts = opt(self.options, "restarts", int, 8, self.name, minimum=1)
+        v_span = opt(self.options, "mb_search", int, 3, self.name, minimum=1)
+        degrees = self._degrees(ctx)
+        cms = _cost_models(ctx, degrees)
+        cap = {d: cms[d].token_capacity for d in degrees}
+        world = ctx.cluster.world_size
+        L = np.array([s.length for s in sequences], dtype=np.int64)
+        Lmax_i = int(np.argmax(L))
+        big_degrees = [d for d in degrees if cap[d] >= L[Lmax_i]]
+        if not big_degrees:
+            d = degrees[-1]
+            raise PlanningError(f"{seq_label(Lmax_i, sequences[Lmax_i])} does not fit hydraulis: the largest "
+                                f"replica (tp={d}) holds {cap[d]} tokens")
+        seq_cost = {d: cms[d].seq_compute_time(L.astype(np.float64)) + tp_comm_time(cms[d], L) for d in degrees}
+        rng = np.random.default_rng([ctx.seed, step])
+
+        # candidate configurations: k replicas of degree `hi` (fits the longest), the rest of degree `lo`
+        configs = []
+        for hi in big_degrees:
+            for lo in (d for d in degrees if d <= hi):
+                for k in pow2_sizes(world // hi):
+                    rest = world - k * hi
+                    if rest % lo:
+                        continue
+                    cfg = tuple([hi] * k + [lo] * (rest // lo))
+                    if cfg not in configs:
+                        configs.append(cfg)
+
+        def evaluate(cfg, n_restarts):
+            tps = np.array(cfg)
+            cost = np.stack([seq_cost[d] for d in cfg], axis=1)
+            fits = np.stack([L <= cap[d] for d in cfg], axis=1)
+            return _dispatch(cost, fits, tps == tps.max(), rng, n_restarts)
+
+        scored = sorted(((evaluate(cfg, 1)[0], a, cfg) for a, cfg in enumerate(configs)))
+        span0, _, cfg = scored[0]
+        span, owner = evaluate(cfg, restarts)
+
+        # replicas: aligned blocks of ranks, largest degree first
+        replicas, r0 = [], 0
+        for d in cfg:
+            replicas.append(Replica(ranks=list(range(r0, r0 + d)), tp=d))
+            r0 += d
+        n = len(replicas)
+
+        # stage 2: per replica, pack into micro-batches
+        per_rep = [[i for i in range(len(sequences)) if owner[i] == r] for r in range(n)]
+        plans: list[list[list[int]]] = []
+        results, tasks = [], []
+        for r, items in enumerate(per_rep):
+            d = cfg[r]
+            c = {i: float(seq_cost[d][i]) for i in items}
+            Ld = {i: int(L[i]) for i in items}
+            v_min = max(1, ceil_div(sum(Ld.values()), cap[d]))
+            tasks.append((r, items, c, Ld, v_min))
+        n_ilp = sum(v_span for (_, items, _, Ld, v_min) in tasks if len(items) > 1 and v_min > 1) or 1
+        per_solve = time_limit / n_ilp
+        fallback = None
+        for r, items, c, Ld, v_min in tasks:
+            d = cfg[r]
+            cm = cms[d]
+            const = float(ctx.model.num_layers * cm.linear_time(1e-9) + cm.head_time(1e-9))  # fixed cost c
+            if not items:
+                plans.append([])
+                continue
+            if v_min == 1 or len(items) == 1:
+                plans.append([list(items)])
+                continue
+            best = None
+            for v in range(v_min, v_min + v_span):
+                if best is not None and (sum(c.values()) / v + const) * v >= best[0]:
+                    break  # (max + c) * v >= (mean + c) * v can no longer win
+                greedy = _lpt_pack(items, c, Ld, cap[d], v)
+                bins, res = _pack_ilp(items, c, Ld, cap[d], v, greedy, per_solve)
+                results.append(res)
+                if bins is None:
+                    bins = greedy
+                    if res.has_solution is False and greedy is not None:
+                        fallback = "ILP found no packing within the time limit for some replicas: greedy kept"
+                if bins is None:
+                    continue
+                zmax = max(sum(c[i] for i in b) for b in bins)
+                score = (zmax + const) * v
+                if best is None or score < best[0]:
+                    best = (score, [b for b in bins if b])
+            if best is None:
+                d_items = sum(Ld.values())
+                raise PlanningError(f"hydraulis: replica {r} (tp={d}) cannot pack its {d_items} tokens into "
+                                    f"{v_min}..{v_min + v_span - 1} micro-batches of {cap[d]} tokens")
+            plans.append(best[1])
+
+        b = StepBuilder(ctx, sequences, self.name, n_units=n, capacity=[cap[d] for d in cfg])
+        for r, bins in enumerate(plans):
+            for k, bin_ in enumerate(bins):
+                for i in sorted(bin_, key=lambda i: -L[i]):
+                    b.place(k, "local", [r], i)
+        if results:
+            status = "optimal" if all(x.status == "optimal" for x in results) else "time_limit"
+            gaps = [x.gap for x in results]
+            solver = SolverInfo(name=results[0].solver, status=status,
+                                gap=None if any(g is None for g in gaps) else max(gaps), time_s=t.elapsed,
+                                fallback_reason=fallback)
+        else:
+            solver = SolverInfo(name="greedy", status="ok", time_s=t.elapsed)
+        plan = b.finish(step, solver, predict=predict_replicas, replicas=replicas,
+                        notes={"replica_tp": list(cfg), "dispatch_makespan_s": span,
+                               "configs_scored": len(configs), "microbatches": b.num_microbatches})
+        plan.solver.time_s = t.elapsed
+        return plan
