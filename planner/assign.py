@@ -1,0 +1,309 @@
+"""Bucket assignment shared by both levels of the Zeppelin planner.
+
+Both levels solve the same problem: *bins* (nodes at level 1, units of one node at level 2) with a
+preload (work and tokens already there), and *items* that each occupy ``width`` distinct bins,
+adding ``cost`` seconds and ``tokens`` tokens to each of them (a local sequence: width 1; a ring
+group: width G, its per-unit share; an inter-node sequence at level 1: width = nodes spanned).
+Minimise the most loaded bin subject to each bin's token capacity.
+
+* :func:`greedy_pack` - longest-processing-time first (wide items first, each onto its
+  least-loaded bins with room), then a local search that moves / swaps width-1 items off the
+  most loaded bin while that lowers the maximum. O(m log B) plus the search; used at every size.
+* :func:`ilp_pack` - the exact formulation as a MILP in PuLP::
+
+      min C   s.t.  sum_b x[i,b] = w_i                          (each item on w_i bins)
+                    pre_b + sum_i c_i x[i,b] <= C               (makespan)
+                    tok_b + sum_i k_i x[i,b] <= cap             (memory)
+                    C <= C_greedy                               (greedy incumbent as cutoff)
+
+  solved by HiGHS (CBC when HiGHS is unavailable or fails) under a time limit; the greedy
+  solution is the incumbent: the ILP result is kept only when it is feasible and no worse.
+* :func:`pack` - greedy, then the ILP only where it pays: when greedy is not already within
+  ``tol`` of the lower bound and the instance is small enough to solve in the time limit.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class PackResult:
+    bins: list[list[int]]  # per item, the bins it occupies (sorted)
+    loads: np.ndarray  # per bin, final load (s)
+    tokens: np.ndarray  # per bin, final tokens
+    makespan: float
+    lower_bound: float
+    solver: str = "greedy"  # greedy | highs | cbc
+    status: str = "ok"
+    time_s: float = 0.0
+    ilp_gap: float | None = None  # solver-reported relative MIP gap (None: no ILP ran)
+    fallback_reason: str | None = None
+    greedy_makespan: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def gap(self) -> float:
+        """Relative gap to the lower bound: (makespan - LB) / makespan (0 = provably optimal)."""
+        if self.makespan <= 0:
+            return 0.0
+        if self.ilp_gap is not None:
+            return min(max(self.makespan - self.lower_bound, 0.0) / self.makespan, self.ilp_gap)
+        return max(self.makespan - self.lower_bound, 0.0) / self.makespan
+
+
+class PackInfeasible(Exception):
+    """An item does not fit any set of bins with enough token room."""
+
+    def __init__(self, item: int, message: str):
+        self.item = item
+        super().__init__(message)
+
+
+def lower_bound(pre: np.ndarray, cost: np.ndarray, width: np.ndarray) -> float:
+    """max(average load, heaviest item on the least preloaded bins)."""
+    B = len(pre)
+    avg = (float(pre.sum()) + float((cost * width).sum())) / B if B else 0.0
+    lb = max(avg, float(pre.max()) if B else 0.0)
+    if len(cost):
+        srt = np.sort(pre)
+        lb = max(lb, max(float(c) + float(srt[w - 1]) for c, w in zip(cost, width)))
+    return lb
+
+
+def greedy_pack(pre: np.ndarray, pre_tok: np.ndarray, cost: np.ndarray, tokens: np.ndarray,
+                width: np.ndarray, cap: float, search: bool = True) -> PackResult:
+    t0 = time.perf_counter()
+    B = len(pre)
+    loads = np.array(pre, dtype=np.float64)
+    toks = np.array(pre_tok, dtype=np.float64)
+    m = len(cost)
+    out: list[list[int]] = [[] for _ in range(m)]
+    # wide items first (they constrain most), each group by cost descending
+    order = sorted(range(m), key=lambda i: (-int(width[i]), -float(cost[i])))
+    heap = [(loads[b], b) for b in range(B)]
+    heapq.heapify(heap)
+    for i in order:
+        w, c, k = int(width[i]), float(cost[i]), float(tokens[i])
+        if w > B:
+            raise PackInfeasible(i, f"item {i} needs {w} bins, only {B} exist")
+        if w == 1:
+            skipped = []
+            chosen = -1
+            while heap:
+                ld, b = heapq.heappop(heap)
+                if ld != loads[b]:
+                    continue  # stale entry
+                if toks[b] + k <= cap:
+                    chosen = b
+                    break
+                skipped.append((ld, b))
+            for e in skipped:
+                heapq.heappush(heap, e)
+            if chosen < 0:
+                raise PackInfeasible(i, f"item {i} ({int(k)} tokens) does not fit any bin")
+            loads[chosen] += c
+            toks[chosen] += k
+            heapq.heappush(heap, (loads[chosen], chosen))
+            out[i] = [chosen]
+        else:
+            room = toks + k <= cap
+            cand = np.flatnonzero(room)
+            if len(cand) < w:
+                raise PackInfeasible(i, f"item {i} needs {w} bins with {int(k)} tokens of room, "
+                                        f"{len(cand)} have it")
+            sel = cand[np.argsort(loads[cand], kind="stable")[:w]]
+            sel.sort()
+            loads[sel] += c
+            toks[sel] += k
+            for b in sel:
+                heapq.heappush(heap, (loads[b], int(b)))
+            out[i] = [int(b) for b in sel]
+    if search and m:
+        _local_search(out, loads, toks, cost, tokens, width, cap)
+    lb = lower_bound(np.asarray(pre, dtype=np.float64), np.asarray(cost, dtype=np.float64), np.asarray(width))
+    mk = float(loads.max()) if B else 0.0
+    return PackResult(out, loads, toks, mk, lb, time_s=time.perf_counter() - t0, greedy_makespan=mk)
+
+
+def _local_search(out, loads, toks, cost, tokens, width, cap, max_iter: int | None = None) -> None:
+    """Move or swap width-1 items off the most loaded bin while the maximum drops."""
+    B = len(loads)
+    if B < 2:
+        return
+    members: list[list[int]] = [[] for _ in range(B)]
+    for i, bs in enumerate(out):
+        if int(width[i]) == 1:
+            members[bs[0]].append(i)
+    max_iter = max_iter if max_iter is not None else 4 * B + 50
+    for _ in range(max_iter):
+        hi = int(np.argmax(loads))
+        lo_order = np.argsort(loads)
+        top = float(loads[hi])
+        improved = False
+        for lo in lo_order[: min(B, 8)]:
+            lo = int(lo)
+            if lo == hi:
+                continue
+            diff = top - float(loads[lo])
+            if diff <= 1e-12:
+                break
+            # best single move: item with cost closest to diff/2, not exceeding diff
+            best, best_gain = None, 1e-12
+            for i in members[hi]:
+                c = float(cost[i])
+                if c < diff and toks[lo] + tokens[i] <= cap:
+                    gain = min(c, diff - c)
+                    if gain > best_gain:
+                        best, best_gain = (i, None), gain
+            # best swap: i from hi, j from lo with 0 < c_i - c_j < diff
+            if len(members[hi]) * len(members[lo]) <= 4096:
+                for i in members[hi]:
+                    ci = float(cost[i])
+                    for j in members[lo]:
+                        d = ci - float(cost[j])
+                        if 0 < d < diff:
+                            gain = min(d, diff - d)
+                            if gain > best_gain and toks[lo] - tokens[j] + tokens[i] <= cap \
+                                    and toks[hi] - tokens[i] + tokens[j] <= cap:
+                                best, best_gain = (i, j), gain
+            if best is None:
+                continue
+            i, j = best
+            members[hi].remove(i)
+            members[lo].append(i)
+            out[i] = [lo]
+            loads[hi] -= cost[i]
+            loads[lo] += cost[i]
+            toks[hi] -= tokens[i]
+            toks[lo] += tokens[i]
+            if j is not None:
+                members[lo].remove(j)
+                members[hi].append(j)
+                out[j] = [hi]
+                loads[lo] -= cost[j]
+                loads[hi] += cost[j]
+                toks[lo] -= tokens[j]
+                toks[hi] += tokens[j]
+            improved = True
+            break
+        if not improved:
+            return
+
+
+def ilp_pack(pre: np.ndarray, pre_tok: np.ndarray, cost: np.ndarray, tokens: np.ndarray, width: np.ndarray,
+             cap: float, incumbent: PackResult, time_limit: float = 1.0, solver: str = "highs") -> PackResult:
+    """Solve the packing MILP; return the better of its solution and ``incumbent``.
+
+    ``solver``: ``highs`` (falls back to CBC when HiGHS fails) or ``cbc``. The result records
+    which solver produced it, the solver status, its MIP gap and any fallback.
+    """
+    import pulp
+
+    t0 = time.perf_counter()
+    B, m = len(pre), len(cost)
+    prob = pulp.LpProblem("zeppelin_pack", pulp.LpMinimize)
+    C = pulp.LpVariable("C", lowBound=0, upBound=float(incumbent.makespan))
+    x = {(i, b): pulp.LpVariable(f"x_{i}_{b}", cat="Binary") for i in range(m) for b in range(B)}
+    prob += C
+    for i in range(m):
+        prob += pulp.lpSum(x[i, b] for b in range(B)) == int(width[i])
+    for b in range(B):
+        prob += float(pre[b]) + pulp.lpSum(float(cost[i]) * x[i, b] for i in range(m)) <= C
+        prob += pulp.lpSum(float(tokens[i]) * x[i, b] for i in range(m)) <= float(cap) - float(pre_tok[b])
+    # symmetry breaking is unsafe with unequal preloads; warm start values for CBC
+    for i, bs in enumerate(incumbent.bins):
+        for b in range(B):
+            x[i, b].setInitialValue(1 if b in bs else 0)
+    C.setInitialValue(float(incumbent.makespan))
+
+    tried: list[str] = []
+    names = [solver] + (["cbc"] if solver == "highs" else [])
+    res = None
+    for name in names:
+        try:
+            if name == "highs":
+                s = pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=1e-4, threads=1)
+            else:
+                s = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(np.ceil(time_limit))), warmStart=True,
+                                      gapRel=1e-4, threads=1)
+            prob.solve(s)
+        except Exception as e:  # solver missing or crashed: try the next one
+            tried.append(f"{name} failed ({e.__class__.__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})")
+            continue
+        status = pulp.LpStatus.get(prob.status, str(prob.status))
+        sol_status = prob.sol_status
+        gap = None
+        if name == "highs":
+            try:
+                info = prob.solverModel.getInfo()
+                gap = float(info.mip_gap)
+                if not np.isfinite(gap):
+                    gap = None
+            except Exception:
+                gap = None
+        if sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+            bins = [[b for b in range(B) if (x[i, b].value() or 0) > 0.5] for i in range(m)]
+            ok = all(len(bins[i]) == int(width[i]) for i in range(m))
+            if ok:
+                loads = np.array(pre, dtype=np.float64)
+                toks = np.array(pre_tok, dtype=np.float64)
+                for i, bs in enumerate(bins):
+                    for b in bs:
+                        loads[b] += cost[i]
+                        toks[b] += tokens[i]
+                if (toks <= cap + 1e-6).all():
+                    st = "optimal" if sol_status == pulp.LpSolutionOptimal else "time_limit"
+                    if sol_status == pulp.LpSolutionOptimal:
+                        gap = 0.0 if gap is None else gap
+                    res = PackResult(bins, loads, toks, float(loads.max()), incumbent.lower_bound, solver=name,
+                                     status=st, ilp_gap=gap, greedy_makespan=incumbent.greedy_makespan)
+                    break
+            tried.append(f"{name} returned an inconsistent solution ({status})")
+            continue
+        if prob.status == pulp.LpStatusInfeasible or status == "Infeasible":
+            # the cutoff C <= greedy makespan plus optimality: greedy is optimal up to tolerance
+            res = None
+            tried.append(f"{name}: no solution better than greedy ({status})")
+            break
+        tried.append(f"{name}: {status} without a feasible solution in {time_limit:g} s")
+    elapsed = time.perf_counter() - t0
+    if res is None or res.makespan > incumbent.makespan * (1 + 1e-9):
+        inc = PackResult(incumbent.bins, incumbent.loads, incumbent.tokens, incumbent.makespan,
+                         incumbent.lower_bound, solver="greedy", status="ok",
+                         time_s=incumbent.time_s + elapsed, greedy_makespan=incumbent.greedy_makespan,
+                         fallback_reason="; ".join(tried) or "ILP did not improve on greedy")
+        return inc
+    res.time_s = incumbent.time_s + elapsed
+    if tried:
+        res.fallback_reason = "; ".join(tried)
+    return res
+
+
+def pack(pre, pre_tok, cost, tokens, width, cap: float, *, ilp: str = "auto", time_limit: float = 0.2,
+         tol: float = 0.01, max_ilp_vars: int = 1200, solver: str = "highs") -> PackResult:
+    """Greedy, then the ILP where it pays.
+
+    ``ilp``: ``auto`` (ILP when greedy's gap to the lower bound exceeds ``tol`` and the model has
+    at most ``max_ilp_vars`` binaries), ``always`` (any size), ``never``.
+    """
+    pre = np.asarray(pre, dtype=np.float64)
+    pre_tok = np.asarray(pre_tok, dtype=np.float64)
+    cost = np.asarray(cost, dtype=np.float64)
+    tokens = np.asarray(tokens, dtype=np.float64)
+    width = np.asarray(width, dtype=np.int64)
+    g = greedy_pack(pre, pre_tok, cost, tokens, width, cap)
+    if ilp == "never" or len(cost) == 0:
+        return g
+    nvars = len(cost) * len(pre)
+    if ilp == "auto":
+        if g.gap <= tol:
+            return g
+        if nvars > max_ilp_vars:
+            g.fallback_reason = f"ILP skipped: {nvars} binaries > {max_ilp_vars} (greedy used)"
+            return g
+    return ilp_pack(pre, pre_tok, cost, tokens, width, cap, g, time_limit=time_limit, solver=solver)

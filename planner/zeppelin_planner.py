@@ -1,0 +1,424 @@
+"""The Zeppelin planner (DESIGN.md section 5): tiers, two-level assignment, queues, routes, remap.
+
+Per training step:
+
+1. **Micro-batches.** When the step's tokens do not fit the units' activation memory at once,
+   the sequences are split into the fewest micro-batches that fit (gradient accumulation),
+   balancing work across them.
+2. **Tiers / spans** (:mod:`.tiering`): each sequence gets a span G (1 = local, 2..U = ring inside a
+   node, whole nodes = ring across nodes) from memory and the cost crossovers.
+3. **Level 1** (:func:`.assign.pack` over nodes): inter-node sequences take the least-loaded
+   ``k`` nodes, intra-node groups and local sequences fill node buckets so nodes carry equal cost
+   within their token capacity.
+4. **Level 2** (the same packer over the units of each node, with the inter-node work as
+   preload): intra-node groups take G units, local sequences fill the rest.
+   A unit's cost = ring attention incl. exposed communication (or L^2 attention when local) +
+   linear work per token - the same model :func:`.predict.predict_step` evaluates.
+5. **Groups, queues.** One ring group per split sequence, cut into 2G zigzag chunks
+   (:func:`zigzag_ranges`); ring order follows the topology (units of a node contiguous, each
+   node entered once, so a ring crosses the network only ``k`` times; successive inter-node rings
+   enter each node at a different unit so their boundary hops use different NICs). Each unit's
+   queue: inter groups, then intra, then its local group - in one global group order, so no two
+   units wait on each other in opposite orders.
+6. **Routes** and **remap** (``planner/routing.py``, ``planner/remap.py``), then the prediction.
+
+Registered variants: ``zeppelin`` (everything), ``zeppelin-no-routing``, ``zeppelin-no-remap``,
+``zeppelin-tiers-only`` (neither routing nor remapping) - the paper's ablation.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from zeppelin.schemas.layout import zigzag_ranges
+from zeppelin.schemas.plan import (
+    Group,
+    MicroBatch,
+    Placement,
+    RemapInfo,
+    Route,
+    RoutePath,
+    Sequence,
+    SolverInfo,
+    StepPlan,
+)
+
+from .assign import PackInfeasible, PackResult, pack
+from .base import PlanContext, Planner, PlanningError, register
+from .predict import predict_step
+from .tiering import Span, Tiering, zigzag_max_tokens
+
+
+def _optional(module: str):
+    import importlib
+
+    try:
+        return importlib.import_module(f"zeppelin.planner.{module}")
+    except ModuleNotFoundError as e:
+        if e.name == f"zeppelin.planner.{module}":
+            return None
+        raise
+
+
+@dataclass
+class _MBStats:
+    results: list[PackResult] = field(default_factory=list)
+    tiers: dict[str, int] = field(default_factory=lambda: {"local": 0, "intra": 0, "inter": 0})
+    unit_loads: np.ndarray | None = None
+    level2_lb: float = 0.0
+
+
+@register
+class ZeppelinPlanner(Planner):
+    name = "zeppelin"
+    description = "Zeppelin: hierarchical tiers, two-level ILP/greedy assignment, NIC routing, remapping"
+    routing = True
+    remap = True
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self.ilp = str(options.get("ilp", "auto"))
+        if self.ilp not in ("auto", "always", "never"):
+            raise PlanningError(f"ilp option must be auto, always or never (got {self.ilp!r})")
+        self.time_limit = float(options.get("time_limit", 0.2))
+        if not self.time_limit > 0:
+            raise PlanningError(f"--time-limit must be positive (got {self.time_limit:g})")
+        self.solver = str(options.get("solver", "highs"))
+        if self.solver not in ("highs", "cbc"):
+            raise PlanningError(f"solver must be highs or cbc (got {self.solver!r})")
+        self.tol = float(options.get("tol", 0.01))
+        self._tiering: dict[int, Tiering] = {}
+
+    # ------------------------------------------------------------------ helpers
+    def tiering(self, ctx: PlanContext) -> Tiering:
+        t = self._tiering.get(id(ctx))
+        if t is None or t.ctx is not ctx:
+            t = self._tiering[id(ctx)] = Tiering(ctx)
+        return t
+
+    def _routed_nics(self, ctx: PlanContext) -> int:
+        return len(ctx.cluster.nics) if self.routing else 1
+
+    def check_feasible(self, ctx: PlanContext, sequences: list[Sequence]) -> None:
+        tg = self.tiering(ctx)
+        if tg.cap <= 0:
+            c = ctx.cost
+            raise PlanningError(
+                f"model {ctx.model.name} does not fit on {ctx.cluster.gpu.name}: model states take "
+                f"{c.model_state_bytes() / 1e9:.1f} GB of {c.gpu_capacity_bytes / 1e9:.1f} GB usable "
+                f"(try --zero-stage 3 or --tp)")
+        for i, s in enumerate(sequences):
+            if tg.min_span(s.length) is None:
+                raise PlanningError(
+                    f"sequence {i} (sample {s.sample_id}) has {s.length:,} tokens, more than the whole cluster "
+                    f"can hold ({tg.n} units x {tg.cap:,} tokens = {tg.n * tg.cap:,}); lower --max-seq-len "
+                    f"or use more GPUs / --zero-stage 3")
+
+    # ------------------------------------------------------------------ main entry
+    def plan_step(self, ctx: PlanContext, step: int, sequences: list[Sequence]) -> StepPlan:
+        t0 = time.perf_counter()
+        if not sequences:
+            raise PlanningError(f"step {step} has no sequences")
+        self.check_feasible(ctx, sequences)
+        tg = self.tiering(ctx)
+        lengths = np.array([s.length for s in sequences], dtype=np.int64)
+        n = ctx.num_units
+        budget = n * tg.cap
+        M = max(1, math.ceil(int(lengths.sum()) / (0.9 * budget)))
+        last_err = None
+        while M <= len(sequences):
+            parts = self._split_microbatches(ctx, lengths, M, budget)
+            if parts is None:
+                M += 1
+                continue
+            try:
+                built = [self._best_microbatch(ctx, tg, sequences, idx) for idx in parts]
+            except PackInfeasible as e:
+                last_err = e
+                M += 1
+                continue
+            break
+        else:  # pragma: no cover - every sequence fits alone (checked above)
+            raise PlanningError(f"step {step}: no feasible assignment found ({last_err})")
+        mbs = [b[0] for b in built]
+        stats = [b[1] for b in built]
+        plan = StepPlan(step=step, sequences=list(sequences), microbatches=mbs)
+        plan.prediction = predict_step(ctx, plan)
+        plan.solver = self._solver_info(stats, time.perf_counter() - t0)
+        tiers = {"local": 0, "intra": 0, "inter": 0}
+        for st in stats:
+            for k, v in st.tiers.items():
+                tiers[k] += v
+        plan.notes = {"tiers": tiers, "microbatches": len(mbs)}
+        return plan
+
+    # ------------------------------------------------------------------ micro-batches
+    def _split_microbatches(self, ctx: PlanContext, lengths: np.ndarray, M: int, budget: int) -> list[list[int]] | None:
+        if M == 1:
+            return [list(range(len(lengths)))] if lengths.sum() <= budget else None
+        work = ctx.cost.work(lengths)
+        order = np.argsort(-work, kind="stable")
+        loads = np.zeros(M)
+        toks = np.zeros(M)
+        parts: list[list[int]] = [[] for _ in range(M)]
+        for i in order:
+            L = lengths[i]
+            cand = np.flatnonzero(toks + L <= budget)
+            if len(cand) == 0:
+                return None
+            # least work among those with room; ties: fewest tokens
+            j = int(cand[np.lexsort((toks[cand], loads[cand]))[0]])
+            parts[j].append(int(i))
+            loads[j] += work[i]
+            toks[j] += L
+        if any(not p for p in parts):
+            return None
+        return [sorted(p) for p in parts]
+
+    # ------------------------------------------------------------------ one micro-batch
+    def _best_microbatch(self, ctx: PlanContext, tg: Tiering, sequences: list[Sequence], idx: list[int]):
+        """Two candidate layouts, the faster by the prediction wins:
+
+        * balance the total per-unit cost (attention + linear work in the attention layout), no
+          remap - the linear modules run where attention ran;
+        * (remap layer on) balance attention alone and let the remap even out the linear tokens
+          (the remap layer itself drops the remap when it does not pay).
+        """
+        first = self._plan_microbatch(ctx, tg, sequences, idx, balance="total")
+        if not self.remap or _optional("remap") is None:
+            return first
+        try:
+            second = self._plan_microbatch(ctx, tg, sequences, idx, balance="attention")
+        except PackInfeasible:
+            return first
+        t1 = self._mb_time(ctx, sequences, first[0])
+        t2 = self._mb_time(ctx, sequences, second[0])
+        return second if t2 < t1 else first
+
+    @staticmethod
+    def _mb_time(ctx: PlanContext, sequences: list[Sequence], mb: MicroBatch) -> float:
+        return predict_step(ctx, StepPlan(step=0, sequences=list(sequences), microbatches=[mb])).step_time_s
+
+    def _plan_microbatch(self, ctx: PlanContext, tg: Tiering, sequences: list[Sequence], idx: list[int],
+                         balance: str = "total"):
+        cost = ctx.cost
+        layers = ctx.model.num_layers
+        n, upn, N = ctx.num_units, ctx.units_per_node, ctx.cluster.num_nodes
+        cap = tg.cap
+        rn = self._routed_nics(ctx)
+        Ls = np.array([sequences[i].length for i in idx], dtype=np.float64)
+        T_avg = max(float(Ls.sum()) / n, 1.0)
+        lin_rate = float(layers * cost.linear_time(T_avg) + cost.head_time(T_avg)) / T_avg
+        if balance == "attention":
+            lin_rate = 0.0
+        # spans: target = balanced per-unit load, refined once with the chosen spans' costs
+        local_t = tg.per_unit_time(Ls, Span(1, "local"), lin_rate)
+        target = float(local_t.sum()) / n
+        spans: list[Span] = []
+        for _ in range(2):
+            spans = tg.choose_spans(Ls, target, lin_rate, rn)
+            unit_t = self._unit_times(tg, Ls, spans, lin_rate, rn)
+            target = float(sum(t * s.G for t, s in zip(unit_t, spans))) / n
+        st = _MBStats()
+        for s in spans:
+            st.tiers[s.tier] += 1
+        per_tok = np.array([zigzag_max_tokens(int(L), s.G) for L, s in zip(Ls, spans)], dtype=np.float64)
+
+        # ---- level 1: nodes
+        node_of: list[list[int]] = [[0] for _ in idx]  # nodes of each sequence
+        if N > 1:
+            w1 = np.array([s.nodes if s.tier == "inter" else 1 for s in spans], dtype=np.int64)
+            c1 = np.array([unit_t[j] * (upn if s.tier == "inter" else s.G) for j, s in enumerate(spans)])
+            k1 = np.array([per_tok[j] * upn if s.tier == "inter" else per_tok[j] * s.G
+                           for j, s in enumerate(spans)])
+            r1 = pack(np.zeros(N), np.zeros(N), c1, k1, w1, float(cap * upn), ilp=self.ilp,
+                      time_limit=self.time_limit, tol=self.tol, solver=self.solver)
+            st.results.append(r1)
+            node_of = r1.bins
+        # ---- level 2: units inside each node
+        unit_of: list[list[int]] = [[] for _ in idx]
+        inter_js = [j for j, s in enumerate(spans) if s.tier == "inter"]
+        pre = np.zeros(n)
+        pre_tok = np.zeros(n)
+        for j in inter_js:
+            for nd in node_of[j]:
+                pre[nd * upn:(nd + 1) * upn] += unit_t[j]
+                pre_tok[nd * upn:(nd + 1) * upn] += per_tok[j]
+        by_node: dict[int, list[int]] = {}
+        for j, s in enumerate(spans):
+            if s.tier != "inter":
+                by_node.setdefault(node_of[j][0], []).append(j)
+        node_results: dict[int, PackResult] = {}
+        for nd in range(N):
+            js = by_node.get(nd, [])
+            sl = slice(nd * upn, (nd + 1) * upn)
+            r2 = pack(pre[sl], pre_tok[sl], unit_t[js], per_tok[js], np.array([spans[j].G for j in js], dtype=np.int64),
+                      float(cap), ilp="never")
+            node_results[nd] = r2
+        # polish with the ILP only the nodes that set the step's maximum
+        if self.ilp != "never" and node_results:
+            lb = max(r.lower_bound for r in node_results.values())
+            top = max(r.makespan for r in node_results.values())
+            for nd, r2 in node_results.items():
+                hot = r2.makespan > (1 + self.tol) * lb and r2.makespan >= top * (1 - self.tol)
+                if self.ilp == "always" or (hot and r2.gap > self.tol):
+                    js = by_node.get(nd, [])
+                    sl = slice(nd * upn, (nd + 1) * upn)
+                    node_results[nd] = pack(pre[sl], pre_tok[sl], unit_t[js], per_tok[js],
+                                            np.array([spans[j].G for j in js], dtype=np.int64), float(cap),
+                                            ilp="always" if self.ilp == "always" else "auto",
+                                            time_limit=self.time_limit, tol=self.tol, solver=self.solver)
+        loads = np.zeros(n)
+        for nd, r2 in node_results.items():
+            loads[nd * upn:(nd + 1) * upn] = r2.loads
+            for jj, j in enumerate(by_node.get(nd, [])):
+                unit_of[j] = [nd * upn + b for b in r2.bins[jj]]
+            st.results.append(r2)
+        st.unit_loads = loads
+        st.level2_lb = max((r.lower_bound for r in node_results.values()), default=0.0)
+
+        # ---- groups, placements, queues
+        groups: list[Group] = []
+        placements: list[Placement] = []
+        inter_count = np.zeros(N, dtype=np.int64)
+        gpn_nic = max(1, ctx.cluster.gpus_per_node // len(ctx.cluster.nics))
+        for j in sorted(inter_js, key=lambda j: -Ls[j]):
+            units: list[int] = []
+            for nd in sorted(node_of[j]):
+                rot = int(inter_count[nd]) * max(1, gpn_nic // ctx.tp) % upn
+                inter_count[nd] += 1
+                base = list(range(nd * upn, (nd + 1) * upn))
+                units += base[rot:] + base[:rot]
+            groups.append(Group(kind="ring", tier="inter", units=units))
+            placements.append(Placement(seq=idx[j], group=len(groups) - 1, scheme="zigzag",
+                                        ranges=zigzag_ranges(int(Ls[j]), len(units))))
+        for j in sorted((j for j, s in enumerate(spans) if s.tier == "intra"), key=lambda j: -Ls[j]):
+            units = sorted(unit_of[j])
+            groups.append(Group(kind="ring", tier="intra", units=units))
+            placements.append(Placement(seq=idx[j], group=len(groups) - 1, scheme="zigzag",
+                                        ranges=zigzag_ranges(int(Ls[j]), len(units))))
+        local_by_unit: dict[int, list[int]] = {}
+        for j, s in enumerate(spans):
+            if s.tier == "local":
+                local_by_unit.setdefault(unit_of[j][0], []).append(j)
+        for u in sorted(local_by_unit):
+            groups.append(Group(kind="local", tier="local", units=[u]))
+            for j in sorted(local_by_unit[u], key=lambda j: -Ls[j]):
+                placements.append(Placement(seq=idx[j], group=len(groups) - 1, scheme="whole",
+                                            ranges=[[[0, int(Ls[j])]]]))
+        queues: list[list[int]] = [[] for _ in range(n)]
+        for gi, g in enumerate(groups):  # global order: inter, intra, local
+            for u in g.units:
+                queues[u].append(gi)
+        mb = MicroBatch(groups=groups, placements=placements, queues=queues)
+        mb.routes = self._routes(ctx, mb)
+        layout, info = self._remap(ctx, sequences, mb, enable=self.remap and balance == "attention")
+        mb.linear_layout = layout
+        mb.remap = info
+        return mb, st
+
+    @staticmethod
+    def _unit_times(tg: Tiering, Ls: np.ndarray, spans: list[Span], lin_rate: float, rn: int) -> np.ndarray:
+        out = np.empty(len(Ls))
+        by: dict[tuple[int, str], list[int]] = {}
+        for j, s in enumerate(spans):
+            by.setdefault((s.G, s.tier), []).append(j)
+        for (G, tier), js in by.items():
+            out[js] = tg.per_unit_time(Ls[js], spans[js[0]], lin_rate, rn)
+        return out
+
+    # ------------------------------------------------------------------ routing / remap
+    def _routes(self, ctx: PlanContext, mb: MicroBatch) -> list[Route]:
+        routing = _optional("routing")
+        if routing is not None:
+            return routing.plan_routes(ctx, mb, enable=self.routing)
+        return direct_routes(ctx, mb)
+
+    def _remap(self, ctx: PlanContext, sequences: list[Sequence], mb: MicroBatch, enable: bool):
+        remap = _optional("remap")
+        if remap is None:
+            return None, RemapInfo(enabled=False, reason="remap layer not available in this build")
+        if self.remap and not enable:
+            return None, RemapInfo(enabled=False, reason="layout balanced on attention + linear cost; "
+                                                         "a remap would not pay")
+        return remap.plan_remap(ctx, sequences, mb, enable=enable)
+
+    # ------------------------------------------------------------------ solver record
+    def _solver_info(self, stats: list[_MBStats], elapsed: float) -> SolverInfo:
+        results = [r for st in stats for r in st.results]
+        names = {r.solver for r in results}
+        name = "highs" if "highs" in names else "cbc" if "cbc" in names else "greedy"
+        ilp_runs = [r for r in results if r.solver in ("highs", "cbc")]
+        if not ilp_runs:
+            status = "ok"
+        elif all(r.status == "optimal" for r in ilp_runs):
+            status = "optimal"
+        else:
+            status = "time_limit"
+        # gap of the unit assignment: the hottest unit vs the best any assignment could do
+        gaps = []
+        for st in stats:
+            if st.unit_loads is not None and len(st.unit_loads):
+                mk = float(st.unit_loads.max())
+                gaps.append(max(mk - st.level2_lb, 0.0) / mk if mk > 0 else 0.0)
+        reasons = []
+        for r in results:
+            if r.fallback_reason and r.fallback_reason not in reasons:
+                reasons.append(r.fallback_reason)
+        return SolverInfo(name=name, status=status, gap=max(gaps) if gaps else 0.0, time_s=elapsed,
+                          fallback_reason="; ".join(reasons[:3]) if reasons else None)
+
+
+def direct_routes(ctx: PlanContext, mb: MicroBatch) -> list[Route]:
+    """Single-path routes for every inter-node hop of the inter-tier ring groups (no proxies)."""
+    upn = ctx.units_per_node
+    cost = ctx.cost
+    held: dict[tuple[int, int], int] = {}
+    for p in mb.placements:
+        g = mb.groups[p.group]
+        if g.tier != "inter" or len(g.units) < 2:
+            continue
+        for pos, u in enumerate(g.units):
+            held[(p.group, u)] = held.get((p.group, u), 0) + sum(e - s for s, e in p.ranges[pos])
+    routes = []
+    for gi, g in enumerate(mb.groups):
+        if g.tier != "inter" or len(g.units) < 2:
+            continue
+        G = len(g.units)
+        for pos, src in enumerate(g.units):
+            dst = g.units[(pos + 1) % G]
+            if src // upn == dst // upn:
+                continue
+            tok = held.get((gi, src), 0)
+            nic_s = ctx.cluster.nic_of(src * ctx.tp)
+            nic_d = ctx.cluster.nic_of(dst * ctx.tp)
+            routes.append(Route(group=gi, src=src, dst=dst, tokens=tok, bytes=int(cost.kv_bytes(tok)),
+                                paths=[RoutePath(via_src=src, via_dst=dst, nic_src=nic_s, nic_dst=nic_d,
+                                                 tokens=tok)]))
+    return routes
+
+
+@register
+class ZeppelinNoRouting(ZeppelinPlanner):
+    name = "zeppelin-no-routing"
+    description = "Zeppelin without the NIC routing layer (direct ring transfers)"
+    routing = False
+
+
+@register
+class ZeppelinNoRemap(ZeppelinPlanner):
+    name = "zeppelin-no-remap"
+    description = "Zeppelin without the remapping layer (linear modules use the attention layout)"
+    remap = False
+
+
+@register
+class ZeppelinTiersOnly(ZeppelinPlanner):
+    name = "zeppelin-tiers-only"
+    description = "Zeppelin tiers and assignment only: no routing, no remapping"
+    routing = False
+    remap = False
