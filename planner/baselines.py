@@ -19,7 +19,6 @@ published description (DESIGN.md section 5) with its best-known setting:
 from __future__ import annotations
 
 import numpy as np
-
 from zeppelin.schemas.plan import Sequence, SolverInfo, StepPlan
 
 from .base import PlanContext, Planner, PlanningError, register
@@ -246,7 +245,7 @@ class HybridDP(Planner):
 
 
 class _DCPGroup:
-    __slots__ = ("start", "size", "seqs", "held", "load")
+    __slots__ = ("held", "load", "seqs", "size", "start")
 
     def __init__(self, start: int, size: int):
         self.start, self.size, self.seqs, self.held, self.load = start, size, [], 0, 0.0
@@ -381,4 +380,4 @@ class MegatronDCP(Planner):
 
 
 # the MILP-based systems live in their own modules; importing them registers them
-from . import bl_flexsp, bl_hydraulis  # noqa: E402,F401
+from . import bl_flexsp, bl_hydraulis  # noqa: F401

@@ -12,7 +12,8 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from zeppelin.schemas.layout import contiguous_ranges, ranges_tokens, zigzag_ranges
 from zeppelin.schemas.plan import (

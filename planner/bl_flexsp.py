@@ -21,10 +21,10 @@ Per step:
 
 from __future__ import annotations
 
+import time
 from functools import lru_cache
 
 import numpy as np
-
 from zeppelin.schemas.plan import Sequence, SolverInfo, StepPlan
 
 from . import bl_milp
@@ -176,6 +176,10 @@ def _solve_microbatch(model, lengths, sizes, n, cap, Q, time_limit, use_milp):
             if j > 0:
                 prob += y[s, j] <= y[s, j - 1]
     prob += pulp.lpSum(s * y[s, j] for (s, j) in y) <= n
+    # valid cut: the busiest group is at least the micro-batch's least total work spread over N units
+    least = [min(float(s * model.coef([bounds[q]], s)[0]) for s in sizes if ceil_div(bounds[q], s) <= cap)
+             for q in range(nq)]
+    prob += n * C >= sum(counts[q] * least[q] for q in range(nq))
     for q in range(nq):
         prob += pulp.lpSum(v for (qq, s, j), v in x.items() if qq == q) == counts[q]
     # warm start: the greedy homogeneous solution (slot j of size sg = greedy group j)
@@ -199,7 +203,7 @@ def _solve_microbatch(model, lengths, sizes, n, cap, Q, time_limit, use_milp):
             continue
         members = []
         for q in range(nq):
-            k = int(round(bl_milp.value(x[q, s, j]))) if (q, s, j) in x else 0
+            k = round(bl_milp.value(x[q, s, j])) if (q, s, j) in x else 0
             for _ in range(k):
                 if not pools[q]:
                     ok = False
@@ -259,12 +263,15 @@ class FlexSP(Planner):
         if not cands:
             raise PlanningError(f"flexsp: no micro-batch count in [{m_min}, {m_min + span}) fits the step's "
                                 f"{sum(lengths)} tokens into memory ({cap} tokens per GPU, {n} units)")
-        per_solve = time_limit / max(1, sum(len(mbs) for _, mbs in cands))
+        deadline = t.t0 + time_limit
+        solves_left = sum(len(mbs) for _, mbs in cands)
         best = None
         records = []
         for M, mbs in cands:
             total, sol, recs, results = 0.0, [], [], []
             for mb in mbs:
+                per_solve = max(0.05, (deadline - time.perf_counter()) / max(solves_left, 1))
+                solves_left -= 1
                 out = _solve_microbatch(model, [lengths[i] for i in mb], sizes, n, cap, Q, per_solve,
                                         mode == "milp")
                 if out is None:

@@ -22,10 +22,9 @@ The prediction uses one cost model per TP degree (:func:`predict_replicas`), sin
 
 from __future__ import annotations
 
-from collections import defaultdict
+import time
 
 import numpy as np
-
 from zeppelin.schemas.plan import Prediction, RankLoads, Replica, Sequence, SolverInfo, StepPlan
 
 from . import bl_milp
@@ -44,22 +43,12 @@ def _cost_models(ctx: PlanContext, degrees: list[int]) -> dict[int, CostModel]:
 
 
 def tp_comm_time(cm: CostModel, tokens) -> np.ndarray:
-    """Whole-model fwd+bwd tensor-parallel communication of a replica holding ``tokens`` tokens.
-
-    Megatron TP with sequence parallelism: per layer an all-gather before and a reduce-scatter after
-    both the attention and the MLP block forward, the same four collectives backward; each moves
-    (t-1)/t of the ``tokens x hidden`` activations per rank over the intra-node link. The shared
-    cost model has no TP term (its units are whole replicas), so Hydraulis' mixed-TP replicas
-    would otherwise get tensor parallelism for free.
-    """
-    t = cm.tp
+    """Whole-model exposed TP-SP communication of a replica holding ``tokens`` tokens (the shared
+    cost model's collective sites, with the context's ``tp_overlap`` mode)."""
     T = np.asarray(tokens, dtype=np.float64)
-    if t <= 1:
+    if cm.tp <= 1:
         return np.zeros_like(T)
-    lk = cm.intra_link
-    nbytes = T * cm.model.hidden * cm.model.dtype_bytes * (t - 1) / t
-    per_coll = np.where(T > 0, lk.alpha_s * (t - 1) + nbytes / (lk.bandwidth_GBps * 1e9), 0.0)
-    return cm.model.num_layers * 8.0 * per_coll
+    return cm.model.num_layers * cm.tp_exposed_comm(T)
 
 
 def predict_replicas(ctx: PlanContext, step: StepPlan) -> Prediction:
@@ -249,7 +238,7 @@ class Hydraulis(Planner):
             return _dispatch(cost, fits, tps == tps.max(), rng, n_restarts)
 
         scored = sorted(((evaluate(cfg, 1)[0], a, cfg) for a, cfg in enumerate(configs)))
-        span0, _, cfg = scored[0]
+        _, _, cfg = scored[0]
         span, owner = evaluate(cfg, restarts)
 
         # replicas: aligned blocks of ranks, largest degree first
@@ -270,7 +259,7 @@ class Hydraulis(Planner):
             v_min = max(1, ceil_div(sum(Ld.values()), cap[d]))
             tasks.append((r, items, c, Ld, v_min))
         n_ilp = sum(v_span for (_, items, _, Ld, v_min) in tasks if len(items) > 1 and v_min > 1) or 1
-        per_solve = time_limit / n_ilp
+        deadline = t.t0 + time_limit
         fallback = None
         for r, items, c, Ld, v_min in tasks:
             d = cfg[r]
@@ -287,6 +276,8 @@ class Hydraulis(Planner):
                 if best is not None and (sum(c.values()) / v + const) * v >= best[0]:
                     break  # (max + c) * v >= (mean + c) * v can no longer win
                 greedy = _lpt_pack(items, c, Ld, cap[d], v)
+                per_solve = max(0.05, (deadline - time.perf_counter()) / max(n_ilp, 1))
+                n_ilp -= 1
                 bins, res = _pack_ilp(items, c, Ld, cap[d], v, greedy, per_solve)
                 results.append(res)
                 if bins is None:

@@ -5,6 +5,7 @@ pulp is imported inside functions so that importing the planner registry stays f
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -62,6 +63,8 @@ def solve(prob, time_limit: float, start: dict | None = None, gap_rel: float = 1
         M = highspy.HighsModelStatus
         has = h.getInfo().primal_solution_status == 2  # kSolutionStatusFeasible
         gap = float(h.getInfo().mip_gap) if has else None
+        if gap is not None and not math.isfinite(gap):
+            gap = None
         if ms == M.kOptimal:
             status, gap = "optimal", (gap if gap is not None and gap > gap_rel else 0.0)
         elif ms == M.kInfeasible:
