@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
+import numpy as np
 from zeppelin.schemas.cluster import ClusterSpec
 from zeppelin.schemas.layout import ranges_tokens
 from zeppelin.schemas.plan import MicroBatch, Route, RoutePath
@@ -154,6 +155,18 @@ def unit_nic(ctx: PlanContext, unit: int) -> str:
     return ctx.cluster.nic_of(unit * ctx.tp)
 
 
+class _NicOf(dict):
+    """Memoised :func:`unit_nic` for one call."""
+
+    def __init__(self, ctx: PlanContext):
+        super().__init__()
+        self.ctx = ctx
+
+    def __missing__(self, unit: int) -> str:
+        v = self[unit] = unit_nic(self.ctx, unit)
+        return v
+
+
 @dataclass
 class _Transfer:
     group: int
@@ -171,11 +184,16 @@ def inter_transfers(ctx: PlanContext, mb: MicroBatch) -> list[tuple[int, int, in
 
 
 def _held_tokens(mb: MicroBatch) -> dict[int, list[int]]:
+    """Per inter-node ring group, the tokens each ring position holds."""
     held: dict[int, list[int]] = {}
+    ng = len(mb.groups)
     for p in mb.placements:
-        if not 0 <= p.group < len(mb.groups):
+        if not 0 <= p.group < ng:
             continue
-        G = len(mb.groups[p.group].units)
+        g = mb.groups[p.group]
+        if g.kind != "ring" or g.tier != "inter":
+            continue
+        G = len(g.units)
         row = held.setdefault(p.group, [0] * G)
         for pos in range(min(G, len(p.ranges))):
             row[pos] += ranges_tokens(p.ranges[pos])
@@ -207,11 +225,11 @@ def _transfers(ctx: PlanContext, mb: MicroBatch) -> list[_Transfer]:
 class _Node:
     """Per-node facts used by the router: the NICs units use and the proxy candidates on each."""
 
-    def __init__(self, ctx: PlanContext, k: int, inter_members: set[int], busy: set[int]):
+    def __init__(self, ctx: PlanContext, k: int, inter_members: set[int], busy: set[int], nic_of: _NicOf):
         upn = ctx.units_per_node
         self.units_on: dict[str, list[int]] = defaultdict(list)
         for u in range(k * upn, (k + 1) * upn):
-            self.units_on[unit_nic(ctx, u)].append(u)
+            self.units_on[nic_of[u]].append(u)
         self.nics = sorted(self.units_on)
         bw = {n.id: n.bandwidth_GBps for n in ctx.cluster.nics}
         self.bw = {n: bw[n.split("/", 1)[1]] for n in self.nics}
@@ -231,10 +249,11 @@ class _Node:
 
 
 def _spread(ctx: PlanContext, node: _Node, items: list[tuple[_Transfer, int]], side: str,
-            inter_members: set[int], busy: set[int]) -> None:
+            inter_members: set[int], busy: set[int], nic_of: _NicOf) -> None:
     """Water-fill one (node, direction): ``items`` are (transfer, home unit) pairs."""
     cost = ctx.cost
-    kvb = float(cost.ring_round_bytes(1)) * ctx.model.num_layers  # bytes per token per round, all layers
+    round_b = float(cost.ring_round_bytes(1))  # bytes per token per ring round (fwd + bwd), one layer
+    kvb = round_b * ctx.model.num_layers
     ref_bw = float(cost.inter_link.bandwidth_GBps)
     nic0_bw = ctx.cluster.nics[0].bandwidth_GBps
 
@@ -245,7 +264,7 @@ def _spread(ctx: PlanContext, node: _Node, items: list[tuple[_Transfer, int]], s
     load: dict[str, float] = {n: 0.0 for n in node.nics}
     on: dict[str, list[_Transfer]] = defaultdict(list)
     for t, home in items:
-        n = unit_nic(ctx, home)
+        n = nic_of[home]
         load[n] += t.tokens * t.rounds
         on[n].append(t)
     tot_bw = sum(node.bw.values())
@@ -267,7 +286,9 @@ def _spread(ctx: PlanContext, node: _Node, items: list[tuple[_Transfer, int]], s
                 moves.append((t, x))
     if not moves:
         return
-    hop = max(float(cost.p2p_time(cost.ring_round_bytes(x), "intra")) * t.rounds * ctx.model.num_layers
+    # NVLink dispatch (or combine) of the moved part, every ring round of every layer: alpha + bytes / bw
+    nv = cost.intra_link
+    hop = max((nv.alpha_s + x * round_b / (nv.bandwidth_GBps * 1e9)) * t.rounds * ctx.model.num_layers
               for t, x in moves)
     if t_lvl + hop >= t_dir:  # the NVLink dispatch/combine would eat the gain
         return
@@ -303,6 +324,7 @@ def plan_routes(ctx: PlanContext, mb: MicroBatch, enable: bool = True) -> list[R
     if not transfers:
         return []
     upn = ctx.units_per_node
+    nic_of = _NicOf(ctx)
     for t in transfers:
         t.send = {t.src: t.tokens}
         t.recv = {t.dst: t.tokens}
@@ -318,25 +340,21 @@ def plan_routes(ctx: PlanContext, mb: MicroBatch, enable: bool = True) -> list[R
         for side, table in (("send", sends), ("recv", recvs)):
             for k, items in table.items():
                 if k not in nodes:
-                    nodes[k] = _Node(ctx, k, inter_members, busy)
-                _spread(ctx, nodes[k], items, side, inter_members, busy)
-    routes: list[Route] = []
-    for t in transfers:
-        paths = _pair(ctx, t)
-        routes.append(Route.model_construct(group=t.group, src=t.src, dst=t.dst, tokens=t.tokens,
-                                            bytes=int(cost.kv_bytes(t.tokens)), paths=paths))
-    return routes
+                    nodes[k] = _Node(ctx, k, inter_members, busy, nic_of)
+                _spread(ctx, nodes[k], items, side, inter_members, busy, nic_of)
+    nbytes = cost.kv_bytes(np.array([t.tokens for t in transfers], dtype=np.float64))
+    return [Route(group=t.group, src=t.src, dst=t.dst, tokens=t.tokens, bytes=int(b), paths=_pair(nic_of, t))
+            for t, b in zip(transfers, nbytes)]
 
 
-def _pair(ctx: PlanContext, t: _Transfer) -> list[RoutePath]:
+def _pair(nic_of: _NicOf, t: _Transfer) -> list[RoutePath]:
     """Pair the send-side and receive-side splits of a transfer into paths (direct part first)."""
     s = {u: x for u, x in t.send.items() if x > 0}
     r = {u: x for u, x in t.recv.items() if x > 0}
     paths: list[RoutePath] = []
 
     def add(a: int, b: int, x: int) -> None:
-        paths.append(RoutePath.model_construct(via_src=a, via_dst=b, nic_src=unit_nic(ctx, a),
-                                               nic_dst=unit_nic(ctx, b), tokens=x))
+        paths.append(RoutePath(via_src=a, via_dst=b, nic_src=nic_of[a], nic_dst=nic_of[b], tokens=x))
 
     direct = min(s.get(t.src, 0), r.get(t.dst, 0))
     if direct:

@@ -6,7 +6,13 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from zeppelin.planner.base import PlanContext, PlanningError
-from zeppelin.planner.remap import balanced_targets, merge_segments, plan_remap, transfer_matrix
+from zeppelin.planner.remap import (
+    attention_layout,
+    balanced_targets,
+    merge_segments,
+    plan_remap,
+    transfer_matrix,
+)
 from zeppelin.schemas.cluster import cluster_preset
 from zeppelin.schemas.common import content_hash
 from zeppelin.schemas.model import model_preset
@@ -178,6 +184,9 @@ def test_bad_microbatch_is_a_planning_error():
     short = mb.model_copy(update={"queues": mb.queues[:4]})
     with pytest.raises(PlanningError, match=r"^micro-batch has 4 queues for 16 units$"):
         plan_remap(ctx, seqs, short)
+    stray = mb.model_copy(update={"queues": [[1]] + mb.queues[1:]})
+    with pytest.raises(PlanningError, match=r"^unit 0 queues group 1 it is not a member of$"):
+        plan_remap(ctx, seqs, stray)
 
 
 # ------------------------------------------------------------------------------ properties
@@ -205,6 +214,7 @@ def test_random_layouts(data):
             queues[u].append(i)
     mb = MicroBatch(groups=groups, placements=pls, queues=queues)
     att = [mb.attention_segments(u) for u in range(n)]
+    assert attention_layout(mb, n) == att
     held = [tokens(s) for s in att]
     layout, info = plan_remap(ctx, seqs, mb)
     total = sum(held)
