@@ -155,19 +155,19 @@ def _solve_microbatch(model, lengths, sizes, n, cap, Q, time_limit, use_milp):
     for b in bucket:
         counts[b] += 1
     prob = pulp.LpProblem("flexsp", pulp.LpMinimize)
-    C = pulp.LpVariable("C", lowBound=0)
+    C = bl_milp.new_var(prob, "C", lowBound=0)
     prob += C
     y, x = {}, {}
     for s in sizes:
         need = [ceil_div(bounds[q], s) for q in range(nq)]
         coef = model.coef(bounds, s)
         for j in range(min(n // s, len(lengths))):
-            y[s, j] = pulp.LpVariable(f"y_{s}_{j}", cat="Binary")
+            y[s, j] = bl_milp.new_var(prob, f"y_{s}_{j}", cat="Binary")
             terms_t, terms_m = [], []
             for q in range(nq):
                 if need[q] > cap:
                     continue
-                x[q, s, j] = pulp.LpVariable(f"x_{q}_{s}_{j}", lowBound=0, upBound=counts[q], cat="Integer")
+                x[q, s, j] = bl_milp.new_var(prob, f"x_{q}_{s}_{j}", lowBound=0, upBound=counts[q], cat="Integer")
                 prob += x[q, s, j] <= counts[q] * y[s, j]
                 terms_t.append(float(coef[q]) * x[q, s, j])
                 terms_m.append(need[q] * x[q, s, j])

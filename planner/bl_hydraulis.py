@@ -143,12 +143,12 @@ def _pack_ilp(items, c, L, cap, v, start, time_limit):
 
     order = sorted(items, key=lambda k: (-c[k], k))
     prob = pulp.LpProblem("hydraulis_pack", pulp.LpMinimize)
-    z = pulp.LpVariable("z", lowBound=0)
+    z = bl_milp.new_var(prob, "z", lowBound=0)
     prob += z
     x = {}
     for a, i in enumerate(order):
         for m in range(min(v, a + 1)):  # symmetry breaking: the a-th item uses one of the first a+1 bins
-            x[i, m] = pulp.LpVariable(f"x_{i}_{m}", cat="Binary")
+            x[i, m] = bl_milp.new_var(prob, f"x_{i}_{m}", cat="Binary")
         prob += pulp.lpSum(x[i, m] for m in range(min(v, a + 1))) == 1
     for m in range(v):
         prob += pulp.lpSum(c[i] * x[i, mm] for (i, mm) in x if mm == m) <= z

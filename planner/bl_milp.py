@@ -95,3 +95,12 @@ def solve(prob, time_limit: float, start: dict | None = None, gap_rel: float = 1
 def value(var) -> float:
     v = var.varValue
     return 0.0 if v is None else float(v)
+
+
+def new_var(prob, name: str, lowBound=None, upBound=None, cat: str = "Continuous"):
+    """A variable attached to ``prob`` (PuLP >= 3.3 API; older PuLP: a free-standing LpVariable)."""
+    if hasattr(prob, "add_variable"):
+        return prob.add_variable(name, lowBound, upBound, cat=cat)
+    import pulp
+
+    return pulp.LpVariable(name, lowBound, upBound, cat=cat)

@@ -1,0 +1,382 @@
+"""Baseline planners: valid plans on small and medium clusters, each system's defining property,
+FlexSP's MILP vs its greedy warm start, exact failure messages."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from zeppelin.planner.base import PlanContext, PlanningError, get_planner
+from zeppelin.planner.bl_common import cp_padded, next_pow2
+from zeppelin.planner.bl_flexsp import bucketize
+from zeppelin.planner.cost import CostModel
+from zeppelin.planner.inputs import resolve_cluster, resolve_model, resolve_profile
+from zeppelin.schemas.plan import (
+    InputHashes,
+    PlanHeader,
+    Sequence,
+    read_plan,
+    structural_problems,
+    write_plan,
+)
+
+PLANNERS = ["packed-dp", "te-cp", "llama3-cp", "ulysses", "hybrid-dp", "megatron-dcp", "flexsp", "hydraulis"]
+SETUPS = [("local-cpu:2x2", "tiny"), ("zeppelin-a", "llama-7b"), ("zeppelin-c:4", "llama-13b")]
+FAST = {"time_limit": 0.3}  # short solver limits keep the suite fast
+
+
+def make_ctx(cluster: str, model: str, **kw) -> PlanContext:
+    c = resolve_cluster(cluster)
+    return PlanContext(cluster=c, model=resolve_model(model), profile=resolve_profile(None, c), **kw)
+
+
+def header(ctx: PlanContext, name: str, steps: int = 1) -> PlanHeader:
+    return PlanHeader(planner=name, num_steps=steps, world_size=ctx.cluster.world_size, tp=ctx.tp,
+                      cluster=ctx.cluster, model=ctx.model, profile=ctx.profile,
+                      hashes=InputHashes(cluster="-", model="-", profile="-", manifest="-"))
+
+
+def seqs(lengths) -> list[Sequence]:
+    return [Sequence(sample_id=10 * i + 3, length=int(x)) for i, x in enumerate(lengths)]
+
+
+def random_lengths(rng, cap: int, n: int, longest: float) -> list[int]:
+    """Long-tailed: mostly short sequences, a few up to ``longest`` x capacity."""
+    short = np.maximum(rng.lognormal(np.log(cap / 12), 0.8, n - 3), 8)
+    long_ = rng.uniform(0.5, 1.0, 3) * longest * cap
+    return [int(min(x, longest * cap)) for x in np.concatenate([short, long_])]
+
+
+def capacities(ctx: PlanContext, plan) -> list[int]:
+    if plan.replicas is None:
+        return [ctx.cost.token_capacity] * ctx.num_units
+    return [CostModel(ctx.cluster, ctx.model, ctx.profile, tp=r.tp).token_capacity for r in plan.replicas]
+
+
+def assert_memory_ok(ctx: PlanContext, plan) -> None:
+    cap = capacities(ctx, plan)
+    for k, mb in enumerate(plan.microbatches):
+        for u in range(len(mb.queues)):
+            held = sum(e - s for _, s, e in mb.attention_segments(u))
+            assert held <= cap[u], f"micro-batch {k} unit {u} holds {held} > {cap[u]}"
+    assert max(plan.prediction.per_unit.memory_gb) <= ctx.cluster.gpu.memory_gb
+
+
+def groups_of(plan):
+    """(micro-batch, group, placements) triples."""
+    for mb in plan.microbatches:
+        by = {}
+        for p in mb.placements:
+            by.setdefault(p.group, []).append(p)
+        for gi, g in enumerate(mb.groups):
+            yield mb, g, by.get(gi, [])
+
+
+# ---------------------------------------------------------------------------------------------
+# every planner: valid plans (structure, memory, file round trip)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", PLANNERS)
+@pytest.mark.parametrize("cluster,model", SETUPS)
+def test_plans_are_valid(name, cluster, model, tmp_path):
+    ctx = make_ctx(cluster, model)
+    cap = ctx.cost.token_capacity
+    rng = np.random.default_rng(7)
+    steps = []
+    for k in range(2):
+        # packed-dp cannot split a sequence; hydraulis replicas (TP only) hold about tp x a GPU's share
+        longest = {"packed-dp": 1.0, "hydraulis": 1.8}.get(name, 2.5)
+        lengths = random_lengths(rng, cap, 24, longest)
+        plan = get_planner(name, **FAST).plan_step(ctx, k, seqs(lengths))
+        assert structural_problems(header(ctx, name), plan) == []
+        assert_memory_ok(ctx, plan)
+        assert plan.prediction.step_time_s > 0 and plan.solver is not None
+        assert sorted(p.seq for mb in plan.microbatches for p in mb.placements) == list(range(len(lengths)))
+        steps.append(plan)
+    path = tmp_path / f"{name}.plan"
+    write_plan(path, header(ctx, name, steps=2), steps)
+    _, back = read_plan(path)  # the reader re-checks the structural invariants
+    assert [s.model_dump() for s in back] == [s.model_dump() for s in steps]
+
+
+# ---------------------------------------------------------------------------------------------
+# packed-dp
+# ---------------------------------------------------------------------------------------------
+
+
+def test_packed_dp_local_and_token_balanced():
+    ctx = make_ctx("zeppelin-a", "llama-7b")
+    rng = np.random.default_rng(1)
+    lengths = [int(x) for x in rng.integers(100, 4000, 64)]
+    plan = get_planner("packed-dp").plan_step(ctx, 0, seqs(lengths))
+    assert all(g.kind == "local" and len(ps) >= 1 for _, g, ps in groups_of(plan))
+    per_unit = plan.prediction.per_unit.tokens
+    assert sum(per_unit) == sum(lengths)
+    assert max(per_unit) - min(per_unit) <= max(lengths)  # LPT bound
+
+
+def test_packed_dp_fails_honestly():
+    ctx = make_ctx("zeppelin-a", "llama-7b")
+    cap = ctx.cost.token_capacity
+    assert cap == 9596
+    with pytest.raises(PlanningError) as e:
+        get_planner("packed-dp").plan_step(ctx, 0, seqs([100, 200, 300, 250000]))
+    assert str(e.value) == ("sequence 3 (sample 33, 250000 tokens) does not fit one GPU (capacity 9596 tokens); "
+                            "packed-dp cannot split sequences")
+
+
+# ---------------------------------------------------------------------------------------------
+# te-cp / llama3-cp / ulysses
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,kind", [("te-cp", "ring"), ("llama3-cp", "allgather")])
+def test_static_cp_one_size_zigzag_padded(name, kind):
+    ctx = make_ctx("zeppelin-a", "llama-7b")
+    cap = ctx.cost.token_capacity
+    lengths = random_lengths(np.random.default_rng(3), cap, 40, 3.0)
+    plan = get_planner(name).plan_step(ctx, 0, seqs(lengths))
+    G = plan.notes["cp"]
+    sizes = {len(g.units) for _, g, ps in groups_of(plan) if ps}
+    assert sizes == {G}
+    # the CP size fits the longest sequence, the next smaller power of two does not, and the
+    # chosen size has the best predicted step time among the feasible ones
+    Lmax = max(lengths)
+    cands = {int(k): v for k, v in plan.notes["candidates_step_time_s"].items()}
+    smallest = min(cands)
+    assert cp_padded(Lmax, smallest) // smallest <= cap
+    assert cp_padded(Lmax, smallest // 2) // (smallest // 2) > cap
+    assert plan.prediction.step_time_s == min(cands.values())
+    for _, g, ps in groups_of(plan):
+        assert g.kind == kind and g.units == list(range(g.units[0], g.units[0] + G)) and g.units[0] % G == 0
+        for p in ps:
+            P = p.padded_length or lengths[p.seq]
+            assert P % (2 * G) == 0 and P - lengths[p.seq] < 2 * G
+            c = P // (2 * G)
+            assert p.scheme == "zigzag"
+            assert p.ranges == [[[i * c, (i + 1) * c], [(2 * G - 1 - i) * c, (2 * G - i) * c]] for i in range(G)]
+
+
+def test_te_cp_forced_size_routes_and_hand_layout():
+    ctx = make_ctx("zeppelin-a", "llama-7b")
+    plan = get_planner("te-cp", cp=16).plan_step(ctx, 0, seqs([10, 30000]))
+    (mb,) = plan.microbatches
+    (g,) = mb.groups
+    assert g.tier == "inter" and g.units == list(range(16))
+    p10 = next(p for p in mb.placements if p.seq == 0)
+    assert p10.padded_length == 32 and p10.ranges[0] == [[0, 1], [31, 32]]
+    # direct routes for the two node-crossing hops of the ring (7 -> 8 and 15 -> 0)
+    held = {u: sum(e - s for _, s, e in mb.attention_segments(u)) for u in (7, 15)}
+    assert [(r.src, r.dst) for r in mb.routes] == [(7, 8), (15, 0)]
+    for r in mb.routes:
+        assert r.tokens == held[r.src] == (32 + 30016) // 16
+        (path,) = r.paths
+        assert (path.via_src, path.via_dst) == (r.src, r.dst)
+        assert path.nic_src == ctx.cluster.nic_of(r.src) and path.nic_dst == ctx.cluster.nic_of(r.dst)
+    with pytest.raises(PlanningError) as e:
+        get_planner("te-cp", cp=3).plan_step(ctx, 0, seqs([10]))
+    assert str(e.value) == "te-cp: cp=3 is not usable here (choose one of 1, 2, 4, 8, 16)"
+
+
+def test_te_cp_fails_when_longest_does_not_fit_all_units():
+    ctx = make_ctx("zeppelin-a", "llama-7b")
+    with pytest.raises(PlanningError) as e:
+        get_planner("te-cp").plan_step(ctx, 0, seqs([500, 200000]))
+    assert str(e.value) == ("sequence 1 (sample 13, 200000 tokens) does not fit te-cp even with cp=16 "
+                            "(12500 tokens per GPU, capacity 9596)")
+
+
+def test_ulysses_degree_divides_heads_contiguous():
+    ctx = make_ctx("zeppelin-c:4", "llama-13b")  # 40 heads, 32 units: SP in {1, 2, 4, 8}
+    cap = ctx.cost.token_capacity
+    plan = get_planner("ulysses").plan_step(ctx, 0, seqs(random_lengths(np.random.default_rng(5), cap, 40, 4.0)))
+    G = plan.notes["sp"]
+    assert G in (4, 8) and 40 % G == 0
+    for _, g, ps in groups_of(plan):
+        assert g.kind == "ulysses" and len(g.units) == G
+        for p in ps:
+            assert p.scheme == "contiguous" and p.padded_length is None
+            sizes = [e - s for (s, e), in p.ranges]
+            assert sum(sizes) == plan.sequences[p.seq].length and max(sizes) - min(sizes) <= 1
+    with pytest.raises(PlanningError) as e:
+        get_planner("ulysses", sp=16).plan_step(ctx, 0, seqs([100]))
+    assert str(e.value) == ("ulysses: sp=16 is not usable here (choose one of 1, 2, 4, 8); "
+                            "the SP degree must divide the 40 attention heads per unit")
+
+
+# ---------------------------------------------------------------------------------------------
+# hybrid-dp
+# ---------------------------------------------------------------------------------------------
+
+
+def test_hybrid_dp_flop_based_assignment():
+    ctx = make_ctx("zeppelin-a", "llama-7b")
+    cap = ctx.cost.token_capacity
+    lengths = random_lengths(np.random.default_rng(11), cap, 48, 3.0)
+    plan = get_planner("hybrid-dp").plan_step(ctx, 0, seqs(lengths))
+    work = ctx.cost.work(np.array(lengths, dtype=float))
+    share = work.sum() / ctx.num_units
+    size = {p.seq: len(g.units) for _, g, ps in groups_of(plan) for p in ps}
+    for i, L in enumerate(lengths):
+        big = work[i] > share or L > cap
+        assert (size[i] > 1) == big, (i, L, work[i], share)
+        if big:
+            need = max(-(-L // cap), int(np.ceil(work[i] / share)))
+            assert size[i] == min(next_pow2(need), 16) or cp_padded(L, next_pow2(need)) // next_pow2(need) > cap
+    for _, g, ps in groups_of(plan):
+        assert g.kind == ("ring" if len(g.units) > 1 else "local")
+        assert g.units[0] % len(g.units) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# megatron-dcp
+# ---------------------------------------------------------------------------------------------
+
+
+def test_megatron_dcp_hand_example():
+    ctx = make_ctx("local-cpu:2x2", "tiny")
+    lengths = [350, 150, 120, 90, 80, 60]
+    plan = get_planner("megatron-dcp", max_tokens_per_rank=100).plan_step(ctx, 0, seqs(lengths))
+    got = [sorted((lengths[p.seq], tuple(mb.groups[p.group].units)) for p in mb.placements)
+           for mb in plan.microbatches]
+    assert got == [
+        [(350, (0, 1, 2, 3))],                      # next_pow2(ceil(350/100)) = 4 ranks: the whole wave
+        [(120, (2, 3)), (150, (0, 1))],             # two 2-rank groups
+        [(60, (2, 3)), (80, (1,)), (90, (0,))],     # 1-rank samples; the idle rank 3 widens 60's group
+    ]
+
+
+@pytest.mark.parametrize("cluster,model", SETUPS[1:])
+def test_megatron_dcp_group_sizes_follow_next_pow2_rule(cluster, model):
+    ctx = make_ctx(cluster, model)
+    cap = ctx.cost.token_capacity
+    lengths = random_lengths(np.random.default_rng(2), cap, 60, 6.0)
+    plan = get_planner("megatron-dcp").plan_step(ctx, 0, seqs(lengths))
+    for mb in plan.microbatches:
+        seen = set()
+        for g in mb.groups:
+            G = len(g.units)
+            assert G & (G - 1) == 0 and g.units[0] % G == 0 and not seen & set(g.units)
+            seen |= set(g.units)  # a rank belongs to one CP group per micro-batch
+        for p in mb.placements:
+            L, G = lengths[p.seq], len(mb.groups[p.group].units)
+            assert G >= next_pow2(-(-L // cap))
+
+
+# ---------------------------------------------------------------------------------------------
+# flexsp
+# ---------------------------------------------------------------------------------------------
+
+
+def _padding(lengths, bounds, idx):
+    return sum(bounds[b] - L for L, b in zip(lengths, idx))
+
+
+def test_bucketize_hand_and_brute_force():
+    assert bucketize([1, 2, 3, 10, 11, 50], 2) == ([11, 50], [0, 0, 0, 0, 0, 1])
+    assert bucketize([1, 2, 3, 10, 11, 50], 3) == ([3, 11, 50], [0, 0, 0, 1, 1, 2])
+    rng = np.random.default_rng(4)
+    for _ in range(5):
+        lengths = [int(x) for x in rng.integers(1, 200, 12)]
+        vals = sorted(set(lengths))
+        for Q in (2, 3, 4):
+            bounds, idx = bucketize(lengths, Q)
+            assert all(bounds[b] >= L for L, b in zip(lengths, idx)) and len(bounds) <= Q
+            best = min(
+                sum(min(v for v in list(cut) + [vals[-1]] if v >= L) - L for L in lengths)
+                for cut in itertools.combinations(vals[:-1], min(Q - 1, len(vals) - 1))
+            )
+            assert _padding(lengths, bounds, idx) == best
+
+
+@pytest.mark.timeout(60)
+def test_flexsp_groups_and_milp_not_worse_than_greedy():
+    ctx = make_ctx("zeppelin-a", "llama-7b")
+    cap = ctx.cost.token_capacity
+    lengths = random_lengths(np.random.default_rng(9), cap, 30, 4.0)
+    milp = get_planner("flexsp", time_limit=1.0).plan_step(ctx, 0, seqs(lengths))
+    greedy = get_planner("flexsp", solver="greedy").plan_step(ctx, 0, seqs(lengths))
+    assert milp.solver.name in ("highs", "cbc") and milp.solver.status in ("optimal", "time_limit")
+    assert greedy.solver.name == "greedy"
+    assert milp.notes["objective_s"] <= greedy.notes["objective_s"] + 1e-12
+    assert milp.notes["objective_s"] <= milp.notes["greedy_objective_s"] + 1e-12
+    for mb in milp.microbatches:
+        sizes = [len(g.units) for g in mb.groups]
+        assert sum(sizes) <= ctx.num_units and all(s & (s - 1) == 0 and 32 % s == 0 for s in sizes)
+        covered = sorted(u for g in mb.groups for u in g.units)
+        assert covered == sorted(set(covered))  # groups are disjoint unit blocks
+        for g in mb.groups:
+            assert g.units[0] % len(g.units) == 0 and g.kind == ("ulysses" if len(g.units) > 1 else "local")
+
+
+def test_flexsp_fails_honestly():
+    ctx = make_ctx("local-cpu:2x2", "tiny")  # 4 heads, 4 units: the largest group has 4 units
+    cap = ctx.cost.token_capacity
+    with pytest.raises(PlanningError) as e:
+        get_planner("flexsp", **FAST).plan_step(ctx, 0, seqs([50, 4 * cap + 1]))
+    assert str(e.value) == (f"sequence 1 (sample 13, {4 * cap + 1} tokens) does not fit flexsp: the largest Ulysses "
+                            f"group (4 units; the degree must divide the 4 heads per unit) holds {4 * cap} tokens")
+
+
+# ---------------------------------------------------------------------------------------------
+# hydraulis
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_hydraulis_mixed_tp_replicas_cover_ranks():
+    ctx = make_ctx("zeppelin-a", "llama-7b")
+    caps = {t: CostModel(ctx.cluster, ctx.model, ctx.profile, tp=t).token_capacity for t in (1, 2, 4, 8)}
+    rng = np.random.default_rng(6)
+    lengths = [int(x) for x in rng.integers(500, 6000, 40)] + [int(0.9 * caps[8])]
+    plan = get_planner("hydraulis", **FAST).plan_step(ctx, 0, seqs(lengths))
+    reps = plan.replicas
+    assert sorted(r for rep in reps for r in rep.ranks) == list(range(16))
+    assert len({rep.tp for rep in reps}) > 1  # heterogeneous replicas
+    for rep in reps:
+        assert rep.ranks == list(range(rep.ranks[0], rep.ranks[0] + rep.tp)) and rep.ranks[0] % rep.tp == 0
+    where = {p.seq: mb.groups[p.group].units[0] for mb in plan.microbatches for p in mb.placements}
+    assert reps[where[len(lengths) - 1]].tp == 8  # only a TP=8 replica holds the longest sequence
+    for i, L in enumerate(lengths):
+        assert L <= caps[reps[where[i]].tp]
+    assert structural_problems(header(ctx, "hydraulis"), plan) == []
+    assert plan.notes["replica_tp"] == [r.tp for r in reps]
+
+
+def test_hydraulis_fails_honestly():
+    ctx = make_ctx("local-cpu:2x2", "tiny")
+    cap2 = CostModel(ctx.cluster, ctx.model, ctx.profile, tp=2).token_capacity
+    with pytest.raises(PlanningError) as e:
+        get_planner("hydraulis", **FAST).plan_step(ctx, 0, seqs([cap2 + 1]))
+    assert str(e.value) == (f"sequence 0 (sample 3, {cap2 + 1} tokens) does not fit hydraulis: the largest "
+                            f"replica (tp=2) holds {cap2} tokens")
+
+
+def test_megatron_dcp_and_hybrid_dp_fail_honestly():
+    ctx = make_ctx("local-cpu:2x2", "tiny")
+    cap = ctx.cost.token_capacity
+    L = 4 * cap + 100
+    with pytest.raises(PlanningError) as e:
+        get_planner("megatron-dcp").plan_step(ctx, 0, seqs([L]))
+    assert str(e.value) == (f"sequence 0 (sample 3, {L} tokens) does not fit megatron-dcp: it needs next_pow2(ceil("
+                            f"{L} / {cap})) = 8 ranks, the largest aligned group has 4 units")
+    with pytest.raises(PlanningError) as e:
+        get_planner("hybrid-dp").plan_step(ctx, 0, seqs([L]))
+    assert str(e.value) == (f"sequence 0 (sample 3, {L} tokens) does not fit hybrid-dp: it needs a CP group of 8 "
+                            f"units (capacity {cap} tokens per GPU), the largest aligned group has 4")
+
+
+def test_hydraulis_stage2_ilp_beats_lpt_on_hand_example():
+    from zeppelin.planner.bl_hydraulis import _lpt_pack, _pack_ilp
+
+    items = [0, 1, 2, 3, 4]
+    c = {0: 5.0, 1: 4.0, 2: 3.0, 3: 3.0, 4: 3.0}
+    L = {i: 1 for i in items}
+    greedy = _lpt_pack(items, c, L, cap=3, v=2)
+    assert max(sum(c[i] for i in b) for b in greedy) == 10.0  # LPT: {5,3}, {4,3,3}
+    bins, res = _pack_ilp(items, c, L, 3, 2, greedy, time_limit=5.0)
+    assert res.status == "optimal" and res.gap == 0.0
+    assert sorted(sorted(b) for b in bins) == [[0, 1], [2, 3, 4]]  # {5,4} and {3,3,3}: max 9
