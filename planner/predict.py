@@ -105,6 +105,12 @@ def lower_bounds(ctx: PlanContext, lengths: np.ndarray) -> tuple[float, float]:
 
 
 def predict_step(ctx: PlanContext, step: StepPlan, routed: bool = True) -> Prediction:
+    """Prediction of one step. Steps whose units are replicas of mixed TP degree (Hydraulis plans,
+    ``step.replicas`` set) are predicted per replica with one cost model per TP degree."""
+    if step.replicas is not None and any(r.tp != ctx.tp for r in step.replicas):
+        from .bl_hydraulis import predict_replicas
+
+        return predict_replicas(ctx, step)
     cost = ctx.cost
     n = ctx.num_units
     layers = ctx.model.num_layers
@@ -154,19 +160,27 @@ def predict_step(ctx: PlanContext, step: StepPlan, routed: bool = True) -> Predi
                 attn[u] += layers * t_att
                 comm[u] += layers * t_comm
                 exposed[u] += layers * t_exp
-        lin_held = np.zeros(n)
-        for u in range(n):
-            lin_held[u] = sum(e - s for _, s, e in mb.linear_segments(u))
+        # one pass over the placements (not one scan per unit: plans have thousands of units)
+        if mb.linear_layout is None:
+            lin_held = held.copy()
+        else:
+            lin_held = np.array([sum(e - s for _, s, e in segs) for segs in mb.linear_layout], dtype=np.float64)
         lin += layers * cost.linear_time(lin_held) + cost.head_time(lin_held)
         if ctx.tp > 1:
             t_tp = layers * cost.tp_exposed_comm(lin_held)
             comm += t_tp
             exposed += t_tp
         if mb.linear_layout is not None:
+            att_sets: list[dict[int, list[tuple[int, int]]]] = [defaultdict(list) for _ in range(n)]
+            for p in mb.placements:
+                units = mb.groups[p.group].units
+                for pos, rs in enumerate(p.ranges):
+                    for s, e in rs:
+                        if e > s:
+                            att_sets[units[pos]][p.seq].append((s, e))
             moved = np.zeros(n)
             for u in range(n):
-                a = _segment_set(mb.attention_segments(u))
-                moved[u] = sum(_overlap_out(seg, a) for seg in mb.linear_layout[u])
+                moved[u] = sum(_overlap_out(seg, att_sets[u]) for seg in mb.linear_layout[u])
             t_remap = layers * cost.remap_time(moved)
             comm += t_remap
             exposed += t_remap
