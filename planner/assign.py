@@ -232,7 +232,7 @@ def ilp_pack(pre: np.ndarray, pre_tok: np.ndarray, cost: np.ndarray, tokens: np.
                 s = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(np.ceil(time_limit))), warmStart=True,
                                       gapRel=1e-4, threads=1)
             prob.solve(s)
-        except Exception as e:  # solver missing or crashed: try the next one
+        except Exception as e:  # noqa: BLE001  (solver missing or crashed: try the next one)
             tried.append(f"{name} failed ({e.__class__.__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})")
             continue
         status = pulp.LpStatus.get(prob.status, str(prob.status))
@@ -244,7 +244,7 @@ def ilp_pack(pre: np.ndarray, pre_tok: np.ndarray, cost: np.ndarray, tokens: np.
                 gap = float(info.mip_gap)
                 if not np.isfinite(gap):
                     gap = None
-            except Exception:
+            except Exception:  # noqa: BLE001  (gap is informational)
                 gap = None
         if sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
             bins = [[b for b in range(B) if (x[i, b].value() or 0) > 0.5] for i in range(m)]

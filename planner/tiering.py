@@ -78,6 +78,19 @@ class Span:
     nodes: int = 1
 
 
+@dataclass
+class SpanTable:
+    L: np.ndarray
+    A: np.ndarray  # (spans, seqs) attention seconds per unit, all layers
+    F: np.ndarray  # fits in memory
+    E: np.ndarray  # exposed communication / attention compute
+    G: np.ndarray  # span sizes
+
+    def times(self, lin_rate: float) -> np.ndarray:
+        """Per-unit busy time: attention + linear work on the unit's L/G tokens."""
+        return self.A + lin_rate * self.L[None, :] / self.G[:, None]
+
+
 class Tiering:
     def __init__(self, ctx: PlanContext):
         self.ctx = ctx
@@ -95,9 +108,18 @@ class Tiering:
         self.spans += [Span(k * self.upn, "inter", k) for k in ks]
 
     # ------------------------------------------------------------------ cost of one placement
-    def nic_sharers(self) -> float:
-        """Without routing an inter-node hop uses the boundary unit's own NIC (1 transfer)."""
-        return 1.0
+    def inter_sharers(self, routed_nics: int = 1) -> float:
+        """Effective NIC time factor of one inter-node ring hop (1 = the hop has a NIC to itself).
+
+        Unrouted, a hop uses the boundary unit's own NIC. Routed over ``r`` NICs, each NIC carries
+        1/r of the bytes; as in :func:`zeppelin.planner.predict.predict_step`, a NIC carrying a
+        node's outgoing and incoming pieces counts both (factor 2/r), and each piece pays a
+        dispatch and a combine copy over the intra-node link (2/r * nic_bw / intra_bw)."""
+        if routed_nics <= 1:
+            return 1.0
+        c = self.cost
+        ratio = c.inter_link.bandwidth_GBps / c.intra_link.bandwidth_GBps
+        return min(1.0, 2.0 / routed_nics + 2.0 * ratio / routed_nics)
 
     def per_unit_time(self, L, span: Span, lin_rate: float, routed_nics: int = 1) -> np.ndarray:
         """Predicted busy time (s) on each unit of the span: ring attention incl. exposed
@@ -107,7 +129,7 @@ class Tiering:
         if span.G == 1:
             att = c.attn_time(L)
         else:
-            sharers = 1.0 / max(routed_nics, 1) if span.tier == "inter" else 1.0
+            sharers = self.inter_sharers(routed_nics) if span.tier == "inter" else 1.0
             att = c.ring_attention_time(L, span.G, span.tier, sharers)
         return self.layers * att + lin_rate * L / span.G
 
@@ -115,7 +137,7 @@ class Tiering:
         if span.G == 1:
             return 0.0
         c = self.cost
-        sharers = 1.0 / max(routed_nics, 1) if span.tier == "inter" else 1.0
+        sharers = self.inter_sharers(routed_nics) if span.tier == "inter" else 1.0
         exp = float(c.ring_exposed_comm(L, span.G, span.tier, sharers))
         base = float(c.attn_time(L)) / span.G
         return exp / base if base > 0 else float("inf")
@@ -161,9 +183,9 @@ class Tiering:
         if chosen is None:
             # even the widest span cannot bring it under the target: the step is bounded by
             # this sequence; take the span with the least per-unit time
-            best = min((s for s in self.spans if s.G >= first.G),
-                       key=lambda s: float(self.per_unit_time(L, s, lin_rate, routed_nics)))
-            return best
+            feas = [s for s in self.spans if zigzag_max_tokens(L, s.G) <= self.cap]
+            ts = [float(self.per_unit_time(L, s, lin_rate, routed_nics)) for s in feas]
+            return next(s for s, t in zip(feas, ts) if t <= 1.05 * min(ts))
         # refine: while a piece is coarse and splitting further is free, split further (stay in
         # the same tier: going inter-node only when needed)
         idx = self.spans.index(chosen)
@@ -178,41 +200,58 @@ class Tiering:
             idx += 1
         return self.spans[idx]
 
-    def choose_spans(self, L, target: float, lin_rate: float, routed_nics: int = 1) -> list[Span]:
-        """Vectorised :meth:`choose_span` over an array of lengths (same rule)."""
+    def span_table(self, L, routed_nics: int = 1) -> SpanTable:
+        """Per candidate span and sequence: attention time per unit (all layers, incl. exposed
+        communication), memory fit and exposed-communication fraction. Independent of the step's
+        target and linear rate, so one table serves every refinement of a micro-batch."""
         L = np.asarray(L, dtype=np.float64)
-        m = len(L)
-        if m == 0:
-            return []
-        S = len(self.spans)
+        S, m = len(self.spans), len(L)
         Li = L.astype(np.int64)
-        T = np.empty((S, m))
+        A = np.empty((S, m))
         F = np.empty((S, m), dtype=bool)
         E = np.empty((S, m))
         c = self.cost
         attn_L = c.attn_time(L)
         for k, sp in enumerate(self.spans):
-            T[k] = self.per_unit_time(L, sp, lin_rate, routed_nics)
-            q, r = np.divmod(Li, 2 * sp.G)
-            mx = Li if sp.G == 1 else 2 * q + np.where(r >= sp.G + 1, 2, np.where(r >= 1, 1, 0))
-            F[k] = mx <= self.cap
             if sp.G == 1:
+                A[k] = self.layers * attn_L
+                F[k] = Li <= self.cap
                 E[k] = 0.0
-            else:
-                sharers = 1.0 / max(routed_nics, 1) if sp.tier == "inter" else 1.0
-                base = attn_L / sp.G
-                E[k] = np.where(base > 0, c.ring_exposed_comm(L, sp.G, sp.tier, sharers) / np.maximum(base, 1e-30),
-                                np.inf)
+                continue
+            sharers = self.inter_sharers(routed_nics) if sp.tier == "inter" else 1.0
+            exp = c.ring_exposed_comm(L, sp.G, sp.tier, sharers)
+            base = attn_L / sp.G
+            A[k] = self.layers * (base + exp)  # == ring_attention_time (zigzag-balanced rounds)
+            q, r = np.divmod(Li, 2 * sp.G)
+            F[k] = 2 * q + np.where(r >= sp.G + 1, 2, np.where(r >= 1, 1, 0)) <= self.cap
+            E[k] = np.where(base > 0, exp / np.maximum(base, 1e-30), np.inf)
+        return SpanTable(L, A, F, E, np.array([sp.G for sp in self.spans], dtype=np.float64))
+
+    def choose_spans(self, L, target: float, lin_rate: float, routed_nics: int = 1,
+                     table: SpanTable | None = None) -> list[Span]:
+        """Vectorised :meth:`choose_span` over an array of lengths (same rule)."""
+        tb = table if table is not None else self.span_table(L, routed_nics)
+        return [self.spans[k] for k in self.choose_span_index(tb, target, lin_rate)]
+
+    def choose_span_index(self, tb: SpanTable, target: float, lin_rate: float) -> np.ndarray:
+        m = len(tb.L)
+        S = len(self.spans)
+        if m == 0:
+            return np.zeros(0, dtype=np.int64)
+        F, E = tb.F, tb.E
+        T = tb.times(lin_rate)
         if not F.any(axis=0).all():
             raise ValueError("does not fit")
         ok = F & (T <= target)
         has = ok.any(axis=0)
         idx = np.where(has, ok.argmax(axis=0), 0)
-        first = F.argmax(axis=0)
-        # sequences nothing brings under target: least per-unit time among feasible spans
         if not has.all():
+            # nothing brings it under the target: the step is bounded by this sequence. Take the
+            # smallest span within 5% of the least per-unit time (exposed ring communication
+            # hardly shrinks with G, so wider spans would only waste device time)
             Tm = np.where(F, T, np.inf)
-            idx = np.where(has, idx, Tm.argmin(axis=0))
+            near = Tm <= 1.05 * Tm.min(axis=0)[None, :]
+            idx = np.where(has, idx, near.argmax(axis=0))
         tiers = np.array([sp.tier == "inter" for sp in self.spans])
         active = has.copy()
         cols = np.arange(m)
@@ -224,8 +263,7 @@ class Tiering:
                     & ~(tiers[nxt] & ~tiers[idx]) & (E[nxt, cols] <= FREE_WASTE) & F[nxt, cols])
             idx = np.where(step, nxt, idx)
             active = step
-        del first
-        return [self.spans[k] for k in idx]
+        return idx
 
     # ------------------------------------------------------------------ explanation
     def summary(self, routed_nics: int | None = None) -> dict:
@@ -244,12 +282,12 @@ class Tiering:
         c, cl, m = self.cost, self.ctx.cluster, self.ctx.model
         s = self.summary()
         lines = [
-            f"Tier thresholds for {m.name} on {cl.name} ({cl.num_nodes} nodes x {cl.gpus_per_node} GPUs, "
-            f"tp={self.ctx.tp}: {self.n} units, {self.upn} per node)",
+            (f"Tier thresholds for {m.name} on {cl.name} ({cl.num_nodes} nodes x {cl.gpus_per_node} GPUs, "
+            f"tp={self.ctx.tp}: {self.n} units, {self.upn} per node)"),
             "",
-            "Memory (activations after model states, ZeRO stage "
+            ("Memory (activations after model states, ZeRO stage "
             f"{self.ctx.zero_stage}: {c.model_state_bytes() / 1e9:.1f} GB states, "
-            f"{c.activation_bytes_per_token / 1e6:.3f} MB per token):",
+            f"{c.activation_bytes_per_token / 1e6:.3f} MB per token):"),
             f"  one unit holds     {s['memory']['unit']:>10,} tokens  -> longer sequences must be split",
             f"  one node holds     {s['memory']['node']:>10,} tokens  -> longer sequences must span nodes",
             f"  the cluster holds  {s['memory']['cluster']:>10,} tokens  -> longer sequences cannot be trained",

@@ -50,7 +50,7 @@ from zeppelin.schemas.plan import (
 from .assign import PackInfeasible, PackResult, pack
 from .base import PlanContext, Planner, PlanningError, register
 from .predict import predict_step
-from .tiering import Span, Tiering, zigzag_max_tokens
+from .tiering import Tiering, zigzag_max_tokens
 
 
 def _optional(module: str):
@@ -84,14 +84,18 @@ class ZeppelinPlanner(Planner):
         self.ilp = str(options.get("ilp", "auto"))
         if self.ilp not in ("auto", "always", "never"):
             raise PlanningError(f"ilp option must be auto, always or never (got {self.ilp!r})")
-        self.time_limit = float(options.get("time_limit", 0.2))
+        self.time_limit = float(options.get("time_limit", 0.05))
         if not self.time_limit > 0:
             raise PlanningError(f"--time-limit must be positive (got {self.time_limit:g})")
         self.solver = str(options.get("solver", "highs"))
         if self.solver not in ("highs", "cbc"):
             raise PlanningError(f"solver must be highs or cbc (got {self.solver!r})")
         self.tol = float(options.get("tol", 0.01))
+        # the ILP runs where it pays: small instances whose greedy solution is not provably close
+        self.max_ilp_vars_nodes = int(options.get("max_ilp_vars_nodes", 600))
+        self.max_ilp_vars_units = int(options.get("max_ilp_vars_units", 400))
         self._tiering: dict[int, Tiering] = {}
+        self._tables: dict = {}
 
     # ------------------------------------------------------------------ helpers
     def tiering(self, ctx: PlanContext) -> Tiering:
@@ -136,7 +140,15 @@ class ZeppelinPlanner(Planner):
                 M += 1
                 continue
             try:
-                built = [self._best_microbatch(ctx, tg, sequences, idx) for idx in parts]
+                # plan micro-batches coarse ones first, each balanced on top of the per-unit load
+                # the earlier ones left (the step time is the per-unit sum over micro-batches)
+                carry = np.zeros(n)
+                order = sorted(range(len(parts)), key=lambda k: -max(lengths[i] for i in parts[k]))
+                built = [None] * len(parts)
+                for k in order:
+                    mb, st, per_unit = self._best_microbatch(ctx, tg, sequences, parts[k], carry)
+                    carry = carry + per_unit
+                    built[k] = (mb, st)
             except PackInfeasible as e:
                 last_err = e
                 M += 1
@@ -180,31 +192,38 @@ class ZeppelinPlanner(Planner):
         return [sorted(p) for p in parts]
 
     # ------------------------------------------------------------------ one micro-batch
-    def _best_microbatch(self, ctx: PlanContext, tg: Tiering, sequences: list[Sequence], idx: list[int]):
+    def _best_microbatch(self, ctx: PlanContext, tg: Tiering, sequences: list[Sequence], idx: list[int],
+                         carry: np.ndarray):
         """Two candidate layouts, the faster by the prediction wins:
 
         * balance the total per-unit cost (attention + linear work in the attention layout), no
           remap - the linear modules run where attention ran;
         * (remap layer on) balance attention alone and let the remap even out the linear tokens
           (the remap layer itself drops the remap when it does not pay).
-        """
-        first = self._plan_microbatch(ctx, tg, sequences, idx, balance="total")
-        if not self.remap or _optional("remap") is None:
-            return first
-        try:
-            second = self._plan_microbatch(ctx, tg, sequences, idx, balance="attention")
-        except PackInfeasible:
-            return first
-        t1 = self._mb_time(ctx, sequences, first[0])
-        t2 = self._mb_time(ctx, sequences, second[0])
-        return second if t2 < t1 else first
+
+        Returns the micro-batch, its stats and its predicted per-unit time (without the step's
+        gradient all-reduce)."""
+        cands = [self._plan_microbatch(ctx, tg, sequences, idx, carry, balance="total")]
+        if self.remap and _optional("remap") is not None:
+            try:
+                cands.append(self._plan_microbatch(ctx, tg, sequences, idx, carry, balance="attention"))
+            except PackInfeasible:
+                pass
+        best = None
+        for mb, st in cands:
+            per_unit = self._mb_unit_times(ctx, sequences, mb)
+            t = float((carry + per_unit).max())
+            if best is None or t < best[0]:
+                best = (t, mb, st, per_unit)
+        return best[1], best[2], best[3]
 
     @staticmethod
-    def _mb_time(ctx: PlanContext, sequences: list[Sequence], mb: MicroBatch) -> float:
-        return predict_step(ctx, StepPlan(step=0, sequences=list(sequences), microbatches=[mb])).step_time_s
+    def _mb_unit_times(ctx: PlanContext, sequences: list[Sequence], mb: MicroBatch) -> np.ndarray:
+        pr = predict_step(ctx, StepPlan(step=0, sequences=list(sequences), microbatches=[mb]))
+        return np.array(pr.per_unit.total_s) - ctx.cost.grad_allreduce_time(ctx.num_units)
 
     def _plan_microbatch(self, ctx: PlanContext, tg: Tiering, sequences: list[Sequence], idx: list[int],
-                         balance: str = "total"):
+                         carry: np.ndarray, balance: str = "total"):
         cost = ctx.cost
         layers = ctx.model.num_layers
         n, upn, N = ctx.num_units, ctx.units_per_node, ctx.cluster.num_nodes
@@ -216,13 +235,18 @@ class ZeppelinPlanner(Planner):
         if balance == "attention":
             lin_rate = 0.0
         # spans: target = balanced per-unit load, refined once with the chosen spans' costs
-        local_t = tg.per_unit_time(Ls, Span(1, "local"), lin_rate)
-        target = float(local_t.sum()) / n
-        spans: list[Span] = []
+        tb = self._tables.get(tuple(idx))
+        if tb is None:
+            tb = tg.span_table(Ls, rn)
+            self._tables = {tuple(idx): tb}  # shared by both balance candidates of this micro-batch
+        T_all = tb.times(lin_rate)
+        target = float(T_all[0].sum()) / n
+        cols = np.arange(len(Ls))
         for _ in range(2):
-            spans = tg.choose_spans(Ls, target, lin_rate, rn)
-            unit_t = self._unit_times(tg, Ls, spans, lin_rate, rn)
-            target = float(sum(t * s.G for t, s in zip(unit_t, spans))) / n
+            k = tg.choose_span_index(tb, target, lin_rate)
+            unit_t = T_all[k, cols]
+            target = float((unit_t * tb.G[k]).sum()) / n
+        spans = [tg.spans[x] for x in k]
         st = _MBStats()
         for s in spans:
             st.tiers[s.tier] += 1
@@ -235,14 +259,15 @@ class ZeppelinPlanner(Planner):
             c1 = np.array([unit_t[j] * (upn if s.tier == "inter" else s.G) for j, s in enumerate(spans)])
             k1 = np.array([per_tok[j] * upn if s.tier == "inter" else per_tok[j] * s.G
                            for j, s in enumerate(spans)])
-            r1 = pack(np.zeros(N), np.zeros(N), c1, k1, w1, float(cap * upn), ilp=self.ilp,
-                      time_limit=self.time_limit, tol=self.tol, solver=self.solver)
+            r1 = pack(carry.reshape(N, upn).sum(axis=1), np.zeros(N), c1, k1, w1, float(cap * upn), ilp=self.ilp,
+                      time_limit=self.time_limit, tol=self.tol, solver=self.solver,
+                      max_ilp_vars=self.max_ilp_vars_nodes)
             st.results.append(r1)
             node_of = r1.bins
         # ---- level 2: units inside each node
         unit_of: list[list[int]] = [[] for _ in idx]
         inter_js = [j for j, s in enumerate(spans) if s.tier == "inter"]
-        pre = np.zeros(n)
+        pre = np.array(carry, dtype=np.float64)
         pre_tok = np.zeros(n)
         for j in inter_js:
             for nd in node_of[j]:
@@ -271,7 +296,8 @@ class ZeppelinPlanner(Planner):
                     node_results[nd] = pack(pre[sl], pre_tok[sl], unit_t[js], per_tok[js],
                                             np.array([spans[j].G for j in js], dtype=np.int64), float(cap),
                                             ilp="always" if self.ilp == "always" else "auto",
-                                            time_limit=self.time_limit, tol=self.tol, solver=self.solver)
+                                            time_limit=self.time_limit, tol=self.tol, solver=self.solver,
+                                            max_ilp_vars=self.max_ilp_vars_units)
         loads = np.zeros(n)
         for nd, r2 in node_results.items():
             loads[nd * upn:(nd + 1) * upn] = r2.loads
@@ -320,16 +346,6 @@ class ZeppelinPlanner(Planner):
         mb.linear_layout = layout
         mb.remap = info
         return mb, st
-
-    @staticmethod
-    def _unit_times(tg: Tiering, Ls: np.ndarray, spans: list[Span], lin_rate: float, rn: int) -> np.ndarray:
-        out = np.empty(len(Ls))
-        by: dict[tuple[int, str], list[int]] = {}
-        for j, s in enumerate(spans):
-            by.setdefault((s.G, s.tier), []).append(j)
-        for (G, tier), js in by.items():
-            out[js] = tg.per_unit_time(Ls[js], spans[js[0]], lin_rate, rn)
-        return out
 
     # ------------------------------------------------------------------ routing / remap
     def _routes(self, ctx: PlanContext, mb: MicroBatch) -> list[Route]:
