@@ -7,13 +7,12 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
-
 from zeppelin.schemas.common import atomic_write
 from zeppelin.schemas.plan import PlanHeader, Prediction, StepPlan
 
 from .simulate import SimResult
 
-__all__ = ["step_prediction", "group_rows", "load_rows", "render_step", "draw_png"]
+__all__ = ["draw_png", "group_rows", "load_rows", "render_step", "step_prediction"]
 
 _BAR = 40
 
@@ -101,9 +100,9 @@ def render_step(header: PlanHeader, step: StepPlan, console) -> None:
         lt.add_column(col, justify="left" if col == "load" else "right")
     for u, a, li, ex, tot, tok in rows:
         bar = Text()
-        na = int(round(a / tmax * _BAR))
-        nl = int(round((a + li) / tmax * _BAR)) - na
-        ne = int(round(tot / tmax * _BAR)) - na - nl
+        na = round(a / tmax * _BAR)
+        nl = round((a + li) / tmax * _BAR) - na
+        ne = round(tot / tmax * _BAR) - na - nl
         bar.append("█" * na, style="cyan")
         bar.append("▓" * max(nl, 0), style="green")
         bar.append("░" * max(ne, 0), style="red")
@@ -171,6 +170,7 @@ def draw_png(header: PlanHeader, step: StepPlan, result: SimResult, path: str | 
             ax.axvline(offset * 1e3, color="k", lw=0.6, ls="--")
         offset += mb.layer_period_s
     ax.set_ylim(n - 0.5, -0.5)
+    ax.set_yticks(range(0, n, max(1, n // 32)))
     ax.set_xlabel("ms (one transformer layer, forward + backward, per micro-batch)")
     ax.set_ylabel("unit")
     ax.set_title(f"{header.planner}: step {step.step}, simulated {result.step_time_s * 1e3:.1f} ms "
@@ -185,6 +185,8 @@ def draw_png(header: PlanHeader, step: StepPlan, result: SimResult, path: str | 
     for u, s in enumerate(result.units):
         grid[u // upn, u % upn] = s.busy_s * 1e3
     im = ax2.imshow(grid, aspect="auto", cmap="viridis")
+    ax2.set_xticks(range(0, upn, max(1, upn // 16)))
+    ax2.set_yticks(range(0, rows, max(1, rows // 32)))
     ax2.set_xlabel("unit within node")
     ax2.set_ylabel("node")
     ax2.set_title("busy ms per unit")

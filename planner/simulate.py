@@ -39,19 +39,27 @@ from __future__ import annotations
 import heapq
 import math
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
-
 from zeppelin.schemas.layout import ranges_tokens
-from zeppelin.schemas.plan import MicroBatch, PlanHeader, Placement, Replica, StepPlan
+from zeppelin.schemas.plan import MicroBatch, Placement, PlanHeader, Replica, StepPlan
 
 from .base import PlanContext
 from .cost import CostModel
 
-__all__ = ["Engine", "Simulator", "SimResult", "context_from_header", "simulate_plan", "render_step_table",
-           "render_summary_table", "summary"]
+__all__ = [
+    "Engine",
+    "SimResult",
+    "Simulator",
+    "context_from_header",
+    "render_step_table",
+    "render_summary_table",
+    "simulate_plan",
+    "summary",
+]
 
 _INF = float("inf")
 
@@ -62,8 +70,30 @@ _INF = float("inf")
 
 
 class _Task:
-    __slots__ = ("tid", "kind", "unit", "prio", "dur", "nbytes", "work", "res", "lat", "cap", "cat",
-                 "units", "nics", "succs", "ndeps", "start", "bw_start", "end", "rem", "rate")
+    __slots__ = (
+        "bw_start",
+        "cap",
+        "cat",
+        "dur",
+        "end",
+        "kind",
+        "lat",
+        "nbytes",
+        "ndeps",
+        "nics",
+        "prio",
+        "rate",
+        "rem",
+        "res",
+        "start",
+        "succs",
+        "tid",
+        "unit",
+        "units",
+        "work",
+        "t_upd",
+        "hseq",
+    )
 
     def __init__(self, tid: int, kind: str):
         self.tid, self.kind = tid, kind
@@ -85,6 +115,8 @@ class _Task:
         self.end = math.nan
         self.rem = 0.0
         self.rate = 0.0
+        self.t_upd = 0.0
+        self.hseq = -1
 
 
 class Engine:
@@ -134,30 +166,38 @@ class Engine:
 
     # ------------------------------------------------------------------ run
     def run(self) -> float:
+        """Simulate every task; returns the time the last one ends.
+
+        Flow progress is tracked lazily: a flow's remaining work is brought up to date only when
+        its rate changes, and its projected end sits in the event heap (stale entries are skipped).
+        When the set of transferring flows changes, only the flows connected to the changed
+        resources (through shared resources) get new max-min rates.
+        """
         tasks = self.tasks
-        heap: list[tuple[float, int, int, int]] = []  # (time, seq, code, tid); code 0 = compute done, 1 = bw start
+        heap: list[tuple[float, int, int, int]] = []  # (time, seq, code, tid)
         ready: dict[int, list] = defaultdict(list)
         busy: dict[int, bool] = defaultdict(bool)
-        active: list[_Task] = []
+        on_res: dict[str, set[int]] = defaultdict(set)  # resource -> transferring flows
+        dirty: set[str] = set()
+        fresh: list[_Task] = []  # flows that started transferring at this instant
         kick: set[int] = set()  # units whose stream should pick a task once this instant is processed
         seq = 0
-        state = {"dirty": False}
+        COMPUTE_DONE, BW_START, FLOW_DONE = 0, 1, 2
 
-        def push(time: float, code: int, tid: int) -> None:
+        def push(time: float, code: int, tid: int) -> int:
             nonlocal seq
             seq += 1
             heapq.heappush(heap, (time, seq, code, tid))
+            return seq
 
         def start_next(u: int, now: float) -> None:
-            # called after every event of the instant has been processed, so that all tasks that
-            # become ready at the same time compete by priority
             q = ready[u]
             if q and not busy[u]:
                 _, tid = heapq.heappop(q)
                 t = tasks[tid]
                 t.start = now
                 busy[u] = True
-                push(now + t.dur, 0, tid)
+                push(now + t.dur, COMPUTE_DONE, tid)
 
         def finish(t: _Task, now: float) -> None:
             t.end = now
@@ -175,9 +215,11 @@ class Engine:
             if t.work <= 0.0:
                 finish(t, now)
                 return
-            t.rem = t.work
-            active.append(t)
-            state["dirty"] = True
+            t.rem, t.t_upd, t.rate = t.work, now, 0.0
+            for r in t.res:
+                on_res[r].add(t.tid)
+                dirty.add(r)
+            fresh.append(t)
 
         def release(t: _Task, now: float) -> None:
             if t.kind == "compute":
@@ -186,94 +228,117 @@ class Engine:
             elif t.kind == "flow":
                 t.start = now
                 if t.lat > 0.0:
-                    push(now + t.lat, 1, t.tid)
+                    push(now + t.lat, BW_START, t.tid)
                 else:
                     begin_bw(t, now)
             else:
                 t.start = now
                 finish(t, now)
 
-        now = 0.0
-        for t in [t for t in tasks if t.ndeps == 0]:
-            release(t, 0.0)
-
-        def kick_all(now: float) -> None:
+        def settle(now: float) -> None:
+            """After an instant: start streams, re-rate the flows whose resources changed."""
             while kick:
                 start_next(kick.pop(), now)
+            if not dirty and not fresh:
+                return
+            comp: dict[int, _Task] = {t.tid: t for t in fresh}
+            stack = list(dirty)
+            seen_res = set(stack)
+            for t in fresh:
+                for r in t.res:
+                    if r not in seen_res:
+                        seen_res.add(r)
+                        stack.append(r)
+            while stack:
+                r = stack.pop()
+                for tid in on_res.get(r, ()):
+                    if tid not in comp:
+                        f = tasks[tid]
+                        comp[tid] = f
+                        for r2 in f.res:
+                            if r2 not in seen_res:
+                                seen_res.add(r2)
+                                stack.append(r2)
+            dirty.clear()
+            fresh.clear()
+            flows = list(comp.values())
+            new_rates = self._rates(flows)
+            for f, rate in zip(flows, new_rates):
+                if rate != f.rate:
+                    f.rem -= f.rate * (now - f.t_upd)
+                    f.t_upd, f.rate = now, rate
+                    f.hseq = push(now + max(f.rem, 0.0) / rate, FLOW_DONE, f.tid)
 
-        kick_all(0.0)
-        while heap or active:
-            if state["dirty"]:
-                self._rates(active)
-                state["dirty"] = False
-            t_flow = _INF
-            for f in active:
-                x = now + f.rem / f.rate
-                if x < t_flow:
-                    t_flow = x
-            t_ev = heap[0][0] if heap else _INF
-            t_next = min(t_flow, t_ev)
-            if active:
-                dt = t_next - now
-                for f in active:
-                    f.rem -= f.rate * dt
-            now = t_next
-            if active:
-                done = [f for f in active if f.rem <= 1e-9 * f.work + 1e-6]
-                if done:
-                    active[:] = [f for f in active if f.rem > 1e-9 * f.work + 1e-6]
-                    state["dirty"] = True
-                    for f in done:
-                        f.rem = 0.0
-                        finish(f, now)
+        for t in [t for t in tasks if t.ndeps == 0]:
+            release(t, 0.0)
+        now = 0.0
+        settle(now)
+        while heap:
+            now = heap[0][0]
             while heap and heap[0][0] <= now * (1 + 1e-12) + 1e-15:
-                _, _, code, tid = heapq.heappop(heap)
+                _, sq, code, tid = heapq.heappop(heap)
                 t = tasks[tid]
-                if code == 0:
+                if code == COMPUTE_DONE:
                     finish(t, now)
-                else:
+                elif code == BW_START:
                     begin_bw(t, now)
-            kick_all(now)
+                elif sq == t.hseq:  # FLOW_DONE, not superseded by a rate change
+                    t.rem, t.rate = 0.0, 0.0
+                    for r in t.res:
+                        on_res[r].discard(tid)
+                        dirty.add(r)
+                    finish(t, now)
+            settle(now)
         stuck = [t.tid for t in tasks if math.isnan(t.end)]
         if stuck:  # a dependency cycle: a bug in the caller, not bad input
             raise RuntimeError(f"simulation deadlock: {len(stuck)} tasks never ran (first: {stuck[:5]})")
-        return now
+        return max((t.end for t in tasks), default=0.0)
 
-    def _rates(self, active: list[_Task]) -> None:
-        """Max-min fair rates by progressive filling."""
+    def _rates(self, flows: list[_Task]) -> list[float]:
+        """Max-min fair rates of ``flows`` (a closed set: every flow sharing their resources)."""
         cap = self.capacity
-        residual: dict[str, float] = {}
         count: dict[str, int] = defaultdict(int)
-        for f in active:
+        for f in flows:
             for r in f.res:
                 count[r] += 1
-                if r not in residual:
-                    residual[r] = cap[r]
-        unfrozen = list(active)
+        rates = [0.0] * len(flows)
+        contended = []
+        for i, f in enumerate(flows):
+            if all(count[r] == 1 for r in f.res):
+                rate = f.cap
+                for r in f.res:
+                    if cap[r] < rate:
+                        rate = cap[r]
+                rates[i] = rate if rate < _INF else 1e30
+            else:
+                contended.append(i)
+        if not contended:
+            return rates
+        residual = {r: cap[r] for r in count}
+        count = defaultdict(int)
+        for i in contended:
+            for r in flows[i].res:
+                count[r] += 1
+        unfrozen = contended
         while unfrozen:
-            share = _INF
-            for r, c in count.items():
-                if c > 0:
-                    s = residual[r] / c
-                    if s < share:
-                        share = s
-            for f in unfrozen:
-                if f.cap < share:
-                    share = f.cap
-            if share == _INF:  # flow with no shared resource and no cap (not produced by the simulator)
+            share = min((residual[r] / c for r, c in count.items() if c > 0), default=_INF)
+            share = min(share, min(flows[i].cap for i in unfrozen))
+            if share == _INF:
                 share = 1e30
             thr = share * (1 + 1e-9)
             neck = {r for r, c in count.items() if c > 0 and residual[r] / c <= thr}
             keep = []
-            for f in unfrozen:
-                if f.cap <= thr or any(r in neck for r in f.res):
-                    f.rate = max(share, 1e-30)
+            for i in unfrozen:
+                f = flows[i]
+                if f.cap <= thr or not neck.isdisjoint(f.res):
+                    rates[i] = max(share, 1e-30)
                     for r in f.res:
                         residual[r] -= share
                         count[r] -= 1
                 else:
-                    keep.append(f)
+                    keep.append(i)
             unfrozen = keep
+        return rates
 
 
 # =============================================================================================
@@ -611,7 +676,7 @@ class _Layer:
 
     # ------------------------------------------------------------------ build
     def build(self) -> None:
-        mb, step, eng = self.mb, self.step, self.engine
+        mb, eng = self.mb, self.engine
         n = self.n
         by_group: dict[int, list[Placement]] = defaultdict(list)
         for p in mb.placements:
@@ -762,8 +827,8 @@ class _Layer:
         for u in range(self.n):
             for q, s, e in mb.attention_segments(u):
                 owners[q].append((s, e, u))
-        for q in owners:
-            owners[q].sort()
+        for segs in owners.values():
+            segs.sort()
         moves: dict[tuple[int, int], int] = defaultdict(int)
         for v in range(self.n):
             for q, s, e in mb.linear_layout[v]:
@@ -903,8 +968,8 @@ def render_summary_table(header: PlanHeader, results: list[SimResult]):
 
     t = Table(title=f"simulated steps: planner {header.planner}, {header.cluster.name} "
                     f"({header.world_size} GPUs, tp={header.tp}), {header.model.name}")
-    for col in ("step", "time ms", "predicted ms", "lower bound ms", "ratio to LB", "busy % (mean)",
-                "exposed comm ms (mean)", "idle ms (mean)", "max NIC busy %"):
+    t.caption = "busy / exposed / idle: mean over units; NIC busy: the busiest NIC"
+    for col in ("step", "sim ms", "pred ms", "LB ms", "xLB", "busy %", "exposed ms", "idle ms", "NIC busy %"):
         t.add_column(col, justify="right")
     for r in results:
         busy = np.mean([u.busy_s for u in r.units]) / r.step_time_s * 100 if r.step_time_s else 0.0
@@ -922,7 +987,7 @@ def render_step_table(r: SimResult):
 
     t = Table(title=f"step {r.step}: {_ms(r.step_time_s)} ms simulated "
                     f"(compute until {_ms(r.compute_end_s)} ms, gradient all-reduce {_ms(r.allreduce_s)} ms)")
-    for col in ("unit", "tokens", "attention ms", "linear ms", "busy ms", "exposed comm ms", "idle ms", "busy %"):
+    for col in ("unit", "tokens", "attn ms", "linear ms", "busy ms", "exposed ms", "idle ms", "busy %"):
         t.add_column(col, justify="right")
     for u, s in enumerate(r.units):
         t.add_row(str(u), str(s.tokens), _ms(s.attention_s), _ms(s.linear_s), _ms(s.busy_s), _ms(s.exposed_comm_s),

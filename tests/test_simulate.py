@@ -345,7 +345,7 @@ def plan_file(tmp_path):
 
 
 def test_cli_simulate_json_matches_library(plan_file, zeppelin_bin, tmp_path):
-    out = subprocess.run([zeppelin_bin, "simulate", str(plan_file), "--json"], capture_output=True, text=True)
+    out = subprocess.run([zeppelin_bin, "simulate", str(plan_file), "--json"], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     from zeppelin.planner.simulate import simulate_plan
@@ -356,26 +356,26 @@ def test_cli_simulate_json_matches_library(plan_file, zeppelin_bin, tmp_path):
     assert set(doc["steps"][0]["nics"]) == {"node0/nic0", "node1/nic0"}
     assert doc["steps"][0]["per_unit"]["tokens"] == [2048, 1000, 2048, 3000]
     # table output, one step per unit
-    out = subprocess.run([zeppelin_bin, "simulate", str(plan_file), "--step", "1"], capture_output=True, text=True)
+    out = subprocess.run([zeppelin_bin, "simulate", str(plan_file), "--step", "1"], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
     assert "step 1" in out.stdout and "node1/nic0" in out.stdout
     # JSON to a file, atomically
     dest = tmp_path / "sim.json"
     out = subprocess.run([zeppelin_bin, "simulate", str(plan_file), "-o", str(dest), "--timeline"],
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
     assert "timeline" in json.loads(dest.read_text())["steps"][0]
 
 
 def test_cli_simulate_errors(plan_file, zeppelin_bin, tmp_path):
-    out = subprocess.run([zeppelin_bin, "simulate", str(tmp_path / "nope.plan")], capture_output=True, text=True)
+    out = subprocess.run([zeppelin_bin, "simulate", str(tmp_path / "nope.plan")], capture_output=True, text=True, check=False)
     assert out.returncode == 2
     assert out.stderr.strip() == f"zeppelin: error: {tmp_path / 'nope.plan'}: plan file not found"
-    out = subprocess.run([zeppelin_bin, "simulate", str(plan_file), "--step", "7"], capture_output=True, text=True)
+    out = subprocess.run([zeppelin_bin, "simulate", str(plan_file), "--step", "7"], capture_output=True, text=True, check=False)
     assert out.returncode == 2
     assert out.stderr.strip() == f"zeppelin: error: {plan_file}: step 7 out of range (plan has 2 steps)"
     bad = tmp_path / "trunc.plan"
     bad.write_text("\n".join(plan_file.read_text().splitlines()[:1]) + "\n")
-    out = subprocess.run([zeppelin_bin, "simulate", str(bad)], capture_output=True, text=True)
+    out = subprocess.run([zeppelin_bin, "simulate", str(bad)], capture_output=True, text=True, check=False)
     assert out.returncode == 2
     assert "plan is truncated" in out.stderr and "Traceback" not in out.stderr
