@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -13,7 +12,7 @@ from zeppelin.schemas.common import InputError, atomic_write_text
 from .notyet import not_implemented
 
 
-def _emit_json(doc: dict, output: Optional[Path]) -> None:
+def _emit_json(doc: dict, output: Path | None) -> None:
     text = json.dumps(doc, indent=1) + "\n"
     if output is not None:
         from .inputs import check_path_writable
@@ -26,9 +25,9 @@ def _emit_json(doc: dict, output: Optional[Path]) -> None:
 
 def simulate(
     plan: Path = typer.Argument(..., help="plan file written by `zeppelin plan` (or any planner)"),
-    step: Optional[int] = typer.Option(None, "--step", "-s", help="simulate only this step and show it per unit"),
+    step: int | None = typer.Option(None, "--step", "-s", help="simulate only this step and show it per unit"),
     json_out: bool = typer.Option(False, "--json", help="print the results as JSON instead of tables"),
-    output: Optional[Path] = typer.Option(None, "-o", "--output", help="write the JSON to this file"),
+    output: Path | None = typer.Option(None, "-o", "--output", help="write the JSON to this file"),
     timeline: bool = typer.Option(False, "--timeline", help="include the per-unit event timeline in the JSON"),
 ) -> None:
     """Predict a plan's per-unit timeline and step time with the event-driven simulator.
@@ -72,7 +71,7 @@ def show(
     plan: Path = typer.Argument(..., help="plan file"),
     step: int = typer.Option(0, "--step", "-s", help="step to show"),
     all_steps: bool = typer.Option(False, "--all", help="show every step (text only)"),
-    png: Optional[Path] = typer.Option(None, "--png", help="write a per-unit Gantt timeline of the simulated "
+    png: Path | None = typer.Option(None, "--png", help="write a per-unit Gantt timeline of the simulated "
                                                            "step and a heat-map of unit loads to this PNG"),
 ) -> None:
     """Render a plan for a person: tiers and their sequences, per-unit load bars, NIC loads with and

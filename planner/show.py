@@ -7,6 +7,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+
 from zeppelin.schemas.common import atomic_write
 from zeppelin.schemas.plan import PlanHeader, Prediction, StepPlan
 

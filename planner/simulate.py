@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
 from zeppelin.schemas.layout import ranges_tokens
 from zeppelin.schemas.plan import MicroBatch, Placement, PlanHeader, Replica, StepPlan
 
@@ -76,6 +77,7 @@ class _Task:
         "cat",
         "dur",
         "end",
+        "hseq",
         "kind",
         "lat",
         "nbytes",
@@ -87,12 +89,11 @@ class _Task:
         "res",
         "start",
         "succs",
+        "t_upd",
         "tid",
         "unit",
         "units",
         "work",
-        "t_upd",
-        "hseq",
     )
 
     def __init__(self, tid: int, kind: str):
@@ -307,8 +308,7 @@ class Engine:
             if all(count[r] == 1 for r in f.res):
                 rate = f.cap
                 for r in f.res:
-                    if cap[r] < rate:
-                        rate = cap[r]
+                    rate = min(rate, cap[r])
                 rates[i] = rate if rate < _INF else 1e30
             else:
                 contended.append(i)
