@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 
@@ -92,7 +93,7 @@ def test_stats_bad_manifests_one_line_errors(tmp_path, capsys, content, problem)
 
 
 def test_stats_missing_shards_via_console_script(tmp_path, zeppelin_bin):
-    r = subprocess.run([zeppelin_bin, "data", "stats", str(tmp_path / "*.jsonl")], capture_output=True, text=True,
+    r = subprocess.run([zeppelin_bin, "data", "stats", str(tmp_path / "*.jsonl")], capture_output=True, text=True, check=False,
                        timeout=60)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr == f"zeppelin: error: no manifest shards match '{tmp_path / '*.jsonl'}'\n"
@@ -120,7 +121,7 @@ def test_demo_stage_selection_and_crossovers():
 
     cl, mo = cluster_preset("zeppelin-a"), model_preset("llama-7b")
     cm = CostModel(cl, mo)
-    ctx = DemoContext(console=Console(file=open("/dev/null", "w")), cluster=cl, model=mo, profile=cm.profile,
+    ctx = DemoContext(console=Console(file=io.StringIO()), cluster=cl, model=mo, profile=cm.profile,
                       cost=cm, dataset=load_manifest(default_manifest_path()),
                       sampler=SamplerConfig(tokens_per_step=1 << 19), num_steps=2)
     DEMO_STAGES["cost"](ctx)
@@ -137,10 +138,12 @@ def test_demo_stage_selection_and_crossovers():
 
 
 def test_demo_bad_inputs(capsys):
+    from zeppelin.planner.cmd_basic import DEMO_STAGES
+
     assert run(["demo", "--cluster", "nope"], capsys)[2] == (
         "zeppelin: error: unknown cluster preset 'nope' (known: zeppelin-a, zeppelin-b, zeppelin-c, flexsp-a100, "
         "h100, local-cpu)\n")
     assert run(["demo", "--stages", "data,bogus"], capsys)[2] == (
-        "zeppelin: error: unknown demo stage 'bogus' (available: data, cost)\n")
+        f"zeppelin: error: unknown demo stage 'bogus' (available: {', '.join(DEMO_STAGES)})\n")
     code, _, err = run(["demo", "--manifest", "/nonexistent/m.jsonl"], capsys)
     assert code == 2 and err == "zeppelin: error: /nonexistent/m.jsonl: file not found\n"

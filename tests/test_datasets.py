@@ -13,7 +13,13 @@ import pytest
 
 from zeppelin.schemas import datasets as dsm
 from zeppelin.schemas.common import InputError, content_hash
-from zeppelin.schemas.datasets import Dataset, default_manifest_path, length_histogram, length_stats, load_manifest
+from zeppelin.schemas.datasets import (
+    Dataset,
+    default_manifest_path,
+    length_histogram,
+    length_stats,
+    load_manifest,
+)
 from zeppelin.schemas.manifest import ManifestSpec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,6 +98,26 @@ def test_jsonl_fast_path_matches_json_reference_on_awkward_records(tmp_path):
         assert ds.lengths.dtype == np.int64
         assert ds.lengths.tolist() == ref
         assert ds.format == "jsonl" and not ds.has_tokens and ds.tokens(0) is None
+
+
+def test_common_records_take_the_vectorised_path(tmp_path, monkeypatch):
+    """Only the header goes through json.loads for the usual record shapes (speed guard)."""
+    calls = []
+    orig = dsm._JsonlReader._parse
+
+    def counting(self, raw, lineno):
+        calls.append(lineno)
+        return orig(self, raw, lineno)
+
+    monkeypatch.setattr(dsm._JsonlReader, "_parse", counting)
+    rng = np.random.default_rng(0)
+    n = rng.integers(1, 10**9, size=600)  # 1 to 9 digits
+    lines = ['{"_comment": "h"}'] + [
+        (f'{{"length": {v}}}' if i % 3 == 0 else f'{{"id": {i}, "src": "web", "length":{v}, "lang": "en"}}'
+         if i % 3 == 1 else f'{{"length" : {v} ,"text":"a {{b}} [c]"}}') for i, v in enumerate(n)]
+    p = write_lines(tmp_path / "m.jsonl", lines)
+    assert load_manifest(p).lengths.tolist() == n.tolist()
+    assert calls == [1]
 
 
 def test_jsonl_small_chunks_give_same_result_and_line_numbers(tmp_path, monkeypatch):
