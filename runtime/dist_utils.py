@@ -130,6 +130,23 @@ def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, p
             pass
 
 
+_PRELOAD = ["torch", "torch.distributed", "zeppelin.runtime.dist_utils"]
+
+
+def _context():
+    """A forkserver context whose server has imported torch once (children fork from it, so a
+    world of 8 ranks does not import torch 8 times); spawn where forkserver is unavailable."""
+    import multiprocessing as std_mp
+
+    import torch.multiprocessing as mp
+
+    if "forkserver" in std_mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
+        return ctx
+    return mp.get_context("spawn")
+
+
 class DistributedPool:
     """A persistent world of ``world_size`` local processes running submitted functions.
 
@@ -179,7 +196,7 @@ class DistributedPool:
     def _start_once(self) -> str | None:
         import torch.multiprocessing as mp
 
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         port = free_port()
         self._results = ctx.Queue()
         self._tasks = [ctx.SimpleQueue() for _ in range(self.world_size)]
