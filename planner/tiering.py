@@ -303,8 +303,11 @@ class Tiering:
             bw_n = c.inter_link.bandwidth_GBps
             lines.append(f"  inter-node, G={2 * self.upn:<3} over one NIC ({bw_n:g} GB/s):      "
                          f"L >= {_fmt(s['inter_hide_one_nic'])} tokens")
+            eff = bw_n / self.inter_sharers(len(cl.nics))
             lines.append(f"  inter-node, G={2 * self.upn:<3} routed over {len(cl.nics)} NICs "
-                         f"({bw_n * len(cl.nics):g} GB/s): L >= {_fmt(s['inter_hide_routed'])} tokens")
+                         f"({eff:.0f} GB/s effective*): L >= {_fmt(s['inter_hide_routed'])} tokens")
+            lines.append("  * a NIC carries the node's outgoing and incoming pieces, and each piece pays an "
+                         "NVLink dispatch and combine")
         else:
             lines.append("  inter-node: single node, no inter tier")
         lines += [
