@@ -207,8 +207,8 @@ def ilp_pack(pre: np.ndarray, pre_tok: np.ndarray, cost: np.ndarray, tokens: np.
     t0 = time.perf_counter()
     B, m = len(pre), len(cost)
     prob = pulp.LpProblem("zeppelin_pack", pulp.LpMinimize)
-    C = pulp.LpVariable("C", lowBound=0, upBound=float(incumbent.makespan))
-    x = {(i, b): pulp.LpVariable(f"x_{i}_{b}", cat="Binary") for i in range(m) for b in range(B)}
+    C = prob.add_variable("C", lowBound=0, upBound=float(incumbent.makespan))
+    x = {(i, b): prob.add_variable(f"x_{i}_{b}", cat="Binary") for i in range(m) for b in range(B)}
     prob += C
     for i in range(m):
         prob += pulp.lpSum(x[i, b] for b in range(B)) == int(width[i])
@@ -229,8 +229,12 @@ def ilp_pack(pre: np.ndarray, pre_tok: np.ndarray, cost: np.ndarray, tokens: np.
             if name == "highs":
                 s = pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=1e-4, threads=1)
             else:
-                s = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(np.ceil(time_limit))), warmStart=True,
-                                      gapRel=1e-4, threads=1)
+                import warnings
+
+                with warnings.catch_warnings():  # PuLP 3.x deprecates the bundled-CBC class name
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    s = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(np.ceil(time_limit))), warmStart=True,
+                                          gapRel=1e-4, threads=1)
             prob.solve(s)
         except Exception as e:  # noqa: BLE001  (solver missing or crashed: try the next one)
             tried.append(f"{name} failed ({e.__class__.__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})")

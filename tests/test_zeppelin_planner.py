@@ -1,0 +1,369 @@
+"""The Zeppelin planner: tiers from cost crossovers, bucket assignment, plan structure, CLI."""
+
+from __future__ import annotations
+
+import subprocess
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from zeppelin.planner.assign import greedy_pack, lower_bound, pack
+from zeppelin.planner.base import PlanContext, PlanningError
+from zeppelin.planner.predict import predict_step
+from zeppelin.planner.tiering import Tiering, zigzag_max_tokens
+from zeppelin.planner.zeppelin_planner import (
+    ZeppelinNoRemap,
+    ZeppelinNoRouting,
+    ZeppelinPlanner,
+    ZeppelinTiersOnly,
+)
+from zeppelin.schemas.cluster import cluster_preset
+from zeppelin.schemas.layout import zigzag_ranges
+from zeppelin.schemas.model import model_preset
+from zeppelin.schemas.plan import PlanHeader, Sequence, structural_problems
+from zeppelin.schemas.profile import default_profile
+
+
+def make_ctx(cluster="zeppelin-a", model="llama-7b", **kw) -> PlanContext:
+    cl = cluster_preset(cluster)
+    return PlanContext(cl, model_preset(model), default_profile(cl.name, cl.device), **kw)
+
+
+def seqs_of(lengths) -> list[Sequence]:
+    return [Sequence(sample_id=i, length=int(x)) for i, x in enumerate(lengths)]
+
+
+def header_for(ctx: PlanContext, steps=1) -> PlanHeader:
+    from zeppelin.planner.driver import make_header
+    from zeppelin.schemas.plan import SamplerConfig
+
+    return make_header(ctx, ZeppelinPlanner(), None, SamplerConfig(tokens_per_step=1), steps)
+
+
+# ------------------------------------------------------------------ tiering
+
+
+def test_zigzag_max_tokens_matches_layout():
+    for L in (1, 7, 15, 16, 17, 100, 1001, 4097):
+        for G in (1, 2, 3, 4, 8):
+            want = max(sum(e - s for s, e in rs) for rs in zigzag_ranges(L, G))
+            assert zigzag_max_tokens(L, G) == want, (L, G)
+
+
+def test_memory_thresholds_come_from_cost_model():
+    ctx = make_ctx()
+    tg = Tiering(ctx)
+    c = ctx.cost
+    # independent recomputation: (usable memory - model states) / activation bytes per token
+    free = (80.0 - 4.0) * 1e9 - c.model_state_bytes()
+    assert tg.memory_thresholds["unit"] == int(free / c.activation_bytes_per_token)
+    assert tg.memory_thresholds["node"] == 8 * tg.memory_thresholds["unit"]
+    assert tg.memory_thresholds["cluster"] == 16 * tg.memory_thresholds["unit"]
+
+
+def test_hide_threshold_is_the_crossover():
+    ctx = make_ctx()
+    tg = Tiering(ctx)
+    c = ctx.cost
+    for G, tier in ((2, "intra"), (8, "intra"), (16, "inter")):
+        th = tg.hide_threshold(G, tier)
+        assert th is not None
+
+        def hidden(L):
+            return c.attn_time(L) / G / G >= c.p2p_time(c.ring_round_bytes(L / G), c.tier_link(tier))
+
+        assert hidden(th) and not hidden(th - 1), (G, tier, th)
+        assert all(hidden(x) for x in (th * 2, th * 10))
+    # a slower link needs longer sequences to hide its transfer; more NICs need shorter ones
+    assert tg.hide_threshold(16, "inter") > tg.hide_threshold(8, "intra")
+    assert tg.hide_threshold(16, "inter", 4) < tg.hide_threshold(16, "inter", 1)
+
+
+def test_explain_prints_computed_thresholds():
+    ctx = make_ctx("zeppelin-c")
+    tg = Tiering(ctx)
+    text = tg.explain()
+    assert f"{tg.memory_thresholds['unit']:,} tokens" in text
+    assert f"L >= {tg.hide_threshold(8, 'intra'):,} tokens" in text
+    assert f"L >= {tg.hide_threshold(16, 'inter', 1):,} tokens" in text
+
+
+def test_choose_span_rules():
+    ctx = make_ctx()
+    tg = Tiering(ctx)
+    lin = 1e-4
+    # short sequence, large target: stays local
+    assert tg.choose_span(512, 100.0, lin).tier == "local"
+    # longer than a unit's memory: split at least enough to fit
+    L = tg.cap * 3
+    s = tg.choose_span(L, 1e9, lin)
+    assert s.G >= 3 and zigzag_max_tokens(L, s.G) <= tg.cap
+    # longer than a node: inter tier over whole nodes
+    s = tg.choose_span(tg.cap * 8 + 1000, 1e9, lin)
+    assert s.tier == "inter" and s.G == 16 and s.nodes == 2
+    # vectorised version agrees
+    Ls = np.array([100, 3000, 9000, 20000, 60000, 100000])
+    for target in (0.5, 5.0, 50.0):
+        a = tg.choose_spans(Ls, target, lin, 4)
+        b = [tg.choose_span(int(x), target, lin, 4) for x in Ls]
+        assert [(x.G, x.tier) for x in a] == [(x.G, x.tier) for x in b]
+
+
+# ------------------------------------------------------------------ packing
+
+
+def test_greedy_pack_respects_widths_and_capacity():
+    pre = np.array([0.0, 1.0, 0.0, 2.0])
+    cost = np.array([3.0, 2.0, 2.0, 1.0, 1.0])
+    tokens = np.array([5, 5, 5, 5, 5.0])
+    width = np.array([2, 1, 1, 1, 1])
+    r = greedy_pack(pre, np.zeros(4), cost, tokens, width, cap=10)
+    assert [len(b) for b in r.bins] == [2, 1, 1, 1, 1]
+    assert len(set(r.bins[0])) == 2
+    loads = pre.copy()
+    toks = np.zeros(4)
+    for i, bs in enumerate(r.bins):
+        for b in bs:
+            loads[b] += cost[i]
+            toks[b] += tokens[i]
+    assert np.allclose(loads, r.loads) and (toks <= 10).all()
+    assert r.makespan == pytest.approx(loads.max())
+
+
+def test_lower_bound_hand_computed():
+    # avg = (0+1+0+2 + 3*2 + 2+2+1+1) / 4 = 15/4; heaviest item 3 on the 2 least preloaded bins (0, 0)
+    pre = np.array([0.0, 1.0, 0.0, 2.0])
+    assert lower_bound(pre, np.array([3.0, 2, 2, 1, 1]), np.array([2, 1, 1, 1, 1])) == pytest.approx(3.75)
+    # one item of 5 on a bin: LB = 5 + min preload
+    assert lower_bound(np.array([1.0, 3.0]), np.array([5.0]), np.array([1])) == pytest.approx(6.0)
+
+
+def test_ilp_finds_optimum_greedy_misses():
+    # classic LPT counterexample: {3,3,2,2,2} on 2 bins: LPT gives 7, optimum 6
+    cost = np.array([3.0, 3.0, 2.0, 2.0, 2.0])
+    args = (np.zeros(2), np.zeros(2), cost, np.ones(5), np.ones(5, dtype=int), 100.0)
+    g = greedy_pack(*args, search=False)
+    assert g.makespan == pytest.approx(7.0)
+    r = pack(*args, ilp="always", time_limit=5)
+    assert r.makespan == pytest.approx(6.0)
+    assert r.solver == "highs" and r.status == "optimal" and r.gap == pytest.approx(0.0)
+    rc = pack(*args, ilp="always", time_limit=5, solver="cbc")
+    assert rc.makespan == pytest.approx(6.0) and rc.solver == "cbc"
+
+
+def test_pack_memory_infeasible_raises():
+    from zeppelin.planner.assign import PackInfeasible
+
+    with pytest.raises(PackInfeasible, match="item 0"):
+        greedy_pack(np.zeros(2), np.zeros(2), np.array([1.0]), np.array([20.0]), np.array([1]), cap=10)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.floats(0.01, 10.0), min_size=1, max_size=9), st.integers(2, 4), st.data())
+def test_ilp_never_worse_than_greedy(costs, B, data):
+    m = len(costs)
+    width = np.array([data.draw(st.integers(1, B)) for _ in range(m)])
+    tokens = np.array([data.draw(st.integers(1, 5)) for _ in range(m)], dtype=float)
+    cap = float(tokens.sum())  # always feasible
+    args = (np.zeros(B), np.zeros(B), np.array(costs), tokens, width, cap)
+    g = pack(*args, ilp="never")
+    r = pack(*args, ilp="always", time_limit=1.0)
+    assert r.makespan <= g.makespan + 1e-9
+    assert r.makespan >= r.lower_bound - 1e-9
+    for i, bs in enumerate(r.bins):
+        assert len(bs) == width[i] and len(set(bs)) == width[i]
+    assert (r.tokens <= cap + 1e-9).all()
+
+
+# ------------------------------------------------------------------ planner
+
+
+def _check_plan(ctx, plan, lengths):
+    hdr = header_for(ctx)
+    assert structural_problems(hdr, plan) == []
+    # every sequence exactly once
+    placed = sorted(p.seq for mb in plan.microbatches for p in mb.placements)
+    assert placed == list(range(len(lengths)))
+    cap = ctx.cost.token_capacity
+    for mb in plan.microbatches:
+        held = np.zeros(ctx.num_units)
+        for p in mb.placements:
+            g = mb.groups[p.group]
+            if g.kind == "ring":
+                assert p.ranges == zigzag_ranges(lengths[p.seq], len(g.units))
+            for pos, u in enumerate(g.units):
+                held[u] += sum(e - s for s, e in p.ranges[pos])
+        assert held.max() <= cap
+        # queues: inter before intra before local
+        rank = {"inter": 0, "intra": 1, "local": 2}
+        for q in mb.queues:
+            tiers = [rank[mb.groups[g].tier] for g in q]
+            assert tiers == sorted(tiers)
+        # inter rings: units of a node contiguous, each node entered once
+        upn = ctx.units_per_node
+        for g in mb.groups:
+            if g.tier == "inter":
+                nodes = [u // upn for u in g.units]
+                changes = sum(1 for a, b in zip(nodes, nodes[1:] + nodes[:1]) if a != b)
+                assert changes == len(set(nodes))
+            elif g.tier == "intra":
+                assert len({u // upn for u in g.units}) == 1
+
+
+def test_plan_step_structure_and_tiers():
+    ctx = make_ctx()
+    tg = Tiering(ctx)
+    rng = np.random.default_rng(3)
+    lengths = list(np.clip(rng.lognormal(7, 1, 120).astype(int), 16, 4000)) + [tg.cap * 5, tg.cap * 12]
+    plan = ZeppelinPlanner().plan_step(ctx, 0, seqs_of(lengths))
+    _check_plan(ctx, plan, lengths)
+    tiers = plan.notes["tiers"]
+    assert tiers["inter"] >= 1 and tiers["local"] >= 1
+    # the sequence longer than a node is inter-node, the one longer than a unit is split
+    for mb in plan.microbatches:
+        for p in mb.placements:
+            g = mb.groups[p.group]
+            if p.seq == len(lengths) - 1:
+                assert g.tier == "inter"
+            if p.seq == len(lengths) - 2:
+                assert len(g.units) >= 5
+    pr = plan.prediction
+    assert pr is not None and pr.step_time_s >= pr.lower_bound_s * 0.98
+    assert plan.solver is not None and plan.solver.name in ("greedy", "highs", "cbc")
+
+
+def test_balanced_on_many_short_sequences():
+    ctx = make_ctx("zeppelin-c")
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(7, 1, 600).astype(int), 16, 16000)
+    plan = ZeppelinPlanner().plan_step(ctx, 0, seqs_of(lengths))
+    pr = plan.prediction
+    assert pr.step_time_s / pr.lower_bound_s < 1.05
+    tot = np.array(pr.per_unit.total_s)
+    assert tot.max() / tot.mean() < 1.03
+
+
+def test_ablation_variants_differ_only_in_routing_and_remap():
+    ctx = make_ctx()
+    tg = Tiering(ctx)
+    lengths = [tg.cap * 10, 3000, 2500, 800, 600, 500] * 3
+    plans = {cls.name: cls().plan_step(ctx, 0, seqs_of(lengths))
+             for cls in (ZeppelinPlanner, ZeppelinNoRouting, ZeppelinNoRemap, ZeppelinTiersOnly)}
+    for name, plan in plans.items():
+        _check_plan(ctx, plan, lengths)
+        for mb in plan.microbatches:
+            if name in ("zeppelin-no-routing", "zeppelin-tiers-only"):
+                assert all(len(r.paths) == 1 and r.paths[0].via_src == r.src for r in mb.routes)
+            if name in ("zeppelin-no-remap", "zeppelin-tiers-only"):
+                assert mb.linear_layout is None
+    assert any(mb.routes for mb in plans["zeppelin"].microbatches)
+
+
+def test_microbatches_when_step_exceeds_memory():
+    ctx = make_ctx()
+    cap_total = ctx.cost.token_capacity * ctx.num_units
+    lengths = [4000] * (2 * cap_total // 4000 + 3)
+    plan = ZeppelinPlanner().plan_step(ctx, 0, seqs_of(lengths))
+    assert len(plan.microbatches) >= 3
+    _check_plan(ctx, plan, lengths)
+
+
+def test_sequence_larger_than_cluster_is_rejected():
+    ctx = make_ctx()
+    too_long = ctx.cost.token_capacity * ctx.num_units + 100
+    with pytest.raises(PlanningError) as e:
+        ZeppelinPlanner().plan_step(ctx, 0, seqs_of([100, too_long]))
+    assert str(e.value) == (
+        f"sequence 1 (sample 1) has {too_long:,} tokens, more than the whole cluster can hold "
+        f"(16 units x {ctx.cost.token_capacity:,} tokens = {ctx.cost.token_capacity * 16:,}); lower "
+        f"--max-seq-len or use more GPUs / --zero-stage 3")
+
+
+def test_model_that_does_not_fit_is_rejected():
+    ctx = make_ctx("zeppelin-a", "llama-30b", zero_stage=0)
+    with pytest.raises(PlanningError, match=r"^model llama-30b does not fit on A800-SXM4-80GB: model states take"):
+        ZeppelinPlanner().plan_step(ctx, 0, seqs_of([100]))
+
+
+def test_ilp_never_worse_than_greedy_inside_planner(monkeypatch):
+    import zeppelin.planner.zeppelin_planner as zp
+
+    seen = []
+    real = zp.pack
+
+    def spy(*a, **k):
+        r = real(*a, **k)
+        seen.append(r)
+        return r
+
+    monkeypatch.setattr(zp, "pack", spy)
+    ctx = make_ctx("zeppelin-a:2x4")
+    rng = np.random.default_rng(5)
+    for _ in range(2):
+        lengths = np.clip(rng.lognormal(8, 1.2, 30).astype(int), 16, 30000)
+        plan = ZeppelinPlanner(ilp="always", time_limit=0.5).plan_step(ctx, 0, seqs_of(lengths))
+        _check_plan(ctx, plan, lengths)
+        assert plan.solver.name == "highs"
+    ilp_runs = [r for r in seen if r.solver == "highs"]
+    assert ilp_runs
+    for r in seen:
+        assert r.makespan <= r.greedy_makespan + 1e-9
+        assert r.makespan >= r.lower_bound - 1e-9
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(["zeppelin-a", "zeppelin-c:3", "zeppelin-a:1x4", "zeppelin-c:2x2", "local-cpu:2x2"]),
+       st.lists(st.integers(1, 200_000), min_size=1, max_size=60), st.integers(0, 3))
+def test_property_plans_valid(cluster, raw, kind):
+    ctx = make_ctx(cluster, "tiny" if cluster.startswith("local") else "llama-7b")
+    limit = ctx.cost.token_capacity * ctx.num_units
+    lengths = [max(1, min(x, limit)) for x in raw]
+    if kind == 1:
+        lengths = [max(1, x // 50) for x in lengths]  # short-heavy
+    plan = ZeppelinPlanner().plan_step(ctx, 0, seqs_of(lengths))
+    _check_plan(ctx, plan, lengths)
+    from zeppelin.planner.validate import step_problems
+
+    assert step_problems(ctx, header_for(ctx), plan) == []
+    pr = predict_step(ctx, plan)
+    assert max(pr.per_unit.memory_gb) <= ctx.cluster.gpu.memory_gb
+
+
+# ------------------------------------------------------------------ CLI
+
+
+def test_cli_plan_and_validate(tmp_path, zeppelin_bin):
+    out = tmp_path / "plan.jsonl"
+    r = subprocess.run([zeppelin_bin, "plan", "--cluster", "zeppelin-a", "--model", "llama-7b", "--steps", "3",
+                        "-o", str(out), "--explain"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "one unit holds" in r.stdout and "predicted step / lower bound" in r.stdout
+    from zeppelin.schemas.plan import read_plan
+
+    hdr, steps = read_plan(out)
+    assert hdr.planner == "zeppelin" and len(steps) == 3
+    assert all(s.prediction is not None and s.solver is not None for s in steps)
+    r = subprocess.run([zeppelin_bin, "validate", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "valid - 3 steps" in r.stdout
+
+
+def test_cli_bad_inputs(tmp_path, zeppelin_bin):
+    out = tmp_path / "plan.jsonl"
+
+    def run(*args):
+        return subprocess.run([zeppelin_bin, "plan", *args, "-o", str(out)], capture_output=True, text=True,
+                              timeout=120)
+
+    r = run("--cluster", "zeppelin-a:0", "--model", "llama-7b")
+    assert r.returncode == 2 and r.stderr.startswith("zeppelin: error: cluster preset 'zeppelin-a:0'")
+    r = run("--cluster", "zeppelin-a", "--model", "llama-7b", "--tokens-per-step", "100", "--no-shuffle")
+    assert r.returncode == 2
+    assert r.stderr.startswith("zeppelin: error: --tokens-per-step 100 is smaller than sequence 0 of step 0")
+    r = run("--cluster", "zeppelin-a", "--model", "llama-7b", "--tp", "3")
+    assert r.returncode == 2 and "--tp 3 does not divide the 8 GPUs per node" in r.stderr
+    r = run("--cluster", "zeppelin-a:1x2", "--model", "llama-7b", "--tokens-per-step", "200000")
+    assert r.returncode == 2 and "more than the whole cluster can hold" in r.stderr
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    assert not out.exists()
