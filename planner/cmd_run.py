@@ -65,7 +65,7 @@ def run(
     if nproc_per_node is None:
         nproc_per_node = header.world_size if local and nnodes in (None, 1) else cl.gpus_per_node
     if nnodes is None:
-        nnodes = max(1, header.world_size // nproc_per_node)
+        nnodes = 1 if local else max(1, header.world_size // nproc_per_node)
     if nproc_per_node < 1 or nnodes < 1:
         raise InputError("--nproc-per-node and --nnodes must be at least 1")
     if nproc_per_node * nnodes != header.world_size:

@@ -481,6 +481,7 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
     try:
         for k in range(start, end):
             step = reader.step(k)
+            _maybe_fault(rank, k)
             t0 = time.perf_counter()
             res = ex.forward_backward(step, keep_hidden=cfg.verify)
             tv = time.perf_counter()
@@ -520,6 +521,23 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
     if cfg.verify:
         summary["verify"] = verify_worst | {"tolerance": tol}
     return summary
+
+
+def _maybe_fault(rank: int, step: int) -> None:
+    """Fault injection for tests of failure handling: ``ZEPPELIN_FAULT=RANK:STEP:exit|raise``
+    makes that rank die (``os._exit(3)``, no error report) or raise when it reaches that step."""
+    spec = os.environ.get("ZEPPELIN_FAULT")
+    if not spec:
+        return
+    try:
+        r, k, kind = spec.split(":")
+        r, k = int(r), int(k)
+    except ValueError:
+        return
+    if r == rank and k == step:
+        if kind == "exit":
+            os._exit(3)
+        raise RuntimeError(f"injected fault at step {step}")
 
 
 def _metrics_record(step: StepPlan, loss: float, per_rank: list, report: dict | None) -> dict[str, Any]:
