@@ -327,17 +327,21 @@ class Transport:
     src -> via_src (dispatch, intra-node) -> via_dst (NIC transfer) -> dst (combine), skipping the
     hops where a proxy is the endpoint itself. Every rank derives the same hop schedule from the
     same route table, so proxies relay in lock-step (stage by stage) with the ring members.
-    ``stats`` accumulates bytes sent by this rank: ``{"intra": int, "inter": int}``.
+    ``stats`` (optional, shared between transports) accumulates what this rank sends:
+    ``{"intra": bytes, "inter": bytes, "messages": count}``.
     """
 
     def __init__(self, rank: int | None = None, node_of: Callable[[int], int] | None = None,
-                 routes: dict[tuple[int, int], list[tuple[int, int, int]]] | None = None) -> None:
+                 routes: dict[tuple[int, int], list[tuple[int, int, int]]] | None = None,
+                 stats: dict[str, int] | None = None) -> None:
         import torch.distributed as dist
 
         self.rank = dist.get_rank() if rank is None else rank
         self.node_of = node_of or (lambda r: 0)
         self.routes = {k: [_Path(*p) for p in v] for k, v in (routes or {}).items()}
-        self.stats: dict[str, int] = {"intra": 0, "inter": 0, "messages": 0}
+        self.stats: dict[str, int] = stats if stats is not None else {}
+        for key in ("intra", "inter", "messages"):
+            self.stats.setdefault(key, 0)
 
     def parts(self, src: int, dst: int, rows: int) -> list[tuple[int, int, list[int]]]:
         """``[(row0, row1, chain)]``: the row slices of a ``rows``-row block and their hop chains."""

@@ -1,0 +1,224 @@
+"""The per-layer attention engine: runs one rank's attention queue of a plan's micro-batch.
+
+``AttentionEngine(header, step, mb_index, rank, groups=None)`` reads the micro-batch once;
+``engine(q, k, v) -> out`` then runs, on the rows of this rank's attention buffer
+(``MicroBatch.attention_segments(unit)``: the unit's groups in queue order, each group's
+sequences in placement order, each sequence's ranges in listed order):
+
+* ``ring`` groups (and ``allgather`` groups, which are executed with the same exact ring
+  schedule — K/V blocks pass around the group, partial results merge by log-sum-exp) through
+  :func:`zeppelin.runtime.attention.ring_forward` / ``ring_backward``;
+* ``local`` groups: one-rank rings (whole sequences, no communication);
+* ``ulysses`` groups: delegated to :func:`zeppelin.runtime.ulysses.ulysses_attention`.
+
+Order. Work runs in phases inter -> intra -> local (the slowest communication starts first and
+local work runs last); inside a phase, groups in increasing group index. Every rank derives the
+same order from the plan, which makes the P2P schedule deadlock-free: a rank waiting inside group
+g only waits on ranks that have finished every group ordered before g. The ring/local/allgather
+work of a call is ONE autograd node (:class:`_EngineFunction`), so backward runs the same global
+order (not whatever order autograd would pick for separate nodes).
+
+Routing. ``MicroBatch.routes`` split an inter-node ring transfer over NIC paths: the K/V block (and,
+in backward, the dK/dV accumulators) is cut by rows in proportion to the paths' tokens; each part
+goes src -> via_src (dispatch) -> via_dst (transfer) -> dst (combine). A proxy that is not a member
+of the ring relays inside its own engine call, at the ring's place in the global order.
+
+Units and tensor parallelism: plans name units; this rank is TP index ``t`` of its unit, and its
+rings use TP index ``t`` of every unit (each TP rank attends over its own head shard).
+
+``engine.stats``: bytes this rank sent, ``{"intra": ..., "inter": ..., "messages": ...}``,
+accumulated over all calls (forward and backward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zeppelin.schemas.common import InputError
+from zeppelin.schemas.plan import PlanHeader, StepPlan
+
+from .attention import (
+    RingSpec,
+    Transport,
+    ring_backward,
+    ring_forward,
+    ring_relay_backward,
+    ring_relay_forward,
+)
+
+__all__ = ["AttentionEngine", "PHASES"]
+
+PHASES = ("inter", "intra", "local")
+
+
+@dataclass
+class _Item:
+    group: int
+    kind: str  # "ring" (ring/allgather/local) | "relay" | "ulysses"
+    spec: object
+    row0: int  # rows of this group in the attention buffer (members only)
+    row1: int
+    transport: Transport | None = None
+
+
+class AttentionEngine:
+    """One rank's attention work for one micro-batch of one step (see module docstring)."""
+
+    def __init__(self, header: PlanHeader, step: StepPlan, mb_index: int, rank: int, groups=None,
+                 scale: float | None = None) -> None:
+        if not 0 <= mb_index < len(step.microbatches):
+            raise InputError(f"step {step.step} has {len(step.microbatches)} micro-batches, asked for {mb_index}")
+        self.header, self.step, self.mb_index, self.rank = header, step, mb_index, rank
+        self.groups = groups
+        self.scale = scale
+        self.stats: dict[str, int] = {"intra": 0, "inter": 0, "messages": 0}
+        mb = step.microbatches[mb_index]
+        where = f"step {step.step} microbatch {mb_index}"
+        reps = header.replicas(step)
+        unit = next((u for u, rp in enumerate(reps) if rank in rp.ranks), None)
+        if unit is None:
+            raise InputError(f"{where}: rank {rank} belongs to no unit of the plan")
+        self.unit = unit
+        t = reps[unit].ranks.index(rank)
+
+        def grank(u: int) -> int:
+            if not 0 <= u < len(reps):
+                raise InputError(f"{where}: names unit {u}, the step has {len(reps)} units")
+            rp = reps[u]
+            if rp.tp != reps[unit].tp:
+                raise InputError(f"{where}: unit {u} has tp={rp.tp} but unit {unit} has tp={reps[unit].tp}; "
+                                 "an attention group needs units of one tensor-parallel degree")
+            return rp.ranks[t]
+
+        cluster = header.cluster
+        node_of = cluster.node_of
+        by_group: dict[int, list[list[list[list[int]]]]] = {}
+        for p in mb.placements:
+            by_group.setdefault(p.group, []).append(p.ranges)
+        routes: dict[int, dict[tuple[int, int], list[tuple[int, int, int]]]] = {}
+        for r in mb.routes:
+            if not 0 <= r.group < len(mb.groups):
+                raise InputError(f"{where}: a route names group {r.group} (micro-batch has {len(mb.groups)})")
+            g = mb.groups[r.group]
+            n = len(g.units)
+            edges = {(g.units[i], g.units[(i + 1) % n]) for i in range(n)}
+            if (r.src, r.dst) not in edges:
+                raise InputError(f"{where}: route {r.src}->{r.dst} is not a ring transfer of group {r.group} "
+                                 f"(ring {g.units})")
+            routes.setdefault(r.group, {})[(grank(r.src), grank(r.dst))] = [
+                (grank(pth.via_src), grank(pth.via_dst), pth.tokens) for pth in r.paths
+            ]
+        # rows of each of my groups in the attention buffer (queue order)
+        offsets: dict[int, tuple[int, int]] = {}
+        off = 0
+        for gi in mb.queues[unit]:
+            g = mb.groups[gi]
+            pos = g.units.index(unit)
+            n = sum(max(0, e - s) for rngs in by_group.get(gi, ()) for s, e in rngs[pos])
+            offsets[gi] = (off, off + n)
+            off += n
+        self.rows = off
+        my_groups = set(mb.queues[unit])
+        kinds = {mb.groups[gi].kind for gi in my_groups}
+        if "ulysses" in kinds and kinds & {"ring", "allgather"}:
+            raise InputError(f"{where}: unit {unit} queues Ulysses and ring groups together; "
+                             "the runtime runs a unit's groups of one kind family (ulysses or ring/local)")
+        items: list[tuple[tuple[int, int], _Item]] = []
+        for gi, g in enumerate(mb.groups):
+            seqs = by_group.get(gi, [])
+            ranks = [grank(u) for u in g.units]
+            phase = PHASES.index(g.tier)
+            if gi in my_groups:
+                r0, r1 = offsets[gi]
+                pos = g.units.index(unit)
+                if g.kind == "ulysses":
+                    from .ulysses import UlyssesSpec
+
+                    spec = UlyssesSpec(ranks=ranks, pos=pos, seqs=seqs)
+                    items.append(((phase, gi), _Item(gi, "ulysses", spec, r0, r1)))
+                else:
+                    spec = RingSpec(ranks=ranks, pos=pos, seqs=seqs)
+                    tr = Transport(rank=rank, node_of=node_of, routes=routes.get(gi), stats=self.stats)
+                    items.append(((phase, gi), _Item(gi, "ring", spec, r0, r1, tr)))
+            elif gi in routes and any(rank in (a, b) for paths in routes[gi].values() for a, b, _ in paths):
+                spec = RingSpec(ranks=ranks, pos=None, seqs=seqs)
+                tr = Transport(rank=rank, node_of=node_of, routes=routes[gi], stats=self.stats)
+                items.append(((phase, gi), _Item(gi, "relay", spec, 0, 0, tr)))
+        items.sort(key=lambda x: x[0])
+        self.items = [it for _, it in items]
+
+    # ------------------------------------------------------------------------------------------
+    def schedule(self) -> list[tuple[str, int]]:
+        """``(kind, group)`` in execution order (``kind``: ring | relay | ulysses)."""
+        return [(it.kind, it.group) for it in self.items]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if q.shape[0] != self.rows or k.shape[0] != self.rows or v.shape[0] != self.rows:
+            raise ValueError(f"step {self.step.step} microbatch {self.mb_index}: rank {self.rank} holds "
+                             f"{self.rows} attention rows, got q/k/v with {q.shape[0]}/{k.shape[0]}/{v.shape[0]}")
+        ring_items = [it for it in self.items if it.kind in ("ring", "relay")]
+        uly_items = [it for it in self.items if it.kind == "ulysses"]
+        if not uly_items:
+            return _EngineFunction.apply(q, k, v, self, ring_items)
+        # Ulysses groups (collectives on their own process groups, autograd through ulysses.py);
+        # a unit never mixes them with ring groups (checked at construction), so the only other
+        # work is communication-free local attention and relays are impossible.
+        from .ulysses import ulysses_attention
+
+        pieces: list[tuple[int, torch.Tensor]] = []
+        if ring_items:
+            pieces.append((-1, _EngineFunction.apply(q, k, v, self, ring_items)))
+        for it in uly_items:
+            pg = self.groups.get(it.spec.ranks) if self.groups is not None else None
+            o = ulysses_attention(q[it.row0:it.row1], k[it.row0:it.row1], v[it.row0:it.row1], it.spec,
+                                  group=pg, scale=self.scale)
+            pieces.append((it.group, o))
+        out = torch.zeros_like(q) if not ring_items else pieces[0][1]
+        # place each Ulysses group's rows (the ring output holds zeros there)
+        idx_parts, vals = [], []
+        for it, (_, o) in zip(uly_items, pieces[1:] if ring_items else pieces):
+            idx_parts.append(torch.arange(it.row0, it.row1, device=q.device))
+            vals.append(o)
+        if idx_parts:
+            idx = torch.cat(idx_parts)
+            out = out.index_copy(0, idx, torch.cat(vals, 0))
+        return out
+
+
+class _EngineFunction(torch.autograd.Function):
+    """All ring / local / relay work of one engine call as one autograd node."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, engine: AttentionEngine, items: list[_Item]):
+        out = torch.zeros_like(q)
+        lse = torch.zeros((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+        row_shape = (2, k.shape[1], k.shape[2])
+        for it in items:
+            if it.kind == "relay":
+                ring_relay_forward(it.spec, it.transport, row_shape, k.dtype, k.device)
+                continue
+            a, b = it.row0, it.row1
+            o, l_ = ring_forward(q[a:b], k[a:b], v[a:b], it.spec, it.transport, engine.scale)
+            out[a:b] = o
+            lse[:, a:b] = l_
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.engine, ctx.items = engine, items
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dout = dout.contiguous()
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        row_shape = (2, k.shape[1], k.shape[2])
+        for it in ctx.items:
+            if it.kind == "relay":
+                ring_relay_backward(it.spec, it.transport, row_shape, k.dtype, k.device)
+                continue
+            a, b = it.row0, it.row1
+            ga, gb, gc = ring_backward(dout[a:b], q[a:b], k[a:b], v[a:b], out[a:b], lse[:, a:b], it.spec,
+                                       it.transport, ctx.engine.scale)
+            dq[a:b], dk[a:b], dv[a:b] = ga, gb, gc
+        return dq, dk, dv, None, None
