@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import typer
@@ -106,9 +107,89 @@ def show(
         con.print(f"wrote {png}")
 
 
-def compare(ctx: typer.Context) -> None:
-    """Plan the same steps with zeppelin and every baseline; print them side by side."""
-    not_implemented("compare")
+def compare(
+    cluster: str = typer.Option("zeppelin-a:2", "--cluster", "-c", help="cluster preset (NAME, NAME:N) or JSON file"),
+    model: str = typer.Option("llama-7b", "--model", "-m", help="model preset or JSON file"),
+    profile: Path | None = typer.Option(None, "--profile", help="cost profile JSON (default: preset curves)"),
+    dataset: str = typer.Option("mixed", "--dataset", "-d",
+                                help="length mix (short, mixed, long) or a manifest path"),
+    steps: int = typer.Option(10, "--steps", "-n", help="number of steps to plan"),
+    planners: str | None = typer.Option(None, "--planners", help="comma-separated planners (default: all)"),
+    tokens_per_gpu: int = typer.Option(16384, "--tokens-per-gpu", help="tokens per step per GPU"),
+    max_seq_len: int = typer.Option(131072, "--max-seq-len", help="longer samples are truncated"),
+    tp: int = typer.Option(1, "--tp", help="tensor-parallel degree of a unit"),
+    seed: int = typer.Option(0, "--seed", help="sampler seed"),
+    solver_time_limit: float = typer.Option(2.0, "--solver-time-limit",
+                                            help="MILP time limit per step (s) for flexsp and hydraulis"),
+    workers: int = typer.Option(0, "--workers", "-j", help="worker processes (0: one per CPU)"),
+    json_out: bool = typer.Option(False, "--json", help="print JSON instead of the table"),
+    output: Path | None = typer.Option(None, "-o", "--output", help="write the JSON to this file"),
+    png: Path | None = typer.Option(None, "--png", help="bar charts of step time and speedup"),
+) -> None:
+    """Plan the same steps with zeppelin and every baseline and simulate them side by side."""
+    from rich.console import Console
+
+    from zeppelin.schemas.plan import SamplerConfig
+
+    from .base import PlanContext, PlanningError
+    from .compare import (
+        DEFAULT_PLANNERS,
+        SOLVER_PLANNERS,
+        comparison,
+        default_workers,
+        draw_png,
+        render_table,
+        resolve_dataset,
+        run_compare,
+    )
+    from .inputs import check_path_writable, resolve_cluster, resolve_model, resolve_profile
+    from .sampler import sample_steps
+
+    if steps < 1:
+        raise InputError(f"--steps must be at least 1 (got {steps})")
+    if tokens_per_gpu < 1:
+        raise InputError(f"--tokens-per-gpu must be at least 1 (got {tokens_per_gpu})")
+    if solver_time_limit < 0:
+        raise InputError(f"--solver-time-limit must be >= 0 (got {solver_time_limit})")
+    for p in (output, png):
+        if p is not None:
+            check_path_writable(p)
+    names = DEFAULT_PLANNERS if planners is None else [x.strip() for x in planners.split(",") if x.strip()]
+    if not names:
+        raise InputError("--planners is empty")
+    cl = resolve_cluster(cluster)
+    md = resolve_model(model)
+    prof = resolve_profile(str(profile) if profile else None, cl)
+    try:
+        ctx = PlanContext(cl, md, prof, tp=tp, seed=seed)
+    except ValueError as e:
+        raise PlanningError(str(e)) from None
+    ds = resolve_dataset(dataset)
+    cfg = SamplerConfig(tokens_per_step=tokens_per_gpu * cl.world_size, seed=seed, max_seq_len=max_seq_len)
+    step_seqs = sample_steps(ds, cfg, steps)
+    options = {p: {"time_limit": solver_time_limit} for p in SOLVER_PLANNERS}
+    t0 = time.perf_counter()
+    runs = run_compare(ctx, step_seqs, names, options, workers=workers or default_workers())
+    wall = time.perf_counter() - t0
+    doc = comparison(runs)
+    title = (f"{cl.name} ({cl.world_size} GPUs), {md.name}, tp={tp}, dataset {dataset}, {steps} steps of "
+             f"{cfg.tokens_per_step} tokens")
+    doc.update({"cluster": cl.name, "world_size": cl.world_size, "model": md.name, "tp": tp, "dataset": dataset,
+                "steps": steps, "tokens_per_step": cfg.tokens_per_step, "seed": seed, "wall_s": wall})
+    if png is not None:
+        draw_png(doc, title, png)
+    if json_out or output is not None:
+        _emit_json(doc, output)
+    if not json_out:
+        con = Console()
+        con.print(render_table(doc, title))
+        if "zeppelin_speedup_vs_te_cp" in doc:
+            con.print(f"zeppelin: {doc['zeppelin_speedup_vs_te_cp']:.2f}x over te-cp, "
+                      f"{doc['zeppelin_speedup_vs_best_baseline']:.2f}x over the best other baseline "
+                      f"({doc['best_baseline']}); {wall:.1f} s")
+        for p in (output, png):
+            if p is not None:
+                con.print(f"wrote {p}")
 
 
 def check(ctx: typer.Context) -> None:
