@@ -28,29 +28,30 @@ destination) and counts bytes per link class.
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 
 __all__ = [
-    "local_attention",
-    "local_forward",
-    "local_backward",
-    "attention_block",
-    "attention_block_backward",
-    "merge_partial",
-    "reference_attention",
+    "Exchange",
     "RingSpec",
     "Transport",
-    "Exchange",
-    "ring_forward",
-    "ring_backward",
-    "ring_relay_forward",
-    "ring_relay_backward",
-    "ring_attention",
+    "attention_block",
+    "attention_block_backward",
     "flash_attn_available",
+    "local_attention",
+    "local_backward",
+    "local_forward",
+    "merge_partial",
+    "reference_attention",
+    "ring_attention",
+    "ring_backward",
+    "ring_forward",
+    "ring_relay_backward",
+    "ring_relay_forward",
 ]
 
 NEG_INF = float("-inf")
@@ -154,8 +155,15 @@ def _kernel_bwd(dout, q, k, v, out, lse, causal: bool, scale: float):
     if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         dt = q.dtype
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            _bhld(dout.to(dt)), _bhld(q), _bhld(k), _bhld(v), _bhld(out.to(dt)),
-            lse.unsqueeze(0).contiguous(), 0.0, causal, scale=scale,
+            _bhld(dout.to(dt)),
+            _bhld(q),
+            _bhld(k),
+            _bhld(v),
+            _bhld(out.to(dt)),
+            lse.unsqueeze(0).contiguous(),
+            0.0,
+            causal,
+            scale=scale,
         )
         return _thd(dq), _thd(dk), _thd(dv)
     mask = _causal_mask(q.shape[0], k.shape[0], 0, 0, q.device) if causal else None
@@ -186,7 +194,10 @@ def attention_block(q, k, v, q_pos_range, k_pos_range, scale: float | None = Non
     mode = _classify(q_pos_range, k_pos_range)
     tq = q.shape[0]
     if mode == "skip":
-        return (torch.zeros_like(q), torch.full((q.shape[1], tq), NEG_INF, dtype=torch.float32, device=q.device))
+        return (
+            torch.zeros_like(q),
+            torch.full((q.shape[1], tq), NEG_INF, dtype=torch.float32, device=q.device),
+        )
     if mode == "mask":
         mask = _causal_mask(tq, k.shape[0], q_pos_range[0], k_pos_range[0], q.device)
         return _math_fwd(q, k, v, mask, sc)
@@ -206,7 +217,9 @@ def attention_block_backward(dout, q, k, v, out, lse, q_pos_range, k_pos_range, 
     return _kernel_bwd(dout, q, k, v, out, lse, mode == "diag", sc)
 
 
-def merge_partial(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
+def merge_partial(
+    out_acc: torch.Tensor, lse_acc: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> None:
     """In place: merge a partial result (out_b, lse_b) into float32 accumulators.
 
     ``out_acc [T, H, D]`` fp32, ``lse_acc [H, T]`` fp32. Handles ``-inf`` (no visible key) on
@@ -236,7 +249,7 @@ def local_forward(q, k, v, cu_seqlens, scale: float | None = None):
     b = _bounds(cu_seqlens)
     out = torch.empty_like(q)
     lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
-    for s, e in zip(b[:-1], b[1:]):
+    for s, e in itertools.pairwise(b):
         if e <= s:
             continue
         o, l_ = _kernel_fwd(q[s:e], k[s:e], v[s:e], True, sc)
@@ -249,7 +262,7 @@ def local_backward(dout, q, k, v, out, lse, cu_seqlens, scale: float | None = No
     sc = _scale(q, scale)
     b = _bounds(cu_seqlens)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for s, e in zip(b[:-1], b[1:]):
+    for s, e in itertools.pairwise(b):
         if e <= s:
             continue
         a, bk, c = _kernel_bwd(dout[s:e], q[s:e], k[s:e], v[s:e], out[s:e], lse[:, s:e], True, sc)
@@ -279,13 +292,13 @@ def local_attention(q, k, v, cu_seqlens, scale: float | None = None):
     flash-attn's varlen kernel on CUDA when importable, the CPU flash kernel on CPU, float32 math
     elsewhere."""
     b = _bounds(cu_seqlens)
-    if b[0] != 0 or b[-1] != q.shape[0] or any(y < x for x, y in zip(b[:-1], b[1:])):
+    if b[0] != 0 or b[-1] != q.shape[0] or any(y < x for x, y in itertools.pairwise(b)):
         raise ValueError(f"cu_seqlens {b[:8]}... does not partition {q.shape[0]} rows")
     if flash_attn_available(q.device) and q.dtype in (torch.float16, torch.bfloat16):
         from flash_attn import flash_attn_varlen_func
 
         cu = torch.tensor(b, dtype=torch.int32, device=q.device)
-        mx = max((y - x for x, y in zip(b[:-1], b[1:])), default=0)
+        mx = max((y - x for x, y in itertools.pairwise(b)), default=0)
         return flash_attn_varlen_func(q, k, v, cu, cu, mx, mx, causal=True, softmax_scale=_scale(q, scale))
     return _LocalAttention.apply(q, k, v, b, scale)
 
@@ -297,7 +310,7 @@ def reference_attention(q, k, v, cu_seqlens, scale: float | None = None):
     b = _bounds(cu_seqlens)
     hq = q.shape[1]
     outs = []
-    for s, e in zip(b[:-1], b[1:]):
+    for s, e in itertools.pairwise(b):
         qs, ks, vs = q[s:e], _expand_kv(k[s:e], hq), _expand_kv(v[s:e], hq)
         sco = torch.einsum("qhd,khd->hqk", qs, ks) * sc
         m = _causal_mask(e - s, e - s, 0, 0, q.device)
@@ -331,9 +344,13 @@ class Transport:
     ``{"intra": bytes, "inter": bytes, "messages": count}``.
     """
 
-    def __init__(self, rank: int | None = None, node_of: Callable[[int], int] | None = None,
-                 routes: dict[tuple[int, int], list[tuple[int, int, int]]] | None = None,
-                 stats: dict[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        rank: int | None = None,
+        node_of: Callable[[int], int] | None = None,
+        routes: dict[tuple[int, int], list[tuple[int, int, int]]] | None = None,
+        stats: dict[str, int] | None = None,
+    ) -> None:
         import torch.distributed as dist
 
         self.rank = dist.get_rank() if rank is None else rank
@@ -361,8 +378,14 @@ class Transport:
             prev = end
         return out
 
-    def exchange(self, transfers: Sequence[tuple[int, int, int]], payload: torch.Tensor | None,
-                 row_shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> "Exchange":
+    def exchange(
+        self,
+        transfers: Sequence[tuple[int, int, int]],
+        payload: torch.Tensor | None,
+        row_shape: Sequence[int],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> Exchange:
         """An exchange of one block per transfer ``(src, dst, rows)``; ``payload`` is what this
         rank sends (it is src of at most one transfer)."""
         return Exchange(self, transfers, payload, tuple(row_shape), dtype, device)
@@ -426,7 +449,7 @@ class Exchange:
             w.wait()
         self.works = []
 
-    def start(self) -> "Exchange":
+    def start(self) -> Exchange:
         if self.stages:
             self._post(0)
         self.stage = 1
@@ -526,7 +549,11 @@ def ring_forward(q, k, v, spec: RingSpec, transport: Transport, scale: float | N
     row_shape = kv.shape[1:]
     for r in range(g):
         j = (p - r) % g
-        ex = transport.exchange(spec.transfers(r), kv, row_shape, kv.dtype, kv.device).start() if r < g - 1 else None
+        ex = (
+            transport.exchange(spec.transfers(r), kv, row_shape, kv.dtype, kv.device).start()
+            if r < g - 1
+            else None
+        )
         for q0, q1, k0, k1, qr, kr in spec.pairs(p, j):
             o_b, l_b = attention_block(q[q0:q1], kv[k0:k1, 0], kv[k0:k1, 1], qr, kr, sc)
             merge_partial(out[q0:q1], lse[:, q0:q1], o_b, l_b)
@@ -548,11 +575,16 @@ def ring_backward(dout, q, k, v, out, lse, spec: RingSpec, transport: Transport,
     dkv = None
     for r in range(g):
         j = (p - r) % g
-        exkv = transport.exchange(spec.transfers(r), kv, row_shape, kv.dtype, kv.device).start() if r < g - 1 else None
+        exkv = (
+            transport.exchange(spec.transfers(r), kv, row_shape, kv.dtype, kv.device).start()
+            if r < g - 1
+            else None
+        )
         dkv = torch.zeros((spec.rows(j), *row_shape), dtype=torch.float32, device=q.device)
         for q0, q1, k0, k1, qr, kr in spec.pairs(p, j):
-            a, b, c = attention_block_backward(dout[q0:q1], q[q0:q1], kv[k0:k1, 0], kv[k0:k1, 1],
-                                               out[q0:q1], lse[:, q0:q1], qr, kr, sc)
+            a, b, c = attention_block_backward(
+                dout[q0:q1], q[q0:q1], kv[k0:k1, 0], kv[k0:k1, 1], out[q0:q1], lse[:, q0:q1], qr, kr, sc
+            )
             dq[q0:q1] += a.float()
             dkv[k0:k1, 0] += b.float()
             dkv[k0:k1, 1] += c.float()
@@ -583,7 +615,11 @@ def ring_relay_backward(spec: RingSpec, transport: Transport, row_shape, dtype, 
     g = spec.size
     exd = None
     for r in range(g):
-        exkv = transport.exchange(spec.transfers(r), None, row_shape, dtype, device).start() if r < g - 1 else None
+        exkv = (
+            transport.exchange(spec.transfers(r), None, row_shape, dtype, device).start()
+            if r < g - 1
+            else None
+        )
         if exd is not None:
             exd.finish()
         if g > 1:

@@ -25,21 +25,23 @@ Nothing hangs: the parent never waits without a deadline.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import queue as _queue
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 __all__ = [
     "DistributedError",
-    "DistributedTimeout",
     "DistributedPool",
-    "run_distributed",
+    "DistributedTimeout",
     "free_port",
+    "run_distributed",
 ]
 
 
@@ -84,8 +86,9 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
-def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, pg_timeout_s: float,
-            tasks, results) -> None:  # pragma: no cover - runs in a child process
+def _worker(
+    rank: int, world_size: int, port: int, backend: str, threads: int, pg_timeout_s: float, tasks, results
+) -> None:  # pragma: no cover - runs in a child process
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -124,10 +127,8 @@ def _worker(rank: int, world_size: int, port: int, backend: str, threads: int, p
             except BaseException:  # noqa: BLE001 - reported to the parent
                 results.put((rank, task_id, False, traceback.format_exc()))
     finally:
-        try:
+        with contextlib.suppress(Exception):
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
 
 
 _PRELOAD = ["torch", "torch.distributed", "zeppelin.runtime.dist_utils"]
@@ -155,8 +156,15 @@ class DistributedPool:
     process-group timeout given to ``init_process_group`` (collectives that wait longer fail).
     """
 
-    def __init__(self, world_size: int, *, backend: str = "gloo", threads: int = 1,
-                 start_timeout: float = 120.0, pg_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        backend: str = "gloo",
+        threads: int = 1,
+        start_timeout: float = 120.0,
+        pg_timeout_s: float = 120.0,
+    ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
@@ -171,7 +179,7 @@ class DistributedPool:
         self._alive = False
 
     # -- lifecycle -------------------------------------------------------------------------
-    def __enter__(self) -> "DistributedPool":
+    def __enter__(self) -> DistributedPool:  # noqa: PYI034 - Self needs Python 3.11
         self.start()
         return self
 
@@ -194,8 +202,6 @@ class DistributedPool:
         raise DistributedError(f"could not start a world of {self.world_size} processes:\n{last_err}")
 
     def _start_once(self) -> str | None:
-        import torch.multiprocessing as mp
-
         ctx = _context()
         port = free_port()
         self._results = ctx.Queue()
@@ -204,8 +210,16 @@ class DistributedPool:
         for r in range(self.world_size):
             p = ctx.Process(
                 target=_worker,
-                args=(r, self.world_size, port, self.backend, self.threads, self.pg_timeout_s,
-                      self._tasks[r], self._results),
+                args=(
+                    r,
+                    self.world_size,
+                    port,
+                    self.backend,
+                    self.threads,
+                    self.pg_timeout_s,
+                    self._tasks[r],
+                    self._results,
+                ),
                 daemon=True,
             )
             p.start()
@@ -258,10 +272,8 @@ class DistributedPool:
         """Stop the world (graceful when idle, killed otherwise)."""
         if self._alive:
             for q in self._tasks:
-                try:
+                with contextlib.suppress(Exception):
                     q.put(None)
-                except Exception:  # noqa: BLE001
-                    pass
             deadline = time.monotonic() + 10
             for p in self._procs:
                 p.join(timeout=max(0.1, deadline - time.monotonic()))
@@ -304,7 +316,9 @@ class DistributedPool:
             self._kill()
             lines = [f"rank {r} died (exit code {c})" for r, c in sorted(died.codes.items())]
             raise DistributedError(
-                f"{_name(fn)}: " + "; ".join(lines) + (("\n" + _format_errors(fn, errors, [])) if errors else "")
+                f"{_name(fn)}: "
+                + "; ".join(lines)
+                + (("\n" + _format_errors(fn, errors, [])) if errors else "")
             ) from None
         if errors:
             # the surviving ranks finished (their collectives did not involve the failed one)
@@ -323,19 +337,33 @@ def _name(fn: Callable[..., Any]) -> str:
 
 
 def _format_errors(fn: Callable[..., Any], errors: dict[int, str], missing: list[int]) -> str:
-    parts = [f"{_name(fn)} failed on rank{'s' if len(errors) > 1 else ''} {sorted(errors)}"
-             + (f" (ranks {missing} did not finish)" if missing else "")]
+    parts = [
+        f"{_name(fn)} failed on rank{'s' if len(errors) > 1 else ''} {sorted(errors)}"
+        + (f" (ranks {missing} did not finish)" if missing else "")
+    ]
     for r in sorted(errors):
         parts.append(f"--- rank {r} ---\n{errors[r].rstrip()}")
     return "\n".join(parts)
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0,
-                    backend: str = "gloo", threads: int = 1, **kwargs: Any) -> list[Any]:
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 60.0,
+    backend: str = "gloo",
+    threads: int = 1,
+    **kwargs: Any,
+) -> list[Any]:
     """Spawn a world of ``world_size`` processes, run ``fn(rank, world_size, *args, **kwargs)``
     on each, and return the results indexed by rank. See the module docstring for failures."""
-    pool = DistributedPool(world_size, backend=backend, threads=threads,
-                           start_timeout=max(timeout, 60.0), pg_timeout_s=max(timeout, 30.0))
+    pool = DistributedPool(
+        world_size,
+        backend=backend,
+        threads=threads,
+        start_timeout=max(timeout, 60.0),
+        pg_timeout_s=max(timeout, 30.0),
+    )
     try:
         pool.start()
         return pool.run(fn, *args, timeout=timeout, **kwargs)

@@ -48,7 +48,7 @@ from .attention import (
     ring_relay_forward,
 )
 
-__all__ = ["AttentionEngine", "PHASES"]
+__all__ = ["PHASES", "AttentionEngine"]
 
 PHASES = ("inter", "intra", "local")
 
@@ -66,10 +66,19 @@ class _Item:
 class AttentionEngine:
     """One rank's attention work for one micro-batch of one step (see module docstring)."""
 
-    def __init__(self, header: PlanHeader, step: StepPlan, mb_index: int, rank: int, groups=None,
-                 scale: float | None = None) -> None:
+    def __init__(
+        self,
+        header: PlanHeader,
+        step: StepPlan,
+        mb_index: int,
+        rank: int,
+        groups=None,
+        scale: float | None = None,
+    ) -> None:
         if not 0 <= mb_index < len(step.microbatches):
-            raise InputError(f"step {step.step} has {len(step.microbatches)} micro-batches, asked for {mb_index}")
+            raise InputError(
+                f"step {step.step} has {len(step.microbatches)} micro-batches, asked for {mb_index}"
+            )
         self.header, self.step, self.mb_index, self.rank = header, step, mb_index, rank
         self.groups = groups
         self.scale = scale
@@ -88,8 +97,10 @@ class AttentionEngine:
                 raise InputError(f"{where}: names unit {u}, the step has {len(reps)} units")
             rp = reps[u]
             if rp.tp != reps[unit].tp:
-                raise InputError(f"{where}: unit {u} has tp={rp.tp} but unit {unit} has tp={reps[unit].tp}; "
-                                 "an attention group needs units of one tensor-parallel degree")
+                raise InputError(
+                    f"{where}: unit {u} has tp={rp.tp} but unit {unit} has tp={reps[unit].tp}; "
+                    "an attention group needs units of one tensor-parallel degree"
+                )
             return rp.ranks[t]
 
         cluster = header.cluster
@@ -105,8 +116,10 @@ class AttentionEngine:
             n = len(g.units)
             edges = {(g.units[i], g.units[(i + 1) % n]) for i in range(n)}
             if (r.src, r.dst) not in edges:
-                raise InputError(f"{where}: route {r.src}->{r.dst} is not a ring transfer of group {r.group} "
-                                 f"(ring {g.units})")
+                raise InputError(
+                    f"{where}: route {r.src}->{r.dst} is not a ring transfer of group {r.group} "
+                    f"(ring {g.units})"
+                )
             routes.setdefault(r.group, {})[(grank(r.src), grank(r.dst))] = [
                 (grank(pth.via_src), grank(pth.via_dst), pth.tokens) for pth in r.paths
             ]
@@ -123,8 +136,10 @@ class AttentionEngine:
         my_groups = set(mb.queues[unit])
         kinds = {mb.groups[gi].kind for gi in my_groups}
         if "ulysses" in kinds and kinds & {"ring", "allgather"}:
-            raise InputError(f"{where}: unit {unit} queues Ulysses and ring groups together; "
-                             "the runtime runs a unit's groups of one kind family (ulysses or ring/local)")
+            raise InputError(
+                f"{where}: unit {unit} queues Ulysses and ring groups together; "
+                "the runtime runs a unit's groups of one kind family (ulysses or ring/local)"
+            )
         items: list[tuple[tuple[int, int], _Item]] = []
         for gi, g in enumerate(mb.groups):
             seqs = by_group.get(gi, [])
@@ -156,8 +171,10 @@ class AttentionEngine:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if q.shape[0] != self.rows or k.shape[0] != self.rows or v.shape[0] != self.rows:
-            raise ValueError(f"step {self.step.step} microbatch {self.mb_index}: rank {self.rank} holds "
-                             f"{self.rows} attention rows, got q/k/v with {q.shape[0]}/{k.shape[0]}/{v.shape[0]}")
+            raise ValueError(
+                f"step {self.step.step} microbatch {self.mb_index}: rank {self.rank} holds "
+                f"{self.rows} attention rows, got q/k/v with {q.shape[0]}/{k.shape[0]}/{v.shape[0]}"
+            )
         ring_items = [it for it in self.items if it.kind in ("ring", "relay")]
         uly_items = [it for it in self.items if it.kind == "ulysses"]
         if not uly_items:
@@ -172,8 +189,14 @@ class AttentionEngine:
             pieces.append((-1, _EngineFunction.apply(q, k, v, self, ring_items)))
         for it in uly_items:
             pg = self.groups.get(it.spec.ranks) if self.groups is not None else None
-            o = ulysses_attention(q[it.row0:it.row1], k[it.row0:it.row1], v[it.row0:it.row1], it.spec,
-                                  group=pg, scale=self.scale)
+            o = ulysses_attention(
+                q[it.row0 : it.row1],
+                k[it.row0 : it.row1],
+                v[it.row0 : it.row1],
+                it.spec,
+                group=pg,
+                scale=self.scale,
+            )
             pieces.append((it.group, o))
         out = torch.zeros_like(q) if not ring_items else pieces[0][1]
         # place each Ulysses group's rows (the ring output holds zeros there)
@@ -218,7 +241,16 @@ class _EngineFunction(torch.autograd.Function):
                 ring_relay_backward(it.spec, it.transport, row_shape, k.dtype, k.device)
                 continue
             a, b = it.row0, it.row1
-            ga, gb, gc = ring_backward(dout[a:b], q[a:b], k[a:b], v[a:b], out[a:b], lse[:, a:b], it.spec,
-                                       it.transport, ctx.engine.scale)
+            ga, gb, gc = ring_backward(
+                dout[a:b],
+                q[a:b],
+                k[a:b],
+                v[a:b],
+                out[a:b],
+                lse[:, a:b],
+                it.spec,
+                it.transport,
+                ctx.engine.scale,
+            )
             dq[a:b], dk[a:b], dv[a:b] = ga, gb, gc
         return dq, dk, dv, None, None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from zeppelin.runtime.attention import (
     RingSpec,
     Transport,
@@ -115,8 +116,9 @@ def test_blocks_merge_to_full_attention_including_partial_masks():
     dq, dk, dv = torch.zeros(n, HQ, D), torch.zeros(n, HKV, D), torch.zeros(n, HKV, D)
     for qs, qe in q_cuts:
         for ks, ke in k_cuts:
-            a, b, c = attention_block_backward(dof[qs:qe], qf[qs:qe], kf[ks:ke], vf[ks:ke], out[qs:qe],
-                                               lse[:, qs:qe], (qs, qe), (ks, ke))
+            a, b, c = attention_block_backward(
+                dof[qs:qe], qf[qs:qe], kf[ks:ke], vf[ks:ke], out[qs:qe], lse[:, qs:qe], (qs, qe), (ks, ke)
+            )
             dq[qs:qe] += a
             dk[ks:ke] += b
             dv[ks:ke] += c
@@ -164,7 +166,9 @@ def pool8():
         yield pool
 
 
-def _run_ring(pool, ring_ranks, lens, layout="zigzag", dtype=torch.float32, seed=0, routes=None, nodes_of=None):
+def _run_ring(
+    pool, ring_ranks, lens, layout="zigzag", dtype=torch.float32, seed=0, routes=None, nodes_of=None
+):
     res = pool.run(_ring_case, list(ring_ranks), lens, layout, dtype, seed, routes, nodes_of, timeout=120)
     q, k, v, do = _inputs(lens, seed=seed)
     t = sum(lens)
@@ -217,8 +221,13 @@ def test_ring_attention_bf16_error_does_not_grow_with_ring_size(pool8):
     # single-process bf16 attention: the tolerance bf16 itself allows
     qq, kk, vv = (x.to(torch.bfloat16).requires_grad_() for x in (q, k, v))
     o = local_attention(qq, kk, vv, _cu(lens))
-    base = _max_errs((o.detach().double(), *(g.double() for g in torch.autograd.grad(o, (qq, kk, vv),
-                                                                                       do.to(torch.bfloat16)))), ref)
+    base = _max_errs(
+        (
+            o.detach().double(),
+            *(g.double() for g in torch.autograd.grad(o, (qq, kk, vv), do.to(torch.bfloat16))),
+        ),
+        ref,
+    )
     errs = {}
     for g in (2, 4, 8):
         got, _, _ = _run_ring(pool8, list(range(g)), lens, dtype=torch.bfloat16, seed=7)

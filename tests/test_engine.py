@@ -35,13 +35,23 @@ def _header(cluster="local-cpu:2x2"):
     c = cluster_preset(cluster)
     m = model_preset("tiny")
     p = default_profile(c.name, "cpu")
-    return PlanHeader(planner="test", num_steps=1, world_size=c.world_size, cluster=c, model=m, profile=p,
-                      hashes=InputHashes(cluster=content_hash(c), model=content_hash(m), profile=content_hash(p),
-                                         manifest="sha256:0"))
+    return PlanHeader(
+        planner="test",
+        num_steps=1,
+        world_size=c.world_size,
+        cluster=c,
+        model=m,
+        profile=p,
+        hashes=InputHashes(
+            cluster=content_hash(c), model=content_hash(m), profile=content_hash(p), manifest="sha256:0"
+        ),
+    )
 
 
 def _path(a, b, tokens):
-    return RoutePath(via_src=a, via_dst=b, nic_src=f"node{a // 2}/nic0", nic_dst=f"node{b // 2}/nic0", tokens=tokens)
+    return RoutePath(
+        via_src=a, via_dst=b, nic_src=f"node{a // 2}/nic0", nic_dst=f"node{b // 2}/nic0", tokens=tokens
+    )
 
 
 def _step(routed: bool) -> StepPlan:
@@ -55,15 +65,24 @@ def _step(routed: bool) -> StepPlan:
     Unit 3 queues its groups out of phase order: the engine still runs inter -> intra -> local.
     """
     seqs = [Sequence(sample_id=i, length=n) for i, n in enumerate(LENS)]
-    groups = [Group(kind="ring", tier="inter", units=[0, 2]), Group(kind="ring", tier="inter", units=[3, 1]),
-              Group(kind="ring", tier="intra", units=[2, 3]), Group(kind="local", tier="local", units=[0]),
-              Group(kind="local", tier="local", units=[1]), Group(kind="local", tier="local", units=[3])]
-    pl = [Placement(seq=0, group=0, scheme="zigzag", ranges=zigzag_ranges(53, 2)),
-          Placement(seq=1, group=0, scheme="contiguous", ranges=contiguous_ranges(30, 2)),
-          Placement(seq=2, group=1, scheme="zigzag", ranges=zigzag_ranges(19, 2)),
-          Placement(seq=3, group=2, scheme="zigzag", ranges=zigzag_ranges(12, 2)),
-          Placement(seq=4, group=3, ranges=[[[0, 7]]]), Placement(seq=5, group=3, ranges=[[[0, 1]]]),
-          Placement(seq=6, group=4, ranges=[[[0, 9]]]), Placement(seq=7, group=5, ranges=[[[0, 26]]])]
+    groups = [
+        Group(kind="ring", tier="inter", units=[0, 2]),
+        Group(kind="ring", tier="inter", units=[3, 1]),
+        Group(kind="ring", tier="intra", units=[2, 3]),
+        Group(kind="local", tier="local", units=[0]),
+        Group(kind="local", tier="local", units=[1]),
+        Group(kind="local", tier="local", units=[3]),
+    ]
+    pl = [
+        Placement(seq=0, group=0, scheme="zigzag", ranges=zigzag_ranges(53, 2)),
+        Placement(seq=1, group=0, scheme="contiguous", ranges=contiguous_ranges(30, 2)),
+        Placement(seq=2, group=1, scheme="zigzag", ranges=zigzag_ranges(19, 2)),
+        Placement(seq=3, group=2, scheme="zigzag", ranges=zigzag_ranges(12, 2)),
+        Placement(seq=4, group=3, ranges=[[[0, 7]]]),
+        Placement(seq=5, group=3, ranges=[[[0, 1]]]),
+        Placement(seq=6, group=4, ranges=[[[0, 9]]]),
+        Placement(seq=7, group=5, ranges=[[[0, 26]]]),
+    ]
     routes = []
     if routed:
         routes = [
@@ -101,8 +120,13 @@ def _engine_case(rank, world, routed, dtype, calls):
         outs.append(eng(q, k, v))
     loss = sum((o * do).sum() for o in outs)
     loss.backward()
-    return {"segs": segs, "out": outs[0].detach(), "grads": [q.grad, k.grad, v.grad],
-            "stats": dict(eng.stats), "schedule": eng.schedule()}
+    return {
+        "segs": segs,
+        "out": outs[0].detach(),
+        "grads": [q.grad, k.grad, v.grad],
+        "stats": dict(eng.stats),
+        "schedule": eng.schedule(),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -122,12 +146,14 @@ def _reference(calls):
 
 def _assemble(results):
     """Per sequence: out, dq, dk, dv assembled from every rank's segments."""
-    per = [[torch.full((n, h, D), float("nan"), dtype=torch.float64) for h in (HQ, HQ, HKV, HKV)] for n in LENS]
+    per = [
+        [torch.full((n, h, D), float("nan"), dtype=torch.float64) for h in (HQ, HQ, HKV, HKV)] for n in LENS
+    ]
     for r in results:
         row = 0
         for s, a, b in r["segs"]:
             for i, t in enumerate((r["out"], *r["grads"])):
-                per[s][i][a:b] = t[row:row + b - a].double()
+                per[s][i][a:b] = t[row : row + b - a].double()
             row += b - a
     return per
 
@@ -151,12 +177,14 @@ def test_engine_three_tiers_with_routing_matches_reference(pool4):
         [("relay", 0), ("ring", 1), ("ring", 2), ("ring", 5)],
     ]
     assert [r["schedule"] for r in direct] == [
-        [("ring", 0), ("ring", 3)], [("ring", 1), ("ring", 4)], [("ring", 0), ("ring", 2)],
+        [("ring", 0), ("ring", 3)],
+        [("ring", 1), ("ring", 4)],
+        [("ring", 0), ("ring", 2)],
         [("ring", 1), ("ring", 2), ("ring", 5)],
     ]
     # byte counters: the same bytes cross nodes either way; with routes, non-member proxies carry part
-    inter = lambda res: [r["stats"]["inter"] for r in res]  # noqa: E731
-    intra = lambda res: [r["stats"]["intra"] for r in res]  # noqa: E731
+    inter = lambda res: [r["stats"]["inter"] for r in res]
+    intra = lambda res: [r["stats"]["intra"] for r in res]
     assert sum(inter(routed)) == sum(inter(direct)) > 0
     assert intra(direct) == [0, 0, intra(direct)[2], intra(direct)[3]] and intra(direct)[2] > 0
     # hand count, direct plan, rank 0 (ring [0, 2], G=2; it holds 27 + 15 = 42 rows, rank 2 holds 41):
