@@ -76,7 +76,8 @@ def lower_bound(pre: np.ndarray, cost: np.ndarray, width: np.ndarray) -> float:
 
 
 def greedy_pack(pre: np.ndarray, pre_tok: np.ndarray, cost: np.ndarray, tokens: np.ndarray,
-                width: np.ndarray, cap: float, search: bool = True) -> PackResult:
+                width: np.ndarray, cap: float, search: bool = True, tol: float = 0.0) -> PackResult:
+    """LPT, then (``search``) local search unless LPT is already within ``tol`` of the bound."""
     t0 = time.perf_counter()
     B = len(pre)
     loads = np.array(pre, dtype=np.float64)
@@ -123,9 +124,9 @@ def greedy_pack(pre: np.ndarray, pre_tok: np.ndarray, cost: np.ndarray, tokens: 
             for b in sel:
                 heapq.heappush(heap, (loads[b], int(b)))
             out[i] = [int(b) for b in sel]
-    if search and m:
-        _local_search(out, loads, toks, cost, tokens, width, cap)
     lb = lower_bound(np.asarray(pre, dtype=np.float64), np.asarray(cost, dtype=np.float64), np.asarray(width))
+    if search and m and B and float(loads.max()) > lb * (1.0 + tol):
+        _local_search(out, loads, toks, cost, tokens, width, cap)
     mk = float(loads.max()) if B else 0.0
     return PackResult(out, loads, toks, mk, lb, time_s=time.perf_counter() - t0, greedy_makespan=mk)
 
@@ -300,7 +301,7 @@ def pack(pre, pre_tok, cost, tokens, width, cap: float, *, ilp: str = "auto", ti
     cost = np.asarray(cost, dtype=np.float64)
     tokens = np.asarray(tokens, dtype=np.float64)
     width = np.asarray(width, dtype=np.int64)
-    g = greedy_pack(pre, pre_tok, cost, tokens, width, cap)
+    g = greedy_pack(pre, pre_tok, cost, tokens, width, cap, tol=tol / 4)
     if ilp == "never" or len(cost) == 0:
         return g
     nvars = len(cost) * len(pre)

@@ -319,28 +319,30 @@ class ZeppelinPlanner(Planner):
                 inter_count[nd] += 1
                 base = list(range(nd * upn, (nd + 1) * upn))
                 units += base[rot:] + base[:rot]
-            groups.append(Group(kind="ring", tier="inter", units=units))
-            placements.append(Placement(seq=idx[j], group=len(groups) - 1, scheme="zigzag",
-                                        ranges=zigzag_ranges(int(Ls[j]), len(units))))
+            groups.append(Group.model_construct(kind="ring", tier="inter", units=units))
+            placements.append(Placement.model_construct(seq=idx[j], group=len(groups) - 1, scheme="zigzag",
+                                        ranges=zigzag_ranges(int(Ls[j]), len(units)), padded_length=None))
         for j in sorted((j for j, s in enumerate(spans) if s.tier == "intra"), key=lambda j: -Ls[j]):
             units = sorted(unit_of[j])
-            groups.append(Group(kind="ring", tier="intra", units=units))
-            placements.append(Placement(seq=idx[j], group=len(groups) - 1, scheme="zigzag",
-                                        ranges=zigzag_ranges(int(Ls[j]), len(units))))
+            groups.append(Group.model_construct(kind="ring", tier="intra", units=units))
+            placements.append(Placement.model_construct(seq=idx[j], group=len(groups) - 1, scheme="zigzag",
+                                        ranges=zigzag_ranges(int(Ls[j]), len(units)), padded_length=None))
         local_by_unit: dict[int, list[int]] = {}
         for j, s in enumerate(spans):
             if s.tier == "local":
                 local_by_unit.setdefault(unit_of[j][0], []).append(j)
         for u in sorted(local_by_unit):
-            groups.append(Group(kind="local", tier="local", units=[u]))
+            groups.append(Group.model_construct(kind="local", tier="local", units=[u]))
             for j in sorted(local_by_unit[u], key=lambda j: -Ls[j]):
-                placements.append(Placement(seq=idx[j], group=len(groups) - 1, scheme="whole",
-                                            ranges=[[[0, int(Ls[j])]]]))
+                placements.append(Placement.model_construct(seq=idx[j], group=len(groups) - 1, scheme="whole",
+                                                           ranges=[[[0, int(Ls[j])]]], padded_length=None))
         queues: list[list[int]] = [[] for _ in range(n)]
         for gi, g in enumerate(groups):  # global order: inter, intra, local
             for u in g.units:
                 queues[u].append(gi)
-        mb = MicroBatch(groups=groups, placements=placements, queues=queues)
+        # built from validated parts; model_construct skips re-validating thousands of records
+        mb = MicroBatch.model_construct(groups=groups, placements=placements, queues=queues, linear_layout=None,
+                                        remap=RemapInfo(), routes=[])
         mb.routes = self._routes(ctx, mb)
         layout, info = self._remap(ctx, sequences, mb, enable=self.remap and balance == "attention")
         mb.linear_layout = layout

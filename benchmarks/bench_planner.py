@@ -1,0 +1,147 @@
+"""Zeppelin planner benchmark: latency per step, plan quality vs the lower bound, ablation.
+
+    python benchmarks/bench_planner.py                      # everything (JSON lines on stdout)
+    python benchmarks/bench_planner.py --only latency --sizes 16,64,256
+    python benchmarks/bench_planner.py --only quality --steps 100
+
+Length distributions are generated here (seeded): *short-heavy* (log-normal, median ~1.1K),
+*long-heavy* (log-normal, median ~22K) and *mixed* (log-normal body + Pareto tail); all clipped to
+128K. A step takes sequences until its token budget (the cluster's activation capacity) is full.
+Quality = predicted step time / lower bound (``predict_step``), per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+from zeppelin.planner.base import PlanContext
+from zeppelin.planner.zeppelin_planner import ZeppelinNoRemap, ZeppelinPlanner, ZeppelinTiersOnly
+from zeppelin.schemas.cluster import cluster_preset
+from zeppelin.schemas.model import model_preset
+from zeppelin.schemas.plan import Sequence
+from zeppelin.schemas.profile import default_profile
+
+MAX_LEN = 128 * 1024
+
+
+def draw(dist: str, rng: np.random.Generator, n: int) -> np.ndarray:
+    if dist == "short":
+        L = rng.lognormal(7.0, 1.0, n)
+    elif dist == "long":
+        L = rng.lognormal(10.0, 1.0, n)
+    elif dist == "mixed":
+        body = rng.lognormal(7.0, 1.0, n)
+        tail = (rng.pareto(1.2, n) + 1.0) * 4096
+        L = np.where(rng.random(n) < 0.1, tail, body)
+    else:
+        raise ValueError(dist)
+    return np.clip(L.astype(np.int64), 16, MAX_LEN)
+
+
+def steps_for(dist: str, budget: int, num_steps: int, seed: int) -> list[list[Sequence]]:
+    rng = np.random.default_rng(seed)
+    out, sid = [], 0
+    for _ in range(num_steps):
+        L = draw(dist, rng, 4096)
+        while L.sum() < budget:
+            L = np.concatenate([L, draw(dist, rng, 4096)])
+        cut = max(1, int(np.searchsorted(np.cumsum(L), budget, side="right")))
+        out.append([Sequence(sample_id=sid + i, length=int(x)) for i, x in enumerate(L[:cut])])
+        sid += cut
+    return out
+
+
+def ctx_for(cluster: str, model: str) -> PlanContext:
+    cl = cluster_preset(cluster)
+    return PlanContext(cl, model_preset(model), default_profile(cl.name))
+
+
+def latency(sizes: list[int], steps: int) -> None:
+    for gpus in sizes:
+        nodes = max(1, gpus // 8)
+        ctx = ctx_for(f"zeppelin-c:{nodes}", "llama-7b")
+        # ~8 sequences per GPU on the mixed distribution
+        rng = np.random.default_rng(gpus)
+        n_steps = steps if gpus <= 1024 else max(1, steps // 3)
+        pl = ZeppelinPlanner()
+        times, seqs, ratios, solvers = [], [], [], []
+        for k in range(n_steps):
+            L = draw("mixed", rng, 8 * gpus)
+            ss = [Sequence(sample_id=i, length=int(x)) for i, x in enumerate(L)]
+            t0 = time.perf_counter()
+            sp = pl.plan_step(ctx, k, ss)
+            times.append(time.perf_counter() - t0)
+            seqs.append(len(ss))
+            ratios.append(sp.prediction.step_time_s / sp.prediction.lower_bound_s)
+            solvers.append(sp.solver.name)
+        print(json.dumps({"bench": "planner_latency", "gpus": gpus, "cluster": ctx.cluster.name,
+                          "nodes": nodes, "model": "llama-7b", "seqs_per_step": int(np.median(seqs)),
+                          "steps": n_steps, "median_s": round(float(np.median(times)), 4),
+                          "max_s": round(float(np.max(times)), 4), "median_ratio": round(float(np.median(ratios)), 4),
+                          "solvers": {s: solvers.count(s) for s in sorted(set(solvers))}}), flush=True)
+
+
+def quality(clusters, models, dists, steps: int) -> None:
+    for cluster in clusters:
+        for model in models:
+            ctx = ctx_for(cluster, model)
+            budget = ctx.cost.token_capacity * ctx.num_units
+            pl = ZeppelinPlanner()
+            for dist in dists:
+                ratios, times, mbs = [], [], []
+                for k, ss in enumerate(steps_for(dist, budget, steps, seed=hash((cluster, model, dist)) % 2**31)):
+                    t0 = time.perf_counter()
+                    sp = pl.plan_step(ctx, k, ss)
+                    times.append(time.perf_counter() - t0)
+                    ratios.append(sp.prediction.step_time_s / sp.prediction.lower_bound_s)
+                    mbs.append(len(sp.microbatches))
+                r = np.array(ratios)
+                print(json.dumps({"bench": "plan_quality", "cluster": cluster, "model": model, "dist": dist,
+                                  "steps": steps, "tokens_per_step": budget, "median_ratio": round(float(np.median(r)), 4),
+                                  "worst_ratio": round(float(r.max()), 4), "p90_ratio": round(float(np.quantile(r, 0.9)), 4),
+                                  "median_plan_s": round(float(np.median(times)), 4),
+                                  "median_microbatches": float(np.median(mbs))}), flush=True)
+
+
+def ablation(cluster: str, model: str, dists, steps: int) -> None:
+    ctx = ctx_for(cluster, model)
+    budget = ctx.cost.token_capacity * ctx.num_units
+    variants = [("tiers only", ZeppelinTiersOnly()), ("+ routing", ZeppelinNoRemap()),
+                ("+ remapping", ZeppelinPlanner())]
+    for dist in dists:
+        all_steps = steps_for(dist, budget, steps, seed=7)
+        res = {}
+        for label, pl in variants:
+            t = [pl.plan_step(ctx, k, ss).prediction.step_time_s for k, ss in enumerate(all_steps)]
+            res[label] = float(np.sum(t))
+        base = res["tiers only"]
+        print(json.dumps({"bench": "ablation", "cluster": cluster, "model": model, "dist": dist, "steps": steps,
+                          "total_predicted_s": {k: round(v, 3) for k, v in res.items()},
+                          "speedup_vs_tiers_only": {k: round(base / v, 4) for k, v in res.items()}}), flush=True)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", choices=["latency", "quality", "ablation"], default=None)
+    ap.add_argument("--sizes", default="16,64,256,1024,4096")
+    ap.add_argument("--latency-steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=100, help="steps per quality cell")
+    ap.add_argument("--ablation-steps", type=int, default=30)
+    a = ap.parse_args(argv)
+    print(json.dumps({"bench": "machine", "python": sys.version.split()[0]}), flush=True)
+    if a.only in (None, "latency"):
+        latency([int(x) for x in a.sizes.split(",")], a.latency_steps)
+    if a.only in (None, "quality"):
+        quality(["zeppelin-a", "zeppelin-c"], ["llama-7b", "llama-13b"], ["short", "long", "mixed"], a.steps)
+    if a.only in (None, "ablation"):
+        for cl in ("zeppelin-a", "zeppelin-c"):
+            ablation(cl, "llama-7b", ["short", "mixed", "long"], a.ablation_steps)
+
+
+if __name__ == "__main__":
+    main()
