@@ -132,7 +132,8 @@ class ZeppelinPlanner(Planner):
         lengths = np.array([s.length for s in sequences], dtype=np.int64)
         n = ctx.num_units
         budget = n * tg.cap
-        M = max(1, math.ceil(int(lengths.sum()) / (0.9 * budget)))
+        # fewest micro-batches that fit with 10% slack (never more than one per sequence)
+        M = max(1, min(len(sequences), math.ceil(int(lengths.sum()) / (0.9 * budget))))
         last_err = None
         while M <= len(sequences):
             parts = self._split_microbatches(ctx, lengths, M, budget)
@@ -154,7 +155,7 @@ class ZeppelinPlanner(Planner):
                 M += 1
                 continue
             break
-        else:  # pragma: no cover - every sequence fits alone (checked above)
+        else:  # every sequence fits alone (checked above), so this means a packing failure
             raise PlanningError(f"step {step}: no feasible assignment found ({last_err})")
         mbs = [b[0] for b in built]
         stats = [b[1] for b in built]
