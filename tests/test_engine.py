@@ -235,3 +235,98 @@ def test_engine_bf16_within_tolerance(pool4):
     for s in range(len(LENS)):
         for a, want in zip(res[s], ref[s]):
             assert (a - want).abs().max().item() <= 5e-2 * max(1.0, want.abs().max().item()), s
+
+
+def _ulysses_step() -> StepPlan:
+    """Ulysses groups [0, 1] (seqs 0, 1) and [3, 2] (seq 2) plus local work on units 0 and 3."""
+    seqs = [Sequence(sample_id=i, length=n) for i, n in enumerate([45, 13, 30, 11, 6])]
+    groups = [
+        Group(kind="ulysses", tier="intra", units=[0, 1]),
+        Group(kind="ulysses", tier="intra", units=[3, 2]),
+        Group(kind="local", tier="local", units=[0]),
+        Group(kind="local", tier="local", units=[3]),
+    ]
+    pl = [
+        Placement(seq=0, group=0, scheme="contiguous", ranges=contiguous_ranges(45, 2)),
+        Placement(seq=1, group=0, scheme="contiguous", ranges=contiguous_ranges(13, 2)),
+        Placement(seq=2, group=1, scheme="contiguous", ranges=contiguous_ranges(30, 2)),
+        Placement(seq=3, group=2, ranges=[[[0, 11]]]),
+        Placement(seq=4, group=3, ranges=[[[0, 6]]]),
+    ]
+    mb = MicroBatch(groups=groups, placements=pl, queues=[[0, 2], [0], [1], [1, 3]])
+    return StepPlan(step=0, sequences=seqs, microbatches=[mb])
+
+
+def _ulysses_case(rank, world):
+    from zeppelin.runtime.groups import GroupCache
+
+    header, step = _header(), _ulysses_step()
+    assert structural_problems(header, step) == []
+    cache = GroupCache(header=header, steps=[step])
+    eng = AttentionEngine(header, step, 0, rank, groups=cache)
+    segs = step.microbatches[0].attention_segments(rank)
+    g = torch.Generator().manual_seed(1)
+    data = [
+        tuple(torch.randn(n, h, D, generator=g, dtype=torch.float64) for h in (HQ, HKV, HKV, HQ))
+        for n in (45, 13, 30, 11, 6)
+    ]
+    q, k, v, do = (_gather(segs, data, i).float() for i in range(4))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out = eng(q, k, v)
+    (out * do).sum().backward()
+    return {"segs": segs, "out": out.detach(), "grads": [q.grad, k.grad, v.grad], "schedule": eng.schedule()}
+
+
+@pytest.mark.timeout(120)
+def test_engine_delegates_ulysses_groups(pool4):
+    res = pool4.run(_ulysses_case, timeout=90)
+    assert [r["schedule"] for r in res] == [
+        [("ulysses", 0), ("ring", 2)],
+        [("ulysses", 0)],
+        [("ulysses", 1)],
+        [("ulysses", 1), ("ring", 3)],
+    ]
+    g = torch.Generator().manual_seed(1)
+    lens = (45, 13, 30, 11, 6)
+    data = [
+        tuple(torch.randn(n, h, D, generator=g, dtype=torch.float64) for h in (HQ, HKV, HKV, HQ))
+        for n in lens
+    ]
+    per = [
+        [torch.full((n, h, D), float("nan"), dtype=torch.float64) for h in (HQ, HQ, HKV, HKV)] for n in lens
+    ]
+    for r in res:
+        row = 0
+        for s, a, b in r["segs"]:
+            for i, t in enumerate((r["out"], *r["grads"])):
+                per[s][i][a:b] = t[row : row + b - a].double()
+            row += b - a
+    for s, (q, k, v, do) in enumerate(data):
+        q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+        o = reference_attention(q, k, v, [0, q.shape[0]])
+        want = (o.detach(), *torch.autograd.grad(o, (q, k, v), do))
+        for got, w in zip(per[s], want):
+            assert (got - w).abs().max().item() <= 1e-5, s
+
+
+def _allgather_case(rank, world):
+    header = _header()
+    step = _step(False).model_copy(deep=True)
+    step.microbatches[0].groups[2] = Group(kind="allgather", tier="intra", units=[2, 3])
+    eng = AttentionEngine(header, step, 0, rank)
+    segs = step.microbatches[0].attention_segments(rank)
+    data = _inputs()
+    q, k, v, do = (_gather(segs, data, i).float() for i in range(4))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out = eng(q, k, v)
+    (out * do).sum().backward()
+    return {"segs": segs, "out": out.detach(), "grads": [q.grad, k.grad, v.grad]}
+
+
+@pytest.mark.timeout(120)
+def test_engine_allgather_group_is_exact(pool4):
+    got = _assemble(pool4.run(_allgather_case, timeout=90))
+    ref = _reference(calls=1)
+    for s in range(len(LENS)):
+        for a, want in zip(got[s], ref[s]):
+            assert (a - want).abs().max().item() <= 1e-5, s
