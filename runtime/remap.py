@@ -56,7 +56,10 @@ class RemapPiece:
         return self.end - self.start
 
 
-def _layout_runs(segments_per_unit: list[list[list[int]]]) -> tuple[dict[int, list[tuple[int, int, int, int]]], list[int]]:
+Runs = dict[int, list[tuple[int, int, int, int]]]
+
+
+def _layout_runs(segments_per_unit: list[list[list[int]]]) -> tuple[Runs, list[int]]:
     """Per sequence: sorted runs (start, end, unit, row); and the buffer size of each unit."""
     runs: dict[int, list[tuple[int, int, int, int]]] = {}
     sizes = []
@@ -72,7 +75,8 @@ def _layout_runs(segments_per_unit: list[list[list[int]]]) -> tuple[dict[int, li
     return runs, sizes
 
 
-def remap_pieces(attention: list[list[list[int]]], linear: list[list[list[int]]], where: str = "") -> list[RemapPiece]:
+def remap_pieces(attention: list[list[list[int]]], linear: list[list[list[int]]],
+                 where: str = "") -> list[RemapPiece]:
     """Intersect two layouts (per unit lists of ``[seq, start, end]``) into pieces.
 
     Raises :class:`InputError` when the layouts do not hold the same tokens.
@@ -81,7 +85,8 @@ def remap_pieces(attention: list[list[list[int]]], linear: list[list[list[int]]]
     l_runs, l_sizes = _layout_runs(linear)
     if sorted(a_runs) != sorted(l_runs):
         only = sorted(set(a_runs) ^ set(l_runs))
-        raise InputError(f"{where}remap: sequence {only[0]} is in only one of the attention and linear layouts")
+        raise InputError(f"{where}remap: sequence {only[0]} is in only one of the attention and "
+                         "linear layouts")
     pieces: list[RemapPiece] = []
     for seq in sorted(a_runs):
         A, L = a_runs[seq], l_runs[seq]
@@ -102,7 +107,8 @@ def remap_pieces(attention: list[list[list[int]]], linear: list[list[list[int]]]
             if l_[1] == e:
                 j += 1
         if i != len(A) or j != len(L) or A[0][0] != L[0][0]:
-            raise InputError(f"{where}remap: attention and linear layouts of sequence {seq} cover different tokens")
+            raise InputError(f"{where}remap: attention and linear layouts of sequence {seq} cover "
+                             "different tokens")
         for runs in (A, L):
             for x, y in zip(runs, runs[1:]):
                 if x[1] != y[0]:
@@ -214,7 +220,8 @@ class Remapper:
         for p in self.pieces:
             if p.src != p.dst and (self.unit in (p.src, p.dst)) and reps[p.src].tp != reps[p.dst].tp:
                 raise InputError(f"{where}remap between units {p.src} and {p.dst} of different "
-                                 f"tensor-parallel degree ({reps[p.src].tp} and {reps[p.dst].tp}) is not supported")
+                                 f"tensor-parallel degree ({reps[p.src].tp} and {reps[p.dst].tp}) "
+                                 "is not supported")
 
         def peer_rank(u: int) -> int:
             return reps[u].ranks[self.tp_index] if reps[u].tp == my_tp else reps[u].ranks[0]

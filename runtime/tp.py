@@ -31,8 +31,8 @@ Weights have no bias (Llama style). ``TPGroup`` carries the GLOBAL ranks of the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -348,9 +348,11 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.overlap, self.chunks = group, overlap, chunks
         self.sizes = list(sizes) if sizes is not None else shard_sizes(out_features, group.size)
         if len(self.sizes) != group.size or sum(self.sizes) != out_features:
-            raise ValueError(f"column shard sizes {self.sizes} do not split {out_features} over {group.size} ranks")
+            raise ValueError(f"column shard sizes {self.sizes} do not split {out_features} "
+                             f"over {group.size} ranks")
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(self.sizes[group.pos], in_features, dtype=dtype, device=device))
+        self.weight = nn.Parameter(torch.empty(self.sizes[group.pos], in_features, dtype=dtype,
+                                               device=device))
         nn.init.normal_(self.weight, std=in_features ** -0.5)
 
     @classmethod
@@ -376,9 +378,11 @@ class RowParallelLinear(nn.Module):
         self.group, self.overlap, self.chunks = group, overlap, chunks
         self.sizes = list(sizes) if sizes is not None else shard_sizes(in_features, group.size)
         if len(self.sizes) != group.size or sum(self.sizes) != in_features:
-            raise ValueError(f"row shard sizes {self.sizes} do not split {in_features} over {group.size} ranks")
+            raise ValueError(f"row shard sizes {self.sizes} do not split {in_features} "
+                             f"over {group.size} ranks")
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, self.sizes[group.pos], dtype=dtype, device=device))
+        self.weight = nn.Parameter(torch.empty(out_features, self.sizes[group.pos], dtype=dtype,
+                                               device=device))
         nn.init.normal_(self.weight, std=in_features ** -0.5)
 
     @classmethod

@@ -64,7 +64,9 @@ class UlyssesSpec:
         self.lengths = []
         for i, per_pos in enumerate(self.seqs):
             if len(per_pos) != G:
-                raise ValueError(f"sequence {i} of the Ulysses group has ranges for {len(per_pos)} positions, group has {G}")
+                raise ValueError(f"sequence {i} of the Ulysses group has ranges for {len(per_pos)} "
+                                 "positions, "
+                                 f"group has {G}")
             spans = sorted((s, e) for rs in per_pos for s, e in rs if e > s)
             pos = 0
             for s, e in spans:
@@ -104,7 +106,8 @@ class UlyssesSpec:
         return perm
 
     @classmethod
-    def from_plan(cls, header: PlanHeader, step: StepPlan, mb_index: int, group_index: int, rank: int) -> "UlyssesSpec":
+    def from_plan(cls, header: PlanHeader, step: StepPlan, mb_index: int, group_index: int,
+                  rank: int) -> UlyssesSpec:
         """The spec of ``group_index`` of a micro-batch for GPU ``rank`` (its TP index picks, in
         every unit of the group, the rank with the same TP index)."""
         mb = step.microbatches[mb_index]
@@ -112,11 +115,12 @@ class UlyssesSpec:
         reps = header.replicas(step)
         unit = next((u for u, rp in enumerate(reps) if rank in rp.ranks), None)
         if unit is None or unit not in g.units:
-            raise InputError(f"step {step.step} microbatch {mb_index}: rank {rank} is not in group {group_index}")
+            raise InputError(f"step {step.step} microbatch {mb_index}: rank {rank} is not in "
+                             f"group {group_index}")
         t = reps[unit].ranks.index(rank)
         if any(reps[u].tp != reps[unit].tp for u in g.units):
-            raise InputError(f"step {step.step} microbatch {mb_index}: Ulysses group {group_index} mixes units of "
-                             "different tensor-parallel degree")
+            raise InputError(f"step {step.step} microbatch {mb_index}: Ulysses group {group_index} mixes "
+                             "units of different tensor-parallel degree")
         seqs = [p.ranges for p in mb.placements if p.group == group_index]
         return cls(ranks=[reps[u].ranks[t] for u in g.units], pos=g.units.index(unit), seqs=seqs)
 
@@ -132,7 +136,8 @@ def _a2a(pieces: list[torch.Tensor], recv_numel: list[int], order: list[int], pg
 
     send = torch.cat([pieces[j].reshape(-1) for j in order])
     recv = send.new_empty(sum(recv_numel[j] for j in order))
-    dist.all_to_all_single(recv, send, [recv_numel[j] for j in order], [pieces[j].numel() for j in order], group=pg)
+    dist.all_to_all_single(recv, send, [recv_numel[j] for j in order], [pieces[j].numel() for j in order],
+                           group=pg)
     out: list[torch.Tensor] = [None] * len(order)  # type: ignore[list-item]
     o = 0
     for j in order:

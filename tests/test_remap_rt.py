@@ -17,7 +17,15 @@ from zeppelin.schemas.common import InputError, content_hash
 from zeppelin.schemas.layout import contiguous_ranges, split_even, zigzag_ranges
 from zeppelin.schemas.model import model_preset
 from zeppelin.schemas.plan import (
-    Group, InputHashes, MicroBatch, Placement, PlanHeader, Replica, Sequence, StepPlan, structural_problems,
+    Group,
+    InputHashes,
+    MicroBatch,
+    Placement,
+    PlanHeader,
+    Replica,
+    Sequence,
+    StepPlan,
+    structural_problems,
 )
 from zeppelin.schemas.profile import default_profile
 
@@ -56,7 +64,8 @@ def three_tier_step(remap: bool = True, units: int = 4) -> StepPlan:
     the linear layout interleaves sequences in reverse order so most tokens move."""
     lengths = [37, 9, 5, 301, 23]
     seqs = [Sequence(sample_id=i, length=L) for i, L in enumerate(lengths)]
-    groups = [Group(kind="ring", tier="inter", units=[0, 1, 2, 3]), Group(kind="ring", tier="intra", units=[2, 3]),
+    groups = [Group(kind="ring", tier="inter", units=[0, 1, 2, 3]),
+              Group(kind="ring", tier="intra", units=[2, 3]),
               Group(kind="local", tier="local", units=[0]), Group(kind="local", tier="local", units=[1])]
     pl = [Placement(seq=3, group=0, scheme="zigzag", ranges=zigzag_ranges(301, 4)),
           Placement(seq=0, group=1, scheme="zigzag", ranges=zigzag_ranges(37, 2)),
@@ -155,7 +164,8 @@ def test_remap_matches_single_process_permutation(pool4, case):
         header, step = make_header(), three_tier_step(remap=False)
     assert structural_problems(header, step) == []
     dtype = torch.float32 if case != "tp2" else torch.bfloat16
-    outs = pool4.run(_remap_worker, header.model_dump_json(), step.model_dump_json(), 7, str(dtype).split(".")[1],
+    outs = pool4.run(_remap_worker, header.model_dump_json(), step.model_dump_json(), 7,
+                     str(dtype).split(".")[1],
                      timeout=60)
     mb = step.microbatches[0]
     reps = header.replicas(step)
@@ -200,7 +210,8 @@ def test_remap_pieces_cover_layouts_and_reject_mismatch():
     bad[0][0][2] -= 1  # drop one token of the first linear segment of unit 0
     with pytest.raises(InputError, match=r"remap: .*sequence 4"):
         remap_pieces(att, bad, "step 0 microbatch 0: ")
-    with pytest.raises(InputError, match="^remap: sequence 9 is in only one of the attention and linear layouts$"):
+    msg = "^remap: sequence 9 is in only one of the attention and linear layouts$"
+    with pytest.raises(InputError, match=msg):
         remap_pieces(att, [s + ([[9, 0, 3]] if i == 0 else []) for i, s in enumerate(lin)])
 
 
@@ -250,9 +261,9 @@ def test_plan_rank_sets_cover_tp_ulysses_and_replicas():
 
 
 def _cache_worker(rank, world):
-    from zeppelin.runtime.groups import GroupCache, GroupNotCreatedError
-
     import torch.distributed as dist
+
+    from zeppelin.runtime.groups import GroupCache, GroupNotCreatedError
 
     cache = GroupCache(world)
     out = {"n": len(cache), "created": cache.created}
@@ -278,7 +289,7 @@ def test_group_cache_creates_blocks_once_and_refuses_unknown(pool4):
         assert o["pair_sum"] == float(rank + (rank ^ 1))
         assert o["single"] and o["world"]
         pair = [0, 3] if rank in (0, 3) else [1, 2]
-        assert o["err"] == (f"process group {pair} was not pre-created at start-up (the plan does not name it); "
-                            "groups are created once, collectively, before training — add it to "
-                            "GroupCache(extra=...)")
+        assert o["err"] == (f"process group {pair} was not pre-created at start-up "
+                            "(the plan does not name it); groups are created once, collectively, "
+                            "before training — add it to GroupCache(extra=...)")
 

@@ -96,8 +96,8 @@ def _reference(tp: int):
     m = (torch.nn.functional.silu(xm @ d["wg"].t()) * (xm @ d["wu"].t())) @ d["wd"].t()
     (m * d["dm"]).sum().backward()
     return dict(y=y.detach(), z=z.detach(), m=m.detach(), col_dx=x_grad_col_row, col_dw=d["w_col"].grad,
-                row_dx=d["x2"].grad, row_dw=d["w_row"].grad, mlp_dx=xm.grad, dwg=d["wg"].grad, dwu=d["wu"].grad,
-                dwd=d["wd"].grad)
+                row_dx=d["x2"].grad, row_dw=d["w_row"].grad, mlp_dx=xm.grad, dwg=d["wg"].grad,
+                dwu=d["wu"].grad, dwd=d["wd"].grad)
 
 
 def _close(got, want, what):
@@ -151,7 +151,8 @@ def test_unknown_overlap_mode_is_refused():
     from zeppelin.runtime.tp import TPGroup, column_parallel
 
     g = TPGroup([0], 0)
-    with pytest.raises(ValueError, match=r"^unknown TP overlap mode 'ring' \(choose from none, slicing, commfuse\)$"):
+    msg = r"^unknown TP overlap mode 'ring' \(choose from none, slicing, commfuse\)$"
+    with pytest.raises(ValueError, match=msg):
         column_parallel(torch.zeros(2, 3), torch.zeros(4, 3), g, [2], "ring")
 
 
