@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
+
 from zeppelin.schemas.common import InputError, atomic_write
 
 BAR_WIDTH = 14
@@ -83,6 +84,7 @@ def write_histogram_png(path: Path, dataset) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     from zeppelin.schemas.datasets import length_histogram
 
     hist = length_histogram(dataset.lengths)

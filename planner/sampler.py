@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import numpy as np
+
 from zeppelin.schemas.common import InputError
 from zeppelin.schemas.datasets import Dataset
 from zeppelin.schemas.plan import SamplerConfig, Sequence

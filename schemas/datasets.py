@@ -104,9 +104,8 @@ class Dataset:
         self.shards = list(shards or [source])
         self._token_ids = token_ids
         self._token_offsets = token_offsets
-        if token_ids is not None:
-            if token_offsets is None or len(token_offsets) != len(self.lengths) + 1:
-                raise ValueError("token_offsets must have num_samples + 1 entries")
+        if token_ids is not None and (token_offsets is None or len(token_offsets) != len(self.lengths) + 1):
+            raise ValueError("token_offsets must have num_samples + 1 entries")
 
     @property
     def num_samples(self) -> int:
