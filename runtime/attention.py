@@ -444,7 +444,13 @@ class Exchange:
                 ops.append(dist.P2POp(dist.irecv, buf, peer))
         self.works = dist.batch_isend_irecv(ops) if ops else []
 
-    def _wait(self) -> None:
+    def ready(self) -> bool:
+        """True when the posted stage's transfers have completed (wait() would not block)."""
+        return all(w.is_completed() for w in self.works)
+
+    def _wait(self, idle: Callable[[Callable[[], bool]], None] | None = None) -> None:
+        if idle is not None and self.works:
+            idle(self.ready)  # fill the wait with communication-free work
         for w in self.works:
             w.wait()
         self.works = []
@@ -455,13 +461,15 @@ class Exchange:
         self.stage = 1
         return self
 
-    def finish(self) -> torch.Tensor | None:
+    def finish(self, idle: Callable[[Callable[[], bool]], None] | None = None) -> torch.Tensor | None:
+        """Complete the exchange. ``idle(ready)``, when given, is called before each blocking wait
+        and may run communication-free work until ``ready()`` (see the engine's local queue)."""
         if self.stage == 0:
             self.start()
-        self._wait()
+        self._wait(idle)
         while self.stage < len(self.stages):
             self._post(self.stage)
-            self._wait()
+            self._wait(idle)
             self.stage += 1
         if not self.recv_parts:
             return None
@@ -537,8 +545,11 @@ def _pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.stack([k, v], 1).contiguous()  # [T, 2, Hkv, D]
 
 
-def ring_forward(q, k, v, spec: RingSpec, transport: Transport, scale: float | None = None):
-    """No-autograd ring attention forward: ``(out in q.dtype, lse [Hq, T] fp32)``."""
+def ring_forward(q, k, v, spec: RingSpec, transport: Transport, scale: float | None = None, idle=None):
+    """No-autograd ring attention forward: ``(out in q.dtype, lse [Hq, T] fp32)``.
+
+    ``idle``: optional filler called while a K/V exchange is still in flight (see
+    :meth:`Exchange.finish`)."""
     sc = _scale(q, scale)
     g, p = spec.size, spec.pos
     if q.shape[0] != spec.rows(p) or k.shape[0] != spec.rows(p):
@@ -558,12 +569,14 @@ def ring_forward(q, k, v, spec: RingSpec, transport: Transport, scale: float | N
             o_b, l_b = attention_block(q[q0:q1], kv[k0:k1, 0], kv[k0:k1, 1], qr, kr, sc)
             merge_partial(out[q0:q1], lse[:, q0:q1], o_b, l_b)
         if ex is not None:
-            nxt = ex.finish()
+            nxt = ex.finish(idle)
             kv = nxt if nxt is not None else kv.new_zeros((0, *row_shape))
     return out.to(q.dtype), lse
 
 
-def ring_backward(dout, q, k, v, out, lse, spec: RingSpec, transport: Transport, scale: float | None = None):
+def ring_backward(
+    dout, q, k, v, out, lse, spec: RingSpec, transport: Transport, scale: float | None = None, idle=None
+):
     """No-autograd ring attention backward from the merged ``out``/``lse``: ``(dq, dk, dv)``
     in the input dtype; accumulation in float32, dK/dV accumulators travel in float32."""
     sc = _scale(q, scale)
@@ -589,28 +602,28 @@ def ring_backward(dout, q, k, v, out, lse, spec: RingSpec, transport: Transport,
             dkv[k0:k1, 0] += b.float()
             dkv[k0:k1, 1] += c.float()
         if exd is not None:
-            got = exd.finish()
+            got = exd.finish(idle)
             if got is not None:
                 dkv += got
         if g > 1:
             exd = transport.exchange(spec.transfers(r), dkv, row_shape, torch.float32, q.device).start()
         if exkv is not None:
-            nxt = exkv.finish()
+            nxt = exkv.finish(idle)
             kv = nxt if nxt is not None else kv.new_zeros((0, *row_shape))
     if exd is not None:
-        got = exd.finish()
+        got = exd.finish(idle)
         dkv = got if got is not None else torch.zeros((0, *row_shape), dtype=torch.float32, device=q.device)
     return dq.to(q.dtype), dkv[:, 0].to(k.dtype), dkv[:, 1].to(v.dtype)
 
 
-def ring_relay_forward(spec: RingSpec, transport: Transport, row_shape, dtype, device) -> None:
+def ring_relay_forward(spec: RingSpec, transport: Transport, row_shape, dtype, device, idle=None) -> None:
     """A proxy that is not a ring member: take part in the forward exchanges of the ring (same
     call sequence as :func:`ring_forward`, no compute)."""
     for r in range(spec.size - 1):
-        transport.exchange(spec.transfers(r), None, row_shape, dtype, device).start().finish()
+        transport.exchange(spec.transfers(r), None, row_shape, dtype, device).start().finish(idle)
 
 
-def ring_relay_backward(spec: RingSpec, transport: Transport, row_shape, dtype, device) -> None:
+def ring_relay_backward(spec: RingSpec, transport: Transport, row_shape, dtype, device, idle=None) -> None:
     """Relay-only counterpart of :func:`ring_backward` (same exchange call sequence)."""
     g = spec.size
     exd = None
@@ -621,13 +634,13 @@ def ring_relay_backward(spec: RingSpec, transport: Transport, row_shape, dtype, 
             else None
         )
         if exd is not None:
-            exd.finish()
+            exd.finish(idle)
         if g > 1:
             exd = transport.exchange(spec.transfers(r), None, row_shape, torch.float32, device).start()
         if exkv is not None:
-            exkv.finish()
+            exkv.finish(idle)
     if exd is not None:
-        exd.finish()
+        exd.finish(idle)
 
 
 class _RingAttention(torch.autograd.Function):

@@ -11,8 +11,10 @@ sequences in placement order, each sequence's ranges in listed order):
 * ``local`` groups: one-rank rings (whole sequences, no communication);
 * ``ulysses`` groups: delegated to :func:`zeppelin.runtime.ulysses.ulysses_attention`.
 
-Order. Work runs in phases inter -> intra -> local (the slowest communication starts first and
-local work runs last); inside a phase, groups in increasing group index. Every rank derives the
+Order. Work runs in phases inter -> intra -> local (the slowest communication starts first);
+inside a phase, groups in increasing group index. Communication-free work (sequences of one-rank
+groups) fills the waits: while a ring exchange is still in flight, the engine runs queued local
+sequences, and whatever is left runs after the rings (``engine.filled`` counts the fills). Every rank derives the
 same order from the plan, which makes the P2P schedule deadlock-free: a rank waiting inside group
 g only waits on ranks that have finished every group ordered before g. The ring/local/allgather
 work of a call is ONE autograd node (:class:`_EngineFunction`), so backward runs the same global
@@ -83,6 +85,8 @@ class AttentionEngine:
         self.groups = groups
         self.scale = scale
         self.stats: dict[str, int] = {"intra": 0, "inter": 0, "messages": 0}
+        # local sequences run while a ring exchange was in flight (forward / backward)
+        self.filled: dict[str, int] = {"forward": 0, "backward": 0}
         mb = step.microbatches[mb_index]
         where = f"step {step.step} microbatch {mb_index}"
         reps = header.replicas(step)
@@ -210,22 +214,75 @@ class AttentionEngine:
         return out
 
 
+def _split_local(items: list[_Item]) -> tuple[list[_Item], list[tuple[int, int, RingSpec, Transport]]]:
+    """Communicating items (rings of >= 2 ranks, relays) and the communication-free work of
+    one-rank groups, cut per sequence: ``(row0, row1, spec, transport)`` filler tasks."""
+    comm, local = [], []
+    for it in items:
+        if it.kind == "ring" and it.spec.size == 1:
+            spans: dict[int, list[int]] = {}
+            for si, off, s, e in it.spec.segments(0):
+                sp = spans.setdefault(si, [off, off])
+                sp[1] = off + (e - s)
+            for si, (o0, o1) in spans.items():
+                sub = RingSpec(ranks=it.spec.ranks, pos=0, seqs=[it.spec.seqs[si]])
+                local.append((it.row0 + o0, it.row0 + o1, sub, it.transport))
+        else:
+            comm.append(it)
+    return comm, local
+
+
+class _Filler:
+    """Runs queued communication-free tasks while a ring exchange is in flight (Zeppelin's local
+    queue filling the gaps of the inter/intra queues); the rest runs after the rings."""
+
+    def __init__(self, tasks) -> None:
+        self.tasks = list(tasks)
+        self.filled = 0
+
+    def __call__(self, ready) -> None:
+        while self.tasks and not ready():
+            self.tasks.pop(0)()
+            self.filled += 1
+
+    def drain(self) -> None:
+        while self.tasks:
+            self.tasks.pop(0)()
+
+
 class _EngineFunction(torch.autograd.Function):
-    """All ring / local / relay work of one engine call as one autograd node."""
+    """All ring / local / relay work of one engine call as one autograd node.
+
+    Order: the communicating items in the engine's global order; local (one-rank) sequences fill
+    the waits of those items' exchanges and whatever is left runs at the end. Results do not
+    depend on when a local sequence runs (it touches only its own rows)."""
 
     @staticmethod
     def forward(ctx, q, k, v, engine: AttentionEngine, items: list[_Item]):
         out = torch.zeros_like(q)
         lse = torch.zeros((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
         row_shape = (2, k.shape[1], k.shape[2])
-        for it in items:
+        comm, local = _split_local(items)
+
+        def task(a, b, spec, tr):
+            def run():
+                o, l_ = ring_forward(q[a:b], k[a:b], v[a:b], spec, tr, engine.scale)
+                out[a:b] = o
+                lse[:, a:b] = l_
+
+            return run
+
+        filler = _Filler(task(*t) for t in local)
+        for it in comm:
             if it.kind == "relay":
-                ring_relay_forward(it.spec, it.transport, row_shape, k.dtype, k.device)
+                ring_relay_forward(it.spec, it.transport, row_shape, k.dtype, k.device, idle=filler)
                 continue
             a, b = it.row0, it.row1
-            o, l_ = ring_forward(q[a:b], k[a:b], v[a:b], it.spec, it.transport, engine.scale)
+            o, l_ = ring_forward(q[a:b], k[a:b], v[a:b], it.spec, it.transport, engine.scale, idle=filler)
             out[a:b] = o
             lse[:, a:b] = l_
+        filler.drain()
+        engine.filled["forward"] += filler.filled
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.engine, ctx.items = engine, items
         return out
@@ -236,12 +293,23 @@ class _EngineFunction(torch.autograd.Function):
         dout = dout.contiguous()
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         row_shape = (2, k.shape[1], k.shape[2])
-        for it in ctx.items:
+        scale = ctx.engine.scale
+        comm, local = _split_local(ctx.items)
+
+        def task(a, b, spec, tr):
+            def run():
+                r = ring_backward(dout[a:b], q[a:b], k[a:b], v[a:b], out[a:b], lse[:, a:b], spec, tr, scale)
+                dq[a:b], dk[a:b], dv[a:b] = r
+
+            return run
+
+        filler = _Filler(task(*t) for t in local)
+        for it in comm:
             if it.kind == "relay":
-                ring_relay_backward(it.spec, it.transport, row_shape, k.dtype, k.device)
+                ring_relay_backward(it.spec, it.transport, row_shape, k.dtype, k.device, idle=filler)
                 continue
             a, b = it.row0, it.row1
-            ga, gb, gc = ring_backward(
+            dq[a:b], dk[a:b], dv[a:b] = ring_backward(
                 dout[a:b],
                 q[a:b],
                 k[a:b],
@@ -250,7 +318,9 @@ class _EngineFunction(torch.autograd.Function):
                 lse[:, a:b],
                 it.spec,
                 it.transport,
-                ctx.engine.scale,
+                scale,
+                idle=filler,
             )
-            dq[a:b], dk[a:b], dv[a:b] = ga, gb, gc
+        filler.drain()
+        ctx.engine.filled["backward"] += filler.filled
         return dq, dk, dv, None, None

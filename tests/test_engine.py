@@ -330,3 +330,17 @@ def test_engine_allgather_group_is_exact(pool4):
     for s in range(len(LENS)):
         for a, want in zip(got[s], ref[s]):
             assert (a - want).abs().max().item() <= 1e-5, s
+
+
+def test_filler_runs_local_work_only_while_communication_is_pending():
+    from zeppelin.runtime.engine import _Filler
+
+    ran = []
+    f = _Filler(lambda i=i: ran.append(i) for i in range(5))
+    polls = iter([False, False, True])  # the exchange completes after two local tasks
+    f(lambda: next(polls))
+    assert ran == [0, 1] and f.filled == 2
+    f(lambda: True)  # already complete: nothing runs
+    assert ran == [0, 1]
+    f.drain()
+    assert ran == [0, 1, 2, 3, 4] and f.filled == 2
