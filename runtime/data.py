@@ -36,15 +36,28 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
         return z ^ (z >> np.uint64(31))
 
 
-def synthetic_tokens(sample_id: int, start: int, end: int, *, seed: int, vocab: int) -> np.ndarray:
-    """Token ids of positions ``start..end-1`` of synthetic sample ``sample_id`` (int64, in [0, vocab))."""
+def synthetic_tokens(sample_id: int, start: int, end: int, *, seed: int, vocab: int,
+                     noise: float = 0.1) -> np.ndarray:
+    """Token ids of positions ``start..end-1`` of synthetic sample ``sample_id`` (int64, in [0, vocab)).
+
+    Learnable but not trivial: each sample is an arithmetic progression modulo ``vocab`` with its
+    own start and stride (a model must infer the stride in context, through attention), and a
+    fraction ``noise`` of the positions carries a uniformly random id. Every id is a pure function
+    of ``(seed, sample_id, position)`` (SplitMix64), so any slice is computed without the rest.
+    """
     if end < start:
         raise ValueError(f"bad token range [{start}, {end})")
     with np.errstate(over="ignore"):
         key = _splitmix64(np.uint64(seed & 0xFFFFFFFFFFFFFFFF) * _M2 + np.uint64(sample_id))
+        v = np.uint64(vocab)
+        first = key % v
+        stride = np.uint64(1) + (key >> np.uint64(32)) % np.uint64(max(vocab - 1, 1))
         pos = np.arange(start, end, dtype=np.uint64)
-        h = _splitmix64(pos ^ key)
-    return (h % np.uint64(vocab)).astype(np.int64)
+        clean = (first + stride * pos) % v
+        h = _splitmix64(pos ^ _splitmix64(key))
+        noisy = (h >> np.uint64(11)).astype(np.float64) / float(1 << 53) < noise
+        out = np.where(noisy, h % v, clean)
+    return out.astype(np.int64)
 
 
 @dataclass

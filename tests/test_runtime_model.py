@@ -32,10 +32,14 @@ def test_synthetic_tokens_are_counter_based():
     assert np.array_equal(synthetic_tokens(7, 33, 71, seed=3, vocab=50), full[33:71])
     assert not np.array_equal(synthetic_tokens(8, 0, 100, seed=3, vocab=50), full)
     assert not np.array_equal(synthetic_tokens(7, 0, 100, seed=4, vocab=50), full)
-    # roughly uniform over the vocabulary (no degenerate hash)
-    big = synthetic_tokens(1, 0, 50_000, seed=0, vocab=10)
-    counts = np.bincount(big, minlength=10)
-    assert counts.min() > 4_500 and counts.max() < 5_500
+    # an arithmetic progression mod vocab with ~10% random positions: learnable, not trivial
+    seq = synthetic_tokens(11, 0, 20_000, seed=0, vocab=101)
+    diffs = np.diff(seq) % 101
+    stride = np.bincount(diffs).argmax()
+    assert stride != 0 and 0.75 < float(np.mean(diffs == stride)) < 0.86  # P(both clean) = 0.81
+    strides = {int(np.bincount(np.diff(synthetic_tokens(i, 0, 200, seed=0, vocab=101)) % 101).argmax())
+               for i in range(20)}
+    assert len(strides) > 10  # samples differ in stride
 
 
 def test_segments_labels_positions_and_padding():
