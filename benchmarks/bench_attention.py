@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -102,7 +103,11 @@ def _ring_rank(rank, world, L, hq, hkv, d, dtype_name, repeats):
     from zeppelin.runtime.attention import RingSpec, Transport, ring_attention
     from zeppelin.schemas.layout import zigzag_ranges
 
-    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dev = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
     dtype = getattr(torch, dtype_name)
     q, k, v = _tensors(L, hq, hkv, d, dtype, dev)
     rng = zigzag_ranges(L, world)
@@ -158,7 +163,9 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: float32 on CPU, bfloat16 on CUDA)")
+    ap.add_argument(
+        "--dtype", default=None, help="float32 | bfloat16 (default: float32 on CPU, bfloat16 on CUDA)"
+    )
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process on CPU")
     a = ap.parse_args(argv)
@@ -170,9 +177,12 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
     dtype = a.dtype or ("bfloat16" if cuda else "float32")
     if a.heads % a.kv_heads:
-        print(f"bench_attention: error: --heads {a.heads} is not a multiple of --kv-heads {a.kv_heads}",
-              file=sys.stderr)
+        print(
+            f"bench_attention: error: --heads {a.heads} is not a multiple of --kv-heads {a.kv_heads}",
+            file=sys.stderr,
+        )
         return 2
+    load_before = os.getloadavg()
     results = []
     for L in a.lengths:
         results.append(bench_local(L, a.heads, a.kv_heads, a.head_dim, dtype, a.repeats, a.threads))
@@ -187,18 +197,30 @@ def main(argv=None) -> int:
         for key in list(r):
             if isinstance(r[key], float):
                 r[key] = round(r[key], 6 if key.endswith("_s") else 3)
-    print(json.dumps({
-        "benchmark": "attention",
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpus": __import__("os").cpu_count(),
-                    "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__},
-        "backend": backend,
-        "dtype": dtype,
-        "heads": a.heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim,
-        "threads_per_rank": a.threads,
-        "repeats": a.repeats,
-        "results": results,
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "benchmark": "attention",
+                "machine": {
+                    "platform": platform.platform(),
+                    "processor": platform.processor() or platform.machine(),
+                    "cpus": os.cpu_count(),
+                    "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+                    "torch": torch.__version__,
+                },
+                "backend": backend,
+                "dtype": dtype,
+                "heads": a.heads,
+                "kv_heads": a.kv_heads,
+                "head_dim": a.head_dim,
+                "threads_per_rank": a.threads,
+                "repeats": a.repeats,
+                "loadavg_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+                "results": results,
+            },
+            indent=1,
+        )
+    )
     return 0
 
 
