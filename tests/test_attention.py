@@ -273,3 +273,37 @@ def test_run_distributed_results_and_errors():
     assert run_distributed(_raise_on_rank, 2) == [0, 1]
     with pytest.raises(DistributedError, match=r"failed on rank \[2\]"):
         run_distributed(_raise_on_rank, 3, timeout=30)
+
+
+def _die_on_rank_one(rank, world):
+    import os
+
+    import torch.distributed as dist
+
+    if rank == 1:
+        os._exit(3)
+    dist.barrier()  # rank 0 would wait forever for the dead rank
+
+
+def _sleep_forever(rank, world):
+    import time
+
+    time.sleep(600)
+
+
+@pytest.mark.timeout(120)
+def test_pool_reports_dead_rank_and_timeout_then_recovers():
+    import time
+
+    from zeppelin.runtime.dist_utils import DistributedTimeout
+
+    with DistributedPool(2) as pool:
+        t = time.monotonic()
+        with pytest.raises(DistributedError, match=r"rank 1 died \(exit code 3\)"):
+            pool.run(_die_on_rank_one, timeout=60)
+        with pytest.raises(
+            DistributedTimeout, match=r"_sleep_forever did not finish within 2 s on ranks \[0, 1\]"
+        ):
+            pool.run(_sleep_forever, timeout=2)
+        assert time.monotonic() - t < 60
+        assert pool.run(_raise_on_rank) == [0, 1]  # the pool restarted itself

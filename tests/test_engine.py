@@ -344,3 +344,70 @@ def test_filler_runs_local_work_only_while_communication_is_pending():
     assert ran == [0, 1]
     f.drain()
     assert ran == [0, 1, 2, 3, 4] and f.filled == 2
+
+
+def _tp_case(rank, world):
+    # tp=2: units 0 = ranks [0, 1], 1 = ranks [2, 3]; TP rank t holds heads [t*H/2, (t+1)*H/2)
+    c = cluster_preset("local-cpu:1x4")
+    m, p = model_preset("tiny"), default_profile(c.name, "cpu")
+    header = PlanHeader(
+        planner="test",
+        num_steps=1,
+        world_size=4,
+        tp=2,
+        cluster=c,
+        model=m,
+        profile=p,
+        hashes=InputHashes(
+            cluster=content_hash(c), model=content_hash(m), profile=content_hash(p), manifest="x"
+        ),
+    )
+    seqs = [Sequence(sample_id=0, length=33), Sequence(sample_id=1, length=8)]
+    mb = MicroBatch(
+        groups=[Group(kind="ring", tier="intra", units=[1, 0]), Group(kind="local", tier="local", units=[0])],
+        placements=[
+            Placement(seq=0, group=0, scheme="zigzag", ranges=zigzag_ranges(33, 2)),
+            Placement(seq=1, group=1, ranges=[[[0, 8]]]),
+        ],
+        queues=[[0, 1], [0]],
+    )
+    step = StepPlan(step=0, sequences=seqs, microbatches=[mb])
+    eng = AttentionEngine(header, step, 0, rank)
+    unit, t = rank // 2, rank % 2
+    segs = mb.attention_segments(unit)
+    data = [tuple(x.float() for x in d) for d in _inputs()[:2]]
+    hq, hkv = slice(t * HQ // 2, (t + 1) * HQ // 2), slice(t * HKV // 2, (t + 1) * HKV // 2)
+    q = _gather(segs, data, 0)[:, hq].contiguous().requires_grad_()
+    k = _gather(segs, data, 1)[:, hkv].contiguous().requires_grad_()
+    v = _gather(segs, data, 2)[:, hkv].contiguous().requires_grad_()
+    do = _gather(segs, data, 3)[:, hq]
+    out = eng(q, k, v)
+    (out * do).sum().backward()
+    return {
+        "segs": segs,
+        "t": t,
+        "ring_ranks": eng.items[0].spec.ranks,
+        "out": out.detach(),
+        "grads": [q.grad, k.grad, v.grad],
+    }
+
+
+@pytest.mark.timeout(120)
+def test_engine_tensor_parallel_units_ring_over_matching_tp_ranks(pool4):
+    res = pool4.run(_tp_case, timeout=90)
+    assert [r["ring_ranks"] for r in res] == [[2, 0], [3, 1], [2, 0], [3, 1]]
+    ref = []
+    for (q, k, v, do), n in zip(_inputs()[:2], (33, 8)):  # the tp step uses prefixes of length 33 and 8
+        q, k, v = (x[:n].clone().requires_grad_() for x in (q, k, v))
+        o = reference_attention(q, k, v, [0, n])
+        ref.append((o.detach(), *torch.autograd.grad(o, (q, k, v), do[:n])))
+    for r in res:
+        t = r["t"]
+        hq, hkv = slice(t * HQ // 2, (t + 1) * HQ // 2), slice(t * HKV // 2, (t + 1) * HKV // 2)
+        row = 0
+        for s, a, b in r["segs"]:
+            n = b - a
+            want = (ref[s][0][a:b, hq], ref[s][1][a:b, hq], ref[s][2][a:b, hkv], ref[s][3][a:b, hkv])
+            for got, w in zip((r["out"], *r["grads"]), want):
+                assert (got[row : row + n].double() - w).abs().max().item() <= 1e-5, (s, t)
+            row += n
