@@ -257,14 +257,21 @@ class Executor:
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max|a-b| / max|b| (0 when both are zero)."""
-    d = float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
-    s = float(b.double().abs().max()) if b.numel() else 0.0
+    """Norm-wise relative difference ||a-b||_2 / ||b||_2 (0 when both are zero).
+
+    Norm-wise rather than element-wise: gradients such as the embedding's sum many contributions
+    with cancellations, where an element-wise ratio measures fp32 summation order, not correctness.
+    """
+    if not a.numel():
+        return 0.0
+    d = float((a.double() - b.double()).norm())
+    s = float(b.double().norm())
     return d / s if s > 0 else d
 
 
 def compare_with_reference(model: LlamaModel, step: StepPlan, loss: float, gathered, ref) -> dict[str, Any]:
-    """Loss, output and gradient differences of a distributed step vs its single-process reference."""
+    """Loss, output and gradient differences of a distributed step vs its single-process reference:
+    relative (norm-wise, worst tensor) and absolute (max |difference|)."""
     loss_abs = abs(loss - ref["loss"])
     loss_rel = loss_abs / max(abs(ref["loss"]), 1e-30)
     # reassemble the distributed final hidden states per sequence (padding rows dropped)

@@ -147,7 +147,7 @@ def test_phase_timer_leaves_values_and_gradients_unchanged():
         model.zero_grad(set_to_none=True)
         loss, _ = model(toks, labels, ReferenceLayout([12, 5]), timer)
         loss.backward()
-        outs.append((float(loss), [p.grad.clone() for p in model.parameters()], timer))
+        outs.append((float(loss.detach()), [p.grad.clone() for p in model.parameters()], timer))
     assert outs[0][0] == outs[1][0]
     assert all(torch.equal(a, b) for a, b in zip(outs[0][1], outs[1][1]))
     timer = outs[1][2]
