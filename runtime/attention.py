@@ -11,7 +11,8 @@ Kernels, by device:
   what ring attention needs: a block's gradient computed with the merged output and merged LSE is
   that block's exact share of the full gradient.
 * CUDA: ``flash_attn_varlen_func`` for local attention when flash-attn is importable; chunk-pair
-  blocks use an exact float32 math kernel (no public flash-attn API takes an external LSE).
+  blocks use an exact float32 math kernel tiled over query rows (no public flash-attn API takes
+  an external LSE for the backward).
 * Any device, when a chunk pair is neither fully visible, causal-diagonal nor fully masked (ranges
   that overlap partially — never produced by zigzag/contiguous layouts): float32 math with an
   explicit mask.
@@ -97,35 +98,55 @@ def _fold_kv(dx: torch.Tensor, hkv: int) -> torch.Tensor:
     return dx if rep == 1 else dx.view(t, hkv, rep, d).sum(2)
 
 
+# score-matrix elements per tile of the math path (bounds its memory: 2**25 fp32 = 128 MiB)
+MATH_TILE_ELEMENTS = 1 << 25
+
+
+def _q_tiles(tq: int, tk: int, h: int):
+    step = max(1, MATH_TILE_ELEMENTS // max(1, tk * h))
+    for a in range(0, tq, step):
+        yield a, min(tq, a + step)
+
+
 def _math_fwd(q, k, v, mask, scale):
-    """mask: [Tq, Tk] bool (True = visible) or None. Returns out (fp32), lse [H, Tq] fp32."""
+    """Exact float32 attention, tiled over query rows so the score matrix stays bounded.
+
+    mask: [Tq, Tk] bool (True = visible) or None. Returns out (fp32), lse [H, Tq] fp32."""
     hq = q.shape[1]
-    qf, kf, vf = q.float(), _expand_kv(k.float(), hq), _expand_kv(v.float(), hq)
-    s = torch.einsum("qhd,khd->hqk", qf, kf) * scale
-    if mask is not None:
-        s = s.masked_fill(~mask, NEG_INF)
-    lse = torch.logsumexp(s, dim=-1)
-    lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    p = torch.exp(s - lse_safe.unsqueeze(-1))
-    out = torch.einsum("hqk,khd->qhd", p, vf)
+    kf, vf = _expand_kv(k.float(), hq), _expand_kv(v.float(), hq)
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.empty((hq, q.shape[0]), dtype=torch.float32, device=q.device)
+    for a, b in _q_tiles(q.shape[0], k.shape[0], hq):
+        s = torch.einsum("qhd,khd->hqk", q[a:b].float(), kf) * scale
+        if mask is not None:
+            s = s.masked_fill(~mask[a:b], NEG_INF)
+        l_ = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - torch.where(torch.isinf(l_), torch.zeros_like(l_), l_).unsqueeze(-1))
+        out[a:b] = torch.einsum("hqk,khd->qhd", p, vf)
+        lse[:, a:b] = l_
     return out, lse
 
 
 def _math_bwd(dout, q, k, v, out, lse, mask, scale):
+    """Gradients of :func:`_math_fwd` from a given (merged) ``out``/``lse``, tiled like it."""
     hq, hkv = q.shape[1], k.shape[1]
-    qf, kf, vf = q.float(), _expand_kv(k.float(), hq), _expand_kv(v.float(), hq)
-    do, o = dout.float(), out.float()
-    s = torch.einsum("qhd,khd->hqk", qf, kf) * scale
-    if mask is not None:
-        s = s.masked_fill(~mask, NEG_INF)
-    lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    p = torch.exp(s - lse_safe.unsqueeze(-1))
-    dv = torch.einsum("hqk,qhd->khd", p, do)
-    dp = torch.einsum("qhd,khd->hqk", do, vf)
-    delta = (do * o).sum(-1).transpose(0, 1)  # [H, Tq]
-    ds = p * (dp - delta.unsqueeze(-1))
-    dq = torch.einsum("hqk,khd->qhd", ds, kf) * scale
-    dk = torch.einsum("hqk,qhd->khd", ds, qf) * scale
+    kf, vf = _expand_kv(k.float(), hq), _expand_kv(v.float(), hq)
+    dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(kf.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(kf.shape, dtype=torch.float32, device=q.device)
+    for a, b in _q_tiles(q.shape[0], k.shape[0], hq):
+        qf, do, o = q[a:b].float(), dout[a:b].float(), out[a:b].float()
+        s = torch.einsum("qhd,khd->hqk", qf, kf) * scale
+        if mask is not None:
+            s = s.masked_fill(~mask[a:b], NEG_INF)
+        l_ = lse[:, a:b]
+        p = torch.exp(s - torch.where(torch.isinf(l_), torch.zeros_like(l_), l_).unsqueeze(-1))
+        dv += torch.einsum("hqk,qhd->khd", p, do)
+        dp = torch.einsum("qhd,khd->hqk", do, vf)
+        delta = (do * o).sum(-1).transpose(0, 1)  # [H, tile]
+        ds = p * (dp - delta.unsqueeze(-1))
+        dq[a:b] = torch.einsum("hqk,khd->qhd", ds, kf) * scale
+        dk += torch.einsum("hqk,qhd->khd", ds, qf) * scale
     return dq, _fold_kv(dk, hkv), _fold_kv(dv, hkv)
 
 

@@ -307,3 +307,24 @@ def test_pool_reports_dead_rank_and_timeout_then_recovers():
             pool.run(_sleep_forever, timeout=2)
         assert time.monotonic() - t < 60
         assert pool.run(_raise_on_rank) == [0, 1]  # the pool restarted itself
+
+
+def test_math_path_tiles_exactly(monkeypatch):
+    # the float32 math kernel (CUDA blocks without a CPU flash kernel, partial masks) computes in
+    # query tiles; a tiny tile budget must give the same results as one tile
+    import zeppelin.runtime.attention as att
+
+    q, k, v, do = (x.float() for x in _inputs([29], seed=4))
+    mask = torch.ones(29, 29, dtype=torch.bool).tril()
+    whole = att._math_fwd(q, k, v, mask, 0.25)
+    gwhole = att._math_bwd(do, q, k, v, whole[0], whole[1], mask, 0.25)
+    monkeypatch.setattr(att, "MATH_TILE_ELEMENTS", 29 * HQ * 3)  # 3 query rows per tile
+    assert len(list(att._q_tiles(29, 29, HQ))) == 10
+    tiled = att._math_fwd(q, k, v, mask, 0.25)
+    gtiled = att._math_bwd(do, q, k, v, tiled[0], tiled[1], mask, 0.25)
+    for a, b in zip((*whole, *gwhole), (*tiled, *gtiled)):
+        assert torch.allclose(a, b, atol=1e-6, rtol=0)
+    ref = _reference([29], *(x.double() for x in (q, k, v, do)))
+    # scale 0.25 == 1/sqrt(16): the math kernel agrees with the reference
+    for got, want in zip((tiled[0], *gtiled), ref):
+        assert (got.double() - want).abs().max() <= 1e-5
