@@ -10,8 +10,6 @@ import typer
 
 from zeppelin.schemas.common import InputError, atomic_write_text
 
-from .notyet import not_implemented
-
 
 def _emit_json(doc: dict, output: Path | None) -> None:
     text = json.dumps(doc, indent=1) + "\n"
@@ -192,6 +190,50 @@ def compare(
                 con.print(f"wrote {p}")
 
 
-def check(ctx: typer.Context) -> None:
-    """CI plan regression check against the golden plans in plans/."""
-    not_implemented("check")
+def check(
+    directory: Path = typer.Argument(Path("plans"), help="directory of check cases (*.json) and golden plans (*.plan)"),
+    update: bool = typer.Option(False, "--update", help="rewrite the golden plans and print what changed"),
+    case: list[str] = typer.Option(None, "--case", "-k", help="check only this case (repeatable)"),
+    workers: int = typer.Option(0, "--workers", "-j", help="worker processes (0: one per CPU)"),
+    json_out: bool = typer.Option(False, "--json", help="print the report as JSON"),
+) -> None:
+    """CI plan regression check against the golden plans in plans/.
+
+    Re-plans every case, validates the plan, simulates it and the golden plan, and fails (exit 1)
+    when the mean step time got worse than the golden's by more than the case's tolerance, when a
+    plan is invalid, or when zeppelin no longer beats a baseline of the same setting. Exit 2: bad
+    input. `--update` rewrites the goldens (atomically) and prints the step time before and after.
+    """
+    from rich.console import Console
+
+    from .check import render, run_check
+    from .compare import default_workers
+
+    if workers < 0:
+        raise InputError(f"--workers must be >= 0 (got {workers})")
+    report = run_check(directory, update=update, workers=workers or default_workers(), only=case or None)
+    if report.bad_input:
+        raise InputError(report.bad_input[0])
+    if json_out:
+        typer.echo(json.dumps(report.to_dict(), indent=1))
+    else:
+        con = Console(width=max(Console().width, 110))
+        con.print(render(report, update))
+        for row in report.beats:
+            mark = "ok" if row["ok"] else "FAIL"
+            typer.echo(f"{mark}: {row['zeppelin_case']} {row['zeppelin_s'] * 1e3:.2f} ms vs {row['baseline']} "
+                       f"{row['baseline_s'] * 1e3:.2f} ms ({row['speedup']:.3f}x)")
+        if update:
+            for r in report.results:
+                if r.written:
+                    before = f"{r.golden_mean_s * 1e3:.2f} ms" if r.golden_mean_s is not None else "none"
+                    after = f"{r.new_mean_s * 1e3:.2f} ms"
+                    ch = f" ({r.change * 100:+.2f}%)" if r.change is not None else ""
+                    typer.echo(f"updated {r.name}.plan: step time {before} -> {after}{ch}")
+        for f in report.failures:
+            typer.echo(f"FAIL {f}")
+        n = len(report.results)
+        verdict = f"{len(report.failures)} failure(s)" if report.failures else "passed"
+        typer.echo(f"{n} case(s) checked in {report.wall_s:.1f} s: {verdict}")
+    if report.failures:
+        raise typer.Exit(1)

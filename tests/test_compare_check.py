@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +17,8 @@ from zeppelin.schemas.common import InputError
 from zeppelin.schemas.model import model_preset
 from zeppelin.schemas.plan import Sequence
 from zeppelin.schemas.profile import default_profile
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_mixes_are_deterministic_and_ordered():
@@ -84,3 +87,184 @@ def test_cli_compare_json(zeppelin_bin, tmp_path):
     out = subprocess.run([zeppelin_bin, "compare", "--steps", "0"], capture_output=True, text=True, check=False)
     assert out.returncode == 2
     assert out.stderr.strip() == "zeppelin: error: --steps must be at least 1 (got 0)"
+
+
+# ------------------------------------------------------------------ zeppelin check
+REPO_PLANS = ROOT / "plans"
+CPU = "cpu2x2-tiny-sample"
+
+
+def _copy_cases(dst, names, goldens=True):
+    import shutil
+
+    for n in names:
+        shutil.copy(REPO_PLANS / f"{n}.json", dst / f"{n}.json")
+        if goldens:
+            shutil.copy(REPO_PLANS / f"{n}.plan", dst / f"{n}.plan")
+
+
+def _golden_mean(path):
+    from zeppelin.planner.simulate import simulate_plan
+
+    _, res = simulate_plan(path)
+    return float(np.mean([r.step_time_s for r in res]))
+
+
+@pytest.mark.timeout(120)
+def test_check_passes_on_repo_plans(zeppelin_bin):
+    """The test command runs the CI regression check over the repository's golden plans."""
+    out = subprocess.run([zeppelin_bin, "check", str(REPO_PLANS), "-j", "2"], capture_output=True, text=True,
+                         check=False, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    cases = sorted(REPO_PLANS.glob("*.json"))
+    assert len(cases) >= 8
+    assert out.stdout.rstrip().splitlines()[-1].startswith(f"{len(cases)} case(s) checked in ")
+    assert out.stdout.rstrip().endswith(": passed")
+    # every setting with a zeppelin case compares it with each of its baselines
+    zcases = [c.stem for c in cases if c.stem.endswith("--zeppelin")]
+    assert zcases and all(f"ok: {z} " in out.stdout for z in zcases)
+    assert "FAIL" not in out.stdout
+
+
+def test_check_fails_when_zeppelin_is_made_worse(tmp_path, monkeypatch, capsys):
+    """Zeppelin replaced by plain token packing: the golden comparison and the baseline check fail."""
+    from zeppelin.planner.base import get_planner
+    from zeppelin.planner.check import run_check
+    from zeppelin.planner.cli import main
+    from zeppelin.planner.zeppelin_planner import ZeppelinPlanner
+
+    names = [f"{CPU}--{p}" for p in ("zeppelin", "te-cp", "hybrid-dp", "packed-dp")]
+    _copy_cases(tmp_path, names)
+    assert run_check(tmp_path).failures == []  # the copy passes as is
+
+    def worse(self, ctx, step, seqs):
+        return get_planner("packed-dp").plan_step(ctx, step, seqs)
+
+    monkeypatch.setattr(ZeppelinPlanner, "plan_step", worse)
+    rep = run_check(tmp_path, workers=1)
+    golden = _golden_mean(tmp_path / f"{CPU}--zeppelin.plan")
+    now = _golden_mean(tmp_path / f"{CPU}--packed-dp.plan")  # what the worse planner now produces
+    assert now > golden * 1.03
+    zc = f"{CPU}--zeppelin"
+    assert rep.failures[0] == (f"{zc}: zeppelin mean step time {now * 1e3:.2f} ms is "
+                               f"{(now / golden - 1) * 100:+.2f}% against the golden {golden * 1e3:.2f} ms "
+                               f"(tolerance 3%)")
+    te = _golden_mean(tmp_path / f"{CPU}--te-cp.plan")
+    assert f"{zc}: zeppelin ({now * 1e3:.2f} ms) no longer beats te-cp ({te * 1e3:.2f} ms, case {CPU}--te-cp)" \
+        in rep.failures
+    assert not any("packed-dp (" in f for f in rep.failures)  # equal to packed-dp still counts as beating it
+    assert len(rep.failures) == 3  # golden, te-cp, hybrid-dp
+    # the CLI exits 1 and names the case
+    with pytest.raises(SystemExit) as e:
+        main(["check", str(tmp_path), "-j", "1"])
+    assert e.value.code == 1
+    out = capsys.readouterr().out
+    assert f"FAIL {rep.failures[0]}" in out
+    assert out.rstrip().endswith("4 case(s) checked in " + out.rstrip().split("checked in ")[1].split(":")[0]
+                                 + ": 3 failure(s)")
+
+
+def test_check_reports_invalid_plan(tmp_path, monkeypatch):
+    from zeppelin.planner.base import get_planner
+    from zeppelin.planner.check import run_check
+    from zeppelin.planner.zeppelin_planner import ZeppelinPlanner
+
+    _copy_cases(tmp_path, [f"{CPU}--zeppelin"])
+
+    def broken(self, ctx, step, seqs):
+        sp = get_planner("packed-dp").plan_step(ctx, step, seqs)
+        sp.microbatches[0].placements.pop()  # one sequence is no longer computed anywhere
+        return sp
+
+    monkeypatch.setattr(ZeppelinPlanner, "plan_step", broken)
+    rep = run_check(tmp_path)
+    assert len(rep.failures) == 1
+    assert rep.failures[0].startswith(f"{CPU}--zeppelin: invalid plan: coverage: step 0: sequence ")
+    assert rep.failures[0].endswith(" has no attention placement")
+    golden = (tmp_path / f"{CPU}--zeppelin.plan").read_bytes()
+    rep = run_check(tmp_path, update=True)  # an invalid plan is never written as a golden
+    assert len(rep.failures) == 1 and not rep.results[0].written
+    assert (tmp_path / f"{CPU}--zeppelin.plan").read_bytes() == golden
+
+
+def test_check_update_writes_goldens_and_detects_stale(tmp_path, zeppelin_bin):
+    names = [f"{CPU}--te-cp", f"{CPU}--packed-dp"]
+    _copy_cases(tmp_path, names, goldens=False)
+    run = lambda *a: subprocess.run([zeppelin_bin, "check", str(tmp_path), "-j", "1", *a],
+                                    capture_output=True, text=True, check=False)
+    out = run()
+    assert out.returncode == 1
+    assert (f"FAIL {CPU}--te-cp: no golden plan {CPU}--te-cp.plan (create it with `zeppelin check --update`)"
+            in out.stdout)
+    out = run("--update")
+    assert out.returncode == 0, out.stdout + out.stderr
+    for n in names:
+        g = tmp_path / f"{n}.plan"
+        mean = _golden_mean(g)
+        assert f"updated {n}.plan: step time none -> {mean * 1e3:.2f} ms" in out.stdout
+        assert g.read_text().startswith("{\n")  # pretty format
+    before = {n: (tmp_path / f"{n}.plan").read_bytes() for n in names}
+    out = run("--update")
+    assert out.returncode == 0 and "updated " not in out.stdout and out.stdout.count("unchanged") == 2
+    assert {n: (tmp_path / f"{n}.plan").read_bytes() for n in names} == before
+    out = run("--json")
+    doc = json.loads(out.stdout)
+    assert out.returncode == 0 and doc["passed"] is True
+    assert [c["change"] for c in doc["cases"]] == [0.0, 0.0]
+    # the setting changes (another seed): the golden no longer matches and must be reviewed
+    case = tmp_path / f"{CPU}--te-cp.json"
+    spec = json.loads(case.read_text())
+    spec["seed"] = 7
+    case.write_text(json.dumps(spec))
+    out = run()
+    assert out.returncode == 1
+    assert (f"FAIL {CPU}--te-cp: golden plan {CPU}--te-cp.plan is stale (made with other sampler settings); "
+            f"review the change and run `zeppelin check --update`") in out.stdout
+    out = run("--update", "-k", f"{CPU}--te-cp")
+    assert out.returncode == 0
+    assert f"updated {CPU}--te-cp.plan: step time none -> " in out.stdout
+
+
+def test_check_bad_input(tmp_path, zeppelin_bin):
+    def run(*a):
+        return subprocess.run([zeppelin_bin, "check", *a], capture_output=True, text=True, check=False)
+
+    out = run(str(tmp_path))
+    assert out.returncode == 2
+    assert out.stderr.strip() == f"zeppelin: error: {tmp_path}: no check cases (*.json) in this directory"
+    out = run(str(tmp_path / "nope"))
+    assert out.returncode == 2 and out.stderr.strip() == f"zeppelin: error: {tmp_path / 'nope'}: directory not found"
+    bad = tmp_path / "x.json"
+    bad.write_text("{")
+    out = run(str(tmp_path))
+    assert out.returncode == 2
+    assert out.stderr.strip() == (f"zeppelin: error: {bad}: malformed JSON at line 1 column 2: "
+                                  "Expecting property name enclosed in double quotes")
+    spec = json.loads((REPO_PLANS / f"{CPU}--te-cp.json").read_text())
+    bad.write_text(json.dumps({**spec, "tolerance": -1}))
+    out = run(str(tmp_path))
+    assert out.returncode == 2
+    assert out.stderr.strip() == (f"zeppelin: error: {bad}: invalid check case: tolerance: "
+                                  "Input should be greater than or equal to 0")
+    bad.write_text(json.dumps({**spec, "planner": "bogus"}))
+    out = run(str(tmp_path))
+    assert out.returncode == 2
+    assert out.stderr.startswith(f"zeppelin: error: {bad}: unknown planner 'bogus' (known: ")
+    bad.write_text(json.dumps({**spec, "cluster": "nosuch"}))
+    out = run(str(tmp_path))
+    assert out.returncode == 2
+    assert out.stderr.startswith("zeppelin: error: x: bad input: ")
+    assert "nosuch" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    bad.write_text(json.dumps(spec))
+    out = run(str(tmp_path), "-k", "y")
+    assert out.returncode == 2 and out.stderr.strip() == f"zeppelin: error: no case 'y' in {tmp_path} (cases: x)"
+    assert not list(tmp_path.glob("*.plan"))
+
+
+def test_regressed_threshold():
+    from zeppelin.planner.check import regressed
+
+    assert not regressed(1.0, 1.03, 0.03)
+    assert regressed(1.0, 1.0301, 0.03)
+    assert not regressed(2.0, 1.5, 0.0)
+    assert regressed(2.0, 2.000001, 0.0)
