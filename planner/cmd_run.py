@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -25,35 +24,34 @@ from zeppelin.schemas.common import InputError
 def run(
     ctx: typer.Context,
     plan: Path = typer.Argument(..., help="plan file written by `zeppelin plan`"),
-    model: Optional[str] = typer.Option(None, "--model", help="model preset or JSON file; must match the plan"),
-    data: Optional[str] = typer.Option(None, "--data", help="dataset manifest (token ids); must match the plan"),
-    steps: Optional[int] = typer.Option(None, "--steps", help="run the first N steps (default: all)"),
+    model: str | None = typer.Option(None, "--model", help="model preset or JSON file; must match the plan"),
+    data: str | None = typer.Option(None, "--data", help="dataset manifest (token ids); must match the plan"),
+    steps: int | None = typer.Option(None, "--steps", help="run the first N steps (default: all)"),
     lr: float = typer.Option(1e-3, "--lr", help="AdamW learning rate"),
     weight_decay: float = typer.Option(0.0, "--weight-decay"),
-    seed: Optional[int] = typer.Option(None, "--seed", help="model init seed (default: the plan's seed)"),
-    metrics: Optional[Path] = typer.Option(None, "--metrics", help="JSON Lines metrics (default: PLAN.metrics.jsonl)"),
+    seed: int | None = typer.Option(None, "--seed", help="model init seed (default: the plan's seed)"),
+    metrics: Path | None = typer.Option(None, "--metrics", help="JSON Lines metrics (default: PLAN.metrics.jsonl)"),
     verify: bool = typer.Option(False, "--verify", help="compare every step with a single-process reference"),
-    verify_tol: Optional[float] = typer.Option(None, "--verify-tol", help="relative tolerance (fp32 1e-5, bf16 2e-2)"),
+    verify_tol: float | None = typer.Option(None, "--verify-tol", help="relative tolerance (fp32 1e-5, bf16 2e-2)"),
     checkpoint_every: int = typer.Option(0, "--checkpoint-every", help="checkpoint every N steps (and at the end)"),
-    checkpoint_dir: Optional[Path] = typer.Option(None, "--checkpoint-dir"),
+    checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir"),
     resume: bool = typer.Option(False, "--resume", help="continue from the latest checkpoint in --checkpoint-dir"),
     timeout: float = typer.Option(300.0, "--timeout", help="collective / P2P timeout per operation, seconds"),
     progress: str = typer.Option("auto", "--progress", help="auto | rich | plain | none"),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads per rank (default: cores / ranks)"),
-    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help="processes on this machine"),
-    nnodes: Optional[int] = typer.Option(None, "--nnodes", help="machines in the job"),
-    node_rank: Optional[int] = typer.Option(None, "--node-rank"),
-    master_addr: Optional[str] = typer.Option(None, "--master-addr"),
-    master_port: Optional[int] = typer.Option(None, "--master-port"),
-    rdzv_backend: Optional[str] = typer.Option(None, "--rdzv-backend"),
-    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint"),
-    rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id"),
+    threads: int | None = typer.Option(None, "--threads", help="torch threads per rank (default: cores / ranks)"),
+    nproc_per_node: int | None = typer.Option(None, "--nproc-per-node", help="processes on this machine"),
+    nnodes: int | None = typer.Option(None, "--nnodes", help="machines in the job"),
+    node_rank: int | None = typer.Option(None, "--node-rank"),
+    master_addr: str | None = typer.Option(None, "--master-addr"),
+    master_port: int | None = typer.Option(None, "--master-port"),
+    rdzv_backend: str | None = typer.Option(None, "--rdzv-backend"),
+    rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint"),
+    rdzv_id: str | None = typer.Option(None, "--rdzv-id"),
 ) -> None:
     """Execute a plan with torch (launched through torchrun): train, report metrics, verify."""
-    from zeppelin.schemas.plan import PlanReader
-
     from zeppelin.runtime.launch import torchrun_argv  # torch-free module top
+    from zeppelin.schemas.plan import PlanReader
 
     header = PlanReader(plan).header
     cl = header.cluster

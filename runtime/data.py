@@ -13,8 +13,9 @@ sequence without generating or exchanging whole sequences.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 

@@ -243,7 +243,23 @@ class Executor:
                                  normaliser=max(predicted_tokens(step.sequences), 1))
             report = compare_with_reference(self.model, step, result.loss, gathered, ref)
             report["tolerance"] = tol
-            report["ok"] = max(report["loss_rel"], report["hidden_rel"], report["grad_rel"]) <= tol
+            ok_grad = report["grad_rel"] <= tol
+            if not ok_grad and self.model.dtype == torch.float32:
+                # beyond tol of the fp32 reference: judge both against an fp64 oracle. A trained fp32
+                # model amplifies summation-order rounding; the distributed step passes when it is
+                # as exact as the single-process fp32 step (within 2x of that step's own error).
+                import copy
+
+                m64 = copy.deepcopy(self.model).double()
+                m64.dtype = torch.float64
+                ref64 = reference_step(m64, step.sequences, self.source, self.device,
+                                       normaliser=max(predicted_tokens(step.sequences), 1))
+                mine = {n: (p.grad if p.grad is not None else torch.zeros_like(p))
+                        for n, p in self.model.named_parameters()}
+                report["grad_rel_vs_fp64"] = max(_rel(mine[n], g) for n, g in ref64["grads"].items())
+                report["fp32_reference_vs_fp64"] = max(_rel(ref["grads"][n], g) for n, g in ref64["grads"].items())
+                ok_grad = report["grad_rel_vs_fp64"] <= max(tol, 2 * report["fp32_reference_vs_fp64"])
+            report["ok"] = max(report["loss_rel"], report["hidden_rel"]) <= tol and ok_grad
         box = [report]
         if self.world_size > 1:
             dist.broadcast_object_list(box, src=0)
@@ -252,7 +268,9 @@ class Executor:
             raise VerifyError(
                 f"step {step.step}: --verify failed: relative differences loss {report['loss_rel']:.3g}, "
                 f"outputs {report['hidden_rel']:.3g}, gradients {report['grad_rel']:.3g} "
-                f"(worst: {report['grad_worst']}) exceed tolerance {tol:g}")
+                f"(worst: {report['grad_worst']}) exceed tolerance {tol:g}"
+                + (f"; vs an fp64 reference: distributed {report['grad_rel_vs_fp64']:.3g}, single-process fp32 "
+                   f"{report['fp32_reference_vs_fp64']:.3g}" if "grad_rel_vs_fp64" in report else ""))
         return report
 
 
@@ -459,11 +477,8 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
     # one scan of the steps to run: validates every record (a corrupt line is reported with its
     # step number here, on every rank) and collects the process groups the steps need
     steps_iter = (reader.step(k) for k in range(start, end))
-    try:
-        groups = GroupCache(world, header=header, steps=steps_iter)
-    except InputError as e:
-        # every rank reads the same file: all fail identically before any group was created
-        raise e
+    # (every rank reads the same file: a bad record fails all ranks identically, before any group)
+    groups = GroupCache(world, header=header, steps=steps_iter)
     set_default_cache(groups)
     seed = header.seed if cfg.seed is None else cfg.seed
     model = LlamaModel(header.model, seed=seed).to(device)

@@ -25,8 +25,8 @@ import time
 from typing import Any
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from zeppelin.schemas.model import ModelSpec
 

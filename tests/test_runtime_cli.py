@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from zeppelin.schemas.cluster import cluster_preset
 from zeppelin.schemas.model import model_preset
 from zeppelin.schemas.plan import write_plan
@@ -119,7 +120,7 @@ def test_killed_rank_fails_the_job_quickly(small_plan, tmp_path):
 
 
 def test_raising_rank_reports_its_error(small_plan, tmp_path):
-    p, dt = _run([small_plan, "--metrics", tmp_path / "m.jsonl"], env_extra={"ZEPPELIN_FAULT": "0:0:raise"})
+    p, _ = _run([small_plan, "--metrics", tmp_path / "m.jsonl"], env_extra={"ZEPPELIN_FAULT": "0:0:raise"})
     assert p.returncode == 1
     assert "zeppelin: error: job failed: rank 0: RuntimeError: injected fault at step 0" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from zeppelin.schemas.cluster import NICSpec, cluster_preset
 from zeppelin.schemas.common import content_hash
 from zeppelin.schemas.layout import split_even, zigzag_ranges
