@@ -100,7 +100,10 @@ def main(argv: list[str] | None = None) -> int:
             v = summary["verify"]
             print(f"zeppelin run: --verify max relative differences: loss {v['loss_rel']:.2e}, "
                   f"outputs {v['hidden_rel']:.2e}, gradients {v['grad_rel']:.2e} "
-                  f"(tolerance {v['tolerance']:g}) - ok", flush=True)
+                  f"(tolerance {v['tolerance']:g})"
+                  + (f"; gradients vs an fp64 oracle: distributed {v['grad_rel_vs_fp64']:.2e}, single-process "
+                     f"fp32 {v['fp32_reference_vs_fp64']:.2e}" if "grad_rel_vs_fp64" in v else "")
+                  + " - ok", flush=True)
     return 0
 
 

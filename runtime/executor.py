@@ -512,8 +512,9 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
             res.phases["optimizer"] = ex.optimizer_step()
             res.phases["step"] = time.perf_counter() - t0 - t_verify
             if report is not None:
-                for key in verify_worst:
-                    verify_worst[key] = max(verify_worst[key], report[key])
+                for key in ("loss_rel", "hidden_rel", "grad_rel", "grad_rel_vs_fp64", "fp32_reference_vs_fp64"):
+                    if key in report:
+                        verify_worst[key] = max(verify_worst.get(key, 0.0), report[key])
             res.phases["peak_memory_bytes"] = float(_peak_memory(device))
             per_rank = [None] * world
             dist.all_gather_object(per_rank, (res.phases, res.bytes, res.tokens))
