@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 import time
+import zlib
 
 import numpy as np
 
@@ -94,7 +95,7 @@ def quality(clusters, models, dists, steps: int) -> None:
             pl = ZeppelinPlanner()
             for dist in dists:
                 ratios, times, mbs = [], [], []
-                for k, ss in enumerate(steps_for(dist, budget, steps, seed=hash((cluster, model, dist)) % 2**31)):
+                for k, ss in enumerate(steps_for(dist, budget, steps, seed=zlib.crc32(f"{cluster}|{model}|{dist}".encode()))):
                     t0 = time.perf_counter()
                     sp = pl.plan_step(ctx, k, ss)
                     times.append(time.perf_counter() - t0)

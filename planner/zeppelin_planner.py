@@ -236,10 +236,11 @@ class ZeppelinPlanner(Planner):
         if balance == "attention":
             lin_rate = 0.0
         # spans: target = balanced per-unit load, refined once with the chosen spans' costs
-        tb = self._tables.get(tuple(idx))
+        key = (id(tg), rn, Ls.tobytes())
+        tb = self._tables.get(key)
         if tb is None:
             tb = tg.span_table(Ls, rn)
-            self._tables = {tuple(idx): tb}  # shared by both balance candidates of this micro-batch
+            self._tables = {key: tb}  # shared by both balance candidates of this micro-batch
         T_all = tb.times(lin_rate)
         target = float(T_all[0].sum()) / n
         cols = np.arange(len(Ls))

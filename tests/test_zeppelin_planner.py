@@ -367,3 +367,15 @@ def test_cli_bad_inputs(tmp_path, zeppelin_bin):
     assert r.returncode == 2 and "more than the whole cluster can hold" in r.stderr
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
     assert not out.exists()
+
+
+def test_planner_instance_reused_across_steps_of_same_shape():
+    # steps with the same number of sequences but different lengths must not share cached tables
+    ctx = make_ctx()
+    cap = ctx.cost.token_capacity
+    pl = ZeppelinPlanner()
+    a = pl.plan_step(ctx, 0, seqs_of([100, 200, 300]))
+    b = pl.plan_step(ctx, 1, seqs_of([cap * 9, 200, 300]))
+    _check_plan(ctx, a, [100, 200, 300])
+    _check_plan(ctx, b, [cap * 9, 200, 300])
+    assert b.notes["tiers"]["inter"] == 1
