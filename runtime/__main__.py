@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _report(rank: int, message: str, code: int, tb: str | None = None) -> None:
-    print(f"zeppelin: error: [rank {rank}] {message}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"zeppelin: error: [rank {rank}] {message}\n")  # one write: ranks share the stream
+    sys.stderr.flush()
     d = os.environ.get("ZEPPELIN_ERROR_DIR")
     if d:
         try:

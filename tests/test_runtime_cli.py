@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -81,8 +82,7 @@ def test_world_size_mismatch_refused_on_every_rank(hand_plan):
     assert p.returncode == 2
     want = "the plan is for 4 ranks but the job has 2"
     errs = _errors(p.stderr)
-    assert any(e.startswith(f"zeppelin: error: [rank 0] {hand_plan}: {want}") or
-               e.startswith(f"zeppelin: error: [rank 0] {want}") for e in errs), p.stderr
+    assert any(e.startswith(f"zeppelin: error: [rank 0] {want}") for e in errs), p.stderr
     assert any(e.startswith(f"zeppelin: error: [rank 1] {want}") for e in errs), p.stderr
     assert errs[-1].startswith("zeppelin: error: job failed: rank ") and want in errs[-1]
     assert "Traceback" not in p.stderr
@@ -107,7 +107,8 @@ def test_truncated_plan_line_reported_with_step(small_plan, tmp_path):
     bad.write_text("".join(lines[:3]) + lines[3][: len(lines[3]) // 2] + "\n")
     p, _ = _run([bad])
     assert p.returncode == 2
-    assert f"zeppelin: error: job failed: rank 0: {bad}: step 2: corrupt or truncated record" in p.stderr, p.stderr
+    assert re.search(rf"^zeppelin: error: job failed: rank [01]: {re.escape(str(bad))}: step 2: corrupt or truncated "
+                     rf"record", p.stderr, re.M), p.stderr
     assert "Traceback" not in p.stderr
 
 
