@@ -14,8 +14,11 @@ Per step:
    model's Ulysses time, affine in the bucket counts: ``layers * sum attn(L)/s`` plus the linear
    modules, head and 4+4 all-to-alls on ``sum L / s`` tokens per unit;
 4. warm start: the best greedy *homogeneous* solution (all groups of one size, sequences by LPT on
-   time under the memory cap); solved with PuLP (HiGHS, else CBC) under a time limit shared by all
-   solves of the step; the step keeps the better of MILP and greedy for every micro-batch;
+   time under the memory cap); the MILP is built as sparse arrays and solved by HiGHS directly
+   (:class:`bl_milp.SparseMilp`) under one wall-clock budget for the whole step (``time_limit``,
+   model building included), micro-batch counts with the best greedy objective first, each solve
+   getting at least ``MIN_SOLVE_S`` while budget remains (greedy stands for the rest); the step
+   keeps the better of MILP and greedy for every micro-batch;
 5. the groups become aligned unit blocks (largest first) and the bucket counts concrete sequences.
 """
 
@@ -25,6 +28,7 @@ import time
 from functools import lru_cache
 
 import numpy as np
+
 from zeppelin.schemas.plan import Sequence, SolverInfo, StepPlan
 
 from . import bl_milp
@@ -136,7 +140,7 @@ def _greedy_homogeneous(model: _Model, lengths: list[int], sizes: list[int], n: 
 
 
 def _solve_microbatch(model, lengths, sizes, n, cap, Q, time_limit, use_milp):
-    """Groups of one micro-batch: list of (size, [indices into lengths]), with C and solver records."""
+    """Groups of one micro-batch: (groups as (size, [indices into lengths]), C, record, MilpResult or None)."""
     bounds, bucket = bucketize(lengths, Q)
     Ub = [bounds[b] for b in bucket]
     greedy = _greedy_homogeneous(model, Ub, sizes, n, cap)
@@ -148,50 +152,49 @@ def _solve_microbatch(model, lengths, sizes, n, cap, Q, time_limit, use_milp):
     rec = {"greedy_C": Cg, "greedy_size": sg}
     if not use_milp or len(lengths) == 0:
         return greedy_groups, Cg, rec, None
-    import pulp
-
     nq = len(bounds)
-    counts = [0] * nq
-    for b in bucket:
-        counts[b] += 1
-    prob = pulp.LpProblem("flexsp", pulp.LpMinimize)
-    C = bl_milp.new_var(prob, "C", lowBound=0)
-    prob += C
-    y, x = {}, {}
+    counts = np.bincount(np.asarray(bucket, dtype=np.int64), minlength=nq).astype(np.float64)
+    bvals = np.asarray(bounds, dtype=np.float64)
+    m = bl_milp.SparseMilp()
+    # valid cut (as C's lower bound): the busiest group is at least the micro-batch's least total
+    # work spread over N units
+    least = np.full(nq, np.inf)
     for s in sizes:
-        need = [ceil_div(bounds[q], s) for q in range(nq)]
-        coef = model.coef(bounds, s)
+        fits = np.array([ceil_div(b, s) <= cap for b in bounds])
+        least = np.where(fits, np.minimum(least, s * model.coef(bvals, s)), least)
+    C = int(m.add_cols(1, float(np.sum(counts * least)) / n, np.inf, cost=1.0)[0])
+    y: dict[tuple[int, int], int] = {}
+    x: dict[tuple[int, int, int], int] = {}
+    for s in sizes:
+        need = np.array([ceil_div(b, s) for b in bounds], dtype=np.float64)
+        coef = model.coef(bvals, s)
+        qs = np.flatnonzero(need <= cap)
         for j in range(min(n // s, len(lengths))):
-            y[s, j] = bl_milp.new_var(prob, f"y_{s}_{j}", cat="Binary")
-            terms_t, terms_m = [], []
-            for q in range(nq):
-                if need[q] > cap:
-                    continue
-                x[q, s, j] = bl_milp.new_var(prob, f"x_{q}_{s}_{j}", lowBound=0, upBound=counts[q], cat="Integer")
-                prob += x[q, s, j] <= counts[q] * y[s, j]
-                terms_t.append(float(coef[q]) * x[q, s, j])
-                terms_m.append(need[q] * x[q, s, j])
-            prob += pulp.lpSum(terms_t) + model.fixed[s] * y[s, j] <= C
-            prob += pulp.lpSum(terms_m) <= cap
+            yj = int(m.add_cols(1, 0, 1, integer=True)[0])
+            y[s, j] = yj
+            xs = m.add_cols(len(qs), 0, counts[qs], integer=True)
+            for q, xi in zip(qs.tolist(), xs.tolist()):
+                x[q, s, j] = xi
+                m.add_row([xi, yj], [1.0, -counts[q]], hi=0.0)  # x <= count * y
+            m.add_row([*xs.tolist(), yj, C], [*coef[qs].tolist(), model.fixed[s], -1.0], hi=0.0)  # time <= C
+            m.add_row(xs, need[qs], hi=float(cap))  # memory
             if j > 0:
-                prob += y[s, j] <= y[s, j - 1]
-    prob += pulp.lpSum(s * y[s, j] for (s, j) in y) <= n
-    # valid cut: the busiest group is at least the micro-batch's least total work spread over N units
-    least = [min(float(s * model.coef([bounds[q]], s)[0]) for s in sizes if ceil_div(bounds[q], s) <= cap)
-             for q in range(nq)]
-    prob += n * C >= sum(counts[q] * least[q] for q in range(nq))
+                m.add_row([yj, y[s, j - 1]], [1.0, -1.0], hi=0.0)  # slots used in order (symmetry)
+    m.add_row(list(y.values()), [float(s) for (s, _j) in y], hi=float(n))  # GPUs
+    per_q: dict[int, list[int]] = {q: [] for q in range(nq)}
+    for (q, _s, _j), xi in x.items():
+        per_q[q].append(xi)
     for q in range(nq):
-        prob += pulp.lpSum(v for (qq, s, j), v in x.items() if qq == q) == counts[q]
+        m.add_row(per_q[q], 1.0, lo=counts[q], hi=counts[q])  # every sequence in exactly one group
     # warm start: the greedy homogeneous solution (slot j of size sg = greedy group j)
-    start = {v: 0.0 for v in x.values()}
-    start.update({v: 0.0 for v in y.values()})
-    start[C] = Cg
+    start = np.zeros(m.num_cols)
+    start[C] = max(Cg, m.lb[C])
     for j, (s, members) in enumerate(greedy_groups):
         start[y[s, j]] = 1.0
         for i in members:
             start[x[bucket[i], s, j]] += 1.0
-    res = bl_milp.solve(prob, time_limit, start)
-    if not res.has_solution:
+    res, vals = m.solve(time_limit, start)
+    if not res.has_solution or vals is None:
         return greedy_groups, Cg, rec, res
     # read the solution back into concrete groups (sequences of a bucket, longest first)
     pools = {q: sorted((i for i in range(len(lengths)) if bucket[i] == q), key=lambda i: -lengths[i])
@@ -199,11 +202,11 @@ def _solve_microbatch(model, lengths, sizes, n, cap, Q, time_limit, use_milp):
     groups = []
     ok = True
     for (s, j), yv in y.items():
-        if bl_milp.value(yv) < 0.5:
+        if vals[yv] < 0.5:
             continue
         members = []
         for q in range(nq):
-            k = round(bl_milp.value(x[q, s, j])) if (q, s, j) in x else 0
+            k = round(vals[x[q, s, j]]) if (q, s, j) in x else 0
             for _ in range(k):
                 if not pools[q]:
                     ok = False
@@ -218,11 +221,14 @@ def _solve_microbatch(model, lengths, sizes, n, cap, Q, time_limit, use_milp):
         if sum(ceil_div(lengths[i], s) for i in members) > cap:
             rec["milp_rejected"] = "solution exceeds memory"
             return greedy_groups, Cg, rec, res
-    Cm = max(model.group_time([Ub[i] for i in m], s) for s, m in groups)
+    Cm = max(model.group_time([Ub[i] for i in members], s) for s, members in groups)
     rec["milp_C"] = Cm
     if Cm > Cg:  # a time-limited solve can in principle return worse than its start
         return greedy_groups, Cg, rec, res
     return groups, Cm, rec, res
+
+
+MIN_SOLVE_S = 0.1  # a MILP gets at least this much of the step's remaining budget (else greedy)
 
 
 @register
@@ -252,28 +258,35 @@ class FlexSP(Planner):
                                     f"{smax * cap} tokens")
         model = _Model(ctx, sizes)
         m_min = max(1, ceil_div(sum(lengths), n * cap))
-        # pass 1: dispatch + greedy for every M (cheap), to know how many MILPs share the time budget
+        # pass 1: dispatch + greedy for every M (cheap): the feasible counts and their greedy objective
         cands = []
         for M in range(m_min, m_min + span):
             owner = lpt(lengths, M)
             mbs = [[i for i in range(len(lengths)) if owner[i] == m] for m in range(M)]
             mbs = [mb for mb in mbs if mb]
-            if all(_greedy_homogeneous(model, _bucketed([lengths[i] for i in mb], Q), sizes, n, cap) for mb in mbs):
-                cands.append((M, mbs))
+            greedy = [_greedy_homogeneous(model, _bucketed([lengths[i] for i in mb], Q), sizes, n, cap) for mb in mbs]
+            if all(greedy):
+                cands.append((sum(g[0] for g in greedy), M, mbs))
         if not cands:
             raise PlanningError(f"flexsp: no micro-batch count in [{m_min}, {m_min + span}) fits the step's "
                                 f"{sum(lengths)} tokens into memory ({cap} tokens per GPU, {n} units)")
+        # pass 2: MILPs, most promising micro-batch count first, under one wall-clock budget for the
+        # whole step (model building included); once it is spent the greedy solutions stand
+        cands.sort(key=lambda c: (c[0], c[1]))
         deadline = t.t0 + time_limit
-        solves_left = sum(len(mbs) for _, mbs in cands)
+        solves_left = sum(len(mbs) for _, _, mbs in cands)
+        skipped = 0
         best = None
         records = []
-        for M, mbs in cands:
+        for _, M, mbs in cands:
             total, sol, recs, results = 0.0, [], [], []
             for mb in mbs:
-                per_solve = max(0.05, (deadline - time.perf_counter()) / max(solves_left, 1))
+                remaining = deadline - time.perf_counter()
+                per_solve = max(remaining / max(solves_left, 1), min(remaining, MIN_SOLVE_S))
                 solves_left -= 1
-                out = _solve_microbatch(model, [lengths[i] for i in mb], sizes, n, cap, Q, per_solve,
-                                        mode == "milp")
+                use_milp = mode == "milp" and remaining >= MIN_SOLVE_S / 2
+                skipped += mode == "milp" and not use_milp
+                out = _solve_microbatch(model, [lengths[i] for i in mb], sizes, n, cap, Q, per_solve, use_milp)
                 if out is None:
                     break
                 groups, Cm, rec, res = out
@@ -305,10 +318,13 @@ class FlexSP(Planner):
             fallback = None
             if any(not r.has_solution for r in results):
                 fallback = "no MILP solution within the time limit for some micro-batches: greedy kept"
+            if skipped:
+                fallback = (fallback + "; " if fallback else "") + (
+                    f"time budget spent: greedy for {skipped} micro-batch(es) of other micro-batch counts")
         else:
             solver_name, status, gap, fallback = "greedy", "ok", None, None
             if mode == "milp":
-                fallback = "every micro-batch was trivial"
+                fallback = "time budget spent before any MILP" if skipped else "every micro-batch was trivial"
         return b.finish(step, SolverInfo(name=solver_name, status=status, gap=gap, time_s=t.elapsed,
                                          fallback_reason=fallback),
                         notes={"microbatches": M, "objective_s": total, "m_search": records,

@@ -117,7 +117,7 @@ def compare(
     max_seq_len: int = typer.Option(131072, "--max-seq-len", help="longer samples are truncated"),
     tp: int = typer.Option(1, "--tp", help="tensor-parallel degree of a unit"),
     seed: int = typer.Option(0, "--seed", help="sampler seed"),
-    solver_time_limit: float = typer.Option(2.0, "--solver-time-limit",
+    solver_time_limit: float = typer.Option(0.5, "--solver-time-limit",
                                             help="MILP time limit per step (s) for flexsp and hydraulis"),
     workers: int = typer.Option(0, "--workers", "-j", help="worker processes (0: one per CPU)"),
     json_out: bool = typer.Option(False, "--json", help="print JSON instead of the table"),
@@ -179,7 +179,7 @@ def compare(
     if json_out or output is not None:
         _emit_json(doc, output)
     if not json_out:
-        con = Console()
+        con = Console(width=max(Console().width, 120))  # the table is unreadable folded to 80 columns
         con.print(render_table(doc, title))
         if "zeppelin_speedup_vs_te_cp" in doc:
             con.print(f"zeppelin: {doc['zeppelin_speedup_vs_te_cp']:.2f}x over te-cp, "

@@ -379,3 +379,31 @@ def test_cli_simulate_errors(plan_file, zeppelin_bin, tmp_path):
     out = subprocess.run([zeppelin_bin, "simulate", str(bad)], capture_output=True, text=True, check=False)
     assert out.returncode == 2
     assert "plan is truncated" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_vectorised_max_min_rates_match_the_loop(monkeypatch):
+    """Large contended flow sets take the numpy path; it must give the loop's max-min rates."""
+    import random
+
+    import zeppelin.planner.simulate as S
+
+    rng = random.Random(3)
+    cap = {f"r{i}": rng.choice([1e9, 2e9, 5e9, 2.5e10]) for i in range(12)}
+    eng = S.Engine(cap)
+    for _ in range(150):
+        res = tuple(rng.sample(sorted(cap), rng.choice([1, 2, 2, 3])))
+        eng.flow(1e6, res, 0.0, cap=rng.choice([S._INF, S._INF, 3e9]))
+    flows = eng.tasks
+    monkeypatch.setattr(S, "_VECTOR_FLOWS", 10**9)
+    loop = eng._rates(flows)
+    monkeypatch.setattr(S, "_VECTOR_FLOWS", 1)
+    vec = eng._rates(flows)
+    assert vec == pytest.approx(loop, rel=1e-9)
+    # max-min: every resource is within capacity and every flow is capped or crosses a full resource
+    used = {r: 0.0 for r in cap}
+    for f, x in zip(flows, vec):
+        for r in f.res:
+            used[r] += x
+    assert all(used[r] <= cap[r] * (1 + 1e-9) for r in cap)
+    full = {r for r in cap if used[r] >= cap[r] * (1 - 1e-9)}
+    assert all(x >= f.cap * (1 - 1e-9) or full & set(f.res) for f, x in zip(flows, vec))
