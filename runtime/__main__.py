@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--progress", choices=["auto", "rich", "plain", "none"], default="auto")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads per rank")
+    p.add_argument("--tp-overlap", choices=["none", "slicing", "commfuse"], default=None,
+                   help="communication/GEMM overlap of the tensor-parallel linears (default: the plan's)")
     return p
 
 
@@ -74,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
                     weight_decay=args.weight_decay, seed=args.seed, metrics=args.metrics, verify=args.verify,
                     verify_tol=args.verify_tol, checkpoint_every=args.checkpoint_every,
                     checkpoint_dir=args.checkpoint_dir, resume=args.resume, timeout_s=args.timeout,
-                    progress=args.progress, device=args.device, threads=args.threads)
+                    progress=args.progress, device=args.device, threads=args.threads,
+                    tp_overlap=args.tp_overlap)
     try:
         summary = run_job(cfg)
     except InputError as e:
@@ -96,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         line = f"zeppelin run: {summary['steps_run']} steps"
         if losses:
             line += f", loss {losses[0]:.4f} -> {losses[-1]:.4f}"
+        if "tp_overlap" in summary:
+            line += f", TP overlap {summary['tp_overlap']}"
         print(line + f"; metrics in {summary['metrics']}", flush=True)
         if "verify" in summary:
             v = summary["verify"]

@@ -112,11 +112,23 @@ class AttentionEngine:
         by_group: dict[int, list[list[list[list[int]]]]] = {}
         for p in mb.placements:
             by_group.setdefault(p.group, []).append(p.ranges)
+        my_tp = reps[unit].tp
+
+        def foreign(g) -> bool:
+            """A group of other units of another TP degree: none of this rank's business (Hydraulis
+            replicas of different degrees never share attention work)."""
+            return unit not in g.units and any(0 <= u < len(reps) and reps[u].tp != my_tp for u in g.units)
+
         routes: dict[int, dict[tuple[int, int], list[tuple[int, int, int]]]] = {}
         for r in mb.routes:
             if not 0 <= r.group < len(mb.groups):
                 raise InputError(f"{where}: a route names group {r.group} (micro-batch has {len(mb.groups)})")
             g = mb.groups[r.group]
+            if foreign(g):
+                if any(unit in (pth.via_src, pth.via_dst) for pth in r.paths):
+                    raise InputError(f"{where}: unit {unit} (tp={my_tp}) relays a transfer of group {r.group}, "
+                                     "whose units have another tensor-parallel degree")
+                continue
             n = len(g.units)
             edges = {(g.units[i], g.units[(i + 1) % n]) for i in range(n)}
             if (r.src, r.dst) not in edges:
@@ -146,6 +158,8 @@ class AttentionEngine:
             )
         items: list[tuple[tuple[int, int], _Item]] = []
         for gi, g in enumerate(mb.groups):
+            if gi not in my_groups and gi not in routes:
+                continue
             seqs = by_group.get(gi, [])
             ranks = [grank(u) for u in g.units]
             phase = PHASES.index(g.tier)

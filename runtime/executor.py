@@ -2,10 +2,20 @@
 
 Per step, on every rank::
 
-    for each micro-batch:  build the rank's inputs (linear layout) -> forward (remaps, the plan's
-                           attention engine) -> loss / predicted tokens of the step -> backward
-    gradient all-reduce (SUM over data-parallel units; the loss is already divided by the step's
-    global number of predicted tokens, so the sum is exactly the single-process gradient)
+    for each micro-batch:  build the rank's inputs (linear layout; with tensor parallelism the
+                           rank's sequence shard of its unit's buffer) -> forward (remaps, the
+                           plan's attention engine, TP-SP linears) -> loss / predicted tokens of
+                           the step -> backward
+    gradient all-reduce (SUM over every rank; the loss is already divided by the step's global
+    number of predicted tokens, so the sum is exactly the single-process gradient)
+
+Tensor parallelism (uniform ``header.tp`` or a step's mixed-TP ``replicas``, Hydraulis): every rank
+keeps the whole parameters (the canonical layout) and a TP rank computes with its shard of them
+(:class:`zeppelin.runtime.model.TPContext`), so its gradient is non-zero only where its shard, its
+heads or its tokens contributed. The one SUM all-reduce over all ranks therefore assembles the full
+gradient across replicas of any TP layout, and the identical AdamW step on every rank keeps the
+parameters and the optimizer state identical everywhere. (The price: TP does not reduce parameter
+or optimizer memory here; the activations and GEMMs are sharded.)
     [--verify: rank 0 recomputes the step single-process and compares]
     AdamW step, metrics line, checkpoint every N steps
 
@@ -17,6 +27,7 @@ ranks waiting for peers that already left.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -31,10 +42,11 @@ import torch
 import torch.distributed as dist
 
 from zeppelin.schemas.common import InputError, content_hash
+from zeppelin.schemas.layout import split_even
 from zeppelin.schemas.plan import PlanHeader, PlanReader, StepPlan
 
 from .data import TokenSource, load_token_source, predicted_tokens
-from .model import Layout, LlamaModel, PhaseTimer, reference_step
+from .model import Layout, LlamaModel, PhaseTimer, TPContext, reference_step
 
 
 class VerifyError(RuntimeError):
@@ -60,6 +72,8 @@ class RunConfig:
     progress: str = "auto"           # auto | rich | plain | none
     device: str = "auto"             # auto | cpu | cuda
     threads: int | None = None
+    tp_overlap: str | None = None    # none | slicing | commfuse (default: the plan header's)
+    tp_chunks: int = 4               # slices of the slicing overlap mode
 
 
 # ---------------------------------------------------------------------------------------------
@@ -70,10 +84,11 @@ class RunConfig:
 class PlanLayout(Layout):
     """One micro-batch on one rank: the plan's remapper and attention engine."""
 
-    def __init__(self, attn_positions: torch.Tensor, engine, remapper) -> None:
+    def __init__(self, attn_positions: torch.Tensor, engine, remapper, tp: TPContext | None = None) -> None:
         self.attn_positions = attn_positions
         self.engine = engine
         self.remapper = remapper
+        self.tp = tp
 
     def to_attention(self, x):
         return self.remapper.to_attention(x)
@@ -100,6 +115,19 @@ def _add_bytes(acc: dict[str, int], stats: Any) -> None:
             acc[cls] = acc.get(cls, 0) + int(v)
 
 
+def shard_segments(segments: list[list[int]], a: int, b: int) -> list[list[int]]:
+    """Rows ``[a, b)`` of the buffer made of ``segments`` (``[seq, start, end]``), as segments."""
+    out: list[list[int]] = []
+    row = 0
+    for q, s, e in segments:
+        n = e - s
+        lo, hi = max(a, row), min(b, row + n)
+        if hi > lo:
+            out.append([q, s + lo - row, s + hi - row])
+        row += n
+    return out
+
+
 def my_unit(header: PlanHeader, step: StepPlan, rank: int) -> int:
     for u, rep in enumerate(header.replicas(step)):
         if rank in rep.ranks:
@@ -124,7 +152,17 @@ class Executor:
 
     def __init__(self, header: PlanHeader, model: LlamaModel, source: TokenSource, *,
                  rank: int, world_size: int, device: torch.device, groups=None,
-                 lr: float = 1e-3, weight_decay: float = 0.0) -> None:
+                 lr: float = 1e-3, weight_decay: float = 0.0, tp_overlap: str | None = None,
+                 tp_chunks: int = 4) -> None:
+        from .tp import OVERLAP_MODES
+
+        self.tp_overlap = header.tp_overlap if tp_overlap is None else tp_overlap
+        if self.tp_overlap not in OVERLAP_MODES:
+            raise InputError(f"--tp-overlap {self.tp_overlap!r} is not one of {', '.join(OVERLAP_MODES)}")
+        if tp_chunks < 1:
+            raise InputError(f"TP slicing needs at least one chunk (got {tp_chunks})")
+        self.tp_chunks = tp_chunks
+        self.used_tp = False
         self.header = header
         self.model = model
         self.source = source
@@ -152,10 +190,8 @@ class Executor:
         for p in self.params:
             p.grad = None
         self.source.clear()
-        if any(rep.tp != 1 for rep in self.header.replicas(step)):
-            raise InputError(f"step {step.step}: the plan uses tensor-parallel replicas; "
-                             f"this runtime executes tp=1 plans")
         unit = my_unit(self.header, step, self.rank)
+        tpg = self._tp_group(step, unit)
         n_pred = max(predicted_tokens(step.sequences), 1)
         timer = PhaseTimer(enabled=True, cuda=self.cuda)
         phases = {"data": 0.0, "forward": 0.0, "backward": 0.0}
@@ -167,13 +203,19 @@ class Executor:
             t0 = self._now()
             lin = mb.linear_segments(unit)
             att = mb.attention_segments(unit)
+            tpc = None
+            if tpg is not None:  # TP-SP: this rank's sequence shard of the unit's linear buffer
+                rows = split_even(sum(e - s for _, s, e in lin), tpg.size)
+                a = sum(rows[:tpg.pos])
+                lin = shard_segments(lin, a, a + rows[tpg.pos])
+                tpc = TPContext(tpg, rows, self.tp_overlap, self.tp_chunks)
             batch = self.source.segments(step.sequences, lin)
             toks = torch.from_numpy(batch.tokens).to(self.device)
             labels = torch.from_numpy(batch.labels).to(self.device)
             pos = _positions(att).to(self.device)
             engine = AttentionEngine(self.header, step, mbi, self.rank, groups=self.groups)
             remapper = Remapper(self.header, step, mbi, self.rank, device=self.device)
-            layout = PlanLayout(pos, engine, remapper)
+            layout = PlanLayout(pos, engine, remapper, tp=tpc)
             t1 = self._now()
             loss_sum, h = self.model(toks, labels, layout, timer)
             loss = loss_sum / n_pred
@@ -200,6 +242,21 @@ class Executor:
         phases["linear"] = max(phases["forward"] + phases["backward"] - phases["attention"] - phases["remap"], 0.0)
         nbytes["allreduce"] = sent
         return StepResult(loss=float(loss_local), phases=phases, bytes=nbytes, tokens=tokens, hidden=hidden)
+
+    def _tp_group(self, step: StepPlan, unit: int):
+        """The TP group of this rank's unit in ``step`` (None for a one-rank unit)."""
+        rep = self.header.replicas(step)[unit]
+        if rep.tp == 1:
+            return None
+        hq = self.header.model.num_heads
+        if rep.tp > hq:
+            raise InputError(f"step {step.step}: replica {unit} has tp={rep.tp}, more than the model's {hq} "
+                             "attention heads")
+        from .tp import TPGroup
+
+        self.used_tp = True
+        pg = self.groups.get(rep.ranks) if self.groups is not None else None
+        return TPGroup(ranks=list(rep.ranks), rank=self.rank, pg=pg)
 
     def allreduce_grads(self) -> int:
         """SUM the gradients over all ranks in one flat buffer; returns bytes this rank sent."""
@@ -347,8 +404,11 @@ def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSo
         if content_hash(spec) != header.hashes.model:
             raise InputError(f"--model {cfg.model} does not match the plan: the plan was made for model "
                              f"{header.model.name!r} (hash {header.hashes.model}, given {content_hash(spec)})")
-    if header.tp != 1:
-        raise InputError(f"the plan uses tensor parallelism (tp={header.tp}); this runtime executes tp=1 plans")
+    if header.tp > header.model.num_heads:
+        raise InputError(f"the plan's tensor-parallel degree tp={header.tp} exceeds the model's "
+                         f"{header.model.num_heads} attention heads")
+    if cfg.tp_overlap is not None and cfg.tp_overlap not in ("none", "slicing", "commfuse"):
+        raise InputError(f"--tp-overlap {cfg.tp_overlap!r} is not one of none, slicing, commfuse")
     source, mhash = load_token_source(header.model.vocab_size, header.seed, cfg.data)
     if cfg.data is not None and mhash is not None and mhash != header.hashes.manifest:
         raise InputError(f"--data {cfg.data} does not match the plan: the plan was made for manifest hash "
@@ -440,10 +500,8 @@ def run_job(cfg: RunConfig) -> dict[str, Any]:
     try:
         return _run_initialised(cfg, rank, world, device, local_err, reader, header, source, start, end)
     finally:
-        try:
+        with contextlib.suppress(Exception):  # best effort at exit
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - best effort at exit
-            pass
 
 
 def _agree(world: int, err: str | None) -> None:
@@ -483,7 +541,7 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
     seed = header.seed if cfg.seed is None else cfg.seed
     model = LlamaModel(header.model, seed=seed).to(device)
     ex = Executor(header, model, source, rank=rank, world_size=world, device=device, groups=groups,
-                  lr=cfg.lr, weight_decay=cfg.weight_decay)
+                  lr=cfg.lr, weight_decay=cfg.weight_decay, tp_overlap=cfg.tp_overlap, tp_chunks=cfg.tp_chunks)
     if state is not None:
         model.load_state_dict(state["model"])
         ex.optimizer.load_state_dict(state["optimizer"])
@@ -499,10 +557,12 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
         progress = _Progress(cfg.progress, end, start)
     phash = plan_hash(header)
     losses: list[float] = []
+    used_tp = False
     verify_worst = {"loss_rel": 0.0, "hidden_rel": 0.0, "grad_rel": 0.0}
     try:
         for k in range(start, end):
             step = reader.step(k)
+            used_tp = used_tp or any(rep.tp > 1 for rep in header.replicas(step))
             _maybe_fault(rank, k)
             t0 = time.perf_counter()
             res = ex.forward_backward(step, keep_hidden=cfg.verify)
@@ -541,6 +601,8 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
         return {}
     summary = {"steps_run": end - start, "first_step": start, "losses": losses,
                "metrics": str(metrics_path)}
+    if used_tp:
+        summary["tp_overlap"] = ex.tp_overlap
     if cfg.verify:
         summary["verify"] = verify_worst | {"tolerance": tol}
     return summary

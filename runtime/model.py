@@ -8,7 +8,10 @@ Each layer::
       -> layout.to_linear -> + residual
       -> RMSNorm -> SwiGLU MLP -> + residual
 
-Embedding, final norm, LM head and the loss run in the linear layout. The model never
+Embedding, final norm, LM head and the loss run in the linear layout. With tensor parallelism
+(``layout.tp``, :class:`TPContext`) the layer runs TP-SP: the residual stream, norms, embedding and
+loss on sequence shards of the unit's linear buffer, Q/K/V and gate/up as column-parallel and O and
+down as row-parallel linears (overlap none / slicing / CommFuse), attention on the rank's heads. The model never
 communicates itself: a *layout* object supplies the remaps and the attention. The distributed
 layout (:class:`PlanLayout`) wraps the plan's ``AttentionEngine`` and ``Remapper``; the reference
 layout (:class:`ReferenceLayout`) holds whole sequences and runs plain causal attention, so the
@@ -92,11 +95,64 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_l
     return torch.cat(outs, dim=0)
 
 
+class TPContext:
+    """Tensor + sequence parallelism of one unit for one micro-batch (TP-SP, Megatron style).
+
+    The unit's linear buffer of ``sum(rows)`` tokens is *sequence-sharded* over its TP ranks for
+    the embedding, norms, residual stream, final norm, LM head and loss (TP rank ``t`` holds
+    ``rows[t]`` consecutive tokens). The projections are column-parallel (all-gather + GEMM:
+    Q/K/V, SwiGLU gate/up) and row-parallel (GEMM + reduce-scatter: O, down) over slices of the
+    full parameters, with the ``mode`` overlap of :mod:`zeppelin.runtime.tp`; attention heads are
+    split over the TP ranks (:func:`zeppelin.runtime.ulysses.head_split`: query heads near-evenly,
+    each rank with the KV heads its query heads use — KV heads are replicated when ``Hkv < tp``).
+
+    Parameters stay whole on every rank (the canonical layout): a TP rank's gradient is non-zero
+    only on its shard, so summing gradients over every rank of every replica gives the full
+    gradient whatever each replica's TP degree (Hydraulis mixes them).
+    """
+
+    def __init__(self, group, rows, mode: str = "none", chunks: int = 4) -> None:
+        from .tp import OVERLAP_MODES
+
+        if mode not in OVERLAP_MODES:
+            raise ValueError(f"unknown TP overlap mode {mode!r} (choose from {', '.join(OVERLAP_MODES)})")
+        self.group = group
+        self.rows = [int(r) for r in rows]
+        if len(self.rows) != group.size:
+            raise ValueError(f"TP row split {self.rows} does not have one entry per TP rank ({group.size})")
+        self.mode = mode
+        self.chunks = chunks
+
+    @property
+    def size(self) -> int:
+        return self.group.size
+
+    @property
+    def pos(self) -> int:
+        return self.group.pos
+
+    def heads(self, hq: int, hkv: int) -> tuple[int, int, int, int]:
+        """``(q0, q1, kv0, kv1)``: the query heads of this TP rank and the KV heads they use."""
+        from .ulysses import head_split
+
+        return head_split(hq, hkv, self.size)[self.pos]
+
+    def features(self, n: int) -> tuple[int, int]:
+        """This rank's ``[a, b)`` slice of ``n`` features (near-equal split)."""
+        from zeppelin.schemas.layout import split_even
+
+        sizes = split_even(n, self.size)
+        a = sum(sizes[: self.pos])
+        return a, a + sizes[self.pos]
+
+
 class Layout:
     """How a model call sees its tokens. Subclasses supply the attention-layout positions,
-    the remaps between the linear and attention layouts, and the attention itself."""
+    the remaps between the linear and attention layouts, and the attention itself. ``tp``: the
+    unit's tensor parallelism (None: the rank holds its whole linear buffer)."""
 
     attn_positions: torch.Tensor
+    tp: TPContext | None = None
 
     def to_attention(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -205,6 +261,41 @@ class Attention(nn.Module):
             o = layout.attention(q, k, v)
         return F.linear(o.reshape(T, self.hq * self.d), self.wo.to(dt))
 
+    def forward_tp(self, a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: Layout,
+                   timer: PhaseTimer | None) -> torch.Tensor:
+        """TP-SP: sequence-sharded ``a [rows[pos], h]`` -> sequence-sharded ``[rows[pos], h]``.
+
+        column-parallel Q/K/V (one fused GEMM over this rank's heads, whole linear buffer) ->
+        remap to the attention layout -> RoPE -> the plan's attention on this rank's heads ->
+        remap back -> row-parallel O (partial sums reduce-scattered to the sequence shards)."""
+        from .tp import column_parallel, row_parallel
+
+        tp = layout.tp
+        dt, d = a.dtype, self.d
+        q0, q1, k0, k1 = tp.heads(self.hq, self.hkv)
+        nq, nk = q1 - q0, k1 - k0
+        w = torch.cat([self.wq[q0 * d:q1 * d], self.wk[k0 * d:k1 * d], self.wv[k0 * d:k1 * d]]).to(dt)
+        y = column_parallel(a, w, tp.group, tp.rows, tp.mode, tp.chunks)
+        y = timer.region("remap", layout.to_attention, y) if timer is not None else layout.to_attention(y)
+        T = y.shape[0]
+        q = y[:, : nq * d].reshape(T, nq, d)
+        k = y[:, nq * d:(nq + nk) * d].reshape(T, nk, d)
+        v = y[:, (nq + nk) * d:].reshape(T, nk, d)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        r = self.hq // self.hkv
+        kv_of = [(q0 + i) // r - k0 for i in range(nq)]
+        if not (nq % nk == 0 and kv_of == [i // (nq // nk) for i in range(nq)]):
+            # this rank's query heads do not map onto its KV heads as GQA groups: one KV per query head
+            idx = torch.tensor(kv_of, dtype=torch.long, device=k.device)
+            k, v = k.index_select(1, idx), v.index_select(1, idx)
+        if timer is not None:
+            o = timer.region("attention", layout.attention, q, k, v)
+        else:
+            o = layout.attention(q, k, v)
+        o = o.reshape(T, nq * d)
+        o = timer.region("remap", layout.to_linear, o) if timer is not None else layout.to_linear(o)
+        return row_parallel(o, self.wo[:, q0 * d:q1 * d].to(dt), tp.group, tp.rows, tp.mode, tp.chunks)
+
 
 class MLP(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
@@ -221,6 +312,21 @@ class MLP(nn.Module):
             return F.linear(F.gelu(F.linear(x, self.w1.to(dt))), self.w2.to(dt))
         return F.linear(F.silu(F.linear(x, self.w1.to(dt))) * F.linear(x, self.w3.to(dt)), self.w2.to(dt))
 
+    def forward_tp(self, x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+        """TP-SP: column-parallel gate/up (one fused GEMM over this rank's FFN slice), row-parallel
+        down; ``[rows[pos], h]`` -> ``[rows[pos], h]``."""
+        from .tp import column_parallel, row_parallel
+
+        dt = x.dtype
+        a, b = tp.features(self.w1.shape[0])
+        if self.gelu:
+            hmid = F.gelu(column_parallel(x, self.w1[a:b].to(dt), tp.group, tp.rows, tp.mode, tp.chunks))
+        else:
+            w = torch.cat([self.w1[a:b], self.w3[a:b]]).to(dt)
+            gu = column_parallel(x, w, tp.group, tp.rows, tp.mode, tp.chunks)
+            hmid = F.silu(gu[:, : b - a]) * gu[:, b - a:]
+        return row_parallel(hmid, self.w2[:, a:b].to(dt), tp.group, tp.rows, tp.mode, tp.chunks)
+
 
 class Block(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
@@ -231,6 +337,10 @@ class Block(nn.Module):
         self.mlp = MLP(spec)
 
     def forward(self, x, cos, sin, layout: Layout, timer: PhaseTimer | None):
+        tp = getattr(layout, "tp", None)
+        if tp is not None and tp.size > 1:
+            x = x + self.attn.forward_tp(self.attn_norm(x), cos, sin, layout, timer)
+            return x + self.mlp.forward_tp(self.mlp_norm(x), tp)
         h = self.attn_norm(x)
         if timer is not None:
             a = timer.region("remap", layout.to_attention, h)

@@ -39,8 +39,19 @@ from torch import nn
 
 from zeppelin.schemas.layout import split_even
 
-__all__ = ["TPGroup", "OVERLAP_MODES", "ag_gemm", "gemm_rs", "column_parallel", "row_parallel",
-           "ColumnParallelLinear", "RowParallelLinear", "TPMLP", "TPAttentionProjections", "shard_sizes"]
+__all__ = [
+    "OVERLAP_MODES",
+    "TPMLP",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "TPAttentionProjections",
+    "TPGroup",
+    "ag_gemm",
+    "column_parallel",
+    "gemm_rs",
+    "row_parallel",
+    "shard_sizes",
+]
 
 OVERLAP_MODES = ("none", "slicing", "commfuse")
 
@@ -175,9 +186,9 @@ def ag_gemm(x, w, g: TPGroup, rows: Sequence[int], mode: str = "none", chunks: i
     rows = list(rows)
     if x.shape[0] != rows[g.pos]:
         raise ValueError(f"TP rank {g.pos} holds {x.shape[0]} rows, expected {rows[g.pos]}")
-    if g.size == 1:
-        return _mm(x, w), x
     T = sum(rows)
+    if g.size == 1 or T == 0:  # every TP rank knows ``rows``: an empty buffer communicates nothing
+        return _mm(x, w), x
     off = _offsets(rows)
     if mode == "none":
         xf = _all_gather_rows(x, rows, g)()
@@ -235,7 +246,7 @@ def gemm_rs(x, w, g: TPGroup, rows: Sequence[int], mode: str = "none", chunks: i
     T = sum(rows)
     if x.shape[0] != T:
         raise ValueError(f"row-parallel input has {x.shape[0]} rows, the TP row split sums to {T}")
-    if g.size == 1:
+    if g.size == 1 or T == 0:
         return _mm(x, w)
     off = _offsets(rows)
     if mode == "none":
