@@ -70,6 +70,8 @@ class PlannerRun:
     exposed: list[float] = field(default_factory=list)
     latencies: list[float] = field(default_factory=list)
     predicted: list[float] = field(default_factory=list)
+    plan_cpu: list[float] = field(default_factory=list)
+    sim_cpu: list[float] = field(default_factory=list)
     error: str | None = None
 
     def stats(self) -> dict[str, Any]:
@@ -84,6 +86,8 @@ class PlannerRun:
             "exposed_comm_s": float(np.mean(self.exposed)),
             "predicted_mean_s": float(np.mean(self.predicted)),
             "plan_latency_mean_s": float(np.mean(self.latencies)), "plan_latency_max_s": float(np.max(self.latencies)),
+            "plan_cpu_mean_s": float(np.mean(self.plan_cpu)) if self.plan_cpu else math.nan,
+            "simulate_cpu_mean_s": float(np.mean(self.sim_cpu)) if self.sim_cpu else math.nan,
             "step_times_s": [float(x) for x in t],
         }
 
@@ -108,9 +112,9 @@ def _job(arg: tuple[str, int, list]) -> tuple[str, int, dict[str, Any]]:
     ctx = _W["ctx"]
     try:
         planner = get_planner(name, **_W["options"].get(name, {}))
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         sp = planner.plan_step(ctx, k, seqs)
-        lat = time.perf_counter() - t0
+        lat, plan_cpu = time.perf_counter() - t0, time.process_time() - c0
     except _IE as e:
         return name, k, {"error": e.problem if hasattr(e, "problem") else str(e)}
     from zeppelin.schemas.plan import SamplerConfig
@@ -121,9 +125,11 @@ def _job(arg: tuple[str, int, list]) -> tuple[str, int, dict[str, Any]]:
         return name, k, {"error": f"invalid plan: {probs[0]}"}
     if _W["sims"] is None:
         _W["sims"] = Simulator(ctx)
+    c1 = time.process_time()
     r = _W["sims"].simulate_step(sp)
     return name, k, {"time": r.step_time_s, "lb": r.lower_bound_s, "exposed": r.exposed_comm_s, "latency": lat,
-                     "predicted": sp.prediction.step_time_s if sp.prediction else r.step_time_s}
+                     "predicted": sp.prediction.step_time_s if sp.prediction else r.step_time_s,
+                     "plan_cpu": plan_cpu, "sim_cpu": time.process_time() - c1}
 
 
 def run_compare(ctx: PlanContext, steps: list[list], planners: list[str],
@@ -164,6 +170,8 @@ def run_compare(ctx: PlanContext, steps: list[list], planners: list[str],
             run.exposed.append(res["exposed"])
             run.latencies.append(res["latency"])
             run.predicted.append(res["predicted"])
+            run.plan_cpu.append(res["plan_cpu"])
+            run.sim_cpu.append(res["sim_cpu"])
     return [runs[p] for p in planners]
 
 

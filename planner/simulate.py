@@ -87,6 +87,7 @@ class _Task:
         "rate",
         "rem",
         "res",
+        "rix",
         "start",
         "succs",
         "t_upd",
@@ -104,6 +105,7 @@ class _Task:
         self.nbytes = 0.0
         self.work = 0.0
         self.res: tuple = ()
+        self.rix: list[int] = []
         self.lat = 0.0
         self.cap = _INF
         self.cat = ""
@@ -134,6 +136,8 @@ class Engine:
     def __init__(self, capacity: dict[str, float]):
         self.capacity = capacity
         self.tasks: list[_Task] = []
+        self._rid: dict[str, int] = {}  # resource -> index into _cap (for the vectorised rates)
+        self._cap: list[float] = []
 
     def _new(self, kind: str, deps: Iterable[int]) -> _Task:
         t = _Task(len(self.tasks), kind)
@@ -153,10 +157,17 @@ class Engine:
              work: float | None = None, cap: float = _INF, cat: str = "comm", units: tuple = (),
              nics: tuple = ()) -> int:
         """``work`` (default ``nbytes``) is what the bandwidth must move: bytes / efficiency."""
+        rix = []
         for r in resources:
-            if r not in self.capacity:
-                raise KeyError(f"unknown resource {r!r}")
+            k = self._rid.get(r)
+            if k is None:
+                if r not in self.capacity:
+                    raise KeyError(f"unknown resource {r!r}")
+                k = self._rid[r] = len(self._cap)
+                self._cap.append(self.capacity[r])
+            rix.append(k)
         t = self._new("flow", deps)
+        t.rix = rix
         t.nbytes = float(nbytes)
         t.work = float(nbytes if work is None else work)
         t.res, t.lat, t.cap, t.cat, t.units, t.nics = tuple(resources), float(latency), cap, cat, units, nics
@@ -297,6 +308,8 @@ class Engine:
 
     def _rates(self, flows: list[_Task]) -> list[float]:
         """Max-min fair rates of ``flows`` (a closed set: every flow sharing their resources)."""
+        if len(flows) >= _VECTOR_FLOWS:
+            return self._rates_np(flows)
         cap = self.capacity
         count: dict[str, int] = defaultdict(int)
         for f in flows:
@@ -313,10 +326,6 @@ class Engine:
             else:
                 contended.append(i)
         if not contended:
-            return rates
-        if len(contended) >= _VECTOR_FLOWS:
-            for i, rate in zip(contended, self._rates_np([flows[i] for i in contended])):
-                rates[i] = rate
             return rates
         residual = {r: cap[r] for r in count}
         count = defaultdict(int)
@@ -347,33 +356,33 @@ class Engine:
 
     def _rates_np(self, flows: list[_Task]) -> list[float]:
         """Progressive filling as :meth:`_rates`, vectorised over the flows (large all-to-alls)."""
-        names: dict[str, int] = {}
-        width = max(len(f.res) for f in flows)
-        inc = np.full((len(flows), max(width, 1)), -1, dtype=np.int64)
-        for i, f in enumerate(flows):
-            for k, r in enumerate(f.res):
-                inc[i, k] = names.setdefault(r, len(names))
-        R = len(names)
-        residual = np.array([self.capacity[r] for r in names] + [_INF], dtype=np.float64)  # slot R: padding
-        inc[inc < 0] = R
+        width = max(len(f.rix) for f in flows)
+        pad = len(self._cap)  # index of an unlimited dummy resource
+        if width == 0:
+            inc = np.full((len(flows), 1), pad, dtype=np.int64)
+        else:
+            inc = np.array([f.rix + [pad] * (width - len(f.rix)) for f in flows], dtype=np.int64)
+        used_r, inc = np.unique(inc, return_inverse=True)
+        inc = inc.reshape(len(flows), -1)
+        R = len(used_r)
+        residual = np.array(self._cap + [_INF], dtype=np.float64)[used_r]
+        real = used_r != pad
         fcap = np.array([f.cap for f in flows], dtype=np.float64)
         rates = np.zeros(len(flows))
         live = np.ones(len(flows), dtype=bool)
         while live.any():
-            cnt = np.bincount(inc[live].ravel(), minlength=R + 1)[:R].astype(np.float64)
-            used = cnt > 0
+            cnt = np.bincount(inc[live].ravel(), minlength=R).astype(np.float64)
+            act = real & (cnt > 0)
             per = np.full(R, _INF)
-            per[used] = residual[:R][used] / cnt[used]
-            share = min(float(per.min()) if R else _INF, float(fcap[live].min()))
+            per[act] = residual[act] / cnt[act]
+            share = min(float(per.min()), float(fcap[live].min()))
             if share == _INF:
                 share = 1e30
             thr = share * (1 + 1e-9)
-            neck = np.zeros(R + 1, dtype=bool)
-            neck[:R] = used & (per <= thr)
+            neck = act & (per <= thr)
             hit = live & (neck[inc].any(axis=1) | (fcap <= thr))
             rates[hit] = max(share, 1e-30)
             np.subtract.at(residual, inc[hit].ravel(), share)
-            residual[R] = _INF
             live &= ~hit
         return rates.tolist()
 
