@@ -7,6 +7,10 @@ a group of processes on this machine, so all ranks start here) and spawns::
     python -m zeppelin.runtime.launch --nproc-per-node N [rendezvous flags] -m zeppelin.runtime PLAN ...
 
 Options zeppelin does not know are passed to torchrun unchanged (e.g. ``--max-restarts 2``).
+
+``--report``: once the job has finished, the steps it ran are predicted again with the simulator
+under the plan's cost profile and printed next to the measured times, per step and per phase, with
+the median / worst relative error of the predicted step time (:mod:`zeppelin.planner.report`).
 """
 
 from __future__ import annotations
@@ -48,8 +52,15 @@ def run(
     rdzv_backend: str | None = typer.Option(None, "--rdzv-backend"),
     rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint"),
     rdzv_id: str | None = typer.Option(None, "--rdzv-id"),
+    report: bool = typer.Option(False, "--report", help="after the job: measured vs predicted time per step and "
+                                "phase, and the relative error of the predicted step time"),
+    report_json: Path | None = typer.Option(None, "--report-json", help="also write that report as JSON (implies "
+                                            "--report)"),
+    tp_overlap: str | None = typer.Option(None, "--tp-overlap", help="none | slicing | commfuse: TP-SP overlap "
+                                          "(default: the plan's)"),
 ) -> None:
     """Execute a plan with torch (launched through torchrun): train, report metrics, verify."""
+    from zeppelin.planner.report import count_lines
     from zeppelin.runtime.launch import torchrun_argv  # torch-free module top
     from zeppelin.schemas.plan import PlanReader
 
@@ -76,11 +87,22 @@ def run(
         raise InputError(f"--steps {steps} is out of range (the plan has {header.num_steps} steps)")
     if (checkpoint_every or resume) and checkpoint_dir is None:
         raise InputError("--checkpoint-every/--resume need --checkpoint-dir")
+    if tp_overlap is not None and tp_overlap not in ("none", "slicing", "commfuse"):
+        raise InputError(f"--tp-overlap must be none, slicing or commfuse (got {tp_overlap!r})")
+    report = report or report_json is not None
+    if report_json is not None and report_json.is_dir():
+        raise InputError("--report-json is a directory", source=report_json)
+    metrics_path = metrics if metrics is not None else plan.with_suffix(".metrics.jsonl")
+    if report and nnodes > 1 and node_rank not in (None, 0):
+        report = False  # rank 0 (node 0) writes the metrics; the other nodes have nothing to report
+    # a resumed run appends to the metrics file: report only on the records this run adds
+    skip = count_lines(metrics_path) if (report and resume) else 0
     worker = [str(plan)]
     opts = {"--model": model, "--data": data, "--steps": steps, "--lr": lr, "--weight-decay": weight_decay,
             "--seed": seed, "--metrics": metrics, "--verify-tol": verify_tol,
             "--checkpoint-every": checkpoint_every or None, "--checkpoint-dir": checkpoint_dir,
-            "--timeout": timeout, "--progress": progress, "--device": device, "--threads": threads}
+            "--timeout": timeout, "--progress": progress, "--device": device, "--threads": threads,
+            "--tp-overlap": tp_overlap}
     for k, v in opts.items():
         if v is not None:
             worker += [k, str(v)]
@@ -99,4 +121,19 @@ def run(
         rc = subprocess.call(cmd, env=env)
     except KeyboardInterrupt:
         rc = 130
+    if rc == 0 and report:
+        _report(plan, metrics_path, skip, tp_overlap, report_json)
     raise SystemExit(rc)
+
+
+def _report(plan: Path, metrics_path: Path, skip: int, tp_overlap: str | None, report_json: Path | None) -> None:
+    """Print measured vs predicted times of the steps just run (and write them as JSON)."""
+    import json
+
+    from zeppelin.planner.report import render, report_for_plan
+    from zeppelin.schemas.common import atomic_write_text
+
+    rep = report_for_plan(plan, metrics_path, skip=skip, tp_overlap=tp_overlap)
+    render(rep)
+    if report_json is not None:
+        atomic_write_text(report_json, json.dumps(rep, indent=1) + "\n")

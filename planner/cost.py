@@ -133,6 +133,9 @@ class CostModel:
     def head_time(self, tokens) -> np.ndarray:
         """Embedding + LM head + loss, fwd+bwd (once per model, not per layer)."""
         T = _arr(tokens)
+        if self._fits is not None and self._fits.head is not None:
+            c = self._fits.head.coeffs + [0.0] * (3 - len(self._fits.head.coeffs))
+            return np.where(T > 0, np.maximum(c[0] + c[1] * T + c[2] * T * T, 0.0), 0.0)
         fl = 2.0 * T * self.model.hidden * self.model.vocab_size * (1.0 + self.profile.backward_linear_factor)
         k = self.profile.linear
         return np.where(T > 0, k.overhead_s + fl / self.tp / (self.peak_flops * self._eff(k, T)), 0.0)
@@ -245,6 +248,8 @@ class CostModel:
         n = num_units or self.num_units
         if n <= 1:
             return 0.0
+        if self._fits is not None and str(n) in self._fits.grad_allreduce_s:  # measured for this model
+            return float(self._fits.grad_allreduce_s[str(n)])
         grad_bytes = self.model.num_params() / self.tp * self.act_bytes
         if self.cluster.num_nodes > 1:
             bw = self.cluster.node_nic_bandwidth_GBps / self.cluster.gpus_per_node
@@ -252,6 +257,16 @@ class CostModel:
         else:
             bw, lat = self.intra_link.bandwidth_GBps, self.intra_link.alpha_s
         return float(2.0 * (n - 1) / n * grad_bytes / (bw * 1e9) + 2 * (n - 1) * lat)
+
+    def optimizer_time(self) -> float:
+        """The AdamW step of one rank (every rank updates its whole replica shard, P / tp
+        parameters): measured for the profiled model, else scaled per parameter; 0 when the
+        profile has no optimizer measurement (presets)."""
+        if self._fits is not None and self._fits.optimizer_s is not None:
+            return float(self._fits.optimizer_s)
+        if self.profile.optimizer_s_per_param is not None:
+            return float(self.model.num_params() / self.tp * self.profile.optimizer_s_per_param)
+        return 0.0
 
     # ---------------------------------------------------------------- tensor parallelism (TP-SP)
     TP_SITES = 8  # collective sites per layer: AG before QKV and MLP-in, RS after O and MLP-out; x2 for backward

@@ -189,6 +189,18 @@ def build_profile(raw: dict, model, cluster_name: str = "") -> tuple["CostProfil
                                worst=att_rep.worst)
     report["linear"] = dict(coeffs=lin_rep.coeffs, rel_errors=lin_rep.rel_errors, median=lin_rep.median,
                             worst=lin_rep.worst)
+    head_fit = None
+    if raw.get("head_s"):  # embedding + final norm + LM head + loss, once per model
+        head_fit, head_rep = poly_fit_record(raw["linear_tokens"], raw["head_s"], 2)
+        report["head"] = dict(coeffs=head_rep.coeffs, rel_errors=head_rep.rel_errors, median=head_rep.median,
+                              worst=head_rep.worst)
+    opt_s = raw.get("optimizer_s")
+    nparams = raw.get("num_params") or model.num_params()
+    if opt_s is not None:
+        report["optimizer"] = dict(seconds=opt_s, params=nparams)
+    ar = {str(k): float(v) for k, v in (raw.get("grad_allreduce_s") or {}).items() if v and v > 0}
+    if ar:
+        report["grad_allreduce"] = ar
 
     # efficiency curves, so that models other than the profiled one can be planned too
     from zeppelin.schemas.cluster import cluster_preset
@@ -237,6 +249,8 @@ def build_profile(raw: dict, model, cluster_name: str = "") -> tuple["CostProfil
         alltoall_efficiency=eff,
         nic_shared_by_concurrent_transfers=bool(share is None or share > 1.5),
         memory_reserved_gb=0.5 if topo.get("device") == "cpu" else 4.0,
-        fits=[ModelFits(model=raw["model"], dtype=raw["dtype"], attention=att_fit, linear=lin_fit)],
+        optimizer_s_per_param=float(opt_s) / nparams if opt_s is not None and nparams else None,
+        fits=[ModelFits(model=raw["model"], dtype=raw["dtype"], attention=att_fit, linear=lin_fit, head=head_fit,
+                        optimizer_s=opt_s, grad_allreduce_s=ar)],
     )
     return prof, report

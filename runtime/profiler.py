@@ -8,7 +8,9 @@ at once so that shared resources (CPU cores, memory bandwidth, NICs) are loaded 
 * attention forward+backward of one layer over a grid of sequence lengths (the local kernel),
   and one ring round (a K/V block exchange between ring neighbours concurrent with a block's
   compute) for each group size;
-* all linear modules of one layer, forward+backward, over a grid of token counts;
+* the runtime's decoder layer without its attention (linear modules, norms, RoPE, residuals) and
+  the embedding + LM head + loss, forward+backward, over a grid of token counts;
+* the AdamW step and the gradient all-reduce over the model's parameters (as the executor does);
 * point-to-point latency/bandwidth for each pair class (same node, other node), all-to-all and
   all-gather by group size, and whether two concurrent transfers out of one node share a NIC;
 * the topology (``nvidia-smi topo -m``, ``/sys/class/infiniband``; on CPU the local-cpu layout).
@@ -36,9 +38,10 @@ import torch.distributed as dist
 from zeppelin.schemas.common import InputError, atomic_write_text
 from zeppelin.schemas.model import ModelSpec, model_preset
 
-QUICK = dict(att=[128, 256, 512, 1024, 2048], lin=[128, 512, 1024, 2048, 4096],
-             p2p=[2**10, 2**14, 2**17, 2**20, 2**22], reps=5, warmup=3)
-FULL = dict(att=[128, 256, 512, 1024, 2048, 4096, 8192], lin=[128, 256, 512, 1024, 2048, 4096, 8192, 16384],
+QUICK = dict(att=[32, 64, 128, 256, 512, 1024, 2048], lin=[64, 256, 1024, 2048, 4096],
+             p2p=[2**10, 2**14, 2**17, 2**20, 2**22], reps=5, warmup=2, budget_s=1.0)
+FULL = dict(att=[32, 64, 128, 256, 512, 1024, 2048, 4096, 8192],
+            lin=[64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
             p2p=[2**10, 2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24], reps=10, warmup=3)
 
 
@@ -46,12 +49,15 @@ class Timer:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
 
-    def __call__(self, fn, reps: int, warmup: int) -> float:
-        """Median seconds of ``fn()`` over ``reps`` runs after ``warmup`` runs."""
+    def __call__(self, fn, reps: int, warmup: int, budget_s: float | None = None) -> float:
+        """Median seconds of ``fn()`` over ``reps`` runs after ``warmup`` runs (at least 3 runs, at
+        most ``budget_s`` seconds of timed runs when given: long kernels need fewer repeats)."""
         for _ in range(warmup):
             fn()
         times = []
         for _ in range(reps):
+            if budget_s is not None and len(times) >= 3 and sum(times) > budget_s:
+                break
             if self.cuda:
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
@@ -86,52 +92,128 @@ def _attention_fn(q, k, v):
 
 
 def measure_attention(model: ModelSpec, lengths, dev, timer, reps, warmup):
+    """Forward+backward of one sequence of each length through the runtime's path for a local
+    (one-rank) sequence: :func:`zeppelin.runtime.attention.ring_forward` / ``ring_backward`` with a
+    one-rank ring, as the attention engine runs every local sequence (per-call overheads included)."""
+    from zeppelin.runtime.attention import RingSpec, Transport, ring_backward, ring_forward
+
     dt = _dtype(model)
+    rank = dist.get_rank()
+    tr = Transport(rank=rank)
     out = []
     for L in lengths:
-        q = torch.randn(L, model.num_heads, model.head_dim, device=dev, dtype=dt, requires_grad=True)
-        k = torch.randn(L, model.num_kv_heads, model.head_dim, device=dev, dtype=dt, requires_grad=True)
-        v = torch.randn(L, model.num_kv_heads, model.head_dim, device=dev, dtype=dt, requires_grad=True)
+        q = torch.randn(L, model.num_heads, model.head_dim, device=dev, dtype=dt)
+        k = torch.randn(L, model.num_kv_heads, model.head_dim, device=dev, dtype=dt)
+        v = torch.randn(L, model.num_kv_heads, model.head_dim, device=dev, dtype=dt)
         g = torch.randn(L, model.num_heads, model.head_dim, device=dev, dtype=dt)
+        spec = RingSpec(ranks=[rank], pos=0, seqs=[[[[0, L]]]])
 
         def step():
-            o = _attention_fn(q, k, v)
-            o.backward(g)
-            q.grad = k.grad = v.grad = None
+            o, lse = ring_forward(q, k, v, spec, tr)
+            ring_backward(g, q, k, v, o, lse, spec, tr)
 
         dist.barrier()
         out.append(timer(step, reps, warmup))
     return out
 
 
-def measure_linear(model: ModelSpec, tokens, dev, timer, reps, warmup):
-    dt = _dtype(model)
-    h, f = model.hidden, model.ffn_hidden
-    shapes = [(h, h), (model.kv_dim, h), (model.kv_dim, h), (h, h)]
-    shapes += [(f, h), (f, h), (h, f)] if model.mlp == "swiglu" else [(f, h), (h, f)]
-    ws = [torch.randn(o, i, device=dev, dtype=dt, requires_grad=True) * (i ** -0.5) for o, i in shapes]
-    ws = [w.detach().requires_grad_(True) for w in ws]
-    out = []
-    for T in tokens:
-        x = torch.randn(T, h, device=dev, dtype=dt, requires_grad=True)
+def measure_model_parts(model: ModelSpec, tokens, dev, timer, reps, warmup, budget_s=None):
+    """The runtime's own modules, forward+backward, over a grid of token counts:
 
-        def step():
-            q = x @ ws[0].t()
-            kk = x @ ws[1].t()
-            vv = x @ ws[2].t()
-            o = q @ ws[3].t()
-            if model.mlp == "swiglu":
-                a = torch.nn.functional.silu(o @ ws[4].t()) * (o @ ws[5].t())
-                y = a @ ws[6].t()
-            else:
-                y = torch.nn.functional.gelu(o @ ws[4].t()) @ ws[5].t()
-            (y.sum() + kk.sum() + vv.sum()).backward()
+    * one decoder layer (:class:`zeppelin.runtime.model.Block`: norms, Q/K/V/O, RoPE, residuals,
+      SwiGLU/GELU MLP) with its attention replaced by an elementwise stand-in, i.e. everything the
+      runtime's ``linear`` phase spends per layer;
+    * the model without layers: embedding, final norm, LM head and the loss (once per model).
+
+    Returns (layer seconds, head seconds) per token count."""
+    from zeppelin.runtime.model import Layout, LlamaModel, compute_dtype, rope_tables
+
+    lm = LlamaModel(model.model_copy(update={"num_layers": 1})).to(dev)
+    blk = lm.layers[0]
+    lm.layers = torch.nn.ModuleList()
+    dt = compute_dtype(model)
+    rep = model.num_heads // model.num_kv_heads
+
+    class _Probe(Layout):
+        def __init__(self, T):
+            self.attn_positions = torch.arange(T, device=dev)
+
+        def attention(self, q, k, v):
+            return q + k.repeat_interleave(rep, 1) + v.repeat_interleave(rep, 1)
+
+    layer_s, head_s = [], []
+    for T in tokens:
+        lay = _Probe(T)
+        cos, sin = rope_tables(lay.attn_positions, model.head_dim, model.rope_theta)
+        x = torch.randn(T, model.hidden, device=dev, dtype=dt, requires_grad=True)
+        g = torch.randn(T, model.hidden, device=dev, dtype=dt)
+        toks = torch.randint(model.vocab_size, (T,), device=dev)
+
+        def layer():
+            blk(x, cos, sin, lay, None).backward(g)
             x.grad = None
-            for w in ws:
-                w.grad = None
+            blk.zero_grad(set_to_none=True)
+
+        def head():
+            loss, _ = lm(toks, toks, lay)
+            loss.backward()
+            lm.zero_grad(set_to_none=True)
 
         dist.barrier()
-        out.append(timer(step, reps, warmup))
+        layer_s.append(timer(layer, reps, warmup, budget_s))
+        dist.barrier()
+        head_s.append(timer(head, reps, warmup, budget_s))
+    return layer_s, head_s
+
+
+def _model_grads(model: ModelSpec, dev):
+    from zeppelin.runtime.model import LlamaModel
+
+    lm = LlamaModel(model).to(dev)
+    params = list(lm.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    return params
+
+
+def measure_optimizer(model: ModelSpec, dev, timer, reps, warmup) -> tuple[float, int]:
+    """The runtime's AdamW step (same settings as the executor) over the model's parameters;
+    returns (seconds, parameter count)."""
+    params = _model_grads(model, dev)
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    dist.barrier()
+    return timer(opt.step, reps, warmup), sum(p.numel() for p in params)
+
+
+def measure_grad_allreduce(model: ModelSpec, dev, reps, warmup) -> dict[str, float]:
+    """The executor's gradient all-reduce (flatten, SUM all-reduce, copy back) over aligned groups
+    of each power-of-two size; per size the time of the rank that waited least (the others also
+    wait for the last rank to arrive)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    grads = [p.grad for p in _model_grads(model, dev)]
+    out: dict[str, float] = {}
+    G = 2
+    while G <= world:
+        grp = dist.new_group(list(range(G)))
+        times = []
+        for i in range(warmup + reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if rank < G:
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                dist.all_reduce(flat, group=grp)
+                off = 0
+                for g in grads:
+                    g.copy_(flat[off:off + g.numel()].view_as(g))
+                    off += g.numel()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        tt = torch.tensor([statistics.median(times) if rank < G else float("inf")], dtype=torch.float64)
+        dist.all_reduce(tt, op=dist.ReduceOp.MIN)
+        out[str(G)] = float(tt)
+        G *= 2
     return out
 
 
@@ -319,8 +401,11 @@ def main(argv=None) -> int:
     say(f"{world} ranks ({a.nodes} node(s) x {gpn}), model {model.name}, {'quick' if a.quick else 'full'} grid")
     say("attention forward+backward ...")
     att = measure_attention(model, grid["att"], dev, timer, reps, warm)
-    say("linear modules forward+backward ...")
-    lin = measure_linear(model, grid["lin"], dev, timer, reps, warm)
+    say("decoder layer without attention, and embedding + LM head + loss, forward+backward ...")
+    lin, head = measure_model_parts(model, grid["lin"], dev, timer, reps, warm, grid.get("budget_s"))
+    say("optimizer step and gradient all-reduce ...")
+    opt_s, nparams = measure_optimizer(model, dev, timer, reps, warm)
+    ar = measure_grad_allreduce(model, dev, reps, warm) if world > 1 else {}
     pairs = {}
     if gpn >= 2:
         pairs["intra"] = (0, 1)
@@ -338,7 +423,8 @@ def main(argv=None) -> int:
         from zeppelin.planner.profile_fit import build_profile
 
         raw = dict(model=model.name, dtype=model.dtype, world=world, nodes=a.nodes, attention_lengths=grid["att"],
-                   attention_s=att, linear_tokens=grid["lin"], linear_s=lin, p2p_bytes=grid["p2p"], p2p_s=p2p,
+                   attention_s=att, linear_tokens=grid["lin"], linear_s=lin, head_s=head, optimizer_s=opt_s,
+                   num_params=nparams, grad_allreduce_s=ar, p2p_bytes=grid["p2p"], p2p_s=p2p,
                    collectives_s=coll, collective_bytes=grid["p2p"][-1], ring_round_s=ring,
                    concurrent_inter_ratio=share, topology=topo,
                    elapsed_s=time.perf_counter() - t_start)

@@ -49,6 +49,12 @@ class ModelFits(Strict):
     attention: PolyFit | None = Field(default=None, description="t(L) for one sequence of length L")
     linear: PolyFit | None = Field(default=None, description="t(T) for T tokens through all linear modules")
     tp: int = 1
+    head: PolyFit | None = Field(default=None, description="t(T): embedding + final norm + LM head + loss, "
+                                 "once per model (not per layer)")
+    optimizer_s: float | None = Field(default=None, ge=0,
+                                      description="AdamW step over the whole model replica, seconds (measured)")
+    grad_allreduce_s: dict[str, float] = Field(
+        default_factory=dict, description="all-reduce of the model's gradients by group size (keys: '2','4',...)")
 
 
 class ProfileSource(Strict):
@@ -77,6 +83,9 @@ class CostProfile(Doc):
         default=None, gt=0, description="activation memory per token per layer; default from the model"
     )
     memory_reserved_gb: float = Field(default=4.0, ge=0, description="framework/workspace reserve per GPU")
+    optimizer_s_per_param: float | None = Field(
+        default=None, ge=0, description="AdamW step time per parameter (measured); None: the optimizer step is "
+        "not modelled")
     fits: list[ModelFits] = Field(default_factory=list)
 
     def fits_for(self, model: str, dtype: str, tp: int = 1) -> ModelFits | None:
