@@ -230,6 +230,9 @@ def check(
                     after = f"{r.new_mean_s * 1e3:.2f} ms"
                     ch = f" ({r.change * 100:+.2f}%)" if r.change is not None else ""
                     typer.echo(f"updated {r.name}.plan: step time {before} -> {after}{ch}")
+        for r in report.results:
+            for note in r.notes:
+                typer.echo(f"note: {note}")
         for f in report.failures:
             typer.echo(f"FAIL {f}")
         n = len(report.results)

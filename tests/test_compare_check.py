@@ -268,3 +268,23 @@ def test_regressed_threshold():
     assert regressed(1.0, 1.0301, 0.03)
     assert not regressed(2.0, 1.5, 0.0)
     assert regressed(2.0, 2.000001, 0.0)
+
+
+def test_check_golden_from_another_profile_is_compared_not_stale(tmp_path):
+    """A changed cost profile (e.g. a new optional field) re-simulates both plans with the current one."""
+    from zeppelin.planner.check import run_check
+    from zeppelin.schemas.common import content_hash
+    from zeppelin.schemas.plan import read_plan, write_plan
+
+    name = f"{CPU}--te-cp"
+    _copy_cases(tmp_path, [name])
+    g = tmp_path / f"{name}.plan"
+    h, steps = read_plan(g)
+    prof = h.profile.model_copy(update={"memory_reserved_gb": h.profile.memory_reserved_gb + 1.0})
+    h = h.model_copy(update={"profile": prof, "hashes": h.hashes.model_copy(update={"profile": content_hash(prof)})})
+    write_plan(g, h, steps, fmt="pretty")
+    rep = run_check(tmp_path)
+    assert rep.failures == []
+    assert rep.results[0].notes == [(f"{name}: the golden plan was made with another cost profile; both plans are "
+                                    f"simulated with the current one")]
+    assert rep.results[0].change == 0.0
