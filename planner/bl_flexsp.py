@@ -14,7 +14,8 @@ Per step:
    model's Ulysses time, affine in the bucket counts: ``layers * sum attn(L)/s`` plus the linear
    modules, head and 4+4 all-to-alls on ``sum L / s`` tokens per unit;
 4. warm start: the best greedy *homogeneous* solution (all groups of one size, sequences by LPT on
-   time under the memory cap); the MILP is built as sparse arrays and solved by HiGHS directly
+   time under the memory cap; on bucketed lengths for the warm start, on exact lengths as the
+   fallback a static Ulysses size would give); the MILP is built as sparse arrays and solved by HiGHS directly
    (:class:`bl_milp.SparseMilp`) under one wall-clock budget for the whole step (``time_limit``,
    model building included), micro-batch counts with the best greedy objective first, each solve
    getting at least ``MIN_SOLVE_S`` while budget remains (greedy stands for the rest); the step
@@ -143,15 +144,21 @@ def _solve_microbatch(model, lengths, sizes, n, cap, Q, time_limit, use_milp):
     """Groups of one micro-batch: (groups as (size, [indices into lengths]), C, record, MilpResult or None)."""
     bounds, bucket = bucketize(lengths, Q)
     Ub = [bounds[b] for b in bucket]
-    greedy = _greedy_homogeneous(model, Ub, sizes, n, cap)
+    # the greedy homogeneous solution on the exact lengths (what a static Ulysses size achieves) is
+    # the fallback; the one on bucketed lengths warm-starts the MILP, which only sees bucket bounds
+    greedy = _greedy_homogeneous(model, lengths, sizes, n, cap)
     if greedy is None:
         return None
     Cg, sg, ag = greedy
     greedy_groups = [(sg, [i for i in range(len(lengths)) if ag[i] == g]) for g in range(n // sg)]
     greedy_groups = [gr for gr in greedy_groups if gr[1]]
     rec = {"greedy_C": Cg, "greedy_size": sg}
-    if not use_milp or len(lengths) == 0:
+    warm = _greedy_homogeneous(model, Ub, sizes, n, cap)
+    if not use_milp or len(lengths) == 0 or warm is None:
         return greedy_groups, Cg, rec, None
+    Cw, sw, aw = warm
+    warm_groups = [(sw, [i for i in range(len(lengths)) if aw[i] == g]) for g in range(n // sw)]
+    warm_groups = [gr for gr in warm_groups if gr[1]]
     nq = len(bounds)
     counts = np.bincount(np.asarray(bucket, dtype=np.int64), minlength=nq).astype(np.float64)
     bvals = np.asarray(bounds, dtype=np.float64)
@@ -188,8 +195,8 @@ def _solve_microbatch(model, lengths, sizes, n, cap, Q, time_limit, use_milp):
         m.add_row(per_q[q], 1.0, lo=counts[q], hi=counts[q])  # every sequence in exactly one group
     # warm start: the greedy homogeneous solution (slot j of size sg = greedy group j)
     start = np.zeros(m.num_cols)
-    start[C] = max(Cg, m.lb[C])
-    for j, (s, members) in enumerate(greedy_groups):
+    start[C] = max(Cw, m.lb[C])
+    for j, (s, members) in enumerate(warm_groups):
         start[y[s, j]] = 1.0
         for i in members:
             start[x[bucket[i], s, j]] += 1.0
@@ -221,9 +228,9 @@ def _solve_microbatch(model, lengths, sizes, n, cap, Q, time_limit, use_milp):
         if sum(ceil_div(lengths[i], s) for i in members) > cap:
             rec["milp_rejected"] = "solution exceeds memory"
             return greedy_groups, Cg, rec, res
-    Cm = max(model.group_time([Ub[i] for i in members], s) for s, members in groups)
+    Cm = max(model.group_time([lengths[i] for i in members], s) for s, members in groups)
     rec["milp_C"] = Cm
-    if Cm > Cg:  # a time-limited solve can in principle return worse than its start
+    if Cm > Cg:  # the bucketed optimum need not beat the exact-length greedy
         return greedy_groups, Cg, rec, res
     return groups, Cm, rec, res
 
@@ -264,7 +271,7 @@ class FlexSP(Planner):
             owner = lpt(lengths, M)
             mbs = [[i for i in range(len(lengths)) if owner[i] == m] for m in range(M)]
             mbs = [mb for mb in mbs if mb]
-            greedy = [_greedy_homogeneous(model, _bucketed([lengths[i] for i in mb], Q), sizes, n, cap) for mb in mbs]
+            greedy = [_greedy_homogeneous(model, [lengths[i] for i in mb], sizes, n, cap) for mb in mbs]
             if all(greedy):
                 cands.append((sum(g[0] for g in greedy), M, mbs))
         if not cands:
