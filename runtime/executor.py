@@ -500,8 +500,25 @@ def run_job(cfg: RunConfig) -> dict[str, Any]:
     try:
         return _run_initialised(cfg, rank, world, device, local_err, reader, header, source, start, end)
     finally:
-        with contextlib.suppress(Exception):  # best effort at exit
-            dist.destroy_process_group()
+        _teardown()
+
+
+def _teardown() -> None:
+    """Destroy every process group while the interpreter is fully alive.
+
+    The group cache (and anything else holding a process group or a finished work handle) is
+    dropped and collected *before* ``destroy_process_group``: a gloo group that survives into
+    interpreter finalisation can abort the process at exit ("terminate called without an active
+    exception") after the job itself succeeded."""
+    import gc
+
+    from .groups import set_default_cache
+
+    set_default_cache(None)
+    gc.collect()
+    with contextlib.suppress(Exception):  # best effort at exit
+        dist.destroy_process_group()
+    gc.collect()
 
 
 def _agree(world: int, err: str | None) -> None:
@@ -597,6 +614,8 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
             progress.close()
         if mfh is not None:
             mfh.close()
+    # every rank is done with every transfer before any rank tears its groups down
+    dist.barrier()
     if rank != 0:
         return {}
     summary = {"steps_run": end - start, "first_step": start, "losses": losses,

@@ -284,3 +284,79 @@ def test_tp4_unit_with_replicated_kv_heads(pool):
                                                          for i, L in enumerate(lens)],
                                              queues=[[0]])])
     check(pool, header, step, seed=8)
+
+
+# ---------------------------------------------------------------------------------------------
+# `zeppelin run --verify` end to end (the acceptance): 4 gloo ranks, through torchrun
+# ---------------------------------------------------------------------------------------------
+
+
+def _zeppelin_run(plan: Path, *args: str):
+    import os
+    import subprocess
+
+    exe = str(Path(sys.executable).parent / "zeppelin")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([exe, "run", str(plan), "--verify", "--progress", "none", *args], capture_output=True,
+                          text=True, env=env, timeout=240, check=False)
+
+
+_VERIFY_OK = r"zeppelin run: --verify max relative differences: .* \(tolerance 1e-05\) - ok"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("system", ["flexsp", "hydraulis", "zeppelin-tp2-commfuse"])
+def test_zeppelin_run_verify_seed_system_plans(tmp_path, system):
+    import re
+
+    from zeppelin.schemas.plan import write_plan
+
+    lens = [400, 150, 90, 60, 45, 29, 17, 13, 11, 9, 7, 5, 3, 2, 1]
+    extra: tuple[str, ...] = ()
+    if system == "flexsp":
+        header = seed_header(tight_cluster(), model_preset("tiny"), 1, "flexsp")
+        step = planned_step("flexsp", header, [400, 300, 150, 90, 60, 45, 29, 17, 13, 11, 9, 7, 5, 3, 2, 1])
+        assert {g.kind for mb in step.microbatches for g in mb.groups} == {"ulysses"}
+    elif system == "hydraulis":
+        header = seed_header(cluster_preset("local-cpu:1x4"), model_preset("tiny"), 1, "hydraulis",
+                             tp_overlap="commfuse")
+        step = planned_step("hydraulis", header, lens, tp_degrees="1,2")
+        assert sorted(r.tp for r in step.replicas) == [1, 1, 2]
+    else:
+        # the plan's header says "none"; --tp-overlap commfuse overrides it for the run
+        header = seed_header(cluster_preset("local-cpu:2x2"), model_preset("tiny"), 1, "zeppelin", tp=2)
+        step = planned_step("zeppelin", header, [1000, *lens[1:]])
+        extra = ("--tp-overlap", "commfuse")
+    plan = tmp_path / f"{system}.jsonl"
+    write_plan(plan, header, [step])
+    p = _zeppelin_run(plan, *extra)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert re.search(_VERIFY_OK, p.stdout), p.stdout
+    if system != "flexsp":
+        assert "TP overlap commfuse" in p.stdout, p.stdout
+    else:
+        assert "TP overlap" not in p.stdout
+
+
+def test_startup_refuses_more_tp_ranks_than_heads(tmp_path):
+    from zeppelin.runtime.executor import RunConfig, startup_checks
+    from zeppelin.schemas.common import InputError
+    from zeppelin.schemas.plan import write_plan
+
+    header = seed_header(cluster_preset("local-cpu:1x8"), model_preset("tiny"), 1, "hand", tp=8)
+    step = StepPlan(step=0, sequences=[Sequence(sample_id=0, length=8)],
+                    microbatches=[MicroBatch(groups=[Group(kind="local", tier="local", units=[0])],
+                                             placements=[Placement(seq=0, group=0, ranges=[[[0, 8]]])],
+                                             queues=[[0]])])
+    plan = tmp_path / "tp8.jsonl"
+    write_plan(plan, header, [step])
+    with pytest.raises(InputError) as e:
+        startup_checks(RunConfig(plan=str(plan)), 8)
+    assert str(e.value) == "the plan's tensor-parallel degree tp=8 exceeds the model's 4 attention heads"
+    header = header.model_copy(update={"tp": 2})
+    write_plan(plan, header, [step.model_copy(update={"microbatches": [step.microbatches[0].model_copy(
+        update={"queues": [[0], [], [], []]})]})])
+    startup_checks(RunConfig(plan=str(plan), tp_overlap="slicing"), 8)  # accepted
+    with pytest.raises(InputError) as e:
+        startup_checks(RunConfig(plan=str(plan), tp_overlap="ring"), 8)
+    assert "--tp-overlap 'ring' is not one of none, slicing, commfuse" in str(e.value)
