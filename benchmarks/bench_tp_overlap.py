@@ -7,7 +7,9 @@ a round's time is the slowest rank's. Two predictions are printed beside each me
 * ``predicted_s``: the cost model (``CostModel`` of the ``local-cpu:1x2`` preset profile) — GEMM time
   from the profile's linear-kernel efficiency curve, transfer time from its intra-node alpha-beta;
 * ``calibrated_s``: the same overlap formulas fed with this run's *measured* isolated GEMM times
-  and collective times (checks the overlap model itself, independent of the preset coefficients).
+  and collective times (checks the overlap model itself, independent of the preset coefficients);
+* ``cost_model_s``: what the planner / simulator charge — ``CostModel.tp_exposed_comm`` for the
+  block's 4 collective sites plus its share of ``CostModel.linear_time``.
 
 Overlap formulas, per collective site (an all-gather or reduce-scatter around one GEMM), with
 ``C`` the site's collective time, ``G`` its GEMM time, ``N`` the TP degree, ``k`` slicing chunks:
@@ -78,6 +80,25 @@ def _model_prediction(T: int, h: int, f: int, N: int, k: int, dtype_bytes: int) 
     sites = [(coll(act), g_up), (coll(act), g_down), (coll(act), g_up), (coll(act), g_down)]
     extra = g_up + g_down                        # weight gradients
     return {m: block_time(sites, extra, m, N, k) for m in MODES}
+
+
+def _cost_model_prediction(T: int, h: int, f: int, N: int) -> dict[str, float]:
+    """What the planner and the simulator charge for this block: ``CostModel.tp_exposed_comm`` (the
+    ``--tp-overlap`` formulas at the cost model's 8 collective sites per layer, of which the MLP block
+    is 4) plus the MLP's share of ``CostModel.linear_time`` (fwd+bwd GEMMs of the TP shard), for a
+    1-layer model of this block's hidden/FFN sizes on the ``local-cpu:1xN`` preset profile."""
+    from zeppelin.planner.cost import CostModel
+    from zeppelin.schemas.cluster import cluster_preset
+    from zeppelin.schemas.model import model_preset
+
+    spec = model_preset("tiny").model_copy(update={"hidden": h, "ffn_hidden": f, "num_layers": 1})
+    out = {}
+    for m in MODES:
+        cm = CostModel(cluster_preset(f"local-cpu:1x{N}"), spec, tp=N, tp_overlap=m)
+        mlp_share = 2.0 * cm._mlp_mult * h * f / cm.linear_flops_per_token
+        sites_share = 4 / cm.TP_SITES
+        out[m] = float(mlp_share * cm.linear_time(T) + sites_share * cm.tp_exposed_comm(T, m))
+    return out
 
 
 def _worker(rank, world, sizes, hidden, ffn, rounds, chunks, warmup):
@@ -185,6 +206,7 @@ def main(argv=None) -> int:
             "ratio_vs_none": {m: med[m] / med["none"] for m in MODES},
             "calibrated_s": calib,
             "predicted_s": pred,
+            "cost_model_s": _cost_model_prediction(T, a.hidden, a.ffn, N),
             "isolated_s": iso,
             "max_abs_diff_vs_none": r["maxdiff"],
         })

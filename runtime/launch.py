@@ -66,8 +66,14 @@ def _summarise(err_dir: Path, failures: dict) -> tuple[str, int]:
             errs[int(rec["rank"])] = rec
         except (OSError, ValueError, KeyError):
             continue
-    # a rank that died without writing an error caused the others' failures
+    # a rank that died without writing an error caused the others' failures - unless the launcher
+    # stopped it (SIGTERM, or exit 130 from the worker's SIGTERM handler) because another rank failed
     silent = sorted(r for r, pf in failures.items() if r not in errs)
+    stopped = {-int(signal.SIGTERM), 130}
+    if any(failures[r].exitcode not in stopped for r in silent):
+        silent = [r for r in silent if failures[r].exitcode not in stopped]
+    elif errs:
+        silent = []
     if silent:
         r = silent[0]
         code = failures[r].exitcode

@@ -158,3 +158,26 @@ def test_resume_is_bit_identical(small_plan, tmp_path):
     rb = [json.loads(ln) for ln in metrics_b.read_text().splitlines()]
     assert [r["step"] for r in rb] == [0, 1, 2, 3]
     assert [r["loss"] for r in ra] == [r["loss"] for r in rb]
+
+
+def test_failure_summary_blames_the_failing_rank_not_the_ranks_the_launcher_stopped(tmp_path):
+    """torchrun stops the surviving workers (SIGTERM; the worker's handler exits 130) when one fails;
+    whichever order the exits are seen in, the summary names the rank that failed."""
+    from types import SimpleNamespace as F
+
+    from zeppelin.runtime.launch import _summarise
+
+    errs = tmp_path / "errs"
+    errs.mkdir()
+    (errs / "rank1.json").write_text(json.dumps({"rank": 1, "time": 1.0, "message": "step 2: bad", "code": 2}))
+    for stopped in (-15, 130):
+        assert _summarise(errs, {0: F(exitcode=stopped), 1: F(exitcode=2)}) == ("rank 1: step 2: bad", 2)
+    # a rank that aborted without a report is the cause; the ranks stopped after it are not
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert _summarise(empty, {0: F(exitcode=-15), 3: F(exitcode=-6), 1: F(exitcode=130)}) == (
+        "rank 3 was killed by SIGABRT", 1)
+    assert _summarise(errs, {0: F(exitcode=-15), 2: F(exitcode=3), 1: F(exitcode=2)}) == (
+        "rank 2 exited with code 3 without an error message (then rank 1: step 2: bad)", 1)
+    # only stopped ranks and no report at all: say so rather than inventing a cause
+    assert _summarise(empty, {0: F(exitcode=-15)}) == ("rank 0 was killed by SIGTERM", 1)
