@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import typer
+
 from zeppelin.schemas.common import InputError
 
 

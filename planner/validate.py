@@ -17,6 +17,7 @@ Invariants, each reported with its name so a person can tell which one broke:
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections import defaultdict
 from typing import Any
@@ -80,7 +81,7 @@ def ring_problems(step: StepPlan, mbi: int, mb: MicroBatch) -> list[str]:
     nodes: set[int] = set()
     for q in mb.queues:
         nodes.update(q)
-        for a, b in zip(q, q[1:]):
+        for a, b in itertools.pairwise(q):
             if b not in succ[a]:
                 succ[a].add(b)
                 indeg[b] += 1
