@@ -97,7 +97,10 @@ def lower_bounds(ctx: PlanContext, lengths: np.ndarray) -> tuple[float, float]:
     while G <= n:
         if Lmax / G <= max(cost.token_capacity, 1) or G == n:
             tier = "intra" if G <= ctx.units_per_node else "inter"
-            t = ctx.model.num_layers * float(cost.ring_attention_time(Lmax, G, tier) + cost.linear_time(Lmax / G))
+            # inter-node hops at best spread over every NIC of the node (routing), at no dispatch cost
+            share = 1.0 / len(ctx.cluster.nics) if tier == "inter" else 1.0
+            t = ctx.model.num_layers * float(cost.ring_attention_time(Lmax, G, tier, share)
+                                             + cost.linear_time(Lmax / G))
             t += float(cost.head_time(Lmax / G))
             best = min(best, t)
         G *= 2
