@@ -273,6 +273,8 @@ class Engine:
                                 stack.append(r2)
             dirty.clear()
             fresh.clear()
+            if not comp:
+                return
             flows = list(comp.values())
             new_rates = self._rates(flows)
             for f, rate in zip(flows, new_rates):
@@ -311,20 +313,22 @@ class Engine:
         if len(flows) >= _VECTOR_FLOWS:
             return self._rates_np(flows)
         cap = self.capacity
-        count: dict[str, int] = defaultdict(int)
+        count: dict[str, int] = {}
         for f in flows:
             for r in f.res:
-                count[r] += 1
+                count[r] = count.get(r, 0) + 1
         rates = [0.0] * len(flows)
         contended = []
         for i, f in enumerate(flows):
-            if all(count[r] == 1 for r in f.res):
-                rate = f.cap
-                for r in f.res:
-                    rate = min(rate, cap[r])
-                rates[i] = rate if rate < _INF else 1e30
+            rate = f.cap
+            for r in f.res:
+                if count[r] != 1:
+                    contended.append(i)
+                    break
+                c = cap[r]
+                rate = min(rate, c)
             else:
-                contended.append(i)
+                rates[i] = rate if rate < _INF else 1e30
         if not contended:
             return rates
         residual = {r: cap[r] for r in count}
