@@ -288,3 +288,49 @@ def test_check_golden_from_another_profile_is_compared_not_stale(tmp_path):
     assert rep.results[0].notes == [(f"{name}: the golden plan was made with another cost profile; both plans are "
                                     f"simulated with the current one")]
     assert rep.results[0].change == 0.0
+
+
+def _bench_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_compare", ROOT / "benchmarks" / "bench_compare.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_results_page_findings_from_cells():
+    """The RESULTS.md statements are computed from the cells: hand-made cells with known answers."""
+    bc = _bench_module()
+
+    def cell(cluster, mix, gpus, te, z, fl, ul, te_exposed):
+        def st(name, mean, exposed=0.0):
+            return {"planner": name, "error": None, "mean_s": mean, "exposed_comm_s": exposed,
+                    "speedup_vs_te_cp": te / mean, "predicted_mean_s": mean}
+        planners = [st("te-cp", te, te_exposed), st("zeppelin", z), st("flexsp", fl), st("ulysses", ul)]
+        best = min(planners[2:], key=lambda s: s["mean_s"])
+        return {"cluster": cluster, "mix": mix, "gpus": gpus, "planners": planners,
+                "zeppelin_speedup_vs_te_cp": te / z, "best_baseline": best["planner"],
+                "zeppelin_speedup_vs_best_baseline": best["mean_s"] / z}
+
+    cells = []
+    for cl, k in (("zeppelin-a", 1.0), ("zeppelin-c", 1.5)):  # C: lower compute-to-network ratio
+        for mix, m in (("short", 3.0), ("mixed", 2.0), ("long", 1.2)):
+            for i, g in enumerate(bc.GPUS):
+                cells.append(cell(cl, mix, g, te=10.0, z=10.0 / (k * m), fl=8.0, ul=9.0, te_exposed=2.0 + 2.5 * i))
+    summ, lines = bc.findings(cells)
+    assert summ["zeppelin_vs_te_cp_by_mix"]["short"] == pytest.approx(3.0 * np.sqrt(1.5))
+    assert summ["compute_to_network_tflops_per_GBps"]["C"] < summ["compute_to_network_tflops_per_GBps"]["A"]
+    assert lines[0].endswith("-> **holds** in this run.")
+    assert "-> **holds** in this run (lower ratio: C)." in lines[1]
+    assert summ["flexsp_vs_ulysses"] == {"cells": 24, "flexsp_not_slower": 24, "geomean_speedup": pytest.approx(9 / 8)}
+    assert "**holds**" in lines[2]
+    assert summ["te_cp_exposed_comm_fraction_by_gpus"][128] == pytest.approx(0.95)
+    assert lines[3].endswith("grows with the GPU count: **yes**; above half of the step at 128 GPUs: **yes**.")
+    zs = [10.0 / (k * m) for k in (1.0, 1.5) for m in (3.0, 2.0, 1.2) for _ in bc.GPUS]
+    assert summ["zeppelin_vs_best_baseline_mean"] == pytest.approx(np.mean([8.0 / z for z in zs]))
+    # reversed: zeppelin best on long data, flexsp behind ulysses
+    for c in cells:
+        c["planners"][2]["mean_s"] = 9.5
+    summ, lines = bc.findings(cells)
+    assert "**does not hold** as stated" in lines[2] and summ["flexsp_vs_ulysses"]["flexsp_not_slower"] == 0
