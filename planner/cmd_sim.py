@@ -199,10 +199,9 @@ def check(
 ) -> None:
     """CI plan regression check against the golden plans in plans/.
 
-    Re-plans every case, validates the plan, simulates it and the golden plan, and fails (exit 1)
-    when the mean step time got worse than the golden's by more than the case's tolerance, when a
-    plan is invalid, or when zeppelin no longer beats a baseline of the same setting. Exit 2: bad
-    input. `--update` rewrites the goldens (atomically) and prints the step time before and after.
+    Re-plans every case (one JSON file each), validates the plan, simulates it and the golden plan, and fails (exit 1) when the mean step time got worse than the golden's by more than the case's tolerance, when a plan is invalid, or when zeppelin no longer beats a baseline of the same setting. Exit 2: bad input.
+
+    `--update` rewrites the goldens (atomically) and prints the step time before and after.
     """
     from rich.console import Console
 
