@@ -10,10 +10,10 @@ contention is approximated by counting the transfers that share a NIC. The event
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 import numpy as np
 
-from zeppelin.schemas.layout import ranges_tokens
 from zeppelin.schemas.plan import MicroBatch, Prediction, RankLoads, StepPlan
 
 from .base import PlanContext
@@ -107,17 +107,123 @@ def lower_bounds(ctx: PlanContext, lengths: np.ndarray) -> tuple[float, float]:
     return work, best + ar
 
 
-def predict_step(ctx: PlanContext, step: StepPlan, routed: bool = True) -> Prediction:
-    """Prediction of one step. Steps whose units are replicas of mixed TP degree (Hydraulis plans,
-    ``step.replicas`` set) are predicted per replica with one cost model per TP degree."""
-    if step.replicas is not None and any(r.tp != ctx.tp for r in step.replicas):
-        from .bl_hydraulis import predict_replicas
+@dataclass
+class MBTerms:
+    """One micro-batch's contribution to a step's prediction (per unit, seconds / tokens)."""
 
-        return predict_replicas(ctx, step)
+    attn: np.ndarray
+    lin: np.ndarray
+    comm: np.ndarray
+    exposed: np.ndarray
+    tokens: np.ndarray  # linear-layout tokens
+    mem_tokens: np.ndarray  # max(attention-layout tokens, linear-layout tokens)
+    nic_routed: dict[str, float]
+    nic_unrouted: dict[str, float]
+
+    @property
+    def busy(self) -> np.ndarray:
+        """Per-unit time of this micro-batch (without the step's gradient all-reduce)."""
+        return self.attn + self.lin + self.exposed
+
+
+def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool = True) -> MBTerms:
+    """Per-unit terms of one micro-batch; ``seq_lengths[i]`` is the length of the step's sequence i.
+
+    Vectorised over placements and groups: plans have thousands of units and sequences."""
     cost = ctx.cost
     n = ctx.num_units
     layers = ctx.model.num_layers
-    lengths = np.array([s.length for s in step.sequences], dtype=np.float64)
+    groups = mb.groups
+    ng = len(groups)
+    inter_round = _route_round_time(ctx, mb, routed)
+    # ---- per placement: group, (padded) length, tokens each ring position holds
+    pls = mb.placements
+    pg = np.fromiter((p.group for p in pls), dtype=np.int64, count=len(pls))
+    pL = np.fromiter(((p.padded_length or seq_lengths[p.seq]) for p in pls), dtype=np.float64, count=len(pls))
+    held = np.zeros(n)
+    h_units: list[int] = []
+    h_toks: list[int] = []
+    for p in pls:
+        units = groups[p.group].units
+        for pos, rs in enumerate(p.ranges):
+            h_units.append(units[pos])
+            h_toks.append(sum(e - s for s, e in rs))
+    if h_units:
+        held += np.bincount(np.asarray(h_units, dtype=np.int64), weights=np.asarray(h_toks, dtype=np.float64),
+                            minlength=n)
+    # ---- per group: sum of attention time and of lengths of its placements
+    g_att = np.bincount(pg, weights=cost.attn_time(pL), minlength=ng) if len(pls) else np.zeros(ng)
+    g_len = np.bincount(pg, weights=pL, minlength=ng) if len(pls) else np.zeros(ng)
+    g_has = np.bincount(pg, minlength=ng) > 0 if len(pls) else np.zeros(ng, dtype=bool)
+    G = np.fromiter((len(g.units) for g in groups), dtype=np.float64, count=ng)
+    kind = [g.kind for g in groups]
+    is_local = np.fromiter((k == "local" for k in kind), dtype=bool, count=ng) | (G == 1)
+    is_ring = np.fromiter((k == "ring" for k in kind), dtype=bool, count=ng) & ~is_local
+    t_att = np.zeros(ng)
+    t_comm = np.zeros(ng)
+    t_exp = np.zeros(ng)
+    t_att[is_local] = g_att[is_local]
+    if is_ring.any():
+        Gr = G[is_ring]
+        comp_round = g_att[is_ring] / Gr / Gr
+        comm_round = np.asarray(cost.p2p_time(cost.ring_round_bytes(g_len[is_ring] / Gr), "intra"), dtype=np.float64)
+        comm_round = np.array(comm_round, dtype=np.float64, copy=True).reshape(-1)
+        ring_ids = np.flatnonzero(is_ring)
+        for k, gi in enumerate(ring_ids):
+            if groups[gi].tier == "inter" and int(gi) in inter_round:
+                comm_round[k] = inter_round[int(gi)]
+        t_att[is_ring] = comp_round * Gr
+        t_comm[is_ring] = comm_round * (Gr - 1)
+        t_exp[is_ring] = (Gr - 1) * np.maximum(comm_round - comp_round, 0.0)
+    for gi in np.flatnonzero(~is_local & ~is_ring):
+        g = groups[gi]
+        Gi = G[gi]
+        t_att[gi] = g_att[gi] / Gi
+        if g.kind == "allgather":
+            t_comm[gi] = t_exp[gi] = float(cost.allgather_kv_time(g_len[gi] / Gi, int(Gi), cost.tier_link(g.tier)))
+        else:  # ulysses
+            t_comm[gi] = t_exp[gi] = float(cost.ulysses_comm_time(g_len[gi] / Gi, int(Gi), cost.tier_link(g.tier)))
+    for a in (t_att, t_comm, t_exp):
+        a[~g_has] = 0.0
+    # ---- scatter group terms to their units
+    gu = np.fromiter((u for g in groups for u in g.units), dtype=np.int64)
+    gi_rep = np.repeat(np.arange(ng), G.astype(np.int64))
+    attn = layers * np.bincount(gu, weights=t_att[gi_rep], minlength=n)
+    comm = layers * np.bincount(gu, weights=t_comm[gi_rep], minlength=n)
+    exposed = layers * np.bincount(gu, weights=t_exp[gi_rep], minlength=n)
+    # ---- linear modules, TP, remap
+    if mb.linear_layout is None:
+        lin_held = held.copy()
+    else:
+        lin_held = np.array([sum(e - s for _, s, e in segs) for segs in mb.linear_layout], dtype=np.float64)
+    lin = layers * cost.linear_time(lin_held) + cost.head_time(lin_held)
+    if ctx.tp > 1:
+        t_tp = layers * cost.tp_exposed_comm(lin_held)
+        comm = comm + t_tp
+        exposed = exposed + t_tp
+    if mb.linear_layout is not None:
+        att_sets: list[dict[int, list[tuple[int, int]]]] = [defaultdict(list) for _ in range(n)]
+        for p in pls:
+            units = groups[p.group].units
+            for pos, rs in enumerate(p.ranges):
+                for s, e in rs:
+                    if e > s:
+                        att_sets[units[pos]][p.seq].append((s, e))
+        moved = np.zeros(n)
+        for u in range(n):
+            moved[u] = sum(_overlap_out(seg, att_sets[u]) for seg in mb.linear_layout[u])
+        t_remap = layers * cost.remap_time(moved)
+        comm = comm + t_remap
+        exposed = exposed + t_remap
+    return MBTerms(attn=attn, lin=np.asarray(lin, dtype=np.float64), comm=comm, exposed=exposed,
+                   tokens=lin_held.astype(np.int64), mem_tokens=np.maximum(held, lin_held),
+                   nic_routed=nic_loads(ctx, mb, routed=True), nic_unrouted=nic_loads(ctx, mb, routed=False))
+
+
+def predict_from_terms(ctx: PlanContext, lengths, terms: list[MBTerms]) -> Prediction:
+    """Step prediction from its micro-batches' terms (:func:`microbatch_terms`)."""
+    cost = ctx.cost
+    n = ctx.num_units
     attn = np.zeros(n)
     lin = np.zeros(n)
     comm = np.zeros(n)
@@ -126,91 +232,46 @@ def predict_step(ctx: PlanContext, step: StepPlan, routed: bool = True) -> Predi
     mem_tokens = np.zeros(n)
     nic_r: dict[str, float] = defaultdict(float)
     nic_u: dict[str, float] = defaultdict(float)
-    for mb in step.microbatches:
-        inter_round = _route_round_time(ctx, mb, routed)
-        per_group: dict[int, list] = defaultdict(list)
-        for p in mb.placements:
-            per_group[p.group].append(p)
-        held = np.zeros(n)
-        for gi, g in enumerate(mb.groups):
-            G = len(g.units)
-            pls = per_group.get(gi, [])
-            if not pls:
-                continue
-            Ls = np.array([(p.padded_length or step.sequences[p.seq].length) for p in pls], dtype=np.float64)
-            for pos, u in enumerate(g.units):
-                held[u] += sum(ranges_tokens(p.ranges[pos]) for p in pls)
-            if g.kind == "local" or G == 1:
-                t_att = float(np.sum(cost.attn_time(Ls)))
-                t_comm = t_exp = 0.0
-            elif g.kind == "ring":
-                comp_round = float(np.sum(cost.attn_time(Ls))) / G / G
-                if g.tier == "inter" and gi in inter_round:
-                    comm_round = inter_round[gi]
-                else:
-                    per_unit_tokens = float(np.sum(Ls)) / G
-                    comm_round = float(cost.p2p_time(cost.ring_round_bytes(per_unit_tokens), "intra"))
-                t_att = comp_round * G
-                t_comm = comm_round * (G - 1)
-                t_exp = (G - 1) * max(comm_round - comp_round, 0.0)
-            elif g.kind == "allgather":
-                t_att = float(np.sum(cost.attn_time(Ls))) / G
-                t_comm = t_exp = float(cost.allgather_kv_time(float(np.sum(Ls)) / G, G, cost.tier_link(g.tier)))
-            else:  # ulysses
-                t_att = float(np.sum(cost.attn_time(Ls))) / G
-                t_comm = t_exp = float(cost.ulysses_comm_time(float(np.sum(Ls)) / G, G, cost.tier_link(g.tier)))
-            for u in g.units:
-                attn[u] += layers * t_att
-                comm[u] += layers * t_comm
-                exposed[u] += layers * t_exp
-        # one pass over the placements (not one scan per unit: plans have thousands of units)
-        if mb.linear_layout is None:
-            lin_held = held.copy()
-        else:
-            lin_held = np.array([sum(e - s for _, s, e in segs) for segs in mb.linear_layout], dtype=np.float64)
-        lin += layers * cost.linear_time(lin_held) + cost.head_time(lin_held)
-        if ctx.tp > 1:
-            t_tp = layers * cost.tp_exposed_comm(lin_held)
-            comm += t_tp
-            exposed += t_tp
-        if mb.linear_layout is not None:
-            att_sets: list[dict[int, list[tuple[int, int]]]] = [defaultdict(list) for _ in range(n)]
-            for p in mb.placements:
-                units = mb.groups[p.group].units
-                for pos, rs in enumerate(p.ranges):
-                    for s, e in rs:
-                        if e > s:
-                            att_sets[units[pos]][p.seq].append((s, e))
-            moved = np.zeros(n)
-            for u in range(n):
-                moved[u] = sum(_overlap_out(seg, att_sets[u]) for seg in mb.linear_layout[u])
-            t_remap = layers * cost.remap_time(moved)
-            comm += t_remap
-            exposed += t_remap
-        tokens += lin_held.astype(np.int64)
-        mem_tokens = np.maximum(mem_tokens, np.maximum(held, lin_held))
-        for k, v in nic_loads(ctx, mb, routed=True).items():
+    for t in terms:
+        attn += t.attn
+        lin += t.lin
+        comm += t.comm
+        exposed += t.exposed
+        tokens += t.tokens
+        mem_tokens = np.maximum(mem_tokens, t.mem_tokens)
+        for k, v in t.nic_routed.items():
             nic_r[k] += v
-        for k, v in nic_loads(ctx, mb, routed=False).items():
+        for k, v in t.nic_unrouted.items():
             nic_u[k] += v
     ar = cost.grad_allreduce_time(n)
     comm += ar
     exposed += ar
     total = attn + lin + exposed
-    work_b, long_b = lower_bounds(ctx, lengths)
+    work_b, long_b = lower_bounds(ctx, np.asarray(lengths, dtype=np.float64))
     return Prediction(
         step_time_s=float(total.max()),
         lower_bound_s=max(work_b, long_b),
         work_bound_s=work_b,
         longest_bound_s=long_b,
         per_unit=RankLoads(
-            attention_s=[float(x) for x in attn], linear_s=[float(x) for x in lin], comm_s=[float(x) for x in comm],
-            exposed_comm_s=[float(x) for x in exposed], total_s=[float(x) for x in total],
-            tokens=[int(x) for x in tokens], memory_gb=[float(x) / 1e9 for x in cost.memory_bytes(mem_tokens)],
+            attention_s=attn.tolist(), linear_s=lin.tolist(), comm_s=comm.tolist(),
+            exposed_comm_s=exposed.tolist(), total_s=total.tolist(),
+            tokens=tokens.tolist(), memory_gb=(np.asarray(cost.memory_bytes(mem_tokens), dtype=np.float64) / 1e9).tolist(),
         ),
         nic_bytes=dict(nic_r),
         nic_bytes_unrouted=dict(nic_u),
     )
+
+
+def predict_step(ctx: PlanContext, step: StepPlan, routed: bool = True) -> Prediction:
+    """Prediction of one step. Steps whose units are replicas of mixed TP degree (Hydraulis plans,
+    ``step.replicas`` set) are predicted per replica with one cost model per TP degree."""
+    if step.replicas is not None and any(r.tp != ctx.tp for r in step.replicas):
+        from .bl_hydraulis import predict_replicas
+
+        return predict_replicas(ctx, step)
+    lengths = [s.length for s in step.sequences]
+    return predict_from_terms(ctx, lengths, [microbatch_terms(ctx, lengths, mb, routed) for mb in step.microbatches])
 
 
 def _segment_set(segs: list[list[int]]) -> dict[int, list[tuple[int, int]]]:

@@ -46,6 +46,16 @@ def zigzag_max_tokens(L: int, G: int) -> int:
     return 2 * q + (1 if r >= 1 else 0)
 
 
+def zigzag_max_tokens_array(L, G) -> np.ndarray:
+    """:func:`zigzag_max_tokens` element-wise over arrays of lengths and span sizes."""
+    L = np.asarray(L).astype(np.int64)
+    G = np.broadcast_to(np.asarray(G, dtype=np.int64), L.shape)
+    Gs = np.maximum(G, 1)
+    q, r = np.divmod(L, 2 * Gs)
+    split = np.where(r >= Gs + 1, 2 * q + 2, 2 * q + (r >= 1))
+    return np.where(G <= 1, L, split).astype(np.int64)
+
+
 def _first_true(pred, lo: int = 1, hi: int = _L_MAX) -> int | None:
     """Smallest L in [lo, hi] from which ``pred`` holds for every longer length (checked on a
     geometric grid, then refined by bisection). Tiny lengths can satisfy a crossover predicate

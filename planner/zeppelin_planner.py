@@ -49,8 +49,8 @@ from zeppelin.schemas.plan import (
 
 from .assign import PackInfeasible, PackResult, pack
 from .base import PlanContext, Planner, PlanningError, register
-from .predict import predict_step
-from .tiering import Tiering, zigzag_max_tokens
+from .predict import microbatch_terms, predict_from_terms
+from .tiering import Tiering, zigzag_max_tokens_array
 
 
 def _optional(module: str):
@@ -62,6 +62,18 @@ def _optional(module: str):
         if e.name == f"zeppelin.planner.{module}":
             return None
         raise
+
+
+def _record(cls, **fields):
+    """``cls.model_construct(**fields)`` for records built from validated parts, with every field
+    given: pydantic's model_construct costs tens of microseconds per call, and a step at 1,024 GPUs
+    builds tens of thousands of groups and placements."""
+    m = cls.__new__(cls)
+    object.__setattr__(m, "__dict__", fields)
+    object.__setattr__(m, "__pydantic_fields_set__", set(fields))
+    object.__setattr__(m, "__pydantic_extra__", None)
+    object.__setattr__(m, "__pydantic_private__", None)
+    return m
 
 
 @dataclass
@@ -147,9 +159,9 @@ class ZeppelinPlanner(Planner):
                 order = sorted(range(len(parts)), key=lambda k: -max(lengths[i] for i in parts[k]))
                 built = [None] * len(parts)
                 for k in order:
-                    mb, st, per_unit = self._best_microbatch(ctx, tg, sequences, parts[k], carry)
-                    carry = carry + per_unit
-                    built[k] = (mb, st)
+                    mb, st, terms = self._best_microbatch(ctx, tg, sequences, parts[k], carry)
+                    carry = carry + terms.busy
+                    built[k] = (mb, st, terms)
             except PackInfeasible as e:
                 last_err = e
                 M += 1
@@ -160,7 +172,8 @@ class ZeppelinPlanner(Planner):
         mbs = [b[0] for b in built]
         stats = [b[1] for b in built]
         plan = StepPlan(step=step, sequences=list(sequences), microbatches=mbs)
-        plan.prediction = predict_step(ctx, plan)
+        # the prediction from the winning candidates' terms: the same as predict_step(ctx, plan)
+        plan.prediction = predict_from_terms(ctx, lengths, [b[2] for b in built])
         plan.solver = self._solver_info(stats, time.perf_counter() - t0)
         tiers = {"local": 0, "intra": 0, "inter": 0}
         for st in stats:
@@ -202,8 +215,8 @@ class ZeppelinPlanner(Planner):
         * (remap layer on) balance attention alone and let the remap even out the linear tokens
           (the remap layer itself drops the remap when it does not pay).
 
-        Returns the micro-batch, its stats and its predicted per-unit time (without the step's
-        gradient all-reduce)."""
+        Returns the micro-batch, its stats and its prediction terms (:func:`.predict.microbatch_terms`;
+        their ``busy`` is the predicted per-unit time without the step's gradient all-reduce)."""
         cands = [self._plan_microbatch(ctx, tg, sequences, idx, carry, balance="total")]
         if self.remap and _optional("remap") is not None:
             try:
@@ -211,17 +224,13 @@ class ZeppelinPlanner(Planner):
             except PackInfeasible:
                 pass
         best = None
+        lengths = [s.length for s in sequences]
         for mb, st in cands:
-            per_unit = self._mb_unit_times(ctx, sequences, mb)
-            t = float((carry + per_unit).max())
+            terms = microbatch_terms(ctx, lengths, mb)
+            t = float((carry + terms.busy).max())
             if best is None or t < best[0]:
-                best = (t, mb, st, per_unit)
+                best = (t, mb, st, terms)
         return best[1], best[2], best[3]
-
-    @staticmethod
-    def _mb_unit_times(ctx: PlanContext, sequences: list[Sequence], mb: MicroBatch) -> np.ndarray:
-        pr = predict_step(ctx, StepPlan(step=0, sequences=list(sequences), microbatches=[mb]))
-        return np.array(pr.per_unit.total_s) - ctx.cost.grad_allreduce_time(ctx.num_units)
 
     def _plan_microbatch(self, ctx: PlanContext, tg: Tiering, sequences: list[Sequence], idx: list[int],
                          carry: np.ndarray, balance: str = "total"):
@@ -252,15 +261,16 @@ class ZeppelinPlanner(Planner):
         st = _MBStats()
         for s in spans:
             st.tiers[s.tier] += 1
-        per_tok = np.array([zigzag_max_tokens(int(L), s.G) for L, s in zip(Ls, spans)], dtype=np.float64)
+        Gk = np.array([tg.spans[x].G for x in range(len(tg.spans))], dtype=np.int64)[k]
+        inter_k = np.array([s.tier == "inter" for s in tg.spans], dtype=bool)[k]
+        per_tok = zigzag_max_tokens_array(Ls, Gk).astype(np.float64)
 
         # ---- level 1: nodes
         node_of: list[list[int]] = [[0] for _ in idx]  # nodes of each sequence
         if N > 1:
-            w1 = np.array([s.nodes if s.tier == "inter" else 1 for s in spans], dtype=np.int64)
-            c1 = np.array([unit_t[j] * (upn if s.tier == "inter" else s.G) for j, s in enumerate(spans)])
-            k1 = np.array([per_tok[j] * upn if s.tier == "inter" else per_tok[j] * s.G
-                           for j, s in enumerate(spans)])
+            w1 = np.where(inter_k, np.array([sp.nodes for sp in tg.spans], dtype=np.int64)[k], 1)
+            c1 = unit_t * np.where(inter_k, upn, Gk)
+            k1 = per_tok * np.where(inter_k, upn, Gk)
             r1 = pack(carry.reshape(N, upn).sum(axis=1), np.zeros(N), c1, k1, w1, float(cap * upn), ilp=self.ilp,
                       time_limit=self.time_limit, tol=self.tol, solver=self.solver,
                       max_ilp_vars=self.max_ilp_vars_nodes)
@@ -321,22 +331,22 @@ class ZeppelinPlanner(Planner):
                 inter_count[nd] += 1
                 base = list(range(nd * upn, (nd + 1) * upn))
                 units += base[rot:] + base[:rot]
-            groups.append(Group.model_construct(kind="ring", tier="inter", units=units))
-            placements.append(Placement.model_construct(seq=idx[j], group=len(groups) - 1, scheme="zigzag",
+            groups.append(_record(Group, kind="ring", tier="inter", units=units))
+            placements.append(_record(Placement, seq=idx[j], group=len(groups) - 1, scheme="zigzag",
                                         ranges=zigzag_ranges(int(Ls[j]), len(units)), padded_length=None))
         for j in sorted((j for j, s in enumerate(spans) if s.tier == "intra"), key=lambda j: -Ls[j]):
             units = sorted(unit_of[j])
-            groups.append(Group.model_construct(kind="ring", tier="intra", units=units))
-            placements.append(Placement.model_construct(seq=idx[j], group=len(groups) - 1, scheme="zigzag",
+            groups.append(_record(Group, kind="ring", tier="intra", units=units))
+            placements.append(_record(Placement, seq=idx[j], group=len(groups) - 1, scheme="zigzag",
                                         ranges=zigzag_ranges(int(Ls[j]), len(units)), padded_length=None))
         local_by_unit: dict[int, list[int]] = {}
         for j, s in enumerate(spans):
             if s.tier == "local":
                 local_by_unit.setdefault(unit_of[j][0], []).append(j)
         for u in sorted(local_by_unit):
-            groups.append(Group.model_construct(kind="local", tier="local", units=[u]))
+            groups.append(_record(Group, kind="local", tier="local", units=[u]))
             for j in sorted(local_by_unit[u], key=lambda j: -Ls[j]):
-                placements.append(Placement.model_construct(seq=idx[j], group=len(groups) - 1, scheme="whole",
+                placements.append(_record(Placement, seq=idx[j], group=len(groups) - 1, scheme="whole",
                                                            ranges=[[[0, int(Ls[j])]]], padded_length=None))
         queues: list[list[int]] = [[] for _ in range(n)]
         for gi, g in enumerate(groups):  # global order: inter, intra, local

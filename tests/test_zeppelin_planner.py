@@ -379,3 +379,61 @@ def test_planner_instance_reused_across_steps_of_same_shape():
     _check_plan(ctx, a, [100, 200, 300])
     _check_plan(ctx, b, [cap * 9, 200, 300])
     assert b.notes["tiers"]["inter"] == 1
+
+
+# ------------------------------------------------------------------ fast paths (planner latency)
+
+
+def test_zigzag_max_tokens_array_matches_scalar():
+    from zeppelin.planner.tiering import zigzag_max_tokens_array
+
+    L = np.arange(0, 1200)
+    for G in (1, 2, 3, 8, 16, 64):
+        expect = [zigzag_max_tokens(int(x), G) for x in L]
+        assert zigzag_max_tokens_array(L, np.full(len(L), G)).tolist() == expect
+    # mixed spans in one call, e.g. 100 tokens over 4 units: 8 chunks of 12/13 -> a position holds 25
+    assert zigzag_max_tokens_array([100, 100, 7], [1, 4, 8]).tolist() == [100, 25, 1]
+
+
+def test_planner_prediction_equals_predict_step_from_scratch():
+    """The planner assembles its prediction from the winning candidates' terms; it must equal a
+    fresh predict_step of the written plan (multi-micro-batch step, remap and routing on)."""
+    ctx = make_ctx("zeppelin-c:4", "llama-7b")
+    rng = np.random.default_rng(3)
+    lengths = np.clip(rng.lognormal(8.5, 1.2, 600).astype(int), 16, 65536)
+    plan = ZeppelinPlanner().plan_step(ctx, 0, seqs_of(lengths))
+    fresh = predict_step(ctx, plan.model_copy(update={"prediction": None}))
+    assert len(plan.microbatches) >= 2
+    assert fresh.nic_bytes.keys() == plan.prediction.nic_bytes.keys()
+    assert fresh.per_unit.tokens == plan.prediction.per_unit.tokens
+    assert np.allclose(fresh.per_unit.total_s, plan.prediction.per_unit.total_s, rtol=1e-12)
+    assert fresh.step_time_s == pytest.approx(plan.prediction.step_time_s, rel=1e-12)
+
+
+def test_microbatch_terms_hand_computed():
+    """One local group of two sequences and one intra-node ring of one sequence, no remap."""
+    from zeppelin.planner.predict import microbatch_terms
+    from zeppelin.schemas.plan import Group, MicroBatch, Placement
+
+    ctx = make_ctx("zeppelin-a", "llama-7b")
+    c, layers, n = ctx.cost, ctx.model.num_layers, ctx.num_units
+    lengths = [3000, 1000, 8000]
+    mb = MicroBatch(
+        groups=[Group(kind="ring", tier="intra", units=[2, 3]), Group(kind="local", tier="local", units=[0])],
+        placements=[Placement(seq=2, group=0, scheme="zigzag", ranges=zigzag_ranges(8000, 2)),
+                    Placement(seq=0, group=1, ranges=[[[0, 3000]]]),
+                    Placement(seq=1, group=1, ranges=[[[0, 1000]]])],
+        queues=[[1], [], [0], [0]] + [[] for _ in range(n - 4)])
+    t = microbatch_terms(ctx, lengths, mb)
+    local = layers * float(c.attn_time(3000.0) + c.attn_time(1000.0))
+    comp_round = float(c.attn_time(8000.0)) / 4
+    comm_round = float(c.p2p_time(c.ring_round_bytes(4000.0), "intra"))
+    assert t.attn[0] == pytest.approx(local, rel=1e-12)
+    assert t.attn[2] == t.attn[3] == pytest.approx(layers * comp_round * 2, rel=1e-12)
+    assert t.exposed[2] == pytest.approx(layers * max(comm_round - comp_round, 0.0), rel=1e-12, abs=1e-15)
+    assert t.comm[3] == pytest.approx(layers * comm_round, rel=1e-12)
+    assert t.tokens.tolist() == [4000, 0, 4000, 4000] + [0] * (n - 4)
+    assert t.attn[1] == 0.0 and t.attn[4:].sum() == 0.0
+    lin = layers * float(c.linear_time(4000.0)) + float(c.head_time(4000.0))
+    assert t.lin[0] == pytest.approx(lin, rel=1e-12)
+    assert t.busy[2] == pytest.approx(t.attn[2] + t.lin[2] + t.exposed[2])
