@@ -1,4 +1,4 @@
-"""Prediction accuracy, end to end: ``zeppelin profile`` -> ``zeppelin plan --profile`` -> ``zeppelin run --report``.
+"""Prediction accuracy end to end: ``zeppelin profile`` -> ``plan --profile`` -> ``run --report``.
 
 For each rank count (default 2 and 4 gloo processes on this machine, ``local-cpu:1xN``):
 
@@ -75,6 +75,26 @@ def write_manifest(path: Path, mix: str, scale: float, max_len: int, num: int, s
             "max_length": int(lengths.max())}
 
 
+def _with_second_profile(row: dict, profile_path: Path) -> None:
+    """Predict the row's steps again with a profile taken after the runs: the relative error
+    against the measurements, and the drift between the two profiles' predictions."""
+    from zeppelin.planner.report import build_report, error_summary, load_metrics
+    from zeppelin.schemas.common import load_doc
+    from zeppelin.schemas.plan import PlanReader
+    from zeppelin.schemas.profile import CostProfile
+
+    reader = PlanReader(row["_plan"])
+    header = reader.header.model_copy(update={"profile": load_doc(CostProfile, profile_path)})
+    recs = load_metrics(row["_metrics"])
+    rep = build_report(header, {int(r["step"]): reader.step(int(r["step"])) for r in recs}, recs)
+    s = rep["summary"]["step"]
+    row["profile_after"] = {"median_rel_error": s["median_abs"], "worst_rel_error": s["worst_abs"],
+                            "mean_rel_error": s["mean"]}
+    pairs = zip(row["steps"], rep["steps"], strict=True)
+    drift = [b["predicted_s"]["step"] / a["predicted_s"] - 1.0 for a, b in pairs]
+    row["profile_drift"] = error_summary(drift)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
@@ -103,27 +123,32 @@ def main(argv=None) -> int:
         load0 = _load()
         t_prof = _run([*zep, "profile", "--quick", "--nproc", str(R), "--model", args.model, "-o", str(prof)],
                       work / f"profile_{R}.log", env)
-        print(f"[bench_accuracy] profiled {R} ranks in {t_prof:.0f} s (load {load0})", file=sys.stderr, flush=True)
+        print(f"[bench_accuracy] profiled {R} ranks in {t_prof:.0f} s (load {load0})", file=sys.stderr,
+              flush=True)
         for mix in args.mixes:
             man = work / f"{mix}.jsonl"
             mstats = write_manifest(man, mix, args.scale, args.max_seq_len, 2000, args.seed)
             plan = work / f"plan_{R}_{mix}.jsonl"
-            _run([*zep, "plan", "--cluster", f"local-cpu:1x{R}", "--model", args.model, "--profile", str(prof),
-                  "--manifest", str(man), "--tokens-per-step", str(args.tokens_per_rank * R),
-                  "--max-seq-len", str(args.max_seq_len), "--steps", str(args.steps), "--seed", str(args.seed),
-                  "-q", "-o", str(plan)], work / f"plan_{R}_{mix}.log", env)
+            _run([*zep, "plan", "--cluster", f"local-cpu:1x{R}", "--model", args.model,
+                  "--profile", str(prof), "--manifest", str(man),
+                  "--tokens-per-step", str(args.tokens_per_rank * R), "--max-seq-len", str(args.max_seq_len),
+                  "--steps", str(args.steps), "--seed", str(args.seed), "-q", "-o", str(plan)],
+                 work / f"plan_{R}_{mix}.log", env)
             rep_path = work / f"report_{R}_{mix}.json"
             load_before = _load()
             t_run = _run([*zep, "run", str(plan), "--progress", "none", "--threads", str(threads),
-                          "--metrics", str(work / f"metrics_{R}_{mix}.jsonl"), "--report-json", str(rep_path)],
+                          "--metrics", str(work / f"metrics_{R}_{mix}.jsonl"),
+                          "--report-json", str(rep_path)],
                          work / f"run_{R}_{mix}.log", env)
             load_after = _load()
             rep = json.loads(rep_path.read_text())
             s, s1 = rep["summary"]["step"], rep["summary"]["step_after_first"]
             row = {
                 "ranks": R, "mix": mix, "manifest": mstats,
-                "median_rel_error": s["median_abs"], "worst_rel_error": s["worst_abs"], "mean_rel_error": s["mean"],
-                "median_rel_error_after_first": s1["median_abs"], "worst_rel_error_after_first": s1["worst_abs"],
+                "median_rel_error": s["median_abs"], "worst_rel_error": s["worst_abs"],
+                "mean_rel_error": s["mean"],
+                "median_rel_error_after_first": s1["median_abs"],
+                "worst_rel_error_after_first": s1["worst_abs"],
                 "phase_median_rel_error": {k: v["median_abs"] for k, v in rep["summary"]["phases"].items()},
                 "steps": [{"step": r["step"], "measured_s": round(r["measured_s"]["step"], 4),
                            "predicted_s": round(r["predicted_s"]["step"], 4),
@@ -131,13 +156,29 @@ def main(argv=None) -> int:
                            "plan_estimate_s": r["plan_prediction_s"]} for r in rep["steps"]],
                 "load_avg_before": load_before, "load_avg_after": load_after, "run_wall_s": round(t_run, 1),
             }
+            row["_plan"], row["_metrics"] = str(plan), str(work / f"metrics_{R}_{mix}.jsonl")
             result["runs"].append(row)
-            print(f"[bench_accuracy] {R} ranks, {mix}: median {s['median_abs']:.1%}, worst {s['worst_abs']:.1%} "
-                  f"(load {load_after})", file=sys.stderr, flush=True)
+            print(f"[bench_accuracy] {R} ranks, {mix}: median {s['median_abs']:.1%}, "
+                  f"worst {s['worst_abs']:.1%} (load {load_after})", file=sys.stderr, flush=True)
+        # the noise floor: profile again after the runs and predict the same steps with it. On a
+        # shared machine the two profiles differ by how much the machine's speed drifted.
+        prof2 = work / f"profile_{R}_after.json"
+        _run([*zep, "profile", "--quick", "--nproc", str(R), "--model", args.model, "-o", str(prof2)],
+             work / f"profile_{R}_after.log", env)
+        for row in result["runs"]:
+            if row["ranks"] == R:
+                _with_second_profile(row, prof2)
+    for row in result["runs"]:
+        row.pop("_plan", None)
+        row.pop("_metrics", None)
     errs = [r["median_rel_error"] for r in result["runs"]]
     result["median_of_medians"] = statistics.median(errs) if errs else None
     result["worst_of_worst"] = max((r["worst_rel_error"] for r in result["runs"]), default=None)
-    result["table"] = {f"{r['ranks']}x{r['mix']}": [round(r["median_rel_error"], 4), round(r["worst_rel_error"], 4)]
+    # per (ranks, mix): [median, worst] relative error of the predicted step time, and the median
+    # drift between the predictions of the profiles taken before and after the runs
+    result["table"] = {f"{r['ranks']}x{r['mix']}": [round(r["median_rel_error"], 4),
+                                                    round(r["worst_rel_error"], 4),
+                                                    round(r["profile_drift"]["median_abs"], 4)]
                        for r in result["runs"]}
     json.dump(result, sys.stdout, indent=1)
     print()

@@ -52,12 +52,13 @@ def run(
     rdzv_backend: str | None = typer.Option(None, "--rdzv-backend"),
     rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint"),
     rdzv_id: str | None = typer.Option(None, "--rdzv-id"),
-    report: bool = typer.Option(False, "--report", help="after the job: measured vs predicted time per step and "
-                                "phase, and the relative error of the predicted step time"),
-    report_json: Path | None = typer.Option(None, "--report-json", help="also write that report as JSON (implies "
-                                            "--report)"),
-    tp_overlap: str | None = typer.Option(None, "--tp-overlap", help="none | slicing | commfuse: TP-SP overlap "
-                                          "(default: the plan's)"),
+    report: bool = typer.Option(
+        False, "--report",
+        help="after the job: measured vs predicted time per step and phase, and the prediction error"),
+    report_json: Path | None = typer.Option(
+        None, "--report-json", help="also write that report as JSON (implies --report)"),
+    tp_overlap: str | None = typer.Option(
+        None, "--tp-overlap", help="none | slicing | commfuse: TP-SP overlap (default: the plan's)"),
 ) -> None:
     """Execute a plan with torch (launched through torchrun): train, report metrics, verify."""
     from zeppelin.planner.report import count_lines
@@ -126,7 +127,8 @@ def run(
     raise SystemExit(rc)
 
 
-def _report(plan: Path, metrics_path: Path, skip: int, tp_overlap: str | None, report_json: Path | None) -> None:
+def _report(plan: Path, metrics_path: Path, skip: int, tp_overlap: str | None,
+            report_json: Path | None) -> None:
     """Print measured vs predicted times of the steps just run (and write them as JSON)."""
     import json
 

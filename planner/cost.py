@@ -35,6 +35,27 @@ def _arr(x) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
 
 
+def eval_fit(fit, n) -> np.ndarray:
+    """Seconds of a measured :class:`~zeppelin.schemas.profile.PolyFit` at sizes ``n``.
+
+    Without ``points``: the polynomial. With them: the polynomial times its measured correction,
+    i.e. the ratio measured / polynomial interpolated linearly over log n between the measured
+    points (constant beyond them). It passes through every measurement: kernels on real hardware
+    have steps a quadratic cannot follow (cache sizes, kernel tiling), while the polynomial keeps
+    the growth beyond the measured range. Points that lie on the polynomial change nothing."""
+    n = _arr(n)
+    c = list(fit.coeffs) + [0.0] * (3 - len(fit.coeffs))
+    poly = np.maximum(c[0] + c[1] * n + c[2] * n * n, 0.0)
+    pts = fit.points
+    if not pts:
+        return poly
+    xs = np.array([p[0] for p in pts], dtype=np.float64)
+    ys = np.array([p[1] for p in pts], dtype=np.float64)
+    at = np.maximum(c[0] + c[1] * xs + c[2] * xs * xs, 1e-30)
+    ratio = np.interp(np.log(np.maximum(n, 1e-9)), np.log(xs), ys / at)
+    return poly * ratio
+
+
 @dataclass
 class CostModel:
     cluster: ClusterSpec
@@ -102,8 +123,7 @@ class CostModel:
         """Attention fwd+bwd time per layer of whole sequences of length ``L`` on one unit."""
         L = _arr(L)
         if self._fits is not None and self._fits.attention is not None:
-            c = self._fits.attention.coeffs + [0.0] * (3 - len(self._fits.attention.coeffs))
-            return np.where(L > 0, np.maximum(c[0] + c[1] * L + c[2] * L * L, 0.0), 0.0)
+            return np.where(L > 0, eval_fit(self._fits.attention, L), 0.0)
         k = self.profile.attention
         fl = self.attn_flops_fwd(L) * (1.0 + self.profile.backward_attention_factor) / self.tp
         return np.where(L > 0, k.overhead_s + fl / (self.peak_flops * self._eff(k, L)), 0.0)
@@ -124,8 +144,7 @@ class CostModel:
         """fwd+bwd time per layer of every linear module for ``tokens`` tokens on one unit."""
         T = _arr(tokens)
         if self._fits is not None and self._fits.linear is not None:
-            c = self._fits.linear.coeffs + [0.0] * (3 - len(self._fits.linear.coeffs))
-            return np.where(T > 0, np.maximum(c[0] + c[1] * T + c[2] * T * T, 0.0), 0.0)
+            return np.where(T > 0, eval_fit(self._fits.linear, T), 0.0)
         k = self.profile.linear
         fl = self.linear_flops_fwd(T) * (1.0 + self.profile.backward_linear_factor) / self.tp
         return np.where(T > 0, k.overhead_s + fl / (self.peak_flops * self._eff(k, T)), 0.0)
@@ -134,8 +153,7 @@ class CostModel:
         """Embedding + LM head + loss, fwd+bwd (once per model, not per layer)."""
         T = _arr(tokens)
         if self._fits is not None and self._fits.head is not None:
-            c = self._fits.head.coeffs + [0.0] * (3 - len(self._fits.head.coeffs))
-            return np.where(T > 0, np.maximum(c[0] + c[1] * T + c[2] * T * T, 0.0), 0.0)
+            return np.where(T > 0, eval_fit(self._fits.head, T), 0.0)
         fl = 2.0 * T * self.model.hidden * self.model.vocab_size * (1.0 + self.profile.backward_linear_factor)
         k = self.profile.linear
         return np.where(T > 0, k.overhead_s + fl / self.tp / (self.peak_flops * self._eff(k, T)), 0.0)

@@ -69,10 +69,13 @@ def fit_poly(sizes, times, degree: int = 2) -> FitReport:
     return FitReport(coeffs=[float(x) for x in c], rel_errors=[float(x) for x in (pred - t) / t])
 
 
-def poly_fit_record(sizes, times, degree: int = 2) -> tuple[PolyFit, FitReport]:
+def poly_fit_record(sizes, times, degree: int = 2, keep_points: bool = False) -> tuple[PolyFit, FitReport]:
+    """The fit as a profile record; ``keep_points``: also keep the measurements themselves, which
+    the cost model then interpolates (the polynomial shapes the extrapolation)."""
     rep = fit_poly(sizes, times, degree)
+    pts = sorted([float(n), float(t)] for n, t in zip(sizes, times)) if keep_points else None
     fit = PolyFit(coeffs=rep.coeffs, valid_from=int(min(sizes)), valid_to=int(max(sizes)),
-                  rel_error_median=rep.median, rel_error_max=rep.worst)
+                  rel_error_median=rep.median, rel_error_max=rep.worst, points=pts)
     return fit, rep
 
 
@@ -183,15 +186,15 @@ def build_profile(raw: dict, model, cluster_name: str = "") -> tuple["CostProfil
     from .cost import CostModel
 
     report: dict = {}
-    att_fit, att_rep = poly_fit_record(raw["attention_lengths"], raw["attention_s"], 2)
-    lin_fit, lin_rep = poly_fit_record(raw["linear_tokens"], raw["linear_s"], 2)
+    att_fit, att_rep = poly_fit_record(raw["attention_lengths"], raw["attention_s"], 2, keep_points=True)
+    lin_fit, lin_rep = poly_fit_record(raw["linear_tokens"], raw["linear_s"], 2, keep_points=True)
     report["attention"] = dict(coeffs=att_rep.coeffs, rel_errors=att_rep.rel_errors, median=att_rep.median,
                                worst=att_rep.worst)
     report["linear"] = dict(coeffs=lin_rep.coeffs, rel_errors=lin_rep.rel_errors, median=lin_rep.median,
                             worst=lin_rep.worst)
     head_fit = None
     if raw.get("head_s"):  # embedding + final norm + LM head + loss, once per model
-        head_fit, head_rep = poly_fit_record(raw["linear_tokens"], raw["head_s"], 2)
+        head_fit, head_rep = poly_fit_record(raw["linear_tokens"], raw["head_s"], 2, keep_points=True)
         report["head"] = dict(coeffs=head_rep.coeffs, rel_errors=head_rep.rel_errors, median=head_rep.median,
                               worst=head_rep.worst)
     opt_s = raw.get("optimizer_s")
@@ -250,7 +253,7 @@ def build_profile(raw: dict, model, cluster_name: str = "") -> tuple["CostProfil
         nic_shared_by_concurrent_transfers=bool(share is None or share > 1.5),
         memory_reserved_gb=0.5 if topo.get("device") == "cpu" else 4.0,
         optimizer_s_per_param=float(opt_s) / nparams if opt_s is not None and nparams else None,
-        fits=[ModelFits(model=raw["model"], dtype=raw["dtype"], attention=att_fit, linear=lin_fit, head=head_fit,
-                        optimizer_s=opt_s, grad_allreduce_s=ar)],
+        fits=[ModelFits(model=raw["model"], dtype=raw["dtype"], attention=att_fit, linear=lin_fit,
+                        head=head_fit, optimizer_s=opt_s, grad_allreduce_s=ar)],
     )
     return prof, report

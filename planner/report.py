@@ -184,7 +184,8 @@ def build_report(header, steps: dict[int, Any], records: list[dict[str, Any]],
             "step": error_summary(step_err),
             # the first step of a run also pays one-time costs (allocator warm-up, first collectives)
             "step_after_first": error_summary(step_err[1:]),
-            "phases": {ph: error_summary([r["rel_error"][ph] for r in rows]) for ph in PHASES if ph != "step"},
+            "phases": {ph: error_summary([r["rel_error"][ph] for r in rows])
+                       for ph in PHASES if ph != "step"},
         },
     }
     return out
@@ -249,8 +250,8 @@ def render(report: dict[str, Any], console=None) -> None:
     con.print(f"prediction: {report['predictor']} with the plan's profile ({report['profile']}); "
               f"tp overlap {report['tp_overlap']}")
     if s["steps"]:
-        line = (f"predicted step time: relative error median {s['median_abs']:.1%}, worst {s['worst_abs']:.1%}, "
-                f"mean {s['mean']:+.1%} over {s['steps']} step(s)")
+        line = (f"predicted step time: relative error median {s['median_abs']:.1%}, "
+                f"worst {s['worst_abs']:.1%}, mean {s['mean']:+.1%} over {s['steps']} step(s)")
         a = report["summary"]["step_after_first"]
         if a["steps"]:
             line += f"; without the first step: median {a['median_abs']:.1%}, worst {a['worst_abs']:.1%}"

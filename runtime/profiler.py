@@ -39,7 +39,7 @@ from zeppelin.schemas.common import InputError, atomic_write_text
 from zeppelin.schemas.model import ModelSpec, model_preset
 
 QUICK = dict(att=[32, 64, 128, 256, 512, 1024, 2048], lin=[64, 256, 1024, 2048, 4096],
-             p2p=[2**10, 2**14, 2**17, 2**20, 2**22], reps=5, warmup=2, budget_s=1.0)
+             p2p=[2**10, 2**14, 2**17, 2**20, 2**22], reps=5, warmup=1)
 FULL = dict(att=[32, 64, 128, 256, 512, 1024, 2048, 4096, 8192],
             lin=[64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
             p2p=[2**10, 2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24], reps=10, warmup=3)
@@ -49,27 +49,36 @@ class Timer:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
 
-    def __call__(self, fn, reps: int, warmup: int, budget_s: float | None = None) -> float:
-        """Median seconds of ``fn()`` over ``reps`` runs after ``warmup`` runs (at least 3 runs, at
-        most ``budget_s`` seconds of timed runs when given: long kernels need fewer repeats)."""
-        for _ in range(warmup):
+    def __call__(self, fn, reps: int, warmup: int) -> float:
+        """Median seconds of ``fn()`` over ``reps`` runs after ``warmup`` runs."""
+        return self.sweep([fn], reps, warmup)[0]
+
+    def _once(self, fn) -> float:
+        if self.cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
             fn()
-        times = []
-        for _ in range(reps):
-            if budget_s is not None and len(times) >= 3 and sum(times) > budget_s:
-                break
-            if self.cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                torch.cuda.synchronize()
-                times.append(a.elapsed_time(b) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+            b.record()
+            torch.cuda.synchronize()
+            return a.elapsed_time(b) / 1e3
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    def sweep(self, fns, reps: int, warmup: int, sync=None) -> list[float]:
+        """Median seconds of each of ``fns`` over ``reps`` passes that run every function once, in
+        turn (after ``warmup`` passes). Round-robin rather than one size after the other: a burst of
+        load on a shared machine then slows every grid point a little instead of one point a lot,
+        which would bend the fitted curve. ``sync`` (e.g. a barrier) runs before each pass."""
+        times: list[list[float]] = [[] for _ in fns]
+        for i in range(warmup + reps):
+            if sync is not None:
+                sync()
+            for k, fn in enumerate(fns):
+                t = self._once(fn)
+                if i >= warmup:
+                    times[k].append(t)
+        return [statistics.median(ts) for ts in times]
 
 
 def _dtype(model: ModelSpec) -> torch.dtype:
@@ -100,8 +109,8 @@ def measure_attention(model: ModelSpec, lengths, dev, timer, reps, warmup):
     dt = _dtype(model)
     rank = dist.get_rank()
     tr = Transport(rank=rank)
-    out = []
-    for L in lengths:
+
+    def make(L):
         q = torch.randn(L, model.num_heads, model.head_dim, device=dev, dtype=dt)
         k = torch.randn(L, model.num_kv_heads, model.head_dim, device=dev, dtype=dt)
         v = torch.randn(L, model.num_kv_heads, model.head_dim, device=dev, dtype=dt)
@@ -112,12 +121,12 @@ def measure_attention(model: ModelSpec, lengths, dev, timer, reps, warmup):
             o, lse = ring_forward(q, k, v, spec, tr)
             ring_backward(g, q, k, v, o, lse, spec, tr)
 
-        dist.barrier()
-        out.append(timer(step, reps, warmup))
-    return out
+        return step
+
+    return timer.sweep([make(L) for L in lengths], reps, warmup, sync=dist.barrier)
 
 
-def measure_model_parts(model: ModelSpec, tokens, dev, timer, reps, warmup, budget_s=None):
+def measure_model_parts(model: ModelSpec, tokens, dev, timer, reps, warmup):
     """The runtime's own modules, forward+backward, over a grid of token counts:
 
     * one decoder layer (:class:`zeppelin.runtime.model.Block`: norms, Q/K/V/O, RoPE, residuals,
@@ -141,8 +150,7 @@ def measure_model_parts(model: ModelSpec, tokens, dev, timer, reps, warmup, budg
         def attention(self, q, k, v):
             return q + k.repeat_interleave(rep, 1) + v.repeat_interleave(rep, 1)
 
-    layer_s, head_s = [], []
-    for T in tokens:
+    def make(T):
         lay = _Probe(T)
         cos, sin = rope_tables(lay.attn_positions, model.head_dim, model.rope_theta)
         x = torch.randn(T, model.hidden, device=dev, dtype=dt, requires_grad=True)
@@ -159,11 +167,11 @@ def measure_model_parts(model: ModelSpec, tokens, dev, timer, reps, warmup, budg
             loss.backward()
             lm.zero_grad(set_to_none=True)
 
-        dist.barrier()
-        layer_s.append(timer(layer, reps, warmup, budget_s))
-        dist.barrier()
-        head_s.append(timer(head, reps, warmup, budget_s))
-    return layer_s, head_s
+        return [layer, head]
+
+    fns = [f for T in tokens for f in make(T)]
+    t = timer.sweep(fns, reps, warmup, sync=dist.barrier)
+    return t[0::2], t[1::2]
 
 
 def _model_grads(model: ModelSpec, dev):
@@ -402,7 +410,7 @@ def main(argv=None) -> int:
     say("attention forward+backward ...")
     att = measure_attention(model, grid["att"], dev, timer, reps, warm)
     say("decoder layer without attention, and embedding + LM head + loss, forward+backward ...")
-    lin, head = measure_model_parts(model, grid["lin"], dev, timer, reps, warm, grid.get("budget_s"))
+    lin, head = measure_model_parts(model, grid["lin"], dev, timer, reps, warm)
     say("optimizer step and gradient all-reduce ...")
     opt_s, nparams = measure_optimizer(model, dev, timer, reps, warm)
     ar = measure_grad_allreduce(model, dev, reps, warm) if world > 1 else {}

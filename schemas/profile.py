@@ -41,6 +41,9 @@ class PolyFit(Strict):
     valid_to: int | None = None
     rel_error_median: float | None = None
     rel_error_max: float | None = None
+    points: list[list[float]] | None = Field(
+        default=None, description="the measured [n, seconds] pairs, ascending n; when present the cost model "
+        "interpolates them (piecewise log-log) and uses the polynomial's shape only outside their range")
 
 
 class ModelFits(Strict):
@@ -51,10 +54,11 @@ class ModelFits(Strict):
     tp: int = 1
     head: PolyFit | None = Field(default=None, description="t(T): embedding + final norm + LM head + loss, "
                                  "once per model (not per layer)")
-    optimizer_s: float | None = Field(default=None, ge=0,
-                                      description="AdamW step over the whole model replica, seconds (measured)")
+    optimizer_s: float | None = Field(
+        default=None, ge=0, description="AdamW step over the whole model replica, seconds (measured)")
     grad_allreduce_s: dict[str, float] = Field(
-        default_factory=dict, description="all-reduce of the model's gradients by group size (keys: '2','4',...)")
+        default_factory=dict,
+        description="all-reduce of the model's gradients by group size, seconds (keys: '2','4',...)")
 
 
 class ProfileSource(Strict):
@@ -84,8 +88,8 @@ class CostProfile(Doc):
     )
     memory_reserved_gb: float = Field(default=4.0, ge=0, description="framework/workspace reserve per GPU")
     optimizer_s_per_param: float | None = Field(
-        default=None, ge=0, description="AdamW step time per parameter (measured); None: the optimizer step is "
-        "not modelled")
+        default=None, ge=0,
+        description="AdamW step time per parameter (measured); None: the optimizer step is not modelled")
     fits: list[ModelFits] = Field(default_factory=list)
 
     def fits_for(self, model: str, dtype: str, tp: int = 1) -> ModelFits | None:

@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from zeppelin.planner.report import build_report, error_summary, load_metrics, measured_phases, report_for_plan
+from zeppelin.planner.report import (
+    build_report,
+    error_summary,
+    load_metrics,
+    measured_phases,
+    report_for_plan,
+)
 from zeppelin.schemas.cluster import cluster_preset
 from zeppelin.schemas.common import InputError, content_hash
 from zeppelin.schemas.model import model_preset
@@ -18,8 +24,8 @@ from zeppelin.schemas.plan import (
     Group,
     InputHashes,
     MicroBatch,
-    PlanHeader,
     Placement,
+    PlanHeader,
     Sequence,
     StepPlan,
     write_plan,
@@ -40,15 +46,17 @@ PROFILE = CostProfile(
 
 def _header(num_steps: int) -> PlanHeader:
     cluster, model = cluster_preset("local-cpu:1x2"), model_preset("tiny")
+    hashes = InputHashes(cluster=content_hash(cluster), model=content_hash(model),
+                         profile=content_hash(PROFILE), manifest="synthetic")
     return PlanHeader(planner="hand", num_steps=num_steps, world_size=2, cluster=cluster, model=model,
-                      profile=PROFILE, hashes=InputHashes(cluster=content_hash(cluster), model=content_hash(model),
-                                                          profile=content_hash(PROFILE), manifest="synthetic"))
+                      profile=PROFILE, hashes=hashes)
 
 
 def _step(k: int) -> StepPlan:
     """Unit 0 runs sequences of 100 and 50 tokens locally, unit 1 one of 200 tokens."""
     seqs = [Sequence(sample_id=3 * k + i, length=L) for i, L in enumerate([100, 50, 200])]
-    mb = MicroBatch(groups=[Group(kind="local", tier="local", units=[0]), Group(kind="local", tier="local", units=[1])],
+    mb = MicroBatch(groups=[Group(kind="local", tier="local", units=[0]),
+                            Group(kind="local", tier="local", units=[1])],
                     placements=[Placement(seq=0, group=0, ranges=[[[0, 100]]]),
                                 Placement(seq=1, group=0, ranges=[[[0, 50]]]),
                                 Placement(seq=2, group=1, ranges=[[[0, 200]]])],
@@ -64,8 +72,10 @@ def _record(k: int, step_times: list[float]) -> dict:
 
 
 # Hand calculation (2 layers):
-#   unit 0: attention 2 x [(1e-3 + 1e-2) + (1e-3 + 2.5e-3)] = 0.029; linear 2 x (2e-3 + 1.5e-3) + (5e-3 + 3e-3) = 0.015
-#   unit 1: attention 2 x (1e-3 + 4e-2) = 0.082;                       linear 2 x (2e-3 + 2e-3) + (5e-3 + 4e-3) = 0.017
+#   unit 0: attention 2 x [(1e-3 + 1e-2) + (1e-3 + 2.5e-3)] = 0.029
+#           linear    2 x (2e-3 + 1.5e-3) + head (5e-3 + 3e-3) = 0.015
+#   unit 1: attention 2 x (1e-3 + 4e-2) = 0.082
+#           linear    2 x (2e-3 + 2e-3) + head (5e-3 + 4e-3) = 0.017
 #   simulated step = max(0.029 + 0.015, 0.082 + 0.017) + all-reduce 0.03 = 0.129; + optimizer 0.04 = 0.169
 EXPECTED = {"attention": 0.082, "remap": 0.0, "linear": 0.017, "grad_allreduce": 0.03, "optimizer": 0.04,
             "step": 0.169}
@@ -75,7 +85,8 @@ def test_report_matches_hand_calculation(tmp_path):
     plan = tmp_path / "plan.jsonl"
     write_plan(plan, _header(2), [_step(0), _step(1)])
     metrics = tmp_path / "m.jsonl"
-    metrics.write_text(json.dumps(_record(0, [0.18, 0.2])) + "\n" + json.dumps(_record(1, [0.16, 0.15])) + "\n")
+    metrics.write_text(json.dumps(_record(0, [0.18, 0.2])) + "\n"
+                       + json.dumps(_record(1, [0.16, 0.15])) + "\n")
     rep = report_for_plan(plan, metrics)
     assert rep["predictor"] == "simulator" and rep["tp_overlap"] == "none"
     assert [r["step"] for r in rep["steps"]] == [0, 1]
@@ -143,7 +154,8 @@ def test_bad_metrics_and_mismatched_steps(tmp_path):
 def test_run_cli_rejects_bad_report_options(zeppelin_bin, tmp_path):
     plan = tmp_path / "plan.jsonl"
     write_plan(plan, _header(1), [_step(0)])
-    r = subprocess.run([zeppelin_bin, "run", str(plan), "--tp-overlap", "fast"], capture_output=True, text=True)
+    r = subprocess.run([zeppelin_bin, "run", str(plan), "--tp-overlap", "fast"], capture_output=True,
+                       text=True)
     assert r.returncode == 2
     assert r.stderr.strip() == "zeppelin: error: --tp-overlap must be none, slicing or commfuse (got 'fast')"
     r = subprocess.run([zeppelin_bin, "run", str(plan), "--report-json", str(tmp_path)], capture_output=True,
@@ -157,18 +169,21 @@ def test_profile_plan_run_report_end_to_end(zeppelin_bin, tmp_path):
     """A fresh machine: profile (2 gloo ranks, tiny model) -> plan with the profile -> run --report."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     prof = tmp_path / "prof.json"
-    r = subprocess.run([zeppelin_bin, "profile", "--quick", "--nproc", "2", "--model", "tiny", "-o", str(prof)],
-                       capture_output=True, text=True, timeout=200, cwd=tmp_path, env=env)
+    r = subprocess.run([zeppelin_bin, "profile", "--quick", "--nproc", "2", "--model", "tiny",
+                        "-o", str(prof)], capture_output=True, text=True, timeout=200, cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     man = tmp_path / "lens.jsonl"
-    man.write_text("".join(json.dumps({"length": L}) + "\n" for L in [300, 40, 90, 16, 200, 60, 120, 30] * 4))
+    lens = [300, 40, 90, 16, 200, 60, 120, 30] * 4
+    man.write_text("".join(json.dumps({"length": L}) + "\n" for L in lens))
     plan = tmp_path / "plan.jsonl"
-    r = subprocess.run([zeppelin_bin, "plan", "--cluster", "local-cpu:1x2", "--model", "tiny", "--profile", str(prof),
-                        "--manifest", str(man), "--tokens-per-step", "600", "--steps", "2", "-q", "-o", str(plan)],
+    r = subprocess.run([zeppelin_bin, "plan", "--cluster", "local-cpu:1x2", "--model", "tiny",
+                        "--profile", str(prof), "--manifest", str(man), "--tokens-per-step", "600",
+                        "--steps", "2", "-q", "-o", str(plan)],
                        capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     rep_json = tmp_path / "rep.json"
-    r = subprocess.run([zeppelin_bin, "run", str(plan), "--progress", "none", "--report-json", str(rep_json)],
+    r = subprocess.run([zeppelin_bin, "run", str(plan), "--progress", "none",
+                        "--report-json", str(rep_json)],
                        capture_output=True, text=True, timeout=200, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "measured vs predicted (simulator)" in r.stdout
@@ -184,3 +199,19 @@ def test_profile_plan_run_report_end_to_end(zeppelin_bin, tmp_path):
     assert rep["summary"]["step"]["steps"] == 2 and rep["summary"]["step"]["worst_abs"] >= 0
     metrics = Path(str(plan).removesuffix(".jsonl") + ".metrics.jsonl")
     assert len(metrics.read_text().splitlines()) == 2
+
+
+def test_measured_points_correct_the_polynomial():
+    """Profiles keep their measurements: the cost model follows them exactly and uses the
+    polynomial's shape between (log-interpolated correction) and beyond them."""
+    from zeppelin.planner.cost import CostModel, eval_fit
+
+    # measured: 2x the polynomial at 100 tokens, exactly the polynomial at 200
+    fit = PolyFit(coeffs=[1e-3, 0.0, 1e-6], points=[[100.0, 0.022], [200.0, 0.041]])
+    n = [50.0, 100.0, 200.0 ** 0.5 * 100.0 ** 0.5, 200.0, 400.0]
+    want = [2 * (1e-3 + 2.5e-3), 0.022, 1.5 * (1e-3 + 1e-6 * 20000.0), 0.041, 1e-3 + 1e-6 * 160000.0]
+    assert eval_fit(fit, n) == pytest.approx(want, rel=1e-9)
+    assert eval_fit(fit.model_copy(update={"points": None}), 100.0) == pytest.approx(0.011)
+    prof = PROFILE.model_copy(update={"fits": [PROFILE.fits[0].model_copy(update={"attention": fit})]})
+    cm = CostModel(cluster_preset("local-cpu:1x2"), model_preset("tiny"), prof)
+    assert float(cm.attn_time(100)) == pytest.approx(0.022) and float(cm.attn_time(0)) == 0.0
