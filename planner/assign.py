@@ -80,16 +80,21 @@ def greedy_pack(pre: np.ndarray, pre_tok: np.ndarray, cost: np.ndarray, tokens: 
     """LPT, then (``search``) local search unless LPT is already within ``tol`` of the bound."""
     t0 = time.perf_counter()
     B = len(pre)
-    loads = np.array(pre, dtype=np.float64)
-    toks = np.array(pre_tok, dtype=np.float64)
-    m = len(cost)
+    # plain Python floats in the loop (numpy scalar indexing costs more than the arithmetic);
+    # the same IEEE operations in the same order as on arrays
+    loads = np.asarray(pre, dtype=np.float64).tolist()
+    toks = np.asarray(pre_tok, dtype=np.float64).tolist()
+    costs = np.asarray(cost, dtype=np.float64)
+    m = len(costs)
+    widths = np.asarray(width, dtype=np.int64)
+    cost_l, tok_l, width_l = costs.tolist(), np.asarray(tokens, dtype=np.float64).tolist(), widths.tolist()
     out: list[list[int]] = [[] for _ in range(m)]
-    # wide items first (they constrain most), each group by cost descending
-    order = sorted(range(m), key=lambda i: (-int(width[i]), -float(cost[i])))
+    # wide items first (they constrain most), each group by cost descending (stable: ties by index)
+    order = np.lexsort((-costs, -widths)).tolist() if m else []
     heap = [(loads[b], b) for b in range(B)]
     heapq.heapify(heap)
     for i in order:
-        w, c, k = int(width[i]), float(cost[i]), float(tokens[i])
+        w, c, k = width_l[i], cost_l[i], tok_l[i]
         if w > B:
             raise PackInfeasible(i, f"item {i} needs {w} bins, only {B} exist")
         if w == 1:
@@ -112,18 +117,18 @@ def greedy_pack(pre: np.ndarray, pre_tok: np.ndarray, cost: np.ndarray, tokens: 
             heapq.heappush(heap, (loads[chosen], chosen))
             out[i] = [chosen]
         else:
-            room = toks + k <= cap
-            cand = np.flatnonzero(room)
+            cand = [b for b in range(B) if toks[b] + k <= cap]
             if len(cand) < w:
                 raise PackInfeasible(i, f"item {i} needs {w} bins with {int(k)} tokens of room, "
                                         f"{len(cand)} have it")
-            sel = cand[np.argsort(loads[cand], kind="stable")[:w]]
-            sel.sort()
-            loads[sel] += c
-            toks[sel] += k
+            sel = sorted(sorted(cand, key=loads.__getitem__)[:w])  # least loaded; ties: lowest bin
             for b in sel:
-                heapq.heappush(heap, (loads[b], int(b)))
-            out[i] = [int(b) for b in sel]
+                loads[b] += c
+                toks[b] += k
+                heapq.heappush(heap, (loads[b], b))
+            out[i] = sel
+    loads = np.array(loads, dtype=np.float64)
+    toks = np.array(toks, dtype=np.float64)
     lb = lower_bound(np.asarray(pre, dtype=np.float64), np.asarray(cost, dtype=np.float64), np.asarray(width))
     if search and m and B and float(loads.max()) > lb * (1.0 + tol):
         _local_search(out, loads, toks, cost, tokens, width, cap)
