@@ -131,6 +131,10 @@ class CostModel:
     def attn_block_time(self, lq, lk, causal: bool = False) -> np.ndarray:
         """fwd+bwd time of one attention block (a ring round's chunk pair) per layer."""
         lq, lk = _arr(lq), _arr(lk)
+        if not causal and self._fits is not None and self._fits.attention_block is not None:
+            # measured directly: a block with every key visible, at its geometric-mean size
+            n = np.sqrt(np.maximum(lq * lk, 0.0))
+            return np.where(lq * lk > 0, eval_fit(self._fits.attention_block, n), 0.0)
         if self._fits is not None and self._fits.attention is not None:
             # scale the whole-sequence fit by the block's share of a causal L x L square
             eq = np.sqrt(np.maximum(lq * lk * (1.0 if causal else 2.0), 0.0))

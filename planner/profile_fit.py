@@ -192,6 +192,12 @@ def build_profile(raw: dict, model, cluster_name: str = "") -> tuple["CostProfil
                                worst=att_rep.worst)
     report["linear"] = dict(coeffs=lin_rep.coeffs, rel_errors=lin_rep.rel_errors, median=lin_rep.median,
                             worst=lin_rep.worst)
+    block_fit = None
+    if raw.get("attention_block_s"):  # off-diagonal ring blocks, every key visible
+        block_fit, block_rep = poly_fit_record(raw["attention_block_sizes"], raw["attention_block_s"], 2,
+                                               keep_points=True)
+        report["attention_block"] = {"coeffs": block_rep.coeffs, "rel_errors": block_rep.rel_errors,
+                                     "median": block_rep.median, "worst": block_rep.worst}
     head_fit = None
     if raw.get("head_s"):  # embedding + final norm + LM head + loss, once per model
         head_fit, head_rep = poly_fit_record(raw["linear_tokens"], raw["head_s"], 2, keep_points=True)
@@ -254,6 +260,6 @@ def build_profile(raw: dict, model, cluster_name: str = "") -> tuple["CostProfil
         memory_reserved_gb=0.5 if topo.get("device") == "cpu" else 4.0,
         optimizer_s_per_param=float(opt_s) / nparams if opt_s is not None and nparams else None,
         fits=[ModelFits(model=raw["model"], dtype=raw["dtype"], attention=att_fit, linear=lin_fit,
-                        head=head_fit, optimizer_s=opt_s, grad_allreduce_s=ar)],
+                        attention_block=block_fit, head=head_fit, optimizer_s=opt_s, grad_allreduce_s=ar)],
     )
     return prof, report

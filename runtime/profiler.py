@@ -6,6 +6,7 @@ Measures, with warm-up and repeated timing (CUDA events on GPU, perf_counter on 
 at once so that shared resources (CPU cores, memory bandwidth, NICs) are loaded as in training:
 
 * attention forward+backward of one layer over a grid of sequence lengths (the local kernel),
+  of n x n blocks with every key visible (a ring round's off-diagonal chunk pair),
   and one ring round (a K/V block exchange between ring neighbours concurrent with a block's
   compute) for each group size;
 * the runtime's decoder layer without its attention (linear modules, norms, RoPE, residuals) and
@@ -124,6 +125,29 @@ def measure_attention(model: ModelSpec, lengths, dev, timer, reps, warmup):
         return step
 
     return timer.sweep([make(L) for L in lengths], reps, warmup, sync=dist.barrier)
+
+
+def measure_attention_block(model: ModelSpec, sizes, dev, timer, reps, warmup):
+    """Forward+backward of an n x n block whose keys all precede its queries (a ring round's
+    off-diagonal chunk pair) through the runtime's block kernels, for each n."""
+    from zeppelin.runtime.attention import attention_block, attention_block_backward
+
+    dt = _dtype(model)
+
+    def make(n):
+        q = torch.randn(n, model.num_heads, model.head_dim, device=dev, dtype=dt)
+        k = torch.randn(n, model.num_kv_heads, model.head_dim, device=dev, dtype=dt)
+        v = torch.randn(n, model.num_kv_heads, model.head_dim, device=dev, dtype=dt)
+        g = torch.randn(n, model.num_heads, model.head_dim, device=dev, dtype=dt)
+        qr, kr = (n, 2 * n), (0, n)
+
+        def step():
+            o, lse = attention_block(q, k, v, qr, kr)
+            attention_block_backward(g, q, k, v, o, lse, qr, kr)
+
+        return step
+
+    return timer.sweep([make(n) for n in sizes], reps, warmup, sync=dist.barrier)
 
 
 def measure_model_parts(model: ModelSpec, tokens, dev, timer, reps, warmup):
@@ -409,6 +433,9 @@ def main(argv=None) -> int:
     say(f"{world} ranks ({a.nodes} node(s) x {gpn}), model {model.name}, {'quick' if a.quick else 'full'} grid")
     say("attention forward+backward ...")
     att = measure_attention(model, grid["att"], dev, timer, reps, warm)
+    blocks = grid["att"][:-1]
+    say("attention blocks of ring rounds (every key visible) ...")
+    att_block = measure_attention_block(model, blocks, dev, timer, reps, warm)
     say("decoder layer without attention, and embedding + LM head + loss, forward+backward ...")
     lin, head = measure_model_parts(model, grid["lin"], dev, timer, reps, warm)
     say("optimizer step and gradient all-reduce ...")
@@ -431,7 +458,8 @@ def main(argv=None) -> int:
         from zeppelin.planner.profile_fit import build_profile
 
         raw = dict(model=model.name, dtype=model.dtype, world=world, nodes=a.nodes, attention_lengths=grid["att"],
-                   attention_s=att, linear_tokens=grid["lin"], linear_s=lin, head_s=head, optimizer_s=opt_s,
+                   attention_s=att, attention_block_sizes=blocks, attention_block_s=att_block,
+                   linear_tokens=grid["lin"], linear_s=lin, head_s=head, optimizer_s=opt_s,
                    num_params=nparams, grad_allreduce_s=ar, p2p_bytes=grid["p2p"], p2p_s=p2p,
                    collectives_s=coll, collective_bytes=grid["p2p"][-1], ring_round_s=ring,
                    concurrent_inter_ratio=share, topology=topo,

@@ -52,6 +52,9 @@ class ModelFits(Strict):
     attention: PolyFit | None = Field(default=None, description="t(L) for one sequence of length L")
     linear: PolyFit | None = Field(default=None, description="t(T) for T tokens through all linear modules")
     tp: int = 1
+    attention_block: PolyFit | None = Field(
+        default=None, description="t(n) for an n x n block of one sequence whose keys all precede its queries "
+        "(a ring round's off-diagonal chunk pair), forward + backward")
     head: PolyFit | None = Field(default=None, description="t(T): embedding + final norm + LM head + loss, "
                                  "once per model (not per layer)")
     optimizer_s: float | None = Field(

@@ -215,3 +215,16 @@ def test_measured_points_correct_the_polynomial():
     prof = PROFILE.model_copy(update={"fits": [PROFILE.fits[0].model_copy(update={"attention": fit})]})
     cm = CostModel(cluster_preset("local-cpu:1x2"), model_preset("tiny"), prof)
     assert float(cm.attn_time(100)) == pytest.approx(0.022) and float(cm.attn_time(0)) == 0.0
+
+
+def test_ring_blocks_use_the_measured_block_fit():
+    """Off-diagonal ring blocks (every key visible) are timed with the profile's block fit at the
+    block's geometric-mean size; causal blocks keep the whole-sequence attention fit."""
+    from zeppelin.planner.cost import CostModel
+
+    block = PolyFit(coeffs=[2e-4, 0.0, 3e-7])
+    prof = PROFILE.model_copy(update={"fits": [PROFILE.fits[0].model_copy(update={"attention_block": block})]})
+    cm = CostModel(cluster_preset("local-cpu:1x2"), model_preset("tiny"), prof)
+    assert float(cm.attn_block_time(100, 400, causal=False)) == pytest.approx(2e-4 + 3e-7 * 100 * 400)
+    assert float(cm.attn_block_time(100, 100, causal=True)) == pytest.approx(1e-3 + 1e-6 * 100 * 100)
+    assert float(cm.attn_block_time(0, 400, causal=False)) == 0.0
