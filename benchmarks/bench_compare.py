@@ -275,6 +275,34 @@ def render_page(cells: list[dict], summ: dict, lines: list[str], args, wall: flo
     return "\n".join(out)
 
 
+_NO_CBC = ("import pulp\n"
+           "def _no_cbc(*a, **k):\n"
+           "    raise RuntimeError('CBC fallback disabled for this measurement')\n"
+           "pulp.PULP_CBC_CMD = _no_cbc\n")
+
+
+def speed(args) -> dict:
+    """`zeppelin compare` at 64 GPUs, 50 steps, every planner: wall and CPU (with all child processes)."""
+    import resource
+    import subprocess
+
+    cmd = ["compare", "-c", "zeppelin-a:8", "-m", "llama-7b", "-n", str(args.speed_steps), "--json"]
+    code = ("import sys\n" + (_NO_CBC if args.no_cbc_fallback else "")
+            + "from zeppelin.planner.cli import main\nmain(sys.argv[1:])\n")
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code, *cmd], capture_output=True, text=True, check=True)
+    wall = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    doc = json.loads(out.stdout)
+    per = {p["planner"]: ({"error": p["error"]} if p.get("error") else {
+        "plan_latency_mean_ms": p["plan_latency_mean_s"] * 1e3, "plan_cpu_mean_ms": p["plan_cpu_mean_s"] * 1e3,
+        "simulate_cpu_mean_ms": p["simulate_cpu_mean_s"] * 1e3}) for p in doc["planners"]}
+    return {"command": "zeppelin " + " ".join(cmd), "cbc_fallback": not args.no_cbc_fallback, "wall_s": wall,
+            "cpu_s": (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime),
+            "load_average_after": os.getloadavg(), "planners": per}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=4, help="steps per cell")
@@ -291,7 +319,16 @@ def main(argv=None) -> None:
     ap.add_argument("--out-dir", type=Path, default=ROOT / "docs", help="RESULTS.md, results.json and img/ go here")
     ap.add_argument("--from-json", type=Path, default=None,
                     help="re-render the page and charts from a previous run's results.json (no planning)")
+    ap.add_argument("--speed", action="store_true",
+                    help="only time `zeppelin compare` at 64 GPUs x --speed-steps steps x every planner (JSON)")
+    ap.add_argument("--speed-steps", type=int, default=50)
+    ap.add_argument("--no-cbc-fallback", action="store_true",
+                    help="with --speed: make PuLP's CBC unavailable (the zeppelin planner's ILP then falls back "
+                         "to its greedy packing instead of a CBC subprocess)")
     args = ap.parse_args(argv)
+    if args.speed:
+        print(json.dumps(speed(args), indent=1))
+        return
     args.planners = [p for p in args.planners.split(",") if p]
     args.machine = f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.system()}"
     cls = [CLUSTERS[k] for k in args.clusters.split(",")]
