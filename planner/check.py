@@ -276,6 +276,7 @@ def run_case(case: Case, update: bool = False) -> CaseResult:
                 for sp in plans:
                     w.write(sp)
             res.written = True
+            res.notes = [n for n in res.notes if "another cost profile" not in n]  # the new golden has this one
     return res
 
 
