@@ -1,6 +1,10 @@
-"""Solving the baselines' (M)ILPs with PuLP: HiGHS when available, CBC otherwise; warm starts.
+"""Solving the baselines' (M)ILPs: HiGHS when available, CBC otherwise; warm starts.
 
-pulp is imported inside functions so that importing the planner registry stays fast.
+* :func:`solve` - a PuLP model (Hydraulis' packing ILP);
+* :class:`SparseMilp` - a MILP given as arrays and handed to highspy directly (FlexSP: building a PuLP
+  model of thousands of variables cost more than solving it).
+
+pulp and highspy are imported inside functions so that importing the planner registry stays fast.
 """
 
 from __future__ import annotations
