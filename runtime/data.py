@@ -38,11 +38,12 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
 
 
 def synthetic_tokens(sample_id: int, start: int, end: int, *, seed: int, vocab: int,
-                     noise: float = 0.1) -> np.ndarray:
+                     noise: float = 0.1, max_stride: int = 4) -> np.ndarray:
     """Token ids of positions ``start..end-1`` of synthetic sample ``sample_id`` (int64, in [0, vocab)).
 
     Learnable but not trivial: each sample is an arithmetic progression modulo ``vocab`` with its
-    own start and stride (a model must infer the stride in context, through attention), and a
+    own start and a stride in ``1..max_stride`` (a model must infer the stride in context, through
+    attention to the previous tokens; small strides let a small model learn it in a few steps), and a
     fraction ``noise`` of the positions carries a uniformly random id. Every id is a pure function
     of ``(seed, sample_id, position)`` (SplitMix64), so any slice is computed without the rest.
     """
@@ -52,7 +53,7 @@ def synthetic_tokens(sample_id: int, start: int, end: int, *, seed: int, vocab: 
         key = _splitmix64(np.uint64(seed & 0xFFFFFFFFFFFFFFFF) * _M2 + np.uint64(sample_id))
         v = np.uint64(vocab)
         first = key % v
-        stride = np.uint64(1) + (key >> np.uint64(32)) % np.uint64(max(vocab - 1, 1))
+        stride = np.uint64(1) + (key >> np.uint64(32)) % np.uint64(max(min(max_stride, vocab - 1), 1))
         pos = np.arange(start, end, dtype=np.uint64)
         clean = (first + stride * pos) % v
         h = _splitmix64(pos ^ _splitmix64(key))

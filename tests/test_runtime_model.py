@@ -39,7 +39,7 @@ def test_synthetic_tokens_are_counter_based():
     assert stride != 0 and 0.75 < float(np.mean(diffs == stride)) < 0.86  # P(both clean) = 0.81
     strides = {int(np.bincount(np.diff(synthetic_tokens(i, 0, 200, seed=0, vocab=101)) % 101).argmax())
                for i in range(20)}
-    assert len(strides) > 10  # samples differ in stride
+    assert strides == {1, 2, 3, 4}  # samples differ in stride, a small one (learnable by a small model)
 
 
 def test_segments_labels_positions_and_padding():
