@@ -246,7 +246,8 @@ def render(report: dict[str, Any], console=None) -> None:
                   _pct(r["rel_error"]["step"]), _ms(r["plan_prediction_s"]))
     con.print(t)
     s = report["summary"]["step"]
-    con.print("* first step of the run (includes one-time warm-up costs)")
+    con.print("* first step of the run (includes one-time warm-up costs); measured allreduce: the rank that "
+              "waited least (the others also wait for stragglers)")
     con.print(f"prediction: {report['predictor']} with the plan's profile ({report['profile']}); "
               f"tp overlap {report['tp_overlap']}")
     if s["steps"]:
