@@ -119,11 +119,52 @@ class MBTerms:
     mem_tokens: np.ndarray  # max(attention-layout tokens, linear-layout tokens)
     nic_routed: dict[str, float]
     nic_unrouted: dict[str, float]
+    #: per unit: the micro-batch's time on the unit once coupling is charged - every unit of a set of
+    #: units that exchange data (ring / all-gather / all-to-all partners, remap peers) waits, every
+    #: layer, for the slowest of the set; plus the unit's own LM head. None: not computed (= busy)
+    coupled: np.ndarray | None = None
 
     @property
     def busy(self) -> np.ndarray:
         """Per-unit time of this micro-batch (without the step's gradient all-reduce)."""
         return self.attn + self.lin + self.exposed
+
+    @property
+    def period(self) -> np.ndarray:
+        """Per-unit time of this micro-batch including the waits for coupled units."""
+        return self.busy if self.coupled is None else self.coupled
+
+
+def coupled_components(n: int, pairs) -> np.ndarray:
+    """Component label of each of ``n`` units, given iterables of units that exchange data."""
+    parent = np.arange(n)
+
+    def find(x: int) -> int:
+        root = x
+        while parent[root] != root:
+            root = parent[root]
+        while parent[x] != root:
+            parent[x], x = root, parent[x]
+        return root
+
+    for us in pairs:
+        it = iter(us)
+        first = next(it, None)
+        if first is None:
+            continue
+        ra = find(int(first))
+        for u in it:
+            rb = find(int(u))
+            if rb != ra:
+                parent[rb] = ra
+    return np.array([find(u) for u in range(n)], dtype=np.int64)
+
+
+def component_max(labels: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Per unit: the maximum of ``x`` over the unit's component."""
+    m = np.full(len(x), -np.inf)
+    np.maximum.at(m, labels, x)
+    return m[labels]
 
 
 def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool = True) -> MBTerms:
@@ -196,7 +237,9 @@ def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool
         lin_held = held.copy()
     else:
         lin_held = np.array([sum(e - s for _, s, e in segs) for segs in mb.linear_layout], dtype=np.float64)
-    lin = layers * cost.linear_time(lin_held) + cost.head_time(lin_held)
+    head = np.asarray(cost.head_time(lin_held), dtype=np.float64)
+    lin = layers * cost.linear_time(lin_held) + head
+    links: list = [g.units for g in groups if len(g.units) > 1]
     if ctx.tp > 1:
         t_tp = layers * cost.tp_exposed_comm(lin_held)
         comm = comm + t_tp
@@ -210,14 +253,29 @@ def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool
                     if e > s:
                         att_sets[units[pos]][p.seq].append((s, e))
         moved = np.zeros(n)
+        seq_units: dict[int, set[int]] = defaultdict(set)
+        for p in pls:
+            for pos, rs in enumerate(p.ranges):
+                if any(e > s for s, e in rs):
+                    seq_units[p.seq].add(groups[p.group].units[pos])
         for u in range(n):
-            moved[u] = sum(_overlap_out(seg, att_sets[u]) for seg in mb.linear_layout[u])
+            for seg in mb.linear_layout[u]:
+                out = _overlap_out(seg, att_sets[u])
+                if out > 0:
+                    moved[u] += out
+                    links.append([u, *seq_units.get(seg[0], ())])
         t_remap = layers * cost.remap_time(moved)
         comm = comm + t_remap
         exposed = exposed + t_remap
-    return MBTerms(attn=attn, lin=np.asarray(lin, dtype=np.float64), comm=comm, exposed=exposed,
+    lin = np.asarray(lin, dtype=np.float64)
+    # coupling: partners meet every layer, so per layer a unit waits for its component's slowest
+    # member (the LM head runs once per micro-batch, after the last layer, on each unit's own tokens)
+    labels = coupled_components(n, links)
+    coupled = component_max(labels, attn + lin - head + exposed) + head
+    return MBTerms(attn=attn, lin=lin, comm=comm, exposed=exposed,
                    tokens=lin_held.astype(np.int64), mem_tokens=np.maximum(held, lin_held),
-                   nic_routed=nic_loads(ctx, mb, routed=True), nic_unrouted=nic_loads(ctx, mb, routed=False))
+                   nic_routed=nic_loads(ctx, mb, routed=True), nic_unrouted=nic_loads(ctx, mb, routed=False),
+                   coupled=coupled)
 
 
 def predict_from_terms(ctx: PlanContext, lengths, terms: list[MBTerms]) -> Prediction:
@@ -232,7 +290,9 @@ def predict_from_terms(ctx: PlanContext, lengths, terms: list[MBTerms]) -> Predi
     mem_tokens = np.zeros(n)
     nic_r: dict[str, float] = defaultdict(float)
     nic_u: dict[str, float] = defaultdict(float)
+    period = np.zeros(n)
     for t in terms:
+        period += t.period
         attn += t.attn
         lin += t.lin
         comm += t.comm
@@ -249,7 +309,8 @@ def predict_from_terms(ctx: PlanContext, lengths, terms: list[MBTerms]) -> Predi
     total = attn + lin + exposed
     work_b, long_b = lower_bounds(ctx, np.asarray(lengths, dtype=np.float64))
     return Prediction(
-        step_time_s=float(total.max()),
+        # units that exchange data wait for each other every layer of every micro-batch
+        step_time_s=float(max((period + ar).max(), total.max())),
         lower_bound_s=max(work_b, long_b),
         work_bound_s=work_b,
         longest_bound_s=long_b,

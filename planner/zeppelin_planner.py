@@ -164,20 +164,39 @@ class ZeppelinPlanner(Planner):
             if parts is None:
                 M += 1
                 continue
-            try:
-                # plan micro-batches coarse ones first, each balanced on top of the per-unit load
-                # the earlier ones left (the step time is the per-unit sum over micro-batches)
-                carry = np.zeros(n)
-                order = sorted(range(len(parts)), key=lambda k: -max(lengths[i] for i in parts[k]))
-                built = [None] * len(parts)
-                for k in order:
-                    mb, st, terms = self._best_microbatch(ctx, tg, sequences, parts[k], carry)
-                    carry = carry + terms.busy
-                    built[k] = (mb, st, terms)
-            except PackInfeasible as e:
-                last_err = e
+            # two whole-step searches, the faster by the prediction wins: (1) tiered spans, per
+            # micro-batch the better of balancing total cost or attention with a remap; (2) node-CP
+            # without remap in every micro-batch (a te-cp-like layout inside zeppelin's search
+            # space): nodes then never wait for each other, so one micro-batch's hot node can be
+            # another's cold one, and no unit waits on partners from rings of assorted widths
+            best_built, best_t = None, float("inf")
+            for mode, (floors, balances) in enumerate(self._modes(ctx)):
+                if (mode > 0 and best_built is not None and n > 256
+                        and not self._coupling_waste(best_built, best_t)):
+                    # large clusters, for planning latency: the tiered plan loses (almost) nothing
+                    # to waits, so node-CP is unlikely to beat it
+                    break
+                try:
+                    # plan micro-batches coarse ones first, each balanced on top of the per-unit load
+                    # the earlier ones left (per unit, the step is the sum of its micro-batch
+                    # periods, a period including the waits for the unit's coupled partners)
+                    carry = np.zeros(n)
+                    order = sorted(range(len(parts)), key=lambda k: -max(lengths[i] for i in parts[k]))
+                    built = [None] * len(parts)
+                    for k in order:
+                        mb, st, terms = self._best_microbatch(ctx, tg, sequences, parts[k], carry, floors, balances)
+                        carry = carry + terms.period
+                        built[k] = (mb, st, terms)
+                except PackInfeasible as e:
+                    last_err = e
+                    continue
+                t = float(carry.max())
+                if t < best_t:
+                    best_built, best_t = built, t
+            if best_built is None:
                 M += 1
                 continue
+            built = best_built
             break
         else:  # every sequence fits alone (checked above), so this means a packing failure
             raise PlanningError(f"step {step}: no feasible assignment found ({last_err})")
@@ -218,34 +237,54 @@ class ZeppelinPlanner(Planner):
         return [sorted(p) for p in parts]
 
     # ------------------------------------------------------------------ one micro-batch
-    def _best_microbatch(self, ctx: PlanContext, tg: Tiering, sequences: list[Sequence], idx: list[int],
-                         carry: np.ndarray):
-        """Two candidate layouts, the faster by the prediction wins:
+    def _coupling_waste(self, built, t: float) -> bool:
+        """Whether the units of a planned step lose more than ``tol`` of it waiting for partners."""
+        busy = sum(b[2].busy for b in built)
+        return t - float(busy.max()) > self.tol * t
 
+    def _modes(self, ctx: PlanContext) -> list[tuple[list, list[str]]]:
+        """(span floors, balance objectives) of each whole-step search (see :meth:`_plan_step`)."""
+        balances = ["total"] + (["attention"] if self.remap and _optional("remap") is not None else [])
+        if ctx.units_per_node <= 1:
+            return [([None], balances)]
+        node_cp = ctx.units_per_node - 1  # index of Span(units_per_node, "intra")
+        return [([None], balances), ([node_cp], ["total"])]
+
+    def _best_microbatch(self, ctx: PlanContext, tg: Tiering, sequences: list[Sequence], idx: list[int],
+                         carry: np.ndarray, floors: list | None = None, balances: list[str] | None = None):
+        """Candidate layouts, the faster by the prediction (``carry`` + the period) wins:
+
+        * spans from the tiers (``floor`` None) or node-CP (``floor``: every splittable sequence
+          that fits on one node takes a ring over the whole node, sequences balanced over nodes);
         * balance the total per-unit cost (attention + linear work in the attention layout), no
           remap - the linear modules run where attention ran;
         * (remap layer on) balance attention alone and let the remap even out the linear tokens
           (the remap layer itself drops the remap when it does not pay).
 
         Returns the micro-batch, its stats and its prediction terms (:func:`.predict.microbatch_terms`;
-        their ``busy`` is the predicted per-unit time without the step's gradient all-reduce)."""
-        cands = [self._plan_microbatch(ctx, tg, sequences, idx, carry, balance="total")]
-        if self.remap and _optional("remap") is not None:
-            try:
-                cands.append(self._plan_microbatch(ctx, tg, sequences, idx, carry, balance="attention"))
-            except PackInfeasible:
-                pass
+        their ``period`` is the predicted per-unit time without the step's gradient all-reduce,
+        waits for coupled units included)."""
+        cands = []
+        err = None
+        for floor in floors if floors is not None else [None]:
+            for bal in balances if balances is not None else ["total"]:
+                try:
+                    cands.append(self._plan_microbatch(ctx, tg, sequences, idx, carry, balance=bal, floor=floor))
+                except PackInfeasible as e:
+                    err = err or e
+        if not cands:
+            raise err
         best = None
         lengths = [s.length for s in sequences]
         for mb, st in cands:
             terms = microbatch_terms(ctx, lengths, mb)
-            t = float((carry + terms.busy).max())
+            t = float((carry + terms.period).max())
             if best is None or t < best[0]:
                 best = (t, mb, st, terms)
         return best[1], best[2], best[3]
 
     def _plan_microbatch(self, ctx: PlanContext, tg: Tiering, sequences: list[Sequence], idx: list[int],
-                         carry: np.ndarray, balance: str = "total"):
+                         carry: np.ndarray, balance: str = "total", floor: int | None = None):
         cost = ctx.cost
         layers = ctx.model.num_layers
         n, upn, N = ctx.num_units, ctx.units_per_node, ctx.cluster.num_nodes
@@ -269,10 +308,12 @@ class ZeppelinPlanner(Planner):
             k = tg.choose_span_index(tb, target, lin_rate)
             unit_t = T_all[k, cols]
             target = float((unit_t * tb.G[k]).sum()) / n
+        if floor is not None:
+            # the node-CP candidate: every sequence long enough to split spans at least ``floor``
+            k = np.where(tb.F[floor] & (Ls >= 2 * tb.G[floor]), floor, np.maximum(k, floor * (Ls >= 2 * tb.G[floor])))
+            unit_t = T_all[k, cols]
         spans = [tg.spans[x] for x in k]
         st = _MBStats()
-        for s in spans:
-            st.tiers[s.tier] += 1
         Gk = np.array([tg.spans[x].G for x in range(len(tg.spans))], dtype=np.int64)[k]
         inter_k = np.array([s.tier == "inter" for s in tg.spans], dtype=bool)[k]
         per_tok = zigzag_max_tokens_array(Ls, Gk).astype(np.float64)
@@ -305,11 +346,33 @@ class ZeppelinPlanner(Planner):
         for nd in range(N):
             js = by_node.get(nd, [])
             sl = slice(nd * upn, (nd + 1) * upn)
-            r2 = pack(pre[sl], pre_tok[sl], unit_t[js], per_tok[js], np.array([spans[j].G for j in js], dtype=np.int64),
-                      float(cap), ilp="never")
+            try:
+                r2 = pack(pre[sl], pre_tok[sl], unit_t[js], per_tok[js],
+                          np.array([spans[j].G for j in js], dtype=np.int64), float(cap), ilp="never")
+            except PackInfeasible:
+                # the node's tokens fit (level 1 checked), but its rings of assorted widths leave
+                # no G units with room together: widen them to the whole node (equal shares on
+                # every unit, like static CP inside the node) - first the rings, then every
+                # sequence long enough to split - before the caller falls back to more micro-batches
+                r2 = None
+                whole = upn - 1  # index of Span(upn, "intra") in tg.spans
+                for min_len in (None, 2 * upn):
+                    for j in js:
+                        if (spans[j].G > 1 if min_len is None else Ls[j] >= min_len) and upn > 1:
+                            spans[j] = tg.spans[whole]
+                            unit_t[j] = T_all[whole, j]
+                            per_tok[j] = float(zigzag_max_tokens_array(Ls[j:j + 1], [upn])[0])
+                    try:
+                        r2 = pack(pre[sl], pre_tok[sl], unit_t[js], per_tok[js],
+                                  np.array([spans[j].G for j in js], dtype=np.int64), float(cap), ilp="never")
+                        break
+                    except PackInfeasible:
+                        if min_len is not None:
+                            raise
             node_results[nd] = r2
         # polish with the ILP only the nodes that set the step's maximum
-        if self.ilp != "never" and node_results:
+        # (node-CP: rings take whole nodes, so the units of a node carry near-equal loads already)
+        if self.ilp != "never" and node_results and floor is None:
             lb = max(r.lower_bound for r in node_results.values())
             top = max(r.makespan for r in node_results.values())
             for nd, r2 in node_results.items():
@@ -329,6 +392,8 @@ class ZeppelinPlanner(Planner):
                 unit_of[j] = [nd * upn + b for b in r2.bins[jj]]
             st.results.append(r2)
         st.unit_loads = loads
+        for sp in spans:
+            st.tiers[sp.tier] += 1
         st.level2_lb = max((r.lower_bound for r in node_results.values()), default=0.0)
 
         # ---- groups, placements, queues
