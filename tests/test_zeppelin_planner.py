@@ -447,7 +447,7 @@ def test_prediction_charges_waits_for_coupled_partners():
     from zeppelin.schemas.plan import Group, MicroBatch, Placement
 
     ctx = make_ctx("zeppelin-a", "llama-7b")
-    c, layers, n = ctx.cost, ctx.model.num_layers, ctx.num_units
+    c, n = ctx.cost, ctx.num_units
     lengths = [8000, 2000, 500]
     mb = MicroBatch(
         groups=[Group(kind="ring", tier="intra", units=[0, 1]), Group(kind="ring", tier="intra", units=[1, 2]),
