@@ -266,19 +266,27 @@ class CostModel:
         return 4.0 * self.p2p_time(self.hidden_bytes(max_tokens_moved_per_unit), cls)
 
     def grad_allreduce_time(self, num_units: int | None = None) -> float:
-        """Ring all-reduce of gradients across units (bottleneck: per-GPU share of node NIC bandwidth)."""
+        """Gradient all-reduce across the ``n`` data-parallel units, as NCCL does it on a cluster:
+        hierarchical — reduce-scatter inside each node over the intra-node links, an all-reduce
+        of each node's shards across nodes that spreads over all of the node's NICs (one
+        replica's gradient crosses each node's NICs 2(N-1)/N times), then an all-gather inside
+        the node. On one node, a ring over the intra-node links. Not overlapped with backward
+        (an upper bound: DDP-style bucketing hides part of it)."""
         n = num_units or self.num_units
         if n <= 1:
             return 0.0
         if self._fits is not None and str(n) in self._fits.grad_allreduce_s:  # measured for this model
             return float(self._fits.grad_allreduce_s[str(n)])
-        grad_bytes = self.model.num_params() / self.tp * self.act_bytes
-        if self.cluster.num_nodes > 1:
-            bw = self.cluster.node_nic_bandwidth_GBps / self.cluster.gpus_per_node
-            lat = self.inter_link.alpha_s
-        else:
-            bw, lat = self.intra_link.bandwidth_GBps, self.intra_link.alpha_s
-        return float(2.0 * (n - 1) / n * grad_bytes / (bw * 1e9) + 2 * (n - 1) * lat)
+        shard = self.model.num_params() / self.tp * self.act_bytes   # one GPU's gradient bytes
+        intra = self.intra_link
+        nodes = self.cluster.num_nodes if n > self.units_per_node else 1
+        u = min(n, self.units_per_node) if nodes > 1 else n
+        t = 2.0 * (u - 1) / u * shard / (intra.bandwidth_GBps * 1e9) + 2 * (u - 1) * intra.alpha_s
+        if nodes > 1:
+            replica = shard * self.tp                                # a full replica's gradient
+            t += (2.0 * (nodes - 1) / nodes * replica / (self.cluster.node_nic_bandwidth_GBps * 1e9)
+                  + 2 * (nodes - 1) * self.inter_link.alpha_s)
+        return float(t)
 
     def optimizer_time(self) -> float:
         """The AdamW step of one rank (every rank updates its whole replica shard, P / tp

@@ -770,6 +770,10 @@ class _Layer:
             cost = self.sim.cost_for(self.reps[u].tp)
             dur = float(cost.linear_time(lin_tok[u]))
             lin_task[u] = eng.compute(u, dur, (10**9, 0), [attn_done[u]] + in_deps.get(u, []), cat="linear")
+            if cost.tp > 1:  # TP-SP all-gathers / reduce-scatters the GEMMs cannot hide (per overlap mode)
+                tp_exp = float(cost.tp_exposed_comm(lin_tok[u]))
+                if tp_exp > 0:
+                    lin_task[u] = eng.compute(u, tp_exp, (10**9, 1), [lin_task[u]], cat="tp-comm")
         for (a, b), tokens in moves.items():
             nb = 2.0 * tokens * hidden_dev / self.reps[b].tp
             self.transfer(b, a, nb, [lin_task[a], lin_task[b]], "remap")
@@ -907,7 +911,7 @@ class _Layer:
             if t.kind == "compute":
                 if t.cat == "linear":
                     comp_l[t.unit] += t.dur
-                else:
+                elif t.cat != "tp-comm":  # exposed TP communication counts as exposed, not busy
                     comp_a[t.unit] += t.dur
                 f[t.unit] = max(f[t.unit], t.end)
             elif t.kind == "flow":

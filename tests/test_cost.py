@@ -156,6 +156,11 @@ def test_grad_allreduce():
     grad = TINY.num_params() * 4
     np.testing.assert_allclose(c.grad_allreduce_time(), 2 * 3 / 4 * grad / 10e9)
     assert c.grad_allreduce_time(1) == 0.0
+    # two nodes of 2: reduce-scatter/all-gather inside the node (10 GB/s), the node's shards
+    # all-reduced across nodes through its NIC (1 GB/s, 1 ms per message)
+    c2 = CostModel(round_cluster(nodes=2, gpn=2), TINY, ideal_profile())
+    expect = 2 * 1 / 2 * grad / 10e9 + 2 * 1 / 2 * grad / 1e9 + 2 * 1e-3
+    np.testing.assert_allclose(c2.grad_allreduce_time(), expect)
 
 
 def test_tp_overlap_modes_by_hand():
