@@ -76,8 +76,13 @@ def lower_bound(pre: np.ndarray, cost: np.ndarray, width: np.ndarray) -> float:
 
 
 def greedy_pack(pre: np.ndarray, pre_tok: np.ndarray, cost: np.ndarray, tokens: np.ndarray,
-                width: np.ndarray, cap: float, search: bool = True, tol: float = 0.0) -> PackResult:
-    """LPT, then (``search``) local search unless LPT is already within ``tol`` of the bound."""
+                width: np.ndarray, cap: float, search: bool = True, tol: float = 0.0,
+                by_tokens: bool = False) -> PackResult:
+    """LPT, then (``search``) local search unless LPT is already within ``tol`` of the bound.
+
+    ``by_tokens``: each item goes to the bins with the most token room (ties: least loaded) instead
+    of the least-loaded ones with room - the fallback when token-blind LPT leaves no room for an
+    item although the bins hold enough tokens in total (the local search then evens the loads)."""
     t0 = time.perf_counter()
     B = len(pre)
     # plain Python floats in the loop (numpy scalar indexing costs more than the arithmetic);
@@ -90,8 +95,12 @@ def greedy_pack(pre: np.ndarray, pre_tok: np.ndarray, cost: np.ndarray, tokens: 
     cost_l, tok_l, width_l = costs.tolist(), np.asarray(tokens, dtype=np.float64).tolist(), widths.tolist()
     out: list[list[int]] = [[] for _ in range(m)]
     # wide items first (they constrain most), each group by cost descending (stable: ties by index)
-    order = np.lexsort((-costs, -widths)).tolist() if m else []
-    heap = [(loads[b], b) for b in range(B)]
+    if by_tokens:
+        order = np.lexsort((-costs, -np.asarray(tokens, dtype=np.float64), -widths)).tolist() if m else []
+    else:
+        order = np.lexsort((-costs, -widths)).tolist() if m else []
+    key = toks if by_tokens else loads
+    heap = [(key[b], b) for b in range(B)]
     heapq.heapify(heap)
     for i in order:
         w, c, k = width_l[i], cost_l[i], tok_l[i]
@@ -102,7 +111,7 @@ def greedy_pack(pre: np.ndarray, pre_tok: np.ndarray, cost: np.ndarray, tokens: 
             chosen = -1
             while heap:
                 ld, b = heapq.heappop(heap)
-                if ld != loads[b]:
+                if ld != key[b]:
                     continue  # stale entry
                 if toks[b] + k <= cap:
                     chosen = b
@@ -114,18 +123,21 @@ def greedy_pack(pre: np.ndarray, pre_tok: np.ndarray, cost: np.ndarray, tokens: 
                 raise PackInfeasible(i, f"item {i} ({int(k)} tokens) does not fit any bin")
             loads[chosen] += c
             toks[chosen] += k
-            heapq.heappush(heap, (loads[chosen], chosen))
+            heapq.heappush(heap, (key[chosen], chosen))
             out[i] = [chosen]
         else:
             cand = [b for b in range(B) if toks[b] + k <= cap]
             if len(cand) < w:
                 raise PackInfeasible(i, f"item {i} needs {w} bins with {int(k)} tokens of room, "
                                         f"{len(cand)} have it")
-            sel = sorted(sorted(cand, key=loads.__getitem__)[:w])  # least loaded; ties: lowest bin
+            if by_tokens:
+                sel = sorted(sorted(cand, key=lambda b: (toks[b], loads[b]))[:w])
+            else:
+                sel = sorted(sorted(cand, key=loads.__getitem__)[:w])  # least loaded; ties: lowest bin
             for b in sel:
                 loads[b] += c
                 toks[b] += k
-                heapq.heappush(heap, (loads[b], b))
+                heapq.heappush(heap, (key[b], b))
             out[i] = sel
     loads = np.array(loads, dtype=np.float64)
     toks = np.array(toks, dtype=np.float64)
@@ -306,7 +318,12 @@ def pack(pre, pre_tok, cost, tokens, width, cap: float, *, ilp: str = "auto", ti
     cost = np.asarray(cost, dtype=np.float64)
     tokens = np.asarray(tokens, dtype=np.float64)
     width = np.asarray(width, dtype=np.int64)
-    g = greedy_pack(pre, pre_tok, cost, tokens, width, cap, tol=tol / 4)
+    try:
+        g = greedy_pack(pre, pre_tok, cost, tokens, width, cap, tol=tol / 4)
+    except PackInfeasible as e:
+        # token-blind LPT filled some bins unevenly: place by token room instead
+        g = greedy_pack(pre, pre_tok, cost, tokens, width, cap, tol=tol / 4, by_tokens=True)
+        g.notes.append(f"placed by token room ({e})")
     if ilp == "never" or len(cost) == 0:
         return g
     nvars = len(cost) * len(pre)

@@ -107,6 +107,16 @@ class ZeppelinPlanner(Planner):
         # the ILP runs where it pays: small instances whose greedy solution is not provably close
         self.max_ilp_vars_nodes = int(options.get("max_ilp_vars_nodes", 600))
         self.max_ilp_vars_units = int(options.get("max_ilp_vars_units", 400))
+        # how the whole-step candidates are chosen: "predict" (the analytic prediction), "simulate"
+        # (the event-driven simulator of planner/simulate.py, which sees ring pipeline waits and
+        # NIC contention the prediction approximates; ~0.1-0.2 s per candidate at 64 GPUs), or
+        # "auto": simulate when the step is small (at most ``simulate_max_units`` units; at 64 GPUs
+        # the pass costs ~1 s per step, past the 0.1 s planning-latency target)
+        self.select = str(options.get("select", "auto"))
+        if self.select not in ("auto", "predict", "simulate"):
+            raise PlanningError(f"select option must be auto, predict or simulate (got {self.select!r})")
+        self.simulate_max_units = int(options.get("simulate_max_units", 16))
+        self._sims: dict[int, object] = {}
         self._tiering: dict[int, Tiering] = {}
         self._tables: dict = {}
 
@@ -116,6 +126,14 @@ class ZeppelinPlanner(Planner):
         if t is None or t.ctx is not ctx:
             t = self._tiering[id(ctx)] = Tiering(ctx)
         return t
+
+    def _simulator(self, ctx: PlanContext):
+        from .simulate import Simulator
+
+        sim = self._sims.get(id(ctx))
+        if sim is None or sim.ctx is not ctx:
+            sim = self._sims[id(ctx)] = Simulator(ctx)
+        return sim
 
     def _routed_nics(self, ctx: PlanContext) -> int:
         return len(ctx.cluster.nics) if self.routing else 1
@@ -159,6 +177,8 @@ class ZeppelinPlanner(Planner):
         # fewest micro-batches that fit with 10% slack (never more than one per sequence)
         M = max(1, min(len(sequences), math.ceil(int(lengths.sum()) / (0.9 * budget))))
         last_err = None
+        simulate = self.select == "simulate" or (self.select == "auto" and n <= self.simulate_max_units)
+        found: list[tuple[list, float]] = []  # whole-step candidates: (built micro-batches, predicted time)
         while M <= len(sequences):
             parts = self._split_microbatches(ctx, lengths, M, budget)
             if parts is None:
@@ -191,20 +211,32 @@ class ZeppelinPlanner(Planner):
                     last_err = e
                     continue
                 t = float(carry.max())
+                found.append((built, t))
                 if t < best_t:
                     best_built, best_t = built, t
             if best_built is None:
                 M += 1
                 continue
-            built = best_built
+            if simulate and M < len(sequences) and min(len(b) for b, _ in found) == M:
+                # the simulator judges one more micro-batch too (it may run rings more smoothly)
+                M += 1
+                continue
             break
-        else:  # every sequence fits alone (checked above), so this means a packing failure
+        if not found:  # every sequence fits alone (checked above), so this means a packing failure
             raise PlanningError(f"step {step}: no feasible assignment found ({last_err})")
-        mbs = [b[0] for b in built]
+        plans = []
+        for built, _ in (found if simulate else [min(found, key=lambda c: c[1])]):
+            plan = StepPlan(step=step, sequences=list(sequences), microbatches=[b[0] for b in built])
+            # the prediction from the candidate's terms: the same as predict_step(ctx, plan)
+            plan.prediction = predict_from_terms(ctx, lengths, [b[2] for b in built])
+            plans.append((plan, built))
+        if len(plans) > 1:
+            sim = self._simulator(ctx)
+            plan, built = min(plans, key=lambda pb: sim.simulate_step(pb[0]).step_time_s)
+        else:
+            plan, built = plans[0]
+        mbs = plan.microbatches
         stats = [b[1] for b in built]
-        plan = StepPlan(step=step, sequences=list(sequences), microbatches=mbs)
-        # the prediction from the winning candidates' terms: the same as predict_step(ctx, plan)
-        plan.prediction = predict_from_terms(ctx, lengths, [b[2] for b in built])
         plan.solver = self._solver_info(stats, time.perf_counter() - t0)
         tiers = {"local": 0, "intra": 0, "inter": 0}
         for st in stats:
@@ -266,12 +298,19 @@ class ZeppelinPlanner(Planner):
         waits for coupled units included)."""
         cands = []
         err = None
-        for floor in floors if floors is not None else [None]:
-            for bal in balances if balances is not None else ["total"]:
-                try:
-                    cands.append(self._plan_microbatch(ctx, tg, sequences, idx, carry, balance=bal, floor=floor))
-                except PackInfeasible as e:
-                    err = err or e
+        # nodes filled to the last token can leave their units no room for rings of assorted
+        # widths: then level 1 keeps some token slack per node (before the caller falls back to
+        # one more micro-batch, which costs far more)
+        for fill in (1.0, 0.95, 0.9) if ctx.cluster.num_nodes > 1 else (1.0,):
+            for floor in floors if floors is not None else [None]:
+                for bal in balances if balances is not None else ["total"]:
+                    try:
+                        cands.append(self._plan_microbatch(ctx, tg, sequences, idx, carry, balance=bal, floor=floor,
+                                                           node_fill=fill))
+                    except PackInfeasible as e:
+                        err = err or e
+            if cands:
+                break
         if not cands:
             raise err
         best = None
@@ -284,7 +323,10 @@ class ZeppelinPlanner(Planner):
         return best[1], best[2], best[3]
 
     def _plan_microbatch(self, ctx: PlanContext, tg: Tiering, sequences: list[Sequence], idx: list[int],
-                         carry: np.ndarray, balance: str = "total", floor: int | None = None):
+                         carry: np.ndarray, balance: str = "total", floor: int | None = None,
+                         node_fill: float = 1.0):
+        """One candidate layout. ``node_fill``: the share of a node's token capacity level 1 may
+        fill (below 1 when a node filled to the last token left its units no room for its rings)."""
         cost = ctx.cost
         layers = ctx.model.num_layers
         n, upn, N = ctx.num_units, ctx.units_per_node, ctx.cluster.num_nodes
@@ -324,8 +366,8 @@ class ZeppelinPlanner(Planner):
             w1 = np.where(inter_k, np.array([sp.nodes for sp in tg.spans], dtype=np.int64)[k], 1)
             c1 = unit_t * np.where(inter_k, upn, Gk)
             k1 = per_tok * np.where(inter_k, upn, Gk)
-            r1 = pack(carry.reshape(N, upn).sum(axis=1), np.zeros(N), c1, k1, w1, float(cap * upn), ilp=self.ilp,
-                      time_limit=self.time_limit, tol=self.tol, solver=self.solver,
+            r1 = pack(carry.reshape(N, upn).sum(axis=1), np.zeros(N), c1, k1, w1, float(cap * upn) * node_fill,
+                      ilp=self.ilp, time_limit=self.time_limit, tol=self.tol, solver=self.solver,
                       max_ilp_vars=self.max_ilp_vars_nodes)
             st.results.append(r1)
             node_of = r1.bins
