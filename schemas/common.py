@@ -100,6 +100,10 @@ def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[Any]:
             yield fh
             fh.flush()
             os.fsync(fh.fileno())
+        # mkstemp creates 0600; give the file the permissions a plain open() would have
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         try:

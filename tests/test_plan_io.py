@@ -226,3 +226,16 @@ def test_replicas_must_cover_ranks():
                    Replica(ranks=[2], tp=1)]
     assert structural_problems(h, st)[0] == "replicas do not cover GPU ranks 0..3 exactly once"
     assert [r.ranks for r in h.replicas()] == [[0], [1], [2], [3]]
+
+
+def test_written_files_get_normal_permissions(tmp_path):
+    import os
+    import stat
+
+    from zeppelin.schemas.common import atomic_write_text
+
+    p = tmp_path / "x.json"
+    atomic_write_text(p, "{}")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(p.stat().st_mode) == 0o666 & ~umask
