@@ -207,3 +207,23 @@ def test_presets_listing(zeppelin_bin):
     assert r.returncode == 0
     for n in CLUSTER_PRESETS + MODEL_PRESETS:
         assert n in r.stdout
+
+
+def test_cli_rejects_bad_cluster_file_without_writing(zeppelin_bin, tmp_path):
+    d = cluster_preset("zeppelin-a").model_dump(mode="json")
+    d["gpu_nic"][5] = "mlx5_7"
+    bad = write(tmp_path, "cluster.json", d)
+    out = tmp_path / "plan.jsonl"
+    for args in (["demo", "--cluster", str(bad), "--stages", "data"],
+                 ["plan", "--cluster", str(bad), "--model", "tiny", "--steps", "1", "-o", str(out)]):
+        r = subprocess.run([zeppelin_bin, *args], capture_output=True, text=True, cwd=tmp_path)
+        assert r.returncode == 2, (args, r.stderr)
+        assert r.stderr == (f"zeppelin: error: {bad}: invalid ClusterSpec: (document): gpu_nic[5] names NIC "
+                            "'mlx5_7', which is not in nics (nic0, nic1, nic2, nic3)\n")
+    assert not out.exists()
+    bad.write_text('{"name": "x", ')
+    r = subprocess.run([zeppelin_bin, "plan", "--cluster", str(bad), "--model", "tiny", "-o", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr == f"zeppelin: error: {bad}: malformed JSON at line 1 column 15: Expecting property name enclosed in double quotes\n"
+    assert not out.exists()
