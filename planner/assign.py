@@ -217,7 +217,8 @@ def ilp_pack(pre: np.ndarray, pre_tok: np.ndarray, cost: np.ndarray, tokens: np.
              cap: float, incumbent: PackResult, time_limit: float = 1.0, solver: str = "highs") -> PackResult:
     """Solve the packing MILP; return the better of its solution and ``incumbent``.
 
-    ``solver``: ``highs`` (falls back to CBC when HiGHS fails) or ``cbc``. The result records
+    ``solver``: ``highs`` (falls back to CBC when HiGHS is missing or crashes; a time-out keeps
+    the greedy incumbent) or ``cbc``. The result records
     which solver produced it, the solver status, its MIP gap and any fallback.
     """
     import pulp
@@ -293,6 +294,7 @@ def ilp_pack(pre: np.ndarray, pre_tok: np.ndarray, cost: np.ndarray, tokens: np.
             tried.append(f"{name}: no solution better than greedy ({status})")
             break
         tried.append(f"{name}: {status} without a feasible solution in {time_limit:g} s")
+        break  # a time-out keeps the greedy incumbent; the next solver is only for a missing/crashed one
     elapsed = time.perf_counter() - t0
     if res is None or res.makespan > incumbent.makespan * (1 + 1e-9):
         inc = PackResult(incumbent.bins, incumbent.loads, incumbent.tokens, incumbent.makespan,
