@@ -192,10 +192,17 @@ def _stage_cost(ctx: DemoContext) -> None:
     hi = int(np.floor(np.log2(max(int(lens.max()), 2))))
     lo = min(9, hi)
 
+    from zeppelin.planner.base import PlanContext
+    from zeppelin.planner.tiering import Tiering
+
+    tiering = Tiering(PlanContext(cl, cm.model, cm.profile, tp=cm.tp, zero_stage=cm.zero_stage))
+
     def ring(Lv, G, tier, nics=1):
         comp = cm.attn_time(Lv) / G / G
-        # a ring spanning nodes is paced by its node-crossing hop: one NIC, or all of them with routing
-        comm = cm.p2p_time(cm.ring_round_bytes(Lv / G) / nics, cm.tier_link(tier))
+        # a ring spanning nodes is paced by its node-crossing hop: one NIC, or spread over all of them
+        # by routing (same NIC-sharing and dispatch/combine model as the planner's tiering)
+        share = tiering.inter_sharers(nics) if tier == "inter" else 1.0
+        comm = cm.p2p_time(cm.ring_round_bytes(Lv / G), cm.tier_link(tier), share)
         return comp, comm
 
     def cell(comp, comm):
