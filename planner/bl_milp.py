@@ -37,6 +37,28 @@ def available_solvers() -> list[str]:
     return _AVAILABLE
 
 
+def _highs_result(h, gap_rel: float, t0: float) -> MilpResult:
+    """Status, gap and solution flag of a finished ``highspy.Highs`` run."""
+    import highspy
+
+    M = highspy.HighsModelStatus
+    ms = h.getModelStatus()
+    info = h.getInfo()
+    has = info.primal_solution_status == 2  # kSolutionStatusFeasible
+    gap = float(info.mip_gap) if has else None
+    if gap is not None and not math.isfinite(gap):
+        gap = None
+    if ms == M.kOptimal:
+        status, gap = "optimal", (gap if gap is not None and gap > gap_rel else 0.0)
+    elif ms == M.kInfeasible:
+        status, has = "infeasible", False
+    elif has:
+        status = "time_limit"
+    else:
+        status = "no_solution"
+    return MilpResult("highs", status, gap, time.perf_counter() - t0, has)
+
+
 def solve(prob, time_limit: float, start: dict | None = None, gap_rel: float = 1e-4) -> MilpResult:
     """Solve ``prob`` (a ``pulp.LpProblem``) within ``time_limit`` seconds.
 
@@ -64,22 +86,7 @@ def solve(prob, time_limit: float, start: dict | None = None, gap_rel: float = 1
 
         solver = _WarmHiGHS(msg=False, timeLimit=time_limit, gapRel=gap_rel, threads=1)
         prob.solve(solver)
-        h = prob.solverModel
-        ms = h.getModelStatus()
-        M = highspy.HighsModelStatus
-        has = h.getInfo().primal_solution_status == 2  # kSolutionStatusFeasible
-        gap = float(h.getInfo().mip_gap) if has else None
-        if gap is not None and not math.isfinite(gap):
-            gap = None
-        if ms == M.kOptimal:
-            status, gap = "optimal", (gap if gap is not None and gap > gap_rel else 0.0)
-        elif ms == M.kInfeasible:
-            status, has = "infeasible", False
-        elif has:
-            status = "time_limit"
-        else:
-            status = "no_solution"
-        return MilpResult("highs", status, gap, time.perf_counter() - t0, has)
+        return _highs_result(prob.solverModel, gap_rel, t0)
     if start:
         for var, val in start.items():
             var.setInitialValue(val)
@@ -188,23 +195,9 @@ class SparseMilp:
             sol.col_value = [float(v) for v in start]
             h.setSolution(sol)
         h.run()
-        ms = h.getModelStatus()
-        M = highspy.HighsModelStatus
-        info = h.getInfo()
-        has = info.primal_solution_status == 2  # kSolutionStatusFeasible
-        gap = float(info.mip_gap) if has else None
-        if gap is not None and not math.isfinite(gap):
-            gap = None
-        if ms == M.kOptimal:
-            status, gap = "optimal", (gap if gap is not None and gap > gap_rel else 0.0)
-        elif ms == M.kInfeasible:
-            status, has = "infeasible", False
-        elif has:
-            status = "time_limit"
-        else:
-            status = "no_solution"
-        values = np.array(h.getSolution().col_value) if has else None
-        return MilpResult("highs", status, gap, time.perf_counter() - t0, has), values
+        res = _highs_result(h, gap_rel, t0)
+        values = np.array(h.getSolution().col_value) if res.has_solution else None
+        return res, values
 
     def _solve_pulp(self, time_limit, start, gap_rel, t0):  # pragma: no cover - only without highspy
         import pulp
