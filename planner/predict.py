@@ -335,13 +335,6 @@ def predict_step(ctx: PlanContext, step: StepPlan, routed: bool = True) -> Predi
     return predict_from_terms(ctx, lengths, [microbatch_terms(ctx, lengths, mb, routed) for mb in step.microbatches])
 
 
-def _segment_set(segs: list[list[int]]) -> dict[int, list[tuple[int, int]]]:
-    out: dict[int, list[tuple[int, int]]] = defaultdict(list)
-    for q, s, e in segs:
-        out[q].append((s, e))
-    return out
-
-
 def _overlap_out(seg: list[int], have: dict[int, list[tuple[int, int]]]) -> int:
     """Tokens of ``seg`` not already held (i.e. that must arrive by remap)."""
     q, s, e = seg

@@ -559,7 +559,3 @@ def read_plan(path: str | os.PathLike, *, check: bool = True) -> tuple[PlanHeade
     r = PlanReader(path, check=check)
     return r.header, list(r)
 
-
-def dumps_step(step: StepPlan, fmt: Literal["jsonl", "pretty"] = "jsonl") -> str:
-    return _dump(step, fmt)
-
