@@ -38,6 +38,17 @@ class PlanContext:
         self.cost = CostModel(self.cluster, self.model, self.profile, tp=self.tp, zero_stage=self.zero_stage,
                               tp_overlap=self.tp_overlap)
 
+    def cost_for(self, tp: int) -> CostModel:
+        """The cost model of a unit of ``tp`` GPUs (replicas of mixed TP degree: Hydraulis plans),
+        built once per degree."""
+        if tp == self.tp:
+            return self.cost
+        cache = self.__dict__.setdefault("_costs_by_tp", {})
+        if tp not in cache:
+            cache[tp] = CostModel(self.cluster, self.model, self.profile, tp=tp, zero_stage=self.zero_stage,
+                                  tp_overlap=self.tp_overlap)
+        return cache[tp]
+
     @property
     def num_units(self) -> int:
         return self.cost.num_units

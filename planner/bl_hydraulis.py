@@ -25,21 +25,17 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from zeppelin.schemas.plan import Prediction, RankLoads, Replica, Sequence, SolverInfo, StepPlan
+from zeppelin.schemas.plan import Replica, Sequence, SolverInfo, StepPlan
 
 from . import bl_milp
 from .base import PlanContext, Planner, PlanningError, register
 from .bl_common import StepBuilder, Timer, ceil_div, check_capacity, opt, pow2_sizes, seq_label
 from .cost import CostModel
+from .predict import predict_replicas
 
 
 def _cost_models(ctx: PlanContext, degrees: list[int]) -> dict[int, CostModel]:
-    cache = ctx.__dict__.setdefault("_hydraulis_cost_models", {})
-    for t in degrees:
-        if t not in cache:
-            cache[t] = CostModel(ctx.cluster, ctx.model, ctx.profile, tp=t, zero_stage=ctx.zero_stage,
-                                 tp_overlap=ctx.tp_overlap)
-    return {t: cache[t] for t in degrees}
+    return {t: ctx.cost_for(t) for t in degrees}
 
 
 def tp_comm_time(cm: CostModel, tokens) -> np.ndarray:
@@ -49,51 +45,6 @@ def tp_comm_time(cm: CostModel, tokens) -> np.ndarray:
     if cm.tp <= 1:
         return np.zeros_like(T)
     return cm.model.num_layers * cm.tp_exposed_comm(T)
-
-
-def predict_replicas(ctx: PlanContext, step: StepPlan) -> Prediction:
-    """Analytic prediction of a step whose units are replicas of different TP degrees (all groups local)."""
-    from .predict import lower_bounds
-
-    reps = step.replicas
-    cms = _cost_models(ctx, sorted({r.tp for r in reps}))
-    n = len(reps)
-    layers = ctx.model.num_layers
-    attn, lin, tokens, mem_tok = np.zeros(n), np.zeros(n), np.zeros(n, dtype=np.int64), np.zeros(n)
-    tpc = np.zeros(n)
-    for mb in step.microbatches:
-        held = np.zeros(n)
-        for p in mb.placements:
-            g = mb.groups[p.group]
-            if g.kind != "local" or len(g.units) != 1:
-                raise PlanningError("hydraulis: internal error: replica plans hold whole sequences only")
-            u = g.units[0]
-            L = p.padded_length or step.sequences[p.seq].length
-            attn[u] += layers * float(cms[reps[u].tp].attn_time(L))
-            held[u] += L
-        for u in range(n):
-            cm = cms[reps[u].tp]
-            lin[u] += float(layers * cm.linear_time(held[u]) + cm.head_time(held[u]))
-            tpc[u] += float(tp_comm_time(cm, held[u]))
-        tokens += held.astype(np.int64)
-        mem_tok = np.maximum(mem_tok, held)
-    comm = np.array([cms[r.tp].grad_allreduce_time(n) for r in reps]) + tpc
-    total = attn + lin + comm
-    lengths = np.array([s.length for s in step.sequences], dtype=np.float64)
-    # bounds for the best TP degree used (a larger degree shortens the longest sequence)
-    work_b, long_b = min((lower_bounds(PlanContext(ctx.cluster, ctx.model, ctx.profile, tp=d,
-                                                   zero_stage=ctx.zero_stage), lengths)
-                          for d in sorted(cms)), key=lambda wb: max(wb))
-    return Prediction(
-        step_time_s=float(total.max()), lower_bound_s=max(work_b, long_b), work_bound_s=work_b,
-        longest_bound_s=long_b,
-        per_unit=RankLoads(
-            attention_s=[float(x) for x in attn], linear_s=[float(x) for x in lin], comm_s=[float(x) for x in comm],
-            exposed_comm_s=[float(x) for x in comm], total_s=[float(x) for x in total],
-            tokens=[int(x) for x in tokens],
-            memory_gb=[float(cms[reps[u].tp].memory_bytes(mem_tok[u])) / 1e9 for u in range(n)],
-        ),
-    )
 
 
 def _dispatch(cost: np.ndarray, fits: np.ndarray, big: np.ndarray, rng, restarts: int) -> tuple[float, list[int]]:

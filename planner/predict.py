@@ -16,7 +16,7 @@ import numpy as np
 
 from zeppelin.schemas.plan import MicroBatch, Prediction, RankLoads, StepPlan
 
-from .base import PlanContext
+from .base import PlanContext, PlanningError
 
 
 def nic_loads(ctx: PlanContext, mb: MicroBatch, routed: bool = True) -> dict[str, float]:
@@ -328,8 +328,6 @@ def predict_step(ctx: PlanContext, step: StepPlan, routed: bool = True) -> Predi
     """Prediction of one step. Steps whose units are replicas of mixed TP degree (Hydraulis plans,
     ``step.replicas`` set) are predicted per replica with one cost model per TP degree."""
     if step.replicas is not None and any(r.tp != ctx.tp for r in step.replicas):
-        from .bl_hydraulis import predict_replicas
-
         return predict_replicas(ctx, step)
     lengths = [s.length for s in step.sequences]
     return predict_from_terms(ctx, lengths, [microbatch_terms(ctx, lengths, mb, routed) for mb in step.microbatches])
@@ -340,3 +338,46 @@ def _overlap_out(seg: list[int], have: dict[int, list[tuple[int, int]]]) -> int:
     q, s, e = seg
     inside = sum(max(0, min(e, b) - max(s, a)) for a, b in have.get(q, ()))
     return (e - s) - inside
+
+
+def predict_replicas(ctx: PlanContext, step: StepPlan) -> Prediction:
+    """Analytic prediction of a step whose units are replicas of different TP degrees (all groups local)."""
+    reps = step.replicas
+    cms = {t: ctx.cost_for(t) for t in sorted({r.tp for r in reps})}
+    n = len(reps)
+    layers = ctx.model.num_layers
+    attn, lin, tokens, mem_tok = np.zeros(n), np.zeros(n), np.zeros(n, dtype=np.int64), np.zeros(n)
+    tpc = np.zeros(n)
+    for mb in step.microbatches:
+        held = np.zeros(n)
+        for p in mb.placements:
+            g = mb.groups[p.group]
+            if g.kind != "local" or len(g.units) != 1:
+                raise PlanningError("hydraulis: internal error: replica plans hold whole sequences only")
+            u = g.units[0]
+            L = p.padded_length or step.sequences[p.seq].length
+            attn[u] += layers * float(cms[reps[u].tp].attn_time(L))
+            held[u] += L
+        for u in range(n):
+            cm = cms[reps[u].tp]
+            lin[u] += float(layers * cm.linear_time(held[u]) + cm.head_time(held[u]))
+            tpc[u] += float(cm.model.num_layers * cm.tp_exposed_comm(held[u])) if cm.tp > 1 else 0.0
+        tokens += held.astype(np.int64)
+        mem_tok = np.maximum(mem_tok, held)
+    comm = np.array([cms[r.tp].grad_allreduce_time(n) for r in reps]) + tpc
+    total = attn + lin + comm
+    lengths = np.array([s.length for s in step.sequences], dtype=np.float64)
+    # bounds for the best TP degree used (a larger degree shortens the longest sequence)
+    work_b, long_b = min((lower_bounds(PlanContext(ctx.cluster, ctx.model, ctx.profile, tp=d,
+                                                   zero_stage=ctx.zero_stage), lengths)
+                          for d in sorted(cms)), key=lambda wb: max(wb))
+    return Prediction(
+        step_time_s=float(total.max()), lower_bound_s=max(work_b, long_b), work_bound_s=work_b,
+        longest_bound_s=long_b,
+        per_unit=RankLoads(
+            attention_s=[float(x) for x in attn], linear_s=[float(x) for x in lin], comm_s=[float(x) for x in comm],
+            exposed_comm_s=[float(x) for x in comm], total_s=[float(x) for x in total],
+            tokens=[int(x) for x in tokens],
+            memory_gb=[float(cms[reps[u].tp].memory_bytes(mem_tok[u])) / 1e9 for u in range(n)],
+        ),
+    )

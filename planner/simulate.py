@@ -513,7 +513,6 @@ class Simulator:
     def __init__(self, ctx: PlanContext):
         self.ctx = ctx
         self.cluster = ctx.cluster
-        self._costs: dict[int, CostModel] = {ctx.tp: ctx.cost}
         c = ctx.cost
         self.intra_bw = c.intra_link.bandwidth_GBps * 1e9
         self.intra_alpha = c.intra_link.alpha_s
@@ -538,11 +537,7 @@ class Simulator:
 
     # ------------------------------------------------------------------ helpers
     def cost_for(self, tp: int) -> CostModel:
-        if tp not in self._costs:
-            ctx = self.ctx
-            self._costs[tp] = CostModel(ctx.cluster, ctx.model, ctx.profile, tp=tp, zero_stage=ctx.zero_stage,
-                                        tp_overlap=ctx.tp_overlap)
-        return self._costs[tp]
+        return self.ctx.cost_for(tp)
 
     def replicas(self, step: StepPlan) -> list[Replica]:
         if step.replicas is not None:
