@@ -1,8 +1,12 @@
 """Cost-model fitting on synthetic measurements, and the topology parser on nvidia-smi matrices.
 
-The two topology files in tests/data follow the exact layout `nvidia-smi topo -m` prints on an
-8-GPU NVSwitch node (tab-separated matrix, legend; the 8-NIC file uses the newer NIC<k> columns
-with a "NIC Legend"); they were written for these tests from that documented layout.
+The two topology files in tests/data follow the layout `nvidia-smi topo -m` prints on an 8-GPU
+NVSwitch node with a current driver: a tab-separated matrix whose header row names GPU0..GPU7,
+NIC0..NIC<n-1>, "CPU Affinity", "NUMA Affinity" and "GPU NUMA ID" (GPU rows end with an empty cell
+before the GPU NUMA ID, as nvidia-smi prints them), one row per GPU and per NIC, the connection
+legend, and the "NIC Legend" mapping NIC<k> to its device name (mlx5_<k>). They were written for
+these tests from that layout. Older drivers named the NIC columns after the devices and had no
+NIC legend; that variant is tested inline.
 """
 
 from pathlib import Path
@@ -65,9 +69,29 @@ def test_topology_4_nics():
 def test_topology_8_nics_with_legend():
     topo = parse_nvidia_smi_topo((DATA / "topo_nvswitch_8nic.txt").read_text())
     assert topo.num_gpus == 8 and topo.nvswitch
-    assert topo.nics == ["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3", "mlx5_6", "mlx5_7", "mlx5_8", "mlx5_9"]
+    assert topo.nics == [f"mlx5_{k}" for k in range(8)]
     assert topo.gpu_nic == topo.nics
     assert topo.gpu_nic_relation == ["PIX"] * 8
+
+
+# an older driver's layout: NIC columns named after the devices, no NUMA columns, no NIC legend
+OLD_STYLE = (
+    "\tGPU0\tGPU1\tGPU2\tGPU3\tmlx5_0\tmlx5_1\tCPU Affinity\n"
+    "GPU0\t X \tNV12\tNV12\tNV12\tPIX\tSYS\t0-23,48-71\n"
+    "GPU1\tNV12\t X \tNV12\tNV12\tPIX\tSYS\t0-23,48-71\n"
+    "GPU2\tNV12\tNV12\t X \tNV12\tSYS\tPIX\t24-47,72-95\n"
+    "GPU3\tNV12\tNV12\tNV12\t X \tSYS\tPIX\t24-47,72-95\n"
+    "mlx5_0\tPIX\tPIX\tSYS\tSYS\t X \tSYS\n"
+    "mlx5_1\tSYS\tSYS\tPIX\tPIX\tSYS\t X \n"
+    "\nLegend:\n\n  X    = Self\n"
+)
+
+
+def test_topology_old_style_device_columns():
+    topo = parse_nvidia_smi_topo(OLD_STYLE)
+    assert topo.num_gpus == 4 and topo.nvswitch and topo.nvlinks[2][0] == 12
+    assert topo.nics == ["mlx5_0", "mlx5_1"]
+    assert topo.gpu_nic == ["mlx5_0", "mlx5_0", "mlx5_1", "mlx5_1"]
 
 
 def test_topology_garbage():
