@@ -173,6 +173,17 @@ def _eff_curve(sizes, rates) -> tuple[float, float]:
     return float(1.0 / inv_r), float(max(slope / inv_r, 0.0))
 
 
+def ring_sync_per_round(G: int, total, compute) -> float | None:
+    """What a ring round's exchanges cost the runtime beyond the ring's compute, seconds: the
+    median over lengths of ``(total - compute) / (G - 1)`` (``total``/``compute``: ``[[L, s], ...]``
+    of the same ring with real and with short-circuited exchanges). The median, because at the
+    largest lengths the two are long computations whose difference is mostly noise. None when
+    no length was measured both ways."""
+    comp = {int(L): s for L, s in compute}
+    diffs = [max(s - comp[int(L)], 0.0) / (G - 1) for L, s in total if int(L) in comp and G > 1]
+    return float(np.median(diffs)) if diffs else None
+
+
 def build_profile(raw: dict, model, cluster_name: str = "") -> tuple["CostProfile", dict]:
     """Turn raw measurements from ``zeppelin.runtime.profiler`` into a fitted :class:`CostProfile`.
 
@@ -198,6 +209,22 @@ def build_profile(raw: dict, model, cluster_name: str = "") -> tuple["CostProfil
                                                keep_points=True)
         report["attention_block"] = {"coeffs": block_rep.coeffs, "rel_errors": block_rep.rel_errors,
                                      "median": block_rep.median, "worst": block_rep.worst}
+    if raw.get("attention_pack_counts"):  # short sequences were timed in packs (per-sequence times)
+        report["attention"]["pack_counts"] = [int(x) for x in raw["attention_pack_counts"]]
+    ring_fits: dict[str, dict[str, PolyFit]] = {"total": {}, "compute": {}}
+    ring_sync: dict[str, float] = {}
+    for G, rows in sorted((raw.get("ring_attention_s") or {}).items(), key=lambda kv: int(kv[0])):
+        sync = ring_sync_per_round(int(G), rows.get("total", []), rows.get("compute", []))
+        if sync is not None:
+            ring_sync[str(G)] = sync
+        for part in ("total", "compute"):
+            pts = [(L, s) for L, s in rows.get(part, []) if s > 0]
+            if len(pts) < 3:
+                continue
+            fit, rep = poly_fit_record([L for L, _ in pts], [s for _, s in pts], 2, keep_points=True)
+            ring_fits[part][str(G)] = fit
+            report[f"ring_{part}_{G}"] = {"coeffs": rep.coeffs, "rel_errors": rep.rel_errors,
+                                          "median": rep.median, "worst": rep.worst}
     head_fit = None
     if raw.get("head_s"):  # embedding + final norm + LM head + loss, once per model
         head_fit, head_rep = poly_fit_record(raw["linear_tokens"], raw["head_s"], 2, keep_points=True)
@@ -260,6 +287,8 @@ def build_profile(raw: dict, model, cluster_name: str = "") -> tuple["CostProfil
         memory_reserved_gb=0.5 if topo.get("device") == "cpu" else 4.0,
         optimizer_s_per_param=float(opt_s) / nparams if opt_s is not None and nparams else None,
         fits=[ModelFits(model=raw["model"], dtype=raw["dtype"], attention=att_fit, linear=lin_fit,
-                        attention_block=block_fit, head=head_fit, optimizer_s=opt_s, grad_allreduce_s=ar)],
+                        attention_block=block_fit, head=head_fit, optimizer_s=opt_s, grad_allreduce_s=ar,
+                        ring_attention=ring_fits["total"], ring_compute=ring_fits["compute"],
+                        ring_sync_s=ring_sync)],
     )
     return prof, report

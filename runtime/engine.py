@@ -50,7 +50,7 @@ from .attention import (
     ring_relay_forward,
 )
 
-__all__ = ["PHASES", "AttentionEngine"]
+__all__ = ["PHASES", "AttentionEngine", "local_sequences"]
 
 PHASES = ("inter", "intra", "local")
 
@@ -226,6 +226,29 @@ class AttentionEngine:
             idx = torch.cat(idx_parts)
             out = out.index_copy(0, idx, torch.cat(vals, 0))
         return out
+
+
+class _LocalOnly:
+    """What :class:`_EngineFunction` reads of an engine, for :func:`local_sequences`."""
+
+    def __init__(self, scale: float | None) -> None:
+        self.scale = scale
+        self.filled = {"forward": 0, "backward": 0}
+
+
+def local_sequences(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths, rank: int = 0,
+                    scale: float | None = None) -> torch.Tensor:
+    """Causal attention of whole sequences packed along the rows of ``q/k/v`` (``lengths`` in row
+    order), through exactly the path an engine takes for a rank's one-rank (``local``) group: one
+    autograd node, one one-rank ring task per sequence, forward and backward. It is what the
+    profiler times, so that the measured cost of a local sequence includes everything the engine
+    pays per sequence (task set-up, slicing, accumulators, the autograd node), not only the kernel."""
+    lengths = [int(x) for x in lengths]
+    if any(n <= 0 for n in lengths) or sum(lengths) != q.shape[0]:
+        raise ValueError(f"lengths {lengths[:8]}... do not partition {q.shape[0]} rows into sequences")
+    spec = RingSpec(ranks=[rank], pos=0, seqs=[[[[0, n]]] for n in lengths])
+    item = _Item(group=0, kind="ring", spec=spec, row0=0, row1=q.shape[0], transport=Transport(rank=rank))
+    return _EngineFunction.apply(q, k, v, _LocalOnly(scale), [item])
 
 
 def _split_local(items: list[_Item]) -> tuple[list[_Item], list[tuple[int, int, RingSpec, Transport]]]:

@@ -39,9 +39,9 @@ import torch.distributed as dist
 from zeppelin.schemas.common import InputError, atomic_write_text
 from zeppelin.schemas.model import ModelSpec, model_preset
 
-QUICK = dict(att=[32, 64, 128, 256, 512, 1024, 2048], lin=[64, 256, 1024, 2048, 4096],
+QUICK = dict(att=[16, 32, 64, 128, 256, 512, 1024, 2048], lin=[64, 256, 1024, 2048, 4096],
              p2p=[2**10, 2**14, 2**17, 2**20, 2**22], reps=5, warmup=1)
-FULL = dict(att=[32, 64, 128, 256, 512, 1024, 2048, 4096, 8192],
+FULL = dict(att=[16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192],
             lin=[64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
             p2p=[2**10, 2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24], reps=10, warmup=3)
 
@@ -101,30 +101,46 @@ def _attention_fn(q, k, v):
     return torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, is_causal=True).transpose(0, 1)
 
 
+# tokens per timed pack of short sequences (see measure_attention), and the most sequences in one
+PACK_TOKENS = 2048
+PACK_MAX = 64
+
+
+def pack_count(L: int) -> int:
+    """How many sequences of length ``L`` one timed pack holds."""
+    return max(1, min(PACK_MAX, PACK_TOKENS // max(int(L), 1)))
+
+
 def measure_attention(model: ModelSpec, lengths, dev, timer, reps, warmup):
-    """Forward+backward of one sequence of each length through the runtime's path for a local
-    (one-rank) sequence: :func:`zeppelin.runtime.attention.ring_forward` / ``ring_backward`` with a
-    one-rank ring, as the attention engine runs every local sequence (per-call overheads included)."""
-    from zeppelin.runtime.attention import RingSpec, Transport, ring_backward, ring_forward
+    """Forward+backward of whole sequences of each length through the engine's own path for a
+    rank's local (one-rank) group (:func:`zeppelin.runtime.engine.local_sequences`).
+
+    Short sequences are timed in packs of :func:`pack_count` sequences of that length (distinct
+    tensors, one engine call), and the pack's time is divided by its size: the engine pays a fixed
+    cost per sequence (task, slicing, accumulators, kernel call) and works on data that is not
+    cache-resident, both of which one short sequence timed over and over on the same hot tensors
+    misses. Returns ``(seconds per sequence, sequences per pack)`` per length."""
+    from zeppelin.runtime.engine import local_sequences
 
     dt = _dtype(model)
     rank = dist.get_rank()
-    tr = Transport(rank=rank)
+    counts = [pack_count(L) for L in lengths]
 
-    def make(L):
-        q = torch.randn(L, model.num_heads, model.head_dim, device=dev, dtype=dt)
-        k = torch.randn(L, model.num_kv_heads, model.head_dim, device=dev, dtype=dt)
-        v = torch.randn(L, model.num_kv_heads, model.head_dim, device=dev, dtype=dt)
-        g = torch.randn(L, model.num_heads, model.head_dim, device=dev, dtype=dt)
-        spec = RingSpec(ranks=[rank], pos=0, seqs=[[[[0, L]]]])
+    def make(L, n):
+        T = L * n
+        q = torch.randn(T, model.num_heads, model.head_dim, device=dev, dtype=dt, requires_grad=True)
+        k = torch.randn(T, model.num_kv_heads, model.head_dim, device=dev, dtype=dt, requires_grad=True)
+        v = torch.randn(T, model.num_kv_heads, model.head_dim, device=dev, dtype=dt, requires_grad=True)
+        g = torch.randn(T, model.num_heads, model.head_dim, device=dev, dtype=dt)
 
         def step():
-            o, lse = ring_forward(q, k, v, spec, tr)
-            ring_backward(g, q, k, v, o, lse, spec, tr)
+            local_sequences(q, k, v, [L] * n, rank=rank).backward(g)
+            q.grad = k.grad = v.grad = None
 
         return step
 
-    return timer.sweep([make(L) for L in lengths], reps, warmup, sync=dist.barrier)
+    t = timer.sweep([make(L, n) for L, n in zip(lengths, counts)], reps, warmup, sync=dist.barrier)
+    return [x / n for x, n in zip(t, counts)], counts
 
 
 def measure_attention_block(model: ModelSpec, sizes, dev, timer, reps, warmup):
@@ -378,6 +394,85 @@ def measure_ring_round(model: ModelSpec, lengths, nodes_gpn: int, dev, reps, war
     return res
 
 
+class _Arrived:
+    """A finished exchange that hands over a block of the right shape (see :class:`_Loopback`)."""
+
+    def __init__(self, block):
+        self.block = block
+
+    def start(self):
+        return self
+
+    def finish(self, idle=None):
+        return self.block
+
+
+class _Loopback:
+    """A ring transport whose exchanges complete at once with a block of the shape the ring
+    predecessor would send: the ring's compute (blocks, merges, accumulators) without its
+    communication."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self._blocks: dict = {}
+
+    def exchange(self, transfers, payload, row_shape, dtype, device):
+        rows = next((n for _, dst, n in transfers if dst == self.rank), 0)
+        key = (rows, tuple(row_shape), dtype)
+        if key not in self._blocks:
+            self._blocks[key] = torch.randn((rows, *row_shape), dtype=dtype, device=device)
+        return _Arrived(self._blocks[key])
+
+
+def measure_ring_attention(model: ModelSpec, lengths, dev, timer, reps, warmup) -> dict[str, dict[str, list]]:
+    """The runtime's ring attention (:func:`zeppelin.runtime.attention.ring_forward` +
+    ``ring_backward``) of one zigzag-split sequence of each length, forward+backward, for each
+    group size G: every rank takes part, in rings of G consecutive ranks (all rings at once, so the
+    machine is loaded as in training). ``total``: with the real exchanges (what a ring costs the
+    runtime, waits included); ``compute``: the same ring with its exchanges short-circuited
+    (:class:`_Loopback`), i.e. the compute alone. Per G: ``{"total": [[L, s]...], "compute": ...}``,
+    seconds of the slowest rank."""
+    from zeppelin.runtime.attention import RingSpec, Transport, ring_backward, ring_forward
+    from zeppelin.schemas.layout import zigzag_ranges
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dt = _dtype(model)
+    out: dict[str, dict[str, list]] = {}
+    G = 2
+    while G <= world:
+        base = rank // G * G
+        member = base + G <= world
+        Ls = [L for L in lengths if L >= 4 * G]
+        real = Transport(rank=rank)
+        loop = _Loopback(rank)
+
+        def make(L, tr):
+            if not member:
+                return lambda: None
+            spec = RingSpec(ranks=list(range(base, base + G)), pos=rank - base, seqs=[zigzag_ranges(L, G)])
+            n = spec.rows(rank - base)
+            q = torch.randn(n, model.num_heads, model.head_dim, device=dev, dtype=dt)
+            k = torch.randn(n, model.num_kv_heads, model.head_dim, device=dev, dtype=dt)
+            v = torch.randn(n, model.num_kv_heads, model.head_dim, device=dev, dtype=dt)
+            g = torch.randn(n, model.num_heads, model.head_dim, device=dev, dtype=dt)
+
+            def step():
+                o, lse = ring_forward(q, k, v, spec, tr)
+                ring_backward(g, q, k, v, o, lse, spec, tr)
+
+            return step
+
+        tot = timer.sweep([make(L, real) for L in Ls], reps, warmup, sync=dist.barrier)
+        comp = timer.sweep([make(L, loop) for L in Ls], reps, warmup, sync=dist.barrier)
+        tt = torch.tensor([x if member else 0.0 for x in tot + comp], dtype=torch.float64)
+        dist.all_reduce(tt, op=dist.ReduceOp.MAX)
+        vals = [float(x) for x in tt]
+        out[str(G)] = {"total": [[L, s] for L, s in zip(Ls, vals[:len(Ls)])],
+                       "compute": [[L, s] for L, s in zip(Ls, vals[len(Ls):])]}
+        G *= 2
+    return out
+
+
 def detect_topology(world: int, nodes: int) -> dict:
     info: dict = {"device": "cuda" if torch.cuda.is_available() else "cpu", "hostname": platform.node()}
     if torch.cuda.is_available() and shutil.which("nvidia-smi"):
@@ -432,7 +527,7 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     say(f"{world} ranks ({a.nodes} node(s) x {gpn}), model {model.name}, {'quick' if a.quick else 'full'} grid")
     say("attention forward+backward ...")
-    att = measure_attention(model, grid["att"], dev, timer, reps, warm)
+    att, att_packs = measure_attention(model, grid["att"], dev, timer, reps, warm)
     blocks = grid["att"][:-1]
     say("attention blocks of ring rounds (every key visible) ...")
     att_block = measure_attention_block(model, blocks, dev, timer, reps, warm)
@@ -452,16 +547,19 @@ def main(argv=None) -> int:
     coll = measure_collectives(grid["p2p"][-1], dev, reps, warm) if world > 1 else {"alltoall": {}, "allgather": {}}
     say("ring rounds by group size ...")
     ring = measure_ring_round(model, grid["att"][-3:], gpn, dev, reps, warm) if world > 1 else {}
+    say("the runtime's ring attention by group size ...")
+    ring_att = measure_ring_attention(model, grid["att"], dev, timer, reps, warm) if world > 1 else {}
     share = measure_concurrent_inter(gpn, grid["p2p"][-1], dev, reps, warm) if a.nodes >= 2 else None
     topo = detect_topology(world, a.nodes)
     if rank == 0:
         from zeppelin.planner.profile_fit import build_profile
 
         raw = dict(model=model.name, dtype=model.dtype, world=world, nodes=a.nodes, attention_lengths=grid["att"],
-                   attention_s=att, attention_block_sizes=blocks, attention_block_s=att_block,
+                   attention_s=att, attention_pack_counts=att_packs, attention_block_sizes=blocks, attention_block_s=att_block,
                    linear_tokens=grid["lin"], linear_s=lin, head_s=head, optimizer_s=opt_s,
                    num_params=nparams, grad_allreduce_s=ar, p2p_bytes=grid["p2p"], p2p_s=p2p,
                    collectives_s=coll, collective_bytes=grid["p2p"][-1], ring_round_s=ring,
+                   ring_attention_s=ring_att,
                    concurrent_inter_ratio=share, topology=topo,
                    elapsed_s=time.perf_counter() - t_start)
         prof, report = build_profile(raw, model, cluster_name=a.cluster_name)

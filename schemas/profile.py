@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_serializer
 
 from .common import Doc, Strict
 
@@ -62,6 +62,29 @@ class ModelFits(Strict):
     grad_allreduce_s: dict[str, float] = Field(
         default_factory=dict,
         description="all-reduce of the model's gradients by group size, seconds (keys: '2','4',...)")
+    ring_attention: dict[str, PolyFit] = Field(
+        default_factory=dict,
+        description="t(L) of the runtime's ring attention of one sequence of length L split (zigzag) over G "
+        "ranks, forward + backward per layer, exchanges and their waits included, by G (keys: '2','4',...)")
+    ring_compute: dict[str, PolyFit] = Field(
+        default_factory=dict,
+        description="the same rings with their exchanges short-circuited: the ring's compute alone (blocks, "
+        "log-sum-exp merges, accumulators); ring_attention minus this is what the exchanges cost")
+    ring_sync_s: dict[str, float] = Field(
+        default_factory=dict,
+        description="per ring round of G ranks (keys: '2','4',...), the time the runtime's exchanges add to the "
+        "ring beyond its compute (forward and backward exchanges of the round, waits included), seconds: the "
+        "median over the measured lengths of (ring_attention - ring_compute) / (G - 1)")
+
+    @model_serializer(mode="wrap")
+    def _omit_empty_ring_fits(self, handler):
+        # fields added after profiles were first written: left out while empty, so that the content
+        # hash of a profile without them (recorded in plans) does not change
+        d = handler(self)
+        for key in ("ring_attention", "ring_compute", "ring_sync_s"):
+            if not d.get(key):
+                d.pop(key, None)
+        return d
 
 
 class ProfileSource(Strict):

@@ -411,3 +411,32 @@ def test_engine_tensor_parallel_units_ring_over_matching_tp_ranks(pool4):
             for got, w in zip((r["out"], *r["grads"]), want):
                 assert (got[row : row + n].double() - w).abs().max().item() <= 1e-5, (s, t)
             row += n
+
+
+def test_local_sequences_matches_reference_and_rejects_bad_lengths():
+    """The engine's local path as the profiler times it (one autograd node, one task per sequence)
+    gives each sequence's causal attention and gradients, against the float64 reference."""
+    from zeppelin.runtime.engine import local_sequences
+
+    g = torch.Generator().manual_seed(3)
+    lens = [7, 1, 30, 12]
+    T = sum(lens)
+    q, k, v = (torch.randn(T, h, D, generator=g) for h in (HQ, HKV, HKV))
+    dout = torch.randn(T, HQ, D, generator=g)
+    qs, ks, vs = (x.clone().requires_grad_() for x in (q, k, v))
+    local_sequences(qs, ks, vs, lens).backward(dout)
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
+    out_ref = reference_attention(qr, kr, vr, cu)
+    out_ref.backward(dout.double())
+    with torch.no_grad():
+        out = local_sequences(q, k, v, lens)
+    torch.testing.assert_close(out.double(), out_ref.detach(), atol=2e-6, rtol=1e-5)
+    for a, b in ((qs, qr), (ks, kr), (vs, vr)):
+        torch.testing.assert_close(a.grad.double(), b.grad, atol=5e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"do not partition 50 rows into sequences"):
+        local_sequences(q, k, v, [7, 1, 30])
+    with pytest.raises(ValueError, match=r"do not partition 50 rows into sequences"):
+        local_sequences(q, k, v, [7, 0, 31, 12])

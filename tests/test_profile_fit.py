@@ -142,3 +142,130 @@ def test_build_profile_from_synthetic_measurements():
     np.testing.assert_allclose(cm.attn_time(1000), 1e-4 + 2e-5 + 3e-3)
     np.testing.assert_allclose(cm.linear_time(1000), 5e-4 + 4e-3, rtol=1e-6)
     np.testing.assert_allclose(cm.p2p_time(1e6, "inter"), 200e-6 + 1e6 / 0.5e9)
+
+
+# ------------------------------------------------------------------ per-sequence attention cost
+
+
+def test_attention_fit_keeps_the_per_sequence_cost_measured_from_packs():
+    """The profiler times short sequences in packs of pack_count(L) and divides by the pack size.
+    A runtime that pays a fixed cost per sequence (per call, fwd + bwd) on top of an L^2 kernel:
+    the fitted constant is that cost, and the cost model prices a pack of K sequences as measured."""
+    from zeppelin.planner.cost import CostModel
+    from zeppelin.planner.profile_fit import build_profile
+    from zeppelin.runtime.profiler import QUICK, pack_count
+    from zeppelin.schemas.cluster import cluster_preset
+    from zeppelin.schemas.model import model_preset
+
+    per_seq, a = 1.8e-3, 6e-8              # a per-sequence cost that dwarfs the kernel of short sequences
+    Ls = QUICK["att"]
+    counts = [pack_count(L) for L in Ls]
+    assert counts[0] > 1 and counts[-1] == 1  # short sequences are really packed
+    pack_s = [K * (per_seq + a * L * L) for L, K in zip(Ls, counts)]
+    raw = dict(model="small", dtype="fp32", world=2, nodes=1, attention_lengths=Ls,
+               attention_s=[t / K for t, K in zip(pack_s, counts)], attention_pack_counts=counts,
+               linear_tokens=[64, 256, 1024], linear_s=[1e-3, 3e-3, 1e-2], topology={"device": "cpu"})
+    prof, report = build_profile(raw, model_preset("small"))
+    fit = prof.fits[0].attention
+    assert fit.coeffs[0] == pytest.approx(per_seq, rel=1e-6)
+    assert fit.coeffs[2] == pytest.approx(a, rel=1e-6)
+    assert report["attention"]["pack_counts"] == counts
+    cm = CostModel(cluster_preset("local-cpu:1x2"), model_preset("small"), prof)
+    # a rank with 64 sequences of 16 tokens pays 64 fixed costs, not one
+    assert 64 * float(cm.attn_time(16)) == pytest.approx(64 * (per_seq + a * 256), rel=1e-6)
+    assert 64 * float(cm.attn_time(16)) > 60 * per_seq
+
+
+def test_ring_sync_recovered_from_synthetic_rings():
+    """Rings measured with real and with short-circuited exchanges: the per-round exchange cost is
+    recovered (median: robust to one noisy long ring), and the fits land in the profile."""
+    from zeppelin.planner.profile_fit import build_profile, ring_sync_per_round
+    from zeppelin.schemas.model import model_preset
+
+    Ls = [32, 64, 128, 256, 512, 1024, 2048]
+    sync = {2: 2.5e-3, 4: 1.2e-3}
+    ring = {}
+    for G, s in sync.items():
+        comp = [[L, 3e-4 + 4e-8 * L * L / G] for L in Ls if L >= 4 * G]
+        tot = [[L, c + (G - 1) * s] for L, c in comp]
+        tot[-1][1] = comp[-1][1] * 0.97           # the longest ring: noise hides the exchanges
+        ring[str(G)] = {"total": tot, "compute": comp}
+        assert ring_sync_per_round(G, tot, comp) == pytest.approx(s, rel=1e-9)
+    assert ring_sync_per_round(2, [], []) is None
+    raw = dict(model="small", dtype="fp32", world=4, nodes=1, attention_lengths=Ls,
+               attention_s=[2e-4 + 5e-8 * L * L for L in Ls], linear_tokens=[64, 256, 1024],
+               linear_s=[1e-3, 3e-3, 1e-2], ring_attention_s=ring, topology={"device": "cpu"})
+    prof, report = build_profile(raw, model_preset("small"))
+    f = prof.fits[0]
+    assert f.ring_sync_s == pytest.approx({"2": 2.5e-3, "4": 1.2e-3}, rel=1e-9)
+    assert set(f.ring_attention) == set(f.ring_compute) == {"2", "4"}
+    assert f.ring_compute["4"].coeffs == pytest.approx([3e-4, 0.0, 1e-8], rel=1e-6)
+    assert f.ring_compute["2"].points[0] == [32.0, pytest.approx(3e-4 + 4e-8 * 32 * 32 / 2)]
+    assert report["ring_compute_2"]["worst"] < 1e-6
+
+
+def test_profile_hash_unchanged_without_ring_fits():
+    """The ring fields came after profiles were first written: a profile without them dumps (and
+    hashes, as recorded in plans) exactly as before; with them it round-trips."""
+    import json
+
+    from zeppelin.schemas.common import content_hash
+    from zeppelin.schemas.profile import CostProfile, ModelFits, PolyFit
+
+    plain = CostProfile(fits=[ModelFits(model="small", dtype="fp32", attention=PolyFit(coeffs=[1e-4, 0, 1e-8]))])
+    d = json.loads(plain.model_dump_json())["fits"][0]
+    assert not {"ring_attention", "ring_compute", "ring_sync_s"} & set(d)
+    assert content_hash(plain) == content_hash(CostProfile.model_validate_json(plain.model_dump_json()))
+    rich = plain.model_copy(deep=True)
+    rich.fits[0].ring_sync_s = {"2": 1e-3}
+    rich.fits[0].ring_attention = {"2": PolyFit(coeffs=[1e-3, 0, 2e-8])}
+    back = CostProfile.model_validate_json(rich.model_dump_json())
+    assert back == rich and back.fits[0].ring_sync_s == {"2": 1e-3}
+    assert content_hash(back) != content_hash(plain)
+
+
+@pytest.fixture
+def one_rank_group():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_profiler_times_packs_of_sequences_through_the_engine_path(one_rank_group, monkeypatch):
+    """measure_attention runs pack_count(L) distinct sequences per timed call through the engine's
+    local path — one forward and one backward kernel call per sequence — and reports the pack time
+    per sequence. A clock that charges a fixed cost per kernel call shows it: per sequence, exactly
+    two calls' worth, whatever the pack size."""
+    import torch
+
+    import zeppelin.runtime.attention as att
+    from zeppelin.runtime.profiler import measure_attention, pack_count
+    from zeppelin.schemas.model import model_preset
+
+    seen: list[tuple[str, int]] = []
+    fwd, bwd = att._kernel_fwd, att._kernel_bwd
+    monkeypatch.setattr(att, "_kernel_fwd", lambda q, *a: seen.append(("f", q.shape[0])) or fwd(q, *a))
+    monkeypatch.setattr(att, "_kernel_bwd", lambda d, q, *a: seen.append(("b", q.shape[0])) or bwd(d, q, *a))
+    per_call = 1e-3
+
+    class CallClock:  # "time" = kernel calls x per_call
+        def sweep(self, fns, reps, warmup, sync=None):
+            out = []
+            for fn in fns:
+                seen.clear()
+                fn()
+                out.append(len(seen) * per_call)
+                calls.append(list(seen))
+            return out
+
+    calls: list[list[tuple[str, int]]] = []
+    Ls = [16, 64, 512]
+    per_seq, counts = measure_attention(model_preset("small"), Ls, torch.device("cpu"), CallClock(), 1, 0)
+    assert counts == [pack_count(L) for L in Ls] == [64, 32, 4]
+    assert per_seq == pytest.approx([2 * per_call] * 3)
+    for L, K, seen_k in zip(Ls, counts, calls):
+        assert seen_k.count(("f", L)) == K and seen_k.count(("b", L)) == K and len(seen_k) == 2 * K
