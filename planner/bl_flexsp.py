@@ -34,7 +34,10 @@ from zeppelin.schemas.plan import Sequence, SolverInfo, StepPlan
 
 from . import bl_milp
 from .base import PlanContext, Planner, PlanningError, register
-from .bl_common import StepBuilder, Timer, ceil_div, check_capacity, lpt, opt, pow2_sizes, seq_label
+from .bl_common import StepBuilder, Timer, ceil_div, check_capacity, ffd, lpt, opt, pow2_sizes, seq_label
+
+MIN_SOLVE_S = 0.1  # a MILP gets at least this much of the step's remaining budget (else greedy)
+DEFAULT_GAP = 0.01  # relative MILP gap: the bucketed cost model is coarser than this
 
 
 def bucketize(lengths: list[int], Q: int) -> tuple[list[int], list[int]]:
@@ -140,7 +143,32 @@ def _greedy_homogeneous(model: _Model, lengths: list[int], sizes: list[int], n: 
     return best
 
 
-def _solve_microbatch(model, lengths, sizes, n, cap, Q, time_limit, use_milp):
+def _homogeneous_step(model: _Model, lengths: list[int], s: int, n: int, cap: int, balance: str):
+    """A homogeneous configuration for the whole step: ``n // s`` Ulysses groups of ``s`` units that
+    keep their units in every micro-batch, sequences dealt to groups by LPT (on the cost model's
+    time, or on tokens as static DeepSpeed-Ulysses does), each group packing its own sequences into
+    micro-batches first-fit-decreasing under the memory cap. Groups that keep their units never
+    wait for each other between micro-batches, so the step costs the slowest group's *sum* of
+    micro-batch times (the per-micro-batch MILP charges the sum of the micro-batches' slowest groups).
+
+    Returns (model time of the slowest group, per group its micro-batches) or None if a sequence
+    does not fit ``s`` units."""
+    need = [ceil_div(L, s) for L in lengths]
+    if not lengths or max(need) > cap:
+        return None
+    G = n // s
+    weights = model.coef(lengths, s) if balance == "time" else np.asarray(lengths, dtype=np.float64)
+    owner = lpt(weights.tolist(), G)
+    per_group = []
+    worst = 0.0
+    for g in range(G):
+        bins = ffd([i for i in range(len(lengths)) if owner[i] == g], need, cap)
+        worst = max(worst, sum(model.group_time([lengths[i] for i in b], s) for b in bins))
+        per_group.append(bins)
+    return worst, per_group
+
+
+def _solve_microbatch(model, lengths, sizes, n, cap, Q, time_limit, use_milp, gap=DEFAULT_GAP):
     """Groups of one micro-batch: (groups as (size, [indices into lengths]), C, record, MilpResult or None)."""
     bounds, bucket = bucketize(lengths, Q)
     Ub = [bounds[b] for b in bucket]
@@ -162,14 +190,24 @@ def _solve_microbatch(model, lengths, sizes, n, cap, Q, time_limit, use_milp):
     nq = len(bounds)
     counts = np.bincount(np.asarray(bucket, dtype=np.int64), minlength=nq).astype(np.float64)
     bvals = np.asarray(bounds, dtype=np.float64)
-    m = bl_milp.SparseMilp()
-    # valid cut (as C's lower bound): the busiest group is at least the micro-batch's least total
-    # work spread over N units
+    # valid lower bounds on C: the busiest group is at least the micro-batch's least total work
+    # spread over N units, and at least the group holding the longest bucket
     least = np.full(nq, np.inf)
+    longest = np.inf
     for s in sizes:
         fits = np.array([ceil_div(b, s) <= cap for b in bounds])
         least = np.where(fits, np.minimum(least, s * model.coef(bvals, s)), least)
-    C = int(m.add_cols(1, float(np.sum(counts * least)) / n, np.inf, cost=1.0)[0])
+        if fits[-1]:
+            longest = min(longest, model.fixed[s] + float(model.coef(bvals[-1:], s)[0]))
+    bound = max(float(np.sum(counts * least)) / n, longest)
+    rec["bound_C"], rec["warm_C"] = bound, Cw
+    if Cw <= bound * (1.0 + gap):  # the warm start is optimal within the gap: no MILP to run
+        rec["bound_met"] = True
+        Cm = max(model.group_time([lengths[i] for i in members], s) for s, members in warm_groups)
+        rec["milp_C"] = Cm
+        return (warm_groups, Cm, rec, None) if Cm <= Cg else (greedy_groups, Cg, rec, None)
+    m = bl_milp.SparseMilp()
+    C = int(m.add_cols(1, bound, np.inf, cost=1.0)[0])
     y: dict[tuple[int, int], int] = {}
     x: dict[tuple[int, int, int], int] = {}
     for s in sizes:
@@ -200,7 +238,7 @@ def _solve_microbatch(model, lengths, sizes, n, cap, Q, time_limit, use_milp):
         start[y[s, j]] = 1.0
         for i in members:
             start[x[bucket[i], s, j]] += 1.0
-    res, vals = m.solve(time_limit, start)
+    res, vals = m.solve(time_limit, start, gap_rel=gap)
     if not res.has_solution or vals is None:
         return greedy_groups, Cg, rec, res
     # read the solution back into concrete groups (sequences of a bucket, longest first)
@@ -235,7 +273,6 @@ def _solve_microbatch(model, lengths, sizes, n, cap, Q, time_limit, use_milp):
     return groups, Cm, rec, res
 
 
-MIN_SOLVE_S = 0.1  # a MILP gets at least this much of the step's remaining budget (else greedy)
 
 
 @register
@@ -250,6 +287,7 @@ class FlexSP(Planner):
         time_limit = opt(self.options, "time_limit", float, 5.0, self.name, minimum=0.0)
         Q = opt(self.options, "buckets", int, 16, self.name, minimum=1)
         span = opt(self.options, "mb_search", int, 5, self.name, minimum=1)
+        gap = opt(self.options, "gap", float, DEFAULT_GAP, self.name, minimum=0.0)
         mode = str(self.options.get("solver", "milp"))
         if mode not in ("milp", "greedy"):
             raise PlanningError(f"flexsp: option solver={mode!r} must be 'milp' or 'greedy'")
@@ -283,7 +321,7 @@ class FlexSP(Planner):
         deadline = t.t0 + time_limit
         solves_left = sum(len(mbs) for _, _, mbs in cands)
         skipped = 0
-        best = None
+        done = []  # per micro-batch count that completed: (objective, M, solution, records, MILP results)
         records = []
         for _, M, mbs in cands:
             total, sol, recs, results = 0.0, [], [], []
@@ -293,7 +331,8 @@ class FlexSP(Planner):
                 solves_left -= 1
                 use_milp = mode == "milp" and remaining >= MIN_SOLVE_S / 2
                 skipped += mode == "milp" and not use_milp
-                out = _solve_microbatch(model, [lengths[i] for i in mb], sizes, n, cap, Q, per_solve, use_milp)
+                out = _solve_microbatch(model, [lengths[i] for i in mb], sizes, n, cap, Q, per_solve, use_milp,
+                                       gap)
                 if out is None:
                     break
                 groups, Cm, rec, res = out
@@ -304,23 +343,42 @@ class FlexSP(Planner):
                     results.append(res)
             else:
                 records.append({"M": M, "objective_s": total})
-                if best is None or total < best[0]:
-                    best = (total, M, sol, recs, results)
-        if best is None:  # unreachable: pass 1 kept only M whose every micro-batch has a greedy solution
+                done.append((total, M, sol, recs, results))
+        if not done:  # unreachable: pass 1 kept only M whose every micro-batch has a greedy solution
             raise PlanningError("flexsp: internal error: no micro-batch count produced a plan")
-        total, M, sol, recs, results = best
-        b = StepBuilder(ctx, sequences, self.name)
-        for k, groups in enumerate(sol):
-            start = 0
-            for s, members in sorted(groups, key=lambda g: -g[0]):
-                units = list(range(start, start + s))
-                start += s
-                for i in sorted(members, key=lambda i: -lengths[i]):
-                    b.place(k, "ulysses", units, i)
-        if results:
-            solver_name = results[0].solver
+        done.sort(key=lambda d: (d[0], d[1]))
+        # candidates, judged by the planner-wide predictor: the best micro-batch counts of the MILP
+        # search (its objective charges every micro-batch its slowest group, as if micro-batches were
+        # separated by barriers), and the homogeneous whole-step configurations, which are in
+        # FlexSP's solution space (every micro-batch with the same groups) and are its warm start
+        homog = []
+        for s in sizes:
+            for balance in ("time", "tokens"):
+                h = _homogeneous_step(model, lengths, s, n, cap, balance)
+                if h is not None:
+                    homog.append((h[0], s, balance, h[1]))
+        homog.sort(key=lambda h: (h[0], -h[1]))
+        top = opt(self.options, "candidates", int, 2, self.name, minimum=1)
+        plans: list[tuple[float, str, StepPlan]] = []
+        for d in done[:top]:
+            layout = [_aligned(groups) for groups in d[2]]
+            plan = self._build(ctx, step, sequences, layout)
+            plans.append((plan.prediction.step_time_s, f"milp M={d[1]}", plan))
+        for worst, s, balance, per_group in homog[:top]:
+            depth = max(len(bins) for bins in per_group)
+            layout = [[(g * s, s, bins[k]) for g, bins in enumerate(per_group) if k < len(bins)]
+                      for k in range(depth)]
+            plan = self._build(ctx, step, sequences, layout)
+            plans.append((plan.prediction.step_time_s, f"homogeneous sp={s} ({balance}-balanced)", plan))
+        _, chosen, plan = min(plans, key=lambda c: c[0])  # ties: the MILP's (listed first)
+        total, M, _, recs, _ = done[0]
+        results = [r for dd in done for r in dd[4]]
+        # micro-batches whose warm start met the lower bound within the gap (no MILP was run)
+        met = [r for dd in done for r in dd[3] if r.get("bound_met")]
+        if results or met:
+            solver_name = results[0].solver if results else "greedy"
             status = "optimal" if all(r.status == "optimal" for r in results) else "time_limit"
-            gaps = [r.gap for r in results]
+            gaps = [r.gap for r in results] + [max(r["warm_C"] / r["bound_C"] - 1.0, 0.0) for r in met]
             gap = None if any(g is None for g in gaps) else max(gaps)
             fallback = None
             if any(not r.has_solution for r in results):
@@ -332,8 +390,32 @@ class FlexSP(Planner):
             solver_name, status, gap, fallback = "greedy", "ok", None, None
             if mode == "milp":
                 fallback = "time budget spent before any MILP" if skipped else "every micro-batch was trivial"
-        return b.finish(step, SolverInfo(name=solver_name, status=status, gap=gap, time_s=t.elapsed,
-                                         fallback_reason=fallback),
-                        notes={"microbatches": M, "objective_s": total, "m_search": records,
-                               "greedy_objective_s": sum(r["greedy_C"] for r in recs),
-                               "group_sizes": [sorted((s for s, _ in g), reverse=True) for g in sol]})
+        plan.solver = SolverInfo(name=solver_name, status=status, gap=gap, time_s=t.elapsed, fallback_reason=fallback)
+        groups_per_mb = [sorted((len(g.units) for g in mb.groups), reverse=True) for mb in plan.microbatches]
+        plan.notes = {"microbatches": len(plan.microbatches), "chosen": chosen,
+                      "candidates_step_time_s": {label: p for p, label, _ in plans},
+                      # the MILP search: its best micro-batch count and objective (sum over micro-batches
+                      # of the slowest group; without the gradient all-reduce)
+                      "milp_microbatches": M, "objective_s": total, "m_search": records,
+                      "greedy_objective_s": sum(r["greedy_C"] for r in recs),
+                      "group_sizes": groups_per_mb}
+        return plan
+
+    def _build(self, ctx: PlanContext, step: int, sequences: list[Sequence], layout) -> StepPlan:
+        """A plan from per micro-batch ``(first unit, size, sequence indices)`` groups."""
+        b = StepBuilder(ctx, sequences, self.name)
+        for k, groups in enumerate(layout):
+            for start, s, members in groups:
+                units = list(range(start, start + s))
+                for i in sorted(members, key=lambda i: (-sequences[i].length, i)):
+                    b.place(k, "ulysses", units, i)
+        return b.finish(step, SolverInfo(name="greedy"))
+
+
+def _aligned(groups: list[tuple[int, list[int]]]) -> list[tuple[int, int, list[int]]]:
+    """Groups of one micro-batch as aligned unit blocks, largest first: (first unit, size, members)."""
+    out, start = [], 0
+    for s, members in sorted(groups, key=lambda g: -g[0]):
+        out.append((start, s, members))
+        start += s
+    return out
