@@ -106,31 +106,36 @@ def _cpu() -> float:
     return time.process_time() + ch.ru_utime + ch.ru_stime
 
 
-def _init(ctx: PlanContext, options: dict[str, dict[str, Any]]) -> None:
-    _W["ctx"], _W["options"], _W["sims"] = ctx, options, None
+def _init(ctx: PlanContext, options: dict[str, dict[str, Any]], steps: list[list]) -> None:
+    """Per worker process, once: the context, planner options and the steps (inherited, not pickled,
+    under fork); planners, plan headers and the simulator are built on first use and reused."""
+    _W.update(ctx=ctx, options=options, steps=steps, sims=None, planners={}, headers={})
 
 
-def _job(arg: tuple[str, int, list]) -> tuple[str, int, dict[str, Any]]:
+def _job(arg: tuple[str, int]) -> tuple[str, int, dict[str, Any]]:
     from zeppelin.schemas.common import InputError as _IE
-    from zeppelin.schemas.plan import structural_problems
+    from zeppelin.schemas.plan import SamplerConfig, structural_problems
 
     from .base import get_planner
     from .driver import make_header
     from .simulate import Simulator
 
-    name, k, seqs = arg
+    name, k = arg
     ctx = _W["ctx"]
+    seqs = _W["steps"][k]
     try:
-        planner = get_planner(name, **_W["options"].get(name, {}))
+        planner = _W["planners"].get(name)
+        if planner is None:
+            planner = _W["planners"][name] = get_planner(name, **_W["options"].get(name, {}))
         t0, c0 = time.perf_counter(), _cpu()
         sp = planner.plan_step(ctx, k, seqs)
         lat, plan_cpu = time.perf_counter() - t0, _cpu() - c0
     except _IE as e:
         return name, k, {"error": e.problem if hasattr(e, "problem") else str(e)}
-    from zeppelin.schemas.plan import SamplerConfig
-
-    header = make_header(ctx, planner, None, SamplerConfig(seqs_per_step=len(seqs)), 1)
-    probs = structural_problems(header, sp, limit=1)
+    hkey = (name, len(seqs))
+    if hkey not in _W["headers"]:
+        _W["headers"][hkey] = make_header(ctx, planner, None, SamplerConfig(seqs_per_step=len(seqs)), 1)
+    probs = structural_problems(_W["headers"][hkey], sp, limit=1)
     if probs:
         return name, k, {"error": f"invalid plan: {probs[0]}"}
     if _W["sims"] is None:
@@ -142,36 +147,68 @@ def _job(arg: tuple[str, int, list]) -> tuple[str, int, dict[str, Any]]:
                      "plan_cpu": plan_cpu, "sim_cpu": time.process_time() - c1}
 
 
+# Pool order, longest jobs first so that short ones fill the tail: planners that spend a MILP time
+# budget per step, then zeppelin and its ablations (tiering, routing, remap; their simulation models
+# every routed transfer), then the static and greedy baselines.
+_HEAVY = (*SOLVER_PLANNERS, "zeppelin", "zeppelin-no-routing", "zeppelin-no-remap")
+
+
+def job_order(planners: list[str], num_steps: int) -> list[tuple[str, int]]:
+    """(planner, step) jobs in pool order: heavy planners first, each planner's steps in order (so a
+    planner's first failing step is met early and its later steps can be dropped)."""
+    rank = {p: (_HEAVY.index(p) if p in _HEAVY else len(_HEAVY)) for p in planners}
+    ordered = sorted(planners, key=lambda p: (rank[p], planners.index(p)))
+    return [(p, k) for p in ordered for k in range(num_steps)]
+
+
 def run_compare(ctx: PlanContext, steps: list[list], planners: list[str],
                 options: dict[str, dict[str, Any]] | None = None, workers: int = 1,
                 progress: bool = False) -> list[PlannerRun]:
-    """Plan and simulate every (planner, step); a planner that fails on any step is reported failed."""
+    """Plan and simulate every (planner, step); a planner that fails on any step is reported failed
+    (at its first failing step; its steps after a failure are not run)."""
     from .base import get_planner
 
     for p in planners:
         get_planner(p)  # unknown names fail before any work
     options = options or {}
-    jobs = [(p, k, seqs) for p in planners for k, seqs in enumerate(steps)]
+    jobs = job_order(planners, len(steps))
     runs = {p: PlannerRun(p) for p in planners}
     out: dict[tuple[str, int], dict] = {}
+    failed_at: dict[str, int] = {}  # planner -> smallest failing step seen so far
     if workers <= 1 or len(jobs) <= 1:
-        _init(ctx, options)
-        for j in jobs:
-            name, k, res = _job(j)
-            out[(name, k)] = res
+        _init(ctx, options, steps)
+        for name, k in jobs:
+            if name in failed_at:
+                continue
+            out[(name, k)] = res = _job((name, k))[2]
+            if "error" in res:
+                failed_at[name] = k
     else:
         import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor
+        from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
         method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
         with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=mp.get_context(method),
-                                 initializer=_init, initargs=(ctx, options)) as ex:
-            for name, k, res in ex.map(_job, jobs, chunksize=1):
-                out[(name, k)] = res
+                                 initializer=_init, initargs=(ctx, options, steps)) as ex:
+            futs = {ex.submit(_job, j): j for j in jobs}
+            pending = set(futs)
+            while pending:
+                done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for f in done:
+                    if f.cancelled():
+                        continue
+                    name, k, res = f.result()
+                    out[(name, k)] = res
+                    if "error" in res and k < failed_at.get(name, len(steps)):
+                        failed_at[name] = k
+                        # steps after the first failure cannot change the report: drop the queued ones
+                        for g in pending:
+                            if futs[g][0] == name and futs[g][1] > k:
+                                g.cancel()
     for p in planners:
         run = runs[p]
         for k in range(len(steps)):
-            res = out[(p, k)]
+            res = out[(p, k)]  # every step up to a planner's first failure has run
             if "error" in res:
                 run.error = f"step {k}: {res['error']}"
                 break

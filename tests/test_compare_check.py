@@ -334,3 +334,27 @@ def test_results_page_findings_from_cells():
         c["planners"][2]["mean_s"] = 9.5
     summ, lines = bc.findings(cells)
     assert "**does not hold** as stated" in lines[2] and summ["flexsp_vs_ulysses"]["flexsp_not_slower"] == 0
+
+
+def test_run_compare_pool_order_and_first_failure():
+    """Heavy planners are queued first; a planner's report names its first failing step, with or
+    without worker processes (later steps of a failed planner are dropped, not reported)."""
+    from zeppelin.planner.compare import job_order
+
+    assert job_order(["te-cp", "zeppelin", "packed-dp", "flexsp"], 2) == [
+        ("flexsp", 0), ("flexsp", 1), ("zeppelin", 0), ("zeppelin", 1),
+        ("te-cp", 0), ("te-cp", 1), ("packed-dp", 0), ("packed-dp", 1)]
+    ctx = _ctx()
+    cap = ctx.cost.token_capacity
+    ok = [Sequence(sample_id=0, length=cap // 2), Sequence(sample_id=1, length=100)]
+    bad = [Sequence(sample_id=2, length=cap * 3), Sequence(sample_id=3, length=100)]
+    steps = [ok, ok, bad, ok, bad, ok]
+    serial = run_compare(ctx, steps, ["packed-dp", "te-cp"], workers=1)
+    pooled = run_compare(ctx, steps, ["packed-dp", "te-cp"], workers=2)
+    for runs in (serial, pooled):
+        pk, te = runs
+        assert pk.error is not None and pk.error.startswith("step 2: ") and "does not fit" in pk.error
+        assert len(pk.step_times) == 2
+        assert te.error is None and len(te.step_times) == 6
+    assert pooled[1].step_times == pytest.approx(serial[1].step_times, rel=1e-12)
+    assert pooled[0].error == serial[0].error
