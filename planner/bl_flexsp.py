@@ -20,7 +20,17 @@ Per step:
    model building included), micro-batch counts with the best greedy objective first, each solve
    getting at least ``MIN_SOLVE_S`` while budget remains (greedy stands for the rest); the step
    keeps the better of MILP and greedy for every micro-batch;
-5. the groups become aligned unit blocks (largest first) and the bucket counts concrete sequences.
+5. the groups become aligned unit blocks (largest first) and the bucket counts concrete sequences;
+6. the step's plan is chosen by the planner-wide predictor (:func:`predict.predict_step`, the judge
+   every planner is measured by) among the MILP search's best micro-batch count and the best
+   *homogeneous whole-step* configuration: ``N / s`` groups of ``s`` units that keep their units in
+   every micro-batch (static DeepSpeed-Ulysses' configuration for the token-balanced deal). Both are
+   in FlexSP's solution space; the MILP's objective charges every micro-batch its slowest group, as
+   if micro-batches were separated by barriers, while groups that keep their units never wait for
+   each other, so the homogeneous configuration is judged as executed, not by that objective.
+
+Each MILP stops at a 1% relative gap (option ``gap``) and is skipped when the warm start already
+meets a valid lower bound (least work over N units, the longest bucket's fastest group) within it.
 """
 
 from __future__ import annotations
@@ -358,7 +368,7 @@ class FlexSP(Planner):
                 if h is not None:
                     homog.append((h[0], s, balance, h[1]))
         homog.sort(key=lambda h: (h[0], -h[1]))
-        top = opt(self.options, "candidates", int, 2, self.name, minimum=1)
+        top = opt(self.options, "candidates", int, 1, self.name, minimum=1)
         plans: list[tuple[float, str, StepPlan]] = []
         for d in done[:top]:
             layout = [_aligned(groups) for groups in d[2]]
