@@ -72,6 +72,18 @@ def _print_report(report: dict, output: Path) -> None:
             c = r["coeffs"]
             t.add_row(f"{key} t(n) per layer fwd+bwd", f"{c[0]:.3g} + {c[1]:.3g} n + {c[2]:.3g} n^2 s",
                       f"{r['median']:.1%}", f"{r['worst']:.1%}")
+    for key in sorted((k for k in report if k.startswith("ring_total_")), key=lambda k: int(k.rsplit("_", 1)[1])):
+        G = key.rsplit("_", 1)[1]
+        r, rc = report[key], report.get(f"ring_compute_{G}")
+        c = r["coeffs"]
+        t.add_row(f"ring of {G} t(L) per layer fwd+bwd", f"{c[0]:.3g} + {c[1]:.3g} L + {c[2]:.3g} L^2 s",
+                  f"{r['median']:.1%}", f"{r['worst']:.1%}")
+        if rc:
+            sync = report.get("ring_sync_s", {}).get(G)
+            c = rc["coeffs"]
+            t.add_row(f"  its compute (exchanges cost {sync * 1e3:.2f} ms/round)" if sync is not None
+                      else "  its compute", f"{c[0]:.3g} + {c[1]:.3g} L + {c[2]:.3g} L^2 s",
+                      f"{rc['median']:.1%}", f"{rc['worst']:.1%}")
     for key in ("p2p_intra", "p2p_inter"):
         r = report.get(key)
         if r and "alpha_s" in r:

@@ -217,6 +217,7 @@ def build_profile(raw: dict, model, cluster_name: str = "") -> tuple["CostProfil
         sync = ring_sync_per_round(int(G), rows.get("total", []), rows.get("compute", []))
         if sync is not None:
             ring_sync[str(G)] = sync
+            report.setdefault("ring_sync_s", {})[str(G)] = sync
         for part in ("total", "compute"):
             pts = [(L, s) for L, s in rows.get(part, []) if s > 0]
             if len(pts) < 3:

@@ -202,6 +202,7 @@ def test_ring_sync_recovered_from_synthetic_rings():
     assert f.ring_compute["4"].coeffs == pytest.approx([3e-4, 0.0, 1e-8], rel=1e-6)
     assert f.ring_compute["2"].points[0] == [32.0, pytest.approx(3e-4 + 4e-8 * 32 * 32 / 2)]
     assert report["ring_compute_2"]["worst"] < 1e-6
+    assert report["ring_sync_s"] == pytest.approx({"2": 2.5e-3, "4": 1.2e-3}, rel=1e-9)
 
 
 def test_profile_hash_unchanged_without_ring_fits():
