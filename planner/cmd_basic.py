@@ -198,12 +198,17 @@ def _stage_cost(ctx: DemoContext) -> None:
     tiering = Tiering(PlanContext(cl, cm.model, cm.profile, tp=cm.tp, zero_stage=cm.zero_stage))
 
     def ring(Lv, G, tier, nics=1):
-        comp = cm.attn_time(Lv) / G / G
+        comp = cm.ring_round_compute(Lv, G)[1]  # one later round: two full blocks of L/(2G)
         # a ring spanning nodes is paced by its node-crossing hop: one NIC, or spread over all of them
         # by routing (same NIC-sharing and dispatch/combine model as the planner's tiering)
         share = tiering.inter_sharers(nics) if tier == "inter" else 1.0
         comm = cm.p2p_time(cm.ring_round_bytes(Lv / G), cm.tier_link(tier), share)
         return comp, comm
+
+    def split_extra(Lv):
+        """Extra attention device time of a ring over the node's GPUs vs one GPU: its 2G chunks run as
+        small blocks, at the efficiency (and launch overhead) of small kernels."""
+        return float(g_intra * cm.ring_compute_time(Lv, g_intra) / cm.attn_time(Lv)) - 1.0 if g_intra > 1 else 0.0
 
     def cell(comp, comm):
         color = "green" if comp >= comm else "red"
@@ -212,7 +217,8 @@ def _stage_cost(ctx: DemoContext) -> None:
     t = Table(title="why tiers: per layer, a ring round's attention compute (comp) must hide its K/V transfer; "
                     "green = hidden, red = exposed (times at the bucket's lower edge)", title_justify="left")
     multi = cl.num_nodes > 1
-    cols = ["length", "%\nsamples", "%\ntokens", "1 GPU\nms", f"{g_intra}-GPU\ncomp ms", "NVLink\ncomm ms"]
+    cols = ["length", "%\nsamples", "%\ntokens", "1 GPU\nms", f"{g_intra}-GPU\nextra %", f"{g_intra}-GPU\ncomp ms",
+            "NVLink\ncomm ms"]
     if multi:
         cols += [f"{g_inter}-GPU\ncomp ms", "1 NIC\ncomm ms", f"{n_nics} NICs\ncomm ms"]
     for col in cols:
@@ -225,7 +231,7 @@ def _stage_cost(ctx: DemoContext) -> None:
         _, m_r = ring(L, g_inter, "inter", n_nics)
         row = [f"{fmt_tokens(L)}-{fmt_tokens(2 * L)}", f"{100 * in_b.mean():.2f}",
                f"{100 * lens[in_b].sum() / lens.sum():.2f}", _ms(float(cm.attn_time(L) + cm.linear_time(L))),
-               _ms(float(c_i)), cell(c_i, m_i)]
+               f"{100 * split_extra(L):.0f}", _ms(float(c_i)), cell(c_i, m_i)]
         if multi:
             row += [_ms(float(c_x)), cell(c_x, m_x), cell(c_x, m_r)]
         t.add_row(*row)
@@ -238,7 +244,13 @@ def _stage_cost(ctx: DemoContext) -> None:
     for key, G, tier, nics in cases:
         comp, comm = ring(grid, G, tier, nics)
         ok = comp >= comm
-        cross[key] = int(grid[np.argmax(ok)]) if ok.any() else None
+        # the crossover: from here on every longer length hides (tiny lengths can hide spuriously,
+        # a kernel's launch overhead covering a tiny transfer)
+        bad = np.flatnonzero(~ok)
+        if not ok.any() or (len(bad) and bad[-1] == len(grid) - 1):
+            cross[key] = None
+        else:
+            cross[key] = int(grid[bad[-1] + 1 if len(bad) else 0])
     ctx.results["crossover_tokens"] = cross
 
     def _c(v):
@@ -247,10 +259,16 @@ def _stage_cost(ctx: DemoContext) -> None:
     frac_local = float((lens < (cross["intra"] or np.inf)).mean())
     across = (f", {_c(cross['inter_1nic'])} across nodes through one NIC, {_c(cross['inter_routed'])} when the "
               f"crossing is routed over all {n_nics} NICs of a node" if multi else "")
-    con.print(f"ring communication hides from {_c(cross['intra'])} tokens inside a node{across}. "
-              f"{100 * frac_local:.1f}% of the samples are below the intra-node crossover: "
-              f"splitting them only adds exposed communication, so they stay local; only the longest ones should "
-              f"span nodes (tiers: local / intra-node / inter-node).")
+    med = float(np.median(lens))
+    ctx.results["split_extra_at_median"] = split_extra(med)
+    why_local = (f"{100 * frac_local:.1f}% of the samples are below the intra-node crossover: splitting them only "
+                 f"adds exposed communication" if cross["intra"] and cross["intra"] > 256 else
+                 f"but splitting is not free: a ring over {g_intra} GPUs spends {100 * split_extra(med):.0f}% more "
+                 f"attention device time than one GPU at the median sample ({fmt_tokens(med)} tokens; its chunks run "
+                 f"as small, inefficient kernels) and {100 * split_extra(65536.0):.0f}% more at 64K")
+    con.print(f"ring communication hides from {_c(cross['intra'])} tokens inside a node{across}; {why_local}. "
+              f"So short sequences stay local (balanced across GPUs), longer ones split inside a node, and "
+              f"only the longest ones should span nodes (tiers: local / intra-node / inter-node).")
 
 
 # name -> stage function, in execution order. Later releases register plan / simulate / run here.

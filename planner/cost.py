@@ -128,6 +128,18 @@ class CostModel:
         fl = self.attn_flops_fwd(L) * (1.0 + self.profile.backward_attention_factor) / self.tp
         return np.where(L > 0, k.overhead_s + fl / (self.peak_flops * self._eff(k, L)), 0.0)
 
+    def ulysses_attn_time(self, L, G: int) -> np.ndarray:
+        """fwd+bwd time per layer of one Ulysses shard: whole sequences ``L`` on 1/G of the heads.
+
+        The shard does 1/G of the FLOPs with 1/G of the parallel work (query blocks x heads), which
+        is what a whole-head kernel over ``L/sqrt(G)`` tokens does: same FLOPs (~L^2/G), same
+        parallelism as its geometric-mean size. So a short sequence split over many head shards
+        runs at the efficiency of a small kernel, as on a GPU with few heads per rank."""
+        L = _arr(L)
+        if G <= 1:
+            return self.attn_time(L)
+        return self.attn_time(L / np.sqrt(G))
+
     def attn_block_time(self, lq, lk, causal: bool = False) -> np.ndarray:
         """fwd+bwd time of one attention block (a ring round's chunk pair) per layer."""
         lq, lk = _arr(lq), _arr(lk)
@@ -140,6 +152,8 @@ class CostModel:
             eq = np.sqrt(np.maximum(lq * lk * (1.0 if causal else 2.0), 0.0))
             return np.where(lq * lk > 0, self.attn_time(eq), 0.0)
         k = self.profile.attention
+        if not causal and self.profile.attention_block is not None:
+            k = self.profile.attention_block
         fl = self.attn_block_flops_fwd(lq, lk, causal) * (1.0 + self.profile.backward_attention_factor) / self.tp
         n = np.sqrt(np.maximum(lq * lk, 1.0))
         return np.where(lq * lk > 0, k.overhead_s + fl / (self.peak_flops * self._eff(k, n)), 0.0)
@@ -214,29 +228,57 @@ class CostModel:
     def tier_link(self, tier: str) -> str:
         return "inter" if tier == "inter" else "intra"
 
+    @property
+    def attn_call_overhead(self) -> float:
+        """Fixed cost of one attention kernel call (the constant of the measured fit, else the
+        preset's launch overhead); pieces fused into one call pay it once."""
+        if self._fits is not None and self._fits.attention is not None:
+            return float(self._fits.attention.coeffs[0])
+        return float(self.profile.attention.overhead_s)
+
+    def ring_round_compute(self, L, G: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per-layer fwd+bwd compute of one unit of a zigzag ring of G units over sequences ``L``:
+        ``(round 0, each later round)``.
+
+        A sequence is cut into 2G chunks of c = L/(2G) tokens; position i holds chunks i and
+        2G-1-i. Round 0 computes the two causal diagonal chunks and one full c x c block; every
+        later round computes two full c x c blocks (the causal mask leaves exactly two of the four
+        chunk pairs visible). Each block is priced at its own size — small blocks run at the
+        efficiency of small kernels — and the pieces of one round are one call (one overhead),
+        exactly as the simulator prices them."""
+        L = _arr(L)
+        c = L / (2.0 * G)
+        diag = self.attn_block_time(c, c, causal=True)
+        full = self.attn_block_time(c, c, causal=False)
+        ov = np.where(c > 0, self.attn_call_overhead, 0.0)
+        return 2.0 * diag + full - 2.0 * ov, 2.0 * full - ov
+
+    def ring_compute_time(self, L, G: int) -> np.ndarray:
+        """Per-layer fwd+bwd compute of one unit of a zigzag ring (all G rounds), no communication."""
+        if G <= 1:
+            return self.attn_time(L)
+        t0, tr = self.ring_round_compute(L, G)
+        return t0 + (G - 1) * tr
+
     def ring_attention_time(self, L, G: int, tier: str = "intra", nic_sharers: float = 1.0) -> np.ndarray:
         """Per-layer fwd+bwd time of ring attention of whole sequences L over G units (zigzag).
 
-        Each unit holds 2L/(2G) tokens. Round 0 is its local causal block; each of the G-1 later
-        rounds computes a half-masked-equivalent block while the next K/V block travels; a round
-        costs max(compute, transfer).
-        """
+        Round r's compute overlaps the transfer of the K/V block round r+1 needs; a transfer that
+        takes longer than the compute it hides behind is exposed."""
         L = _arr(L)
         if G <= 1:
             return self.attn_time(L)
-        held = L / G
-        comp_total = self.attn_time(L) / G  # balanced by zigzag
-        comp_round = comp_total / G
-        comm_round = self.p2p_time(self.ring_round_bytes(held), self.tier_link(tier), nic_sharers)
-        return comp_round + (G - 1) * np.maximum(comp_round, comm_round)
+        return self.ring_compute_time(L, G) + self.ring_exposed_comm(L, G, tier, nic_sharers)
 
     def ring_exposed_comm(self, L, G: int, tier: str = "intra", nic_sharers: float = 1.0) -> np.ndarray:
+        """Per-layer exposed communication of a zigzag ring: the G-1 transfers hide behind rounds
+        0 .. G-2 (round 0 first, then G-2 regular rounds)."""
         L = _arr(L)
         if G <= 1:
             return np.zeros_like(L)
-        comp_round = self.attn_time(L) / G / G
-        comm_round = self.p2p_time(self.ring_round_bytes(L / G), self.tier_link(tier), nic_sharers)
-        return (G - 1) * np.maximum(comm_round - comp_round, 0.0)
+        t0, tr = self.ring_round_compute(L, G)
+        comm = self.p2p_time(self.ring_round_bytes(L / G), self.tier_link(tier), nic_sharers)
+        return np.maximum(comm - t0, 0.0) + (G - 2) * np.maximum(comm - tr, 0.0)
 
     def alltoall_time(self, bytes_per_rank, G: int, cls: str = "intra") -> np.ndarray:
         """All-to-all where each rank holds ``bytes_per_rank`` and keeps 1/G of it."""

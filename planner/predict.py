@@ -206,21 +206,39 @@ def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool
     t_att[is_local] = g_att[is_local]
     if is_ring.any():
         Gr = G[is_ring]
-        comp_round = g_att[is_ring] / Gr / Gr
+        # per placement: round-0 and later-round compute of its zigzag blocks (as the simulator
+        # prices them), summed per group: a round computes the blocks of every sequence of the group
+        pG = G[pg]
+        t0_p = np.zeros(len(pls))
+        tr_p = np.zeros(len(pls))
+        for Gv in np.unique(pG[is_ring[pg]]) if len(pls) else []:
+            sel = (pG == Gv) & is_ring[pg]
+            t0_p[sel], tr_p[sel] = cost.ring_round_compute(pL[sel], int(Gv))
+        g_t0 = np.bincount(pg, weights=t0_p, minlength=ng)[is_ring]
+        g_tr = np.bincount(pg, weights=tr_p, minlength=ng)[is_ring]
         comm_round = np.asarray(cost.p2p_time(cost.ring_round_bytes(g_len[is_ring] / Gr), "intra"), dtype=np.float64)
         comm_round = np.array(comm_round, dtype=np.float64, copy=True).reshape(-1)
         ring_ids = np.flatnonzero(is_ring)
         for k, gi in enumerate(ring_ids):
             if groups[gi].tier == "inter" and int(gi) in inter_round:
                 comm_round[k] = inter_round[int(gi)]
-        t_att[is_ring] = comp_round * Gr
+        t_att[is_ring] = g_t0 + (Gr - 1) * g_tr
         t_comm[is_ring] = comm_round * (Gr - 1)
-        t_exp[is_ring] = (Gr - 1) * np.maximum(comm_round - comp_round, 0.0)
+        t_exp[is_ring] = np.maximum(comm_round - g_t0, 0.0) + (Gr - 2) * np.maximum(comm_round - g_tr, 0.0)
+    is_uly = np.fromiter((k == "ulysses" for k in kind), dtype=bool, count=ng) & ~is_local
+    if is_uly.any() and len(pls):
+        # head shards: whole sequences on 1/G of the heads (CostModel.ulysses_attn_time)
+        pG = G[pg]
+        u_p = np.zeros(len(pls))
+        for Gv in np.unique(pG[is_uly[pg]]):
+            sel = (pG == Gv) & is_uly[pg]
+            u_p[sel] = cost.ulysses_attn_time(pL[sel], int(Gv))
+        t_att[is_uly] = np.bincount(pg, weights=u_p, minlength=ng)[is_uly]
     for gi in np.flatnonzero(~is_local & ~is_ring):
         g = groups[gi]
         Gi = G[gi]
-        t_att[gi] = g_att[gi] / Gi
         if g.kind == "allgather":
+            t_att[gi] = g_att[gi] / Gi
             t_comm[gi] = t_exp[gi] = float(cost.allgather_kv_time(g_len[gi] / Gi, int(Gi), cost.tier_link(g.tier)))
         else:  # ulysses
             t_comm[gi] = t_exp[gi] = float(cost.ulysses_comm_time(g_len[gi] / Gi, int(Gi), cost.tier_link(g.tier)))

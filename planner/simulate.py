@@ -519,11 +519,7 @@ class Simulator:
         self.nic_bw = c.inter_link.bandwidth_GBps * 1e9
         self.nic_alpha = c.inter_link.alpha_s
         self.nic_shared = ctx.profile.nic_shared_by_concurrent_transfers
-        fits = c._fits
-        if fits is not None and fits.attention is not None:
-            self.attn_overhead = float(fits.attention.coeffs[0])
-        else:
-            self.attn_overhead = ctx.profile.attention.overhead_s
+        self.attn_overhead = c.attn_call_overhead
         cap: dict[str, float] = {}
         for g in range(self.cluster.world_size):
             cap[f"gtx{g}"] = self.intra_bw
@@ -845,7 +841,7 @@ class _Layer:
         m = self.sim.ctx.model
         cost = self.sim.cost_for(self.reps[U[0]].tp)
         lengths = np.array([float(p.padded_length or self.step.sequences[p.seq].length) for p in pls])
-        t_att = float(np.sum(cost.attn_time(lengths))) / G
+        t_att = float(np.sum(cost.ulysses_attn_time(lengths, G)))  # head shards: 1/G of the heads
         held = [sum(ranges_tokens(p.ranges[i]) for p in pls) for i in range(G)]
         eff = cost.profile.alltoall_efficiency.get(str(G), 1.0)
         per_tok = (2 * m.hidden + 2 * m.kv_dim) * m.dtype_bytes / cost.tp

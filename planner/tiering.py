@@ -95,6 +95,7 @@ class SpanTable:
     F: np.ndarray  # fits in memory
     E: np.ndarray  # exposed communication / attention compute
     G: np.ndarray  # span sizes
+    U: np.ndarray | None = None  # (spans, seqs): the span runs as Ulysses (all-to-all), not a ring
 
     def times(self, lin_rate: float) -> np.ndarray:
         """Per-unit busy time: attention + linear work on the unit's L/G tokens."""
@@ -149,7 +150,7 @@ class Tiering:
         c = self.cost
         sharers = self.inter_sharers(routed_nics) if span.tier == "inter" else 1.0
         exp = float(c.ring_exposed_comm(L, span.G, span.tier, sharers))
-        base = float(c.attn_time(L)) / span.G
+        base = float(c.ring_compute_time(L, span.G))
         return exp / base if base > 0 else float("inf")
 
     # ------------------------------------------------------------------ thresholds
@@ -210,16 +211,25 @@ class Tiering:
             idx += 1
         return self.spans[idx]
 
-    def span_table(self, L, routed_nics: int = 1) -> SpanTable:
+    def ulysses_ok(self, G: int) -> bool:
+        """Whether an intra-node span of G units may run as Ulysses: G splits the unit's heads evenly."""
+        return 2 <= G <= self.upn and (self.ctx.model.num_heads // self.ctx.tp) % G == 0
+
+    def span_table(self, L, routed_nics: int = 1, ulysses: bool = False) -> SpanTable:
         """Per candidate span and sequence: attention time per unit (all layers, incl. exposed
         communication), memory fit and exposed-communication fraction. Independent of the step's
-        target and linear rate, so one table serves every refinement of a micro-batch."""
+        target and linear rate, so one table serves every refinement of a micro-batch.
+
+        ``ulysses``: an intra-node span may instead run as Ulysses (all-to-all to head shards,
+        whole-sequence kernels on H/G heads, communication exposed); the table keeps, per span and
+        sequence, the cheaper of the two and marks Ulysses in ``U``."""
         L = np.asarray(L, dtype=np.float64)
         S, m = len(self.spans), len(L)
         Li = L.astype(np.int64)
         A = np.empty((S, m))
         F = np.empty((S, m), dtype=bool)
         E = np.empty((S, m))
+        U = np.zeros((S, m), dtype=bool)
         c = self.cost
         attn_L = c.attn_time(L)
         for k, sp in enumerate(self.spans):
@@ -230,12 +240,19 @@ class Tiering:
                 continue
             sharers = self.inter_sharers(routed_nics) if sp.tier == "inter" else 1.0
             exp = c.ring_exposed_comm(L, sp.G, sp.tier, sharers)
-            base = attn_L / sp.G
-            A[k] = self.layers * (base + exp)  # == ring_attention_time (zigzag-balanced rounds)
+            base = c.ring_compute_time(L, sp.G)
+            A[k] = self.layers * (base + exp)  # == ring_attention_time
             q, r = np.divmod(Li, 2 * sp.G)
             F[k] = 2 * q + np.where(r >= sp.G + 1, 2, np.where(r >= 1, 1, 0)) <= self.cap
             E[k] = np.where(base > 0, exp / np.maximum(base, 1e-30), np.inf)
-        return SpanTable(L, A, F, E, np.array([sp.G for sp in self.spans], dtype=np.float64))
+            if ulysses and sp.tier == "intra" and self.ulysses_ok(sp.G):
+                u_comp = c.ulysses_attn_time(L, sp.G)
+                u_comm = c.ulysses_comm_time(L / sp.G, sp.G, "intra")
+                better = u_comp + u_comm < base + exp
+                U[k] = better
+                A[k] = np.where(better, self.layers * (u_comp + u_comm), A[k])
+                E[k] = np.where(better, u_comm / np.maximum(u_comp, 1e-30), E[k])
+        return SpanTable(L, A, F, E, np.array([sp.G for sp in self.spans], dtype=np.float64), U)
 
     def choose_spans(self, L, target: float, lin_rate: float, routed_nics: int = 1,
                      table: SpanTable | None = None) -> list[Span]:

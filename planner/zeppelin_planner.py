@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from zeppelin.schemas.layout import zigzag_ranges
+from zeppelin.schemas.layout import contiguous_ranges, zigzag_ranges
 from zeppelin.schemas.plan import (
     Group,
     MicroBatch,
@@ -116,6 +116,12 @@ class ZeppelinPlanner(Planner):
         if self.select not in ("auto", "predict", "simulate"):
             raise PlanningError(f"select option must be auto, predict or simulate (got {self.select!r})")
         self.simulate_max_units = int(options.get("simulate_max_units", 16))
+        # how a sequence split inside a node runs: "auto" - a zigzag ring or Ulysses (all-to-all to
+        # head shards), whichever the cost model prices lower for that sequence; "ring" - always a
+        # ring (the published design)
+        self.intra = str(options.get("intra", "auto"))
+        if self.intra not in ("auto", "ring"):
+            raise PlanningError(f"intra option must be auto or ring (got {self.intra!r})")
         self._sims: dict[int, object] = {}
         self._tiering: dict[int, Tiering] = {}
         self._tables: dict = {}
@@ -341,7 +347,7 @@ class ZeppelinPlanner(Planner):
         key = (id(tg), rn, Ls.tobytes())
         tb = self._tables.get(key)
         if tb is None:
-            tb = tg.span_table(Ls, rn)
+            tb = tg.span_table(Ls, rn, ulysses=self.intra == "auto")
             self._tables = {key: tb}  # shared by both balance candidates of this micro-batch
         T_all = tb.times(lin_rate)
         target = float(T_all[0].sum()) / n
@@ -355,6 +361,7 @@ class ZeppelinPlanner(Planner):
             k = np.where(tb.F[floor] & (Ls >= 2 * tb.G[floor]), floor, np.maximum(k, floor * (Ls >= 2 * tb.G[floor])))
             unit_t = T_all[k, cols]
         spans = [tg.spans[x] for x in k]
+        kidx = np.array(k, dtype=np.int64)  # span index per sequence (the fallback below may widen it)
         st = _MBStats()
         Gk = np.array([tg.spans[x].G for x in range(len(tg.spans))], dtype=np.int64)[k]
         inter_k = np.array([s.tier == "inter" for s in tg.spans], dtype=bool)[k]
@@ -402,6 +409,7 @@ class ZeppelinPlanner(Planner):
                     for j in js:
                         if (spans[j].G > 1 if min_len is None else Ls[j] >= min_len) and upn > 1:
                             spans[j] = tg.spans[whole]
+                            kidx[j] = whole
                             unit_t[j] = T_all[whole, j]
                             per_tok[j] = float(zigzag_max_tokens_array(Ls[j:j + 1], [upn])[0])
                     try:
@@ -455,6 +463,11 @@ class ZeppelinPlanner(Planner):
                                         ranges=zigzag_ranges(int(Ls[j]), len(units)), padded_length=None))
         for j in sorted((j for j, s in enumerate(spans) if s.tier == "intra"), key=lambda j: -Ls[j]):
             units = sorted(unit_of[j])
+            if tb.U is not None and tb.U[kidx[j], j]:
+                groups.append(_record(Group, kind="ulysses", tier="intra", units=units))
+                placements.append(_record(Placement, seq=idx[j], group=len(groups) - 1, scheme="contiguous",
+                                            ranges=contiguous_ranges(int(Ls[j]), len(units)), padded_length=None))
+                continue
             groups.append(_record(Group, kind="ring", tier="intra", units=units))
             placements.append(_record(Placement, seq=idx[j], group=len(groups) - 1, scheme="zigzag",
                                         ranges=zigzag_ranges(int(Ls[j]), len(units)), padded_length=None))

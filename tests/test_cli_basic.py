@@ -128,10 +128,13 @@ def test_demo_stage_selection_and_crossovers():
     x = ctx.results["crossover_tokens"]["intra"]
     G = 8
 
-    def hides(L):
-        return cm.attn_time(L) / G / G >= cm.p2p_time(cm.ring_round_bytes(L / G), "intra")
+    def hides(L):  # a later ring round (two full blocks of L/2G) covers the next K/V transfer
+        ch = L / (2 * G)
+        rnd = 2 * cm.attn_block_time(ch, ch) - cm.profile.attention.overhead_s
+        return rnd >= cm.p2p_time(cm.ring_round_bytes(L / G), "intra")
 
     assert hides(x) and not hides(x * 0.99)
+    assert all(hides(x * f) for f in (1.5, 3, 10, 100))
     steps = ctx.results["steps"]
     assert [s["seqs"] for s in steps] == [len(s) for s in ctx.steps]
     assert all(0 < s["attn_flop_share"] < 1 for s in steps)

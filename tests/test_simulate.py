@@ -185,6 +185,37 @@ def test_ring_matches_closed_form_prediction_for_symmetric_rings():
     assert [u.attention_s for u in r.units] == pytest.approx(p.per_unit.attention_s, rel=1e-9)
 
 
+def test_ring_prediction_prices_blocks_at_their_size():
+    """With size-dependent kernel efficiency and launch overheads, a ring round's blocks of L/(2G)
+    tokens run less efficiently than one whole-sequence kernel: the analytic model prices the
+    rounds exactly as the simulator does (round 0: two causal diagonals + one full block, later
+    rounds two full blocks, one launch overhead per round), short sequences included."""
+    prof = CostProfile(linear=KernelEfficiency(eff_max=1.0, n_half=0.0, overhead_s=0.0),
+                       attention=KernelEfficiency(eff_max=0.5, n_half=512.0, overhead_s=50e-6))
+    ctx = PlanContext(cluster(gpn=4, intra=40.0), MODEL, prof)
+    c = ctx.cost
+    for L in (256, 8192, 65536):
+        step = ring_step(L, [0, 1, 2, 3])
+        r = Simulator(ctx).simulate_step(step)
+        p = predict_step(ctx, step)
+        ch = L / 8
+
+        def blk(q, k, causal):  # hand formula: overhead + flops x 3.5 / (peak x 0.5 x n / (n + 512))
+            fl = (2.0 if causal else 4.0) * q * k * H * 3.5
+            n = (q * k) ** 0.5
+            return 50e-6 + fl / (PEAK * 0.5 * n / (n + 512.0))
+
+        t0 = 2 * blk(ch, ch, True) + blk(ch, ch, False) - 2 * 50e-6
+        tr = 2 * blk(ch, ch, False) - 50e-6
+        assert c.ring_round_compute(L, 4)[0] == pytest.approx(t0, rel=1e-12)
+        assert c.ring_round_compute(L, 4)[1] == pytest.approx(tr, rel=1e-12)
+        assert r.units[0].attention_s == pytest.approx(t0 + 3 * tr, rel=1e-9)
+        assert p.per_unit.attention_s[0] == pytest.approx(t0 + 3 * tr, rel=1e-9)
+        assert r.step_time_s == pytest.approx(p.step_time_s, rel=1e-9)
+        # blocks are less efficient than the whole sequence: the ring costs more than attn(L)/G
+        assert t0 + 3 * tr > float(c.attn_time(L)) / 4
+
+
 def test_local_work_fills_ring_gaps():
     """Unit 0 queues a slow ring first, then a local sequence: the local sequence runs while the K/V
     block is in flight, so the ring's exposed time shrinks by the local compute."""
