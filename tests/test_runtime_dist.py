@@ -129,12 +129,12 @@ def hand_step(k: int = 0, model=None) -> StepPlan:
     return StepPlan(step=k, sequences=seqs, microbatches=[mb0, mb1])
 
 
-def planner_step(name: str, header: PlanHeader, lens: list[int], k: int = 0) -> StepPlan:
+def planner_step(name: str, header: PlanHeader, lens: list[int], k: int = 0, **options) -> StepPlan:
     from zeppelin.planner.base import PlanContext, get_planner
 
     ctx = PlanContext(cluster=header.cluster, model=header.model, profile=header.profile, seed=header.seed)
     seqs = [Sequence(sample_id=1000 + i, length=L) for i, L in enumerate(lens)]
-    return get_planner(name).plan_step(ctx, k, seqs)
+    return get_planner(name, **options).plan_step(ctx, k, seqs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,20 +221,26 @@ def test_hand_plan_mha_model(pool):
     check_against_reference(pool, header, hand_step(model=model_preset("tiny-mha")), seed=7)
 
 
-@pytest.mark.parametrize("planner", ["zeppelin", "te-cp", "packed-dp"])
+@pytest.mark.parametrize("planner", ["zeppelin", "zeppelin-rings", "te-cp", "packed-dp"])
 def test_planner_plans_match_reference(pool, planner):
-    header = make_header(cluster_preset("local-cpu:2x2"), model_preset("tiny"), 1, planner=planner)
+    header = make_header(cluster_preset("local-cpu:2x2"), model_preset("tiny"), 1, planner=planner.split("-rings")[0])
     # short-heavy step with one long sequence, lengths not divisible by 2G
     lens = [1000, 301, 150, 45, 29, 17, 13, 11, 9, 7, 5, 3, 2, 1]
-    step = planner_step(planner, header, lens)
+    if planner == "zeppelin-rings":  # the published design: every split sequence runs as a ring
+        step = planner_step("zeppelin", header, lens, intra="ring")
+    else:
+        step = planner_step(planner, header, lens)
     tiers = {(g.kind, g.tier) for mb in step.microbatches for g in mb.groups}
-    if planner == "zeppelin":  # the planner's own output covers all three tiers and routes here
-        assert {("ring", "inter"), ("ring", "intra"), ("local", "local")} <= tiers
+    if planner == "zeppelin-rings":  # rings only: inter-node (routed) and local here
+        assert {("ring", "inter"), ("local", "local")} <= tiers and {k for k, _ in tiers} == {"ring", "local"}
+        assert any(mb.routes for mb in step.microbatches)
+    elif planner == "zeppelin":  # here the intra-node split runs as Ulysses (head shards, GQA 4:2)
+        assert {("ring", "inter"), ("ulysses", "intra"), ("local", "local")} <= tiers
         assert any(mb.routes for mb in step.microbatches)
     elif planner == "te-cp":
         assert all(k == "ring" for k, _ in tiers)
     else:
         assert tiers == {("local", "local")}
     outs = check_against_reference(pool, header, step)
-    if planner == "zeppelin":
+    if planner.startswith("zeppelin"):
         assert sum(o["bytes"]["inter"] for o in outs) > 0
