@@ -167,6 +167,25 @@ def component_max(labels: np.ndarray, x: np.ndarray) -> np.ndarray:
     return m[labels]
 
 
+def _convoy_waits(n: int, groups, dur: np.ndarray, skip: np.ndarray, local: np.ndarray) -> np.ndarray:
+    """Per unit, per layer: time its attention stream waits because a group it is in starts only
+    when every member has finished the groups queued before it (queues follow group order).
+
+    Multi-unit groups run in group order, each as soon as all its members are free, for ``dur``
+    (per-layer attention + exposed communication); a unit's local attention fills the gaps. A unit
+    in several rings whose partners are busy elsewhere finishes its attention late: the wait is
+    ``max(last group end, own busy time) - own busy time``."""
+    ready = np.zeros(n)
+    busy = np.zeros(n)
+    for gi in np.flatnonzero(~skip):
+        us = groups[gi].units
+        end = float(ready[us].max()) + float(dur[gi])
+        ready[us] = end
+        busy[us] += dur[gi]
+    own = busy + local
+    return np.maximum(ready, own) - own
+
+
 def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool = True) -> MBTerms:
     """Per-unit terms of one micro-batch; ``seq_lengths[i]`` is the length of the step's sequence i.
 
@@ -250,6 +269,8 @@ def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool
     attn = layers * np.bincount(gu, weights=t_att[gi_rep], minlength=n)
     comm = layers * np.bincount(gu, weights=t_comm[gi_rep], minlength=n)
     exposed = layers * np.bincount(gu, weights=t_exp[gi_rep], minlength=n)
+    convoy = layers * _convoy_waits(n, groups, t_att + t_exp, is_local | ~g_has,
+                                    np.bincount(gu, weights=np.where(is_local, t_att, 0.0)[gi_rep], minlength=n))
     # ---- linear modules, TP, remap
     if mb.linear_layout is None:
         lin_held = held.copy()
@@ -289,7 +310,7 @@ def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool
     # coupling: partners meet every layer, so per layer a unit waits for its component's slowest
     # member (the LM head runs once per micro-batch, after the last layer, on each unit's own tokens)
     labels = coupled_components(n, links)
-    coupled = component_max(labels, attn + lin - head + exposed) + head
+    coupled = component_max(labels, attn + lin - head + exposed + convoy) + head
     return MBTerms(attn=attn, lin=lin, comm=comm, exposed=exposed,
                    tokens=lin_held.astype(np.int64), mem_tokens=np.maximum(held, lin_held),
                    nic_routed=nic_loads(ctx, mb, routed=True), nic_unrouted=nic_loads(ctx, mb, routed=False),

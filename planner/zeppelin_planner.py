@@ -220,6 +220,27 @@ class ZeppelinPlanner(Planner):
                 found.append((built, t))
                 if t < best_t:
                     best_built, best_t = built, t
+            if len(parts) > 1 and ctx.cluster.num_nodes > 1 and ctx.units_per_node > 1:
+                # node-major micro-batches: with no barrier between micro-batches, what must balance
+                # is each node's whole step, not each micro-batch; assign sequences to nodes for the
+                # whole step, then cut each node's share into micro-batches that fit its memory
+                nm = self._node_major(ctx, tg, lengths, len(parts))
+                for floors, balances in (self._modes(ctx) if nm is not None else []):
+                    nparts, fixed = nm
+                    try:
+                        carry = np.zeros(n)
+                        built = [None] * len(nparts)
+                        for k in sorted(range(len(nparts)), key=lambda k: -max(lengths[i] for i in nparts[k])):
+                            mb, st, terms = self._best_microbatch(ctx, tg, sequences, nparts[k], carry,
+                                                                  floors, balances, fixed_nodes=fixed)
+                            carry = carry + terms.period
+                            built[k] = (mb, st, terms)
+                        t = float(carry.max())
+                        found.append((built, t))
+                        if t < best_t:
+                            best_built, best_t = built, t
+                    except PackInfeasible as e:
+                        last_err = last_err or e
             if best_built is None:
                 M += 1
                 continue
@@ -274,6 +295,40 @@ class ZeppelinPlanner(Planner):
             return None
         return [sorted(p) for p in parts]
 
+    def _node_major(self, ctx: PlanContext, tg: Tiering, lengths: np.ndarray, M: int):
+        """Whole-step node assignment for the node-CP layout: sequences to nodes by work (LPT, each
+        node holding at most ``M`` micro-batches of tokens), then each node's share cut into ``M``
+        micro-batches that fit its units' memory (work-balanced). Returns (micro-batches, node of
+        each sequence), or None where a sequence needs more than one node or nothing fits."""
+        N, upn, cap = ctx.cluster.num_nodes, ctx.units_per_node, tg.cap
+        per_tok = zigzag_max_tokens_array(lengths, upn).astype(np.float64)  # tokens per unit, node-wide split
+        if per_tok.max() > cap:
+            return None
+        w = np.asarray(ctx.cost.work(lengths), dtype=np.float64)
+        load, tok = np.zeros(N), np.zeros(N)
+        node = np.zeros(len(lengths), dtype=np.int64)
+        for i in np.argsort(-w, kind="stable"):
+            room = np.flatnonzero(tok + per_tok[i] <= M * cap)
+            if len(room) == 0:
+                return None
+            nd = int(room[np.argmin(load[room])])
+            node[i] = nd
+            load[nd] += w[i]
+            tok[nd] += per_tok[i]
+        parts: list[list[int]] = [[] for _ in range(M)]
+        for nd in range(N):
+            ptok, pw = np.zeros(M), np.zeros(M)
+            for i in sorted(np.flatnonzero(node == nd), key=lambda i: -w[i]):
+                room = np.flatnonzero(ptok + per_tok[i] <= cap)
+                if len(room) == 0:
+                    return None
+                k = int(room[np.argmin(pw[room])])
+                parts[k].append(int(i))
+                ptok[k] += per_tok[i]
+                pw[k] += w[i]
+        parts = [sorted(p) for p in parts if p]
+        return parts, {int(i): int(node[i]) for i in range(len(lengths))}
+
     # ------------------------------------------------------------------ one micro-batch
     def _coupling_waste(self, built, t: float) -> bool:
         """Whether the units of a planned step lose more than ``tol`` of it waiting for partners."""
@@ -289,7 +344,8 @@ class ZeppelinPlanner(Planner):
         return [([None], balances), ([node_cp], ["total"])]
 
     def _best_microbatch(self, ctx: PlanContext, tg: Tiering, sequences: list[Sequence], idx: list[int],
-                         carry: np.ndarray, floors: list | None = None, balances: list[str] | None = None):
+                         carry: np.ndarray, floors: list | None = None, balances: list[str] | None = None,
+                         fixed_nodes: dict[int, int] | None = None):
         """Candidate layouts, the faster by the prediction (``carry`` + the period) wins:
 
         * spans from the tiers (``floor`` None) or node-CP (``floor``: every splittable sequence
@@ -312,7 +368,7 @@ class ZeppelinPlanner(Planner):
                 for bal in balances if balances is not None else ["total"]:
                     try:
                         cands.append(self._plan_microbatch(ctx, tg, sequences, idx, carry, balance=bal, floor=floor,
-                                                           node_fill=fill))
+                                                           node_fill=fill, fixed_nodes=fixed_nodes))
                     except PackInfeasible as e:
                         err = err or e
             if cands:
@@ -330,7 +386,7 @@ class ZeppelinPlanner(Planner):
 
     def _plan_microbatch(self, ctx: PlanContext, tg: Tiering, sequences: list[Sequence], idx: list[int],
                          carry: np.ndarray, balance: str = "total", floor: int | None = None,
-                         node_fill: float = 1.0):
+                         node_fill: float = 1.0, fixed_nodes: dict[int, int] | None = None):
         """One candidate layout. ``node_fill``: the share of a node's token capacity level 1 may
         fill (below 1 when a node filled to the last token left its units no room for its rings)."""
         cost = ctx.cost
@@ -369,7 +425,10 @@ class ZeppelinPlanner(Planner):
 
         # ---- level 1: nodes
         node_of: list[list[int]] = [[0] for _ in idx]  # nodes of each sequence
-        if N > 1:
+        if N > 1 and fixed_nodes is not None and not inter_k.any():
+            # the whole step's node assignment was made up front (node-major micro-batches)
+            node_of = [[fixed_nodes[i]] for i in idx]
+        elif N > 1:
             w1 = np.where(inter_k, np.array([sp.nodes for sp in tg.spans], dtype=np.int64)[k], 1)
             c1 = unit_t * np.where(inter_k, upn, Gk)
             k1 = per_tok * np.where(inter_k, upn, Gk)
@@ -461,16 +520,24 @@ class ZeppelinPlanner(Planner):
             groups.append(_record(Group, kind="ring", tier="inter", units=units))
             placements.append(_record(Placement, seq=idx[j], group=len(groups) - 1, scheme="zigzag",
                                         ranges=zigzag_ranges(int(Ls[j]), len(units)), padded_length=None))
+        # intra-node splits on the same units share one group (one ring / one all-to-all per round
+        # for all of them: fewer, larger transfers, one latency); inter rings stay one per sequence
+        # (each enters its nodes at a different unit, spreading the boundary hops over the NICs)
+        shared: dict[tuple, int] = {}
         for j in sorted((j for j, s in enumerate(spans) if s.tier == "intra"), key=lambda j: -Ls[j]):
             units = sorted(unit_of[j])
-            if tb.U is not None and tb.U[kidx[j], j]:
-                groups.append(_record(Group, kind="ulysses", tier="intra", units=units))
-                placements.append(_record(Placement, seq=idx[j], group=len(groups) - 1, scheme="contiguous",
+            uly = tb.U is not None and bool(tb.U[kidx[j], j])
+            key = ("ulysses" if uly else "ring", tuple(units))
+            gi = shared.get(key)
+            if gi is None:
+                groups.append(_record(Group, kind=key[0], tier="intra", units=units))
+                gi = shared[key] = len(groups) - 1
+            if uly:
+                placements.append(_record(Placement, seq=idx[j], group=gi, scheme="contiguous",
                                             ranges=contiguous_ranges(int(Ls[j]), len(units)), padded_length=None))
-                continue
-            groups.append(_record(Group, kind="ring", tier="intra", units=units))
-            placements.append(_record(Placement, seq=idx[j], group=len(groups) - 1, scheme="zigzag",
-                                        ranges=zigzag_ranges(int(Ls[j]), len(units)), padded_length=None))
+            else:
+                placements.append(_record(Placement, seq=idx[j], group=gi, scheme="zigzag",
+                                            ranges=zigzag_ranges(int(Ls[j]), len(units)), padded_length=None))
         local_by_unit: dict[int, list[int]] = {}
         for j, s in enumerate(spans):
             if s.tier == "local":

@@ -352,7 +352,8 @@ def test_ilp_never_worse_than_greedy_inside_planner(monkeypatch):
         lengths = np.clip(rng.lognormal(8, 1.2, 30).astype(int), 16, 30000)
         plan = ZeppelinPlanner(ilp="always", time_limit=0.5).plan_step(ctx, 0, seqs_of(lengths))
         _check_plan(ctx, plan, lengths)
-        assert plan.solver.name == "highs"
+        # the chosen candidate may be node-major (whole-step node assignment, no packing ILP left)
+        assert plan.solver.name in ("highs", "greedy")
     ilp_runs = [r for r in seen if r.solver == "highs"]
     assert ilp_runs
     for r in seen:
