@@ -424,11 +424,22 @@ class _Loopback:
         return _Arrived(self._blocks[key])
 
 
-def measure_ring_attention(model: ModelSpec, lengths, dev, timer, reps, warmup) -> dict[str, dict[str, list]]:
+def ring_group_sizes(world: int, gpn: int) -> list[int]:
+    """Ring sizes the profiler measures: every size up to a node (planners form rings of any size
+    there, e.g. 3 of 4 ranks), powers of two beyond it."""
+    sizes = set(range(2, min(world, gpn) + 1))
+    G = 2
+    while G <= world:
+        sizes.add(G)
+        G *= 2
+    return sorted(sizes)
+
+
+def measure_ring_attention(model: ModelSpec, lengths, gpn: int, dev, timer, reps, warmup) -> dict[str, dict[str, list]]:
     """The runtime's ring attention (:func:`zeppelin.runtime.attention.ring_forward` +
     ``ring_backward``) of one zigzag-split sequence of each length, forward+backward, for each
-    group size G: every rank takes part, in rings of G consecutive ranks (all rings at once, so the
-    machine is loaded as in training). ``total``: with the real exchanges (what a ring costs the
+    group size G of :func:`ring_group_sizes`: every rank takes part, in rings of G consecutive
+    ranks (all rings at once, so the machine is loaded as in training; ranks left over idle). ``total``: with the real exchanges (what a ring costs the
     runtime, waits included); ``compute``: the same ring with its exchanges short-circuited
     (:class:`_Loopback`), i.e. the compute alone. Per G: ``{"total": [[L, s]...], "compute": ...}``,
     seconds of the slowest rank."""
@@ -438,8 +449,7 @@ def measure_ring_attention(model: ModelSpec, lengths, dev, timer, reps, warmup) 
     world, rank = dist.get_world_size(), dist.get_rank()
     dt = _dtype(model)
     out: dict[str, dict[str, list]] = {}
-    G = 2
-    while G <= world:
+    for G in ring_group_sizes(world, gpn):
         base = rank // G * G
         member = base + G <= world
         Ls = [L for L in lengths if L >= 4 * G]
@@ -469,7 +479,6 @@ def measure_ring_attention(model: ModelSpec, lengths, dev, timer, reps, warmup) 
         vals = [float(x) for x in tt]
         out[str(G)] = {"total": [[L, s] for L, s in zip(Ls, vals[:len(Ls)])],
                        "compute": [[L, s] for L, s in zip(Ls, vals[len(Ls):])]}
-        G *= 2
     return out
 
 
@@ -548,7 +557,9 @@ def main(argv=None) -> int:
     say("ring rounds by group size ...")
     ring = measure_ring_round(model, grid["att"][-3:], gpn, dev, reps, warm) if world > 1 else {}
     say("the runtime's ring attention by group size ...")
-    ring_att = measure_ring_attention(model, grid["att"], dev, timer, reps, warm) if world > 1 else {}
+    # rings carry the sequences too long for one rank: measure them up to twice the longest local length
+    ring_lengths = [*grid["att"], 2 * grid["att"][-1]]
+    ring_att = measure_ring_attention(model, ring_lengths, gpn, dev, timer, reps, warm) if world > 1 else {}
     share = measure_concurrent_inter(gpn, grid["p2p"][-1], dev, reps, warm) if a.nodes >= 2 else None
     topo = detect_topology(world, a.nodes)
     if rank == 0:

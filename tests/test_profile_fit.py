@@ -270,3 +270,12 @@ def test_profiler_times_packs_of_sequences_through_the_engine_path(one_rank_grou
     assert per_seq == pytest.approx([2 * per_call] * 3)
     for L, K, seen_k in zip(Ls, counts, calls):
         assert seen_k.count(("f", L)) == K and seen_k.count(("b", L)) == K and len(seen_k) == 2 * K
+
+
+def test_ring_group_sizes_cover_every_size_inside_a_node():
+    from zeppelin.runtime.profiler import ring_group_sizes
+
+    assert ring_group_sizes(1, 1) == []
+    assert ring_group_sizes(4, 4) == [2, 3, 4]          # a planner forms rings of 3 of 4 ranks too
+    assert ring_group_sizes(4, 2) == [2, 4]             # 2 nodes of 2: across nodes, powers of two
+    assert ring_group_sizes(32, 8) == [2, 3, 4, 5, 6, 7, 8, 16, 32]
