@@ -44,6 +44,10 @@ def plan(
     time_limit: float = typer.Option(0.05, "--time-limit", help="ILP time limit per solve, seconds"),
     ilp: str = typer.Option("auto", "--ilp", help="auto (where it pays), always, never"),
     solver: str = typer.Option("highs", "--solver", help="ILP solver: highs (CBC as fallback) or cbc"),
+    intra: str = typer.Option("auto", "--intra",
+                              help="zeppelin: how a sequence split inside a node runs - auto (zigzag ring or "
+                                   "Ulysses all-to-all, whichever the cost model prices lower) or ring (rings only, "
+                                   "as published)"),
     workers: int = typer.Option(1, "--workers", "-j", help="plan steps in this many processes"),
     fmt: str = typer.Option("jsonl", "--format", help="jsonl (compact) or pretty (readable, diffable)"),
     explain: bool = typer.Option(False, "--explain", help="print the tier thresholds and how they were derived"),
@@ -80,7 +84,8 @@ def plan(
     if cl.gpus_per_node % tp:
         raise PlanningError(f"--tp {tp} does not divide the {cl.gpus_per_node} GPUs per node of {cl.name}")
     ctx = PlanContext(cl, md, pf, tp=tp, zero_stage=zero_stage, seed=seed)
-    options = {"time_limit": time_limit, "ilp": ilp, "solver": solver} if planner.startswith("zeppelin") else {}
+    options = ({"time_limit": time_limit, "ilp": ilp, "solver": solver, "intra": intra}
+               if planner.startswith("zeppelin") else {})
     pl = _planner(planner, options)
     if explain:
         from .tiering import Tiering

@@ -116,6 +116,8 @@ class ZeppelinPlanner(Planner):
         if self.select not in ("auto", "predict", "simulate"):
             raise PlanningError(f"select option must be auto, predict or simulate (got {self.select!r})")
         self.simulate_max_units = int(options.get("simulate_max_units", 16))
+        self.ilp_budget_calls = float(options.get("ilp_budget_calls", 1.0))
+        self._ilp_left = 0.0
         # how a sequence split inside a node runs: "auto" - a zigzag ring or Ulysses (all-to-all to
         # head shards), whichever the cost model prices lower for that sequence; "ring" - always a
         # ring (the published design)
@@ -140,6 +142,20 @@ class ZeppelinPlanner(Planner):
         if sim is None or sim.ctx is not ctx:
             sim = self._sims[id(ctx)] = Simulator(ctx)
         return sim
+
+    # ILP time per step: every candidate layout may call the packing ILP; together they share a
+    # budget of ``ilp_budget_calls`` x ``time_limit`` seconds (``ilp=always``: no budget)
+    def _ilp_mode(self) -> str:
+        if self.ilp == "always":
+            return "always"
+        return self.ilp if self._ilp_left > 1e-3 else "never"
+
+    def _ilp_limit(self) -> float:
+        return self.time_limit if self.ilp == "always" else max(1e-3, min(self.time_limit, self._ilp_left))
+
+    def _ilp_spent(self, t0: float, r) -> None:
+        if getattr(r, "solver", "greedy") != "greedy":
+            self._ilp_left -= time.perf_counter() - t0
 
     def _routed_nics(self, ctx: PlanContext) -> int:
         return len(ctx.cluster.nics) if self.routing else 1
@@ -173,6 +189,7 @@ class ZeppelinPlanner(Planner):
 
     def _plan_step(self, ctx: PlanContext, step: int, sequences: list[Sequence]) -> StepPlan:
         t0 = time.perf_counter()
+        self._ilp_left = self.ilp_budget_calls * self.time_limit
         if not sequences:
             raise PlanningError(f"step {step} has no sequences")
         self.check_feasible(ctx, sequences)
@@ -195,7 +212,7 @@ class ZeppelinPlanner(Planner):
             # without remap in every micro-batch (a te-cp-like layout inside zeppelin's search
             # space): nodes then never wait for each other, so one micro-batch's hot node can be
             # another's cold one, and no unit waits on partners from rings of assorted widths
-            best_built, best_t = None, float("inf")
+            best_built, best_t, best_mode = None, float("inf"), 0
             for mode, (floors, balances) in enumerate(self._modes(ctx)):
                 if (mode > 0 and best_built is not None and n > 256
                         and not self._coupling_waste(best_built, best_t)):
@@ -219,13 +236,15 @@ class ZeppelinPlanner(Planner):
                 t = float(carry.max())
                 found.append((built, t))
                 if t < best_t:
-                    best_built, best_t = built, t
+                    best_built, best_t, best_mode = built, t, mode
             if len(parts) > 1 and ctx.cluster.num_nodes > 1 and ctx.units_per_node > 1:
                 # node-major micro-batches: with no barrier between micro-batches, what must balance
                 # is each node's whole step, not each micro-batch; assign sequences to nodes for the
                 # whole step, then cut each node's share into micro-batches that fit its memory
                 nm = self._node_major(ctx, tg, lengths, len(parts))
-                for floors, balances in (self._modes(ctx) if nm is not None else []):
+                # (large clusters, for planning latency: only the layout family that won above)
+                modes = self._modes(ctx) if n <= 32 else [self._modes(ctx)[best_mode]]
+                for floors, balances in (modes if nm is not None else []):
                     nparts, fixed = nm
                     try:
                         carry = np.zeros(n)
@@ -432,9 +451,11 @@ class ZeppelinPlanner(Planner):
             w1 = np.where(inter_k, np.array([sp.nodes for sp in tg.spans], dtype=np.int64)[k], 1)
             c1 = unit_t * np.where(inter_k, upn, Gk)
             k1 = per_tok * np.where(inter_k, upn, Gk)
+            t_ilp = time.perf_counter()
             r1 = pack(carry.reshape(N, upn).sum(axis=1), np.zeros(N), c1, k1, w1, float(cap * upn) * node_fill,
-                      ilp=self.ilp, time_limit=self.time_limit, tol=self.tol, solver=self.solver,
+                      ilp=self._ilp_mode(), time_limit=self._ilp_limit(), tol=self.tol, solver=self.solver,
                       max_ilp_vars=self.max_ilp_vars_nodes)
+            self._ilp_spent(t_ilp, r1)
             st.results.append(r1)
             node_of = r1.bins
         # ---- level 2: units inside each node
@@ -486,14 +507,16 @@ class ZeppelinPlanner(Planner):
             top = max(r.makespan for r in node_results.values())
             for nd, r2 in node_results.items():
                 hot = r2.makespan > (1 + self.tol) * lb and r2.makespan >= top * (1 - self.tol)
-                if self.ilp == "always" or (hot and r2.gap > self.tol):
+                if self._ilp_mode() != "never" and (self.ilp == "always" or (hot and r2.gap > self.tol)):
                     js = by_node.get(nd, [])
                     sl = slice(nd * upn, (nd + 1) * upn)
+                    t_ilp = time.perf_counter()
                     node_results[nd] = pack(pre[sl], pre_tok[sl], unit_t[js], per_tok[js],
                                             np.array([spans[j].G for j in js], dtype=np.int64), float(cap),
                                             ilp="always" if self.ilp == "always" else "auto",
-                                            time_limit=self.time_limit, tol=self.tol, solver=self.solver,
+                                            time_limit=self._ilp_limit(), tol=self.tol, solver=self.solver,
                                             max_ilp_vars=self.max_ilp_vars_units)
+                    self._ilp_spent(t_ilp, node_results[nd])
         loads = np.zeros(n)
         for nd, r2 in node_results.items():
             loads[nd * upn:(nd + 1) * upn] = r2.loads

@@ -414,6 +414,8 @@ def test_cli_bad_inputs(tmp_path, zeppelin_bin):
     r = run("--cluster", "zeppelin-a:1x2", "--model", "llama-7b", "--tokens-per-step", "200000")
     assert r.returncode == 2 and "more than the whole cluster can hold" in r.stderr
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    r = run("--cluster", "zeppelin-a", "--model", "llama-7b", "--intra", "tree")
+    assert r.returncode == 2 and r.stderr == "zeppelin: error: intra option must be auto or ring (got 'tree')\n"
     assert not out.exists()
 
 
