@@ -69,11 +69,13 @@ def _gmean(xs) -> float:
 
 
 def compute_ratio(cluster: str) -> float:
-    """Peak compute of a node over its NIC bandwidth (TFLOP/s per GB/s)."""
+    """Compute-to-network ratio of a node as a ratio of *times*: for work that moves one GB over the
+    NICs per TFLOP computed, (time computing) / (time communicating) = NIC GB/s / peak TFLOP/s. Low:
+    the network is slow relative to compute (communication-bound), the papers' sense."""
     from zeppelin.schemas.cluster import cluster_preset
 
     c = cluster_preset(cluster)
-    return c.gpu.peak_tflops * c.gpus_per_node / sum(n.bandwidth_GBps for n in c.nics)
+    return sum(n.bandwidth_GBps for n in c.nics) / (c.gpu.peak_tflops * c.gpus_per_node)
 
 
 def findings(cells: list[dict]) -> tuple[dict, list[str]]:
@@ -111,10 +113,11 @@ def findings(cells: list[dict]) -> tuple[dict, list[str]]:
     low = min(ratio, key=ratio.get)
     holds = by_cl[low] == max(by_cl.values())
     lines.append("Zeppelin's advantage over te-cp is largest on the cluster with the lower compute-to-network "
-                 "ratio: node peak compute / node NIC bandwidth "
-                 + ", ".join(f"{k} {ratio[k]:.1f} TFLOP/s per GB/s" for k in ratio)
-                 + "; geometric-mean speedup over te-cp " + ", ".join(f"{k} {by_cl[k]:.2f}x" for k in by_cl)
-                 + f" -> **{'holds' if holds else 'does not hold'}** in this run (lower ratio: {low}).")
+                 "ratio (compute time over communication time for the same work = node NIC bandwidth / node peak "
+                 "compute: " + ", ".join(f"{k} {ratio[k]:.3f} GB/s per TFLOP/s" for k in ratio)
+                 + f"; lower: {low}, whose network is slower relative to its compute): geometric-mean speedup over "
+                 "te-cp " + ", ".join(f"{k} {by_cl[k]:.2f}x" for k in by_cl)
+                 + f" -> **{'holds' if holds else 'does not hold'}** in this run.")
     # 3. flexsp ahead of static ulysses
     pairs = [(s_f["mean_s"], s_u["mean_s"]) for c in cells
              if (s_f := _stat(c, "flexsp")) and (s_u := _stat(c, "ulysses"))]
@@ -125,16 +128,32 @@ def findings(cells: list[dict]) -> tuple[dict, list[str]]:
     lines.append(f"FlexSP is ahead of static Ulysses: flexsp is at least as fast in {ahead} of {len(pairs)} cells "
                  f"where both plan, geometric-mean speedup {gm:.3f}x -> **{'holds' if holds else 'does not hold'}**"
                  + ("" if holds else " as stated") + ".")
-    # 4. te-cp dominated by inter-node ring traffic as GPUs grow
+    # 4. te-cp dominated by inter-node ring traffic as GPUs grow. te-cp's one CP group is sized for the
+    # step's longest sequence: it crosses nodes where a node cannot hold that sequence, and then its
+    # every ring pays NIC hops; the share of its step spent exposed, by GPU count, in those cells
+    # and in the cells where its group stays inside a node
+    def _share(g, spans):
+        xs = [s["exposed_comm_s"] / s["mean_s"] for c in cells if c["gpus"] == g and (s := _stat(c, "te-cp"))
+              and (s.get("steps_spanning_nodes", 0) > 0) == spans]
+        return (float(np.mean(xs)) if xs else math.nan), len(xs)
+
     frac = {g: float(np.mean([s["exposed_comm_s"] / s["mean_s"] for c in cells if c["gpus"] == g
                               and (s := _stat(c, "te-cp"))] or [math.nan])) for g in GPUS}
+    across = {g: _share(g, True) for g in GPUS}
+    inside = {g: _share(g, False) for g in GPUS}
     summ["te_cp_exposed_comm_fraction_by_gpus"] = frac
-    grows = all(frac[a] <= frac[b] + 1e-9 for a, b in itertools.pairwise(GPUS))
-    dom = frac[GPUS[-1]] > 0.5
-    lines.append("te-cp is dominated by inter-node ring traffic from 16 to 128 GPUs: its exposed communication as a "
-                 "share of its step time, mean over cells, " + ", ".join(f"{g} GPUs {frac[g]:.0%}" for g in GPUS)
-                 + f" -> grows with the GPU count: **{'yes' if grows else 'no'}**; above half of the step at "
-                 f"{GPUS[-1]} GPUs: **{'yes' if dom else 'no'}**.")
+    summ["te_cp_exposed_fraction_by_gpus_when_spanning_nodes"] = {g: v[0] for g, v in across.items()}
+    summ["te_cp_exposed_fraction_by_gpus_inside_a_node"] = {g: v[0] for g, v in inside.items()}
+    seen = [g for g in GPUS if across[g][1]]
+    dom = bool(seen) and all(across[g][0] > 0.5 for g in seen)
+    lines.append("te-cp is dominated by inter-node ring traffic from 16 to 128 GPUs: where its CP group must span "
+                 "nodes (the step's longest sequence does not fit one node) its exposed communication takes "
+                 + ", ".join(f"{g} GPUs {across[g][0]:.0%} ({across[g][1]} cells)" for g in GPUS if across[g][1])
+                 + " of its step; where the group stays inside a node, "
+                 + ", ".join(f"{g} GPUs {inside[g][0]:.0%} ({inside[g][1]} cells)" for g in GPUS if inside[g][1])
+                 + f" -> above half of the step at every GPU count where it spans nodes: "
+                 f"**{'holds' if dom else 'does not hold'}**"
+                 + ("" if seen else " (no cell where te-cp spans nodes)") + ".")
     # diagnostics: how far each planner's own analytic prediction is from the simulation
     gap = {}
     for p in ("te-cp", "ulysses", "flexsp", "hydraulis", "zeppelin", "zeppelin-no-remap"):
@@ -201,8 +220,8 @@ def render_page(cells: list[dict], summ: dict, lines: list[str], args, wall: flo
             + "). Nothing on this page is typed by hand; "
             "the full per-planner statistics are in [`results.json`](results.json)."), ""]
     out += [("**Method.** Each cell samples the same steps (seed "
-            f"{args.seed}, {args.tokens_per_gpu:,} tokens per GPU per step, sequences truncated to "
-            f"{args.max_seq_len:,} tokens) from a synthetic length mix — `short` (ArXiv-like, short-heavy), "
+            f"{args.seed}, {args.tokens_per_gpu:,} tokens per GPU per step, sequences longer than "
+            f"{args.max_seq_len:,} tokens truncated) from a synthetic length mix — `short` (ArXiv-like, short-heavy), "
             "`mixed` (GitHub-like), `long` (ProLong64k-like), see `zeppelin.planner.compare.MIXES` — plans them with "
             "every planner and simulates every plan with the event-driven simulator (`zeppelin simulate`), "
             "which uses the preset cost profiles (DESIGN.md section 4), not measurements on these clusters. "
@@ -234,10 +253,14 @@ def render_page(cells: list[dict], summ: dict, lines: list[str], args, wall: flo
             "alone (predicted step times, geometric mean over cells) zeppelin's plans are "
             f"{summ.get('predicted_speedup_zeppelin_vs_te_cp', math.nan):.2f}x te-cp's and "
             f"{summ.get('predicted_speedup_zeppelin_vs_best_baseline', math.nan):.2f}x the simulated-best baseline's "
-            "(values above 1: zeppelin faster). The simulator runs each "
-            "unit's micro-batches back to back with no barrier between micro-batches, while FlexSP's MILP minimises "
-            "the sum over micro-batches of the slowest group (a barrier per micro-batch); static Ulysses balances "
-            "whole replicas, which is what the simulator rewards.", ""]
+            "(values above 1: zeppelin faster). Neither model puts a barrier between micro-batches: a unit runs "
+            "its micro-batches back to back and waits only for the partners it exchanges data with, so what must "
+            "balance is each unit's (each node's) whole step. FlexSP's MILP minimises a sum of per-micro-batch "
+            "maxima; our FlexSP therefore also considers whole-step homogeneous configurations (static Ulysses' "
+            "among them) and keeps whichever candidate `predict_step` rates fastest; zeppelin likewise tries "
+            "node-major micro-batches (sequences assigned to nodes for the whole step, then cut into micro-batches "
+            "per node). Hydraulis may pick the tensor-parallel degree of each replica (up to a whole node), a "
+            "freedom the other planners, zeppelin included, do not have: they run the cell's fixed tp.", ""]
     for cl_key, cl in CLUSTERS.items():
         for model, tp in MODELS.items():
             sub = [c for c in cells if c["cluster"] == cl and c["model"] == model]
@@ -320,7 +343,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=4, help="steps per cell")
     ap.add_argument("--tokens-per-gpu", type=int, default=16384)
-    ap.add_argument("--max-seq-len", type=int, default=65536)
+    ap.add_argument("--max-seq-len", type=int, default=131072)
     ap.add_argument("--solver-time-limit", type=float, default=0.25)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)

@@ -68,6 +68,7 @@ class PlannerRun:
     step_times: list[float] = field(default_factory=list)
     lower_bounds: list[float] = field(default_factory=list)
     exposed: list[float] = field(default_factory=list)
+    span_nodes: list[int] = field(default_factory=list)  # per step: most nodes one group spans
     latencies: list[float] = field(default_factory=list)
     predicted: list[float] = field(default_factory=list)
     plan_cpu: list[float] = field(default_factory=list)
@@ -84,6 +85,7 @@ class PlannerRun:
             "mean_s": float(t.mean()), "p50_s": float(np.percentile(t, 50)), "p90_s": float(np.percentile(t, 90)),
             "ratio_to_lower_bound": float(np.mean(t / lb)) if np.all(lb > 0) else math.nan,
             "exposed_comm_s": float(np.mean(self.exposed)),
+            "steps_spanning_nodes": int(sum(x > 1 for x in self.span_nodes)),
             "predicted_mean_s": float(np.mean(self.predicted)),
             "plan_latency_mean_s": float(np.mean(self.latencies)), "plan_latency_max_s": float(np.max(self.latencies)),
             "plan_cpu_mean_s": float(np.mean(self.plan_cpu)) if self.plan_cpu else math.nan,
@@ -110,6 +112,15 @@ def _init(ctx: PlanContext, options: dict[str, dict[str, Any]], steps: list[list
     """Per worker process, once: the context, planner options and the steps (inherited, not pickled,
     under fork); planners, plan headers and the simulator are built on first use and reused."""
     _W.update(ctx=ctx, options=options, steps=steps, sims=None, planners={}, headers={})
+
+
+def _max_group_nodes(ctx: PlanContext, sp) -> int:
+    """The most nodes any attention group of the plan spans (1: every group stays inside a node)."""
+    if sp.replicas is not None:
+        node = [ctx.cluster.node_of(r.ranks[0]) for r in sp.replicas]
+    else:
+        node = [ctx.cost.node_of_unit(u) for u in range(ctx.num_units)]
+    return max((len({node[u] for u in g.units}) for mb in sp.microbatches for g in mb.groups), default=1)
 
 
 def _job(arg: tuple[str, int]) -> tuple[str, int, dict[str, Any]]:
@@ -143,6 +154,7 @@ def _job(arg: tuple[str, int]) -> tuple[str, int, dict[str, Any]]:
     c1 = time.process_time()
     r = _W["sims"].simulate_step(sp)
     return name, k, {"time": r.step_time_s, "lb": r.lower_bound_s, "exposed": r.exposed_comm_s, "latency": lat,
+                     "span_nodes": _max_group_nodes(ctx, sp),
                      "predicted": sp.prediction.step_time_s if sp.prediction else r.step_time_s,
                      "plan_cpu": plan_cpu, "sim_cpu": time.process_time() - c1}
 
@@ -215,6 +227,7 @@ def run_compare(ctx: PlanContext, steps: list[list], planners: list[str],
             run.step_times.append(res["time"])
             run.lower_bounds.append(res["lb"])
             run.exposed.append(res["exposed"])
+            run.span_nodes.append(res.get("span_nodes", 1))
             run.latencies.append(res["latency"])
             run.predicted.append(res["predicted"])
             run.plan_cpu.append(res["plan_cpu"])

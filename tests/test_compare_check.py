@@ -303,37 +303,48 @@ def test_results_page_findings_from_cells():
     """The RESULTS.md statements are computed from the cells: hand-made cells with known answers."""
     bc = _bench_module()
 
-    def cell(cluster, mix, gpus, te, z, fl, ul, te_exposed):
-        def st(name, mean, exposed=0.0):
+    def cell(cluster, mix, gpus, te, z, fl, ul, te_exposed, te_spans):
+        def st(name, mean, exposed=0.0, spans=0):
             return {"planner": name, "error": None, "mean_s": mean, "exposed_comm_s": exposed,
-                    "speedup_vs_te_cp": te / mean, "predicted_mean_s": mean}
-        planners = [st("te-cp", te, te_exposed), st("zeppelin", z), st("flexsp", fl), st("ulysses", ul)]
+                    "speedup_vs_te_cp": te / mean, "predicted_mean_s": mean, "steps_spanning_nodes": spans}
+        planners = [st("te-cp", te, te_exposed, te_spans), st("zeppelin", z), st("flexsp", fl), st("ulysses", ul)]
         best = min(planners[2:], key=lambda s: s["mean_s"])
         return {"cluster": cluster, "mix": mix, "gpus": gpus, "planners": planners,
                 "zeppelin_speedup_vs_te_cp": te / z, "best_baseline": best["planner"],
                 "zeppelin_speedup_vs_best_baseline": best["mean_s"] / z}
 
     cells = []
-    for cl, k in (("zeppelin-a", 1.0), ("zeppelin-c", 1.5)):  # C: lower compute-to-network ratio
+    # A: NICs slower relative to compute (the lower compute-to-network time ratio), the larger advantage;
+    # te-cp spans nodes on A (exposed 6 of 10 s), stays inside a node on C (exposed 1 s)
+    for cl, k, exp, spans in (("zeppelin-a", 1.5, 6.0, 2), ("zeppelin-c", 1.0, 1.0, 0)):
         for mix, m in (("short", 3.0), ("mixed", 2.0), ("long", 1.2)):
-            for i, g in enumerate(bc.GPUS):
-                cells.append(cell(cl, mix, g, te=10.0, z=10.0 / (k * m), fl=8.0, ul=9.0, te_exposed=2.0 + 2.5 * i))
+            for g in bc.GPUS:
+                cells.append(cell(cl, mix, g, te=10.0, z=10.0 / (k * m), fl=8.0, ul=9.0, te_exposed=exp,
+                                  te_spans=spans))
     summ, lines = bc.findings(cells)
     assert summ["zeppelin_vs_te_cp_by_mix"]["short"] == pytest.approx(3.0 * np.sqrt(1.5))
-    assert summ["compute_to_network_tflops_per_GBps"]["C"] < summ["compute_to_network_tflops_per_GBps"]["A"]
+    ratio = summ["compute_to_network_tflops_per_GBps"]
+    assert ratio["A"] == pytest.approx(4 * 25.0 / (8 * 312.0)) and ratio["A"] < ratio["C"]
     assert lines[0].endswith("-> **holds** in this run.")
-    assert "-> **holds** in this run (lower ratio: C)." in lines[1]
+    assert "lower: A," in lines[1] and lines[1].endswith("-> **holds** in this run.")
     assert summ["flexsp_vs_ulysses"] == {"cells": 24, "flexsp_not_slower": 24, "geomean_speedup": pytest.approx(9 / 8)}
     assert "**holds**" in lines[2]
-    assert summ["te_cp_exposed_comm_fraction_by_gpus"][128] == pytest.approx(0.95)
-    assert lines[3].endswith("grows with the GPU count: **yes**; above half of the step at 128 GPUs: **yes**.")
-    zs = [10.0 / (k * m) for k in (1.0, 1.5) for m in (3.0, 2.0, 1.2) for _ in bc.GPUS]
+    assert summ["te_cp_exposed_fraction_by_gpus_when_spanning_nodes"][128] == pytest.approx(0.6)
+    assert summ["te_cp_exposed_fraction_by_gpus_inside_a_node"][16] == pytest.approx(0.1)
+    assert summ["te_cp_exposed_comm_fraction_by_gpus"][128] == pytest.approx(0.35)
+    assert "16 GPUs 60% (3 cells)" in lines[3] and lines[3].endswith("where it spans nodes: **holds**.")
+    zs = [10.0 / (k * m) for k in (1.5, 1.0) for m in (3.0, 2.0, 1.2) for _ in bc.GPUS]
     assert summ["zeppelin_vs_best_baseline_mean"] == pytest.approx(np.mean([8.0 / z for z in zs]))
-    # reversed: zeppelin best on long data, flexsp behind ulysses
+    # reversed: flexsp behind ulysses, C's advantage larger, te-cp's spanning exposure below half
     for c in cells:
         c["planners"][2]["mean_s"] = 9.5
+        if c["cluster"] == "zeppelin-c":
+            c["zeppelin_speedup_vs_te_cp"] *= 4
+        c["planners"][0]["exposed_comm_s"] = 3.0
     summ, lines = bc.findings(cells)
     assert "**does not hold** as stated" in lines[2] and summ["flexsp_vs_ulysses"]["flexsp_not_slower"] == 0
+    assert lines[1].endswith("-> **does not hold** in this run.")
+    assert lines[3].endswith("where it spans nodes: **does not hold**.")
 
 
 def test_run_compare_pool_order_and_first_failure():
