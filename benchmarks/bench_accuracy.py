@@ -14,7 +14,7 @@ Prints one JSON document: per (ranks, mix) the median / worst / mean relative er
 predicted step time (all steps, and without the run's first step), the per-step measured and
 predicted times, and the load average of the machine before and after each run.
 
-    python benchmarks/bench_accuracy.py [--ranks 2 4] [--model small] [--steps 4] [--workdir DIR]
+    python benchmarks/bench_accuracy.py [--ranks 2 4] [--model small] [--steps 4] [--intra auto|ring] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -105,6 +105,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seq-len", type=int, default=4096)
     ap.add_argument("--scale", type=float, default=20.0, help="divide the mixes' median lengths by this")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--intra", default="auto", choices=["auto", "ring"],
+                    help="passed to `zeppelin plan --intra` (how a sequence split inside a node runs)")
     ap.add_argument("--workdir", type=Path, default=None, help="keep profiles, plans, metrics here")
     args = ap.parse_args(argv)
 
@@ -113,7 +115,8 @@ def main(argv=None) -> int:
     zep = _zeppelin_cmd()
     result: dict = {"machine": f"{platform.node()} ({os.cpu_count()} CPUs, {platform.machine()})",
                     "model": args.model, "steps": args.steps, "tokens_per_rank": args.tokens_per_rank,
-                    "max_seq_len": args.max_seq_len, "scale": args.scale, "workdir": str(work), "runs": []}
+                    "max_seq_len": args.max_seq_len, "scale": args.scale, "intra": args.intra, "workdir": str(work),
+                    "runs": []}
     for R in args.ranks:
         # profile and run with the same ranks and threads per rank: CPU kernel times depend on how
         # many processes share the cores
@@ -132,7 +135,7 @@ def main(argv=None) -> int:
             _run([*zep, "plan", "--cluster", f"local-cpu:1x{R}", "--model", args.model,
                   "--profile", str(prof), "--manifest", str(man),
                   "--tokens-per-step", str(args.tokens_per_rank * R), "--max-seq-len", str(args.max_seq_len),
-                  "--steps", str(args.steps), "--seed", str(args.seed), "-q", "-o", str(plan)],
+                  "--steps", str(args.steps), "--seed", str(args.seed), "--intra", args.intra, "-q", "-o", str(plan)],
                  work / f"plan_{R}_{mix}.log", env)
             rep_path = work / f"report_{R}_{mix}.json"
             load_before = _load()
