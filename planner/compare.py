@@ -84,6 +84,7 @@ class PlannerRun:
             "planner": self.planner, "error": None, "steps": len(t),
             "mean_s": float(t.mean()), "p50_s": float(np.percentile(t, 50)), "p90_s": float(np.percentile(t, 90)),
             "ratio_to_lower_bound": float(np.mean(t / lb)) if np.all(lb > 0) else math.nan,
+            "lower_bound_mean_s": float(np.mean(lb)),
             "exposed_comm_s": float(np.mean(self.exposed)),
             "steps_spanning_nodes": int(sum(x > 1 for x in self.span_nodes)),
             "predicted_mean_s": float(np.mean(self.predicted)),

@@ -306,7 +306,8 @@ def test_results_page_findings_from_cells():
     def cell(cluster, mix, gpus, te, z, fl, ul, te_exposed, te_spans):
         def st(name, mean, exposed=0.0, spans=0):
             return {"planner": name, "error": None, "mean_s": mean, "exposed_comm_s": exposed,
-                    "speedup_vs_te_cp": te / mean, "predicted_mean_s": mean, "steps_spanning_nodes": spans}
+                    "speedup_vs_te_cp": te / mean, "predicted_mean_s": mean, "steps_spanning_nodes": spans,
+                    "lower_bound_mean_s": 2.0}
         planners = [st("te-cp", te, te_exposed, te_spans), st("zeppelin", z), st("flexsp", fl), st("ulysses", ul)]
         best = min(planners[2:], key=lambda s: s["mean_s"])
         return {"cluster": cluster, "mix": mix, "gpus": gpus, "planners": planners,
@@ -329,10 +330,13 @@ def test_results_page_findings_from_cells():
     assert "lower: A," in lines[1] and lines[1].endswith("-> **holds** in this run.")
     assert summ["flexsp_vs_ulysses"] == {"cells": 24, "flexsp_not_slower": 24, "geomean_speedup": pytest.approx(9 / 8)}
     assert "**holds**" in lines[2]
-    assert summ["te_cp_exposed_fraction_by_gpus_when_spanning_nodes"][128] == pytest.approx(0.6)
-    assert summ["te_cp_exposed_fraction_by_gpus_inside_a_node"][16] == pytest.approx(0.1)
+    # te-cp loses 10 - 2 = 8 s over the bound: 6 s exposed where it spans nodes, 1 s inside a node
+    assert summ["te_cp_loss_from_exposed_comm_by_gpus_when_spanning_nodes"][128] == pytest.approx(0.75)
+    assert summ["te_cp_loss_from_exposed_comm_by_gpus_inside_a_node"][16] == pytest.approx(0.125)
+    assert summ["te_cp_exposed_fraction_of_step_by_gpus_when_spanning_nodes"][16] == pytest.approx(0.6)
     assert summ["te_cp_exposed_comm_fraction_by_gpus"][128] == pytest.approx(0.35)
-    assert "16 GPUs 60% (3 cells)" in lines[3] and lines[3].endswith("where it spans nodes: **holds**.")
+    assert "16 GPUs 75% (3 cells; 60% of the step)" in lines[3]
+    assert lines[3].endswith("where it spans nodes: **holds**.")
     zs = [10.0 / (k * m) for k in (1.5, 1.0) for m in (3.0, 2.0, 1.2) for _ in bc.GPUS]
     assert summ["zeppelin_vs_best_baseline_mean"] == pytest.approx(np.mean([8.0 / z for z in zs]))
     # reversed: flexsp behind ulysses, C's advantage larger, te-cp's spanning exposure below half
