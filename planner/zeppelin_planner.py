@@ -419,11 +419,17 @@ class ZeppelinPlanner(Planner):
         if balance == "attention":
             lin_rate = 0.0
         # spans: target = balanced per-unit load, refined once with the chosen spans' costs
-        key = (id(tg), rn, Ls.tobytes())
+        # Ulysses is offered to the node-CP layout (whole-node splits, where its all-to-all replaces a
+        # ring of small blocks); the tiered layout keeps rings, whose transfers local work can fill
+        # (measured: tiered rings-only plans predict faster than tiered plans mixing in Ulysses)
+        uly = self.intra == "auto" and floor is not None
+        key = (id(tg), rn, uly, Ls.tobytes())
         tb = self._tables.get(key)
         if tb is None:
-            tb = tg.span_table(Ls, rn, ulysses=self.intra == "auto")
-            self._tables = {key: tb}  # shared by both balance candidates of this micro-batch
+            tb = tg.span_table(Ls, rn, ulysses=uly)
+            if len(self._tables) >= 4:  # a few live tables: this micro-batch's candidate layouts
+                self._tables.clear()
+            self._tables[key] = tb
         T_all = tb.times(lin_rate)
         target = float(T_all[0].sum()) / n
         cols = np.arange(len(Ls))

@@ -221,26 +221,26 @@ def test_hand_plan_mha_model(pool):
     check_against_reference(pool, header, hand_step(model=model_preset("tiny-mha")), seed=7)
 
 
-@pytest.mark.parametrize("planner", ["zeppelin", "zeppelin-rings", "te-cp", "packed-dp"])
+@pytest.mark.parametrize("planner", ["zeppelin", "zeppelin-node", "te-cp", "packed-dp"])
 def test_planner_plans_match_reference(pool, planner):
-    header = make_header(cluster_preset("local-cpu:2x2"), model_preset("tiny"), 1, planner=planner.split("-rings")[0])
+    header = make_header(cluster_preset("local-cpu:2x2"), model_preset("tiny"), 1, planner=planner.split("-node")[0])
     # short-heavy step with one long sequence, lengths not divisible by 2G
     lens = [1000, 301, 150, 45, 29, 17, 13, 11, 9, 7, 5, 3, 2, 1]
-    if planner == "zeppelin-rings":  # the published design: every split sequence runs as a ring
-        step = planner_step("zeppelin", header, lens, intra="ring")
-    else:
-        step = planner_step(planner, header, lens)
+    if planner == "zeppelin-node":  # medium sequences: whole-node splits run as Ulysses (GQA 4:2 heads)
+        lens = [1500, 1400, 300, 200, 100]
+    step = planner_step(planner.split("-node")[0], header, lens)
     tiers = {(g.kind, g.tier) for mb in step.microbatches for g in mb.groups}
-    if planner == "zeppelin-rings":  # rings only: inter-node (routed) and local here
-        assert {("ring", "inter"), ("local", "local")} <= tiers and {k for k, _ in tiers} == {"ring", "local"}
+    if planner == "zeppelin":  # a routed inter-node ring and local sequences, remapped
+        assert {("ring", "inter"), ("local", "local")} <= tiers
         assert any(mb.routes for mb in step.microbatches)
-    elif planner == "zeppelin":  # here the intra-node split runs as Ulysses (head shards, GQA 4:2)
-        assert {("ring", "inter"), ("ulysses", "intra"), ("local", "local")} <= tiers
-        assert any(mb.routes for mb in step.microbatches)
+    elif planner == "zeppelin-node":  # one Ulysses group per node, several sequences in each
+        assert tiers == {("ulysses", "intra")}
+        assert all(sum(p.group == gi for p in mb.placements) >= 2
+                   for mb in step.microbatches for gi in range(len(mb.groups)))
     elif planner == "te-cp":
         assert all(k == "ring" for k, _ in tiers)
     else:
         assert tiers == {("local", "local")}
     outs = check_against_reference(pool, header, step)
-    if planner.startswith("zeppelin"):
+    if planner == "zeppelin":
         assert sum(o["bytes"]["inter"] for o in outs) > 0
