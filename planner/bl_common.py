@@ -147,8 +147,12 @@ class StepBuilder:
     """Accumulates micro-batches of a step; one group per (micro-batch, unit set, kind)."""
 
     def __init__(self, ctx: PlanContext, sequences: list[Sequence], planner: str, n_units: int | None = None,
-                 capacity: list[int] | int | None = None):
+                 capacity: list[int] | int | None = None, replicas=None):
         self.ctx = ctx
+        #: units that are replicas of mixed TP degree (Hydraulis): a unit's node is that of its GPU
+        #: ranks; ring transfers between replicas run direct, one flow per TP rank over that rank's
+        #: own NIC (every NIC of the node is already in use), so no routes are added
+        self.replicas = replicas
         self.sequences = sequences
         self.planner = planner
         self.n = n_units if n_units is not None else ctx.num_units
@@ -176,6 +180,8 @@ class StepBuilder:
         return "inter" if len(nodes) > 1 else "intra"
 
     def node_of(self, unit: int) -> int:
+        if self.replicas is not None:
+            return self.ctx.cluster.node_of(self.replicas[unit].ranks[0])
         return self.ctx.cost.node_of_unit(unit)
 
     def group(self, k: int, kind: str, units: list[int]) -> int:
@@ -221,6 +227,8 @@ class StepBuilder:
     def _routes(self, mb: dict, groups: list[Group]) -> list[Route]:
         """Direct routes for every node-crossing hop of every inter-node ring group."""
         ctx = self.ctx
+        if self.replicas is not None:
+            return []
         per_group: dict[int, list[Placement]] = {}
         for p in mb["placements"]:
             per_group.setdefault(p.group, []).append(p)

@@ -8,14 +8,25 @@ Per step:
    (k = 1, 2, 4, ...) and the remaining GPUs as replicas of a smaller degree. Each candidate is
    scored by its stage-1 dispatch; the best one is used. Replicas are aligned blocks of GPU ranks,
    largest degree first; the plan's units are these replicas (``StepPlan.replicas``).
-2. *stage 1, dispatch*: sequences that fit only the largest replicas go first, among those; then
+   *Context parallelism*: when the step's longest sequence fits no single replica (not even one of
+   the largest degree ``D``, e.g. tp=8 = one node), the candidates hold ``k`` CP replicas instead:
+   a CP replica is ``cp`` replicas of degree ``D`` (aligned, consecutive) that run their sequences
+   as zigzag rings over those ``cp`` units (group ``ring``, tier ``inter`` when it spans nodes),
+   with the smallest power-of-two ``cp`` whose per-unit zigzag share of the longest sequence fits;
+   the remaining GPUs are replicas of one degree as above. Option ``cp=false`` turns this off.
+2. *stage 1, dispatch*: a CP replica counts as one replica whose cost for a sequence is the time of
+   one of its units: ring attention with its exposed communication
+   (:meth:`CostModel.ring_attention_time`, rounds priced by their block sizes) plus the linear
+   modules and TP communication on the unit's ``L / cp`` tokens, and whose memory is per unit (the
+   sequence's zigzag share). Sequences that fit only the largest replicas go first, among those; then
    every sequence (most expensive first) goes to the replica where it finishes earliest, i.e. that
    minimises the resulting maximum cost. Randomised greedy with restarts (perturbed order, random
    choice among near-best replicas); the best makespan wins.
 3. *stage 2, packing*: per replica, sequences are packed into micro-batches by an ILP minimising the
    largest micro-batch time under the token capacity, for several micro-batch counts ``v``; the
    count minimising the pipeline time ``(max + c) * (pp - 1 + v)`` (pp = 1 here, ``c`` the fixed
-   cost of a micro-batch) is kept. Greedy LPT packing is the warm start and the fallback.
+   cost of a micro-batch) is kept. Greedy LPT packing is the warm start and the fallback. A CP
+   replica packs like any replica, under the capacity of one unit.
 
 The prediction uses one cost model per TP degree (:func:`predict_replicas`), since units differ.
 """
@@ -45,6 +56,36 @@ def tp_comm_time(cm: CostModel, tokens) -> np.ndarray:
     if cm.tp <= 1:
         return np.zeros_like(T)
     return cm.model.num_layers * cm.tp_exposed_comm(T)
+
+
+def zigzag_share(L, G: int) -> np.ndarray:
+    """Tokens the fullest position of a zigzag ring of ``G`` holds of sequences ``L`` (as cut by
+    :func:`zeppelin.schemas.layout.zigzag_ranges`: 2G near-equal chunks, position i holds chunks i
+    and 2G-1-i, the first ``L mod 2G`` chunks one token longer)."""
+    L = np.asarray(L, dtype=np.int64)
+    if G <= 1:
+        return L
+    q, r = np.divmod(L, 2 * G)
+    return 2 * q + (r > 0) + (r > G)
+
+
+def replica_nic_sharers(ctx: PlanContext, ranks: list[int]) -> int:
+    """GPUs of one replica that share a NIC (each TP rank sends its K/V shard over its own NIC)."""
+    count: dict[str, int] = {}
+    for g in ranks:
+        nic = ctx.cluster.nic_of(g)
+        count[nic] = count.get(nic, 0) + 1
+    return max(count.values())
+
+
+def cp_seq_cost(ctx: PlanContext, cm: CostModel, L, cp: int, tier: str, nic_sharers: float = 1.0) -> np.ndarray:
+    """Stage-1 cost of sequences ``L`` on a CP replica of ``cp`` units (each a replica of ``cm.tp``
+    GPUs): the time of one unit - zigzag ring attention incl. its exposed communication, linear
+    modules and TP communication on ``L / cp`` tokens, over every layer, plus the LM head."""
+    L = np.asarray(L, dtype=np.float64)
+    share = L / cp
+    per_layer = cm.ring_attention_time(L, cp, tier, nic_sharers) + cm.linear_time(share)
+    return ctx.model.num_layers * per_layer + cm.head_time(share) + tp_comm_time(cm, share)
 
 
 def _dispatch(cost: np.ndarray, fits: np.ndarray, big: np.ndarray, rng, restarts: int) -> tuple[float, list[int]]:
@@ -156,6 +197,7 @@ class Hydraulis(Planner):
         time_limit = opt(self.options, "time_limit", float, 5.0, self.name, minimum=0.0)
         restarts = opt(self.options, "restarts", int, 8, self.name, minimum=1)
         v_span = opt(self.options, "mb_search", int, 3, self.name, minimum=1)
+        use_cp = opt(self.options, "cp", bool, True, self.name)
         degrees = self._degrees(ctx)
         cms = _cost_models(ctx, degrees)
         cap = {d: cms[d].token_capacity for d in degrees}
@@ -163,58 +205,81 @@ class Hydraulis(Planner):
         L = np.array([s.length for s in sequences], dtype=np.int64)
         Lmax_i = int(np.argmax(L))
         big_degrees = [d for d in degrees if cap[d] >= L[Lmax_i]]
+        D = degrees[-1]
+        cp = 1  # units per CP replica (1: no CP replica in this step)
         if not big_degrees:
-            d = degrees[-1]
-            raise PlanningError(f"{seq_label(Lmax_i, sequences[Lmax_i])} does not fit hydraulis: the largest "
-                                f"replica (tp={d}) holds {cap[d]} tokens")
-        seq_cost = {d: cms[d].seq_compute_time(L.astype(np.float64)) + tp_comm_time(cms[d], L) for d in degrees}
+            sizes = [g for g in pow2_sizes(world // D) if g > 1] if use_cp else []
+            fit = [g for g in sizes if zigzag_share(L[Lmax_i], g) <= cap[D]]
+            if not fit:
+                where = (f"the largest replica (tp={D}, context-parallel over {sizes[-1]} of them) holds "
+                         f"{sizes[-1] * cap[D]}" if sizes else f"the largest replica (tp={D}) holds {cap[D]}")
+                raise PlanningError(f"{seq_label(Lmax_i, sequences[Lmax_i])} does not fit hydraulis: {where} tokens")
+            cp = fit[0]
+        # a dispatch replica is (degree, cp): cp units of that degree ringing their sequences
+        seq_cost = {(d, 1): cms[d].seq_compute_time(L.astype(np.float64)) + tp_comm_time(cms[d], L) for d in degrees}
+        size = {(d, 1): L for d in degrees}
+        cap_of = {(d, 1): cap[d] for d in degrees}
+        if cp > 1:
+            ranks = list(range(cp * D))
+            tier = "inter" if ctx.cluster.node_of(ranks[0]) != ctx.cluster.node_of(ranks[-1]) else "intra"
+            sharers = replica_nic_sharers(ctx, list(range(D))) if tier == "inter" else 1
+            seq_cost[(D, cp)] = cp_seq_cost(ctx, cms[D], L, cp, tier, sharers)
+            size[(D, cp)] = zigzag_share(L, cp)
+            cap_of[(D, cp)] = cap[D]
         rng = np.random.default_rng([ctx.seed, step])
 
-        # candidate configurations: k replicas of degree `hi` (fits the longest), the rest of degree `lo`
+        # candidate configurations: k replicas of degree `hi` (fits the longest; or k CP replicas of
+        # degree D), the rest of degree `lo`
         configs = []
-        for hi in big_degrees:
+        for hi, c in ([(D, cp)] if cp > 1 else [(d, 1) for d in big_degrees]):
             for lo in (d for d in degrees if d <= hi):
-                for k in pow2_sizes(world // hi):
-                    rest = world - k * hi
+                for k in pow2_sizes(world // (hi * c)):
+                    rest = world - k * hi * c
                     if rest % lo:
                         continue
-                    cfg = tuple([hi] * k + [lo] * (rest // lo))
+                    cfg = tuple([(hi, c)] * k + [(lo, 1)] * (rest // lo))
                     if cfg not in configs:
                         configs.append(cfg)
 
         def evaluate(cfg, n_restarts):
-            tps = np.array(cfg)
-            cost = np.stack([seq_cost[d] for d in cfg], axis=1)
-            fits = np.stack([L <= cap[d] for d in cfg], axis=1)
-            return _dispatch(cost, fits, tps == tps.max(), rng, n_restarts)
+            cost = np.stack([seq_cost[r] for r in cfg], axis=1)
+            fits = np.stack([size[r] <= cap_of[r] for r in cfg], axis=1)
+            if cp > 1:
+                big = np.array([c > 1 for _, c in cfg])
+            else:
+                tps = np.array([d for d, _ in cfg])
+                big = tps == tps.max()
+            return _dispatch(cost, fits, big, rng, n_restarts)
 
         scored = sorted(((evaluate(cfg, 1)[0], a, cfg) for a, cfg in enumerate(configs)))
         _, _, cfg = scored[0]
         span, owner = evaluate(cfg, restarts)
 
-        # replicas: aligned blocks of ranks, largest degree first
-        replicas, r0 = [], 0
-        for d in cfg:
-            replicas.append(Replica(ranks=list(range(r0, r0 + d)), tp=d))
-            r0 += d
-        n = len(replicas)
+        # replicas: aligned blocks of ranks, largest degree first (a CP replica: cp consecutive ones)
+        replicas, units_of, r0 = [], [], 0
+        for d, c in cfg:
+            units_of.append(list(range(len(replicas), len(replicas) + c)))
+            for _ in range(c):
+                replicas.append(Replica(ranks=list(range(r0, r0 + d)), tp=d))
+                r0 += d
+        n = len(cfg)
 
         # stage 2: per replica, pack into micro-batches
         per_rep = [[i for i in range(len(sequences)) if owner[i] == r] for r in range(n)]
         plans: list[list[list[int]]] = []
         results, tasks = [], []
         for r, items in enumerate(per_rep):
-            d = cfg[r]
-            c = {i: float(seq_cost[d][i]) for i in items}
-            Ld = {i: int(L[i]) for i in items}
-            v_min = max(1, ceil_div(sum(Ld.values()), cap[d]))
+            c = {i: float(seq_cost[cfg[r]][i]) for i in items}
+            Ld = {i: int(size[cfg[r]][i]) for i in items}  # tokens per unit (a CP replica: zigzag share)
+            v_min = max(1, ceil_div(sum(Ld.values()), cap_of[cfg[r]]))
             tasks.append((r, items, c, Ld, v_min))
         n_ilp = sum(v_span for (_, items, _, Ld, v_min) in tasks if len(items) > 1 and v_min > 1) or 1
         deadline = t.t0 + time_limit
         fallback = None
         for r, items, c, Ld, v_min in tasks:
-            d = cfg[r]
+            d, cpr = cfg[r]
             cm = cms[d]
+            cap_r = cap_of[cfg[r]]
             const = float(ctx.model.num_layers * cm.linear_time(1e-9) + cm.head_time(1e-9))  # fixed cost c
             if not items:
                 plans.append([])
@@ -226,10 +291,10 @@ class Hydraulis(Planner):
             for v in range(v_min, v_min + v_span):
                 if best is not None and (sum(c.values()) / v + const) * v >= best[0]:
                     break  # (max + c) * v >= (mean + c) * v can no longer win
-                greedy = _lpt_pack(items, c, Ld, cap[d], v)
+                greedy = _lpt_pack(items, c, Ld, cap_r, v)
                 per_solve = max(0.05, (deadline - time.perf_counter()) / max(n_ilp, 1))
                 n_ilp -= 1
-                bins, res = _pack_ilp(items, c, Ld, cap[d], v, greedy, per_solve)
+                bins, res = _pack_ilp(items, c, Ld, cap_r, v, greedy, per_solve)
                 results.append(res)
                 if bins is None:
                     bins = greedy
@@ -243,15 +308,17 @@ class Hydraulis(Planner):
                     best = (score, [b for b in bins if b])
             if best is None:
                 d_items = sum(Ld.values())
-                raise PlanningError(f"hydraulis: replica {r} (tp={d}) cannot pack its {d_items} tokens into "
-                                    f"{v_min}..{v_min + v_span - 1} micro-batches of {cap[d]} tokens")
+                what = f"tp={d}" if cpr == 1 else f"tp={d}, cp={cpr}; tokens per unit"
+                raise PlanningError(f"hydraulis: replica {r} ({what}) cannot pack its {d_items} tokens into "
+                                    f"{v_min}..{v_min + v_span - 1} micro-batches of {cap_r} tokens")
             plans.append(best[1])
 
-        b = StepBuilder(ctx, sequences, self.name, n_units=n, capacity=[cap[d] for d in cfg])
+        b = StepBuilder(ctx, sequences, self.name, n_units=len(replicas), capacity=[cap[r.tp] for r in replicas],
+                        replicas=replicas)
         for r, bins in enumerate(plans):
             for k, bin_ in enumerate(bins):
                 for i in sorted(bin_, key=lambda i: -L[i]):
-                    b.place(k, "local", [r], i)
+                    b.place(k, "ring" if len(units_of[r]) > 1 else "local", units_of[r], i)
         if results:
             status = "optimal" if all(x.status == "optimal" for x in results) else "time_limit"
             gaps = [x.gap for x in results]
@@ -260,8 +327,10 @@ class Hydraulis(Planner):
                                 fallback_reason=fallback)
         else:
             solver = SolverInfo(name="greedy", status="ok", time_s=t.elapsed)
-        plan = b.finish(step, solver, predict=predict_replicas, replicas=replicas,
-                        notes={"replica_tp": list(cfg), "dispatch_makespan_s": span,
-                               "configs_scored": len(configs), "microbatches": b.num_microbatches})
+        notes = {"replica_tp": [r.tp for r in replicas], "dispatch_makespan_s": span,
+                 "configs_scored": len(configs), "microbatches": b.num_microbatches}
+        if cp > 1:
+            notes["cp_replicas"] = [units_of[r] for r in range(n) if len(units_of[r]) > 1]
+        plan = b.finish(step, solver, predict=predict_replicas, replicas=replicas, notes=notes)
         plan.solver.time_s = t.elapsed
         return plan

@@ -366,7 +366,9 @@ def predict_from_terms(ctx: PlanContext, lengths, terms: list[MBTerms]) -> Predi
 def predict_step(ctx: PlanContext, step: StepPlan, routed: bool = True) -> Prediction:
     """Prediction of one step. Steps whose units are replicas of mixed TP degree (Hydraulis plans,
     ``step.replicas`` set) are predicted per replica with one cost model per TP degree."""
-    if step.replicas is not None and any(r.tp != ctx.tp for r in step.replicas):
+    if step.replicas is not None and (any(r.tp != ctx.tp for r in step.replicas) or any(
+            g.kind == "ring" and g.tier == "inter" and not mb.routes for mb in step.microbatches for g in mb.groups)):
+        # replica plans' inter-node rings run direct, one flow per TP rank (no routes)
         return predict_replicas(ctx, step)
     lengths = [s.length for s in step.sequences]
     return predict_from_terms(ctx, lengths, [microbatch_terms(ctx, lengths, mb, routed) for mb in step.microbatches])
@@ -379,43 +381,111 @@ def _overlap_out(seg: list[int], have: dict[int, list[tuple[int, int]]]) -> int:
     return (e - s) - inside
 
 
+def _replica_ring_sharers(ctx: PlanContext, reps, mb: MicroBatch, has: set[int]) -> dict[int, int]:
+    """Per inter-node ring group over replica units: the most transfers sharing one NIC in a round.
+    Every TP rank of a unit sends its K/V shard to the same TP rank of the ring successor over its
+    own NIC (as the simulator and the runtime move them), so a NIC carries one flow per GPU on it."""
+    cl = ctx.cluster
+    tx: dict[str, int] = defaultdict(int)
+    rx: dict[str, int] = defaultdict(int)
+    hops: dict[int, list[tuple[str, str]]] = defaultdict(list)
+    for gi, g in enumerate(mb.groups):
+        if g.kind != "ring" or g.tier != "inter" or gi not in has:
+            continue
+        G = len(g.units)
+        for i in range(G):
+            ra, rb = reps[g.units[i]].ranks, reps[g.units[(i + 1) % G]].ranks
+            for k, ga in enumerate(ra):
+                gb = rb[k % len(rb)]
+                if cl.node_of(ga) == cl.node_of(gb):
+                    continue
+                na, nb = cl.nic_of(ga), cl.nic_of(gb)
+                tx[na] += 1
+                rx[nb] += 1
+                hops[gi].append((na, nb))
+    return {gi: max(max(tx[a], rx[b]) for a, b in hs) for gi, hs in hops.items()}
+
+
 def predict_replicas(ctx: PlanContext, step: StepPlan) -> Prediction:
-    """Analytic prediction of a step whose units are replicas of different TP degrees (all groups local)."""
+    """Analytic prediction of a step whose units are replicas of different TP degrees: whole
+    sequences on one replica, or zigzag rings over replicas of one degree (Hydraulis' CP replicas),
+    priced as :func:`microbatch_terms` prices rings (per-round block compute, transfers hidden
+    behind the round they overlap); ring members wait for each other every layer."""
     reps = step.replicas
     cms = {t: ctx.cost_for(t) for t in sorted({r.tp for r in reps})}
     n = len(reps)
     layers = ctx.model.num_layers
     attn, lin, tokens, mem_tok = np.zeros(n), np.zeros(n), np.zeros(n, dtype=np.int64), np.zeros(n)
     tpc = np.zeros(n)
+    ring_comm, ring_exp = np.zeros(n), np.zeros(n)
+    period = np.zeros(n)
     for mb in step.microbatches:
         held = np.zeros(n)
+        a_mb, e_mb = np.zeros(n), np.zeros(n)
+        by_group: dict[int, list] = defaultdict(list)
         for p in mb.placements:
-            g = mb.groups[p.group]
-            if g.kind != "local" or len(g.units) != 1:
-                raise PlanningError("hydraulis: internal error: replica plans hold whole sequences only")
-            u = g.units[0]
-            L = p.padded_length or step.sequences[p.seq].length
-            attn[u] += layers * float(cms[reps[u].tp].attn_time(L))
-            held[u] += L
+            by_group[p.group].append(p)
+        sharers = _replica_ring_sharers(ctx, reps, mb, set(by_group))
+        links = []
+        for gi, pls in by_group.items():
+            g = mb.groups[gi]
+            Ls = np.array([float(p.padded_length or step.sequences[p.seq].length) for p in pls])
+            if g.kind == "local" and len(g.units) == 1:
+                u = g.units[0]
+                for x in Ls:
+                    a_mb[u] += layers * float(cms[reps[u].tp].attn_time(x))
+                    attn[u] += layers * float(cms[reps[u].tp].attn_time(x))
+                    held[u] += x
+                continue
+            tps = {reps[u].tp for u in g.units}
+            if g.kind != "ring" or len(tps) != 1:
+                raise PlanningError("hydraulis: internal error: replica plans hold whole sequences or zigzag "
+                                    "rings over replicas of one TP degree only")
+            cm, G = cms[tps.pop()], len(g.units)
+            t0, tr = cm.ring_round_compute(Ls, G)
+            g_t0, g_tr = float(np.sum(t0)), float(np.sum(tr))
+            comm = float(cm.p2p_time(cm.ring_round_bytes(float(Ls.sum()) / G), cm.tier_link(g.tier),
+                                     sharers.get(gi, 1)))
+            exp = max(comm - g_t0, 0.0) + (G - 2) * max(comm - g_tr, 0.0)
+            for pos, u in enumerate(g.units):
+                a_mb[u] += layers * (g_t0 + (G - 1) * g_tr)
+                attn[u] += layers * (g_t0 + (G - 1) * g_tr)
+                e_mb[u] += layers * exp
+                ring_comm[u] += layers * comm * (G - 1)
+                held[u] += sum(e - s for p in pls for s, e in p.ranges[pos])
+            links.append(g.units)
+        lin_mb, head_mb, tp_mb = np.zeros(n), np.zeros(n), np.zeros(n)
         for u in range(n):
             cm = cms[reps[u].tp]
-            lin[u] += float(layers * cm.linear_time(held[u]) + cm.head_time(held[u]))
-            tpc[u] += float(cm.model.num_layers * cm.tp_exposed_comm(held[u])) if cm.tp > 1 else 0.0
+            head_mb[u] = float(cm.head_time(held[u]))
+            lin_mb[u] = float(layers * cm.linear_time(held[u]) + cm.head_time(held[u]))
+            tp_mb[u] = float(cm.model.num_layers * cm.tp_exposed_comm(held[u])) if cm.tp > 1 else 0.0
+        ring_exp += e_mb
+        lin += lin_mb
+        tpc += tp_mb
+        # ring members meet every layer: each waits for the slowest of its ring(s)
+        labels = coupled_components(n, links)
+        period += component_max(labels, a_mb + e_mb + lin_mb - head_mb + tp_mb) + head_mb
         tokens += held.astype(np.int64)
         mem_tok = np.maximum(mem_tok, held)
-    comm = np.array([cms[r.tp].grad_allreduce_time(n) for r in reps]) + tpc
-    total = attn + lin + comm
+    ar = np.array([cms[r.tp].grad_allreduce_time(n) for r in reps])
+    rings = any(g.kind == "ring" for mb in step.microbatches for g in mb.groups)
+    comm = ar + tpc + ring_comm
+    exposed = ar + tpc + ring_exp
+    total = attn + lin + exposed
     lengths = np.array([s.length for s in step.sequences], dtype=np.float64)
     # bounds for the best TP degree used (a larger degree shortens the longest sequence)
     work_b, long_b = min((lower_bounds(PlanContext(ctx.cluster, ctx.model, ctx.profile, tp=d,
                                                    zero_stage=ctx.zero_stage), lengths)
                           for d in sorted(cms)), key=lambda wb: max(wb))
     return Prediction(
-        step_time_s=float(total.max()), lower_bound_s=max(work_b, long_b), work_bound_s=work_b,
+        step_time_s=float(max((period + ar).max(), total.max()) if rings else total.max()),
+        lower_bound_s=max(work_b, long_b),
+        work_bound_s=work_b,
         longest_bound_s=long_b,
         per_unit=RankLoads(
             attention_s=[float(x) for x in attn], linear_s=[float(x) for x in lin], comm_s=[float(x) for x in comm],
-            exposed_comm_s=[float(x) for x in comm], total_s=[float(x) for x in total],
+            exposed_comm_s=[float(x) for x in exposed], total_s=[float(x) for x in total],
             tokens=[int(x) for x in tokens],
             memory_gb=[float(cms[reps[u].tp].memory_bytes(mem_tok[u])) / 1e9 for u in range(n)],
         ),

@@ -102,8 +102,10 @@ def ring_problems(step: StepPlan, mbi: int, mb: MicroBatch) -> list[str]:
 
 
 def memory_problems(ctx: PlanContext, step: StepPlan, mbi: int, mb: MicroBatch) -> list[str]:
-    cap = ctx.cost.token_capacity
-    n = ctx.num_units
+    # units are uniform replicas of header.tp GPUs, or the step's own replicas (mixed TP degrees)
+    reps = step.replicas
+    costs = [ctx.cost] * ctx.num_units if reps is None else [ctx.cost_for(r.tp) for r in reps]
+    n = len(costs)
     att = [0] * n
     for p in mb.placements:
         if not 0 <= p.group < len(mb.groups):
@@ -116,8 +118,10 @@ def memory_problems(ctx: PlanContext, step: StepPlan, mbi: int, mb: MicroBatch) 
     probs = []
     for what, held in (("attention", att), ("linear", lin)):
         for u, t in enumerate(held):
+            cm = costs[u] if u < n else ctx.cost
+            cap = cm.token_capacity
             if t > cap:
-                gb = float(ctx.cost.memory_bytes(t)) / 1e9
+                gb = float(cm.memory_bytes(t)) / 1e9
                 probs.append(f"memory: step {step.step} microbatch {mbi} unit {u} holds {t:,} tokens in the {what} "
                              f"layout, more than the {cap:,} its memory allows ({gb:.1f} GB > "
                              f"{ctx.cluster.gpu.memory_gb - ctx.profile.memory_reserved_gb:g} GB usable)")
@@ -133,7 +137,9 @@ def step_problems(ctx: PlanContext, header: PlanHeader, step: StepPlan, limit: i
     for mbi, mb in enumerate(step.microbatches):
         probs += ring_problems(step, mbi, mb)
         probs += memory_problems(ctx, step, mbi, mb)
-        probs += [f"routes: step {step.step} microbatch {mbi}: {p}" for p in route_problems(ctx, mb)]
+        # replicas of mixed TP degree (Hydraulis) run ring transfers direct, one flow per TP rank
+        if step.replicas is None or mb.routes:
+            probs += [f"routes: step {step.step} microbatch {mbi}: {p}" for p in route_problems(ctx, mb)]
         if len(probs) >= limit:
             break
     return probs[:limit]

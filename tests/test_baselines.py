@@ -372,9 +372,16 @@ def test_hydraulis_fails_honestly():
     ctx = make_ctx("local-cpu:2x2", "tiny")
     cap2 = CostModel(ctx.cluster, ctx.model, ctx.profile, tp=2).token_capacity
     with pytest.raises(PlanningError) as e:
-        get_planner("hydraulis", **FAST).plan_step(ctx, 0, seqs([cap2 + 1]))
+        get_planner("hydraulis", cp=False, **FAST).plan_step(ctx, 0, seqs([cap2 + 1]))
     assert str(e.value) == (f"sequence 0 (sample 3, {cap2 + 1} tokens) does not fit hydraulis: the largest "
                             f"replica (tp=2) holds {cap2} tokens")
+    # with context parallelism (the default) it fits a ring over both TP-2 replicas, up to 2 x cap2
+    # tokens (position i of a zigzag ring of 2 holds chunks i and 3-i of 4 near-equal chunks)
+    assert get_planner("hydraulis", **FAST).plan_step(ctx, 0, seqs([2 * cap2])).notes["cp_replicas"] == [[0, 1]]
+    with pytest.raises(PlanningError) as e:
+        get_planner("hydraulis", **FAST).plan_step(ctx, 0, seqs([2 * cap2 + 1]))
+    assert str(e.value) == (f"sequence 0 (sample 3, {2 * cap2 + 1} tokens) does not fit hydraulis: the largest "
+                            f"replica (tp=2, context-parallel over 2 of them) holds {2 * cap2} tokens")
 
 
 def test_megatron_dcp_and_hybrid_dp_fail_honestly():
