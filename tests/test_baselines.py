@@ -466,3 +466,102 @@ def test_flexsp_skips_milp_when_warm_start_meets_bound():
                key=lambda p: p.prediction.step_time_s)
     assert len(g.units) == best.notes["sp"]
     assert sp.prediction.step_time_s == pytest.approx(best.prediction.step_time_s)
+
+
+# ---------------------------------------------------------------------------------------------
+# hydraulis: CP replicas (a sequence longer than the largest single replica holds)
+# ---------------------------------------------------------------------------------------------
+
+
+def _owner(plan):
+    """sequence -> (micro-batch, group, placement)."""
+    return {p.seq: (k, mb.groups[p.group], p) for k, mb in enumerate(plan.microbatches) for p in mb.placements}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("setup", [("zeppelin-a:4", "llama-7b", 1), ("zeppelin-a:4", "llama-13b", 2)])
+def test_hydraulis_cp_replica_holds_sequence_longer_than_a_node(setup):
+    from zeppelin.planner.simulate import Simulator
+    from zeppelin.planner.validate import step_problems
+    from zeppelin.schemas.layout import zigzag_ranges
+
+    cluster, model, tp = setup
+    ctx = make_ctx(cluster, model, tp=tp)
+    cap8 = CostModel(ctx.cluster, ctx.model, ctx.profile, tp=8).token_capacity
+    rng = np.random.default_rng(3)
+    long_ = int(1.3 * cap8)  # more than one node's tp=8 replica holds, less than two
+    lengths = [int(x) for x in rng.integers(500, 6000, 50)] + [long_]
+    with pytest.raises(PlanningError, match="does not fit hydraulis: the largest replica \\(tp=8\\) holds"):
+        get_planner("hydraulis", cp=False, **FAST).plan_step(ctx, 0, seqs(lengths))
+    plan = get_planner("hydraulis", **FAST).plan_step(ctx, 0, seqs(lengths))
+    reps = plan.replicas
+    assert sorted(r for rep in reps for r in rep.ranks) == list(range(ctx.cluster.world_size))
+    k, g, p = _owner(plan)[len(lengths) - 1]
+    # the long sequence: a zigzag ring over 2 (the smallest power of two that fits) tp=8 replicas,
+    # each one node, so the ring crosses nodes
+    assert g.kind == "ring" and g.tier == "inter" and len(g.units) == 2
+    assert [reps[u].tp for u in g.units] == [8, 8]
+    assert [ctx.cluster.node_of(reps[u].ranks[0]) for u in g.units] == [0, 1]
+    assert {ctx.cluster.node_of(r) for r in reps[g.units[0]].ranks} == {0}
+    assert p.scheme == "zigzag" and p.ranges == zigzag_ranges(long_, 2) and p.padded_length is None
+    assert plan.notes["cp_replicas"] == [g.units]
+    # every sequence exactly once; whole on one replica or a ring over the CP replica's units
+    own = _owner(plan)
+    assert sorted(own) == list(range(len(lengths)))
+    for i, (_, gi, pi) in own.items():
+        assert gi.units == g.units or (gi.kind == "local" and len(gi.units) == 1)
+    assert structural_problems(header(ctx, "hydraulis"), plan) == []
+    assert step_problems(ctx, header(ctx, "hydraulis"), plan) == []
+    assert_memory_ok(ctx, plan)
+    sim = Simulator(ctx).simulate_step(plan)
+    assert plan.prediction.step_time_s == pytest.approx(sim.step_time_s, rel=0.03)
+    assert plan.prediction.step_time_s >= plan.prediction.lower_bound_s
+
+
+def test_hydraulis_cp_replica_stage1_cost_by_hand():
+    """One sequence of 1.5 x what a tp=8 replica holds: the dispatch makespan is the CP replica's
+    cost of it - one unit of a zigzag ring of 2 over two nodes - computed here from the formula."""
+    from zeppelin.planner.bl_hydraulis import zigzag_share
+
+    ctx = make_ctx("zeppelin-a:4", "llama-7b")
+    cm = CostModel(ctx.cluster, ctx.model, ctx.profile, tp=8)
+    L = int(1.5 * cm.token_capacity) // 4 * 4
+    plan = get_planner("hydraulis", **FAST).plan_step(ctx, 0, seqs([L]))
+    assert plan.notes["cp_replicas"] == [[0, 1]]
+    c = L / 4  # 2G = 4 zigzag chunks; position i holds chunks i and 3-i
+    # round 0: the two causal diagonal chunks and one full c x c block; round 1: two full blocks;
+    # the pieces of one round are one kernel call (one launch overhead)
+    diag, full = float(cm.attn_block_time(c, c, causal=True)), float(cm.attn_block_time(c, c, causal=False))
+    ov = float(cm.attn_call_overhead)
+    t0, tr = 2 * diag + full - 2 * ov, 2 * full - ov
+    m = ctx.model
+    # one round: each of the 8 TP ranks sends its K/V shard of L/2 tokens fwd, K/V + dK/dV bwd, over
+    # its own NIC; zeppelin-a has 4 NICs for 8 GPUs, so two flows share each NIC
+    nbytes = 3 * (L / 2) * 2 * m.kv_dim * m.dtype_bytes / 8
+    link = cm.link("inter")
+    comm = link.alpha_s + nbytes * 2 / (link.bandwidth_GBps * 1e9)
+    per_layer = t0 + tr + max(comm - t0, 0.0) + float(cm.linear_time(L / 2)) + float(cm.tp_exposed_comm(L / 2))
+    want = m.num_layers * per_layer + float(cm.head_time(L / 2))
+    assert plan.notes["dispatch_makespan_s"] == pytest.approx(want, rel=1e-9)
+    # per-unit memory is the zigzag share, as cut by zigzag_ranges
+    for G in (2, 4, 8):
+        for n in (L, L + 1, L + G, L + G + 1, 2 * G - 1, 2 * G + 3):
+            from zeppelin.schemas.layout import zigzag_ranges
+
+            assert int(zigzag_share(n, G)) == max(sum(e - s for s, e in rs) for rs in zigzag_ranges(n, G))
+
+
+def test_hydraulis_without_long_sequence_unchanged():
+    """No sequence needs CP: the same replicas, dispatch and makespan as before CP replicas existed
+    (values recorded from the planner before the change; stage 1 is deterministic)."""
+    ctx = make_ctx("zeppelin-a", "llama-7b")
+    rng = np.random.default_rng(11)
+    lengths = [int(x) for x in rng.integers(300, 9000, 24)] + [60000]
+    plan = get_planner("hydraulis", **FAST).plan_step(ctx, 0, seqs(lengths))
+    assert plan.notes["replica_tp"] == [8, 1, 1, 1, 1, 1, 1, 1, 1]
+    assert plan.notes["configs_scored"] == 4 and "cp_replicas" not in plan.notes
+    assert plan.notes["dispatch_makespan_s"] == pytest.approx(4.284245660589054, rel=1e-12)
+    own = _owner(plan)
+    assert [own[i][1].units for i in range(len(lengths))] == [[u] for u in [
+        5, 1, 5, 3, 7, 8, 7, 2, 2, 7, 1, 3, 6, 3, 5, 4, 6, 2, 1, 8, 4, 8, 6, 4, 0]]
+    assert all(g.kind == "local" for mb in plan.microbatches for g in mb.groups)
