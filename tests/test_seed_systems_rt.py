@@ -252,6 +252,32 @@ def test_hydraulis_hand_plan_idle_tp_replica_and_ring(pool, mode):
     check(pool, header, hydraulis_hand_step(), seed=4, tp_overlap=mode)
 
 
+def test_hydraulis_planner_cp_replica_over_tp2_replicas(pool):
+    """A sequence longer than a TP-2 replica holds: the planner's CP replica rings it (zigzag) over
+    both TP-2 replicas - ring attention between units whose K/V are TP shards."""
+    from zeppelin.planner.cost import CostModel
+
+    header = seed_header(tight_cluster(), model_preset("tiny"), 1, "hydraulis")
+    cap2 = CostModel(header.cluster, header.model, header.profile, tp=2).token_capacity
+    step = planned_step("hydraulis", header, [int(1.6 * cap2), 150, 90, 60, 45, 29, 17, 13, 11, 9, 7, 5, 3, 2, 1],
+                        tp_degrees="1,2")
+    assert [r.tp for r in step.replicas] == [2, 2] and step.notes["cp_replicas"] == [[0, 1]]
+    assert {(g.kind, tuple(g.units)) for mb in step.microbatches for g in mb.groups} == {("ring", (0, 1))}
+    check(pool, header, step, seed=6)
+
+
+def test_hydraulis_planner_cp_replica_beside_plain_replicas(pool):
+    """TP 1 only: a CP replica of two units rings the long sequence while the two other replicas
+    run whole sequences, over two micro-batches."""
+    header = seed_header(tight_cluster(), model_preset("tiny"), 1, "hydraulis")
+    step = planned_step("hydraulis", header, [451, 250, 200, 150, 90, 60, 45, 29, 17, 13, 11, 9, 7, 5, 3, 2, 1],
+                        tp_degrees="1")
+    assert step.notes["cp_replicas"] == [[0, 1]] and len(step.microbatches) == 2
+    kinds = {(g.kind, tuple(g.units)) for mb in step.microbatches for g in mb.groups}
+    assert ("ring", (0, 1)) in kinds and ("local", (2,)) in kinds and ("local", (3,)) in kinds
+    check(pool, header, step, seed=7)
+
+
 # ---------------------------------------------------------------------------------------------
 # Zeppelin with tensor parallelism
 # ---------------------------------------------------------------------------------------------
