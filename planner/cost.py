@@ -251,7 +251,30 @@ class CostModel:
         diag = self.attn_block_time(c, c, causal=True)
         full = self.attn_block_time(c, c, causal=False)
         ov = np.where(c > 0, self.attn_call_overhead, 0.0)
-        return 2.0 * diag + full - 2.0 * ov, 2.0 * full - ov
+        t0, tr = 2.0 * diag + full - 2.0 * ov, 2.0 * full - ov
+        meas = self.ring_compute_measured(L, G)
+        if meas is not None:  # the runtime's ring as measured; the block model only splits it into rounds
+            model = t0 + (G - 1) * tr
+            s = np.where(model > 0, meas / np.maximum(model, 1e-30), 1.0)
+            t0, tr = t0 * s, tr * s
+        return t0, tr
+
+    def ring_compute_measured(self, L, G: int):
+        """The profile's measured compute of the runtime's zigzag ring of G units (fits.ring_compute,
+        slowest position, fwd+bwd per layer, exchanges short-circuited) at lengths L; None without it."""
+        f = self._fits
+        fit = f.ring_compute.get(str(G)) if f is not None else None
+        if fit is None:
+            return None
+        L = _arr(L)
+        return np.where(L > 0, eval_fit(fit, L), 0.0)
+
+    def ring_sync(self, G: int):
+        """Measured seconds one ring round's exchanges add beyond compute (fits.ring_sync_s); None without it."""
+        f = self._fits
+        if f is None or str(G) not in f.ring_sync_s:
+            return None
+        return float(f.ring_sync_s[str(G)])
 
     def ring_compute_time(self, L, G: int) -> np.ndarray:
         """Per-layer fwd+bwd compute of one unit of a zigzag ring (all G rounds), no communication."""
@@ -276,6 +299,9 @@ class CostModel:
         L = _arr(L)
         if G <= 1:
             return np.zeros_like(L)
+        sync = self.ring_sync(G)
+        if sync is not None:  # measured: what the runtime's exchanges cost beyond compute, per round
+            return np.where(L > 0, (G - 1) * sync, 0.0)
         t0, tr = self.ring_round_compute(L, G)
         comm = self.p2p_time(self.ring_round_bytes(L / G), self.tier_link(tier), nic_sharers)
         return np.maximum(comm - t0, 0.0) + (G - 2) * np.maximum(comm - tr, 0.0)

@@ -244,6 +244,11 @@ def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool
         t_att[is_ring] = g_t0 + (Gr - 1) * g_tr
         t_comm[is_ring] = comm_round * (Gr - 1)
         t_exp[is_ring] = np.maximum(comm_round - g_t0, 0.0) + (Gr - 2) * np.maximum(comm_round - g_tr, 0.0)
+        for Gv in np.unique(Gr):
+            sync = cost.ring_sync(int(Gv))
+            if sync is not None:  # measured: what the runtime's exchanges add per round (as the simulator)
+                sel = np.flatnonzero(is_ring)[Gr == Gv]
+                t_exp[sel] = (Gv - 1) * sync
     is_uly = np.fromiter((k == "ulysses" for k in kind), dtype=bool, count=ng) & ~is_local
     if is_uly.any() and len(pls):
         # head shards: whole sequences on 1/G of the heads (CostModel.ulysses_attn_time)

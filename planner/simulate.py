@@ -582,7 +582,9 @@ class Simulator:
                 nic_busy[nic] += L * b
             if timeline:
                 tl.append(MicroBatchTimeline(layer_period_s=float(f.max()), intervals=lay.intervals()))
-        ar = ctx.cost.grad_allreduce_time(n)
+        # each replica all-reduces its own shards (replicas of another TP degree: their cost model)
+        tps = {r.tp for r in step.replicas} if step.replicas is not None else {ctx.tp}
+        ar = max(self.cost_for(t).grad_allreduce_time(n) for t in tps)
         compute_end = float(finish.max()) if n else 0.0
         step_time = compute_end + ar
         for st in units:
@@ -784,6 +786,15 @@ class _Layer:
         eng = self.engine
         costs = [self.sim.cost_for(self.reps[u].tp) for u in U]
         tt, tok, _ = self._block_times(pls, G, costs[0])
+        c0 = costs[0]
+        Lp = np.array([sum(e - s for rs in p.ranges for s, e in rs) for p in pls], dtype=float)
+        meas = c0.ring_compute_measured(Lp, G)
+        if meas is not None:  # each sequence's blocks scaled so that its slowest position takes as measured
+            per_pos = tt.sum(axis=2).max(axis=1)
+            tt = tt * np.where(per_pos > 0, meas / np.maximum(per_pos, 1e-30), 1.0)[:, None, None]
+        sync = c0.ring_sync(G)
+        if sync:  # the exchanges' cost beyond compute, once per round of the group, rounds 1..G-1
+            tt[:, :, 1:] += sync / len(pls)
         if len({c.tp for c in costs}) > 1:  # mixed TP degrees: time each position with its own model
             tts = [self._block_times(pls, G, c)[0] for c in costs]
             comp = np.stack([tts[i].sum(axis=0)[i] for i in range(G)])

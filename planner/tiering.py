@@ -96,6 +96,8 @@ class SpanTable:
     E: np.ndarray  # exposed communication / attention compute
     G: np.ndarray  # span sizes
     U: np.ndarray | None = None  # (spans, seqs): the span runs as Ulysses (all-to-all), not a ring
+    R: np.ndarray | None = None  # (spans, seqs): A as a ring (set when U is)
+    Q: np.ndarray | None = None  # (spans, seqs): A as Ulysses, inf where the span cannot be Ulysses
 
     def times(self, lin_rate: float) -> np.ndarray:
         """Per-unit busy time: attention + linear work on the unit's L/G tokens."""
@@ -230,6 +232,8 @@ class Tiering:
         F = np.empty((S, m), dtype=bool)
         E = np.empty((S, m))
         U = np.zeros((S, m), dtype=bool)
+        R = np.empty((S, m)) if ulysses else None
+        Q = np.full((S, m), np.inf) if ulysses else None
         c = self.cost
         attn_L = c.attn_time(L)
         for k, sp in enumerate(self.spans):
@@ -237,6 +241,8 @@ class Tiering:
                 A[k] = self.layers * attn_L
                 F[k] = Li <= self.cap
                 E[k] = 0.0
+                if R is not None:
+                    R[k] = A[k]
                 continue
             sharers = self.inter_sharers(routed_nics) if sp.tier == "inter" else 1.0
             exp = c.ring_exposed_comm(L, sp.G, sp.tier, sharers)
@@ -245,14 +251,17 @@ class Tiering:
             q, r = np.divmod(Li, 2 * sp.G)
             F[k] = 2 * q + np.where(r >= sp.G + 1, 2, np.where(r >= 1, 1, 0)) <= self.cap
             E[k] = np.where(base > 0, exp / np.maximum(base, 1e-30), np.inf)
+            if R is not None:
+                R[k] = A[k]
             if ulysses and sp.tier == "intra" and self.ulysses_ok(sp.G):
                 u_comp = c.ulysses_attn_time(L, sp.G)
                 u_comm = c.ulysses_comm_time(L / sp.G, sp.G, "intra")
                 better = u_comp + u_comm < base + exp
+                Q[k] = self.layers * (u_comp + u_comm)
                 U[k] = better
                 A[k] = np.where(better, self.layers * (u_comp + u_comm), A[k])
                 E[k] = np.where(better, u_comm / np.maximum(u_comp, 1e-30), E[k])
-        return SpanTable(L, A, F, E, np.array([sp.G for sp in self.spans], dtype=np.float64), U)
+        return SpanTable(L, A, F, E, np.array([sp.G for sp in self.spans], dtype=np.float64), U if ulysses else None, R, Q)
 
     def choose_spans(self, L, target: float, lin_rate: float, routed_nics: int = 1,
                      table: SpanTable | None = None) -> list[Span]:

@@ -101,6 +101,18 @@ def ring_problems(step: StepPlan, mbi: int, mb: MicroBatch) -> list[str]:
     return probs
 
 
+def kind_family_problems(step: StepPlan, mbi: int, mb: MicroBatch) -> list[str]:
+    """The runtime runs one family of attention groups per unit and micro-batch: Ulysses (all-to-all)
+    groups, or rings / all-gathers; local work goes with either."""
+    probs = []
+    for u, q in enumerate(mb.queues):
+        kinds = {mb.groups[g].kind for g in q if 0 <= g < len(mb.groups)}
+        if "ulysses" in kinds and kinds & {"ring", "allgather"}:
+            probs.append(f"kinds: step {step.step} microbatch {mbi}: unit {u} runs Ulysses and ring groups in one "
+                         "micro-batch (the runtime runs one family per unit: Ulysses, or rings/all-gathers)")
+    return probs
+
+
 def memory_problems(ctx: PlanContext, step: StepPlan, mbi: int, mb: MicroBatch) -> list[str]:
     # units are uniform replicas of header.tp GPUs, or the step's own replicas (mixed TP degrees)
     reps = step.replicas
@@ -137,6 +149,7 @@ def step_problems(ctx: PlanContext, header: PlanHeader, step: StepPlan, limit: i
     for mbi, mb in enumerate(step.microbatches):
         probs += ring_problems(step, mbi, mb)
         probs += memory_problems(ctx, step, mbi, mb)
+        probs += kind_family_problems(step, mbi, mb)
         # replicas of mixed TP degree (Hydraulis) run ring transfers direct, one flow per TP rank
         if step.replicas is None or mb.routes:
             probs += [f"routes: step {step.step} microbatch {mbi}: {p}" for p in route_problems(ctx, mb)]

@@ -552,10 +552,11 @@ class ZeppelinPlanner(Planner):
         # intra-node splits on the same units share one group (one ring / one all-to-all per round
         # for all of them: fewer, larger transfers, one latency); inter rings stay one per sequence
         # (each enters its nodes at a different unit, spreading the boundary hops over the NICs)
+        uly_of = self._kind_families(n, upn, spans, kidx, tb, unit_of, node_of, inter_js)
         shared: dict[tuple, int] = {}
         for j in sorted((j for j, s in enumerate(spans) if s.tier == "intra"), key=lambda j: -Ls[j]):
             units = sorted(unit_of[j])
-            uly = tb.U is not None and bool(tb.U[kidx[j], j])
+            uly = uly_of.get(j, False)
             key = ("ulysses" if uly else "ring", tuple(units))
             gi = shared.get(key)
             if gi is None:
@@ -588,6 +589,47 @@ class ZeppelinPlanner(Planner):
         mb.linear_layout = layout
         mb.remap = info
         return mb, st
+
+    @staticmethod
+    def _kind_families(n: int, upn: int, spans, kidx, tb, unit_of, node_of, inter_js) -> dict[int, bool]:
+        """Which intra-node splits run as Ulysses. The runtime runs one kind family per unit and
+        micro-batch (Ulysses, or rings and local work), so units linked by split groups decide
+        together: all their splits as Ulysses (only where every one can be, and no inter-node ring
+        touches them) or all as rings, whichever the span table prices lower in sum."""
+        if tb.U is None:
+            return {}
+        parent = list(range(n))
+
+        def find(u):
+            while parent[u] != u:
+                parent[u] = parent[parent[u]]
+                u = parent[u]
+            return u
+
+        intra_js = [j for j, s in enumerate(spans) if s.tier == "intra"]
+        members: dict[int, list[int]] = {}
+        for j in inter_js:
+            members[j] = [nd * upn + b for nd in node_of[j] for b in range(upn)]
+        for j in intra_js:
+            members[j] = list(unit_of[j])
+        for us in members.values():
+            r0 = find(us[0])
+            for u in us[1:]:
+                ru = find(u)
+                if ru != r0:
+                    parent[ru] = r0
+        comp: dict[int, list[int]] = {}
+        for j in intra_js:
+            comp.setdefault(find(members[j][0]), []).append(j)
+        blocked = {find(members[j][0]) for j in inter_js}
+        out: dict[int, bool] = {}
+        for root, js in comp.items():
+            ring = sum(float(tb.R[kidx[j], j]) for j in js)
+            uly = sum(float(tb.Q[kidx[j], j]) for j in js)
+            choose = root not in blocked and np.isfinite(uly) and uly < ring
+            for j in js:
+                out[j] = bool(choose)
+        return out
 
     # ------------------------------------------------------------------ routing / remap
     def _routes(self, ctx: PlanContext, mb: MicroBatch) -> list[Route]:

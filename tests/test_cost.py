@@ -182,3 +182,43 @@ def test_tp_overlap_modes_by_hand():
     assert float(CostModel(cl, TINY, ideal_profile()).tp_exposed_comm(T, "none")) == 0.0
     with pytest.raises(ValueError, match="unknown tp overlap mode 'x'"):
         c.tp_exposed_comm(T, "x")
+
+
+def test_measured_ring_fits_replace_the_block_model():
+    """A profile with the runtime's measured ring compute and per-round exchange cost: the cost model,
+    the step prediction and the simulator all charge exactly those, split into rounds by the block
+    model's proportions (profiles without them keep the block model)."""
+    from zeppelin.planner.base import PlanContext
+    from zeppelin.planner.predict import predict_step
+    from zeppelin.planner.simulate import Simulator
+    from zeppelin.schemas.layout import zigzag_ranges
+    from zeppelin.schemas.plan import Group, MicroBatch, Placement, Sequence, StepPlan
+    from zeppelin.schemas.profile import ModelFits, PolyFit
+
+    cl = cluster_preset("local-cpu:1x2")
+    model = model_preset("tiny")
+    fits = ModelFits(model=model.name, dtype=model.dtype, attention=PolyFit(coeffs=[1e-4, 1e-7, 1e-10]),
+                     linear=PolyFit(coeffs=[1e-4, 1e-6]), ring_compute={"2": PolyFit(coeffs=[2e-3, 0.0, 4e-10])},
+                     ring_sync_s={"2": 3e-3})
+    prof = CostProfile(fits=[fits])
+    cm = CostModel(cl, model, prof)
+    L = np.array([512.0, 4096.0])
+    want = 2e-3 + 4e-10 * L ** 2
+    assert cm.ring_compute_time(L, 2) == pytest.approx(want, rel=1e-12)
+    t0, tr = cm.ring_round_compute(L, 2)
+    assert t0 + tr == pytest.approx(want, rel=1e-12) and np.all(t0 > 0) and np.all(tr > 0)
+    assert cm.ring_exposed_comm(L, 2) == pytest.approx([3e-3, 3e-3])
+    assert cm.ring_attention_time(L, 2) == pytest.approx(want + 3e-3, rel=1e-12)
+    assert cm.ring_compute_measured(L, 4) is None and cm.ring_sync(4) is None  # not measured: block model
+    # one ring of two units over a 4096-token sequence: prediction == simulation, exchanges included
+    ctx = PlanContext(cl, model, prof)
+    step = StepPlan(step=0, sequences=[Sequence(sample_id=0, length=4096)], microbatches=[MicroBatch(
+        groups=[Group(kind="ring", tier="intra", units=[0, 1])],
+        placements=[Placement(seq=0, group=0, scheme="zigzag", ranges=zigzag_ranges(4096, 2))],
+        queues=[[0], [0]])])
+    p = predict_step(ctx, step)
+    r = Simulator(ctx).simulate_step(step)
+    layers = model.num_layers
+    assert p.per_unit.attention_s[0] == pytest.approx(layers * want[1], rel=1e-9)
+    assert r.step_time_s == pytest.approx(p.step_time_s, rel=1e-6)
+    assert r.units[0].attention_s + r.units[0].exposed_comm_s >= layers * (want[1] + 3e-3) * (1 - 1e-9)

@@ -114,6 +114,28 @@ def test_swapped_ring_chunks_break_ring_order(plan_file, tmp_path):
     assert any(p.startswith("ring-order: step 0 microbatch") and "zigzag chunks" in p for p in probs)
 
 
+def test_ulysses_beside_a_ring_on_one_unit_is_reported(plan_file, tmp_path):
+    """A unit may not run Ulysses and ring groups in one micro-batch (the runtime runs one family)."""
+    where = {}
+
+    def edit(recs):
+        for mbi, mb in enumerate(recs[1]["microbatches"]):
+            for u, q in enumerate(mb["queues"]):
+                kinds = [mb["groups"][g]["kind"] for g in q]
+                if "ring" in kinds and "local" in kinds:
+                    # the unit's local work becomes a (one-unit) Ulysses group beside its ring
+                    g = mb["groups"][q[kinds.index("local")]]
+                    g["kind"], g["tier"] = "ulysses", "intra"
+                    where["unit"], where["mb"] = u, mbi
+                    return
+
+    probs = validate_plan(_edit(plan_file, tmp_path / "kinds.jsonl", edit))
+    assert where, "the fixture plan has no unit with a ring and local work"
+    recs_step = json.loads(plan_file.read_text().splitlines()[1])["step"]
+    assert (f"kinds: step {recs_step} microbatch {where['mb']}: unit {where['unit']} runs Ulysses and ring groups in one micro-batch "
+            "(the runtime runs one family per unit: Ulysses, or rings/all-gathers)") in probs
+
+
 def test_conflicting_queue_orders_are_reported(plan_file, tmp_path):
     def edit(recs):
         for mb in recs[1]["microbatches"]:
