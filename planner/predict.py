@@ -76,6 +76,33 @@ def _route_round_time(ctx: PlanContext, mb: MicroBatch, routed: bool) -> dict[in
     return out
 
 
+def _attention_device_time(ctx: PlanContext, lengths: np.ndarray) -> np.ndarray:
+    """Per sequence, the least device time (summed over units, one layer) its attention can take:
+    whole on one unit when it fits; a sequence longer than a unit holds must be split over at least
+    ``ceil(L / capacity)`` units, as a ring (G x per-unit round compute: its blocks are smaller than the
+    sequence) or as Ulysses inside a node (G x a head shard), communication not counted (it may
+    overlap other work)."""
+    cost = ctx.cost
+    L = np.asarray(lengths, dtype=np.float64)
+    out = np.asarray(cost.attn_time(L), dtype=np.float64).copy()
+    cap = max(int(cost.token_capacity), 1)
+    big = np.flatnonzero(L > cap)
+    if len(big) == 0:
+        return out
+    n, upn = ctx.num_units, ctx.units_per_node
+    heads = ctx.model.num_heads // ctx.tp
+    for i in big:
+        g0 = min(n, -(-int(L[i]) // cap))
+        best = np.inf
+        for G in range(max(2, g0), min(n, 2 * g0) + 1):
+            best = min(best, G * float(cost.ring_compute_time(L[i], G)))
+            if G <= upn and heads % G == 0:
+                best = min(best, G * float(cost.ulysses_attn_time(L[i], G)))
+        if np.isfinite(best):
+            out[i] = max(out[i], best) if best < np.inf else out[i]
+    return out
+
+
 def lower_bounds(ctx: PlanContext, lengths: np.ndarray) -> tuple[float, float]:
     """(work bound, longest-sequence bound) in seconds.
 
@@ -90,7 +117,7 @@ def lower_bounds(ctx: PlanContext, lengths: np.ndarray) -> tuple[float, float]:
     # (linear kernels are priced on the tokens a unit holds, as predict_step does, not per sequence)
     share = float(np.sum(lengths)) / n
     lin = ctx.model.num_layers * float(cost.linear_time(share)) + float(cost.head_time(share))
-    work = ctx.model.num_layers * float(np.sum(cost.attn_time(lengths))) / n + lin + ar
+    work = ctx.model.num_layers * float(np.sum(_attention_device_time(ctx, lengths))) / n + lin + ar
     Lmax = int(lengths.max())
     best = float("inf")
     G = 1
