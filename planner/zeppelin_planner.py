@@ -323,7 +323,14 @@ class ZeppelinPlanner(Planner):
         per_tok = zigzag_max_tokens_array(lengths, upn).astype(np.float64)  # tokens per unit, node-wide split
         if per_tok.max() > cap:
             return None
-        w = np.asarray(ctx.cost.work(lengths), dtype=np.float64)
+        # weight: a sequence's per-unit time on a node when split over all of it (the span table's
+        # ring / Ulysses price: small blocks and all-to-alls included) - what node loads add up to
+        Ls = np.asarray(lengths, dtype=np.float64)
+        tb = tg.span_table(Ls, self._routed_nics(ctx), ulysses=self.intra == "auto")
+        T_avg = max(float(Ls.sum()) / ctx.num_units, 1.0)
+        layers = ctx.model.num_layers
+        lin_rate = float(layers * ctx.cost.linear_time(T_avg) + ctx.cost.head_time(T_avg)) / T_avg
+        w = tb.A[upn - 1] + lin_rate * Ls / upn
         load, tok = np.zeros(N), np.zeros(N)
         node = np.zeros(len(lengths), dtype=np.int64)
         for i in np.argsort(-w, kind="stable"):
