@@ -326,11 +326,13 @@ class ZeppelinPlanner(Planner):
         # weight: a sequence's per-unit time on a node when split over all of it (the span table's
         # ring / Ulysses price: small blocks and all-to-alls included) - what node loads add up to
         Ls = np.asarray(lengths, dtype=np.float64)
-        tb = tg.span_table(Ls, self._routed_nics(ctx), ulysses=self.intra == "auto")
+        c, layers = ctx.cost, ctx.model.num_layers
+        att = c.ring_compute_time(Ls, upn) + c.ring_exposed_comm(Ls, upn, "intra")
+        if self.intra == "auto" and tg.ulysses_ok(upn):
+            att = np.minimum(att, c.ulysses_attn_time(Ls, upn) + c.ulysses_comm_time(Ls / upn, upn, "intra"))
         T_avg = max(float(Ls.sum()) / ctx.num_units, 1.0)
-        layers = ctx.model.num_layers
-        lin_rate = float(layers * ctx.cost.linear_time(T_avg) + ctx.cost.head_time(T_avg)) / T_avg
-        w = tb.A[upn - 1] + lin_rate * Ls / upn
+        lin_rate = float(layers * c.linear_time(T_avg) + c.head_time(T_avg)) / T_avg
+        w = layers * att + lin_rate * Ls / upn
         load, tok = np.zeros(N), np.zeros(N)
         node = np.zeros(len(lengths), dtype=np.int64)
         for i in np.argsort(-w, kind="stable"):
