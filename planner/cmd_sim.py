@@ -117,8 +117,10 @@ def compare(
     max_seq_len: int = typer.Option(131072, "--max-seq-len", help="longer samples are truncated"),
     tp: int = typer.Option(1, "--tp", help="tensor-parallel degree of a unit"),
     seed: int = typer.Option(0, "--seed", help="sampler seed"),
-    solver_time_limit: float = typer.Option(0.5, "--solver-time-limit",
-                                            help="MILP time limit per step (s) for flexsp and hydraulis"),
+    solver_time_limit: float = typer.Option(0.3, "--solver-time-limit",
+                                            help="MILP time limit per step (s) for flexsp and hydraulis "
+                                                 "(their papers spend 5-15 s per step, overlapped with "
+                                                 "training; raise it to let the MILPs search longer)"),
     workers: int = typer.Option(0, "--workers", "-j", help="worker processes (0: one per CPU)"),
     json_out: bool = typer.Option(False, "--json", help="print JSON instead of the table"),
     output: Path | None = typer.Option(None, "-o", "--output", help="write the JSON to this file"),
