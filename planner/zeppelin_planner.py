@@ -50,7 +50,7 @@ from zeppelin.schemas.plan import (
 
 from .assign import PackInfeasible, PackResult, pack
 from .base import PlanContext, Planner, PlanningError, register
-from .predict import microbatch_terms, predict_from_terms
+from .predict import coupled_components, microbatch_terms, predict_from_terms
 from .tiering import Tiering, zigzag_max_tokens_array
 
 
@@ -607,30 +607,17 @@ class ZeppelinPlanner(Planner):
         touches them) or all as rings, whichever the span table prices lower in sum."""
         if tb.U is None:
             return {}
-        parent = list(range(n))
-
-        def find(u):
-            while parent[u] != u:
-                parent[u] = parent[parent[u]]
-                u = parent[u]
-            return u
-
         intra_js = [j for j, s in enumerate(spans) if s.tier == "intra"]
         members: dict[int, list[int]] = {}
         for j in inter_js:
             members[j] = [nd * upn + b for nd in node_of[j] for b in range(upn)]
         for j in intra_js:
             members[j] = list(unit_of[j])
-        for us in members.values():
-            r0 = find(us[0])
-            for u in us[1:]:
-                ru = find(u)
-                if ru != r0:
-                    parent[ru] = r0
+        label = coupled_components(n, members.values())
         comp: dict[int, list[int]] = {}
         for j in intra_js:
-            comp.setdefault(find(members[j][0]), []).append(j)
-        blocked = {find(members[j][0]) for j in inter_js}
+            comp.setdefault(int(label[members[j][0]]), []).append(j)
+        blocked = {int(label[members[j][0]]) for j in inter_js}
         out: dict[int, bool] = {}
         for root, js in comp.items():
             ring = sum(float(tb.R[kidx[j], j]) for j in js)
