@@ -299,11 +299,17 @@ class CostModel:
         L = _arr(L)
         if G <= 1:
             return np.zeros_like(L)
-        sync = self.ring_sync(G)
-        if sync is not None:  # measured: what the runtime's exchanges cost beyond compute, per round
-            return np.where(L > 0, (G - 1) * sync, 0.0)
         t0, tr = self.ring_round_compute(L, G)
         comm = self.p2p_time(self.ring_round_bytes(L / G), self.tier_link(tier), nic_sharers)
+        return np.where(L > 0, self.ring_round_exposure(comm, t0, tr, G), 0.0)
+
+    def ring_round_exposure(self, comm, t0, tr, G: int) -> np.ndarray:
+        """Exposed time of a ring of G units whose per-round transfer takes ``comm`` and whose round
+        0 / later rounds compute ``t0`` / ``tr``: the G-1 transfers hide behind rounds 0 .. G-2.
+        A measured profile's per-round exchange cost (``ring_sync``) replaces the transfer model."""
+        sync = self.ring_sync(G)
+        if sync is not None:  # measured: what the runtime's exchanges cost beyond compute, per round
+            return np.broadcast_to(np.float64((G - 1) * sync), np.shape(comm)).copy()
         return np.maximum(comm - t0, 0.0) + (G - 2) * np.maximum(comm - tr, 0.0)
 
     def alltoall_time(self, bytes_per_rank, G: int, cls: str = "intra") -> np.ndarray:

@@ -99,7 +99,7 @@ def _attention_device_time(ctx: PlanContext, lengths: np.ndarray) -> np.ndarray:
             if G <= upn and heads % G == 0:
                 best = min(best, G * float(cost.ulysses_attn_time(L[i], G)))
         if np.isfinite(best):
-            out[i] = max(out[i], best) if best < np.inf else out[i]
+            out[i] = max(out[i], best)
     return out
 
 
@@ -213,6 +213,18 @@ def _convoy_waits(n: int, groups, dur: np.ndarray, skip: np.ndarray, local: np.n
     return np.maximum(ready, own) - own
 
 
+def _group_sum(pg: np.ndarray, pL: np.ndarray, G: np.ndarray, mask: np.ndarray, price) -> np.ndarray:
+    """Per group, the sum over its placements of ``price(lengths, group size)`` (groups in ``mask``;
+    evaluated once per distinct group size, vectorised over the placements)."""
+    out = np.zeros(len(pL))
+    pG = G[pg]
+    sel_any = mask[pg]
+    for Gv in np.unique(pG[sel_any]):
+        sel = (pG == Gv) & sel_any
+        out[sel] = price(pL[sel], int(Gv))
+    return np.bincount(pg, weights=out, minlength=len(G))
+
+
 def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool = True) -> MBTerms:
     """Per-unit terms of one micro-batch; ``seq_lengths[i]`` is the length of the step's sequence i.
 
@@ -254,14 +266,8 @@ def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool
         Gr = G[is_ring]
         # per placement: round-0 and later-round compute of its zigzag blocks (as the simulator
         # prices them), summed per group: a round computes the blocks of every sequence of the group
-        pG = G[pg]
-        t0_p = np.zeros(len(pls))
-        tr_p = np.zeros(len(pls))
-        for Gv in np.unique(pG[is_ring[pg]]) if len(pls) else []:
-            sel = (pG == Gv) & is_ring[pg]
-            t0_p[sel], tr_p[sel] = cost.ring_round_compute(pL[sel], int(Gv))
-        g_t0 = np.bincount(pg, weights=t0_p, minlength=ng)[is_ring]
-        g_tr = np.bincount(pg, weights=tr_p, minlength=ng)[is_ring]
+        g_t0 = _group_sum(pg, pL, G, is_ring, lambda x, g: cost.ring_round_compute(x, g)[0])[is_ring]
+        g_tr = _group_sum(pg, pL, G, is_ring, lambda x, g: cost.ring_round_compute(x, g)[1])[is_ring]
         comm_round = np.asarray(cost.p2p_time(cost.ring_round_bytes(g_len[is_ring] / Gr), "intra"), dtype=np.float64)
         comm_round = np.array(comm_round, dtype=np.float64, copy=True).reshape(-1)
         ring_ids = np.flatnonzero(is_ring)
@@ -270,21 +276,13 @@ def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool
                 comm_round[k] = inter_round[int(gi)]
         t_att[is_ring] = g_t0 + (Gr - 1) * g_tr
         t_comm[is_ring] = comm_round * (Gr - 1)
-        t_exp[is_ring] = np.maximum(comm_round - g_t0, 0.0) + (Gr - 2) * np.maximum(comm_round - g_tr, 0.0)
         for Gv in np.unique(Gr):
-            sync = cost.ring_sync(int(Gv))
-            if sync is not None:  # measured: what the runtime's exchanges add per round (as the simulator)
-                sel = np.flatnonzero(is_ring)[Gr == Gv]
-                t_exp[sel] = (Gv - 1) * sync
+            sel = Gr == Gv
+            t_exp[ring_ids[sel]] = cost.ring_round_exposure(comm_round[sel], g_t0[sel], g_tr[sel], int(Gv))
     is_uly = np.fromiter((k == "ulysses" for k in kind), dtype=bool, count=ng) & ~is_local
     if is_uly.any() and len(pls):
         # head shards: whole sequences on 1/G of the heads (CostModel.ulysses_attn_time)
-        pG = G[pg]
-        u_p = np.zeros(len(pls))
-        for Gv in np.unique(pG[is_uly[pg]]):
-            sel = (pG == Gv) & is_uly[pg]
-            u_p[sel] = cost.ulysses_attn_time(pL[sel], int(Gv))
-        t_att[is_uly] = np.bincount(pg, weights=u_p, minlength=ng)[is_uly]
+        t_att[is_uly] = _group_sum(pg, pL, G, is_uly, cost.ulysses_attn_time)[is_uly]
     for gi in np.flatnonzero(~is_local & ~is_ring):
         g = groups[gi]
         Gi = G[gi]
@@ -478,7 +476,7 @@ def predict_replicas(ctx: PlanContext, step: StepPlan) -> Prediction:
             g_t0, g_tr = float(np.sum(t0)), float(np.sum(tr))
             comm = float(cm.p2p_time(cm.ring_round_bytes(float(Ls.sum()) / G), cm.tier_link(g.tier),
                                      sharers.get(gi, 1)))
-            exp = max(comm - g_t0, 0.0) + (G - 2) * max(comm - g_tr, 0.0)
+            exp = float(cm.ring_round_exposure(comm, g_t0, g_tr, G))
             for pos, u in enumerate(g.units):
                 a_mb[u] += layers * (g_t0 + (G - 1) * g_tr)
                 attn[u] += layers * (g_t0 + (G - 1) * g_tr)

@@ -217,6 +217,18 @@ class Tiering:
         """Whether an intra-node span of G units may run as Ulysses: G splits the unit's heads evenly."""
         return 2 <= G <= self.upn and (self.ctx.model.num_heads // self.ctx.tp) % G == 0
 
+    def split_prices(self, L, G: int, tier: str, sharers: float = 1.0, ulysses: bool = False):
+        """Per-layer prices of splitting sequences ``L`` over G units: (ring compute, ring exposed
+        communication, (Ulysses head-shard compute, Ulysses all-to-all) or None where the span may
+        not run as Ulysses)."""
+        c = self.cost
+        base = c.ring_compute_time(L, G)
+        exp = c.ring_exposed_comm(L, G, tier, sharers)
+        uly = None
+        if ulysses and tier == "intra" and self.ulysses_ok(G):
+            uly = (c.ulysses_attn_time(L, G), c.ulysses_comm_time(L / G, G, "intra"))
+        return base, exp, uly
+
     def span_table(self, L, routed_nics: int = 1, ulysses: bool = False) -> SpanTable:
         """Per candidate span and sequence: attention time per unit (all layers, incl. exposed
         communication), memory fit and exposed-communication fraction. Independent of the step's
@@ -245,17 +257,15 @@ class Tiering:
                     R[k] = A[k]
                 continue
             sharers = self.inter_sharers(routed_nics) if sp.tier == "inter" else 1.0
-            exp = c.ring_exposed_comm(L, sp.G, sp.tier, sharers)
-            base = c.ring_compute_time(L, sp.G)
+            base, exp, uly = self.split_prices(L, sp.G, sp.tier, sharers, ulysses)
             A[k] = self.layers * (base + exp)  # == ring_attention_time
             q, r = np.divmod(Li, 2 * sp.G)
             F[k] = 2 * q + np.where(r >= sp.G + 1, 2, np.where(r >= 1, 1, 0)) <= self.cap
             E[k] = np.where(base > 0, exp / np.maximum(base, 1e-30), np.inf)
             if R is not None:
                 R[k] = A[k]
-            if ulysses and sp.tier == "intra" and self.ulysses_ok(sp.G):
-                u_comp = c.ulysses_attn_time(L, sp.G)
-                u_comm = c.ulysses_comm_time(L / sp.G, sp.G, "intra")
+            if uly is not None:
+                u_comp, u_comm = uly
                 better = u_comp + u_comm < base + exp
                 Q[k] = self.layers * (u_comp + u_comm)
                 U[k] = better

@@ -220,20 +220,10 @@ class ZeppelinPlanner(Planner):
                     # to waits, so node-CP is unlikely to beat it
                     break
                 try:
-                    # plan micro-batches coarse ones first, each balanced on top of the per-unit load
-                    # the earlier ones left (per unit, the step is the sum of its micro-batch
-                    # periods, a period including the waits for the unit's coupled partners)
-                    carry = np.zeros(n)
-                    order = sorted(range(len(parts)), key=lambda k: -max(lengths[i] for i in parts[k]))
-                    built = [None] * len(parts)
-                    for k in order:
-                        mb, st, terms = self._best_microbatch(ctx, tg, sequences, parts[k], carry, floors, balances)
-                        carry = carry + terms.period
-                        built[k] = (mb, st, terms)
+                    built, t = self._whole_step(ctx, tg, sequences, lengths, parts, floors, balances)
                 except PackInfeasible as e:
                     last_err = e
                     continue
-                t = float(carry.max())
                 found.append((built, t))
                 if t < best_t:
                     best_built, best_t, best_mode = built, t, mode
@@ -245,16 +235,8 @@ class ZeppelinPlanner(Planner):
                 # (large clusters, for planning latency: only the layout family that won above)
                 modes = self._modes(ctx) if n <= 32 else [self._modes(ctx)[best_mode]]
                 for floors, balances in (modes if nm is not None else []):
-                    nparts, fixed = nm
                     try:
-                        carry = np.zeros(n)
-                        built = [None] * len(nparts)
-                        for k in sorted(range(len(nparts)), key=lambda k: -max(lengths[i] for i in nparts[k])):
-                            mb, st, terms = self._best_microbatch(ctx, tg, sequences, nparts[k], carry,
-                                                                  floors, balances, fixed_nodes=fixed)
-                            carry = carry + terms.period
-                            built[k] = (mb, st, terms)
-                        t = float(carry.max())
+                        built, t = self._whole_step(ctx, tg, sequences, lengths, nm[0], floors, balances, nm[1])
                         found.append((built, t))
                         if t < best_t:
                             best_built, best_t = built, t
@@ -314,6 +296,21 @@ class ZeppelinPlanner(Planner):
             return None
         return [sorted(p) for p in parts]
 
+    def _whole_step(self, ctx: PlanContext, tg: Tiering, sequences: list[Sequence], lengths: np.ndarray,
+                    parts: list[list[int]], floors, balances, fixed_nodes: dict[int, int] | None = None):
+        """Plan every micro-batch of a step, coarse ones first, each balanced on top of the per-unit
+        load the earlier ones left (per unit, the step is the sum of its micro-batch periods, a
+        period including the waits for the unit's coupled partners). Returns (built micro-batches,
+        predicted time without the all-reduce); raises :class:`PackInfeasible`."""
+        carry = np.zeros(ctx.num_units)
+        built = [None] * len(parts)
+        for k in sorted(range(len(parts)), key=lambda k: -max(lengths[i] for i in parts[k])):
+            mb, st, terms = self._best_microbatch(ctx, tg, sequences, parts[k], carry, floors, balances,
+                                                  fixed_nodes=fixed_nodes)
+            carry = carry + terms.period
+            built[k] = (mb, st, terms)
+        return built, float(carry.max())
+
     def _node_major(self, ctx: PlanContext, tg: Tiering, lengths: np.ndarray, M: int):
         """Whole-step node assignment for the node-CP layout: sequences to nodes by work (LPT, each
         node holding at most ``M`` micro-batches of tokens), then each node's share cut into ``M``
@@ -327,9 +324,8 @@ class ZeppelinPlanner(Planner):
         # ring / Ulysses price: small blocks and all-to-alls included) - what node loads add up to
         Ls = np.asarray(lengths, dtype=np.float64)
         c, layers = ctx.cost, ctx.model.num_layers
-        att = c.ring_compute_time(Ls, upn) + c.ring_exposed_comm(Ls, upn, "intra")
-        if self.intra == "auto" and tg.ulysses_ok(upn):
-            att = np.minimum(att, c.ulysses_attn_time(Ls, upn) + c.ulysses_comm_time(Ls / upn, upn, "intra"))
+        ring, exp, uly = tg.split_prices(Ls, upn, "intra", ulysses=self.intra == "auto")
+        att = ring + exp if uly is None else np.minimum(ring + exp, uly[0] + uly[1])
         T_avg = max(float(Ls.sum()) / ctx.num_units, 1.0)
         lin_rate = float(layers * c.linear_time(T_avg) + c.head_time(T_avg)) / T_avg
         w = layers * att + lin_rate * Ls / upn
