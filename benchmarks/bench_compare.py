@@ -14,7 +14,6 @@ run; nothing on it is typed by hand.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import math
 import os
@@ -188,7 +187,7 @@ def chart(cells: list[dict], cluster: str, model: str, path: Path, planners: lis
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from zeppelin.schemas.common import atomic_write
+    from zeppelin.planner.show import save_png
 
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4), sharey=True)
     for ax, mix in zip(axes, MIXES):
@@ -213,11 +212,7 @@ def chart(cells: list[dict], cluster: str, model: str, path: Path, planners: lis
     axes[-1].legend(fontsize=6.5, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.suptitle(f"cluster {cluster}, {model}", fontsize=10)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=72)
-    plt.close(fig)
-    with atomic_write(path, "wb") as fh:
-        fh.write(buf.getvalue())
+    save_png(fig, path, dpi=72)
 
 
 def render_page(cells: list[dict], summ: dict, lines: list[str], args, wall: float, command: str) -> str:

@@ -8,7 +8,7 @@ from typing import Any
 
 import typer
 
-from zeppelin.schemas.common import InputError, atomic_write
+from zeppelin.schemas.common import InputError
 
 BAR_WIDTH = 14
 
@@ -87,6 +87,8 @@ def write_histogram_png(path: Path, dataset) -> None:
 
     from zeppelin.schemas.datasets import length_histogram
 
+    from .show import save_png
+
     hist = length_histogram(dataset.lengths)
     x = [b["lo"] for b in hist]
     w = [b["hi"] - b["lo"] for b in hist]
@@ -99,11 +101,7 @@ def write_histogram_png(path: Path, dataset) -> None:
         ax.set_ylabel(label)
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(f"{Path(dataset.source).name}: {dataset.num_samples:,} samples, {dataset.num_tokens:,} tokens")
-    try:
-        with atomic_write(path, "wb") as fh:
-            fig.savefig(fh, format="png", dpi=110)
-    finally:
-        plt.close(fig)
+    save_png(fig, path, dpi=110)
 
 
 def load_for_cli(manifest: str, length_field: str | None, tokens_field: str | None, text_field: str | None,

@@ -282,14 +282,12 @@ def render_table(doc: dict[str, Any], title: str):
 
 def draw_png(doc: dict[str, Any], title: str, path) -> None:
     """Bar charts: mean step time (p50-p90 whiskers) and speedup over the reference."""
-    import io
-
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from zeppelin.schemas.common import atomic_write
+    from .show import save_png
 
     ok = [s for s in doc["planners"] if not s.get("error")]
     names = [s["planner"] for s in ok]
@@ -310,11 +308,7 @@ def draw_png(doc: dict[str, Any], title: str, path) -> None:
             lab.set_ha("right")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    with atomic_write(path, "wb") as fh:
-        fh.write(buf.getvalue())
+    save_png(fig, path, dpi=100)
 
 
 def default_workers() -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 from collections import defaultdict
 from pathlib import Path
 
@@ -193,8 +192,16 @@ def draw_png(header: PlanHeader, step: StepPlan, result: SimResult, path: str | 
     ax2.set_title("busy ms per unit")
     fig.colorbar(im, ax=ax2)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    with atomic_write(path, "wb") as fh:
-        fh.write(buf.getvalue())
+    save_png(fig, path, dpi=110)
+
+
+def save_png(fig, path, dpi: int = 100) -> None:
+    """Write a matplotlib figure as a PNG file atomically (temporary name, then rename; nothing
+    half-written is left behind) and close it."""
+    import matplotlib.pyplot as plt
+
+    try:
+        with atomic_write(path, "wb") as fh:
+            fig.savefig(fh, format="png", dpi=dpi)
+    finally:
+        plt.close(fig)

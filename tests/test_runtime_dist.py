@@ -142,7 +142,9 @@ def planner_step(name: str, header: PlanHeader, lens: list[int], k: int = 0, **o
 # ---------------------------------------------------------------------------------------------
 
 
-def _dist_step(rank: int, world: int, header_json: str, step_json: str, seed: int):
+def _dist_step(rank: int, world: int, header_json: str, step_json: str, seed: int, tp_overlap: str | None = None):
+    """One forward+backward of the step on this rank (shared by the runtime test modules): loss,
+    gradients, final hidden states of the rank's linear layout, bytes moved, process groups."""
     from zeppelin.runtime.data import TokenSource
     from zeppelin.runtime.executor import Executor
     from zeppelin.runtime.groups import GroupCache, set_default_cache
@@ -154,12 +156,12 @@ def _dist_step(rank: int, world: int, header_json: str, step_json: str, seed: in
     set_default_cache(cache)
     model = LlamaModel(header.model, seed=seed)
     ex = Executor(header, model, TokenSource(header.model.vocab_size, header.seed), rank=rank, world_size=world,
-                  device=torch.device("cpu"), groups=cache)
+                  device=torch.device("cpu"), groups=cache, tp_overlap=tp_overlap)
     res = ex.forward_backward(step, keep_hidden=True)
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return {"loss": res.loss, "grads": grads if rank == 0 else None,
             "grad_sum": float(sum(g.double().abs().sum() for g in grads.values())),
-            "hidden": res.hidden, "bytes": res.bytes, "tokens": res.tokens}
+            "hidden": res.hidden, "bytes": res.bytes, "tokens": res.tokens, "groups": cache.member_of}
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from zeppelin.schemas.cluster import cluster_preset
 from zeppelin.schemas.common import content_hash
@@ -40,7 +39,7 @@ from zeppelin.schemas.plan import (
 from zeppelin.schemas.profile import default_profile
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_runtime_dist import token_balanced
+from test_runtime_dist import _dist_step, token_balanced
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -141,28 +140,8 @@ def tp2_hand_step(k: int = 0) -> StepPlan:
 
 
 # ---------------------------------------------------------------------------------------------
-# the distributed side
+# the distributed side (one step per rank: test_runtime_dist._dist_step)
 # ---------------------------------------------------------------------------------------------
-
-
-def _dist_step(rank: int, world: int, header_json: str, step_json: str, seed: int, tp_overlap):
-    from zeppelin.runtime.data import TokenSource
-    from zeppelin.runtime.executor import Executor
-    from zeppelin.runtime.groups import GroupCache, set_default_cache
-    from zeppelin.runtime.model import LlamaModel
-
-    header = PlanHeader.model_validate_json(header_json)
-    step = StepPlan.model_validate_json(step_json)
-    cache = GroupCache(world, header=header, steps=[step])
-    set_default_cache(cache)
-    model = LlamaModel(header.model, seed=seed)
-    ex = Executor(header, model, TokenSource(header.model.vocab_size, header.seed), rank=rank, world_size=world,
-                  device=torch.device("cpu"), groups=cache, tp_overlap=tp_overlap)
-    res = ex.forward_backward(step, keep_hidden=True)
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    return {"loss": res.loss, "grads": grads if rank == 0 else None,
-            "grad_sum": float(sum(g.double().abs().sum() for g in grads.values())),
-            "hidden": res.hidden, "tokens": res.tokens, "groups": cache.member_of}
 
 
 @pytest.fixture(scope="module")
