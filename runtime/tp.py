@@ -347,23 +347,27 @@ def row_parallel(x, w, g: TPGroup, rows: Sequence[int], mode: str = "none", chun
 # ---------------------------------------------------------------------------------------------
 
 
+class _ShardedLinear(nn.Module):
+    """A linear layer whose weight ``[out, in]`` is split over the TP group along dimension
+    ``split_dim`` (0: output features, column-parallel; 1: input features, row-parallel)."""
 
-class ColumnParallelLinear(nn.Module):
-    """``y = AllGather(x) @ W[shard].T``: input sequence-sharded ``[rows[pos], in]``, output
-    ``[sum(rows), out_shard]``. ``sizes``: output features per TP rank (default near-equal)."""
+    split_dim: int
+    kind: str
 
     def __init__(self, in_features: int, out_features: int, group: TPGroup, overlap: str = "none",
                  chunks: int = 4, sizes: Sequence[int] | None = None, dtype=None, device=None):
         super().__init__()
         _check_mode(overlap)
         self.group, self.overlap, self.chunks = group, overlap, chunks
-        self.sizes = list(sizes) if sizes is not None else shard_sizes(out_features, group.size)
-        if len(self.sizes) != group.size or sum(self.sizes) != out_features:
-            raise ValueError(f"column shard sizes {self.sizes} do not split {out_features} "
+        split = (out_features, in_features)[self.split_dim]
+        self.sizes = list(sizes) if sizes is not None else shard_sizes(split, group.size)
+        if len(self.sizes) != group.size or sum(self.sizes) != split:
+            raise ValueError(f"{self.kind} shard sizes {self.sizes} do not split {split} "
                              f"over {group.size} ranks")
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(self.sizes[group.pos], in_features, dtype=dtype,
-                                               device=device))
+        shape = [out_features, in_features]
+        shape[self.split_dim] = self.sizes[group.pos]
+        self.weight = nn.Parameter(torch.empty(*shape, dtype=dtype, device=device))
         nn.init.normal_(self.weight, std=in_features ** -0.5)
 
     @classmethod
@@ -371,43 +375,32 @@ class ColumnParallelLinear(nn.Module):
         m = cls(weight.shape[1], weight.shape[0], group, overlap, chunks, sizes, weight.dtype, weight.device)
         o = _offsets(m.sizes)
         with torch.no_grad():
-            m.weight.copy_(weight[o[group.pos]: o[group.pos + 1]])
+            m.weight.copy_(weight.narrow(cls.split_dim, o[group.pos], o[group.pos + 1] - o[group.pos]))
         return m
+
+
+class ColumnParallelLinear(_ShardedLinear):
+    """``y = AllGather(x) @ W[shard].T``: input sequence-sharded ``[rows[pos], in]``, output
+    ``[sum(rows), out_shard]``. ``sizes``: output features per TP rank (default near-equal)."""
+
+    split_dim, kind = 0, "column"
 
     def forward(self, x, rows: Sequence[int] | None = None):
         rows = list(rows) if rows is not None else [x.shape[0]] * self.group.size
         return column_parallel(x, self.weight, self.group, rows, self.overlap, self.chunks)
 
-class RowParallelLinear(nn.Module):
+
+class RowParallelLinear(_ShardedLinear):
     """``z = ReduceScatter(x @ W[:, shard].T)``: input ``[sum(rows), in_shard]``, output
     sequence-sharded ``[rows[pos], out]``. ``sizes``: input features per TP rank."""
 
-    def __init__(self, in_features: int, out_features: int, group: TPGroup, overlap: str = "none",
-                 chunks: int = 4, sizes: Sequence[int] | None = None, dtype=None, device=None):
-        super().__init__()
-        _check_mode(overlap)
-        self.group, self.overlap, self.chunks = group, overlap, chunks
-        self.sizes = list(sizes) if sizes is not None else shard_sizes(in_features, group.size)
-        if len(self.sizes) != group.size or sum(self.sizes) != in_features:
-            raise ValueError(f"row shard sizes {self.sizes} do not split {in_features} "
-                             f"over {group.size} ranks")
-        self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, self.sizes[group.pos], dtype=dtype,
-                                               device=device))
-        nn.init.normal_(self.weight, std=in_features ** -0.5)
-
-    @classmethod
-    def from_full(cls, weight, group: TPGroup, overlap="none", chunks=4, sizes=None):
-        m = cls(weight.shape[1], weight.shape[0], group, overlap, chunks, sizes, weight.dtype, weight.device)
-        o = _offsets(m.sizes)
-        with torch.no_grad():
-            m.weight.copy_(weight[:, o[group.pos]: o[group.pos + 1]])
-        return m
+    split_dim, kind = 1, "row"
 
     def forward(self, x, rows: Sequence[int] | None = None):
         if rows is None:
             rows = shard_sizes(x.shape[0], self.group.size)
         return row_parallel(x, self.weight, self.group, list(rows), self.overlap, self.chunks)
+
 
 class TPMLP(nn.Module):
     """SwiGLU MLP under TP-SP: column-parallel gate+up (one fused GEMM, each rank's gate and up
