@@ -4,18 +4,15 @@ Layouts (runtime contract): ``q: [T, Hq, D]``, ``k, v: [T, Hkv, D]`` (GQA: ``Hq 
 sequences packed along T, causal within each sequence by ABSOLUTE token position, softmax scale
 ``1/sqrt(D)``. Log-sum-exp tensors are ``[Hq, T]`` float32 (natural log).
 
-Kernels, by device:
-
-* CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` (returns the log-sum-exp) and its
-  ``_backward`` op, which recomputes the probabilities from a *given* (global) log-sum-exp — exactly
-  what ring attention needs: a block's gradient computed with the merged output and merged LSE is
-  that block's exact share of the full gradient.
-* CUDA: ``flash_attn_varlen_func`` for local attention when flash-attn is importable; chunk-pair
-  blocks use an exact float32 math kernel tiled over query rows (no public flash-attn API takes
-  an external LSE for the backward).
-* Any device, when a chunk pair is neither fully visible, causal-diagonal nor fully masked (ranges
-  that overlap partially — never produced by zigzag/contiguous layouts): float32 math with an
-  explicit mask.
+Kernels: :mod:`zeppelin.runtime.kernels` picks one per (device, dtype, block kind) — its module
+docstring holds the table. In short: CUDA bf16/fp16 diagonal and fully visible blocks and local
+varlen attention run on fused kernels (flash-attn's varlen functions, else PyTorch's flash or
+memory-efficient ops), local sequences of a rank as ONE varlen call; CPU blocks run on
+``aten._scaled_dot_product_flash_attention_for_cpu`` (one call per sequence: the op is not varlen);
+float32 math with an explicit mask is the reference and the path for partially visible pairs. Every
+fused kernel returns the log-sum-exp and its backward recomputes the probabilities from a *given*
+(global) log-sum-exp — what ring attention needs: a block's gradient computed with the merged
+output and merged LSE is that block's exact share of the full gradient.
 
 Ring attention (:func:`ring_forward` / :func:`ring_backward`, autograd: :func:`ring_attention`):
 K/V blocks travel around the ring (position p sends to p+1), the next exchange is posted before
@@ -36,8 +33,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import kernels as _k
+
 __all__ = [
     "Exchange",
+    "LocalPack",
     "RingSpec",
     "Transport",
     "attention_block",
@@ -46,6 +46,7 @@ __all__ = [
     "local_attention",
     "local_backward",
     "local_forward",
+    "local_kernel",
     "merge_partial",
     "reference_attention",
     "ring_attention",
@@ -73,122 +74,30 @@ def _thd(x: torch.Tensor) -> torch.Tensor:
 
 
 def flash_attn_available(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return False
-    try:
-        import flash_attn  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means "not usable"
-        return False
-    return True
+    """True when flash-attn's varlen kernels (>= 2.6) serve this device (see :mod:`.kernels`)."""
+    return device.type == "cuda" and _k.cuda_caps(device).flash_attn
 
 
 # ---------------------------------------------------------------------------------------------
-# float32 math kernels (exact reference path; explicit masks)
+# kernels (dispatch by device / dtype / block kind: runtime/kernels.py)
 # ---------------------------------------------------------------------------------------------
 
-
-def _expand_kv(x: torch.Tensor, hq: int) -> torch.Tensor:
-    rep = hq // x.shape[1]
-    return x if rep == 1 else x.repeat_interleave(rep, dim=1)
-
-
-def _fold_kv(dx: torch.Tensor, hkv: int) -> torch.Tensor:
-    t, hq, d = dx.shape
-    rep = hq // hkv
-    return dx if rep == 1 else dx.view(t, hkv, rep, d).sum(2)
-
-
-# score-matrix elements per tile of the math path (bounds its memory: 2**25 fp32 = 128 MiB)
-MATH_TILE_ELEMENTS = 1 << 25
-
-
-def _q_tiles(tq: int, tk: int, h: int):
-    step = max(1, MATH_TILE_ELEMENTS // max(1, tk * h))
-    for a in range(0, tq, step):
-        yield a, min(tq, a + step)
-
-
-def _math_fwd(q, k, v, mask, scale):
-    """Exact float32 attention, tiled over query rows so the score matrix stays bounded.
-
-    mask: [Tq, Tk] bool (True = visible) or None. Returns out (fp32), lse [H, Tq] fp32."""
-    hq = q.shape[1]
-    kf, vf = _expand_kv(k.float(), hq), _expand_kv(v.float(), hq)
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    lse = torch.empty((hq, q.shape[0]), dtype=torch.float32, device=q.device)
-    for a, b in _q_tiles(q.shape[0], k.shape[0], hq):
-        s = torch.einsum("qhd,khd->hqk", q[a:b].float(), kf) * scale
-        if mask is not None:
-            s = s.masked_fill(~mask[a:b], NEG_INF)
-        l_ = torch.logsumexp(s, dim=-1)
-        p = torch.exp(s - torch.where(torch.isinf(l_), torch.zeros_like(l_), l_).unsqueeze(-1))
-        out[a:b] = torch.einsum("hqk,khd->qhd", p, vf)
-        lse[:, a:b] = l_
-    return out, lse
-
-
-def _math_bwd(dout, q, k, v, out, lse, mask, scale):
-    """Gradients of :func:`_math_fwd` from a given (merged) ``out``/``lse``, tiled like it."""
-    hq, hkv = q.shape[1], k.shape[1]
-    kf, vf = _expand_kv(k.float(), hq), _expand_kv(v.float(), hq)
-    dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(kf.shape, dtype=torch.float32, device=q.device)
-    dv = torch.zeros(kf.shape, dtype=torch.float32, device=q.device)
-    for a, b in _q_tiles(q.shape[0], k.shape[0], hq):
-        qf, do, o = q[a:b].float(), dout[a:b].float(), out[a:b].float()
-        s = torch.einsum("qhd,khd->hqk", qf, kf) * scale
-        if mask is not None:
-            s = s.masked_fill(~mask[a:b], NEG_INF)
-        l_ = lse[:, a:b]
-        p = torch.exp(s - torch.where(torch.isinf(l_), torch.zeros_like(l_), l_).unsqueeze(-1))
-        dv += torch.einsum("hqk,qhd->khd", p, do)
-        dp = torch.einsum("qhd,khd->hqk", do, vf)
-        delta = (do * o).sum(-1).transpose(0, 1)  # [H, tile]
-        ds = p * (dp - delta.unsqueeze(-1))
-        dq[a:b] = torch.einsum("hqk,khd->qhd", ds, kf) * scale
-        dk += torch.einsum("hqk,qhd->khd", ds, qf) * scale
-    return dq, _fold_kv(dk, hkv), _fold_kv(dv, hkv)
-
-
-def _causal_mask(tq: int, tk: int, q0: int, k0: int, device) -> torch.Tensor:
-    qp = torch.arange(q0, q0 + tq, device=device).unsqueeze(1)
-    kp = torch.arange(k0, k0 + tk, device=device).unsqueeze(0)
-    return kp <= qp
-
-
-# ---------------------------------------------------------------------------------------------
-# block kernels: (q rows) x (k rows) with causal=True (diagonal) or False (fully visible)
-# ---------------------------------------------------------------------------------------------
+_expand_kv = _k._expand
+_math_fwd = _k.math_forward
+_math_bwd = _k.math_backward
+_causal_mask = _k.causal_mask
 
 
 def _kernel_fwd(q, k, v, causal: bool, scale: float):
-    """out in q.dtype (CPU kernel) or fp32 (math), lse [H, Tq] fp32."""
-    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            _bhld(q), _bhld(k), _bhld(v), 0.0, causal, scale=scale
-        )
-        return _thd(o), lse.squeeze(0).float()
-    mask = _causal_mask(q.shape[0], k.shape[0], 0, 0, q.device) if causal else None
-    return _math_fwd(q, k, v, mask, scale)
+    """One diagonal (``causal``) or fully visible block on the kernel :func:`kernels.choose` picks:
+    out in q.dtype (fused kernels) or fp32 (math), lse [H, Tq] fp32."""
+    kern = _k.choose(q.device, q.dtype, "diag" if causal else "full", q.shape[-1])
+    return _k.block_forward(kern, q, k, v, causal, scale)
 
 
 def _kernel_bwd(dout, q, k, v, out, lse, causal: bool, scale: float):
-    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-        dt = q.dtype
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            _bhld(dout.to(dt)),
-            _bhld(q),
-            _bhld(k),
-            _bhld(v),
-            _bhld(out.to(dt)),
-            lse.unsqueeze(0).contiguous(),
-            0.0,
-            causal,
-            scale=scale,
-        )
-        return _thd(dq), _thd(dk), _thd(dv)
-    mask = _causal_mask(q.shape[0], k.shape[0], 0, 0, q.device) if causal else None
-    return _math_bwd(dout, q, k, v, out, lse, mask, scale)
+    kern = _k.choose(q.device, q.dtype, "diag" if causal else "full", q.shape[-1])
+    return _k.block_backward(kern, dout, q, k, v, out, lse, causal, scale)
 
 
 def _classify(q_range: Sequence[int], k_range: Sequence[int]) -> str:
@@ -258,37 +167,36 @@ def merge_partial(
 # ---------------------------------------------------------------------------------------------
 
 
-def _bounds(cu_seqlens) -> list[int]:
+def _bounds(cu_seqlens) -> tuple[int, ...]:
+    """Cumulative sequence starts as host ints. A device tensor costs a host sync: the runtime
+    passes lists (engine, Ulysses); tensors are accepted for callers off the hot path."""
     if isinstance(cu_seqlens, torch.Tensor):
-        return [int(x) for x in cu_seqlens.tolist()]
-    return [int(x) for x in cu_seqlens]
+        return tuple(int(x) for x in cu_seqlens.tolist())
+    return tuple(int(x) for x in cu_seqlens)
+
+
+def local_kernel(q: torch.Tensor) -> str:
+    """The kernel local varlen attention runs on for ``q``'s device and dtype."""
+    return _k.choose(q.device, q.dtype, "varlen", q.shape[-1])
 
 
 def local_forward(q, k, v, cu_seqlens, scale: float | None = None):
-    """No-autograd causal varlen attention: ``(out [T,Hq,D] in q.dtype, lse [Hq,T] fp32)``."""
-    sc = _scale(q, scale)
-    b = _bounds(cu_seqlens)
-    out = torch.empty_like(q)
-    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
-    for s, e in itertools.pairwise(b):
-        if e <= s:
-            continue
-        o, l_ = _kernel_fwd(q[s:e], k[s:e], v[s:e], True, sc)
-        out[s:e] = o
-        lse[:, s:e] = l_
-    return out, lse
+    """No-autograd causal varlen attention: ``(out [T,Hq,D] in q.dtype, lse [Hq,T] fp32)``.
+
+    One varlen kernel call for the whole pack where the device has a varlen kernel (CUDA,
+    bf16/fp16); one call per sequence on the CPU kernel and the math path."""
+    if q.shape[0] == 0:
+        return torch.empty_like(q), torch.empty((q.shape[1], 0), dtype=torch.float32, device=q.device)
+    out, lse = _k.varlen_forward(local_kernel(q), q, k, v, _bounds(cu_seqlens), _scale(q, scale))
+    return out.to(q.dtype), lse
 
 
 def local_backward(dout, q, k, v, out, lse, cu_seqlens, scale: float | None = None):
-    sc = _scale(q, scale)
-    b = _bounds(cu_seqlens)
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for s, e in itertools.pairwise(b):
-        if e <= s:
-            continue
-        a, bk, c = _kernel_bwd(dout[s:e], q[s:e], k[s:e], v[s:e], out[s:e], lse[:, s:e], True, sc)
-        dq[s:e], dk[s:e], dv[s:e] = a, bk, c
-    return dq, dk, dv
+    """Gradients of :func:`local_forward` (same kernel, same call structure), in the input dtype."""
+    if q.shape[0] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dq, dk, dv = _k.varlen_backward(local_kernel(q), dout, q, k, v, out, lse, _bounds(cu_seqlens), _scale(q, scale))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _LocalAttention(torch.autograd.Function):
@@ -309,19 +217,77 @@ class _LocalAttention(torch.autograd.Function):
 def local_attention(q, k, v, cu_seqlens, scale: float | None = None):
     """Causal attention over packed whole sequences (autograd-capable).
 
-    ``cu_seqlens``: cumulative sequence starts ``[0, L0, L0+L1, ...]`` (tensor or list). Uses
-    flash-attn's varlen kernel on CUDA when importable, the CPU flash kernel on CPU, float32 math
-    elsewhere."""
+    ``cu_seqlens``: cumulative sequence starts ``[0, L0, L0+L1, ...]`` (list, or tensor at the
+    cost of a host sync). Kernel by device and dtype: :mod:`.kernels` (one varlen call forward and
+    one backward on CUDA bf16/fp16)."""
     b = _bounds(cu_seqlens)
-    if b[0] != 0 or b[-1] != q.shape[0] or any(y < x for x, y in itertools.pairwise(b)):
-        raise ValueError(f"cu_seqlens {b[:8]}... does not partition {q.shape[0]} rows")
-    if flash_attn_available(q.device) and q.dtype in (torch.float16, torch.bfloat16):
-        from flash_attn import flash_attn_varlen_func
-
-        cu = torch.tensor(b, dtype=torch.int32, device=q.device)
-        mx = max((y - x for x, y in itertools.pairwise(b)), default=0)
-        return flash_attn_varlen_func(q, k, v, cu, cu, mx, mx, causal=True, softmax_scale=_scale(q, scale))
+    if not b or b[0] != 0 or b[-1] != q.shape[0] or any(y < x for x, y in itertools.pairwise(b)):
+        raise ValueError(f"cu_seqlens {list(b[:8])}... does not partition {q.shape[0]} rows")
     return _LocalAttention.apply(q, k, v, b, scale)
+
+
+class LocalPack:
+    """Whole sequences at row ``spans`` of an attention buffer, run as ONE varlen kernel call
+    forward and one backward (a rank's local, one-rank-group sequences on a device with a varlen
+    kernel: see :func:`LocalPack.of`)."""
+
+    def __init__(self, spans: Sequence[tuple[int, int]], device: torch.device) -> None:
+        self.spans = [(int(a), int(b)) for a, b in spans]
+        cu = [0]
+        for a, b in self.spans:
+            cu.append(cu[-1] + b - a)
+        self.bounds = tuple(cu)
+        adjacent = all(b0 == a1 for (_, b0), (a1, _) in itertools.pairwise(self.spans))
+        if adjacent:
+            self.rows: slice | torch.Tensor = slice(self.spans[0][0], self.spans[-1][1])
+        else:
+            idx = tuple(i for a, b in self.spans for i in range(a, b))
+            self.rows = _k._device_index_tensor(idx, torch.int64, device)
+
+    @classmethod
+    def of(cls, tasks, q: torch.Tensor) -> LocalPack | None:
+        """A pack of ``tasks`` ``(row0, row1, spec)`` (one sequence each, one-rank ring specs) when
+        ``q``'s device/dtype has a varlen kernel and every sequence's ranges tile it in order;
+        None otherwise (the caller then runs a task per sequence)."""
+        tasks = list(tasks)
+        if not tasks or not _k.has_varlen(q.device, q.dtype, q.shape[-1]):
+            return None
+        for a, b, spec in tasks:
+            if len(spec.seqs) != 1:
+                return None
+            rs = [(s, e) for s, e in spec.seqs[0][0] if e > s]
+            pos = 0
+            for s, e in rs:
+                if s != pos:
+                    return None
+                pos = e
+            if pos != b - a:
+                return None
+        return cls([(a, b) for a, b, _ in tasks], q.device)
+
+    def forward(self, q, k, v, out, lse, scale: float | None) -> None:
+        """Fill ``out``/``lse`` at the pack's rows."""
+        r = self.rows
+        if isinstance(r, slice):
+            o, l_ = local_forward(q[r], k[r], v[r], self.bounds, scale)
+            out[r], lse[:, r] = o, l_
+        else:
+            o, l_ = local_forward(q.index_select(0, r), k.index_select(0, r), v.index_select(0, r),
+                                  self.bounds, scale)
+            out.index_copy_(0, r, o.to(out.dtype))
+            lse.index_copy_(1, r, l_)
+
+    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, scale: float | None) -> None:
+        """Fill ``dq``/``dk``/``dv`` at the pack's rows from the final ``out``/``lse``."""
+        r = self.rows
+        if isinstance(r, slice):
+            dq[r], dk[r], dv[r] = local_backward(dout[r], q[r], k[r], v[r], out[r], lse[:, r], self.bounds, scale)
+        else:
+            sel = [x.index_select(0, r) for x in (dout, q, k, v, out)]
+            a, b, c = local_backward(*sel, lse.index_select(1, r), self.bounds, scale)
+            dq.index_copy_(0, r, a)
+            dk.index_copy_(0, r, b)
+            dv.index_copy_(0, r, c)
 
 
 def reference_attention(q, k, v, cu_seqlens, scale: float | None = None):

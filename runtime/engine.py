@@ -14,7 +14,8 @@ sequences in placement order, each sequence's ranges in listed order):
 Order. Work runs in phases inter -> intra -> local (the slowest communication starts first);
 inside a phase, groups in increasing group index. Communication-free work (sequences of one-rank
 groups) fills the waits: while a ring exchange is still in flight, the engine runs queued local
-sequences, and whatever is left runs after the rings (``engine.filled`` counts the fills). Every rank derives the
+sequences — all of them as ONE varlen kernel call where the device has a varlen kernel
+(:class:`zeppelin.runtime.attention.LocalPack`), else one task per sequence — and whatever is left runs after the rings (``engine.filled`` counts the fills). Every rank derives the
 same order from the plan, which makes the P2P schedule deadlock-free: a rank waiting inside group
 g only waits on ranks that have finished every group ordered before g. The ring/local/allgather
 work of a call is ONE autograd node (:class:`_EngineFunction`), so backward runs the same global
@@ -42,6 +43,7 @@ from zeppelin.schemas.common import InputError
 from zeppelin.schemas.plan import PlanHeader, StepPlan
 
 from .attention import (
+    LocalPack,
     RingSpec,
     Transport,
     ring_backward,
@@ -309,7 +311,11 @@ class _EngineFunction(torch.autograd.Function):
 
             return run
 
-        filler = _Filler(task(*t) for t in local)
+        pack = LocalPack.of(((a, b, spec) for a, b, spec, _ in local), q)
+        if pack is not None:  # a varlen kernel: the local sequences as ONE call
+            filler = _Filler([lambda: pack.forward(q, k, v, out, lse, engine.scale)])
+        else:
+            filler = _Filler(task(*t) for t in local)
         for it in comm:
             if it.kind == "relay":
                 ring_relay_forward(it.spec, it.transport, row_shape, k.dtype, k.device, idle=filler)
@@ -340,7 +346,11 @@ class _EngineFunction(torch.autograd.Function):
 
             return run
 
-        filler = _Filler(task(*t) for t in local)
+        pack = LocalPack.of(((a, b, spec) for a, b, spec, _ in local), q)
+        if pack is not None:
+            filler = _Filler([lambda: pack.backward(dout, q, k, v, out, lse, dq, dk, dv, scale)])
+        else:
+            filler = _Filler(task(*t) for t in local)
         for it in comm:
             if it.kind == "relay":
                 ring_relay_backward(it.spec, it.transport, row_shape, k.dtype, k.device, idle=filler)

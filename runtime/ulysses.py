@@ -125,6 +125,22 @@ class UlyssesSpec:
         return cls(ranks=[reps[u].ranks[t] for u in g.units], pos=g.units.index(unit), seqs=seqs)
 
 
+def _perms(spec: UlyssesSpec, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(perm, inverse)`` of :meth:`UlyssesSpec.gather_perm` on ``device``, computed once per spec
+    and device (every layer reuses them; a CUDA copy is pinned and non-blocking, no host sync)."""
+    cache = spec.__dict__.setdefault("_perm_cache", {})
+    key = str(device)
+    if key not in cache:
+        perm = spec.gather_perm()
+        inv = torch.argsort(perm)
+        if device.type == "cuda":
+            perm, inv = (x.pin_memory().to(device, non_blocking=True) for x in (perm, inv))
+        else:
+            perm, inv = perm.to(device), inv.to(device)
+        cache[key] = (perm, inv)
+    return cache[key]
+
+
 def _order(ranks: list[int]) -> list[int]:
     """Ring position of each group rank (process groups order ranks ascending)."""
     return [ranks.index(r) for r in sorted(ranks)]
@@ -265,8 +281,7 @@ def ulysses_attention(q, k, v, spec: UlyssesSpec, group=None, scale: float | Non
                          f"{q.shape[0]}/{k.shape[0]}/{v.shape[0]} rows")
     hq, hkv, D = q.shape[1], k.shape[1], q.shape[2]
     if G == 1:
-        perm = spec.gather_perm().to(q.device)
-        inv = torch.argsort(perm)
+        perm, inv = _perms(spec, q.device)
         o = local_attention(q[perm], k[perm], v[perm], spec.cu_seqlens(), scale)
         return o[inv]
     if group is None:
@@ -275,7 +290,7 @@ def ulysses_attention(q, k, v, spec: UlyssesSpec, group=None, scale: float | Non
         group = get_group(spec.ranks)
     ctx = _Ctx(spec, hq, hkv, D, group)
     qg, kg, vg = _SeqToHead.apply(q, k, v, ctx)
-    perm = spec.gather_perm().to(q.device)
+    perm, inv = _perms(spec, q.device)
     qf, kf, vf = qg[perm], kg[perm], vg[perm]
     q0, q1, k0, k1 = ctx.heads[spec.pos]
     if q1 == q0:
@@ -289,5 +304,5 @@ def ulysses_attention(q, k, v, spec: UlyssesSpec, group=None, scale: float | Non
             idx = torch.arange(q0, q1, device=q.device) // r - k0
             ke, ve = kf.index_select(1, idx), vf.index_select(1, idx)
         of = local_attention(qf, ke, ve, spec.cu_seqlens(), scale)
-    og = of[torch.argsort(perm)]
+    og = of[inv]
     return _HeadToSeq.apply(og, ctx)

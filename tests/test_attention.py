@@ -313,13 +313,14 @@ def test_math_path_tiles_exactly(monkeypatch):
     # the float32 math kernel (CUDA blocks without a CPU flash kernel, partial masks) computes in
     # query tiles; a tiny tile budget must give the same results as one tile
     import zeppelin.runtime.attention as att
+    import zeppelin.runtime.kernels as kern
 
     q, k, v, do = (x.float() for x in _inputs([29], seed=4))
     mask = torch.ones(29, 29, dtype=torch.bool).tril()
     whole = att._math_fwd(q, k, v, mask, 0.25)
     gwhole = att._math_bwd(do, q, k, v, whole[0], whole[1], mask, 0.25)
-    monkeypatch.setattr(att, "MATH_TILE_ELEMENTS", 29 * HQ * 3)  # 3 query rows per tile
-    assert len(list(att._q_tiles(29, 29, HQ))) == 10
+    monkeypatch.setattr(kern, "MATH_TILE_ELEMENTS", 29 * HQ * 3)  # 3 query rows per tile
+    assert len(list(kern._q_tiles(29, 29, HQ))) == 10
     tiled = att._math_fwd(q, k, v, mask, 0.25)
     gtiled = att._math_bwd(do, q, k, v, tiled[0], tiled[1], mask, 0.25)
     for a, b in zip((*whole, *gwhole), (*tiled, *gtiled)):
