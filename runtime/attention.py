@@ -241,8 +241,8 @@ class LocalPack:
         if adjacent:
             self.rows: slice | torch.Tensor = slice(self.spans[0][0], self.spans[-1][1])
         else:
-            idx = tuple(i for a, b in self.spans for i in range(a, b))
-            self.rows = _k._device_index_tensor(idx, torch.int64, device)
+            idx = torch.cat([torch.arange(a, b) for a, b in self.spans])
+            self.rows = _k.to_device(idx, device)
 
     @classmethod
     def of(cls, tasks, q: torch.Tensor) -> LocalPack | None:

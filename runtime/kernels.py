@@ -205,17 +205,21 @@ def _pair_cu(tq: int, tk: int, device: torch.device) -> tuple[torch.Tensor, torc
     return ar * tq, ar * tk
 
 
-@functools.lru_cache(maxsize=256)
-def _device_index_tensor(values: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    t = torch.tensor(values, dtype=dtype)
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``; to CUDA through pinned memory, non-blocking (no host sync)."""
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
 
 
+@functools.lru_cache(maxsize=256)
+def _cu_cached(bounds: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return to_device(torch.tensor(bounds, dtype=torch.int32), device)
+
+
 def _cu_device(bounds: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """``cu_seqlens`` of a pack as an int32 device tensor (cached per pack; pinned, non-blocking)."""
-    return _device_index_tensor(bounds, torch.int32, device)
+    """``cu_seqlens`` of a pack as an int32 device tensor (cached per pack)."""
+    return _cu_cached(bounds, device)
 
 
 def _ops():
@@ -341,17 +345,20 @@ def _aten_flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, s
     return dq, dk, dv
 
 
-def _eff_lse_index(bounds: tuple[int, ...], pad: int, device) -> torch.Tensor:
-    """Flat positions ``seq * pad + row`` of every packed token in the kernel's padded LSE."""
-    idx = [i * pad + r for i, (s, e) in enumerate(itertools.pairwise(bounds)) for r in range(e - s)]
-    return _device_index_tensor(tuple(idx), torch.int64, device)
+def _eff_lse_index(cu: torch.Tensor, total: int, pad: int) -> torch.Tensor:
+    """Flat positions ``seq * pad + row`` of every packed token in the kernel's padded LSE
+    (computed on the device from ``cu``: no host sync)."""
+    cu = cu.long()
+    seq = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=cu.device), cu[1:] - cu[:-1],
+                                  output_size=total)
+    return seq * pad + torch.arange(total, device=cu.device) - cu[seq]
 
 
 def _eff_pad(max_q: int) -> int:
     return max(LSE_ALIGN, -(-max_q // LSE_ALIGN) * LSE_ALIGN)
 
 
-def _aten_eff_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, bounds_q):
+def _aten_eff_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     hq = q.shape[1]
     out, lse = _ops()["eff_fwd"](
         q.unsqueeze(0).contiguous(), _expand(k, hq).unsqueeze(0).contiguous(),
@@ -359,14 +366,14 @@ def _aten_eff_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, bounds_q):
         1 if causal else 0, True, scale=scale,
     )[:2]
     flat = lse.transpose(0, 1).reshape(hq, -1)  # [H, nseq * pad]
-    return out.squeeze(0), flat.index_select(1, _eff_lse_index(bounds_q, lse.shape[-1], q.device))
+    return out.squeeze(0), flat.index_select(1, _eff_lse_index(cu_q, q.shape[0], lse.shape[-1]))
 
 
-def _aten_eff_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, bounds_q):
+def _aten_eff_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
     hq, hkv = q.shape[1], k.shape[1]
-    nseq, pad = len(bounds_q) - 1, _eff_pad(max_q)
+    nseq, pad = cu_q.numel() - 1, _eff_pad(max_q)
     lp = torch.zeros((hq, nseq * pad), dtype=torch.float32, device=q.device)
-    lp.index_copy_(1, _eff_lse_index(bounds_q, pad, q.device), lse.float())
+    lp.index_copy_(1, _eff_lse_index(cu_q, q.shape[0], pad), lse.float())
     lp = lp.view(hq, nseq, pad).transpose(0, 1).contiguous()
     seed = torch.empty((), dtype=torch.int64)
     offset = torch.empty((), dtype=torch.int64)
@@ -420,7 +427,7 @@ def block_forward(kernel: str, q, k, v, causal: bool, scale: float):
     if kernel == "aten_flash":
         return _aten_flash_fwd(q, k, v, cu_q, cu_k, tq, tk, causal, scale)
     if kernel == "aten_efficient":
-        return _aten_eff_fwd(q, k, v, cu_q, cu_k, tq, tk, causal, scale, (0, tq))
+        return _aten_eff_fwd(q, k, v, cu_q, cu_k, tq, tk, causal, scale)
     raise ValueError(f"unknown attention kernel {kernel!r}")
 
 
@@ -440,7 +447,7 @@ def block_backward(kernel: str, dout, q, k, v, out, lse, causal: bool, scale: fl
     if kernel == "aten_flash":
         return _aten_flash_bwd(*args)
     if kernel == "aten_efficient":
-        return _aten_eff_bwd(*args, (0, tq))
+        return _aten_eff_bwd(*args)
     raise ValueError(f"unknown attention kernel {kernel!r}")
 
 
@@ -459,7 +466,7 @@ def varlen_forward(kernel: str, q, k, v, bounds: tuple[int, ...], scale: float):
             return _flash_attn_fwd(q, k, v, cu, cu, mx, mx, True, scale)
         if kernel == "aten_flash":
             return _aten_flash_fwd(q, k, v, cu, cu, mx, mx, True, scale)
-        return _aten_eff_fwd(q, k, v, cu, cu, mx, mx, True, scale, bounds)
+        return _aten_eff_fwd(q, k, v, cu, cu, mx, mx, True, scale)
     out = torch.empty_like(q)
     lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
     for s, e in _spans(bounds):
@@ -479,7 +486,7 @@ def varlen_backward(kernel: str, dout, q, k, v, out, lse, bounds: tuple[int, ...
             return _flash_attn_bwd(*args)
         if kernel == "aten_flash":
             return _aten_flash_bwd(*args)
-        return _aten_eff_bwd(*args, bounds)
+        return _aten_eff_bwd(*args)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for s, e in _spans(bounds):
         a, b, c = block_backward(kernel, dout[s:e], q[s:e], k[s:e], v[s:e], out[s:e], lse[:, s:e], True, scale)
