@@ -22,6 +22,16 @@ in float32 and the dK/dV accumulators travel with their K/V block, in float32, r
 owner after the last round. Transfers go through a :class:`Transport`, which follows inter-node
 routes (dispatch to a proxy on the source node, proxy-to-proxy transfer, combine at the
 destination) and counts bytes per link class.
+
+Overlap without host syncs: every exchange is a ``batch_isend_irecv`` posted before the block
+compute it overlaps. On NCCL the transfers run on the process group's own CUDA streams, which
+wait on the compute stream only for the data they send; ``Work.wait()`` makes the compute stream
+wait on the transfer's completion event and returns at once (no host block), and ``ready()``
+polls that event. Relay stages of routed transfers are chained the same way (stream waits, no
+host sync). Nothing on the ring, routing or local paths reads a device value on the host
+(``.item()``, ``.tolist()``, ``int(tensor)``): index tensors are built from host ints and copied
+through pinned memory without blocking (see tests/test_kernels.py). On gloo ``wait()`` blocks the
+host, and queued local work fills the wait (``idle``).
 """
 
 from __future__ import annotations
