@@ -93,8 +93,10 @@ class CudaCaps:
     aten_efficient: bool
 
 
+@functools.lru_cache(maxsize=1)
 def _flash_attn_fns():
-    """flash-attn's varlen forward/backward when the package (>= 2.6 keyword API) is importable."""
+    """flash-attn's varlen forward/backward when the package (>= 2.6 keyword API) is importable
+    (looked up once)."""
     try:
         from flash_attn import flash_attn_interface as fi  # type: ignore[import-not-found]
     except Exception:  # noqa: BLE001 - any import failure means "not usable"
@@ -314,16 +316,20 @@ def _flash_attn_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
 def _flash_attn_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
     _, bwd = _flash_attn_fns()  # type: ignore[misc]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    params = inspect.signature(bwd).parameters
     kw = {"window_size_left": -1, "window_size_right": -1, "alibi_slopes": None, "deterministic": False,
           "rng_state": None}
-    if "softcap" in params:
+    if _has_param(bwd, "softcap"):
         kw["softcap"] = 0.0
     bwd(
         _last_contig(dout), _last_contig(q), _last_contig(k), _last_contig(v), _last_contig(out),
         lse.contiguous(), dq, dk, dv, cu_q, cu_k, max_q, max_k, 0.0, scale, causal, **kw,
     )
     return dq, dk, dv
+
+
+@functools.lru_cache(maxsize=8)
+def _has_param(fn, name: str) -> bool:
+    return name in inspect.signature(fn).parameters
 
 
 def _aten_flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
@@ -451,6 +457,15 @@ def block_backward(kernel: str, dout, q, k, v, out, lse, causal: bool, scale: fl
     raise ValueError(f"unknown attention kernel {kernel!r}")
 
 
+def _nonempty(bounds: tuple[int, ...]) -> tuple[int, ...]:
+    """``bounds`` without empty sequences (the flash kernels' single-query GQA path assumes none)."""
+    out = [bounds[0]]
+    for x in bounds[1:]:
+        if x != out[-1]:
+            out.append(x)
+    return tuple(out)
+
+
 def _spans(bounds: tuple[int, ...]):
     return [(s, e) for s, e in itertools.pairwise(bounds) if e > s]
 
@@ -460,6 +475,7 @@ def varlen_forward(kernel: str, q, k, v, bounds: tuple[int, ...], scale: float):
     ``(out in q.dtype, lse [Hq, T] float32)``. ONE kernel call on the varlen kernels; one call per
     sequence on ``cpu_flash`` / ``math``."""
     if kernel in VARLEN_KERNELS:
+        bounds = _nonempty(bounds)
         cu = _cu_device(bounds, q.device)
         mx = max((e - s for s, e in itertools.pairwise(bounds)), default=0)
         if kernel == "flash_attn":
@@ -479,6 +495,7 @@ def varlen_forward(kernel: str, q, k, v, bounds: tuple[int, ...], scale: float):
 def varlen_backward(kernel: str, dout, q, k, v, out, lse, bounds: tuple[int, ...], scale: float):
     """Gradients of :func:`varlen_forward` (same call structure): ``(dq, dk, dv)`` in the input dtype."""
     if kernel in VARLEN_KERNELS:
+        bounds = _nonempty(bounds)
         cu = _cu_device(bounds, q.device)
         mx = max((e - s for s, e in itertools.pairwise(bounds)), default=0)
         args = (dout.to(q.dtype), q, k, v, out.to(q.dtype), lse, cu, cu, mx, mx, True, scale)

@@ -310,7 +310,7 @@ def test_pool_reports_dead_rank_and_timeout_then_recovers():
 
 
 def test_math_path_tiles_exactly(monkeypatch):
-    # the float32 math kernel (CUDA blocks without a CPU flash kernel, partial masks) computes in
+    # the float32 math kernel (the reference; partial masks; CUDA float32) computes in
     # query tiles; a tiny tile budget must give the same results as one tile
     import zeppelin.runtime.attention as att
     import zeppelin.runtime.kernels as kern

@@ -114,6 +114,7 @@ class Fakes:
         self._count("aten_flash_fwd")
         assert q.dim() == 3 and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and dropout_p == 0.0
         assert max_q == max(e - s for s, e in self._spans(cu_q))
+        assert all(e > s for s, e in self._spans(cu_q)), "an empty sequence reached the kernel"
         out, lse = self._varlen_fwd(q, k, v, cu_q, cu_k, is_causal, scale, True)
         return out, lse, torch.zeros(2, dtype=torch.uint64), torch.empty(0), torch.empty(0)
 
@@ -250,9 +251,14 @@ def test_flash_attn_older_than_2_6_is_not_used(monkeypatch):
     pkg.flash_attn_interface = mod
     monkeypatch.setitem(sys.modules, "flash_attn", pkg)
     monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", mod)
-    assert kern._flash_attn_fns() is None
-    mod._flash_attn_varlen_forward = Fakes().fa_fwd
-    assert kern._flash_attn_fns() is not None
+    kern._flash_attn_fns.cache_clear()
+    try:
+        assert kern._flash_attn_fns() is None
+        mod._flash_attn_varlen_forward = Fakes().fa_fwd
+        kern._flash_attn_fns.cache_clear()
+        assert kern._flash_attn_fns() is not None
+    finally:
+        kern._flash_attn_fns.cache_clear()
 
 
 # ---------------------------------------------------------------------------------------------
