@@ -73,16 +73,6 @@ def _scale(q: torch.Tensor, scale: float | None) -> float:
     return scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
 
-def _bhld(x: torch.Tensor) -> torch.Tensor:
-    """[T, H, D] -> [1, H, T, D] (a view)."""
-    return x.transpose(0, 1).unsqueeze(0)
-
-
-def _thd(x: torch.Tensor) -> torch.Tensor:
-    """[1, H, T, D] -> [T, H, D] (a view)."""
-    return x.squeeze(0).transpose(0, 1)
-
-
 def flash_attn_available(device: torch.device) -> bool:
     """True when flash-attn's varlen kernels (>= 2.6) serve this device (see :mod:`.kernels`)."""
     return device.type == "cuda" and _k.cuda_caps(device).flash_attn

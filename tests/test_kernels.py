@@ -261,6 +261,44 @@ def test_flash_attn_older_than_2_6_is_not_used(monkeypatch):
         kern._flash_attn_fns.cache_clear()
 
 
+# the positional arguments runtime/kernels.py passes to each aten op, in order, then its keywords
+ATEN_CALLS = {
+    "_flash_attention_forward": (["query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p",
+                                  "is_causal", "return_debug_mask"], ["scale"]),
+    "_flash_attention_backward": (["grad_out", "query", "key", "value", "out", "logsumexp", "cum_seq_q", "cum_seq_k",
+                                   "max_q", "max_k", "dropout_p", "is_causal", "rng_state", "unused"], ["scale"]),
+    "_efficient_attention_forward": (["query", "key", "value", "bias", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
+                                      "max_seqlen_k", "dropout_p", "custom_mask_type", "compute_log_sumexp"],
+                                     ["scale"]),
+    "_efficient_attention_backward": (["grad_out_", "query", "key", "value", "bias", "out", "cu_seqlens_q",
+                                       "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "logsumexp", "dropout_p",
+                                       "philox_seed", "philox_offset", "custom_mask_type", "bias_requires_grad"],
+                                      ["scale"]),
+    "_scaled_dot_product_flash_attention_for_cpu": (["query", "key", "value", "dropout_p", "is_causal"], ["scale"]),
+    "_scaled_dot_product_flash_attention_for_cpu_backward": (["grad_out", "query", "key", "value", "out",
+                                                              "logsumexp", "dropout_p", "is_causal"], ["scale"]),
+}
+
+
+@pytest.mark.parametrize("op", sorted(ATEN_CALLS))
+def test_aten_op_schemas_match_the_calls(op):
+    """The installed torch's schema of every aten op the dispatch calls: the positional arguments
+    in the order the glue passes them, then the keywords it uses; every other argument optional."""
+    schema = getattr(torch.ops.aten, op).default._schema
+    positional, keywords = ATEN_CALLS[op]
+    args = schema.arguments
+    assert [a.name for a in args[: len(positional)]] == positional
+    assert all(not a.kwarg_only for a in args[: len(positional)])
+    rest = {a.name: a for a in args[len(positional):]}
+    for kw in keywords:
+        assert kw in rest and rest[kw].kwarg_only
+    assert all(a.has_default_value() for n, a in rest.items()), op
+    # the glue reads (out, lse) of a forward and (dq, dk, dv) of a backward first
+    assert len(schema.returns) >= (3 if "backward" in op else 2)
+    if not op.endswith("backward"):
+        assert [r.name for r in schema.returns[:2]][0] == "output"
+
+
 # ---------------------------------------------------------------------------------------------
 # every path against the math reference (fp32 <= 1e-5) and float64
 # ---------------------------------------------------------------------------------------------
