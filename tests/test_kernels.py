@@ -78,6 +78,7 @@ class Fakes:
 
     def __init__(self):
         self.calls: dict[str, int] = {}
+        self.log: list[tuple[str, tuple[int, ...]]] = []  # (op, sequence lengths) of aten flash calls
 
     def _count(self, name):
         self.calls[name] = self.calls.get(name, 0) + 1
@@ -112,6 +113,7 @@ class Fakes:
     def aten_flash_fwd(self, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *,
                        scale=None):
         self._count("aten_flash_fwd")
+        self.log.append(("fwd", tuple(e - s for s, e in self._spans(cu_q))))
         assert q.dim() == 3 and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and dropout_p == 0.0
         assert max_q == max(e - s for s, e in self._spans(cu_q))
         assert all(e > s for s, e in self._spans(cu_q)), "an empty sequence reached the kernel"
@@ -121,6 +123,7 @@ class Fakes:
     def aten_flash_bwd(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, rng, unused,
                        *, scale=None):
         self._count("aten_flash_bwd")
+        self.log.append(("bwd", tuple(e - s for s, e in self._spans(cu_q))))
         assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32 and lse.is_contiguous()
         assert out.dtype == dout.dtype == q.dtype and rng.dtype == torch.uint64
         return self._varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, is_causal, scale, True)
@@ -296,7 +299,7 @@ def test_aten_op_schemas_match_the_calls(op):
     # the glue reads (out, lse) of a forward and (dq, dk, dv) of a backward first
     assert len(schema.returns) >= (3 if "backward" in op else 2)
     if not op.endswith("backward"):
-        assert [r.name for r in schema.returns[:2]][0] == "output"
+        assert schema.returns[0].name == "output"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -425,6 +428,57 @@ def test_local_pack_of_scattered_rows(fakes, monkeypatch):
     # no varlen kernel (CPU): no pack
     monkeypatch.setattr(kern, "choose", lambda *a: "cpu_flash")
     assert LocalPack.of(tasks, q) is None
+
+
+def _engine_fused_case(rank, world):
+    """test_engine's three-tier plan (rings across and inside "nodes", routed, local groups) on
+    4 gloo ranks with every block and varlen pack on the aten flash fake."""
+    import test_engine
+
+    f = Fakes()
+    ops = dict(kern._ops())
+    ops.update(flash_fwd=f.aten_flash_fwd, flash_bwd=f.aten_flash_bwd)
+    saved = kern._ops, kern.choose
+    kern._ops = lambda: ops
+    kern.choose = lambda dev, dt, kind, d: "math" if kind == "mask" else "aten_flash"
+    try:
+        res = test_engine._engine_case(rank, world, True, torch.float32, 2)
+    finally:
+        kern._ops, kern.choose = saved
+    res["log"] = f.log
+    return res
+
+
+@pytest.mark.timeout(180)
+def test_engine_with_rings_runs_local_sequences_as_one_varlen_call_per_rank():
+    from test_engine import LENS as ENGINE_LENS
+    from test_engine import _assemble
+    from test_engine import _reference as engine_reference
+
+    from zeppelin.runtime.dist_utils import DistributedPool
+
+    with DistributedPool(4) as pool:
+        res = pool.run(_engine_fused_case, timeout=120)
+    ref = engine_reference(calls=2)
+    got = _assemble(res)
+    for s in range(len(ENGINE_LENS)):
+        for a, want in zip(got[s], ref[s]):
+            assert not torch.isnan(a).any()
+            assert (a - want).abs().max().item() <= 1e-5, s
+    # local (one-rank) groups: rank 0 holds sequences of 7 and 1 tokens, rank 1 one of 9, rank 3 one
+    # of 26; two layer calls -> exactly two varlen calls each way holding all of them, and no other
+    # call of those sizes (ring blocks are single sequences of other sizes)
+    local = {0: (7, 1), 1: (9,), 2: None, 3: (26,)}
+    for rank, r in enumerate(res):
+        packs = [(op, lens) for op, lens in r["log"] if lens == local[rank]]
+        singles = [(op, lens) for op, lens in r["log"] if local[rank] and len(lens) == 1
+                   and lens[0] in local[rank] and lens != local[rank]]
+        if local[rank] is None:
+            assert all(len(lens) == 1 for _, lens in r["log"])
+            continue
+        assert sorted(packs) == [("bwd", local[rank])] * 2 + [("fwd", local[rank])] * 2, (rank, r["log"])
+        assert singles == []
+        assert any(len(lens) == 1 for _, lens in r["log"])  # the ring blocks ran on the fused kernel too
 
 
 # ---------------------------------------------------------------------------------------------
