@@ -60,7 +60,7 @@ def _run(cmd: list[str], log: Path, env: dict[str, str]) -> float:
 def write_manifest(path: Path, mix: str, scale: float, max_len: int, num: int, seed: int) -> dict:
     import numpy as np
 
-    from zeppelin.planner.compare import MIXES
+    from zeppelin.planner.tools.compare import MIXES
 
     rng = np.random.default_rng(seed)
     comps = MIXES[mix]
@@ -78,7 +78,7 @@ def write_manifest(path: Path, mix: str, scale: float, max_len: int, num: int, s
 def _with_second_profile(row: dict, profile_path: Path) -> None:
     """Predict the row's steps again with a profile taken after the runs: the relative error
     against the measurements, and the drift between the two profiles' predictions."""
-    from zeppelin.planner.report import build_report, error_summary, load_metrics
+    from zeppelin.planner.sim.report import build_report, error_summary, load_metrics
     from zeppelin.schemas.common import load_doc
     from zeppelin.schemas.plan import PlanReader
     from zeppelin.schemas.profile import CostProfile

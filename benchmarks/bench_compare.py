@@ -5,8 +5,8 @@
 
 Grid: clusters A and C (``zeppelin-a``, ``zeppelin-c``) x LLaMA-7B (tp=1) and LLaMA-13B (tp=2, as
 the Zeppelin paper runs 13B with tensor parallelism) x the synthetic length mixes short / mixed /
-long (:data:`zeppelin.planner.compare.MIXES`) x 16 / 32 / 64 / 128 GPUs. Every cell plans the same
-sampled steps with every planner and simulates them (:func:`zeppelin.planner.compare.run_compare`).
+long (:data:`zeppelin.planner.tools.compare.MIXES`) x 16 / 32 / 64 / 128 GPUs. Every cell plans the same
+sampled steps with every planner and simulates them (:func:`zeppelin.planner.tools.compare.run_compare`).
 The page states the speedups and checks the papers' qualitative findings from the numbers of this
 run; nothing on it is typed by hand.
 """
@@ -34,10 +34,10 @@ PLANNERS = ["te-cp", "llama3-cp", "ulysses", "hybrid-dp", "megatron-dcp", "flexs
 
 
 def run_cell(cluster: str, model: str, tp: int, mix: str, gpus: int, args) -> dict:
-    from zeppelin.planner.base import PlanContext
-    from zeppelin.planner.compare import SOLVER_PLANNERS, comparison, mix_dataset, run_compare
-    from zeppelin.planner.inputs import resolve_cluster, resolve_model, resolve_profile
-    from zeppelin.planner.sampler import sample_steps
+    from zeppelin.planner.core.base import PlanContext
+    from zeppelin.planner.core.inputs import resolve_cluster, resolve_model, resolve_profile
+    from zeppelin.planner.core.sampler import sample_steps
+    from zeppelin.planner.tools.compare import SOLVER_PLANNERS, comparison, mix_dataset, run_compare
     from zeppelin.schemas.plan import SamplerConfig
 
     cl = resolve_cluster(f"{cluster}:{gpus // 8}")
@@ -187,7 +187,7 @@ def chart(cells: list[dict], cluster: str, model: str, path: Path, planners: lis
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from zeppelin.planner.show import save_png
+    from zeppelin.planner.tools.show import save_png
 
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4), sharey=True)
     for ax, mix in zip(axes, MIXES):
@@ -226,7 +226,7 @@ def render_page(cells: list[dict], summ: dict, lines: list[str], args, wall: flo
     out += [("**Method.** Each cell samples the same steps (seed "
             f"{args.seed}, {args.tokens_per_gpu:,} tokens per GPU per step, sequences longer than "
             f"{args.max_seq_len:,} tokens truncated) from a synthetic length mix — `short` (ArXiv-like, short-heavy), "
-            "`mixed` (GitHub-like), `long` (ProLong64k-like), see `zeppelin.planner.compare.MIXES` — plans them with "
+            "`mixed` (GitHub-like), `long` (ProLong64k-like), see `zeppelin.planner.tools.compare.MIXES` — plans them with "
             "every planner and simulates every plan with the event-driven simulator (`zeppelin simulate`), "
             "which uses the preset cost profiles (DESIGN.md section 4), not measurements on these clusters. "
             f"LLaMA-13B runs with tensor parallelism 2 (units of 2 GPUs), as in the Zeppelin paper; 7B with tp=1. "
@@ -247,7 +247,7 @@ def render_page(cells: list[dict], summ: dict, lines: list[str], args, wall: flo
     out += [f"{i + 1}. {t}" for i, t in enumerate(lines)] + [""]
     gap = summ.get("simulated_over_predicted", {})
     out += ["**Reading the numbers.** Each planner chooses its plan with the analytic cost model "
-            "(`zeppelin.planner.predict`, or its own objective for FlexSP and Hydraulis); the tables judge the plans "
+            "(`zeppelin.planner.costmodel.predict`, or its own objective for FlexSP and Hydraulis); the tables judge the plans "
             "with the event-driven simulator, which also plays out link contention, the coupling of units that "
             "exchange data (a unit waits for its slowest partner every layer) and the remap all-to-alls. "
             "Simulated / predicted step time, geometric mean over cells: "

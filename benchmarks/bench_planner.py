@@ -20,8 +20,8 @@ import zlib
 
 import numpy as np
 
-from zeppelin.planner.base import PlanContext
-from zeppelin.planner.zeppelin_planner import ZeppelinNoRemap, ZeppelinPlanner, ZeppelinTiersOnly
+from zeppelin.planner.core.base import PlanContext
+from zeppelin.planner.zeppelin.planner import ZeppelinNoRemap, ZeppelinPlanner, ZeppelinTiersOnly
 from zeppelin.schemas.cluster import cluster_preset
 from zeppelin.schemas.model import model_preset
 from zeppelin.schemas.plan import Sequence

@@ -1,4 +1,4 @@
-"""Micro-benchmark of NIC routing and remapping (planner/routing.py, planner/remap.py).
+"""Micro-benchmark of NIC routing and remapping (planner/zeppelin/routing.py, planner/zeppelin/remap.py).
 
 Random steps shaped like Zeppelin's three tiers: long sequences on inter-node rings of 4-16 units
 drawn from random nodes (about 40% of the units), the other units holding short local sequences.
@@ -18,9 +18,9 @@ import random
 import statistics
 import time
 
-from zeppelin.planner.base import PlanContext
-from zeppelin.planner.remap import plan_remap
-from zeppelin.planner.routing import nic_load_table, plan_routes, route_problems
+from zeppelin.planner.core.base import PlanContext
+from zeppelin.planner.zeppelin.remap import plan_remap
+from zeppelin.planner.zeppelin.routing import nic_load_table, plan_routes, route_problems
 from zeppelin.schemas.cluster import cluster_preset
 from zeppelin.schemas.layout import zigzag_ranges
 from zeppelin.schemas.model import model_preset

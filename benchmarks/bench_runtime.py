@@ -61,8 +61,8 @@ def main(argv=None) -> int:
 
     import numpy as np
 
-    from zeppelin.planner.base import PlanContext, get_planner
-    from zeppelin.planner.predict import predict_step
+    from zeppelin.planner.core.base import PlanContext, get_planner
+    from zeppelin.planner.costmodel.predict import predict_step
     from zeppelin.runtime.dist_utils import DistributedPool
     from zeppelin.schemas.cluster import cluster_preset
     from zeppelin.schemas.common import content_hash

@@ -58,7 +58,7 @@ def block_time(sites: list[tuple[float, float]], extra_gemm: float, mode: str, N
 
 
 def _model_prediction(T: int, h: int, f: int, N: int, k: int, dtype_bytes: int) -> dict[str, float]:
-    from zeppelin.planner.cost import CostModel
+    from zeppelin.planner.costmodel.cost import CostModel
     from zeppelin.schemas.cluster import cluster_preset
     from zeppelin.schemas.model import model_preset
 
@@ -87,7 +87,7 @@ def _cost_model_prediction(T: int, h: int, f: int, N: int) -> dict[str, float]:
     ``--tp-overlap`` formulas at the cost model's 8 collective sites per layer, of which the MLP block
     is 4) plus the MLP's share of ``CostModel.linear_time`` (fwd+bwd GEMMs of the TP shard), for a
     1-layer model of this block's hidden/FFN sizes on the ``local-cpu:1xN`` preset profile."""
-    from zeppelin.planner.cost import CostModel
+    from zeppelin.planner.costmodel.cost import CostModel
     from zeppelin.schemas.cluster import cluster_preset
     from zeppelin.schemas.model import model_preset
 

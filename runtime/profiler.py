@@ -16,7 +16,7 @@ at once so that shared resources (CPU cores, memory bandwidth, NICs) are loaded 
   all-gather by group size, and whether two concurrent transfers out of one node share a NIC;
 * the topology (``nvidia-smi topo -m``, ``/sys/class/infiniband``; on CPU the local-cpu layout).
 
-Rank 0 fits the :class:`CostProfile` (``zeppelin.planner.profile_fit``) and writes it atomically
+Rank 0 fits the :class:`CostProfile` (``zeppelin.planner.costmodel.profile_fit``) and writes it atomically
 together with the raw measurements and per-point fit errors.
 """
 
@@ -487,7 +487,7 @@ def detect_topology(world: int, nodes: int) -> dict:
     if torch.cuda.is_available() and shutil.which("nvidia-smi"):
         try:
             text = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20).stdout
-            from zeppelin.planner.profile_fit import infiniband_devices, parse_nvidia_smi_topo
+            from zeppelin.planner.costmodel.profile_fit import infiniband_devices, parse_nvidia_smi_topo
 
             topo = parse_nvidia_smi_topo(text)
             info.update(gpus_per_node=topo.num_gpus, nvswitch=topo.nvswitch, nics=topo.nics,
@@ -563,7 +563,7 @@ def main(argv=None) -> int:
     share = measure_concurrent_inter(gpn, grid["p2p"][-1], dev, reps, warm) if a.nodes >= 2 else None
     topo = detect_topology(world, a.nodes)
     if rank == 0:
-        from zeppelin.planner.profile_fit import build_profile
+        from zeppelin.planner.costmodel.profile_fit import build_profile
 
         raw = dict(model=model.name, dtype=model.dtype, world=world, nodes=a.nodes, attention_lengths=grid["att"],
                    attention_s=att, attention_pack_counts=att_packs, attention_block_sizes=blocks, attention_block_s=att_block,

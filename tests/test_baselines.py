@@ -7,11 +7,14 @@ import itertools
 
 import numpy as np
 import pytest
-from zeppelin.planner.base import PlanContext, PlanningError, get_planner
-from zeppelin.planner.bl_common import cp_padded, next_pow2
-from zeppelin.planner.bl_flexsp import bucketize
-from zeppelin.planner.cost import CostModel
-from zeppelin.planner.inputs import resolve_cluster, resolve_model, resolve_profile
+
+from zeppelin.planner.baselines.common import cp_padded, next_pow2
+from zeppelin.planner.baselines.flexsp import bucketize
+from zeppelin.planner.core import registry  # noqa: F401  (every built-in planner registers itself)
+from zeppelin.planner.core.base import PLANNERS as REGISTERED
+from zeppelin.planner.core.base import PlanContext, PlanningError, get_planner
+from zeppelin.planner.core.inputs import resolve_cluster, resolve_model, resolve_profile
+from zeppelin.planner.costmodel.cost import CostModel
 from zeppelin.schemas.plan import (
     InputHashes,
     PlanHeader,
@@ -21,7 +24,11 @@ from zeppelin.schemas.plan import (
     write_plan,
 )
 
-PLANNERS = ["packed-dp", "te-cp", "llama3-cp", "ulysses", "hybrid-dp", "megatron-dcp", "flexsp", "hydraulis"]
+# Every registered planner gets the structural and memory checks below: registering a planner is
+# enough to be covered. LONGEST: the longest sequence of the random steps, in units' capacities, for
+# planners that cannot split a sequence over that many units (default 2.5).
+PLANNERS = sorted(REGISTERED)
+LONGEST = {"packed-dp": 1.0, "hydraulis": 1.8}
 SETUPS = [("local-cpu:2x2", "tiny"), ("zeppelin-a", "llama-7b"), ("zeppelin-c:4", "llama-13b")]
 FAST = {"time_limit": 0.3}  # short solver limits keep the suite fast
 
@@ -82,13 +89,16 @@ def groups_of(plan):
 @pytest.mark.parametrize("name", PLANNERS)
 @pytest.mark.parametrize("cluster,model", SETUPS)
 def test_plans_are_valid(name, cluster, model, tmp_path):
+    check_valid_plans(name, cluster, model, tmp_path, LONGEST.get(name, 2.5))
+
+
+def check_valid_plans(name: str, cluster: str, model: str, tmp_path, longest: float) -> None:
+    """Two random long-tailed steps planned by ``name``: structure, memory, file round trip."""
     ctx = make_ctx(cluster, model)
     cap = ctx.cost.token_capacity
     rng = np.random.default_rng(7)
     steps = []
     for k in range(2):
-        # packed-dp cannot split a sequence; hydraulis replicas (TP only) hold about tp x a GPU's share
-        longest = {"packed-dp": 1.0, "hydraulis": 1.8}.get(name, 2.5)
         lengths = random_lengths(rng, cap, 24, longest)
         plan = get_planner(name, **FAST).plan_step(ctx, k, seqs(lengths))
         assert structural_problems(header(ctx, name), plan) == []
@@ -399,7 +409,7 @@ def test_megatron_dcp_and_hybrid_dp_fail_honestly():
 
 
 def test_hydraulis_stage2_ilp_beats_lpt_on_hand_example():
-    from zeppelin.planner.bl_hydraulis import _lpt_pack, _pack_ilp
+    from zeppelin.planner.baselines.hydraulis import _lpt_pack, _pack_ilp
 
     items = [0, 1, 2, 3, 4]
     c = {0: 5.0, 1: 4.0, 2: 3.0, 3: 3.0, 4: 3.0}
@@ -415,8 +425,8 @@ def test_hydraulis_stage2_ilp_beats_lpt_on_hand_example():
 def test_flexsp_not_slower_than_static_ulysses():
     """FlexSP's solution space holds static Ulysses' configuration (one SP degree, the same groups in
     every micro-batch); judged by the planner-wide predictor it never loses to it."""
-    from zeppelin.planner.compare import mix_dataset
-    from zeppelin.planner.sampler import sample_steps
+    from zeppelin.planner.core.sampler import sample_steps
+    from zeppelin.planner.tools.compare import mix_dataset
     from zeppelin.schemas.plan import SamplerConfig
 
     ctx = make_ctx("zeppelin-a:2", "llama-7b")
@@ -440,7 +450,7 @@ def test_flexsp_not_slower_than_static_ulysses():
 def test_flexsp_homogeneous_step_hand_example():
     """n=4 units, groups of s=2: tokens-LPT deals 8,5,4 to group 0 and 7,6,3 to group 1; each group
     packs its own micro-batches first-fit-decreasing under 5 tokens per unit."""
-    from zeppelin.planner.bl_flexsp import _homogeneous_step, _Model
+    from zeppelin.planner.baselines.flexsp import _homogeneous_step, _Model
 
     ctx = make_ctx("local-cpu:2x2", "tiny")
     model = _Model(ctx, [1, 2, 4])
@@ -481,8 +491,8 @@ def _owner(plan):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("setup", [("zeppelin-a:4", "llama-7b", 1), ("zeppelin-a:4", "llama-13b", 2)])
 def test_hydraulis_cp_replica_holds_sequence_longer_than_a_node(setup):
-    from zeppelin.planner.simulate import Simulator
-    from zeppelin.planner.validate import step_problems
+    from zeppelin.planner.sim.simulate import Simulator
+    from zeppelin.planner.tools.validate import step_problems
     from zeppelin.schemas.layout import zigzag_ranges
 
     cluster, model, tp = setup
@@ -521,7 +531,7 @@ def test_hydraulis_cp_replica_holds_sequence_longer_than_a_node(setup):
 def test_hydraulis_cp_replica_stage1_cost_by_hand():
     """One sequence of 1.5 x what a tp=8 replica holds: the dispatch makespan is the CP replica's
     cost of it - one unit of a zigzag ring of 2 over two nodes - computed here from the formula."""
-    from zeppelin.planner.bl_hydraulis import zigzag_share
+    from zeppelin.planner.baselines.hydraulis import zigzag_share
 
     ctx = make_ctx("zeppelin-a:4", "llama-7b")
     cm = CostModel(ctx.cluster, ctx.model, ctx.profile, tp=8)

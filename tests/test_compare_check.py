@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from zeppelin.planner.base import PlanContext, get_planner
-from zeppelin.planner.compare import comparison, mix_dataset, resolve_dataset, run_compare
-from zeppelin.planner.simulate import Simulator
+from zeppelin.planner.core.base import PlanContext, get_planner
+from zeppelin.planner.sim.simulate import Simulator
+from zeppelin.planner.tools.compare import comparison, mix_dataset, resolve_dataset, run_compare
 from zeppelin.schemas.cluster import cluster_preset
 from zeppelin.schemas.common import InputError
 from zeppelin.schemas.model import model_preset
@@ -104,7 +104,7 @@ def _copy_cases(dst, names, goldens=True):
 
 
 def _golden_mean(path):
-    from zeppelin.planner.simulate import simulate_plan
+    from zeppelin.planner.sim.simulate import simulate_plan
 
     _, res = simulate_plan(path)
     return float(np.mean([r.step_time_s for r in res]))
@@ -128,10 +128,10 @@ def test_check_passes_on_repo_plans(zeppelin_bin):
 
 def test_check_fails_when_zeppelin_is_made_worse(tmp_path, monkeypatch, capsys):
     """Zeppelin replaced by plain token packing: the golden comparison and the baseline check fail."""
-    from zeppelin.planner.base import get_planner
-    from zeppelin.planner.check import run_check
     from zeppelin.planner.cli import main
-    from zeppelin.planner.zeppelin_planner import ZeppelinPlanner
+    from zeppelin.planner.core.base import get_planner
+    from zeppelin.planner.tools.check import run_check
+    from zeppelin.planner.zeppelin.planner import ZeppelinPlanner
 
     names = [f"{CPU}--{p}" for p in ("zeppelin", "te-cp", "hybrid-dp", "packed-dp")]
     _copy_cases(tmp_path, names)
@@ -165,9 +165,9 @@ def test_check_fails_when_zeppelin_is_made_worse(tmp_path, monkeypatch, capsys):
 
 
 def test_check_reports_invalid_plan(tmp_path, monkeypatch):
-    from zeppelin.planner.base import get_planner
-    from zeppelin.planner.check import run_check
-    from zeppelin.planner.zeppelin_planner import ZeppelinPlanner
+    from zeppelin.planner.core.base import get_planner
+    from zeppelin.planner.tools.check import run_check
+    from zeppelin.planner.zeppelin.planner import ZeppelinPlanner
 
     _copy_cases(tmp_path, [f"{CPU}--zeppelin"])
 
@@ -262,7 +262,7 @@ def test_check_bad_input(tmp_path, zeppelin_bin):
 
 
 def test_regressed_threshold():
-    from zeppelin.planner.check import regressed
+    from zeppelin.planner.tools.check import regressed
 
     assert not regressed(1.0, 1.03, 0.03)
     assert regressed(1.0, 1.0301, 0.03)
@@ -272,7 +272,7 @@ def test_regressed_threshold():
 
 def test_check_golden_from_another_profile_is_compared_not_stale(tmp_path):
     """A changed cost profile (e.g. a new optional field) re-simulates both plans with the current one."""
-    from zeppelin.planner.check import run_check
+    from zeppelin.planner.tools.check import run_check
     from zeppelin.schemas.common import content_hash
     from zeppelin.schemas.plan import read_plan, write_plan
 
@@ -354,7 +354,7 @@ def test_results_page_findings_from_cells():
 def test_run_compare_pool_order_and_first_failure():
     """Heavy planners are queued first; a planner's report names its first failing step, with or
     without worker processes (later steps of a failed planner are dropped, not reported)."""
-    from zeppelin.planner.compare import job_order
+    from zeppelin.planner.tools.compare import job_order
 
     assert job_order(["te-cp", "zeppelin", "packed-dp", "flexsp"], 2) == [
         ("flexsp", 0), ("flexsp", 1), ("zeppelin", 0), ("zeppelin", 1),

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from zeppelin.planner.cost import CostModel
+from zeppelin.planner.costmodel.cost import CostModel
 from zeppelin.schemas.cluster import ClusterSpec, GPUSpec, LinkSpec, NICSpec, cluster_preset
-from zeppelin.schemas.model import ModelSpec, model_preset
+from zeppelin.schemas.model import model_preset
 from zeppelin.schemas.profile import CostProfile, KernelEfficiency, LinkCost
 
 
@@ -188,9 +188,9 @@ def test_measured_ring_fits_replace_the_block_model():
     """A profile with the runtime's measured ring compute and per-round exchange cost: the cost model,
     the step prediction and the simulator all charge exactly those, split into rounds by the block
     model's proportions (profiles without them keep the block model)."""
-    from zeppelin.planner.base import PlanContext
-    from zeppelin.planner.predict import predict_step
-    from zeppelin.planner.simulate import Simulator
+    from zeppelin.planner.core.base import PlanContext
+    from zeppelin.planner.costmodel.predict import predict_step
+    from zeppelin.planner.sim.simulate import Simulator
     from zeppelin.schemas.layout import zigzag_ranges
     from zeppelin.schemas.plan import Group, MicroBatch, Placement, Sequence, StepPlan
     from zeppelin.schemas.profile import ModelFits, PolyFit

@@ -9,8 +9,21 @@ from zeppelin.schemas.common import InputError, content_hash
 from zeppelin.schemas.layout import contiguous_ranges, split_even, zigzag_ranges
 from zeppelin.schemas.model import model_preset
 from zeppelin.schemas.plan import (
-    Group, InputHashes, MicroBatch, Placement, PlanHeader, PlanReader, PlanWriter, Replica, Route, RoutePath,
-    Sequence, StepPlan, read_plan, structural_problems, write_plan,
+    Group,
+    InputHashes,
+    MicroBatch,
+    Placement,
+    PlanHeader,
+    PlanReader,
+    PlanWriter,
+    Replica,
+    Route,
+    RoutePath,
+    Sequence,
+    StepPlan,
+    read_plan,
+    structural_problems,
+    write_plan,
 )
 from zeppelin.schemas.profile import default_profile
 

@@ -14,7 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from zeppelin.planner.profile_fit import fit_alpha_beta, fit_poly, infiniband_devices, parse_nvidia_smi_topo
+from zeppelin.planner.costmodel.profile_fit import (
+    fit_alpha_beta,
+    fit_poly,
+    infiniband_devices,
+    parse_nvidia_smi_topo,
+)
 
 DATA = Path(__file__).parent / "data"
 
@@ -112,8 +117,8 @@ def test_infiniband_sysfs(tmp_path):
 
 def test_build_profile_from_synthetic_measurements():
     """Raw measurements generated from known coefficients are turned into a profile that reproduces them."""
-    from zeppelin.planner.cost import CostModel
-    from zeppelin.planner.profile_fit import build_profile
+    from zeppelin.planner.costmodel.cost import CostModel
+    from zeppelin.planner.costmodel.profile_fit import build_profile
     from zeppelin.schemas.cluster import cluster_preset
     from zeppelin.schemas.model import model_preset
 
@@ -151,8 +156,8 @@ def test_attention_fit_keeps_the_per_sequence_cost_measured_from_packs():
     """The profiler times short sequences in packs of pack_count(L) and divides by the pack size.
     A runtime that pays a fixed cost per sequence (per call, fwd + bwd) on top of an L^2 kernel:
     the fitted constant is that cost, and the cost model prices a pack of K sequences as measured."""
-    from zeppelin.planner.cost import CostModel
-    from zeppelin.planner.profile_fit import build_profile
+    from zeppelin.planner.costmodel.cost import CostModel
+    from zeppelin.planner.costmodel.profile_fit import build_profile
     from zeppelin.runtime.profiler import QUICK, pack_count
     from zeppelin.schemas.cluster import cluster_preset
     from zeppelin.schemas.model import model_preset
@@ -179,7 +184,7 @@ def test_attention_fit_keeps_the_per_sequence_cost_measured_from_packs():
 def test_ring_sync_recovered_from_synthetic_rings():
     """Rings measured with real and with short-circuited exchanges: the per-round exchange cost is
     recovered (median: robust to one noisy long ring), and the fits land in the profile."""
-    from zeppelin.planner.profile_fit import build_profile, ring_sync_per_round
+    from zeppelin.planner.costmodel.profile_fit import build_profile, ring_sync_per_round
     from zeppelin.schemas.model import model_preset
 
     Ls = [32, 64, 128, 256, 512, 1024, 2048]

@@ -5,8 +5,9 @@ from collections import defaultdict
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
-from zeppelin.planner.base import PlanContext, PlanningError
-from zeppelin.planner.remap import (
+
+from zeppelin.planner.core.base import PlanContext, PlanningError
+from zeppelin.planner.zeppelin.remap import (
     attention_layout,
     balanced_targets,
     merge_segments,

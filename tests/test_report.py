@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from zeppelin.planner.report import (
+from zeppelin.planner.sim.report import (
     build_report,
     error_summary,
     load_metrics,
@@ -204,7 +204,7 @@ def test_profile_plan_run_report_end_to_end(zeppelin_bin, tmp_path):
 def test_measured_points_correct_the_polynomial():
     """Profiles keep their measurements: the cost model follows them exactly and uses the
     polynomial's shape between (log-interpolated correction) and beyond them."""
-    from zeppelin.planner.cost import CostModel, eval_fit
+    from zeppelin.planner.costmodel.cost import CostModel, eval_fit
 
     # measured: 2x the polynomial at 100 tokens, exactly the polynomial at 200
     fit = PolyFit(coeffs=[1e-3, 0.0, 1e-6], points=[[100.0, 0.022], [200.0, 0.041]])
@@ -220,7 +220,7 @@ def test_measured_points_correct_the_polynomial():
 def test_ring_blocks_use_the_measured_block_fit():
     """Off-diagonal ring blocks (every key visible) are timed with the profile's block fit at the
     block's geometric-mean size; causal blocks keep the whole-sequence attention fit."""
-    from zeppelin.planner.cost import CostModel
+    from zeppelin.planner.costmodel.cost import CostModel
 
     block = PolyFit(coeffs=[2e-4, 0.0, 3e-7])
     prof = PROFILE.model_copy(update={"fits": [PROFILE.fits[0].model_copy(update={"attention_block": block})]})

@@ -6,8 +6,9 @@ import networkx as nx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from zeppelin.planner.base import PlanContext
-from zeppelin.planner.routing import build_topology, nic_load_table, plan_routes, route_problems
+
+from zeppelin.planner.core.base import PlanContext
+from zeppelin.planner.zeppelin.routing import build_topology, nic_load_table, plan_routes, route_problems
 from zeppelin.schemas.cluster import cluster_preset
 from zeppelin.schemas.common import InputError
 from zeppelin.schemas.layout import zigzag_ranges

@@ -130,7 +130,7 @@ def hand_step(k: int = 0, model=None) -> StepPlan:
 
 
 def planner_step(name: str, header: PlanHeader, lens: list[int], k: int = 0, **options) -> StepPlan:
-    from zeppelin.planner.base import PlanContext, get_planner
+    from zeppelin.planner.core.base import PlanContext, get_planner
 
     ctx = PlanContext(cluster=header.cluster, model=header.model, profile=header.profile, seed=header.seed)
     seqs = [Sequence(sample_id=1000 + i, length=L) for i, L in enumerate(lens)]

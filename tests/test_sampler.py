@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from zeppelin.planner.sampler import StepSampler, sample_steps
+from zeppelin.planner.core.sampler import StepSampler, sample_steps
 from zeppelin.schemas.common import InputError
 from zeppelin.schemas.datasets import Dataset, default_manifest_path, load_manifest
 from zeppelin.schemas.plan import SamplerConfig

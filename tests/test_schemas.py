@@ -194,7 +194,7 @@ def test_presets_dump_edit_and_reload(zeppelin_bin, tmp_path):
     d = json.loads(out.read_text())
     d["nics"][0]["bandwidth_GBps"] = 12.5
     out.write_text(json.dumps(d))
-    from zeppelin.planner.inputs import resolve_cluster
+    from zeppelin.planner.core.inputs import resolve_cluster
 
     c = resolve_cluster(str(out))
     assert c.world_size == 32 and c.nics[0].bandwidth_GBps == 12.5

@@ -64,7 +64,7 @@ def tight_cluster(memory_gb: float = 0.504):
 
 
 def planned_step(name: str, header: PlanHeader, lens: list[int], k: int = 0, **options) -> StepPlan:
-    from zeppelin.planner.base import PlanContext, get_planner
+    from zeppelin.planner.core.base import PlanContext, get_planner
 
     ctx = PlanContext(cluster=header.cluster, model=header.model, profile=header.profile, tp=header.tp,
                       tp_overlap=header.tp_overlap, seed=header.seed)
@@ -234,7 +234,7 @@ def test_hydraulis_hand_plan_idle_tp_replica_and_ring(pool, mode):
 def test_hydraulis_planner_cp_replica_over_tp2_replicas(pool):
     """A sequence longer than a TP-2 replica holds: the planner's CP replica rings it (zigzag) over
     both TP-2 replicas - ring attention between units whose K/V are TP shards."""
-    from zeppelin.planner.cost import CostModel
+    from zeppelin.planner.costmodel.cost import CostModel
 
     header = seed_header(tight_cluster(), model_preset("tiny"), 1, "hydraulis")
     cap2 = CostModel(header.cluster, header.model, header.profile, tp=2).token_capacity

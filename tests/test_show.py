@@ -7,8 +7,8 @@ import subprocess
 import pytest
 from test_simulate import KV_BYTES_PER_TOKEN, _header, cluster, ctx_for, ring_step
 
-from zeppelin.planner.predict import predict_step
-from zeppelin.planner.show import group_rows, load_rows
+from zeppelin.planner.costmodel.predict import predict_step
+from zeppelin.planner.tools.show import group_rows, load_rows
 from zeppelin.schemas.plan import Route, RoutePath, write_plan
 
 B = 3 * 2048 * KV_BYTES_PER_TOKEN  # bytes of one ring round of a 4096-token zigzag sequence over 2 ranks

@@ -15,9 +15,10 @@ import json
 import subprocess
 
 import pytest
-from zeppelin.planner.base import PlanContext
-from zeppelin.planner.predict import predict_step
-from zeppelin.planner.simulate import Engine, Simulator
+
+from zeppelin.planner.core.base import PlanContext
+from zeppelin.planner.costmodel.predict import predict_step
+from zeppelin.planner.sim.simulate import Engine, Simulator
 from zeppelin.schemas.cluster import ClusterSpec, GPUSpec, LinkSpec, NICSpec
 from zeppelin.schemas.common import content_hash
 from zeppelin.schemas.layout import zigzag_ranges
@@ -379,7 +380,7 @@ def test_cli_simulate_json_matches_library(plan_file, zeppelin_bin, tmp_path):
     out = subprocess.run([zeppelin_bin, "simulate", str(plan_file), "--json"], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
-    from zeppelin.planner.simulate import simulate_plan
+    from zeppelin.planner.sim.simulate import simulate_plan
 
     _, res = simulate_plan(plan_file)
     assert [s["step_time_s"] for s in doc["steps"]] == pytest.approx([x.step_time_s for x in res])
@@ -416,7 +417,7 @@ def test_vectorised_max_min_rates_match_the_loop(monkeypatch):
     """Large contended flow sets take the numpy path; it must give the loop's max-min rates."""
     import random
 
-    import zeppelin.planner.simulate as S
+    import zeppelin.planner.sim.simulate as S
 
     rng = random.Random(3)
     cap = {f"r{i}": rng.choice([1e9, 2e9, 5e9, 2.5e10]) for i in range(12)}

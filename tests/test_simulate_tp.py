@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from zeppelin.planner.base import PlanContext
-from zeppelin.planner.simulate import Simulator
+from zeppelin.planner.core.base import PlanContext
+from zeppelin.planner.sim.simulate import Simulator
 from zeppelin.schemas.cluster import ClusterSpec, GPUSpec, LinkSpec, NICSpec
 from zeppelin.schemas.model import model_preset
 from zeppelin.schemas.plan import Group, MicroBatch, Placement, Sequence, StepPlan

@@ -8,10 +8,10 @@ import subprocess
 import numpy as np
 import pytest
 
-from zeppelin.planner.base import PlanContext
-from zeppelin.planner.driver import make_header, plan_steps
-from zeppelin.planner.validate import validate_plan
-from zeppelin.planner.zeppelin_planner import ZeppelinPlanner
+from zeppelin.planner.core.base import PlanContext
+from zeppelin.planner.core.driver import make_header, plan_steps
+from zeppelin.planner.tools.validate import validate_plan
+from zeppelin.planner.zeppelin.planner import ZeppelinPlanner
 from zeppelin.schemas.cluster import cluster_preset
 from zeppelin.schemas.model import model_preset
 from zeppelin.schemas.plan import SamplerConfig, Sequence, write_plan

@@ -9,16 +9,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from zeppelin.planner.assign import greedy_pack, lower_bound, pack
-from zeppelin.planner.base import PlanContext, PlanningError
-from zeppelin.planner.predict import predict_step
-from zeppelin.planner.tiering import Tiering, zigzag_max_tokens
-from zeppelin.planner.zeppelin_planner import (
+from zeppelin.planner.core.base import PlanContext, PlanningError
+from zeppelin.planner.costmodel.predict import predict_step
+from zeppelin.planner.zeppelin.assign import greedy_pack, lower_bound, pack
+from zeppelin.planner.zeppelin.planner import (
     ZeppelinNoRemap,
     ZeppelinNoRouting,
     ZeppelinPlanner,
     ZeppelinTiersOnly,
 )
+from zeppelin.planner.zeppelin.tiering import Tiering, zigzag_max_tokens
 from zeppelin.schemas.cluster import cluster_preset
 from zeppelin.schemas.layout import contiguous_ranges, zigzag_ranges
 from zeppelin.schemas.model import model_preset
@@ -36,7 +36,7 @@ def seqs_of(lengths) -> list[Sequence]:
 
 
 def header_for(ctx: PlanContext, steps=1) -> PlanHeader:
-    from zeppelin.planner.driver import make_header
+    from zeppelin.planner.core.driver import make_header
     from zeppelin.schemas.plan import SamplerConfig
 
     return make_header(ctx, ZeppelinPlanner(), None, SamplerConfig(tokens_per_step=1), steps)
@@ -165,7 +165,7 @@ def test_ilp_finds_optimum_greedy_misses():
 
 
 def test_pack_memory_infeasible_raises():
-    from zeppelin.planner.assign import PackInfeasible
+    from zeppelin.planner.zeppelin.assign import PackInfeasible
 
     with pytest.raises(PackInfeasible, match="item 0"):
         greedy_pack(np.zeros(2), np.zeros(2), np.array([1.0]), np.array([20.0]), np.array([1]), cap=10)
@@ -250,7 +250,7 @@ def test_intra_node_ulysses_option():
     """intra=auto may run a sequence split inside a node as Ulysses (all-to-all to head shards) where
     the cost model prices it below the ring: never slower than rings only, by the prediction, and
     the Ulysses groups stay inside a node with head counts they divide."""
-    from zeppelin.planner.simulate import Simulator
+    from zeppelin.planner.sim.simulate import Simulator
 
     for cluster, mix_seed in (("zeppelin-a", 3), ("zeppelin-c", 5)):
         ctx = make_ctx(cluster)
@@ -275,7 +275,7 @@ def test_intra_node_ulysses_option():
                     assert p.scheme == "contiguous"
                     assert p.ranges == contiguous_ranges(lengths[p.seq], len(mb.groups[p.group].units))
         # one kind family per unit and micro-batch (what the runtime runs)
-        from zeppelin.planner.validate import kind_family_problems
+        from zeppelin.planner.tools.validate import kind_family_problems
 
         assert not [q for k, mb in enumerate(auto.microbatches) for q in kind_family_problems(auto, k, mb)]
         # the prediction is the simulator's verdict, within a few percent
@@ -339,7 +339,7 @@ def test_model_that_does_not_fit_is_rejected():
 
 
 def test_ilp_never_worse_than_greedy_inside_planner(monkeypatch):
-    import zeppelin.planner.zeppelin_planner as zp
+    import zeppelin.planner.zeppelin.planner as zp
 
     seen = []
     real = zp.pack
@@ -376,7 +376,7 @@ def test_property_plans_valid(cluster, raw, kind):
         lengths = [max(1, x // 50) for x in lengths]  # short-heavy
     plan = ZeppelinPlanner().plan_step(ctx, 0, seqs_of(lengths))
     _check_plan(ctx, plan, lengths)
-    from zeppelin.planner.validate import step_problems
+    from zeppelin.planner.tools.validate import step_problems
 
     assert step_problems(ctx, header_for(ctx), plan) == []
     pr = predict_step(ctx, plan)
@@ -439,7 +439,7 @@ def test_planner_instance_reused_across_steps_of_same_shape():
 
 
 def test_zigzag_max_tokens_array_matches_scalar():
-    from zeppelin.planner.tiering import zigzag_max_tokens_array
+    from zeppelin.planner.zeppelin.tiering import zigzag_max_tokens_array
 
     L = np.arange(0, 1200)
     for G in (1, 2, 3, 8, 16, 64):
@@ -466,7 +466,7 @@ def test_planner_prediction_equals_predict_step_from_scratch():
 
 def test_microbatch_terms_hand_computed():
     """One local group of two sequences and one intra-node ring of one sequence, no remap."""
-    from zeppelin.planner.predict import microbatch_terms
+    from zeppelin.planner.costmodel.predict import microbatch_terms
     from zeppelin.schemas.plan import Group, MicroBatch, Placement
 
     ctx = make_ctx("zeppelin-a", "llama-7b")
@@ -501,7 +501,7 @@ def test_prediction_charges_waits_for_coupled_partners():
     """Units that share a ring wait for each other every layer: a micro-batch's period on a unit is
     the slowest busy time of its coupled set (chained through shared rings) plus its own LM head;
     an uncoupled unit keeps its own busy time, and the step is the largest summed period."""
-    from zeppelin.planner.predict import microbatch_terms, predict_from_terms
+    from zeppelin.planner.costmodel.predict import microbatch_terms, predict_from_terms
     from zeppelin.schemas.plan import Group, MicroBatch, Placement
 
     ctx = make_ctx("zeppelin-a", "llama-7b")
@@ -533,10 +533,10 @@ def test_long_heavy_step_beats_te_cp_by_the_simulator():
     plan at least as fast as static CP (te-cp) in the event-driven simulator (it lost by 1.5x when
     it balanced micro-batches as if partners never waited and let assorted ring widths force
     4 micro-batches)."""
-    from zeppelin.planner.base import get_planner
-    from zeppelin.planner.compare import mix_dataset
-    from zeppelin.planner.sampler import sample_steps
-    from zeppelin.planner.simulate import Simulator
+    from zeppelin.planner.core.base import get_planner
+    from zeppelin.planner.core.sampler import sample_steps
+    from zeppelin.planner.sim.simulate import Simulator
+    from zeppelin.planner.tools.compare import mix_dataset
     from zeppelin.schemas.plan import SamplerConfig
 
     ctx = make_ctx("zeppelin-a:8", "llama-7b")
@@ -555,7 +555,7 @@ def test_long_heavy_step_beats_te_cp_by_the_simulator():
 
 
 def test_pack_places_by_token_room_when_lpt_leaves_no_room():
-    from zeppelin.planner.assign import PackInfeasible
+    from zeppelin.planner.zeppelin.assign import PackInfeasible
 
     # LPT by cost puts A on bin 0, B and C on bin 1; D (7 tokens) then fits neither bin although
     # the 19 tokens fit the 2 x 10: placing by token room gives {D, B | A, C} or {D, C | A, B}
@@ -578,8 +578,8 @@ def test_pack_places_by_token_room_when_lpt_leaves_no_room():
 def test_fewest_microbatches_memory_allows_on_short_mix():
     """A:8, short-heavy mix, 16K tokens per GPU: two micro-batches hold the step (the packer used
     to fail on token room with assorted ring widths and fall back to 3-4, 25% slower)."""
-    from zeppelin.planner.compare import resolve_dataset
-    from zeppelin.planner.sampler import sample_steps
+    from zeppelin.planner.core.sampler import sample_steps
+    from zeppelin.planner.tools.compare import resolve_dataset
     from zeppelin.schemas.plan import SamplerConfig
 
     ctx = make_ctx("zeppelin-a:8")
@@ -600,7 +600,7 @@ def test_select_option_validated():
 
 
 def test_select_simulate_never_slower_than_prediction_choice():
-    from zeppelin.planner.simulate import Simulator
+    from zeppelin.planner.sim.simulate import Simulator
 
     ctx = make_ctx("zeppelin-a:2")
     rng = np.random.default_rng(3)

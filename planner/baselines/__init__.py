@@ -1,0 +1,27 @@
+"""The systems zeppelin is compared with, as planners writing the standard plan format.
+
+Every planner here subclasses :class:`zeppelin.planner.core.base.Planner`, registers itself with
+:func:`~zeppelin.planner.core.base.register`, and follows its published description (DESIGN.md
+section 5) with its best-known setting:
+
+``packed-dp``     :mod:`.packed`        token-balanced packing per unit, every sequence local.
+``te-cp``         :mod:`.static_sp`     TransformerEngine / Megatron static ring context parallelism.
+``llama3-cp``     :mod:`.static_sp`     the same layout with LLaMA-3 all-gather K/V attention.
+``ulysses``       :mod:`.static_sp`     DeepSpeed-Ulysses static all-to-all sequence parallelism.
+``hybrid-dp``     :mod:`.hybrid_dp`     FLOP-based Hybrid DP (local short sequences, ring CP for the rest).
+``megatron-dcp``  :mod:`.megatron_dcp`  Megatron-Core dynamic CP (``BalancedCPScheduler``).
+``flexsp``        :mod:`.flexsp`        FlexSP's MILP over heterogeneous Ulysses groups.
+``hydraulis``     :mod:`.hydraulis`     Hydraulis' heterogeneous replicas + two-stage assignment.
+
+:mod:`.common` holds the step builder and packing helpers they share, :mod:`.milp` the sparse MILP
+model FlexSP and Hydraulis solve. Baselines never import the Zeppelin planner.
+"""
+
+from zeppelin.planner.baselines import (  # noqa: F401  (importing a module registers its planners)
+    flexsp,
+    hybrid_dp,
+    hydraulis,
+    megatron_dcp,
+    packed,
+    static_sp,
+)

@@ -1,0 +1,344 @@
+"""Hydraulis (Li, Fu et al., SIGMOD 2026) as a planner: heterogeneous replicas, two-stage assignment.
+
+Per step:
+
+1. *parallel strategy*: candidate replica configurations mix model replicas of different tensor-
+   parallel degrees (``tp_degrees``, default 1, 2, 4, 8 where they divide a node and the heads): the
+   largest degree is one whose memory holds the step's longest sequence, ``k`` replicas of it
+   (k = 1, 2, 4, ...) and the remaining GPUs as replicas of a smaller degree. Each candidate is
+   scored by its stage-1 dispatch; the best one is used. Replicas are aligned blocks of GPU ranks,
+   largest degree first; the plan's units are these replicas (``StepPlan.replicas``).
+   *Context parallelism*: when the step's longest sequence fits no single replica (not even one of
+   the largest degree ``D``, e.g. tp=8 = one node), the candidates hold ``k`` CP replicas instead:
+   a CP replica is ``cp`` replicas of degree ``D`` (aligned, consecutive) that run their sequences
+   as zigzag rings over those ``cp`` units (group ``ring``, tier ``inter`` when it spans nodes),
+   with the smallest power-of-two ``cp`` whose per-unit zigzag share of the longest sequence fits;
+   the remaining GPUs are replicas of one degree as above. Option ``cp=false`` turns this off.
+2. *stage 1, dispatch*: a CP replica counts as one replica whose cost for a sequence is the time of
+   one of its units: ring attention with its exposed communication
+   (:meth:`CostModel.ring_attention_time`, rounds priced by their block sizes) plus the linear
+   modules and TP communication on the unit's ``L / cp`` tokens, and whose memory is per unit (the
+   sequence's zigzag share). Sequences that fit only the largest replicas go first, among those; then
+   every sequence (most expensive first) goes to the replica where it finishes earliest, i.e. that
+   minimises the resulting maximum cost. Randomised greedy with restarts (perturbed order, random
+   choice among near-best replicas); the best makespan wins.
+3. *stage 2, packing*: per replica, sequences are packed into micro-batches by an ILP minimising the
+   largest micro-batch time under the token capacity, for several micro-batch counts ``v``; the
+   count minimising the pipeline time ``(max + c) * (pp - 1 + v)`` (pp = 1 here, ``c`` the fixed
+   cost of a micro-batch) is kept. Greedy LPT packing is the warm start and the fallback. A CP
+   replica packs like any replica, under the capacity of one unit.
+
+The prediction uses one cost model per TP degree (:func:`predict_replicas`), since units differ.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from zeppelin.planner.baselines import milp as bl_milp
+from zeppelin.planner.baselines.common import (
+    StepBuilder,
+    Timer,
+    ceil_div,
+    check_capacity,
+    opt,
+    pow2_sizes,
+    seq_label,
+)
+from zeppelin.planner.core.base import PlanContext, Planner, PlanningError, register
+from zeppelin.planner.costmodel.cost import CostModel
+from zeppelin.planner.costmodel.predict import predict_replicas
+from zeppelin.schemas.plan import Replica, Sequence, SolverInfo, StepPlan
+
+
+def _cost_models(ctx: PlanContext, degrees: list[int]) -> dict[int, CostModel]:
+    return {t: ctx.cost_for(t) for t in degrees}
+
+
+def tp_comm_time(cm: CostModel, tokens) -> np.ndarray:
+    """Whole-model exposed TP-SP communication of a replica holding ``tokens`` tokens (the shared
+    cost model's collective sites, with the context's ``tp_overlap`` mode)."""
+    T = np.asarray(tokens, dtype=np.float64)
+    if cm.tp <= 1:
+        return np.zeros_like(T)
+    return cm.model.num_layers * cm.tp_exposed_comm(T)
+
+
+def zigzag_share(L, G: int) -> np.ndarray:
+    """Tokens the fullest position of a zigzag ring of ``G`` holds of sequences ``L`` (as cut by
+    :func:`zeppelin.schemas.layout.zigzag_ranges`: 2G near-equal chunks, position i holds chunks i
+    and 2G-1-i, the first ``L mod 2G`` chunks one token longer)."""
+    L = np.asarray(L, dtype=np.int64)
+    if G <= 1:
+        return L
+    q, r = np.divmod(L, 2 * G)
+    return 2 * q + (r > 0) + (r > G)
+
+
+def replica_nic_sharers(ctx: PlanContext, ranks: list[int]) -> int:
+    """GPUs of one replica that share a NIC (each TP rank sends its K/V shard over its own NIC)."""
+    count: dict[str, int] = {}
+    for g in ranks:
+        nic = ctx.cluster.nic_of(g)
+        count[nic] = count.get(nic, 0) + 1
+    return max(count.values())
+
+
+def cp_seq_cost(ctx: PlanContext, cm: CostModel, L, cp: int, tier: str, nic_sharers: float = 1.0) -> np.ndarray:
+    """Stage-1 cost of sequences ``L`` on a CP replica of ``cp`` units (each a replica of ``cm.tp``
+    GPUs): the time of one unit - zigzag ring attention incl. its exposed communication, linear
+    modules and TP communication on ``L / cp`` tokens, over every layer, plus the LM head."""
+    L = np.asarray(L, dtype=np.float64)
+    share = L / cp
+    per_layer = cm.ring_attention_time(L, cp, tier, nic_sharers) + cm.linear_time(share)
+    return ctx.model.num_layers * per_layer + cm.head_time(share) + tp_comm_time(cm, share)
+
+
+def _dispatch(cost: np.ndarray, fits: np.ndarray, big: np.ndarray, rng, restarts: int) -> tuple[float, list[int]]:
+    """Stage 1. cost[i, r]: time of sequence i on replica r; fits[i, r]: memory allows it;
+    big[r]: replica r is of the largest degree. Returns (makespan, replica per sequence)."""
+    n_seq, n_rep = cost.shape
+    only_big = ~(fits & ~big[None, :]).any(axis=1)
+    base = cost.min(axis=1)
+    best = None
+    for attempt in range(restarts):
+        noise = rng.uniform(0.9, 1.1, n_seq) if attempt else np.ones(n_seq)
+        order = sorted(range(n_seq), key=lambda i: (not only_big[i], -base[i] * noise[i], i))
+        load = np.zeros(n_rep)
+        out = [0] * n_seq
+        for i in order:
+            finish = np.where(fits[i], load + cost[i], np.inf)
+            if attempt:
+                near = np.flatnonzero(finish <= finish.min() * 1.02)
+                r = int(rng.choice(near))
+            else:
+                r = int(np.argmin(finish))
+            out[i] = r
+            load[r] += cost[i, r]
+        span = float(load.max())
+        if best is None or span < best[0]:
+            best = (span, out)
+    return best
+
+
+def _lpt_pack(items: list[int], c: dict[int, float], L: dict[int, int], cap: int, v: int) -> list[list[int]] | None:
+    """Greedy packing into v micro-batches: most expensive first to the cheapest bin with room."""
+    bins: list[list[int]] = [[] for _ in range(v)]
+    load, held = [0.0] * v, [0] * v
+    for i in sorted(items, key=lambda k: (-c[k], k)):
+        room = [m for m in range(v) if held[m] + L[i] <= cap]
+        if not room:
+            return None
+        m = min(room, key=lambda m: (load[m], m))
+        bins[m].append(i)
+        load[m] += c[i]
+        held[m] += L[i]
+    return bins
+
+
+def _pack_ilp(items, c, L, cap, v, start, time_limit):
+    import pulp
+
+    order = sorted(items, key=lambda k: (-c[k], k))
+    prob = pulp.LpProblem("hydraulis_pack", pulp.LpMinimize)
+    z = bl_milp.new_var(prob, "z", lowBound=0)
+    prob += z
+    x = {}
+    for a, i in enumerate(order):
+        for m in range(min(v, a + 1)):  # symmetry breaking: the a-th item uses one of the first a+1 bins
+            x[i, m] = bl_milp.new_var(prob, f"x_{i}_{m}", cat="Binary")
+        prob += pulp.lpSum(x[i, m] for m in range(min(v, a + 1))) == 1
+    for m in range(v):
+        prob += pulp.lpSum(c[i] * x[i, mm] for (i, mm) in x if mm == m) <= z
+        prob += pulp.lpSum(L[i] * x[i, mm] for (i, mm) in x if mm == m) <= cap
+    warm = None
+    if start is not None:
+        # relabel the greedy bins so that they respect the symmetry-breaking order
+        pos = {i: a for a, i in enumerate(order)}
+        bins = sorted((b for b in start if b), key=lambda b: min(pos[i] for i in b))
+        warm = {var: 0.0 for var in x.values()}
+        ok = True
+        for m, b in enumerate(bins):
+            for i in b:
+                if (i, m) not in x:
+                    ok = False
+                else:
+                    warm[x[i, m]] = 1.0
+        warm[z] = max(sum(c[i] for i in b) for b in bins)
+        warm = warm if ok else None
+    res = bl_milp.solve(prob, time_limit, warm)
+    if not res.has_solution:
+        return None, res
+    bins = [[] for _ in range(v)]
+    for (i, m), var in x.items():
+        if bl_milp.value(var) > 0.5:
+            bins[m].append(i)
+    if sorted(j for b in bins for j in b) != sorted(items) or any(sum(L[i] for i in b) > cap for b in bins):
+        return None, res
+    return bins, res
+
+
+@register
+class Hydraulis(Planner):
+    name = "hydraulis"
+    description = ("Hydraulis: heterogeneous model replicas (mixed TP degrees) with two-stage assignment: "
+                   "randomised greedy dispatch to replicas, then ILP packing into micro-batches")
+
+    def _degrees(self, ctx: PlanContext) -> list[int]:
+        raw = self.options.get("tp_degrees", "1,2,4,8")
+        try:
+            want = sorted({int(x) for x in (raw.split(",") if isinstance(raw, str) else raw)})
+        except (TypeError, ValueError):
+            raise PlanningError(f"hydraulis: option tp_degrees={raw!r} is not a list of integers") from None
+        heads = ctx.model.num_heads
+        out = [t for t in want if t >= 1 and ctx.cluster.gpus_per_node % t == 0 and heads % t == 0]
+        if not out:
+            raise PlanningError(f"hydraulis: none of tp_degrees={raw!r} divides both the {ctx.cluster.gpus_per_node} "
+                                f"GPUs per node and the {heads} heads")
+        return out
+
+    def plan_step(self, ctx: PlanContext, step: int, sequences: list[Sequence]) -> StepPlan:
+        t = Timer()
+        check_capacity(ctx, self.name)
+        time_limit = opt(self.options, "time_limit", float, 5.0, self.name, minimum=0.0)
+        restarts = opt(self.options, "restarts", int, 8, self.name, minimum=1)
+        v_span = opt(self.options, "mb_search", int, 3, self.name, minimum=1)
+        use_cp = opt(self.options, "cp", bool, True, self.name)
+        degrees = self._degrees(ctx)
+        cms = _cost_models(ctx, degrees)
+        cap = {d: cms[d].token_capacity for d in degrees}
+        world = ctx.cluster.world_size
+        L = np.array([s.length for s in sequences], dtype=np.int64)
+        Lmax_i = int(np.argmax(L))
+        big_degrees = [d for d in degrees if cap[d] >= L[Lmax_i]]
+        D = degrees[-1]
+        cp = 1  # units per CP replica (1: no CP replica in this step)
+        if not big_degrees:
+            sizes = [g for g in pow2_sizes(world // D) if g > 1] if use_cp else []
+            fit = [g for g in sizes if zigzag_share(L[Lmax_i], g) <= cap[D]]
+            if not fit:
+                where = (f"the largest replica (tp={D}, context-parallel over {sizes[-1]} of them) holds "
+                         f"{sizes[-1] * cap[D]}" if sizes else f"the largest replica (tp={D}) holds {cap[D]}")
+                raise PlanningError(f"{seq_label(Lmax_i, sequences[Lmax_i])} does not fit hydraulis: {where} tokens")
+            cp = fit[0]
+        # a dispatch replica is (degree, cp): cp units of that degree ringing their sequences
+        seq_cost = {(d, 1): cms[d].seq_compute_time(L.astype(np.float64)) + tp_comm_time(cms[d], L) for d in degrees}
+        size = {(d, 1): L for d in degrees}
+        cap_of = {(d, 1): cap[d] for d in degrees}
+        if cp > 1:
+            ranks = list(range(cp * D))
+            tier = "inter" if ctx.cluster.node_of(ranks[0]) != ctx.cluster.node_of(ranks[-1]) else "intra"
+            sharers = replica_nic_sharers(ctx, list(range(D))) if tier == "inter" else 1
+            seq_cost[(D, cp)] = cp_seq_cost(ctx, cms[D], L, cp, tier, sharers)
+            size[(D, cp)] = zigzag_share(L, cp)
+            cap_of[(D, cp)] = cap[D]
+        rng = np.random.default_rng([ctx.seed, step])
+
+        # candidate configurations: k replicas of degree `hi` (fits the longest; or k CP replicas of
+        # degree D), the rest of degree `lo`
+        configs = []
+        for hi, c in ([(D, cp)] if cp > 1 else [(d, 1) for d in big_degrees]):
+            for lo in (d for d in degrees if d <= hi):
+                for k in pow2_sizes(world // (hi * c)):
+                    rest = world - k * hi * c
+                    if rest % lo:
+                        continue
+                    cfg = tuple([(hi, c)] * k + [(lo, 1)] * (rest // lo))
+                    if cfg not in configs:
+                        configs.append(cfg)
+
+        def evaluate(cfg, n_restarts):
+            cost = np.stack([seq_cost[r] for r in cfg], axis=1)
+            fits = np.stack([size[r] <= cap_of[r] for r in cfg], axis=1)
+            if cp > 1:
+                big = np.array([c > 1 for _, c in cfg])
+            else:
+                tps = np.array([d for d, _ in cfg])
+                big = tps == tps.max()
+            return _dispatch(cost, fits, big, rng, n_restarts)
+
+        scored = sorted(((evaluate(cfg, 1)[0], a, cfg) for a, cfg in enumerate(configs)))
+        _, _, cfg = scored[0]
+        span, owner = evaluate(cfg, restarts)
+
+        # replicas: aligned blocks of ranks, largest degree first (a CP replica: cp consecutive ones)
+        replicas, units_of, r0 = [], [], 0
+        for d, c in cfg:
+            units_of.append(list(range(len(replicas), len(replicas) + c)))
+            for _ in range(c):
+                replicas.append(Replica(ranks=list(range(r0, r0 + d)), tp=d))
+                r0 += d
+        n = len(cfg)
+
+        # stage 2: per replica, pack into micro-batches
+        per_rep = [[i for i in range(len(sequences)) if owner[i] == r] for r in range(n)]
+        plans: list[list[list[int]]] = []
+        results, tasks = [], []
+        for r, items in enumerate(per_rep):
+            c = {i: float(seq_cost[cfg[r]][i]) for i in items}
+            Ld = {i: int(size[cfg[r]][i]) for i in items}  # tokens per unit (a CP replica: zigzag share)
+            v_min = max(1, ceil_div(sum(Ld.values()), cap_of[cfg[r]]))
+            tasks.append((r, items, c, Ld, v_min))
+        n_ilp = sum(v_span for (_, items, _, Ld, v_min) in tasks if len(items) > 1 and v_min > 1) or 1
+        deadline = t.t0 + time_limit
+        fallback = None
+        for r, items, c, Ld, v_min in tasks:
+            d, cpr = cfg[r]
+            cm = cms[d]
+            cap_r = cap_of[cfg[r]]
+            const = float(ctx.model.num_layers * cm.linear_time(1e-9) + cm.head_time(1e-9))  # fixed cost c
+            if not items:
+                plans.append([])
+                continue
+            if v_min == 1 or len(items) == 1:
+                plans.append([list(items)])
+                continue
+            best = None
+            for v in range(v_min, v_min + v_span):
+                if best is not None and (sum(c.values()) / v + const) * v >= best[0]:
+                    break  # (max + c) * v >= (mean + c) * v can no longer win
+                greedy = _lpt_pack(items, c, Ld, cap_r, v)
+                per_solve = max(0.05, (deadline - time.perf_counter()) / max(n_ilp, 1))
+                n_ilp -= 1
+                bins, res = _pack_ilp(items, c, Ld, cap_r, v, greedy, per_solve)
+                results.append(res)
+                if bins is None:
+                    bins = greedy
+                    if res.has_solution is False and greedy is not None:
+                        fallback = "ILP found no packing within the time limit for some replicas: greedy kept"
+                if bins is None:
+                    continue
+                zmax = max(sum(c[i] for i in b) for b in bins)
+                score = (zmax + const) * v
+                if best is None or score < best[0]:
+                    best = (score, [b for b in bins if b])
+            if best is None:
+                d_items = sum(Ld.values())
+                what = f"tp={d}" if cpr == 1 else f"tp={d}, cp={cpr}; tokens per unit"
+                raise PlanningError(f"hydraulis: replica {r} ({what}) cannot pack its {d_items} tokens into "
+                                    f"{v_min}..{v_min + v_span - 1} micro-batches of {cap_r} tokens")
+            plans.append(best[1])
+
+        b = StepBuilder(ctx, sequences, self.name, n_units=len(replicas), capacity=[cap[r.tp] for r in replicas],
+                        replicas=replicas)
+        for r, bins in enumerate(plans):
+            for k, bin_ in enumerate(bins):
+                for i in sorted(bin_, key=lambda i: -L[i]):
+                    b.place(k, "ring" if len(units_of[r]) > 1 else "local", units_of[r], i)
+        if results:
+            status = "optimal" if all(x.status == "optimal" for x in results) else "time_limit"
+            gaps = [x.gap for x in results]
+            solver = SolverInfo(name=results[0].solver, status=status,
+                                gap=None if any(g is None for g in gaps) else max(gaps), time_s=t.elapsed,
+                                fallback_reason=fallback)
+        else:
+            solver = SolverInfo(name="greedy", status="ok", time_s=t.elapsed)
+        notes = {"replica_tp": [r.tp for r in replicas], "dispatch_makespan_s": span,
+                 "configs_scored": len(configs), "microbatches": b.num_microbatches}
+        if cp > 1:
+            notes["cp_replicas"] = [units_of[r] for r in range(n) if len(units_of[r]) > 1]
+        plan = b.finish(step, solver, predict=predict_replicas, replicas=replicas, notes=notes)
+        plan.solver.time_s = t.elapsed
+        return plan

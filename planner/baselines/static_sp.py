@@ -1,0 +1,121 @@
+"""Static sequence / context parallelism with one group size for the whole step.
+
+``te-cp``      TransformerEngine / Megatron ring CP: every sequence padded to a multiple of 2*CP and cut
+               into 2*CP zigzag chunks over CP consecutive units; DP = units / CP replicas.
+``llama3-cp``  the same layout with LLaMA-3 all-gather K/V attention.
+``ulysses``    DeepSpeed-Ulysses all-to-all SP (the SP degree divides the heads per unit).
+
+The size is the best predicted one among those that fit the longest sequence (or the ``cp``/``sp``
+option)."""
+
+from __future__ import annotations
+
+from zeppelin.planner.baselines.common import (
+    StepBuilder,
+    Timer,
+    ceil_div,
+    check_capacity,
+    cp_padded,
+    ffd,
+    lpt,
+    opt,
+    pow2_sizes,
+    seq_label,
+)
+from zeppelin.planner.core.base import PlanContext, Planner, PlanningError, register
+from zeppelin.schemas.plan import Sequence, SolverInfo, StepPlan
+
+
+class _StaticSP(Planner):
+    """One SP/CP size G for the whole step: DP = units / G replicas of G consecutive units."""
+
+    kind = "ring"
+    pad = True  # TE THD layout: pad every sequence to a multiple of 2*G
+    option = "cp"
+
+    def sizes(self, ctx: PlanContext) -> list[int]:
+        n = ctx.num_units
+        return [g for g in pow2_sizes(n) if n % g == 0]
+
+    def _limit_note(self, ctx: PlanContext) -> str:
+        return ""
+
+    def build(self, ctx: PlanContext, sequences: list[Sequence], G: int, cap: int) -> StepBuilder | None:
+        n = ctx.num_units
+        D = n // G
+        padded = [cp_padded(s.length, G) if self.pad else s.length for s in sequences]
+        per_rank = [ceil_div(p, G) for p in padded]  # tokens the fullest ring position holds
+        if max(per_rank) > cap:
+            return None
+        owner = lpt(padded, D)  # token-balanced share of the step per DP replica
+        b = StepBuilder(ctx, sequences, self.name)
+        for d in range(D):
+            units = list(range(d * G, (d + 1) * G))
+            mine = [i for i in range(len(sequences)) if owner[i] == d]
+            for k, bin_ in enumerate(ffd(mine, per_rank, cap)):
+                for i in bin_:
+                    b.place(k, self.kind, units, i,
+                            padded_length=padded[i] if padded[i] != sequences[i].length else None)
+        return b
+
+    def plan_step(self, ctx: PlanContext, step: int, sequences: list[Sequence]) -> StepPlan:
+        t = Timer()
+        cap = check_capacity(ctx, self.name)
+        sizes = self.sizes(ctx)
+        forced = opt(self.options, self.option, int, None, self.name, minimum=1)
+        if forced is not None:
+            if forced not in sizes:
+                raise PlanningError(f"{self.name}: {self.option}={forced} is not usable here (choose one of "
+                                    f"{', '.join(map(str, sizes))}){self._limit_note(ctx)}")
+            sizes = [forced]
+        best: StepPlan | None = None
+        tried: dict[str, float] = {}
+        for G in sizes:
+            b = self.build(ctx, sequences, G, cap)
+            if b is None:
+                continue
+            plan = b.finish(step, SolverInfo(name="greedy"),
+                            notes={self.option: G, "dp": ctx.num_units // G, "microbatches": b.num_microbatches})
+            tried[str(G)] = plan.prediction.step_time_s
+            if best is None or plan.prediction.step_time_s < best.prediction.step_time_s:
+                best = plan
+        if best is None:
+            G = sizes[-1]
+            i = max(range(len(sequences)), key=lambda k: (sequences[k].length, -k))
+            s = sequences[i]
+            need = ceil_div(cp_padded(s.length, G) if self.pad else s.length, G)
+            raise PlanningError(f"{seq_label(i, s)} does not fit {self.name} even with {self.option}={G} "
+                                f"({need} tokens per GPU, capacity {cap}){self._limit_note(ctx)}")
+        best.notes["candidates_step_time_s"] = tried
+        best.solver = SolverInfo(name="greedy", time_s=t.elapsed)
+        return best
+
+
+@register
+class TECP(_StaticSP):
+    name = "te-cp"
+    description = ("TransformerEngine/Megatron static ring context parallelism: one CP size, every sequence "
+                   "padded to a multiple of 2*CP and split into 2*CP zigzag chunks")
+
+
+@register
+class Llama3CP(_StaticSP):
+    name = "llama3-cp"
+    kind = "allgather"
+    description = "LLaMA-3 context parallelism: all-gather of K/V over one static CP group size, zigzag chunks"
+
+
+@register
+class Ulysses(_StaticSP):
+    name = "ulysses"
+    kind = "ulysses"
+    pad = False
+    option = "sp"
+    description = "DeepSpeed-Ulysses static all-to-all sequence parallelism (SP degree divides the head count)"
+
+    def sizes(self, ctx: PlanContext) -> list[int]:
+        heads = ctx.model.num_heads // ctx.tp
+        return [g for g in super().sizes(ctx) if heads % g == 0]
+
+    def _limit_note(self, ctx: PlanContext) -> str:
+        return f"; the SP degree must divide the {ctx.model.num_heads // ctx.tp} attention heads per unit"

@@ -1,0 +1,72 @@
+"""The ``zeppelin`` command line.
+
+Each command family lives in its own module of this package (``basic``, ``data``, ``plan``, ``sim``,
+``run``, ``profile``); heavy dependencies (pulp, networkx, matplotlib,
+torch) are imported inside the command functions so that ``zeppelin --help`` stays fast and
+planning never imports torch.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from zeppelin.planner.cli import basic as cmd_basic
+from zeppelin.planner.cli import data as cmd_data
+from zeppelin.planner.cli import plan as cmd_plan
+from zeppelin.planner.cli import profile as cmd_profile
+from zeppelin.planner.cli import run as cmd_run
+from zeppelin.planner.cli import sim as cmd_sim
+from zeppelin.schemas.common import InputError
+
+app = typer.Typer(
+    name="zeppelin",
+    help=(
+        "zeppelin: plan and run load-balanced LLM training on variable-length sequences.\n\n"
+        "Typical flow: `zeppelin data stats MANIFEST` -> `zeppelin plan` -> `zeppelin simulate` / "
+        "`zeppelin compare` -> `zeppelin run`. `zeppelin demo` runs the whole thing on built-in defaults."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+
+data_app = typer.Typer(help="Inspect dataset manifests.", no_args_is_help=True)
+app.add_typer(data_app, name="data")
+
+app.command("demo")(cmd_basic.demo)
+app.command("presets")(cmd_basic.presets)
+app.command("schema")(cmd_basic.schema)
+data_app.command("stats")(cmd_data.stats)
+app.command("plan")(cmd_plan.plan)
+app.command("validate")(cmd_plan.validate)
+app.command("simulate")(cmd_sim.simulate)
+app.command("compare")(cmd_sim.compare)
+app.command("check")(cmd_sim.check)
+app.command("show")(cmd_sim.show)
+app.command("run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(cmd_run.run)
+app.command("profile", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(
+    cmd_profile.profile
+)
+
+
+def fail(message: str, code: int = 2) -> None:
+    """Print a one-line error and exit (used for bad input: exit code 2)."""
+    print(f"zeppelin: error: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        app(args=argv, prog_name="zeppelin")
+    except InputError as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        print("zeppelin: interrupted", file=sys.stderr)
+        raise SystemExit(130)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,148 @@
+"""`zeppelin data stats`: length statistics and a length histogram of a dataset manifest."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from zeppelin.schemas.common import InputError
+
+BAR_WIDTH = 14
+
+
+def fmt_tokens(n: float) -> str:
+    """Compact token counts: 512, 4K, 1.5K, 128K, 2M (K = 1024)."""
+    n = float(n)
+    for div, suf in ((1 << 30, "G"), (1 << 20, "M"), (1 << 10, "K")):
+        if n >= div:
+            v = n / div
+            return f"{v:.0f}{suf}" if abs(v - round(v)) < 0.05 or v >= 100 else f"{v:.1f}{suf}"
+    return f"{n:.0f}"
+
+
+def _bar(share: float, top: float) -> str:
+    if top <= 0:
+        return ""
+    cells = share / top * BAR_WIDTH
+    full = int(cells)
+    frac = cells - full
+    partial = " ▏▎▍▌▋▊▉"[int(frac * 8)] if full < BAR_WIDTH else ""
+    return ("█" * full + partial).rstrip()
+
+
+def stats_payload(dataset) -> dict[str, Any]:
+    """Everything `data stats --json` prints: the dataset description plus the histogram."""
+    from zeppelin.schemas.datasets import length_histogram
+
+    d = dataset.describe()
+    d["histogram"] = length_histogram(dataset.lengths)
+    return d
+
+
+def print_stats(dataset, console=None, title: str | None = None) -> None:
+    """Summary table and log2 length histogram with rich (shared with `zeppelin demo`)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    con = console or Console()
+    d = stats_payload(dataset)
+    t = Table(title=title or f"manifest {dataset.source}", show_header=False, title_justify="left")
+    t.add_column("", style="bold")
+    t.add_column("")
+    t.add_row("format", f"{d['format']} ({d['shards']} shard{'s' if d['shards'] != 1 else ''})"
+              + (", token ids" if d["has_tokens"] else ""))
+    t.add_row("samples", f"{d['num_samples']:,}")
+    t.add_row("tokens", f"{d['num_tokens']:,}")
+    t.add_row("mean length", f"{d['mean']:,.1f}")
+    t.add_row("min / max", f"{d['min']:,} / {d['max']:,}")
+    t.add_row("percentiles", "  ".join(f"{k} {v:,.0f}" for k, v in d["percentiles"].items()))
+    t.add_row("content hash", d["content_hash"])
+    con.print(t)
+    hist = d["histogram"]
+    top_s = max(b["sample_share"] for b in hist)
+    top_t = max(b["token_share"] for b in hist)
+    h = Table(title="length histogram (log2 buckets)", title_justify="left")
+    h.add_column("length", justify="right")
+    h.add_column("samples", justify="right")
+    h.add_column("% samples", justify="right")
+    h.add_column("", style="cyan", min_width=BAR_WIDTH)
+    h.add_column("% tokens", justify="right")
+    h.add_column("", style="magenta", min_width=BAR_WIDTH)
+    for b in hist:
+        h.add_row(f"{fmt_tokens(b['lo'])}-{fmt_tokens(b['hi'])}", f"{b['samples']:,}",
+                  f"{100 * b['sample_share']:.2f}", _bar(b["sample_share"], top_s),
+                  f"{100 * b['token_share']:.2f}", _bar(b["token_share"], top_t))
+    con.print(h)
+
+
+def write_histogram_png(path: Path, dataset) -> None:
+    """Two panels (share of samples, share of tokens per log2 length bucket), written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from zeppelin.planner.tools.show import save_png
+    from zeppelin.schemas.datasets import length_histogram
+
+    hist = length_histogram(dataset.lengths)
+    x = [b["lo"] for b in hist]
+    w = [b["hi"] - b["lo"] for b in hist]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    for ax, key, label, color in ((axes[0], "sample_share", "% of samples", "tab:blue"),
+                                  (axes[1], "token_share", "% of tokens", "tab:purple")):
+        ax.bar(x, [100 * b[key] for b in hist], width=w, align="edge", color=color, edgecolor="white")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length (tokens)")
+        ax.set_ylabel(label)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"{Path(dataset.source).name}: {dataset.num_samples:,} samples, {dataset.num_tokens:,} tokens")
+    save_png(fig, path, dpi=110)
+
+
+def load_for_cli(manifest: str, length_field: str | None, tokens_field: str | None, text_field: str | None,
+                 tokenizer: str | None):
+    from zeppelin.schemas.datasets import load_manifest
+
+    if text_field and not tokenizer:
+        raise InputError("--text-field needs --tokenizer ('whitespace', 'bytes' or 'module:callable')")
+    if tokenizer and not text_field:
+        raise InputError("--tokenizer needs --text-field")
+    return load_manifest(manifest, length_field=length_field, tokens_field=tokens_field, text_field=text_field,
+                         tokenizer=tokenizer)
+
+
+def check_png_path(png: Path) -> Path:
+    if png.suffix.lower() != ".png":
+        raise InputError("--png needs a file name ending in .png", source=png)
+    if png.exists() and png.is_dir():
+        raise InputError("output path is a directory", source=png)
+    return png
+
+
+def stats(
+    manifest: str = typer.Argument(..., help="a file, directory, glob ('data/*.jsonl') or *.manifest.json"),
+    length_field: str | None = typer.Option(None, "--length-field", help="field/column with the length "
+                                               "(default: length)"),
+    tokens_field: str | None = typer.Option(None, "--tokens-field", help="field/column with token-id lists"),
+    text_field: str | None = typer.Option(None, "--text-field", help="field/column with raw text"),
+    tokenizer: str | None = typer.Option(None, "--tokenizer",
+                                            help="for --text-field: whitespace, bytes or module:callable"),
+    png: Path | None = typer.Option(None, "--png", help="also write the histogram as a PNG picture"),
+    as_json: bool = typer.Option(False, "--json", help="print machine-readable statistics instead of tables"),
+) -> None:
+    """Length statistics of a dataset manifest: count, tokens, percentiles, a log2 length histogram."""
+    if png is not None:
+        check_png_path(png)
+    ds = load_for_cli(manifest, length_field, tokens_field, text_field, tokenizer)
+    if as_json:
+        typer.echo(json.dumps(stats_payload(ds), indent=2))
+    else:
+        print_stats(ds)
+    if png is not None:
+        write_histogram_png(png, ds)
+        if not as_json:
+            typer.echo(f"wrote {png}")

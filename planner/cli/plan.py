@@ -1,0 +1,183 @@
+"""`zeppelin plan` and `zeppelin validate`."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import typer
+
+from zeppelin.schemas.common import InputError
+
+
+def _planner(name: str, options: dict):
+    from zeppelin.planner.core.base import PLANNERS, get_planner
+    from zeppelin.planner.zeppelin import planner as zeppelin_planner  # noqa: F401  (registers the zeppelin planners)
+
+    if name in PLANNERS:
+        return PLANNERS[name](**options)
+    return get_planner(name, **options)
+
+
+def plan(
+    manifest: str | None = typer.Option(None, "--manifest", "-m",
+                                        help="dataset manifest: file, directory, glob or *.manifest.json "
+                                             "(default: the shipped sample)"),
+    cluster: str = typer.Option(..., "--cluster", "-c", help="cluster preset (zeppelin-a, zeppelin-c:4, ...) or JSON"),
+    model: str = typer.Option(..., "--model", help="model preset (llama-7b, ...) or JSON"),
+    output: Path | None = typer.Option(None, "-o", "--output", help="plan file to write"),
+    planner: str = typer.Option("zeppelin", "--planner", help="planner name (zeppelin, zeppelin-no-routing, "
+                                                               "zeppelin-no-remap, zeppelin-tiers-only, baselines)"),
+    tokens_per_step: int | None = typer.Option(None, "--tokens-per-step",
+                                               help="token budget of a step (default: what the cluster's "
+                                                    "activation memory holds at once)"),
+    seqs_per_step: int | None = typer.Option(None, "--seqs-per-step", help="sequences per step"),
+    steps: int = typer.Option(10, "--steps", help="number of steps to plan"),
+    seed: int = typer.Option(0, "--seed", help="shuffle seed"),
+    no_shuffle: bool = typer.Option(False, "--no-shuffle", help="take samples in manifest order"),
+    max_seq_len: int | None = typer.Option(None, "--max-seq-len", help="longest sequence to train on"),
+    overflow: str = typer.Option("truncate", "--overflow", help="longer samples: truncate, reject or skip"),
+    tp: int = typer.Option(1, "--tp", help="tensor-parallel degree of a unit"),
+    zero_stage: int = typer.Option(1, "--zero-stage", help="ZeRO stage (0-3) for the memory model"),
+    profile: str | None = typer.Option(None, "--profile", help="cost profile JSON (from `zeppelin profile`)"),
+    time_limit: float = typer.Option(0.05, "--time-limit", help="ILP time limit per solve, seconds"),
+    ilp: str = typer.Option("auto", "--ilp", help="auto (where it pays), always, never"),
+    solver: str = typer.Option("highs", "--solver", help="ILP solver: highs (CBC as fallback) or cbc"),
+    intra: str = typer.Option("auto", "--intra",
+                              help="zeppelin: how a sequence split inside a node runs - auto (zigzag ring or "
+                                   "Ulysses all-to-all, whichever the cost model prices lower) or ring (rings only, "
+                                   "as published)"),
+    workers: int = typer.Option(1, "--workers", "-j", help="plan steps in this many processes"),
+    fmt: str = typer.Option("jsonl", "--format", help="jsonl (compact) or pretty (readable, diffable)"),
+    explain: bool = typer.Option(False, "--explain", help="print the tier thresholds and how they were derived"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar or summary"),
+) -> None:
+    """Plan training steps: manifest + cluster + model -> plan file."""
+    from zeppelin.planner.core.base import PlanContext, PlanningError
+    from zeppelin.planner.core.driver import check_steps, make_header, plan_steps
+    from zeppelin.planner.core.inputs import (
+        check_path_writable,
+        resolve_cluster,
+        resolve_model,
+        resolve_profile,
+    )
+    from zeppelin.schemas.plan import PlanWriter, SamplerConfig
+
+    if fmt not in ("jsonl", "pretty"):
+        raise InputError(f"--format must be jsonl or pretty (got {fmt!r})")
+    if overflow not in ("truncate", "reject", "skip"):
+        raise InputError(f"--overflow must be truncate, reject or skip (got {overflow!r})")
+    if steps < 1:
+        raise InputError(f"--steps must be at least 1 (got {steps})")
+    for flag, v in (("--tokens-per-step", tokens_per_step), ("--seqs-per-step", seqs_per_step),
+                    ("--max-seq-len", max_seq_len)):
+        if v is not None and v < 1:
+            raise InputError(f"{flag} must be at least 1 (got {v})")
+    if tp < 1:
+        raise InputError(f"--tp must be at least 1 (got {tp})")
+    if not 0 <= zero_stage <= 3:
+        raise InputError(f"--zero-stage must be 0, 1, 2 or 3 (got {zero_stage})")
+    if output is None and not explain:
+        raise InputError("missing -o/--output PLAN (or use --explain alone to see the tier thresholds)")
+    if output is not None:
+        check_path_writable(output)
+    cl = resolve_cluster(cluster)
+    md = resolve_model(model)
+    pf = resolve_profile(profile, cl)
+    if cl.gpus_per_node % tp:
+        raise PlanningError(f"--tp {tp} does not divide the {cl.gpus_per_node} GPUs per node of {cl.name}")
+    ctx = PlanContext(cl, md, pf, tp=tp, zero_stage=zero_stage, seed=seed)
+    options = ({"time_limit": time_limit, "ilp": ilp, "solver": solver, "intra": intra}
+               if planner.startswith("zeppelin") else {})
+    pl = _planner(planner, options)
+    if explain:
+        from zeppelin.planner.zeppelin.tiering import Tiering
+
+        typer.echo(Tiering(ctx).explain())
+        if output is None:
+            return
+    from zeppelin.planner.core.sampler import sample_steps
+    from zeppelin.schemas.datasets import default_manifest_path, load_manifest
+
+    ds = load_manifest(manifest if manifest is not None else default_manifest_path())
+    if tokens_per_step is None and seqs_per_step is None:
+        tokens_per_step = max(ctx.cost.token_capacity * ctx.num_units, 1)
+    cfg = SamplerConfig(tokens_per_step=tokens_per_step, seqs_per_step=seqs_per_step, shuffle=not no_shuffle,
+                        seed=seed, max_seq_len=max_seq_len, overflow=overflow)
+    step_seqs = sample_steps(ds, cfg, steps)
+    check_steps(step_seqs, cfg)
+    if hasattr(pl, "check_feasible"):
+        for seqs in step_seqs:
+            pl.check_feasible(ctx, seqs)
+    header = make_header(ctx, pl, ds, cfg, steps)
+    show = not quiet and sys.stderr.isatty()
+    t0 = time.perf_counter()
+    ratios, solvers, tiers = [], {}, {"local": 0, "intra": 0, "inter": 0}
+    with PlanWriter(output, header, fmt) as w:
+        for st in plan_steps(ctx, pl, step_seqs, workers=workers, progress=show):
+            w.write(st)
+            if st.prediction is not None and st.prediction.lower_bound_s > 0:
+                ratios.append(st.prediction.step_time_s / st.prediction.lower_bound_s)
+            if st.solver is not None:
+                solvers[st.solver.name] = solvers.get(st.solver.name, 0) + 1
+            for k, v in (st.notes.get("tiers") or {}).items():
+                tiers[k] = tiers.get(k, 0) + v
+    if quiet:
+        return
+    import numpy as np
+
+    el = time.perf_counter() - t0
+    typer.echo(f"wrote {output}: {steps} steps planned by {pl.name} for {md.name} on {cl.name} "
+               f"({cl.world_size} GPUs) in {el:.2f} s ({el / steps * 1e3:.0f} ms/step)")
+    if ratios:
+        r = np.array(ratios)
+        typer.echo(f"predicted step / lower bound: median {np.median(r):.3f}, worst {r.max():.3f}")
+    if any(tiers.values()):
+        typer.echo("sequences by tier: " + ", ".join(f"{k} {v}" for k, v in tiers.items()))
+    if solvers:
+        typer.echo("solver: " + ", ".join(f"{k} x{v}" for k, v in sorted(solvers.items())))
+
+
+def validate(
+    plan_path: Path = typer.Argument(..., metavar="PLAN", help="plan file"),
+    cluster: str | None = typer.Option(None, "--cluster", help="check the plan was made for this cluster"),
+    model: str | None = typer.Option(None, "--model", help="check the plan was made for this model"),
+    profile: str | None = typer.Option(None, "--profile", help="check the plan was made with this profile"),
+    manifest: str | None = typer.Option(None, "--manifest", help="check the plan was made from this manifest"),
+    limit: int = typer.Option(10, "--limit", help="problems to print at most"),
+) -> None:
+    """Check a plan's invariants (coverage, memory, routes, ring order, input hashes).
+
+    Exit 0 when valid, 1 with the first problems when not, 2 when the inputs cannot be read."""
+    from zeppelin.planner.core.inputs import resolve_cluster, resolve_model
+    from zeppelin.planner.tools.validate import validate_plan, validate_summary
+
+    cl = resolve_cluster(cluster) if cluster else None
+    md = resolve_model(model) if model else None
+    pf = None
+    if profile:
+        from zeppelin.schemas.common import load_doc
+        from zeppelin.schemas.profile import CostProfile
+
+        pf = load_doc(CostProfile, profile)
+    ds = None
+    if manifest:
+        from zeppelin.schemas.datasets import load_manifest
+
+        ds = load_manifest(manifest)
+    probs = validate_plan(plan_path, cluster=cl, model=md, profile=pf, manifest=ds, limit=max(limit, 1))
+    if probs:
+        typer.echo(f"{plan_path}: INVALID ({len(probs)}{'+' if len(probs) >= limit else ''} problem"
+                   f"{'s' if len(probs) != 1 else ''})", err=True)
+        for p in probs[:limit]:
+            typer.echo(f"  {p}", err=True)
+        raise typer.Exit(1)
+    s = validate_summary(plan_path)
+    msg = (f"{plan_path}: valid - {s['steps']} steps by {s['planner']}, {s['sequences']:,} sequences, "
+           f"{s['tokens']:,} tokens on {s['world_size']} GPUs")
+    if s["ratios"]:
+        import numpy as np
+
+        msg += f"; predicted step / lower bound median {float(np.median(s['ratios'])):.3f}"
+    typer.echo(msg)

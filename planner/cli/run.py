@@ -1,0 +1,141 @@
+"""`zeppelin run PLAN`: execute a plan with torch, launched through torchrun.
+
+This module does not import torch: it checks the plan header, works out the torchrun options
+(processes per node default to the plan's GPUs per node; on a ``local-cpu`` plan every "node" is
+a group of processes on this machine, so all ranks start here) and spawns::
+
+    python -m zeppelin.runtime.launch --nproc-per-node N [rendezvous flags] -m zeppelin.runtime PLAN ...
+
+Options zeppelin does not know are passed to torchrun unchanged (e.g. ``--max-restarts 2``).
+
+``--report``: once the job has finished, the steps it ran are predicted again with the simulator
+under the plan's cost profile and printed next to the measured times, per step and per phase, with
+the median / worst relative error of the predicted step time (:mod:`zeppelin.planner.sim.report`).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import typer
+
+from zeppelin.schemas.common import InputError
+
+
+def run(
+    ctx: typer.Context,
+    plan: Path = typer.Argument(..., help="plan file written by `zeppelin plan`"),
+    model: str | None = typer.Option(None, "--model", help="model preset or JSON file; must match the plan"),
+    data: str | None = typer.Option(None, "--data", help="dataset manifest (token ids); must match the plan"),
+    steps: int | None = typer.Option(None, "--steps", help="run the first N steps (default: all)"),
+    lr: float = typer.Option(1e-3, "--lr", help="AdamW learning rate"),
+    weight_decay: float = typer.Option(0.0, "--weight-decay"),
+    seed: int | None = typer.Option(None, "--seed", help="model init seed (default: the plan's seed)"),
+    metrics: Path | None = typer.Option(None, "--metrics", help="JSON Lines metrics (default: PLAN.metrics.jsonl)"),
+    verify: bool = typer.Option(False, "--verify", help="compare every step with a single-process reference"),
+    verify_tol: float | None = typer.Option(None, "--verify-tol", help="relative tolerance (fp32 1e-5, bf16 2e-2)"),
+    checkpoint_every: int = typer.Option(0, "--checkpoint-every", help="checkpoint every N steps (and at the end)"),
+    checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir"),
+    resume: bool = typer.Option(False, "--resume", help="continue from the latest checkpoint in --checkpoint-dir"),
+    timeout: float = typer.Option(300.0, "--timeout", help="collective / P2P timeout per operation, seconds"),
+    progress: str = typer.Option("auto", "--progress", help="auto | rich | plain | none"),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
+    threads: int | None = typer.Option(None, "--threads", help="torch threads per rank (default: cores / ranks)"),
+    nproc_per_node: int | None = typer.Option(None, "--nproc-per-node", help="processes on this machine"),
+    nnodes: int | None = typer.Option(None, "--nnodes", help="machines in the job"),
+    node_rank: int | None = typer.Option(None, "--node-rank"),
+    master_addr: str | None = typer.Option(None, "--master-addr"),
+    master_port: int | None = typer.Option(None, "--master-port"),
+    rdzv_backend: str | None = typer.Option(None, "--rdzv-backend"),
+    rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint"),
+    rdzv_id: str | None = typer.Option(None, "--rdzv-id"),
+    report: bool = typer.Option(
+        False, "--report",
+        help="after the job: measured vs predicted time per step and phase, and the prediction error"),
+    report_json: Path | None = typer.Option(
+        None, "--report-json", help="also write that report as JSON (implies --report)"),
+    tp_overlap: str | None = typer.Option(
+        None, "--tp-overlap", help="none | slicing | commfuse: TP-SP overlap (default: the plan's)"),
+) -> None:
+    """Execute a plan with torch (launched through torchrun): train, report metrics, verify."""
+    from zeppelin.planner.sim.report import count_lines
+    from zeppelin.runtime.launch import torchrun_argv  # torch-free module top
+    from zeppelin.schemas.plan import PlanReader
+
+    header = PlanReader(plan).header
+    cl = header.cluster
+    if progress not in ("auto", "rich", "plain", "none"):
+        raise InputError(f"--progress must be auto, rich, plain or none (got {progress!r})")
+    if device not in ("auto", "cpu", "cuda"):
+        raise InputError(f"--device must be auto, cpu or cuda (got {device!r})")
+    local = cl.device == "cpu" or device == "cpu"
+    if nproc_per_node is None:
+        nproc_per_node = header.world_size if local and nnodes in (None, 1) else cl.gpus_per_node
+    if nnodes is None:
+        nnodes = 1 if local else max(1, header.world_size // nproc_per_node)
+    if nproc_per_node < 1 or nnodes < 1:
+        raise InputError("--nproc-per-node and --nnodes must be at least 1")
+    if nproc_per_node * nnodes != header.world_size:
+        raise InputError(f"the plan is for {header.world_size} ranks but --nproc-per-node {nproc_per_node} x "
+                         f"--nnodes {nnodes} gives {nproc_per_node * nnodes}")
+    if nnodes > 1 and not (master_addr or rdzv_endpoint):
+        raise InputError(f"the plan spans {nnodes} machines: pass --master-addr (and --node-rank) or "
+                         f"--rdzv-endpoint on each of them, or run a local-cpu plan on one machine")
+    if steps is not None and not 1 <= steps <= header.num_steps:
+        raise InputError(f"--steps {steps} is out of range (the plan has {header.num_steps} steps)")
+    if (checkpoint_every or resume) and checkpoint_dir is None:
+        raise InputError("--checkpoint-every/--resume need --checkpoint-dir")
+    if tp_overlap is not None and tp_overlap not in ("none", "slicing", "commfuse"):
+        raise InputError(f"--tp-overlap must be none, slicing or commfuse (got {tp_overlap!r})")
+    report = report or report_json is not None
+    if report_json is not None and report_json.is_dir():
+        raise InputError("--report-json is a directory", source=report_json)
+    metrics_path = metrics if metrics is not None else plan.with_suffix(".metrics.jsonl")
+    if report and nnodes > 1 and node_rank not in (None, 0):
+        report = False  # rank 0 (node 0) writes the metrics; the other nodes have nothing to report
+    # a resumed run appends to the metrics file: report only on the records this run adds
+    skip = count_lines(metrics_path) if (report and resume) else 0
+    worker = [str(plan)]
+    opts = {"--model": model, "--data": data, "--steps": steps, "--lr": lr, "--weight-decay": weight_decay,
+            "--seed": seed, "--metrics": metrics, "--verify-tol": verify_tol,
+            "--checkpoint-every": checkpoint_every or None, "--checkpoint-dir": checkpoint_dir,
+            "--timeout": timeout, "--progress": progress, "--device": device, "--threads": threads,
+            "--tp-overlap": tp_overlap}
+    for k, v in opts.items():
+        if v is not None:
+            worker += [k, str(v)]
+    if verify:
+        worker.append("--verify")
+    if resume:
+        worker.append("--resume")
+    trargs = torchrun_argv(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
+                           master_addr=master_addr, master_port=master_port, rdzv_backend=rdzv_backend,
+                           rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, extra=list(ctx.args))
+    env = dict(os.environ)
+    if threads is None and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc_per_node))
+    cmd = [sys.executable, "-m", "zeppelin.runtime.launch", *trargs, "-m", "zeppelin.runtime", *worker]
+    try:
+        rc = subprocess.call(cmd, env=env)
+    except KeyboardInterrupt:
+        rc = 130
+    if rc == 0 and report:
+        _report(plan, metrics_path, skip, tp_overlap, report_json)
+    raise SystemExit(rc)
+
+
+def _report(plan: Path, metrics_path: Path, skip: int, tp_overlap: str | None,
+            report_json: Path | None) -> None:
+    """Print measured vs predicted times of the steps just run (and write them as JSON)."""
+    import json
+
+    from zeppelin.planner.sim.report import render, report_for_plan
+    from zeppelin.schemas.common import atomic_write_text
+
+    rep = report_for_plan(plan, metrics_path, skip=skip, tp_overlap=tp_overlap)
+    render(rep)
+    if report_json is not None:
+        atomic_write_text(report_json, json.dumps(rep, indent=1) + "\n")

@@ -1,0 +1,246 @@
+"""`zeppelin simulate | compare | check | show`."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import typer
+
+from zeppelin.schemas.common import InputError, atomic_write_text
+
+
+def _emit_json(doc: dict, output: Path | None) -> None:
+    text = json.dumps(doc, indent=1) + "\n"
+    if output is not None:
+        from zeppelin.planner.core.inputs import check_path_writable
+
+        check_path_writable(output)
+        atomic_write_text(output, text)
+    else:
+        typer.echo(text, nl=False)
+
+
+def simulate(
+    plan: Path = typer.Argument(..., help="plan file written by `zeppelin plan` (or any planner)"),
+    step: int | None = typer.Option(None, "--step", "-s", help="simulate only this step and show it per unit"),
+    json_out: bool = typer.Option(False, "--json", help="print the results as JSON instead of tables"),
+    output: Path | None = typer.Option(None, "-o", "--output", help="write the JSON to this file"),
+    timeline: bool = typer.Option(False, "--timeline", help="include the per-unit event timeline in the JSON"),
+) -> None:
+    """Predict a plan's per-unit timeline and step time with the event-driven simulator.
+
+    Per step: simulated step time, the plan's analytic prediction and lower bound, per-unit
+    busy / exposed-communication / idle time, NIC utilisation. `--step K` shows one step per unit.
+    """
+    from rich.console import Console
+
+    from zeppelin.planner.sim.simulate import render_step_table, render_summary_table, simulate_plan, summary
+
+    if step is not None and step < 0:
+        raise InputError(f"--step must be >= 0 (got {step})")
+    header, results = simulate_plan(plan, steps=None if step is None else [step], timeline=timeline)
+    if json_out or output is not None:
+        doc = {
+            "plan": str(plan), "planner": header.planner, "cluster": header.cluster.name,
+            "world_size": header.world_size, "tp": header.tp, "model": header.model.name,
+            "summary": summary(results),
+            "steps": [r.to_dict(timeline=timeline) for r in results],
+        }
+        _emit_json(doc, output)
+        if output is not None:
+            typer.echo(f"wrote {output} ({len(results)} step(s))")
+        return
+    con = Console()
+    if step is not None:
+        t, nt = render_step_table(results[0])
+        con.print(t)
+        if results[0].nics:
+            con.print(nt)
+    else:
+        con.print(render_summary_table(header, results))
+    s = summary(results)
+    con.print(f"mean step {s['mean_step_time_s'] * 1e3:.2f} ms, p50 {s['p50_step_time_s'] * 1e3:.2f} ms, "
+              f"p90 {s['p90_step_time_s'] * 1e3:.2f} ms over {s['steps']} step(s); "
+              f"x{s['mean_ratio_to_lower_bound']:.2f} the lower bound")
+
+
+def show(
+    plan: Path = typer.Argument(..., help="plan file"),
+    step: int = typer.Option(0, "--step", "-s", help="step to show"),
+    all_steps: bool = typer.Option(False, "--all", help="show every step (text only)"),
+    png: Path | None = typer.Option(None, "--png", help="write a per-unit Gantt timeline of the simulated "
+                                                           "step and a heat-map of unit loads to this PNG"),
+) -> None:
+    """Render a plan for a person: tiers and their sequences, per-unit load bars, NIC loads with and
+    without routing, remap volume; `--png` draws the simulated step."""
+    from rich.console import Console
+
+    from zeppelin.planner.tools.show import draw_png, render_step
+    from zeppelin.schemas.plan import PlanReader
+
+    if step < 0:
+        raise InputError(f"--step must be >= 0 (got {step})")
+    if all_steps and png is not None:
+        raise InputError("--png draws one step: use --step K, not --all")
+    if png is not None:
+        from zeppelin.planner.core.inputs import check_path_writable
+
+        check_path_writable(png)
+    reader = PlanReader(plan)
+    h = reader.header
+    con = Console()
+    con.print(f"plan [bold]{plan}[/bold]: planner {h.planner}, {h.cluster.name} ({h.cluster.num_nodes} nodes x "
+              f"{h.cluster.gpus_per_node} GPUs, tp={h.tp}), {h.model.name}, {h.num_steps} step(s)")
+    steps = list(reader) if all_steps else [reader.step(step)]
+    for st in steps:
+        render_step(h, st, con)
+    if png is not None:
+        from zeppelin.planner.sim.simulate import Simulator, context_from_header
+
+        res = Simulator(context_from_header(h)).simulate_step(steps[0], timeline=True)
+        draw_png(h, steps[0], res, png)
+        con.print(f"wrote {png}")
+
+
+def compare(
+    cluster: str = typer.Option("zeppelin-a:2", "--cluster", "-c", help="cluster preset (NAME, NAME:N) or JSON file"),
+    model: str = typer.Option("llama-7b", "--model", "-m", help="model preset or JSON file"),
+    profile: Path | None = typer.Option(None, "--profile", help="cost profile JSON (default: preset curves)"),
+    dataset: str = typer.Option("mixed", "--dataset", "-d",
+                                help="length mix (short, mixed, long) or a manifest path"),
+    steps: int = typer.Option(10, "--steps", "-n", help="number of steps to plan"),
+    planners: str | None = typer.Option(None, "--planners", help="comma-separated planners (default: all)"),
+    tokens_per_gpu: int = typer.Option(16384, "--tokens-per-gpu", help="tokens per step per GPU"),
+    max_seq_len: int = typer.Option(131072, "--max-seq-len", help="longer samples are truncated"),
+    tp: int = typer.Option(1, "--tp", help="tensor-parallel degree of a unit"),
+    seed: int = typer.Option(0, "--seed", help="sampler seed"),
+    solver_time_limit: float = typer.Option(0.3, "--solver-time-limit",
+                                            help="MILP time limit per step (s) for flexsp and hydraulis "
+                                                 "(their papers spend 5-15 s per step, overlapped with "
+                                                 "training; raise it to let the MILPs search longer)"),
+    workers: int = typer.Option(0, "--workers", "-j", help="worker processes (0: one per CPU)"),
+    json_out: bool = typer.Option(False, "--json", help="print JSON instead of the table"),
+    output: Path | None = typer.Option(None, "-o", "--output", help="write the JSON to this file"),
+    png: Path | None = typer.Option(None, "--png", help="bar charts of step time and speedup"),
+) -> None:
+    """Plan the same steps with zeppelin and every baseline and simulate them side by side."""
+    from rich.console import Console
+
+    from zeppelin.planner.core.base import PlanContext, PlanningError
+    from zeppelin.planner.core.inputs import (
+        check_path_writable,
+        resolve_cluster,
+        resolve_model,
+        resolve_profile,
+    )
+    from zeppelin.planner.core.sampler import sample_steps
+    from zeppelin.planner.tools.compare import (
+        DEFAULT_PLANNERS,
+        SOLVER_PLANNERS,
+        comparison,
+        default_workers,
+        draw_png,
+        render_table,
+        resolve_dataset,
+        run_compare,
+    )
+    from zeppelin.schemas.plan import SamplerConfig
+
+    if steps < 1:
+        raise InputError(f"--steps must be at least 1 (got {steps})")
+    if tokens_per_gpu < 1:
+        raise InputError(f"--tokens-per-gpu must be at least 1 (got {tokens_per_gpu})")
+    if solver_time_limit < 0:
+        raise InputError(f"--solver-time-limit must be >= 0 (got {solver_time_limit})")
+    for p in (output, png):
+        if p is not None:
+            check_path_writable(p)
+    names = DEFAULT_PLANNERS if planners is None else [x.strip() for x in planners.split(",") if x.strip()]
+    if not names:
+        raise InputError("--planners is empty")
+    cl = resolve_cluster(cluster)
+    md = resolve_model(model)
+    prof = resolve_profile(str(profile) if profile else None, cl)
+    try:
+        ctx = PlanContext(cl, md, prof, tp=tp, seed=seed)
+    except ValueError as e:
+        raise PlanningError(str(e)) from None
+    ds = resolve_dataset(dataset)
+    cfg = SamplerConfig(tokens_per_step=tokens_per_gpu * cl.world_size, seed=seed, max_seq_len=max_seq_len)
+    step_seqs = sample_steps(ds, cfg, steps)
+    options = {p: {"time_limit": solver_time_limit} for p in SOLVER_PLANNERS}
+    t0 = time.perf_counter()
+    runs = run_compare(ctx, step_seqs, names, options, workers=workers or default_workers())
+    wall = time.perf_counter() - t0
+    doc = comparison(runs)
+    title = (f"{cl.name} ({cl.world_size} GPUs), {md.name}, tp={tp}, dataset {dataset}, {steps} steps of "
+             f"{cfg.tokens_per_step} tokens")
+    doc.update({"cluster": cl.name, "world_size": cl.world_size, "model": md.name, "tp": tp, "dataset": dataset,
+                "steps": steps, "tokens_per_step": cfg.tokens_per_step, "seed": seed, "wall_s": wall})
+    if png is not None:
+        draw_png(doc, title, png)
+    if json_out or output is not None:
+        _emit_json(doc, output)
+    if not json_out:
+        con = Console(width=max(Console().width, 120))  # the table is unreadable folded to 80 columns
+        con.print(render_table(doc, title))
+        if "zeppelin_speedup_vs_te_cp" in doc:
+            con.print(f"zeppelin: {doc['zeppelin_speedup_vs_te_cp']:.2f}x over te-cp, "
+                      f"{doc['zeppelin_speedup_vs_best_baseline']:.2f}x over the best other baseline "
+                      f"({doc['best_baseline']}); {wall:.1f} s")
+        for p in (output, png):
+            if p is not None:
+                con.print(f"wrote {p}")
+
+
+def check(
+    directory: Path = typer.Argument(Path("plans"), help="directory of check cases (*.json) and golden plans (*.plan)"),
+    update: bool = typer.Option(False, "--update", help="rewrite the golden plans and print what changed"),
+    case: list[str] = typer.Option(None, "--case", "-k", help="check only this case (repeatable)"),
+    workers: int = typer.Option(0, "--workers", "-j", help="worker processes (0: one per CPU)"),
+    json_out: bool = typer.Option(False, "--json", help="print the report as JSON"),
+) -> None:
+    """CI plan regression check against the golden plans in plans/.
+
+    Re-plans every case (one JSON file each), validates the plan, simulates it and the golden plan, and fails (exit 1) when the mean step time got worse than the golden's by more than the case's tolerance, when a plan is invalid, or when zeppelin no longer beats a baseline of the same setting. Exit 2: bad input.
+
+    `--update` rewrites the goldens (atomically) and prints the step time before and after.
+    """
+    from rich.console import Console
+
+    from zeppelin.planner.tools.check import render, run_check
+    from zeppelin.planner.tools.compare import default_workers
+
+    if workers < 0:
+        raise InputError(f"--workers must be >= 0 (got {workers})")
+    report = run_check(directory, update=update, workers=workers or default_workers(), only=case or None)
+    if report.bad_input:
+        raise InputError(report.bad_input[0])
+    if json_out:
+        typer.echo(json.dumps(report.to_dict(), indent=1))
+    else:
+        con = Console(width=max(Console().width, 110))
+        con.print(render(report, update))
+        for row in report.beats:
+            mark = "ok" if row["ok"] else "FAIL"
+            typer.echo(f"{mark}: {row['zeppelin_case']} {row['zeppelin_s'] * 1e3:.2f} ms vs {row['baseline']} "
+                       f"{row['baseline_s'] * 1e3:.2f} ms ({row['speedup']:.3f}x)")
+        if update:
+            for r in report.results:
+                if r.written:
+                    before = f"{r.golden_mean_s * 1e3:.2f} ms" if r.golden_mean_s is not None else "none"
+                    after = f"{r.new_mean_s * 1e3:.2f} ms"
+                    ch = f" ({r.change * 100:+.2f}%)" if r.change is not None else ""
+                    typer.echo(f"updated {r.name}.plan: step time {before} -> {after}{ch}")
+        for r in report.results:
+            for note in r.notes:
+                typer.echo(f"note: {note}")
+        for f in report.failures:
+            typer.echo(f"FAIL {f}")
+        n = len(report.results)
+        verdict = f"{len(report.failures)} failure(s)" if report.failures else "passed"
+        typer.echo(f"{n} case(s) checked in {report.wall_s:.1f} s: {verdict}")
+    if report.failures:
+        raise typer.Exit(1)

@@ -1,0 +1,46 @@
+"""The planner interface shared by zeppelin and every baseline.
+
+A planner turns the sequences of one training step into a :class:`StepPlan`. The driver
+(:mod:`zeppelin.planner.core.driver`) samples steps from a manifest, calls ``plan_step`` for each
+(possibly in worker processes), fills in predictions and writes the plan file.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar
+
+from zeppelin.planner.costmodel.context import PlanContext, PlanningError
+from zeppelin.schemas.common import InputError
+from zeppelin.schemas.plan import Sequence, StepPlan
+
+__all__ = ["PLANNERS", "PlanContext", "Planner", "PlanningError", "get_planner", "register"]
+
+
+class Planner:
+    """Base class. Subclasses set ``name`` and implement :meth:`plan_step`."""
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+
+    def __init__(self, **options: Any):
+        self.options = options
+
+    def plan_step(self, ctx: PlanContext, step: int, sequences: list[Sequence]) -> StepPlan:
+        raise NotImplementedError
+
+
+PLANNERS: dict[str, Callable[..., Planner]] = {}
+
+
+def register(cls):
+    """Class decorator: make a planner available by its ``name``."""
+    PLANNERS[cls.name] = cls
+    return cls
+
+
+def get_planner(name: str, **options: Any) -> Planner:
+    from zeppelin.planner.core import registry  # noqa: F401  (imports every planner module so they register)
+
+    if name not in PLANNERS:
+        raise InputError(f"unknown planner {name!r} (known: {', '.join(sorted(PLANNERS))})")
+    return PLANNERS[name](**options)

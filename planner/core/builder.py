@@ -1,0 +1,173 @@
+"""Building a :class:`StepPlan` placement by placement.
+
+:class:`StepBuilder` accumulates micro-batches (groups, placements, per-unit queues), checks per-unit
+memory as it goes, adds the direct routes of inter-node ring groups, orders every unit's queue
+inter -> intra -> local, and finishes the :class:`StepPlan` with the shared analytic prediction. A
+planner decides *where* each sequence goes; the builder writes it down in the plan format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from zeppelin.planner.costmodel.context import PlanContext, PlanningError
+from zeppelin.schemas.layout import contiguous_ranges, ranges_tokens, zigzag_ranges
+from zeppelin.schemas.plan import (
+    Group,
+    MicroBatch,
+    Placement,
+    Route,
+    RoutePath,
+    Sequence,
+    SolverInfo,
+    StepPlan,
+)
+
+_TIER_ORDER = {"inter": 0, "intra": 1, "local": 2}
+
+
+def seq_label(i: int, seq: Sequence) -> str:
+    return f"sequence {i} (sample {seq.sample_id}, {seq.length} tokens)"
+
+
+class StepBuilder:
+    """Accumulates micro-batches of a step; one group per (micro-batch, unit set, kind)."""
+
+    def __init__(self, ctx: PlanContext, sequences: list[Sequence], planner: str, n_units: int | None = None,
+                 capacity: list[int] | int | None = None, replicas=None):
+        self.ctx = ctx
+        #: units that are replicas of mixed TP degree (Hydraulis): a unit's node is that of its GPU
+        #: ranks; ring transfers between replicas run direct, one flow per TP rank over that rank's
+        #: own NIC (every NIC of the node is already in use), so no routes are added
+        self.replicas = replicas
+        self.sequences = sequences
+        self.planner = planner
+        self.n = n_units if n_units is not None else ctx.num_units
+        cap = ctx.cost.token_capacity if capacity is None else capacity
+        self.cap = list(cap) if isinstance(cap, list) else [int(cap)] * self.n
+        self.mbs: list[dict] = []
+
+    # -- structure ------------------------------------------------------------------------
+    def _mb(self, k: int) -> dict:
+        while len(self.mbs) <= k:
+            self.mbs.append({"groups": [], "key": {}, "placements": [], "held": [0] * self.n})
+        return self.mbs[k]
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.mbs)
+
+    def held(self, k: int, unit: int) -> int:
+        return self._mb(k)["held"][unit] if k < len(self.mbs) else 0
+
+    def tier_of(self, units: list[int]) -> str:
+        if len(units) == 1:
+            return "local"
+        nodes = {self.node_of(u) for u in units}
+        return "inter" if len(nodes) > 1 else "intra"
+
+    def node_of(self, unit: int) -> int:
+        if self.replicas is not None:
+            return self.ctx.cluster.node_of(self.replicas[unit].ranks[0])
+        return self.ctx.cost.node_of_unit(unit)
+
+    def group(self, k: int, kind: str, units: list[int]) -> int:
+        """Index of the group of ``kind`` over ``units`` (ring order) in micro-batch ``k``; created on demand."""
+        mb = self._mb(k)
+        if len(units) == 1:
+            kind = "local"
+        key = (kind, tuple(units))
+        if key not in mb["key"]:
+            mb["key"][key] = len(mb["groups"])
+            mb["groups"].append(Group(kind=kind, tier=self.tier_of(units), units=list(units)))
+        return mb["key"][key]
+
+    def fits(self, k: int, units: list[int], per_unit_tokens: list[int]) -> bool:
+        mb = self._mb(k) if k < len(self.mbs) else None
+        for u, t in zip(units, per_unit_tokens):
+            if (mb["held"][u] if mb else 0) + t > self.cap[u]:
+                return False
+        return True
+
+    def place(self, k: int, kind: str, units: list[int], seq: int, scheme: str | None = None,
+              padded_length: int | None = None) -> None:
+        """Place sequence ``seq`` on ``units`` in micro-batch ``k`` (zigzag for ring/allgather,
+        contiguous for ulysses, whole for one unit)."""
+        G = len(units)
+        length = self.sequences[seq].length
+        total = padded_length if padded_length is not None else length
+        if G == 1:
+            scheme, ranges = "whole", [[[0, total]]]
+        elif (scheme or ("contiguous" if kind == "ulysses" else "zigzag")) == "contiguous":
+            scheme, ranges = "contiguous", contiguous_ranges(total, G)
+        else:
+            scheme, ranges = "zigzag", zigzag_ranges(total, G)
+        gi = self.group(k, kind, units)
+        mb = self._mb(k)
+        mb["placements"].append(Placement(seq=seq, group=gi, scheme=scheme,
+                                          padded_length=padded_length if padded_length != length else None,
+                                          ranges=ranges))
+        for pos, u in enumerate(units):
+            mb["held"][u] += ranges_tokens(ranges[pos])
+
+    # -- finishing --------------------------------------------------------------------------
+    def _routes(self, mb: dict, groups: list[Group]) -> list[Route]:
+        """Direct routes for every node-crossing hop of every inter-node ring group."""
+        ctx = self.ctx
+        if self.replicas is not None:
+            return []
+        per_group: dict[int, list[Placement]] = {}
+        for p in mb["placements"]:
+            per_group.setdefault(p.group, []).append(p)
+        routes: list[Route] = []
+        for gi, g in enumerate(groups):
+            if g.kind != "ring" or g.tier != "inter":
+                continue
+            G = len(g.units)
+            for pos in range(G):
+                src, dst = g.units[pos], g.units[(pos + 1) % G]
+                if self.node_of(src) == self.node_of(dst):
+                    continue
+                tokens = sum(ranges_tokens(p.ranges[pos]) for p in per_group.get(gi, ()))
+                nic_s, nic_d = ctx.cluster.nic_of(src * ctx.tp), ctx.cluster.nic_of(dst * ctx.tp)
+                routes.append(Route(group=gi, src=src, dst=dst, tokens=tokens,
+                                    bytes=int(ctx.cost.kv_bytes(tokens)),
+                                    paths=[RoutePath(via_src=src, via_dst=dst, nic_src=nic_s, nic_dst=nic_d,
+                                                     tokens=tokens)]))
+        return routes
+
+    def microbatches(self) -> list[MicroBatch]:
+        out = []
+        for k, mb in enumerate(self.mbs):
+            for u in range(self.n):
+                if mb["held"][u] > self.cap[u]:  # defensive: every planner checks before placing
+                    raise PlanningError(f"{self.planner}: internal error: unit {u} holds {mb['held'][u]} tokens "
+                                        f"in micro-batch {k}, capacity {self.cap[u]}")
+            groups: list[Group] = mb["groups"]
+            # one global execution order (inter-node groups first, then intra-node, then local) so that
+            # every member of a group reaches it in the same relative order as its peers
+            order = sorted(range(len(groups)), key=lambda g: (_TIER_ORDER[groups[g].tier], g))
+            queues: list[list[int]] = [[] for _ in range(self.n)]
+            for g in order:
+                for u in groups[g].units:
+                    queues[u].append(g)
+            out.append(MicroBatch(groups=groups, placements=mb["placements"], queues=queues,
+                                  routes=self._routes(mb, groups)))
+        if not out:
+            out.append(MicroBatch(queues=[[] for _ in range(self.n)]))
+        return out
+
+    def finish(self, step: int, solver: SolverInfo, notes: dict[str, Any] | None = None,
+               predict: Callable[[PlanContext, StepPlan], Any] | None = None, replicas=None) -> StepPlan:
+        from zeppelin.planner.costmodel.predict import predict_step
+
+        placed = {p.seq for mb in self.mbs for p in mb["placements"]}
+        missing = [i for i in range(len(self.sequences)) if i not in placed]
+        if missing:
+            i = missing[0]
+            raise PlanningError(f"{self.planner}: internal error: {seq_label(i, self.sequences[i])} was not placed")
+        plan = StepPlan(step=step, sequences=list(self.sequences), replicas=replicas,
+                        microbatches=self.microbatches(), solver=solver, notes=dict(notes or {}))
+        plan.prediction = (predict or predict_step)(self.ctx, plan)
+        return plan

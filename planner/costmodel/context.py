@@ -1,0 +1,57 @@
+"""The planning context: a job's cluster, model and cost profile bound to its cost model.
+
+:class:`PlanContext` is what every planner, the step predictor and the simulator receive; it builds
+the :class:`~zeppelin.planner.costmodel.cost.CostModel` of a unit once (and once per tensor-parallel
+degree for plans with replicas of mixed TP). :class:`PlanningError` is the one-line "no feasible plan"
+error (exit code 2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from zeppelin.planner.costmodel.cost import CostModel
+from zeppelin.schemas.cluster import ClusterSpec
+from zeppelin.schemas.common import InputError
+from zeppelin.schemas.model import ModelSpec
+from zeppelin.schemas.profile import CostProfile
+
+
+class PlanningError(InputError):
+    """No feasible plan (bad setting or input): one-line message, exit code 2."""
+
+
+@dataclass
+class PlanContext:
+    cluster: ClusterSpec
+    model: ModelSpec
+    profile: CostProfile
+    tp: int = 1
+    zero_stage: int = 1
+    tp_overlap: str = "none"
+    seed: int = 0
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.cost = CostModel(self.cluster, self.model, self.profile, tp=self.tp, zero_stage=self.zero_stage,
+                              tp_overlap=self.tp_overlap)
+
+    def cost_for(self, tp: int) -> CostModel:
+        """The cost model of a unit of ``tp`` GPUs (replicas of mixed TP degree: Hydraulis plans),
+        built once per degree."""
+        if tp == self.tp:
+            return self.cost
+        cache = self.__dict__.setdefault("_costs_by_tp", {})
+        if tp not in cache:
+            cache[tp] = CostModel(self.cluster, self.model, self.profile, tp=tp, zero_stage=self.zero_stage,
+                                  tp_overlap=self.tp_overlap)
+        return cache[tp]
+
+    @property
+    def num_units(self) -> int:
+        return self.cost.num_units
+
+    @property
+    def units_per_node(self) -> int:
+        return self.cost.units_per_node

@@ -1,0 +1,521 @@
+"""Analytic per-step prediction shared by every planner (fills ``StepPlan.prediction``).
+
+This is the closed-form model the planners optimise against: per unit, attention groups in queue
+order (a ring group costs one local block plus G-1 rounds of max(compute, transfer)), linear
+modules on the unit's linear-layout tokens, remap all-to-alls, and the gradient all-reduce. NIC
+contention is approximated by counting the transfers that share a NIC. The event-driven simulator
+(``zeppelin simulate``) refines this with explicit per-round timelines.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from zeppelin.planner.costmodel.context import PlanContext, PlanningError
+from zeppelin.schemas.plan import MicroBatch, Prediction, RankLoads, StepPlan
+
+
+def nic_loads(ctx: PlanContext, mb: MicroBatch, routed: bool = True) -> dict[str, float]:
+    """Bytes each NIC sends+receives per step for the micro-batch's inter-node ring transfers."""
+    cost, L = ctx.cost, ctx.model.num_layers
+    loads: dict[str, float] = defaultdict(float)
+    upn = ctx.units_per_node
+    for r in mb.routes:
+        G = len(mb.groups[r.group].units)
+        total = float(cost.ring_round_bytes(r.tokens)) * (G - 1) * L
+        if routed:
+            for p in r.paths:
+                share = total * (p.tokens / r.tokens if r.tokens else 0.0)
+                loads[p.nic_src] += share
+                loads[p.nic_dst] += share
+        else:
+            loads[_unit_nic(ctx, r.src, upn)] += total
+            loads[_unit_nic(ctx, r.dst, upn)] += total
+    return dict(loads)
+
+
+def _unit_nic(ctx: PlanContext, unit: int, upn: int) -> str:
+    rank = unit * ctx.tp
+    return ctx.cluster.nic_of(rank)
+
+
+def _route_round_time(ctx: PlanContext, mb: MicroBatch, routed: bool) -> dict[int, float]:
+    """Per group: the slowest inter-node transfer time of one ring round (with NIC sharing)."""
+    cost = ctx.cost
+    users: dict[str, int] = defaultdict(int)
+    upn = ctx.units_per_node
+    for r in mb.routes:
+        if routed:
+            for p in r.paths:
+                if p.tokens:
+                    users[p.nic_src] += 1
+                    users[p.nic_dst] += 1
+        else:
+            users[_unit_nic(ctx, r.src, upn)] += 1
+            users[_unit_nic(ctx, r.dst, upn)] += 1
+    out: dict[int, float] = defaultdict(float)
+    for r in mb.routes:
+        if routed:
+            t = 0.0
+            for p in r.paths:
+                if not p.tokens:
+                    continue
+                share = max(users[p.nic_src], users[p.nic_dst])
+                t_path = float(cost.p2p_time(cost.ring_round_bytes(p.tokens), "inter", share))
+                if p.via_src != r.src or p.via_dst != r.dst:  # dispatch / combine over NVLink
+                    t_path += 2 * float(cost.p2p_time(cost.ring_round_bytes(p.tokens), "intra"))
+                t = max(t, t_path)
+        else:
+            share = max(users[_unit_nic(ctx, r.src, upn)], users[_unit_nic(ctx, r.dst, upn)])
+            t = float(cost.p2p_time(cost.ring_round_bytes(r.tokens), "inter", share))
+        out[r.group] = max(out[r.group], t)
+    return out
+
+
+def _attention_device_time(ctx: PlanContext, lengths: np.ndarray) -> np.ndarray:
+    """Per sequence, the least device time (summed over units, one layer) its attention can take:
+    whole on one unit when it fits; a sequence longer than a unit holds must be split over at least
+    ``ceil(L / capacity)`` units, as a ring (G x per-unit round compute: its blocks are smaller than the
+    sequence) or as Ulysses inside a node (G x a head shard), communication not counted (it may
+    overlap other work)."""
+    cost = ctx.cost
+    L = np.asarray(lengths, dtype=np.float64)
+    out = np.asarray(cost.attn_time(L), dtype=np.float64).copy()
+    cap = max(int(cost.token_capacity), 1)
+    big = np.flatnonzero(L > cap)
+    if len(big) == 0:
+        return out
+    n, upn = ctx.num_units, ctx.units_per_node
+    heads = ctx.model.num_heads // ctx.tp
+    for i in big:
+        g0 = min(n, -(-int(L[i]) // cap))
+        best = np.inf
+        for G in range(max(2, g0), min(n, 2 * g0) + 1):
+            best = min(best, G * float(cost.ring_compute_time(L[i], G)))
+            if G <= upn and heads % G == 0:
+                best = min(best, G * float(cost.ulysses_attn_time(L[i], G)))
+        if np.isfinite(best):
+            out[i] = max(out[i], best)
+    return out
+
+
+def lower_bounds(ctx: PlanContext, lengths: np.ndarray) -> tuple[float, float]:
+    """(work bound, longest-sequence bound) in seconds.
+
+    The work bound prices attention per sequence and the linear modules on an even share of the
+    step's tokens (kernels are priced on the tokens a unit holds). Both include the gradient
+    all-reduce, which every plan pays in full under this model (it is
+    charged as exposed communication to every unit), so a plan can reach its bound."""
+    cost = ctx.cost
+    n = ctx.num_units
+    ar = cost.grad_allreduce_time(n)
+    # attention of every sequence, plus the linear modules on an even share of the step's tokens
+    # (linear kernels are priced on the tokens a unit holds, as predict_step does, not per sequence)
+    share = float(np.sum(lengths)) / n
+    lin = ctx.model.num_layers * float(cost.linear_time(share)) + float(cost.head_time(share))
+    work = ctx.model.num_layers * float(np.sum(_attention_device_time(ctx, lengths))) / n + lin + ar
+    Lmax = int(lengths.max())
+    best = float("inf")
+    G = 1
+    while G <= n:
+        if Lmax / G <= max(cost.token_capacity, 1) or G == n:
+            tier = "intra" if G <= ctx.units_per_node else "inter"
+            # inter-node hops at best spread over every NIC of the node (routing), at no dispatch cost
+            share = 1.0 / len(ctx.cluster.nics) if tier == "inter" else 1.0
+            t = ctx.model.num_layers * float(cost.ring_attention_time(Lmax, G, tier, share)
+                                             + cost.linear_time(Lmax / G))
+            t += float(cost.head_time(Lmax / G))
+            best = min(best, t)
+        G *= 2
+    return work, best + ar
+
+
+@dataclass
+class MBTerms:
+    """One micro-batch's contribution to a step's prediction (per unit, seconds / tokens)."""
+
+    attn: np.ndarray
+    lin: np.ndarray
+    comm: np.ndarray
+    exposed: np.ndarray
+    tokens: np.ndarray  # linear-layout tokens
+    mem_tokens: np.ndarray  # max(attention-layout tokens, linear-layout tokens)
+    nic_routed: dict[str, float]
+    nic_unrouted: dict[str, float]
+    #: per unit: the micro-batch's time on the unit once coupling is charged - every unit of a set of
+    #: units that exchange data (ring / all-gather / all-to-all partners, remap peers) waits, every
+    #: layer, for the slowest of the set; plus the unit's own LM head. None: not computed (= busy)
+    coupled: np.ndarray | None = None
+
+    @property
+    def busy(self) -> np.ndarray:
+        """Per-unit time of this micro-batch (without the step's gradient all-reduce)."""
+        return self.attn + self.lin + self.exposed
+
+    @property
+    def period(self) -> np.ndarray:
+        """Per-unit time of this micro-batch including the waits for coupled units."""
+        return self.busy if self.coupled is None else self.coupled
+
+
+def coupled_components(n: int, pairs) -> np.ndarray:
+    """Component label of each of ``n`` units, given iterables of units that exchange data."""
+    parent = np.arange(n)
+
+    def find(x: int) -> int:
+        root = x
+        while parent[root] != root:
+            root = parent[root]
+        while parent[x] != root:
+            parent[x], x = root, parent[x]
+        return root
+
+    for us in pairs:
+        it = iter(us)
+        first = next(it, None)
+        if first is None:
+            continue
+        ra = find(int(first))
+        for u in it:
+            rb = find(int(u))
+            if rb != ra:
+                parent[rb] = ra
+    return np.array([find(u) for u in range(n)], dtype=np.int64)
+
+
+def component_max(labels: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Per unit: the maximum of ``x`` over the unit's component."""
+    m = np.full(len(x), -np.inf)
+    np.maximum.at(m, labels, x)
+    return m[labels]
+
+
+def _convoy_waits(n: int, groups, dur: np.ndarray, skip: np.ndarray, local: np.ndarray) -> np.ndarray:
+    """Per unit, per layer: time its attention stream waits because a group it is in starts only
+    when every member has finished the groups queued before it (queues follow group order).
+
+    Multi-unit groups run in group order, each as soon as all its members are free, for ``dur``
+    (per-layer attention + exposed communication); a unit's local attention fills the gaps. A unit
+    in several rings whose partners are busy elsewhere finishes its attention late: the wait is
+    ``max(last group end, own busy time) - own busy time``."""
+    ready = np.zeros(n)
+    busy = np.zeros(n)
+    for gi in np.flatnonzero(~skip):
+        us = groups[gi].units
+        end = float(ready[us].max()) + float(dur[gi])
+        ready[us] = end
+        busy[us] += dur[gi]
+    own = busy + local
+    return np.maximum(ready, own) - own
+
+
+def _group_sum(pg: np.ndarray, pL: np.ndarray, G: np.ndarray, mask: np.ndarray, price) -> np.ndarray:
+    """Per group, the sum over its placements of ``price(lengths, group size)`` (groups in ``mask``;
+    evaluated once per distinct group size, vectorised over the placements)."""
+    out = np.zeros(len(pL))
+    pG = G[pg]
+    sel_any = mask[pg]
+    for Gv in np.unique(pG[sel_any]):
+        sel = (pG == Gv) & sel_any
+        out[sel] = price(pL[sel], int(Gv))
+    return np.bincount(pg, weights=out, minlength=len(G))
+
+
+def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool = True) -> MBTerms:
+    """Per-unit terms of one micro-batch; ``seq_lengths[i]`` is the length of the step's sequence i.
+
+    Vectorised over placements and groups: plans have thousands of units and sequences."""
+    cost = ctx.cost
+    n = ctx.num_units
+    layers = ctx.model.num_layers
+    groups = mb.groups
+    ng = len(groups)
+    inter_round = _route_round_time(ctx, mb, routed)
+    # ---- per placement: group, (padded) length, tokens each ring position holds
+    pls = mb.placements
+    pg = np.fromiter((p.group for p in pls), dtype=np.int64, count=len(pls))
+    pL = np.fromiter(((p.padded_length or seq_lengths[p.seq]) for p in pls), dtype=np.float64, count=len(pls))
+    held = np.zeros(n)
+    h_units: list[int] = []
+    h_toks: list[int] = []
+    for p in pls:
+        units = groups[p.group].units
+        for pos, rs in enumerate(p.ranges):
+            h_units.append(units[pos])
+            h_toks.append(sum(e - s for s, e in rs))
+    if h_units:
+        held += np.bincount(np.asarray(h_units, dtype=np.int64), weights=np.asarray(h_toks, dtype=np.float64),
+                            minlength=n)
+    # ---- per group: sum of attention time and of lengths of its placements
+    g_att = np.bincount(pg, weights=cost.attn_time(pL), minlength=ng) if len(pls) else np.zeros(ng)
+    g_len = np.bincount(pg, weights=pL, minlength=ng) if len(pls) else np.zeros(ng)
+    g_has = np.bincount(pg, minlength=ng) > 0 if len(pls) else np.zeros(ng, dtype=bool)
+    G = np.fromiter((len(g.units) for g in groups), dtype=np.float64, count=ng)
+    kind = [g.kind for g in groups]
+    is_local = np.fromiter((k == "local" for k in kind), dtype=bool, count=ng) | (G == 1)
+    is_ring = np.fromiter((k == "ring" for k in kind), dtype=bool, count=ng) & ~is_local
+    t_att = np.zeros(ng)
+    t_comm = np.zeros(ng)
+    t_exp = np.zeros(ng)
+    t_att[is_local] = g_att[is_local]
+    if is_ring.any():
+        Gr = G[is_ring]
+        # per placement: round-0 and later-round compute of its zigzag blocks (as the simulator
+        # prices them), summed per group: a round computes the blocks of every sequence of the group
+        g_t0 = _group_sum(pg, pL, G, is_ring, lambda x, g: cost.ring_round_compute(x, g)[0])[is_ring]
+        g_tr = _group_sum(pg, pL, G, is_ring, lambda x, g: cost.ring_round_compute(x, g)[1])[is_ring]
+        comm_round = np.asarray(cost.p2p_time(cost.ring_round_bytes(g_len[is_ring] / Gr), "intra"), dtype=np.float64)
+        comm_round = np.array(comm_round, dtype=np.float64, copy=True).reshape(-1)
+        ring_ids = np.flatnonzero(is_ring)
+        for k, gi in enumerate(ring_ids):
+            if groups[gi].tier == "inter" and int(gi) in inter_round:
+                comm_round[k] = inter_round[int(gi)]
+        t_att[is_ring] = g_t0 + (Gr - 1) * g_tr
+        t_comm[is_ring] = comm_round * (Gr - 1)
+        for Gv in np.unique(Gr):
+            sel = Gr == Gv
+            t_exp[ring_ids[sel]] = cost.ring_round_exposure(comm_round[sel], g_t0[sel], g_tr[sel], int(Gv))
+    is_uly = np.fromiter((k == "ulysses" for k in kind), dtype=bool, count=ng) & ~is_local
+    if is_uly.any() and len(pls):
+        # head shards: whole sequences on 1/G of the heads (CostModel.ulysses_attn_time)
+        t_att[is_uly] = _group_sum(pg, pL, G, is_uly, cost.ulysses_attn_time)[is_uly]
+    for gi in np.flatnonzero(~is_local & ~is_ring):
+        g = groups[gi]
+        Gi = G[gi]
+        if g.kind == "allgather":
+            t_att[gi] = g_att[gi] / Gi
+            t_comm[gi] = t_exp[gi] = float(cost.allgather_kv_time(g_len[gi] / Gi, int(Gi), cost.tier_link(g.tier)))
+        else:  # ulysses
+            t_comm[gi] = t_exp[gi] = float(cost.ulysses_comm_time(g_len[gi] / Gi, int(Gi), cost.tier_link(g.tier)))
+    for a in (t_att, t_comm, t_exp):
+        a[~g_has] = 0.0
+    # ---- scatter group terms to their units
+    gu = np.fromiter((u for g in groups for u in g.units), dtype=np.int64)
+    gi_rep = np.repeat(np.arange(ng), G.astype(np.int64))
+    attn = layers * np.bincount(gu, weights=t_att[gi_rep], minlength=n)
+    comm = layers * np.bincount(gu, weights=t_comm[gi_rep], minlength=n)
+    exposed = layers * np.bincount(gu, weights=t_exp[gi_rep], minlength=n)
+    convoy = layers * _convoy_waits(n, groups, t_att + t_exp, is_local | ~g_has,
+                                    np.bincount(gu, weights=np.where(is_local, t_att, 0.0)[gi_rep], minlength=n))
+    # ---- linear modules, TP, remap
+    if mb.linear_layout is None:
+        lin_held = held.copy()
+    else:
+        lin_held = np.array([sum(e - s for _, s, e in segs) for segs in mb.linear_layout], dtype=np.float64)
+    head = np.asarray(cost.head_time(lin_held), dtype=np.float64)
+    lin = layers * cost.linear_time(lin_held) + head
+    links: list = [g.units for g in groups if len(g.units) > 1]
+    if ctx.tp > 1:
+        t_tp = layers * cost.tp_exposed_comm(lin_held)
+        comm = comm + t_tp
+        exposed = exposed + t_tp
+    if mb.linear_layout is not None:
+        att_sets: list[dict[int, list[tuple[int, int]]]] = [defaultdict(list) for _ in range(n)]
+        for p in pls:
+            units = groups[p.group].units
+            for pos, rs in enumerate(p.ranges):
+                for s, e in rs:
+                    if e > s:
+                        att_sets[units[pos]][p.seq].append((s, e))
+        moved = np.zeros(n)
+        seq_units: dict[int, set[int]] = defaultdict(set)
+        for p in pls:
+            for pos, rs in enumerate(p.ranges):
+                if any(e > s for s, e in rs):
+                    seq_units[p.seq].add(groups[p.group].units[pos])
+        for u in range(n):
+            for seg in mb.linear_layout[u]:
+                out = _overlap_out(seg, att_sets[u])
+                if out > 0:
+                    moved[u] += out
+                    links.append([u, *seq_units.get(seg[0], ())])
+        t_remap = layers * cost.remap_time(moved)
+        comm = comm + t_remap
+        exposed = exposed + t_remap
+    lin = np.asarray(lin, dtype=np.float64)
+    # coupling: partners meet every layer, so per layer a unit waits for its component's slowest
+    # member (the LM head runs once per micro-batch, after the last layer, on each unit's own tokens)
+    labels = coupled_components(n, links)
+    coupled = component_max(labels, attn + lin - head + exposed + convoy) + head
+    return MBTerms(attn=attn, lin=lin, comm=comm, exposed=exposed,
+                   tokens=lin_held.astype(np.int64), mem_tokens=np.maximum(held, lin_held),
+                   nic_routed=nic_loads(ctx, mb, routed=True), nic_unrouted=nic_loads(ctx, mb, routed=False),
+                   coupled=coupled)
+
+
+def predict_from_terms(ctx: PlanContext, lengths, terms: list[MBTerms]) -> Prediction:
+    """Step prediction from its micro-batches' terms (:func:`microbatch_terms`)."""
+    cost = ctx.cost
+    n = ctx.num_units
+    attn = np.zeros(n)
+    lin = np.zeros(n)
+    comm = np.zeros(n)
+    exposed = np.zeros(n)
+    tokens = np.zeros(n, dtype=np.int64)
+    mem_tokens = np.zeros(n)
+    nic_r: dict[str, float] = defaultdict(float)
+    nic_u: dict[str, float] = defaultdict(float)
+    period = np.zeros(n)
+    for t in terms:
+        period += t.period
+        attn += t.attn
+        lin += t.lin
+        comm += t.comm
+        exposed += t.exposed
+        tokens += t.tokens
+        mem_tokens = np.maximum(mem_tokens, t.mem_tokens)
+        for k, v in t.nic_routed.items():
+            nic_r[k] += v
+        for k, v in t.nic_unrouted.items():
+            nic_u[k] += v
+    ar = cost.grad_allreduce_time(n)
+    comm += ar
+    exposed += ar
+    total = attn + lin + exposed
+    work_b, long_b = lower_bounds(ctx, np.asarray(lengths, dtype=np.float64))
+    return Prediction(
+        # units that exchange data wait for each other every layer of every micro-batch
+        step_time_s=float(max((period + ar).max(), total.max())),
+        lower_bound_s=max(work_b, long_b),
+        work_bound_s=work_b,
+        longest_bound_s=long_b,
+        per_unit=RankLoads(
+            attention_s=attn.tolist(), linear_s=lin.tolist(), comm_s=comm.tolist(),
+            exposed_comm_s=exposed.tolist(), total_s=total.tolist(),
+            tokens=tokens.tolist(), memory_gb=(np.asarray(cost.memory_bytes(mem_tokens), dtype=np.float64) / 1e9).tolist(),
+        ),
+        nic_bytes=dict(nic_r),
+        nic_bytes_unrouted=dict(nic_u),
+    )
+
+
+def predict_step(ctx: PlanContext, step: StepPlan, routed: bool = True) -> Prediction:
+    """Prediction of one step. Steps whose units are replicas of mixed TP degree (Hydraulis plans,
+    ``step.replicas`` set) are predicted per replica with one cost model per TP degree."""
+    if step.replicas is not None and (any(r.tp != ctx.tp for r in step.replicas) or any(
+            g.kind == "ring" and g.tier == "inter" and not mb.routes for mb in step.microbatches for g in mb.groups)):
+        # replica plans' inter-node rings run direct, one flow per TP rank (no routes)
+        return predict_replicas(ctx, step)
+    lengths = [s.length for s in step.sequences]
+    return predict_from_terms(ctx, lengths, [microbatch_terms(ctx, lengths, mb, routed) for mb in step.microbatches])
+
+
+def _overlap_out(seg: list[int], have: dict[int, list[tuple[int, int]]]) -> int:
+    """Tokens of ``seg`` not already held (i.e. that must arrive by remap)."""
+    q, s, e = seg
+    inside = sum(max(0, min(e, b) - max(s, a)) for a, b in have.get(q, ()))
+    return (e - s) - inside
+
+
+def _replica_ring_sharers(ctx: PlanContext, reps, mb: MicroBatch, has: set[int]) -> dict[int, int]:
+    """Per inter-node ring group over replica units: the most transfers sharing one NIC in a round.
+    Every TP rank of a unit sends its K/V shard to the same TP rank of the ring successor over its
+    own NIC (as the simulator and the runtime move them), so a NIC carries one flow per GPU on it."""
+    cl = ctx.cluster
+    tx: dict[str, int] = defaultdict(int)
+    rx: dict[str, int] = defaultdict(int)
+    hops: dict[int, list[tuple[str, str]]] = defaultdict(list)
+    for gi, g in enumerate(mb.groups):
+        if g.kind != "ring" or g.tier != "inter" or gi not in has:
+            continue
+        G = len(g.units)
+        for i in range(G):
+            ra, rb = reps[g.units[i]].ranks, reps[g.units[(i + 1) % G]].ranks
+            for k, ga in enumerate(ra):
+                gb = rb[k % len(rb)]
+                if cl.node_of(ga) == cl.node_of(gb):
+                    continue
+                na, nb = cl.nic_of(ga), cl.nic_of(gb)
+                tx[na] += 1
+                rx[nb] += 1
+                hops[gi].append((na, nb))
+    return {gi: max(max(tx[a], rx[b]) for a, b in hs) for gi, hs in hops.items()}
+
+
+def predict_replicas(ctx: PlanContext, step: StepPlan) -> Prediction:
+    """Analytic prediction of a step whose units are replicas of different TP degrees: whole
+    sequences on one replica, or zigzag rings over replicas of one degree (Hydraulis' CP replicas),
+    priced as :func:`microbatch_terms` prices rings (per-round block compute, transfers hidden
+    behind the round they overlap); ring members wait for each other every layer."""
+    reps = step.replicas
+    cms = {t: ctx.cost_for(t) for t in sorted({r.tp for r in reps})}
+    n = len(reps)
+    layers = ctx.model.num_layers
+    attn, lin, tokens, mem_tok = np.zeros(n), np.zeros(n), np.zeros(n, dtype=np.int64), np.zeros(n)
+    tpc = np.zeros(n)
+    ring_comm, ring_exp = np.zeros(n), np.zeros(n)
+    period = np.zeros(n)
+    for mb in step.microbatches:
+        held = np.zeros(n)
+        a_mb, e_mb = np.zeros(n), np.zeros(n)
+        by_group: dict[int, list] = defaultdict(list)
+        for p in mb.placements:
+            by_group[p.group].append(p)
+        sharers = _replica_ring_sharers(ctx, reps, mb, set(by_group))
+        links = []
+        for gi, pls in by_group.items():
+            g = mb.groups[gi]
+            Ls = np.array([float(p.padded_length or step.sequences[p.seq].length) for p in pls])
+            if g.kind == "local" and len(g.units) == 1:
+                u = g.units[0]
+                for x in Ls:
+                    a_mb[u] += layers * float(cms[reps[u].tp].attn_time(x))
+                    attn[u] += layers * float(cms[reps[u].tp].attn_time(x))
+                    held[u] += x
+                continue
+            tps = {reps[u].tp for u in g.units}
+            if g.kind != "ring" or len(tps) != 1:
+                raise PlanningError("hydraulis: internal error: replica plans hold whole sequences or zigzag "
+                                    "rings over replicas of one TP degree only")
+            cm, G = cms[tps.pop()], len(g.units)
+            t0, tr = cm.ring_round_compute(Ls, G)
+            g_t0, g_tr = float(np.sum(t0)), float(np.sum(tr))
+            comm = float(cm.p2p_time(cm.ring_round_bytes(float(Ls.sum()) / G), cm.tier_link(g.tier),
+                                     sharers.get(gi, 1)))
+            exp = float(cm.ring_round_exposure(comm, g_t0, g_tr, G))
+            for pos, u in enumerate(g.units):
+                a_mb[u] += layers * (g_t0 + (G - 1) * g_tr)
+                attn[u] += layers * (g_t0 + (G - 1) * g_tr)
+                e_mb[u] += layers * exp
+                ring_comm[u] += layers * comm * (G - 1)
+                held[u] += sum(e - s for p in pls for s, e in p.ranges[pos])
+            links.append(g.units)
+        lin_mb, head_mb, tp_mb = np.zeros(n), np.zeros(n), np.zeros(n)
+        for u in range(n):
+            cm = cms[reps[u].tp]
+            head_mb[u] = float(cm.head_time(held[u]))
+            lin_mb[u] = float(layers * cm.linear_time(held[u]) + cm.head_time(held[u]))
+            tp_mb[u] = float(cm.model.num_layers * cm.tp_exposed_comm(held[u])) if cm.tp > 1 else 0.0
+        ring_exp += e_mb
+        lin += lin_mb
+        tpc += tp_mb
+        # ring members meet every layer: each waits for the slowest of its ring(s)
+        labels = coupled_components(n, links)
+        period += component_max(labels, a_mb + e_mb + lin_mb - head_mb + tp_mb) + head_mb
+        tokens += held.astype(np.int64)
+        mem_tok = np.maximum(mem_tok, held)
+    ar = np.array([cms[r.tp].grad_allreduce_time(n) for r in reps])
+    rings = any(g.kind == "ring" for mb in step.microbatches for g in mb.groups)
+    comm = ar + tpc + ring_comm
+    exposed = ar + tpc + ring_exp
+    total = attn + lin + exposed
+    lengths = np.array([s.length for s in step.sequences], dtype=np.float64)
+    # bounds for the best TP degree used (a larger degree shortens the longest sequence)
+    work_b, long_b = min((lower_bounds(PlanContext(ctx.cluster, ctx.model, ctx.profile, tp=d,
+                                                   zero_stage=ctx.zero_stage), lengths)
+                          for d in sorted(cms)), key=lambda wb: max(wb))
+    return Prediction(
+        step_time_s=float(max((period + ar).max(), total.max()) if rings else total.max()),
+        lower_bound_s=max(work_b, long_b),
+        work_bound_s=work_b,
+        longest_bound_s=long_b,
+        per_unit=RankLoads(
+            attention_s=[float(x) for x in attn], linear_s=[float(x) for x in lin], comm_s=[float(x) for x in comm],
+            exposed_comm_s=[float(x) for x in exposed], total_s=[float(x) for x in total],
+            tokens=[int(x) for x in tokens],
+            memory_gb=[float(cms[reps[u].tp].memory_bytes(mem_tok[u])) / 1e9 for u in range(n)],
+        ),
+    )

@@ -1,0 +1,265 @@
+"""Measured vs predicted step and phase times of a `zeppelin run` (``zeppelin run --report``).
+
+The runtime writes one metrics record per step (JSON Lines, rank 0): per rank and per phase the
+measured wall time (:func:`zeppelin.runtime.executor._metrics_record`). This module predicts the
+same steps of the same plan with the event-driven simulator (:mod:`zeppelin.planner.sim.simulate`)
+under the plan's own cost profile, and lines the two up.
+
+Phases (the slowest rank / unit of each, except where said):
+
+==================  ==========================================  =========================================
+phase               measured (runtime)                          predicted (simulator, per unit)
+==================  ==========================================  =========================================
+``attention``       attention regions, fwd + bwd, including     per layer: time from the layer's start to
+                    waits for ring / Ulysses transfers          the unit's last attention kernel (ring
+                                                                waits included), x layers
+``remap``           the remap all-to-alls (fwd + bwd)           per layer: what is left of the unit's
+                                                                layer after attention and its linear
+                                                                modules (exposed remap transfers), x layers
+``linear``          forward + backward minus the two above      linear modules x layers + embedding,
+                    (linear modules, norms, embedding, head)    LM head and loss
+``grad_allreduce``  the gradient all-reduce of the rank that    ``CostModel.grad_allreduce_time``
+                    arrived last (the *fastest* measured rank
+                    time: the others also wait for stragglers)
+``optimizer``       the AdamW step                              ``CostModel.optimizer_time`` (profiled)
+``step``            the slowest rank's step                     simulated step + optimizer
+==================  ==========================================  =========================================
+
+Relative error is ``(predicted - measured) / measured``; the summary gives the median and the
+worst absolute relative error of the predicted step time over the steps, and its mean (signed:
+positive = the prediction is pessimistic).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from zeppelin.schemas.common import InputError
+
+PHASES = ("attention", "remap", "linear", "grad_allreduce", "optimizer", "step")
+PREDICTOR = "simulator"
+
+
+# --------------------------------------------------------------------------------------------- I/O
+def load_metrics(path: str | Path, skip: int = 0) -> list[dict[str, Any]]:
+    """Metrics records of ``path`` (JSON Lines) after the first ``skip`` lines; a record of the
+    same step seen twice (a resumed run appends) keeps the later one."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError("metrics file not found", source=path)
+    recs: dict[int, dict[str, Any]] = {}
+    with path.open() as fh:
+        for i, line in enumerate(fh):
+            if i < skip or not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"line {i + 1} is not JSON ({e.msg})", source=path) from None
+            if not isinstance(rec, dict) or "step" not in rec or "phases_s" not in rec:
+                raise InputError(f"line {i + 1} is not a zeppelin run metrics record", source=path)
+            recs[int(rec["step"])] = rec
+    return [recs[k] for k in sorted(recs)]
+
+
+def count_lines(path: str | Path) -> int:
+    p = Path(path)
+    if not p.is_file():
+        return 0
+    with p.open() as fh:
+        return sum(1 for _ in fh)
+
+
+# ------------------------------------------------------------------------------------ measured
+def measured_phases(rec: dict[str, Any]) -> dict[str, float]:
+    ph = rec["phases_s"]
+
+    def agg(name: str, fn) -> float:
+        v = ph.get(name) or [0.0]
+        return float(fn(v))
+
+    return {
+        "attention": agg("attention", max),
+        "remap": agg("remap", max),
+        "linear": agg("linear", max),
+        "grad_allreduce": agg("grad_allreduce", min),
+        "optimizer": agg("optimizer", max),
+        "step": float(rec.get("step_time_s") or agg("step", max)),
+    }
+
+
+# ----------------------------------------------------------------------------------- predicted
+class Predictor:
+    """Per-phase prediction of plan steps with the simulator (built once per plan header)."""
+
+    def __init__(self, header, tp_overlap: str | None = None):
+        from zeppelin.planner.sim.simulate import Simulator, context_from_header
+
+        if tp_overlap is not None and tp_overlap != header.tp_overlap:
+            header = header.model_copy(update={"tp_overlap": tp_overlap})
+        self.header = header
+        self.ctx = context_from_header(header)
+        self.sim = Simulator(self.ctx)
+        self.cost = self.ctx.cost
+
+    def phases(self, step) -> dict[str, float]:
+        r = self.sim.simulate_step(step, timeline=True)
+        n = len(r.units)
+        L = r.num_layers
+        att = np.zeros(n)
+        remap = np.zeros(n)
+        for mb in r.timeline or []:
+            a_end = np.zeros(n)
+            fin = np.zeros(n)
+            lin = np.zeros(n)
+            for iv in mb.intervals:
+                u = iv.unit
+                fin[u] = max(fin[u], iv.end)
+                if iv.lane == "compute":
+                    if iv.cat == "linear":
+                        lin[u] += iv.end - iv.start
+                    else:
+                        a_end[u] = max(a_end[u], iv.end)
+                elif iv.cat.startswith("ulysses"):  # the output all-to-all ends the attention
+                    a_end[u] = max(a_end[u], iv.end)
+            att += L * a_end
+            remap += L * np.maximum(fin - a_end - lin, 0.0)
+        opt = self.cost.optimizer_time()
+        return {
+            "attention": float(att.max()) if n else 0.0,
+            "remap": float(remap.max()) if n else 0.0,
+            "linear": max((u.linear_s for u in r.units), default=0.0),
+            "grad_allreduce": float(r.allreduce_s),
+            "optimizer": float(opt),
+            "step": float(r.step_time_s + opt),
+        }
+
+
+# -------------------------------------------------------------------------------------- report
+def rel_error(pred: float, meas: float) -> float | None:
+    return (pred - meas) / meas if meas > 0 else None
+
+
+def error_summary(errors: list[float]) -> dict[str, float | int | None]:
+    """Median and worst absolute relative error, and the signed mean (bias)."""
+    e = np.array([x for x in errors if x is not None and math.isfinite(x)], dtype=np.float64)
+    if e.size == 0:
+        return {"steps": 0, "median_abs": None, "worst_abs": None, "mean": None}
+    return {"steps": int(e.size), "median_abs": float(np.median(np.abs(e))),
+            "worst_abs": float(np.max(np.abs(e))), "mean": float(np.mean(e))}
+
+
+def build_report(header, steps: dict[int, Any], records: list[dict[str, Any]],
+                 tp_overlap: str | None = None) -> dict[str, Any]:
+    """The report of ``records`` (metrics) against the plan ``header`` and its ``steps`` (step
+    number -> StepPlan). JSON-serialisable."""
+    pred = Predictor(header, tp_overlap)
+    rows = []
+    for i, rec in enumerate(records):
+        k = int(rec["step"])
+        if k not in steps:
+            raise InputError(f"metrics record for step {k}, which the plan does not have")
+        m = measured_phases(rec)
+        p = pred.phases(steps[k])
+        rows.append({
+            "step": k,
+            "first": i == 0,
+            "measured_s": m,
+            "predicted_s": p,
+            "rel_error": {ph: rel_error(p[ph], m[ph]) for ph in PHASES},
+            "plan_prediction_s": (rec.get("predicted") or {}).get("step_time_s"),
+        })
+    step_err = [r["rel_error"]["step"] for r in rows]
+    out = {
+        "predictor": PREDICTOR,
+        "profile": _profile_label(header.profile),
+        "tp_overlap": pred.header.tp_overlap,
+        "steps": rows,
+        "summary": {
+            "step": error_summary(step_err),
+            # the first step of a run also pays one-time costs (allocator warm-up, first collectives)
+            "step_after_first": error_summary(step_err[1:]),
+            "phases": {ph: error_summary([r["rel_error"][ph] for r in rows])
+                       for ph in PHASES if ph != "step"},
+        },
+    }
+    return out
+
+
+def report_for_plan(plan_path: str | Path, metrics_path: str | Path, *, skip: int = 0,
+                    tp_overlap: str | None = None) -> dict[str, Any]:
+    from zeppelin.schemas.plan import PlanReader
+
+    reader = PlanReader(plan_path)
+    records = load_metrics(metrics_path, skip=skip)
+    if not records:
+        raise InputError("no metrics records to report on", source=metrics_path)
+    steps = {}
+    for rec in records:
+        k = int(rec["step"])
+        if not 0 <= k < reader.header.num_steps:
+            raise InputError(f"metrics record for step {k}, but the plan has {reader.header.num_steps} steps",
+                             source=metrics_path)
+        steps[k] = reader.step(k)
+    return build_report(reader.header, steps, records, tp_overlap)
+
+
+def _profile_label(profile) -> str:
+    src = profile.source
+    if src.kind == "measured":
+        return f"measured on {src.machine}" + (f" at {src.created_at}" if src.created_at else "")
+    return f"preset ({profile.cluster or 'defaults'})"
+
+
+# ------------------------------------------------------------------------------------- render
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.1f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.1%}"
+
+
+def render(report: dict[str, Any], console=None) -> None:
+    """Print the per-step table and the error summary."""
+    from rich.console import Console
+    from rich.table import Table
+
+    con = console or Console(width=max(Console().width, 150))  # the table is unreadable folded to 80
+    t = Table(title=f"measured vs predicted ({report['predictor']}), ms, slowest rank", title_justify="left")
+    t.add_column("step", justify="right")
+    for ph in PHASES[:-1]:
+        t.add_column(f"{ph.replace('grad_', '')}\nmeas / pred", justify="right")
+    t.add_column("step\nmeasured", justify="right")
+    t.add_column("step\npredicted", justify="right")
+    t.add_column("error", justify="right")
+    t.add_column("plan\nestimate", justify="right")
+    for r in report["steps"]:
+        m, p = r["measured_s"], r["predicted_s"]
+        cells = [f"{_ms(m[ph])} / {_ms(p[ph])}" for ph in PHASES[:-1]]
+        t.add_row(str(r["step"]) + ("*" if r["first"] else ""), *cells, _ms(m["step"]), _ms(p["step"]),
+                  _pct(r["rel_error"]["step"]), _ms(r["plan_prediction_s"]))
+    con.print(t)
+    s = report["summary"]["step"]
+    con.print("* first step of the run (includes one-time warm-up costs); measured allreduce: the rank that "
+              "waited least (the others also wait for stragglers)")
+    con.print(f"prediction: {report['predictor']} with the plan's profile ({report['profile']}); "
+              f"tp overlap {report['tp_overlap']}")
+    if s["steps"]:
+        line = (f"predicted step time: relative error median {s['median_abs']:.1%}, "
+                f"worst {s['worst_abs']:.1%}, mean {s['mean']:+.1%} over {s['steps']} step(s)")
+        a = report["summary"]["step_after_first"]
+        if a["steps"]:
+            line += f"; without the first step: median {a['median_abs']:.1%}, worst {a['worst_abs']:.1%}"
+        con.print(line)
+    parts = []
+    for ph, e in report["summary"]["phases"].items():
+        if e["steps"]:
+            parts.append(f"{ph} {e['median_abs']:.0%}")
+    if parts:
+        con.print("per-phase median |error|: " + ", ".join(parts))

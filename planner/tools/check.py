@@ -1,0 +1,394 @@
+"""``zeppelin check``: the CI plan regression check against the golden plans in ``plans/``.
+
+A *case* is one JSON file in the checked directory::
+
+    {"cluster": "local-cpu:2x2", "model": "tiny", "dataset": "sample", "planner": "zeppelin",
+     "steps": 2, "seed": 0, "tokens_per_step": 32768, "max_seq_len": 8192, "tolerance": 0.03}
+
+``dataset`` is ``sample`` (the manifest shipped with the package), one of the synthetic length
+mixes of :mod:`zeppelin.planner.tools.compare` (``short``, ``mixed``, ``long``) or a manifest path
+(relative to the case file). Its golden plan is ``NAME.plan`` next to ``NAME.json``, in the pretty
+plan format so that ``git diff`` shows what changed.
+
+For every case the check samples the steps, re-plans them, validates every invariant of the new
+plan (:func:`zeppelin.planner.tools.validate.step_problems`), simulates the new plan and the golden one
+with the current simulator (so a simulator change moves both alike and only the planner is
+judged), and fails when
+
+* the new plan is invalid or the planner fails;
+* the golden plan was made for other inputs (cluster, model, sampler settings or sequences differ:
+  the setting changed and the golden must be rewritten with ``--update``; a changed cost profile
+  only adds a note, since both plans are simulated with the current one);
+* the new mean simulated step time exceeds the golden's by more than the case's ``tolerance``;
+* in a *setting* (cases equal in everything but planner, options and tolerance), the ``zeppelin``
+  case's mean simulated step time is above any baseline's (planners not named ``zeppelin*``).
+
+``--update`` rewrites the goldens of the valid cases (atomically) and prints the step time before
+and after. Golden plans store solver wall time as 0 so that an unchanged planner rewrites
+byte-identical files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, ValidationError
+
+from zeppelin.schemas.common import InputError, Strict, format_validation_error
+
+CASE_SCHEMA = "zeppelin.check-case/1"
+SETTING_FIELDS = ("cluster", "model", "dataset", "steps", "seed", "tokens_per_step", "max_seq_len", "tp")
+
+
+class CheckCase(Strict):
+    """One settings file of ``plans/``."""
+
+    schema_version: str = CASE_SCHEMA
+    cluster: str = Field(description="cluster preset (NAME, NAME:N, NAME:NxG) or JSON file")
+    model: str = Field(description="model preset or JSON file")
+    dataset: str = Field(description="sample, short, mixed, long or a manifest path")
+    planner: str
+    options: dict[str, Any] = Field(default_factory=dict, description="planner options")
+    steps: int = Field(ge=1, le=64)
+    seed: int = Field(default=0, ge=0)
+    tokens_per_step: int = Field(ge=1)
+    max_seq_len: int | None = Field(default=None, ge=1)
+    tp: int = Field(default=1, ge=1)
+    tolerance: float = Field(ge=0, le=10, description="allowed relative increase of the mean step time")
+    description: str = ""
+
+
+@dataclass
+class Case:
+    name: str
+    path: Path
+    spec: CheckCase
+
+    @property
+    def golden(self) -> Path:
+        return self.path.with_suffix(".plan")
+
+    @property
+    def setting(self) -> tuple:
+        return tuple(getattr(self.spec, f) for f in SETTING_FIELDS)
+
+
+@dataclass
+class CaseResult:
+    name: str
+    planner: str
+    tolerance: float
+    new_mean_s: float | None = None
+    golden_mean_s: float | None = None
+    new_times_s: list[float] = field(default_factory=list)
+    golden_times_s: list[float] = field(default_factory=list)
+    predicted_mean_s: float | None = None
+    latency_s: float = 0.0
+    failures: list[str] = field(default_factory=list)
+    written: bool = False
+    unchanged: bool | None = None
+    bad_input: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def change(self) -> float | None:
+        if self.new_mean_s is None or not self.golden_mean_s:
+            return None
+        return self.new_mean_s / self.golden_mean_s - 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"case": self.name, "planner": self.planner, "tolerance": self.tolerance,
+                "new_mean_s": self.new_mean_s, "golden_mean_s": self.golden_mean_s, "change": self.change,
+                "new_times_s": self.new_times_s, "golden_times_s": self.golden_times_s,
+                "predicted_mean_s": self.predicted_mean_s, "plan_latency_s": self.latency_s,
+                "failures": self.failures, "notes": self.notes, "written": self.written,
+                "unchanged": self.unchanged}
+
+
+def regressed(golden_mean: float, new_mean: float, tolerance: float) -> bool:
+    """True when ``new_mean`` is worse than ``golden_mean`` by more than ``tolerance`` (relative)."""
+    return new_mean > golden_mean * (1.0 + tolerance) * (1.0 + 1e-12)
+
+
+# ------------------------------------------------------------------ loading
+def load_cases(directory: str | os.PathLike, only: list[str] | None = None) -> list[Case]:
+    """Every ``*.json`` case of ``directory`` (sorted by name), validated; bad input raises InputError."""
+    d = Path(directory)
+    if not d.exists():
+        raise InputError("directory not found", source=d)
+    if not d.is_dir():
+        raise InputError("not a directory (zeppelin check takes the directory holding the cases)", source=d)
+    files = sorted(d.glob("*.json"))
+    if not files:
+        raise InputError("no check cases (*.json) in this directory", source=d)
+    cases = []
+    for f in files:
+        try:
+            data = json.loads(f.read_text())
+        except json.JSONDecodeError as e:
+            raise InputError(f"malformed JSON at line {e.lineno} column {e.colno}: {e.msg}", source=f) from None
+        if not isinstance(data, dict):
+            raise InputError(f"expected a JSON object, got {type(data).__name__}", source=f)
+        if data.get("schema_version", CASE_SCHEMA) != CASE_SCHEMA:
+            raise InputError(f"schema_version {data['schema_version']!r} is not supported (this zeppelin reads "
+                             f"{CASE_SCHEMA!r})", source=f)
+        try:
+            spec = CheckCase.model_validate(data)
+        except ValidationError as e:
+            raise InputError(f"invalid check case: {format_validation_error(e)}", source=f) from None
+        cases.append(Case(f.stem, f, spec))
+    if only:
+        names = {c.name for c in cases}
+        for o in only:
+            if o not in names:
+                raise InputError(f"no case {o!r} in {d} (cases: {', '.join(sorted(names))})")
+        cases = [c for c in cases if c.name in only]
+    from zeppelin.planner.core.base import get_planner
+
+    for c in cases:
+        try:
+            get_planner(c.spec.planner, **c.spec.options)
+        except InputError as e:
+            raise InputError(str(e), source=c.path) from None
+    return cases
+
+
+def _dataset(case: Case):
+    from zeppelin.planner.tools.compare import MIXES, mix_dataset
+    from zeppelin.schemas.datasets import default_manifest_path, load_manifest
+
+    ref = case.spec.dataset
+    if ref == "sample":
+        return load_manifest(default_manifest_path())
+    if ref.removeprefix("mix:") in MIXES:
+        return mix_dataset(ref.removeprefix("mix:"))
+    p = Path(ref)
+    if not p.is_absolute():
+        p = case.path.parent / p
+    return load_manifest(str(p))
+
+
+def _inputs(case: Case):
+    from zeppelin.planner.core.base import PlanContext, PlanningError
+    from zeppelin.planner.core.inputs import resolve_cluster, resolve_model, resolve_profile
+    from zeppelin.planner.core.sampler import sample_steps
+    from zeppelin.schemas.plan import SamplerConfig
+
+    s = case.spec
+    try:
+        cl = resolve_cluster(s.cluster)
+        md = resolve_model(s.model)
+        ctx = PlanContext(cl, md, resolve_profile(None, cl), tp=s.tp, seed=s.seed)
+        ds = _dataset(case)
+    except ValueError as e:
+        raise PlanningError(str(e)) from None
+    cfg = SamplerConfig(tokens_per_step=s.tokens_per_step, seed=s.seed, max_seq_len=s.max_seq_len)
+    return ctx, ds, cfg, sample_steps(ds, cfg, s.steps)
+
+
+def _golden_form(step):
+    """The step as stored in a golden plan: solver wall time zeroed (it varies run to run)."""
+    if step.solver is not None and step.solver.time_s:
+        step = step.model_copy(update={"solver": step.solver.model_copy(update={"time_s": 0.0})})
+    return step
+
+
+# ------------------------------------------------------------------ one case
+def run_case(case: Case, update: bool = False) -> CaseResult:
+    from zeppelin.planner.core.driver import make_header
+    from zeppelin.planner.sim.simulate import Simulator
+    from zeppelin.planner.tools.validate import step_problems
+    from zeppelin.schemas.plan import PlanReader, PlanWriter
+
+    s = case.spec
+    res = CaseResult(case.name, s.planner, s.tolerance)
+    ctx, ds, cfg, step_seqs = _inputs(case)
+    from zeppelin.planner.core.base import get_planner
+
+    planner = get_planner(s.planner, **s.options)
+    header = make_header(ctx, planner, ds, cfg, s.steps, planner_options=dict(s.options), created_at="")
+    header = header.model_copy(update={"zeppelin_version": ""})
+    plans = []
+    t0 = time.perf_counter()
+    try:
+        for k, seqs in enumerate(step_seqs):
+            plans.append(_golden_form(planner.plan_step(ctx, k, seqs)))
+    except InputError as e:
+        res.failures.append(f"{case.name}: planner {s.planner} failed: {e}")
+        return res
+    res.latency_s = (time.perf_counter() - t0) / s.steps
+    for sp in plans:
+        probs = step_problems(ctx, header, sp, limit=3)
+        if probs:
+            res.failures.append(f"{case.name}: invalid plan: {probs[0]}")
+            return res
+    sim = Simulator(ctx)
+    res.new_times_s = [sim.simulate_step(sp).step_time_s for sp in plans]
+    res.new_mean_s = sum(res.new_times_s) / len(res.new_times_s)
+    preds = [sp.prediction.step_time_s for sp in plans if sp.prediction is not None]
+    res.predicted_mean_s = sum(preds) / len(preds) if len(preds) == len(plans) else None
+
+    golden_steps = None
+    if case.golden.exists():
+        try:
+            reader = PlanReader(case.golden)
+            golden_steps = list(reader)
+            gh = reader.header
+        except InputError as e:
+            res.failures.append(f"{case.name}: unreadable golden plan: {e}")
+            gh = None
+        if gh is not None:
+            stale = _stale(gh, header, golden_steps, plans)
+            if not stale and gh.hashes.profile != header.hashes.profile:
+                res.notes.append(f"{case.name}: the golden plan was made with another cost profile; both plans "
+                                 f"are simulated with the current one")
+            if stale:
+                res.failures.append(f"{case.name}: golden plan {case.golden.name} is stale ({stale}); review the "
+                                    f"change and run `zeppelin check --update`")
+            else:
+                res.golden_times_s = [sim.simulate_step(sp).step_time_s for sp in golden_steps]
+                res.golden_mean_s = sum(res.golden_times_s) / len(res.golden_times_s)
+                if regressed(res.golden_mean_s, res.new_mean_s, s.tolerance):
+                    res.failures.append(
+                        f"{case.name}: {s.planner} mean step time {res.new_mean_s * 1e3:.2f} ms is "
+                        f"{res.change * 100:+.2f}% against the golden {res.golden_mean_s * 1e3:.2f} ms "
+                        f"(tolerance {s.tolerance * 100:g}%)")
+            res.unchanged = (golden_steps is not None and gh is not None
+                             and gh.model_dump(mode="json") == header.model_dump(mode="json")
+                             and [x.model_dump(mode="json") for x in golden_steps]
+                             == [x.model_dump(mode="json") for x in plans])
+    elif not update:
+        res.failures.append(f"{case.name}: no golden plan {case.golden.name} (create it with "
+                            f"`zeppelin check --update`)")
+    if update:
+        res.failures = [f for f in res.failures if ": golden plan " not in f and ": no golden plan " not in f
+                        and ": unreadable golden plan" not in f and " against the golden " not in f]
+        if not res.unchanged:
+            with PlanWriter(case.golden, header, "pretty") as w:
+                for sp in plans:
+                    w.write(sp)
+            res.written = True
+            res.notes = [n for n in res.notes if "another cost profile" not in n]  # the new golden has this one
+    return res
+
+
+def _stale(gh, header, golden_steps, plans) -> str:
+    if gh.planner != header.planner:
+        return f"planner {gh.planner!r}, the case says {header.planner!r}"
+    for what in ("cluster", "model"):
+        if getattr(gh.hashes, what) != getattr(header.hashes, what):
+            return f"made for another {what}"
+    if gh.tp != header.tp or gh.sampler != header.sampler:
+        return "made with other sampler settings"
+    if len(golden_steps) != len(plans):
+        return f"{len(golden_steps)} steps, the case has {len(plans)}"
+    for g, p in zip(golden_steps, plans):
+        if g.sequences != p.sequences:
+            return f"the sequences of step {p.step} differ"
+    return ""
+
+
+def _run_case_job(arg: tuple[Case, bool]) -> CaseResult:
+    case, update = arg
+    try:
+        return run_case(case, update)
+    except InputError as e:  # inputs of a case that cannot be resolved
+        r = CaseResult(case.name, case.spec.planner, case.spec.tolerance)
+        r.failures.append(f"{case.name}: bad input: {e}")
+        r.bad_input = True
+        return r
+
+
+# ------------------------------------------------------------------ the whole check
+@dataclass
+class CheckReport:
+    results: list[CaseResult]
+    beats: list[dict[str, Any]]
+    failures: list[str]
+    bad_input: list[str]
+    wall_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cases": [r.to_dict() for r in self.results], "zeppelin_vs_baselines": self.beats,
+                "failures": self.failures, "bad_input": self.bad_input, "wall_s": self.wall_s,
+                "passed": not self.failures and not self.bad_input}
+
+
+def zeppelin_beats(cases: list[Case], results: list[CaseResult]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Per setting, the zeppelin case against each baseline case (mean simulated step times)."""
+    by = {r.name: r for r in results}
+    groups: dict[tuple, list[Case]] = {}
+    for c in cases:
+        groups.setdefault(c.setting, []).append(c)
+    rows, failures = [], []
+    for members in groups.values():
+        zs = [c for c in members if c.spec.planner == "zeppelin"]
+        bases = [c for c in members if not c.spec.planner.startswith("zeppelin")]
+        for z in zs:
+            zr = by[z.name]
+            for b in bases:
+                br = by[b.name]
+                if zr.new_mean_s is None or br.new_mean_s is None:
+                    continue
+                ok = zr.new_mean_s <= br.new_mean_s
+                rows.append({"zeppelin_case": z.name, "baseline_case": b.name, "baseline": b.spec.planner,
+                             "zeppelin_s": zr.new_mean_s, "baseline_s": br.new_mean_s,
+                             "speedup": br.new_mean_s / zr.new_mean_s, "ok": ok})
+                if not ok:
+                    failures.append(f"{z.name}: zeppelin ({zr.new_mean_s * 1e3:.2f} ms) no longer beats "
+                                    f"{b.spec.planner} ({br.new_mean_s * 1e3:.2f} ms, case {b.name})")
+    return rows, failures
+
+
+def run_check(directory: str | os.PathLike, update: bool = False, workers: int = 1,
+              only: list[str] | None = None) -> CheckReport:
+    cases = load_cases(directory, only)
+    t0 = time.perf_counter()
+    jobs = [(c, update) for c in cases]
+    if workers <= 1 or len(jobs) <= 1:
+        results = [_run_case_job(j) for j in jobs]
+    else:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+        # the slowest cases first so that the pool finishes together
+        order = sorted(range(len(jobs)), key=lambda i: -_weight(cases[i]))
+        with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=mp.get_context(method)) as ex:
+            done = list(ex.map(_run_case_job, [jobs[i] for i in order], chunksize=1))
+        results = [None] * len(jobs)
+        for i, r in zip(order, done):
+            results[i] = r
+    bad = [f for r in results if r.bad_input for f in r.failures]
+    failures = [f for r in results if not r.bad_input for f in r.failures]
+    beats, bf = zeppelin_beats(cases, results)
+    return CheckReport(results, beats, failures + bf, bad, time.perf_counter() - t0)
+
+
+def _weight(case: Case) -> float:
+    return case.spec.steps * case.spec.tokens_per_step
+
+
+def render(report: CheckReport, update: bool):
+    from rich.table import Table
+
+    t = Table(title="zeppelin check" + (" --update" if update else ""))
+    for col in ("case", "planner", "golden ms", "now ms", "change", "tol", "plan ms", "status"):
+        t.add_column(col, justify="left" if col in ("case", "planner", "status") else "right", no_wrap=True)
+    for r in report.results:
+        g = f"{r.golden_mean_s * 1e3:.2f}" if r.golden_mean_s is not None else "-"
+        n = f"{r.new_mean_s * 1e3:.2f}" if r.new_mean_s is not None else "-"
+        ch = f"{r.change * 100:+.2f}%" if r.change is not None else "-"
+        if r.failures:
+            status = "[red]FAIL[/red]"
+        elif update:
+            status = "unchanged" if r.unchanged else ("[yellow]written[/yellow]" if r.written else "ok")
+        else:
+            status = "[green]ok[/green]"
+        t.add_row(r.name, r.planner, g, n, ch, f"{r.tolerance * 100:g}%", f"{r.latency_s * 1e3:.0f}", status)
+    return t

@@ -1,0 +1,313 @@
+"""``zeppelin compare``: the same steps planned by every planner, simulated side by side.
+
+Independent (planner, step) pairs run in worker processes; each job plans one step, checks its
+structural invariants and simulates it (:mod:`zeppelin.planner.sim.simulate`). Per planner the table
+reports mean / p50 / p90 simulated step time, speedup over ``te-cp`` (ratio of mean step times),
+ratio to the lower bound, mean exposed communication and planner latency.
+
+Datasets: a manifest (anything ``zeppelin data stats`` reads) or one of the built-in synthetic
+length mixes below (``short``, ``mixed``, ``long``), stand-ins for the short-heavy (ArXiv-like),
+mixed (GitHub-like) and long-heavy (ProLong64k-like) corpora of the papers.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from zeppelin.planner.core.base import PlanContext
+from zeppelin.schemas.common import InputError
+
+# Synthetic length mixes: (fraction, log-normal median, sigma) components, clipped to [16, 131072].
+MIXES: dict[str, list[tuple[float, float, float]]] = {
+    "short": [(0.85, 900.0, 0.9), (0.13, 6000.0, 0.7), (0.02, 40000.0, 0.5)],
+    "mixed": [(0.55, 1500.0, 1.0), (0.35, 9000.0, 0.7), (0.10, 45000.0, 0.5)],
+    "long": [(0.25, 2000.0, 1.0), (0.35, 16000.0, 0.6), (0.40, 60000.0, 0.35)],
+}
+DEFAULT_PLANNERS = ["packed-dp", "te-cp", "llama3-cp", "ulysses", "hybrid-dp", "megatron-dcp", "flexsp", "hydraulis",
+                    "zeppelin", "zeppelin-no-routing", "zeppelin-no-remap"]
+SOLVER_PLANNERS = ("flexsp", "hydraulis")  # planners whose MILP time limit --solver-time-limit sets
+
+
+def mix_dataset(name: str, num_samples: int = 20000, seed: int = 0):
+    """A deterministic synthetic dataset of one of the :data:`MIXES`."""
+    from zeppelin.schemas.datasets import Dataset
+
+    if name not in MIXES:
+        raise InputError(f"unknown length mix {name!r} (known: {', '.join(MIXES)})")
+    rng = np.random.default_rng(seed)
+    comps = MIXES[name]
+    which = rng.choice(len(comps), size=num_samples, p=[c[0] for c in comps])
+    med = np.array([c[1] for c in comps])[which]
+    sig = np.array([c[2] for c in comps])[which]
+    lengths = np.clip(np.exp(np.log(med) + sig * rng.standard_normal(num_samples)), 16, 131072).astype(np.int64)
+    return Dataset(lengths, source=f"mix:{name}", format="synthetic")
+
+
+def resolve_dataset(ref: str):
+    """``short`` / ``mixed`` / ``long`` (or ``mix:NAME``), else a manifest path."""
+    key = ref.removeprefix("mix:")
+    if key in MIXES:
+        return mix_dataset(key)
+    if ref.startswith("mix:"):
+        raise InputError(f"unknown length mix {key!r} (known: {', '.join(MIXES)})")
+    from zeppelin.schemas.datasets import load_manifest
+
+    return load_manifest(ref)
+
+
+@dataclass
+class PlannerRun:
+    planner: str
+    step_times: list[float] = field(default_factory=list)
+    lower_bounds: list[float] = field(default_factory=list)
+    exposed: list[float] = field(default_factory=list)
+    span_nodes: list[int] = field(default_factory=list)  # per step: most nodes one group spans
+    latencies: list[float] = field(default_factory=list)
+    predicted: list[float] = field(default_factory=list)
+    plan_cpu: list[float] = field(default_factory=list)
+    sim_cpu: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    def stats(self) -> dict[str, Any]:
+        if self.error is not None or not self.step_times:
+            return {"planner": self.planner, "error": self.error or "no steps"}
+        t = np.array(self.step_times)
+        lb = np.array(self.lower_bounds)
+        return {
+            "planner": self.planner, "error": None, "steps": len(t),
+            "mean_s": float(t.mean()), "p50_s": float(np.percentile(t, 50)), "p90_s": float(np.percentile(t, 90)),
+            "ratio_to_lower_bound": float(np.mean(t / lb)) if np.all(lb > 0) else math.nan,
+            "lower_bound_mean_s": float(np.mean(lb)),
+            "exposed_comm_s": float(np.mean(self.exposed)),
+            "steps_spanning_nodes": int(sum(x > 1 for x in self.span_nodes)),
+            "predicted_mean_s": float(np.mean(self.predicted)),
+            "plan_latency_mean_s": float(np.mean(self.latencies)), "plan_latency_max_s": float(np.max(self.latencies)),
+            "plan_cpu_mean_s": float(np.mean(self.plan_cpu)) if self.plan_cpu else math.nan,
+            "simulate_cpu_mean_s": float(np.mean(self.sim_cpu)) if self.sim_cpu else math.nan,
+            "step_times_s": [float(x) for x in t],
+        }
+
+
+# ------------------------------------------------------------------ worker side
+_W: dict[str, Any] = {}
+
+
+def _cpu() -> float:
+    """CPU seconds of this process and its finished children (solver subprocesses such as CBC)."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not on POSIX
+        return time.process_time()
+    ch = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + ch.ru_utime + ch.ru_stime
+
+
+def _init(ctx: PlanContext, options: dict[str, dict[str, Any]], steps: list[list]) -> None:
+    """Per worker process, once: the context, planner options and the steps (inherited, not pickled,
+    under fork); planners, plan headers and the simulator are built on first use and reused."""
+    _W.update(ctx=ctx, options=options, steps=steps, sims=None, planners={}, headers={})
+
+
+def _max_group_nodes(ctx: PlanContext, sp) -> int:
+    """The most nodes any attention group of the plan spans (1: every group stays inside a node)."""
+    if sp.replicas is not None:
+        node = [ctx.cluster.node_of(r.ranks[0]) for r in sp.replicas]
+    else:
+        node = [ctx.cost.node_of_unit(u) for u in range(ctx.num_units)]
+    return max((len({node[u] for u in g.units}) for mb in sp.microbatches for g in mb.groups), default=1)
+
+
+def _job(arg: tuple[str, int]) -> tuple[str, int, dict[str, Any]]:
+    from zeppelin.planner.core.base import get_planner
+    from zeppelin.planner.core.driver import make_header
+    from zeppelin.planner.sim.simulate import Simulator
+    from zeppelin.schemas.common import InputError as _IE
+    from zeppelin.schemas.plan import SamplerConfig, structural_problems
+
+    name, k = arg
+    ctx = _W["ctx"]
+    seqs = _W["steps"][k]
+    try:
+        planner = _W["planners"].get(name)
+        if planner is None:
+            planner = _W["planners"][name] = get_planner(name, **_W["options"].get(name, {}))
+        t0, c0 = time.perf_counter(), _cpu()
+        sp = planner.plan_step(ctx, k, seqs)
+        lat, plan_cpu = time.perf_counter() - t0, _cpu() - c0
+    except _IE as e:
+        return name, k, {"error": e.problem if hasattr(e, "problem") else str(e)}
+    hkey = (name, len(seqs))
+    if hkey not in _W["headers"]:
+        _W["headers"][hkey] = make_header(ctx, planner, None, SamplerConfig(seqs_per_step=len(seqs)), 1)
+    probs = structural_problems(_W["headers"][hkey], sp, limit=1)
+    if probs:
+        return name, k, {"error": f"invalid plan: {probs[0]}"}
+    if _W["sims"] is None:
+        _W["sims"] = Simulator(ctx)
+    c1 = time.process_time()
+    r = _W["sims"].simulate_step(sp)
+    return name, k, {"time": r.step_time_s, "lb": r.lower_bound_s, "exposed": r.exposed_comm_s, "latency": lat,
+                     "span_nodes": _max_group_nodes(ctx, sp),
+                     "predicted": sp.prediction.step_time_s if sp.prediction else r.step_time_s,
+                     "plan_cpu": plan_cpu, "sim_cpu": time.process_time() - c1}
+
+
+# Pool order, longest jobs first so that short ones fill the tail: planners that spend a MILP time
+# budget per step, then zeppelin and its ablations (tiering, routing, remap; their simulation models
+# every routed transfer), then the static and greedy baselines.
+_HEAVY = (*SOLVER_PLANNERS, "zeppelin", "zeppelin-no-routing", "zeppelin-no-remap")
+
+
+def job_order(planners: list[str], num_steps: int) -> list[tuple[str, int]]:
+    """(planner, step) jobs in pool order: heavy planners first, each planner's steps in order (so a
+    planner's first failing step is met early and its later steps can be dropped)."""
+    rank = {p: (_HEAVY.index(p) if p in _HEAVY else len(_HEAVY)) for p in planners}
+    ordered = sorted(planners, key=lambda p: (rank[p], planners.index(p)))
+    return [(p, k) for p in ordered for k in range(num_steps)]
+
+
+def run_compare(ctx: PlanContext, steps: list[list], planners: list[str],
+                options: dict[str, dict[str, Any]] | None = None, workers: int = 1,
+                progress: bool = False) -> list[PlannerRun]:
+    """Plan and simulate every (planner, step); a planner that fails on any step is reported failed
+    (at its first failing step; its steps after a failure are not run)."""
+    from zeppelin.planner.core.base import get_planner
+
+    for p in planners:
+        get_planner(p)  # unknown names fail before any work
+    options = options or {}
+    jobs = job_order(planners, len(steps))
+    runs = {p: PlannerRun(p) for p in planners}
+    out: dict[tuple[str, int], dict] = {}
+    failed_at: dict[str, int] = {}  # planner -> smallest failing step seen so far
+    if workers <= 1 or len(jobs) <= 1:
+        _init(ctx, options, steps)
+        for name, k in jobs:
+            if name in failed_at:
+                continue
+            out[(name, k)] = res = _job((name, k))[2]
+            if "error" in res:
+                failed_at[name] = k
+    else:
+        import multiprocessing as mp
+        from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+        with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=mp.get_context(method),
+                                 initializer=_init, initargs=(ctx, options, steps)) as ex:
+            futs = {ex.submit(_job, j): j for j in jobs}
+            pending = set(futs)
+            while pending:
+                done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for f in done:
+                    if f.cancelled():
+                        continue
+                    name, k, res = f.result()
+                    out[(name, k)] = res
+                    if "error" in res and k < failed_at.get(name, len(steps)):
+                        failed_at[name] = k
+                        # steps after the first failure cannot change the report: drop the queued ones
+                        for g in pending:
+                            if futs[g][0] == name and futs[g][1] > k:
+                                g.cancel()
+    for p in planners:
+        run = runs[p]
+        for k in range(len(steps)):
+            res = out[(p, k)]  # every step up to a planner's first failure has run
+            if "error" in res:
+                run.error = f"step {k}: {res['error']}"
+                break
+            run.step_times.append(res["time"])
+            run.lower_bounds.append(res["lb"])
+            run.exposed.append(res["exposed"])
+            run.span_nodes.append(res.get("span_nodes", 1))
+            run.latencies.append(res["latency"])
+            run.predicted.append(res["predicted"])
+            run.plan_cpu.append(res["plan_cpu"])
+            run.sim_cpu.append(res["sim_cpu"])
+    return [runs[p] for p in planners]
+
+
+def comparison(runs: list[PlannerRun], reference: str = "te-cp") -> dict[str, Any]:
+    """Per-planner statistics plus speedups over ``reference`` and over the best other baseline."""
+    stats = [r.stats() for r in runs]
+    by = {s["planner"]: s for s in stats}
+    ref = by.get(reference)
+    ref_mean = ref["mean_s"] if ref and ref.get("error") is None else None
+    for s in stats:
+        if s.get("error") is None and ref_mean:
+            s["speedup_vs_" + reference.replace("-", "_")] = ref_mean / s["mean_s"]
+    doc: dict[str, Any] = {"planners": stats, "reference": reference}
+    z = by.get("zeppelin")
+    if z and z.get("error") is None:
+        others = [s for s in stats if s.get("error") is None and not s["planner"].startswith("zeppelin")]
+        if others:
+            best = min(others, key=lambda s: s["mean_s"])
+            doc["best_baseline"] = best["planner"]
+            doc["zeppelin_speedup_vs_best_baseline"] = best["mean_s"] / z["mean_s"]
+        if ref_mean:
+            doc["zeppelin_speedup_vs_" + reference.replace("-", "_")] = ref_mean / z["mean_s"]
+    return doc
+
+
+def render_table(doc: dict[str, Any], title: str):
+    from rich.table import Table
+
+    ref = doc["reference"]
+    key = "speedup_vs_" + ref.replace("-", "_")
+    t = Table(title=title)
+    for col in ("planner", "mean ms", "p50 ms", "p90 ms", f"vs {ref}", "xLB", "exposed ms", "plan ms"):
+        t.add_column(col, justify="left" if col == "planner" else "right", no_wrap=True)
+    failed = []
+    for s in doc["planners"]:
+        if s.get("error"):
+            t.add_row(s["planner"], "[red]failed[/red]", "", "", "", "", "", "")
+            failed.append(f"{s['planner']}: {s['error']}")
+            continue
+        t.add_row(s["planner"], f"{s['mean_s'] * 1e3:.1f}", f"{s['p50_s'] * 1e3:.1f}", f"{s['p90_s'] * 1e3:.1f}",
+                  f"{s[key]:.2f}x" if key in s else "-", f"{s['ratio_to_lower_bound']:.2f}",
+                  f"{s['exposed_comm_s'] * 1e3:.1f}", f"{s['plan_latency_mean_s'] * 1e3:.0f}")
+    if failed:
+        t.caption = "failed: " + "; ".join(failed)
+    return t
+
+
+def draw_png(doc: dict[str, Any], title: str, path) -> None:
+    """Bar charts: mean step time (p50-p90 whiskers) and speedup over the reference."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from zeppelin.planner.tools.show import save_png
+
+    ok = [s for s in doc["planners"] if not s.get("error")]
+    names = [s["planner"] for s in ok]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.2))
+    mean = np.array([s["mean_s"] * 1e3 for s in ok])
+    lo = mean - np.array([s["p50_s"] * 1e3 for s in ok])
+    hi = np.array([s["p90_s"] * 1e3 for s in ok]) - mean
+    colors = ["#d62728" if n.startswith("zeppelin") else "#1f77b4" for n in names]
+    a1.bar(names, mean, color=colors, yerr=[np.maximum(lo, 0), np.maximum(hi, 0)], capsize=3)
+    a1.set_ylabel("simulated step time, ms (bars: mean; whiskers: p50..p90)")
+    key = "speedup_vs_" + doc["reference"].replace("-", "_")
+    a2.bar(names, [s.get(key, 0.0) for s in ok], color=colors)
+    a2.axhline(1.0, color="k", lw=0.8)
+    a2.set_ylabel(f"speedup over {doc['reference']}")
+    for ax in (a1, a2):
+        ax.tick_params(axis="x", rotation=45)
+        for lab in ax.get_xticklabels():
+            lab.set_ha("right")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    save_png(fig, path, dpi=100)
+
+
+def default_workers() -> int:
+    return max(1, os.cpu_count() or 1)

@@ -1,0 +1,206 @@
+"""``zeppelin show``: a plan step rendered for a person, and its PNG (Gantt timeline + load heat-map)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from zeppelin.planner.sim.simulate import SimResult
+from zeppelin.schemas.common import atomic_write
+from zeppelin.schemas.plan import PlanHeader, Prediction, StepPlan
+
+__all__ = ["draw_png", "group_rows", "load_rows", "render_step", "step_prediction"]
+
+_BAR = 40
+
+
+def step_prediction(header: PlanHeader, step: StepPlan) -> Prediction:
+    """The plan's own prediction, or the analytic one when the plan carries none."""
+    if step.prediction is not None:
+        return step.prediction
+    from zeppelin.planner.costmodel.predict import predict_step
+    from zeppelin.planner.sim.simulate import context_from_header
+
+    return predict_step(context_from_header(header), step)
+
+
+def group_rows(step: StepPlan) -> list[dict]:
+    """One row per group with placements: micro-batch, tier, kind, units, sequences (index:length)."""
+    rows = []
+    for mbi, mb in enumerate(step.microbatches):
+        seqs: dict[int, list[int]] = defaultdict(list)
+        for p in mb.placements:
+            seqs[p.group].append(p.seq)
+        for gi, g in enumerate(mb.groups):
+            if gi not in seqs:
+                continue
+            ss = sorted(seqs[gi], key=lambda i: -step.sequences[i].length)
+            rows.append({"microbatch": mbi, "group": gi, "tier": g.tier, "kind": g.kind, "units": list(g.units),
+                         "sequences": [(i, step.sequences[i].length) for i in ss],
+                         "tokens": sum(step.sequences[i].length for i in ss)})
+    order = {"inter": 0, "intra": 1, "local": 2}
+    rows.sort(key=lambda r: (r["microbatch"], order[r["tier"]], r["group"]))
+    return rows
+
+
+def load_rows(pred: Prediction) -> list[tuple[int, float, float, float, float, int]]:
+    """(unit, attention, linear, exposed comm, total, tokens) per unit."""
+    pu = pred.per_unit
+    return [(u, pu.attention_s[u], pu.linear_s[u], pu.exposed_comm_s[u], pu.total_s[u], pu.tokens[u])
+            for u in range(len(pu.total_s))]
+
+
+def _units_text(units: list[int]) -> str:
+    if len(units) > 2 and units == list(range(units[0], units[0] + len(units))):
+        return f"{units[0]}-{units[-1]}"
+    if len(units) > 12:
+        return ",".join(map(str, units[:12])) + f",... ({len(units)})"
+    return ",".join(map(str, units))
+
+
+def _seqs_text(seqs: list[tuple[int, int]], limit: int = 8) -> str:
+    txt = " ".join(f"#{i}:{n}" for i, n in seqs[:limit])
+    if len(seqs) > limit:
+        txt += f" ... (+{len(seqs) - limit})"
+    return txt
+
+
+def render_step(header: PlanHeader, step: StepPlan, console) -> None:
+    """Print the step: groups by tier, per-unit load bars, NIC loads with/without routing, remap volume."""
+    from rich.table import Table
+    from rich.text import Text
+
+    pred = step_prediction(header, step)
+    lengths = [s.length for s in step.sequences]
+    msg = (f"[bold]step {step.step}[/bold]: {len(lengths)} sequences, {sum(lengths)} tokens "
+           f"(longest {max(lengths)}), {len(step.microbatches)} micro-batch(es); predicted "
+           f"{pred.step_time_s * 1e3:.2f} ms, lower bound {pred.lower_bound_s * 1e3:.2f} ms")
+    if pred.lower_bound_s > 0:
+        msg += f" (x{pred.step_time_s / pred.lower_bound_s:.2f})"
+    console.print(msg)
+
+    t = Table(title="groups by tier")
+    for col in ("mb", "tier", "kind", "units", "seqs", "tokens", "sequences (#index:length)"):
+        t.add_column(col, justify="left" if col.startswith("seq") else "right")
+    tiers: dict[str, int] = defaultdict(int)
+    for r in group_rows(step):
+        tiers[r["tier"]] += len(r["sequences"])
+        t.add_row(str(r["microbatch"]), r["tier"], r["kind"], _units_text(r["units"]), str(len(r["sequences"])),
+                  str(r["tokens"]), _seqs_text(r["sequences"]))
+    console.print(t)
+    console.print("sequences per tier: " + ", ".join(f"{k} {v}" for k, v in sorted(tiers.items())))
+
+    rows = load_rows(pred)
+    tmax = max((r[4] for r in rows), default=0.0) or 1.0
+    lt = Table(title="per-unit predicted load (█ attention, ▓ linear, ░ exposed comm)")
+    for col in ("unit", "tokens", "total ms", "load"):
+        lt.add_column(col, justify="left" if col == "load" else "right")
+    for u, a, li, ex, tot, tok in rows:
+        bar = Text()
+        na = round(a / tmax * _BAR)
+        nl = round((a + li) / tmax * _BAR) - na
+        ne = round(tot / tmax * _BAR) - na - nl
+        bar.append("█" * na, style="cyan")
+        bar.append("▓" * max(nl, 0), style="green")
+        bar.append("░" * max(ne, 0), style="red")
+        lt.add_row(str(u), str(tok), f"{tot * 1e3:.2f}", bar)
+    console.print(lt)
+
+    nics = sorted(set(pred.nic_bytes) | set(pred.nic_bytes_unrouted))
+    if nics:
+        nt = Table(title="NIC load per step (GB sent + received)")
+        for col in ("NIC", "with routing", "without routing"):
+            nt.add_column(col, justify="right")
+        for k in nics:
+            nt.add_row(k, f"{pred.nic_bytes.get(k, 0.0) / 1e9:.3f}", f"{pred.nic_bytes_unrouted.get(k, 0.0) / 1e9:.3f}")
+        r_max = max(pred.nic_bytes.values(), default=0.0)
+        u_max = max(pred.nic_bytes_unrouted.values(), default=0.0)
+        nt.caption = (f"busiest NIC: {r_max / 1e9:.3f} GB routed vs {u_max / 1e9:.3f} GB unrouted")
+        console.print(nt)
+    else:
+        console.print("NIC load: no inter-node ring traffic in this step")
+    for mbi, mb in enumerate(step.microbatches):
+        rm = mb.remap
+        if rm.enabled or mb.linear_layout is not None:
+            extra = f", predicted saving {rm.predicted_saving_s * 1e3:.2f} ms" if rm.predicted_saving_s else ""
+            console.print(f"remap (micro-batch {mbi}): {rm.tokens_moved} tokens moved, {rm.tokens_moved_inter} "
+                          f"across nodes{extra}" + (f" - {rm.reason}" if rm.reason else ""))
+        else:
+            console.print(f"remap (micro-batch {mbi}): off" + (f" - {rm.reason}" if rm.reason else ""))
+
+
+_COLORS = {"attention": "#1f77b4", "linear": "#2ca02c", "ring-intra": "#ff7f0e", "ring-inter": "#d62728",
+           "dispatch-intra": "#9467bd", "combine-intra": "#8c564b", "remap-intra": "#e377c2",
+           "remap-inter": "#e377c2", "ulysses-intra": "#bcbd22", "ulysses-inter": "#bcbd22",
+           "allgather-intra": "#17becf", "allgather-inter": "#17becf"}
+
+
+def draw_png(header: PlanHeader, step: StepPlan, result: SimResult, path: str | Path) -> None:
+    """Per-unit Gantt of the simulated layers (one per micro-batch) and a heat-map of unit loads."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    n = len(result.units)
+    fig_h = min(max(3.0, 0.18 * n + 2.5), 18.0)
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(15, fig_h), gridspec_kw={"width_ratios": [3, 1.2]})
+    offset = 0.0
+    seen = set()
+    for mbi, mb in enumerate(result.timeline or []):
+        by_cat: dict[tuple[str, str], list] = defaultdict(list)
+        for iv in mb.intervals:
+            by_cat[(iv.cat, iv.lane)].append(iv)
+        for (cat, lane), ivs in by_cat.items():
+            color = _COLORS.get(cat, "#7f7f7f")
+            if lane == "compute":
+                for iv in ivs:
+                    ax.broken_barh([((offset + iv.start) * 1e3, (iv.end - iv.start) * 1e3)], (iv.unit - 0.4, 0.55),
+                                   facecolors=color)
+            else:
+                for iv in ivs:
+                    ax.broken_barh([((offset + iv.start) * 1e3, (iv.end - iv.start) * 1e3)], (iv.unit + 0.2, 0.2),
+                                   facecolors=color, alpha=0.6)
+            seen.add(cat)
+        if mbi:
+            ax.axvline(offset * 1e3, color="k", lw=0.6, ls="--")
+        offset += mb.layer_period_s
+    ax.set_ylim(n - 0.5, -0.5)
+    ax.set_yticks(range(0, n, max(1, n // 32)))
+    ax.set_xlabel("ms (one transformer layer, forward + backward, per micro-batch)")
+    ax.set_ylabel("unit")
+    ax.set_title(f"{header.planner}: step {step.step}, simulated {result.step_time_s * 1e3:.1f} ms "
+                 f"({result.num_layers} layers + head + all-reduce)")
+    handles = [Patch(color=_COLORS.get(c, "#7f7f7f"), label=c) for c in sorted(seen)]
+    if handles:
+        ax.legend(handles=handles, loc="upper right", fontsize=7)
+    # heat-map of unit loads: nodes x units per node, simulated busy time
+    upn = max(1, len(result.units) // max(header.cluster.num_nodes, 1))
+    rows = (n + upn - 1) // upn
+    grid = np.full((rows, upn), np.nan)
+    for u, s in enumerate(result.units):
+        grid[u // upn, u % upn] = s.busy_s * 1e3
+    im = ax2.imshow(grid, aspect="auto", cmap="viridis")
+    ax2.set_xticks(range(0, upn, max(1, upn // 16)))
+    ax2.set_yticks(range(0, rows, max(1, rows // 32)))
+    ax2.set_xlabel("unit within node")
+    ax2.set_ylabel("node")
+    ax2.set_title("busy ms per unit")
+    fig.colorbar(im, ax=ax2)
+    fig.tight_layout()
+    save_png(fig, path, dpi=110)
+
+
+def save_png(fig, path, dpi: int = 100) -> None:
+    """Write a matplotlib figure as a PNG file atomically (temporary name, then rename; nothing
+    half-written is left behind) and close it."""
+    import matplotlib.pyplot as plt
+
+    try:
+        with atomic_write(path, "wb") as fh:
+            fig.savefig(fh, format="png", dpi=dpi)
+    finally:
+        plt.close(fig)

@@ -1,0 +1,196 @@
+"""``zeppelin validate``: check every invariant of a plan file (DESIGN.md section 3).
+
+Invariants, each reported with its name so a person can tell which one broke:
+
+* ``coverage``   every token of every sequence exactly once in the attention layout and, where a
+                 micro-batch remaps, exactly once in the linear layout; groups, queues and
+                 placements consistent (:func:`zeppelin.schemas.plan.structural_problems`);
+* ``ring-order`` ring groups cut as zigzag chunks follow the 2G layout for their ring order, and
+                 the units' queues order shared groups the same way (no two units wait on each
+                 other in opposite orders);
+* ``memory``     no unit holds more tokens than its activation memory allows, in either layout;
+* ``routes``     every inter-node ring transfer has a route over existing links and NICs
+                 (:func:`zeppelin.planner.zeppelin.routing.route_problems`);
+* ``inputs``     the header's hashes match the inputs embedded in it and the inputs given on
+                 the command line (cluster, model, profile, manifest).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections import defaultdict
+from typing import Any
+
+from zeppelin.planner.core.base import PlanContext
+from zeppelin.schemas.common import InputError, content_hash
+from zeppelin.schemas.layout import zigzag_ranges
+from zeppelin.schemas.plan import MicroBatch, PlanHeader, PlanReader, StepPlan, structural_problems
+
+
+def header_context(header: PlanHeader) -> PlanContext:
+    try:
+        return PlanContext(header.cluster, header.model, header.profile, tp=header.tp, zero_stage=header.zero_stage,
+                           tp_overlap=header.tp_overlap, seed=header.seed)
+    except ValueError as e:
+        raise InputError(f"plan header: {e}") from None
+
+
+def input_problems(header: PlanHeader, cluster=None, model=None, profile=None, manifest: Any = None) -> list[str]:
+    probs = []
+    for name, embedded in (("cluster", header.cluster), ("model", header.model), ("profile", header.profile)):
+        want = getattr(header.hashes, name)
+        got = content_hash(embedded)
+        if got != want:
+            probs.append(f"inputs: the embedded {name} hashes to {got}, the header records {want} "
+                         f"(plan edited after planning?)")
+    for name, given in (("cluster", cluster), ("model", model), ("profile", profile)):
+        if given is None:
+            continue
+        got = content_hash(given)
+        want = getattr(header.hashes, name)
+        if got != want:
+            label = getattr(given, "name", "") or name
+            probs.append(f"inputs: {name} {label!r} ({got}) is not the {name} this plan was made for "
+                         f"({getattr(getattr(header, name), 'name', '') or name}, {want})")
+    if manifest is not None:
+        got = manifest.content_hash
+        if got != header.hashes.manifest:
+            probs.append(f"inputs: manifest {manifest.source!r} ({got}) is not the manifest this plan was made "
+                         f"for ({header.manifest.path or '?'}, {header.hashes.manifest})")
+    return probs
+
+
+def ring_problems(step: StepPlan, mbi: int, mb: MicroBatch) -> list[str]:
+    probs: list[str] = []
+    where = f"step {step.step} microbatch {mbi}"
+    for p in mb.placements:
+        if p.scheme != "zigzag" or not 0 <= p.group < len(mb.groups) or not 0 <= p.seq < len(step.sequences):
+            continue
+        G = len(mb.groups[p.group].units)
+        L = p.padded_length or step.sequences[p.seq].length
+        want = zigzag_ranges(L, G)
+        got = [[list(r) for r in rs] for rs in p.ranges]
+        if got != want:
+            probs.append(f"ring-order: {where}: sequence {p.seq} is not cut into 2G={2 * G} zigzag chunks in ring "
+                         f"order of group {p.group} (position i must hold chunks i and 2G-1-i)")
+    # queue order: the union of every unit's queue order must be acyclic
+    succ: dict[int, set[int]] = defaultdict(set)
+    indeg: dict[int, int] = defaultdict(int)
+    nodes: set[int] = set()
+    for q in mb.queues:
+        nodes.update(q)
+        for a, b in itertools.pairwise(q):
+            if b not in succ[a]:
+                succ[a].add(b)
+                indeg[b] += 1
+    ready = [g for g in nodes if indeg[g] == 0]
+    seen = 0
+    while ready:
+        g = ready.pop()
+        seen += 1
+        for h in succ[g]:
+            indeg[h] -= 1
+            if indeg[h] == 0:
+                ready.append(h)
+    if seen != len(nodes):
+        stuck = sorted(g for g in nodes if indeg[g] > 0)[:6]
+        probs.append(f"ring-order: {where}: units queue groups {stuck} in conflicting orders "
+                     f"(their rings would wait on each other)")
+    return probs
+
+
+def kind_family_problems(step: StepPlan, mbi: int, mb: MicroBatch) -> list[str]:
+    """The runtime runs one family of attention groups per unit and micro-batch: Ulysses (all-to-all)
+    groups, or rings / all-gathers; local work goes with either."""
+    probs = []
+    for u, q in enumerate(mb.queues):
+        kinds = {mb.groups[g].kind for g in q if 0 <= g < len(mb.groups)}
+        if "ulysses" in kinds and kinds & {"ring", "allgather"}:
+            probs.append(f"kinds: step {step.step} microbatch {mbi}: unit {u} runs Ulysses and ring groups in one "
+                         "micro-batch (the runtime runs one family per unit: Ulysses, or rings/all-gathers)")
+    return probs
+
+
+def memory_problems(ctx: PlanContext, step: StepPlan, mbi: int, mb: MicroBatch) -> list[str]:
+    # units are uniform replicas of header.tp GPUs, or the step's own replicas (mixed TP degrees)
+    reps = step.replicas
+    costs = [ctx.cost] * ctx.num_units if reps is None else [ctx.cost_for(r.tp) for r in reps]
+    n = len(costs)
+    att = [0] * n
+    for p in mb.placements:
+        if not 0 <= p.group < len(mb.groups):
+            continue
+        units = mb.groups[p.group].units
+        for pos, rs in enumerate(p.ranges):
+            if pos < len(units) and 0 <= units[pos] < n:
+                att[units[pos]] += sum(max(e - s, 0) for s, e in rs)
+    lin = att if mb.linear_layout is None else [sum(max(e - s, 0) for _, s, e in segs) for segs in mb.linear_layout]
+    probs = []
+    for what, held in (("attention", att), ("linear", lin)):
+        for u, t in enumerate(held):
+            cm = costs[u] if u < n else ctx.cost
+            cap = cm.token_capacity
+            if t > cap:
+                gb = float(cm.memory_bytes(t)) / 1e9
+                probs.append(f"memory: step {step.step} microbatch {mbi} unit {u} holds {t:,} tokens in the {what} "
+                             f"layout, more than the {cap:,} its memory allows ({gb:.1f} GB > "
+                             f"{ctx.cluster.gpu.memory_gb - ctx.profile.memory_reserved_gb:g} GB usable)")
+    return probs
+
+
+def step_problems(ctx: PlanContext, header: PlanHeader, step: StepPlan, limit: int = 20) -> list[str]:
+    probs = [f"coverage: {p}" for p in structural_problems(header, step, limit=limit)]
+    if probs:
+        return probs[:limit]
+    from zeppelin.planner.zeppelin.routing import route_problems
+
+    for mbi, mb in enumerate(step.microbatches):
+        probs += ring_problems(step, mbi, mb)
+        probs += memory_problems(ctx, step, mbi, mb)
+        probs += kind_family_problems(step, mbi, mb)
+        # replicas of mixed TP degree (Hydraulis) run ring transfers direct, one flow per TP rank
+        if step.replicas is None or mb.routes:
+            probs += [f"routes: step {step.step} microbatch {mbi}: {p}" for p in route_problems(ctx, mb)]
+        if len(probs) >= limit:
+            break
+    return probs[:limit]
+
+
+def validate_plan(path: str | os.PathLike, cluster=None, model=None, profile=None, manifest: Any = None,
+                  limit: int = 20) -> list[str]:
+    """All problems of the plan at ``path`` (empty: valid). Raises InputError if it cannot be read."""
+    reader = PlanReader(path, check=False)
+    header = reader.header
+    ctx = header_context(header)
+    probs = input_problems(header, cluster, model, profile, manifest)
+    try:
+        for step in reader:
+            probs += step_problems(ctx, header, step, limit=limit)
+            if len(probs) >= limit:
+                break
+    except InputError as e:
+        probs.append(f"format: {e.problem}")
+    return probs[:limit]
+
+
+def validate_summary(path: str | os.PathLike) -> dict[str, Any]:
+    """Totals of a valid plan for the CLI's report."""
+    reader = PlanReader(path, check=False)
+    steps = seqs = tokens = 0
+    tiers: dict[str, int] = defaultdict(int)
+    ratios = []
+    for st in reader:
+        steps += 1
+        seqs += len(st.sequences)
+        tokens += st.tokens
+        for mb in st.microbatches:
+            per_group = defaultdict(int)
+            for p in mb.placements:
+                per_group[p.group] += 1
+            for gi, g in enumerate(mb.groups):
+                tiers[g.tier] += per_group.get(gi, 0)
+        if st.prediction is not None and st.prediction.lower_bound_s > 0:
+            ratios.append(st.prediction.step_time_s / st.prediction.lower_bound_s)
+    return {"planner": reader.header.planner, "steps": steps, "sequences": seqs, "tokens": tokens,
+            "tiers": dict(tiers), "ratios": ratios, "world_size": reader.header.world_size}

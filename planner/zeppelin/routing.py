@@ -1,0 +1,480 @@
+"""NIC routing of inter-node ring transfers (Zeppelin's routing layer).
+
+Static GPU->NIC affinity makes the ring members of inter-node groups saturate their own NICs while
+the NICs of GPUs busy with local work stay idle. A routed cross-node send is *dispatch* (scatter the
+K/V block over NVLink to proxy units on the source node) -> *parallel transfer* over the proxies'
+NICs -> *combine* (gather on the destination node through proxy units there).
+
+The topology (:func:`build_topology`) is a networkx graph: ``gpu:<rank>`` - ``nvswitch:<node>``
+(the intra-node fabric, NVSwitch or an NVLink mesh modelled as a hub), ``gpu:<rank>`` -
+``pcie:<node>:<k>`` - ``nic:node<k>/<id>`` - ``fabric`` (the non-blocking inter-node network), and
+``pcie:<node>:<k>`` - ``host:<node>`` (the CPU root complex, used only when a GPU's NIC hangs off
+another PCIe switch).
+
+Routing algorithm (:func:`plan_routes`)
+---------------------------------------
+NICs are full duplex, so the send direction of a node's NICs carries only that node's outgoing
+transfers and the receive direction only its incoming ones. The problem therefore splits into one
+independent sub-problem per (node, direction): spread the bytes homed on the node's NICs (the NIC
+of each transfer's source / destination unit) over every NIC of the node that a unit uses,
+minimising the most loaded NIC. A NIC's load is its busy time over the step:
+``sum_t tokens_t * (G_t - 1)`` (ring rounds) scaled by the per-token K/V bytes and divided by the
+NIC's bandwidth. Any transfer can use any NIC of its node (all GPUs of a node see each other over
+NVLink), so the minimum of the max load is exactly the water level
+``T* = total load / total bandwidth``; it is reached by moving the excess ``L_n - T* bw_n`` of each
+over-full NIC to under-full ones, and no assignment reaching ``T*`` moves fewer bytes (every NIC
+above the level must shed at least its excess). That is *exact water-filling*; it needs no LP and
+runs in O(transfers + NICs) per node.
+
+The excess of a NIC is taken from its transfers in proportion to their size, so each transfer's
+dispatch/combine hop (an NVLink copy) is as short as possible. The hop costs time
+(``ctx.cost.p2p_time(..., 'intra')`` per ring round); a node-direction is routed only when
+``T* + longest hop < T_direct`` (with ``bw_nvlink > bw_nic``, the completion time ``T + hop(T)``
+grows with ``T``, so if routing pays at all, it pays most at the water level). The send and
+receive splits of one transfer are then paired into paths: the unrouted part goes directly
+(``via_src == src``, ``via_dst == dst``), the rest through proxies. A proxy on NIC ``m`` is the unit
+using ``m`` that is least busy with communication: units that are not ring members of inter-node
+groups first, then units outside any multi-unit group, ties rotated so that several proxied
+pieces do not pile onto one GPU.
+
+With tensor parallelism a unit is ``tp`` GPUs; its NIC is the NIC of its first GPU
+(``ctx.cluster.nic_of(u * tp)``), as in :func:`zeppelin.planner.costmodel.predict.nic_loads`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from zeppelin.planner.core.base import PlanContext
+from zeppelin.schemas.cluster import ClusterSpec
+from zeppelin.schemas.layout import ranges_tokens
+from zeppelin.schemas.plan import MicroBatch, Route, RoutePath
+
+if TYPE_CHECKING:  # pragma: no cover
+    import networkx as nx
+
+__all__ = ["build_topology", "inter_transfers", "nic_load_table", "plan_routes", "route_problems", "unit_nic"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Topology
+# ---------------------------------------------------------------------------------------------
+
+
+def _nic_switch(cluster: ClusterSpec) -> dict[str, int]:
+    return {n.id: (n.pcie_switch if n.pcie_switch is not None else i) for i, n in enumerate(cluster.nics)}
+
+
+def build_topology(cluster: ClusterSpec, tp: int = 1) -> nx.Graph:
+    """The cluster as an undirected networkx graph (every node alike).
+
+    Nodes carry ``kind`` (gpu, nvswitch, pcie, host, nic, fabric) and ``node``; GPU nodes also
+    ``rank``, ``unit`` (``rank // tp``) and ``nic`` (the global NIC name of their affinity).
+    Edges carry ``kind`` and ``bandwidth_GBps`` (per direction). PCIe edges are given the bandwidth
+    of the NIC they lead to: the cluster spec does not describe PCIe separately, and on the
+    GPU->NIC path of GPUDirect RDMA the NIC is the bottleneck.
+    """
+    import networkx as nx
+
+    if tp < 1 or cluster.gpus_per_node % tp:
+        from zeppelin.schemas.common import InputError
+
+        raise InputError(f"tp={tp} must divide gpus_per_node={cluster.gpus_per_node}")
+    g = nx.Graph(name=cluster.name, tp=tp)
+    g.add_node("fabric", kind="fabric", node=None)
+    nic_sw = _nic_switch(cluster)
+    nic_bw = {n.id: n.bandwidth_GBps for n in cluster.nics}
+    gpn = cluster.gpus_per_node
+    if cluster.gpu_pcie_switch is not None:
+        gpu_sw = list(cluster.gpu_pcie_switch)
+    else:
+        gpu_sw = [nic_sw[cluster.gpu_nic[i]] for i in range(gpn)]
+    switches = sorted(set(gpu_sw) | set(nic_sw.values()))
+    link = cluster.intra_link
+    for k in range(cluster.num_nodes):
+        hub = f"nvswitch:{k}"
+        host = f"host:{k}"
+        g.add_node(hub, kind="nvswitch", node=k)
+        g.add_node(host, kind="host", node=k)
+        sw_bw: dict[int, float] = defaultdict(float)
+        for n in cluster.nics:
+            sw_bw[nic_sw[n.id]] = max(sw_bw[nic_sw[n.id]], n.bandwidth_GBps)
+        for s in switches:
+            g.add_node(f"pcie:{k}:{s}", kind="pcie", node=k)
+            g.add_edge(f"pcie:{k}:{s}", host, kind="pcie",
+                       bandwidth_GBps=sw_bw.get(s) or max(nic_bw.values()))
+        for n in cluster.nics:
+            name = f"nic:node{k}/{n.id}"
+            g.add_node(name, kind="nic", node=k, bandwidth_GBps=n.bandwidth_GBps)
+            g.add_edge(name, f"pcie:{k}:{nic_sw[n.id]}", kind="pcie", bandwidth_GBps=n.bandwidth_GBps)
+            g.add_edge(name, "fabric", kind="network", bandwidth_GBps=n.bandwidth_GBps)
+        for i in range(gpn):
+            r = k * gpn + i
+            gn = f"gpu:{r}"
+            g.add_node(gn, kind="gpu", node=k, rank=r, unit=r // tp, nic=cluster.nic_of(r))
+            g.add_edge(gn, hub, kind=link.kind, bandwidth_GBps=link.bandwidth_GBps)
+            g.add_edge(gn, f"pcie:{k}:{gpu_sw[i]}", kind="pcie", bandwidth_GBps=nic_bw[cluster.gpu_nic[i]])
+    return g
+
+
+@lru_cache(maxsize=16)
+def _topology_cached(cluster_json: str, tp: int) -> nx.Graph:
+    return build_topology(ClusterSpec.model_validate_json(cluster_json), tp)
+
+
+def _pcie_path(g: nx.Graph, gpu: str, nic: str) -> list[str] | None:
+    """The PCIe hops from a GPU to a NIC on its node (same switch, or through the host)."""
+    if gpu not in g or nic not in g:
+        return None
+    sws = [n for n in g.neighbors(gpu) if g.nodes[n]["kind"] == "pcie"]
+    for s in sws:
+        if g.has_edge(s, nic):
+            return [gpu, s, nic]
+    for s in sws:
+        for h in g.neighbors(s):
+            if g.nodes[h]["kind"] != "host":
+                continue
+            for s2 in g.neighbors(h):
+                if g.nodes[s2]["kind"] == "pcie" and g.has_edge(s2, nic):
+                    return [gpu, s, h, s2, nic]
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Transfers
+# ---------------------------------------------------------------------------------------------
+
+
+def unit_nic(ctx: PlanContext, unit: int) -> str:
+    """Global NIC name (``node<k>/<id>``) a unit uses: that of its first GPU rank."""
+    return ctx.cluster.nic_of(unit * ctx.tp)
+
+
+class _NicOf(dict):
+    """Memoised :func:`unit_nic` for one call."""
+
+    def __init__(self, ctx: PlanContext):
+        super().__init__()
+        self.ctx = ctx
+
+    def __missing__(self, unit: int) -> str:
+        v = self[unit] = unit_nic(self.ctx, unit)
+        return v
+
+
+@dataclass
+class _Transfer:
+    group: int
+    src: int
+    dst: int
+    tokens: int
+    rounds: int  # G - 1 ring rounds (load weight)
+    send: dict[int, int] = field(default_factory=dict)  # proxy unit -> tokens (src side)
+    recv: dict[int, int] = field(default_factory=dict)  # proxy unit -> tokens (dst side)
+
+
+def inter_transfers(ctx: PlanContext, mb: MicroBatch) -> list[tuple[int, int, int, int]]:
+    """``(group, src, dst, tokens)`` of every node-crossing ring neighbour pair of inter groups."""
+    return [(t.group, t.src, t.dst, t.tokens) for t in _transfers(ctx, mb)]
+
+
+def _held_tokens(mb: MicroBatch) -> dict[int, list[int]]:
+    """Per inter-node ring group, the tokens each ring position holds."""
+    held: dict[int, list[int]] = {}
+    ng = len(mb.groups)
+    for p in mb.placements:
+        if not 0 <= p.group < ng:
+            continue
+        g = mb.groups[p.group]
+        if g.kind != "ring" or g.tier != "inter":
+            continue
+        G = len(g.units)
+        row = held.setdefault(p.group, [0] * G)
+        for pos in range(min(G, len(p.ranges))):
+            row[pos] += ranges_tokens(p.ranges[pos])
+    return held
+
+
+def _transfers(ctx: PlanContext, mb: MicroBatch) -> list[_Transfer]:
+    upn = ctx.units_per_node
+    held = _held_tokens(mb)
+    out: list[_Transfer] = []
+    for gi, g in enumerate(mb.groups):
+        G = len(g.units)
+        if g.kind != "ring" or g.tier != "inter" or G < 2:
+            continue
+        row = held.get(gi, [0] * G)
+        for i in range(G):
+            s, d = g.units[i], g.units[(i + 1) % G]
+            if s // upn == d // upn or row[i] <= 0:
+                continue
+            out.append(_Transfer(gi, s, d, row[i], G - 1))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing
+# ---------------------------------------------------------------------------------------------
+
+
+class _Node:
+    """Per-node facts used by the router: the NICs units use and the proxy candidates on each."""
+
+    def __init__(self, ctx: PlanContext, k: int, inter_members: set[int], busy: set[int], nic_of: _NicOf):
+        upn = ctx.units_per_node
+        self.units_on: dict[str, list[int]] = defaultdict(list)
+        for u in range(k * upn, (k + 1) * upn):
+            self.units_on[nic_of[u]].append(u)
+        self.nics = sorted(self.units_on)
+        bw = {n.id: n.bandwidth_GBps for n in ctx.cluster.nics}
+        self.bw = {n: bw[n.split("/", 1)[1]] for n in self.nics}
+        # proxy candidates, best first: not an inter ring member, then not in any multi-unit group
+        self.cands = {
+            n: sorted(us, key=lambda u: (u in inter_members, u in busy, u)) for n, us in self.units_on.items()
+        }
+        self._rr: dict[str, int] = defaultdict(int)
+
+    def proxy(self, nic: str, inter_members: set[int], busy: set[int]) -> int:
+        cands = self.cands[nic]
+        best = (cands[0] in inter_members, cands[0] in busy)
+        tied = [u for u in cands if (u in inter_members, u in busy) == best]
+        u = tied[self._rr[nic] % len(tied)]
+        self._rr[nic] += 1
+        return u
+
+
+def _spread(ctx: PlanContext, node: _Node, items: list[tuple[_Transfer, int]], side: str,
+            inter_members: set[int], busy: set[int], nic_of: _NicOf) -> None:
+    """Water-fill one (node, direction): ``items`` are (transfer, home unit) pairs."""
+    cost = ctx.cost
+    round_b = float(cost.ring_round_bytes(1))  # bytes per token per ring round (fwd + bwd), one layer
+    kvb = round_b * ctx.model.num_layers
+    ref_bw = float(cost.inter_link.bandwidth_GBps)
+    nic0_bw = ctx.cluster.nics[0].bandwidth_GBps
+
+    def secs(load_tokens: float, nic: str) -> float:  # NIC busy time of a load (tokens x rounds)
+        bw = ref_bw * node.bw[nic] / nic0_bw
+        return load_tokens * kvb / (bw * 1e9)
+
+    load: dict[str, float] = {n: 0.0 for n in node.nics}
+    on: dict[str, list[_Transfer]] = defaultdict(list)
+    for t, home in items:
+        n = nic_of[home]
+        load[n] += t.tokens * t.rounds
+        on[n].append(t)
+    tot_bw = sum(node.bw.values())
+    level = sum(load.values()) / tot_bw  # tokens*rounds per GB/s
+    t_dir = max(secs(load[n], n) for n in node.nics)
+    t_lvl = max(secs(level * node.bw[n], n) for n in node.nics)
+    if len(node.nics) < 2 or t_dir <= t_lvl * (1 + 1e-9):
+        return
+    # tokens each transfer moves off its home NIC (excess taken in proportion to size)
+    moves: list[tuple[_Transfer, int]] = []
+    for n in node.nics:
+        excess = load[n] - level * node.bw[n]
+        if excess <= 0:
+            continue
+        frac = excess / load[n]
+        for t in on[n]:
+            x = min(t.tokens, round(frac * t.tokens))
+            if x > 0:
+                moves.append((t, x))
+    if not moves:
+        return
+    # NVLink dispatch (or combine) of the moved part, every ring round of every layer: alpha + bytes / bw
+    nv = cost.intra_link
+    hop = max((nv.alpha_s + x * round_b / (nv.bandwidth_GBps * 1e9)) * t.rounds * ctx.model.num_layers
+              for t, x in moves)
+    if t_lvl + hop >= t_dir:  # the NVLink dispatch/combine would eat the gain
+        return
+    deficit = {n: level * node.bw[n] - load[n] for n in node.nics if level * node.bw[n] - load[n] > 0}
+    recv_order = sorted(deficit, key=lambda n: -deficit[n])
+    moves.sort(key=lambda tx: -tx[0].tokens * tx[0].rounds)
+    j = 0
+    for t, x in moves:
+        parts = t.send if side == "send" else t.recv
+        home = t.src if side == "send" else t.dst
+        left = x
+        while left > 0 and j < len(recv_order):
+            n = recv_order[j]
+            cap = deficit[n] / t.rounds
+            piece = min(left, max(1, round(cap)))
+            deficit[n] -= piece * t.rounds
+            if deficit[n] <= 0.5 * t.rounds:
+                j += 1
+            u = node.proxy(n, inter_members, busy)
+            parts[u] = parts.get(u, 0) + piece
+            left -= piece
+        parts[home] = parts.get(home, 0) - (x - left)  # what did not fit stays at home
+
+
+def plan_routes(ctx: PlanContext, mb: MicroBatch, enable: bool = True) -> list[Route]:
+    """One :class:`Route` per node-crossing neighbour pair of every inter-node ring group.
+
+    ``enable=False`` gives the direct routes (one path over the pair's own NICs). See the module
+    docstring for the algorithm and why it is exact.
+    """
+    cost = ctx.cost
+    transfers = _transfers(ctx, mb)
+    if not transfers:
+        return []
+    upn = ctx.units_per_node
+    nic_of = _NicOf(ctx)
+    for t in transfers:
+        t.send = {t.src: t.tokens}
+        t.recv = {t.dst: t.tokens}
+    if enable:
+        inter_members = {u for g in mb.groups if g.tier == "inter" and g.kind == "ring" for u in g.units}
+        busy = {u for g in mb.groups if len(g.units) > 1 for u in g.units}
+        sends: dict[int, list[tuple[_Transfer, int]]] = defaultdict(list)
+        recvs: dict[int, list[tuple[_Transfer, int]]] = defaultdict(list)
+        for t in transfers:
+            sends[t.src // upn].append((t, t.src))
+            recvs[t.dst // upn].append((t, t.dst))
+        nodes: dict[int, _Node] = {}
+        for side, table in (("send", sends), ("recv", recvs)):
+            for k, items in table.items():
+                if k not in nodes:
+                    nodes[k] = _Node(ctx, k, inter_members, busy, nic_of)
+                _spread(ctx, nodes[k], items, side, inter_members, busy, nic_of)
+    nbytes = cost.kv_bytes(np.array([t.tokens for t in transfers], dtype=np.float64))
+    return [Route(group=t.group, src=t.src, dst=t.dst, tokens=t.tokens, bytes=int(b), paths=_pair(nic_of, t))
+            for t, b in zip(transfers, nbytes)]
+
+
+def _pair(nic_of: _NicOf, t: _Transfer) -> list[RoutePath]:
+    """Pair the send-side and receive-side splits of a transfer into paths (direct part first)."""
+    s = {u: x for u, x in t.send.items() if x > 0}
+    r = {u: x for u, x in t.recv.items() if x > 0}
+    paths: list[RoutePath] = []
+
+    def add(a: int, b: int, x: int) -> None:
+        paths.append(RoutePath(via_src=a, via_dst=b, nic_src=nic_of[a], nic_dst=nic_of[b], tokens=x))
+
+    direct = min(s.get(t.src, 0), r.get(t.dst, 0))
+    if direct:
+        add(t.src, t.dst, direct)
+        s[t.src] -= direct
+        r[t.dst] -= direct
+    sl = [[u, x] for u, x in s.items() if x > 0]
+    rl = [[u, x] for u, x in r.items() if x > 0]
+    i = j = 0
+    while i < len(sl) and j < len(rl):
+        x = min(sl[i][1], rl[j][1])
+        add(sl[i][0], rl[j][0], x)
+        sl[i][1] -= x
+        rl[j][1] -= x
+        i += sl[i][1] == 0
+        j += rl[j][1] == 0
+    return paths
+
+
+def nic_load_table(ctx: PlanContext, mb: MicroBatch, routed: bool) -> dict[str, float]:
+    """Bytes per NIC (send + receive) over the step for the micro-batch's inter-node transfers.
+
+    Uses ``mb.routes`` when set; otherwise routes the micro-batch first (``enable=routed``).
+    """
+    from zeppelin.planner.costmodel.predict import nic_loads
+
+    if not mb.routes:
+        routes = plan_routes(ctx, mb, enable=routed)
+        if not routes:
+            return {}
+        mb = mb.model_copy(update={"routes": routes})
+    return nic_loads(ctx, mb, routed=routed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+
+
+def route_problems(ctx: PlanContext, mb: MicroBatch) -> list[str]:
+    """Problems with a micro-batch's routes (empty = valid).
+
+    Every route is a node-crossing ring-neighbour pair of an inter-node ring group carrying the
+    tokens its source holds; every inter pair has exactly one route; each path's proxies are units
+    on the source / destination node, its NICs exist and are the proxies' own NICs, the hops exist
+    in the topology graph, and the path tokens add up.
+    """
+    probs: list[str] = []
+    n_units = ctx.num_units
+    upn = ctx.units_per_node
+    topo = _topology_cached(ctx.cluster.model_dump_json(), ctx.tp)
+    expected = {(t.group, t.src, t.dst): t.tokens for t in _transfers(ctx, mb)}
+    seen: set[tuple[int, int, int]] = set()
+    for r in mb.routes:
+        where = f"route {r.src}->{r.dst} of group {r.group}"
+        if not 0 <= r.group < len(mb.groups):
+            probs.append(f"{where}: no such group (micro-batch has {len(mb.groups)})")
+            continue
+        g = mb.groups[r.group]
+        if g.kind != "ring" or g.tier != "inter":
+            probs.append(f"{where}: group is a {g.tier} {g.kind} group, not an inter-node ring")
+            continue
+        G = len(g.units)
+        pairs = {(g.units[i], g.units[(i + 1) % G]) for i in range(G)} if G > 1 else set()
+        if (r.src, r.dst) not in pairs:
+            probs.append(f"{where}: {r.dst} is not the ring successor of {r.src}")
+            continue
+        if r.src // upn == r.dst // upn:
+            probs.append(f"{where}: both units are on node {r.src // upn} (not an inter-node transfer)")
+            continue
+        key = (r.group, r.src, r.dst)
+        if key in seen:
+            probs.append(f"{where}: routed twice")
+        seen.add(key)
+        want = expected.get(key, 0)
+        if r.tokens != want:
+            probs.append(f"{where}: carries {r.tokens} tokens but unit {r.src} holds {want} in the group")
+        if sum(p.tokens for p in r.paths) != r.tokens:
+            probs.append(f"{where}: path tokens add up to {sum(p.tokens for p in r.paths)}, not {r.tokens}")
+        for p in r.paths:
+            probs.extend(_path_problems(ctx, topo, where, r, p, n_units, upn))
+    for key in sorted(set(expected) - seen):
+        probs.append(f"group {key[0]}: inter-node transfer {key[1]}->{key[2]} has no route")
+    return probs
+
+
+def _path_problems(ctx, topo, where, r: Route, p: RoutePath, n_units: int, upn: int) -> list[str]:
+    out: list[str] = []
+    ends = (("source", r.src, p.via_src, p.nic_src), ("destination", r.dst, p.via_dst, p.nic_dst))
+    hops: list[list[str]] = []
+    for side, end, via, nic in ends:
+        if not 0 <= via < n_units:
+            out.append(f"{where}: {side} proxy {via} is not a unit (have {n_units})")
+            return out
+        if via // upn != end // upn:
+            out.append(f"{where}: {side} proxy {via} is on node {via // upn}, not on node {end // upn}")
+            return out
+        if f"nic:{nic}" not in topo:
+            out.append(f"{where}: NIC {nic!r} does not exist")
+            return out
+        if topo.nodes[f"nic:{nic}"]["node"] != via // upn:
+            out.append(f"{where}: NIC {nic} is not on node {via // upn} of {side} proxy {via}")
+            return out
+        own = unit_nic(ctx, via)
+        if nic != own:
+            out.append(f"{where}: {side} proxy {via} uses NIC {own}, not {nic}")
+            return out
+        gpu_end, gpu_via = f"gpu:{end * ctx.tp}", f"gpu:{via * ctx.tp}"
+        seg: list[str] = []
+        if via != end:
+            hub = f"nvswitch:{end // upn}"
+            if not (topo.has_edge(gpu_end, hub) and topo.has_edge(hub, gpu_via)):
+                out.append(f"{where}: no NVLink hop between units {end} and {via}")
+                return out
+            seg = [gpu_end, hub]
+        pcie = _pcie_path(topo, gpu_via, f"nic:{nic}")
+        if pcie is None:
+            out.append(f"{where}: no PCIe path from unit {via} to NIC {nic}")
+            return out
+        hops.append(seg + pcie)
+    if not (topo.has_edge(f"nic:{p.nic_src}", "fabric") and topo.has_edge("fabric", f"nic:{p.nic_dst}")):
+        out.append(f"{where}: NICs {p.nic_src} and {p.nic_dst} are not connected by the fabric")
+    return out

@@ -1,0 +1,371 @@
+"""Tiering: where a sequence should run, derived from the cost model (DESIGN.md section 5).
+
+A sequence is *local* (whole on one unit, no communication), *intra* (zigzag ring over 2..U
+units of one node, NVLink) or *inter* (zigzag ring over all units of k >= 2 nodes, NICs).
+Nothing here is a hand-typed length: every threshold is a crossover of two cost-model curves,
+found by bisection on the model of the given cluster, model and profile:
+
+* **memory**: the longest sequence one unit can hold (activation tokens after model states),
+  one node can hold, and the whole cluster can hold;
+* **ring hiding**: for a ring over G units, each of the G-1 rounds computes one chunk pair while
+  the next K/V block travels. Splitting is free (no exposed communication) only when the round's
+  compute ``attn(L)/G^2`` covers its transfer ``alpha + 3*KV(L/G)/bandwidth``. Attention grows with
+  L^2 and the transfer with L, so there is one crossover length per (G, link) - over NVLink for the
+  intra tier, over one NIC (or all NICs of a node, with routing) for the inter tier.
+
+Per step the planner then chooses each sequence's span G (:meth:`Tiering.choose_span`): the
+smallest span that fits in memory and brings the sequence's per-unit time under the step's
+balanced per-unit load; and, when the ring hides its communication at a larger span, a larger
+span so that no single piece is coarser than a fraction of the per-unit load (fine pieces pack
+evenly). Spans above one node take whole nodes and are the inter tier.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from zeppelin.planner.core.base import PlanContext
+
+#: a piece of work should be at most this fraction of the per-unit load, when splitting is free
+GRANULARITY = 0.25
+#: splitting counts as free when it adds at most this fraction of exposed communication
+FREE_WASTE = 0.02
+_L_MAX = 1 << 26  # search ceiling for crossovers (67M tokens)
+
+
+def zigzag_max_tokens(L: int, G: int) -> int:
+    """Most tokens any ring position holds when ``L`` is cut into 2G zigzag chunks."""
+    if G <= 1:
+        return int(L)
+    q, r = divmod(int(L), 2 * G)
+    if r >= G + 1:
+        return 2 * q + 2
+    return 2 * q + (1 if r >= 1 else 0)
+
+
+def zigzag_max_tokens_array(L, G) -> np.ndarray:
+    """:func:`zigzag_max_tokens` element-wise over arrays of lengths and span sizes."""
+    L = np.asarray(L).astype(np.int64)
+    G = np.broadcast_to(np.asarray(G, dtype=np.int64), L.shape)
+    Gs = np.maximum(G, 1)
+    q, r = np.divmod(L, 2 * Gs)
+    split = np.where(r >= Gs + 1, 2 * q + 2, 2 * q + (r >= 1))
+    return np.where(G <= 1, L, split).astype(np.int64)
+
+
+def _first_true(pred, lo: int = 1, hi: int = _L_MAX) -> int | None:
+    """Smallest L in [lo, hi] from which ``pred`` holds for every longer length (checked on a
+    geometric grid, then refined by bisection). Tiny lengths can satisfy a crossover predicate
+    spuriously (fixed kernel overheads dominate), so the search runs down from the top."""
+    grid = np.unique(np.geomspace(lo, hi, 400).astype(np.int64))
+    ok = [bool(pred(int(x))) for x in grid]
+    if not ok[-1]:
+        return None
+    k = len(ok) - 1
+    while k > 0 and ok[k - 1]:
+        k -= 1
+    if k == 0:
+        return int(grid[0])
+    a, b = int(grid[k - 1]), int(grid[k])  # pred(a) false, pred(b) true
+    while b - a > 1:
+        mid = (a + b) // 2
+        if pred(mid):
+            b = mid
+        else:
+            a = mid
+    return b
+
+
+@dataclass
+class Span:
+    """How one sequence is split: ``G`` units; inter tier spans ``nodes`` whole nodes."""
+
+    G: int
+    tier: str  # local | intra | inter
+    nodes: int = 1
+
+
+@dataclass
+class SpanTable:
+    L: np.ndarray
+    A: np.ndarray  # (spans, seqs) attention seconds per unit, all layers
+    F: np.ndarray  # fits in memory
+    E: np.ndarray  # exposed communication / attention compute
+    G: np.ndarray  # span sizes
+    U: np.ndarray | None = None  # (spans, seqs): the span runs as Ulysses (all-to-all), not a ring
+    R: np.ndarray | None = None  # (spans, seqs): A as a ring (set when U is)
+    Q: np.ndarray | None = None  # (spans, seqs): A as Ulysses, inf where the span cannot be Ulysses
+
+    def times(self, lin_rate: float) -> np.ndarray:
+        """Per-unit busy time: attention + linear work on the unit's L/G tokens."""
+        return self.A + lin_rate * self.L[None, :] / self.G[:, None]
+
+
+class Tiering:
+    def __init__(self, ctx: PlanContext):
+        self.ctx = ctx
+        self.cost = ctx.cost
+        self.layers = ctx.model.num_layers
+        self.upn = ctx.units_per_node
+        self.num_nodes = ctx.cluster.num_nodes
+        self.n = ctx.num_units
+        self.cap = int(self.cost.token_capacity)
+        # candidate spans: 1..U inside a node, then whole nodes
+        self.spans = [Span(1, "local")] + [Span(g, "intra") for g in range(2, self.upn + 1)]
+        ks = sorted({k for k in range(2, min(self.num_nodes, 8) + 1)}
+                    | {1 << e for e in range(1, self.num_nodes.bit_length()) if (1 << e) <= self.num_nodes}
+                    | ({self.num_nodes} if self.num_nodes >= 2 else set()))
+        self.spans += [Span(k * self.upn, "inter", k) for k in ks]
+
+    # ------------------------------------------------------------------ cost of one placement
+    def inter_sharers(self, routed_nics: int = 1) -> float:
+        """Effective NIC time factor of one inter-node ring hop (1 = the hop has a NIC to itself).
+
+        Unrouted, a hop uses the boundary unit's own NIC. Routed over ``r`` NICs, each NIC carries
+        1/r of the bytes; as in :func:`zeppelin.planner.costmodel.predict.predict_step`, a NIC carrying a
+        node's outgoing and incoming pieces counts both (factor 2/r), and each piece pays a
+        dispatch and a combine copy over the intra-node link (2/r * nic_bw / intra_bw)."""
+        if routed_nics <= 1:
+            return 1.0
+        c = self.cost
+        ratio = c.inter_link.bandwidth_GBps / c.intra_link.bandwidth_GBps
+        return min(1.0, 2.0 / routed_nics + 2.0 * ratio / routed_nics)
+
+    def per_unit_time(self, L, span: Span, lin_rate: float, routed_nics: int = 1) -> np.ndarray:
+        """Predicted busy time (s) on each unit of the span: ring attention incl. exposed
+        communication, plus linear work at ``lin_rate`` seconds per token."""
+        L = np.asarray(L, dtype=np.float64)
+        c = self.cost
+        if span.G == 1:
+            att = c.attn_time(L)
+        else:
+            sharers = self.inter_sharers(routed_nics) if span.tier == "inter" else 1.0
+            att = c.ring_attention_time(L, span.G, span.tier, sharers)
+        return self.layers * att + lin_rate * L / span.G
+
+    def exposed_fraction(self, L: float, span: Span, routed_nics: int = 1) -> float:
+        if span.G == 1:
+            return 0.0
+        c = self.cost
+        sharers = self.inter_sharers(routed_nics) if span.tier == "inter" else 1.0
+        exp = float(c.ring_exposed_comm(L, span.G, span.tier, sharers))
+        base = float(c.ring_compute_time(L, span.G))
+        return exp / base if base > 0 else float("inf")
+
+    # ------------------------------------------------------------------ thresholds
+    def hide_threshold(self, G: int, tier: str, routed_nics: int = 1) -> int | None:
+        """Shortest length whose ring over G units (tier's link) hides its communication."""
+        if G <= 1:
+            return 1
+        span = Span(G, tier, max(1, G // self.upn))
+        return _first_true(lambda L: self.exposed_fraction(L, span, routed_nics) <= 1e-9, 2 * G)
+
+    @cached_property
+    def memory_thresholds(self) -> dict[str, int]:
+        return {
+            "unit": self.cap,
+            "node": self.cap * self.upn,
+            "cluster": self.cap * self.n,
+        }
+
+    def min_span(self, L: int) -> Span | None:
+        """Smallest span whose zigzag chunks fit a unit's activation memory (None: nowhere)."""
+        for s in self.spans:
+            if zigzag_max_tokens(L, s.G) <= self.cap:
+                return s
+        return None
+
+    def choose_span(self, L: int, target: float, lin_rate: float, routed_nics: int = 1) -> Span:
+        """Span for a sequence of length L given the step's balanced per-unit load ``target``."""
+        first = None
+        chosen = None
+        for s in self.spans:
+            if zigzag_max_tokens(L, s.G) > self.cap:
+                continue
+            if first is None:
+                first = s
+            t = float(self.per_unit_time(L, s, lin_rate, routed_nics))
+            if t <= target:
+                chosen = s
+                break
+        if first is None:
+            raise ValueError("does not fit")
+        if chosen is None:
+            # even the widest span cannot bring it under the target: the step is bounded by
+            # this sequence; take the span with the least per-unit time
+            feas = [s for s in self.spans if zigzag_max_tokens(L, s.G) <= self.cap]
+            ts = [float(self.per_unit_time(L, s, lin_rate, routed_nics)) for s in feas]
+            return next(s for s, t in zip(feas, ts) if t <= 1.05 * min(ts))
+        # refine: while a piece is coarse and splitting further is free, split further (stay in
+        # the same tier: going inter-node only when needed)
+        idx = self.spans.index(chosen)
+        while float(self.per_unit_time(L, self.spans[idx], lin_rate, routed_nics)) > GRANULARITY * target:
+            if idx + 1 >= len(self.spans):
+                break
+            nxt = self.spans[idx + 1]
+            if nxt.tier == "inter" and self.spans[idx].tier != "inter":
+                break
+            if self.exposed_fraction(L, nxt, routed_nics) > FREE_WASTE:
+                break
+            idx += 1
+        return self.spans[idx]
+
+    def ulysses_ok(self, G: int) -> bool:
+        """Whether an intra-node span of G units may run as Ulysses: G splits the unit's heads evenly."""
+        return 2 <= G <= self.upn and (self.ctx.model.num_heads // self.ctx.tp) % G == 0
+
+    def split_prices(self, L, G: int, tier: str, sharers: float = 1.0, ulysses: bool = False):
+        """Per-layer prices of splitting sequences ``L`` over G units: (ring compute, ring exposed
+        communication, (Ulysses head-shard compute, Ulysses all-to-all) or None where the span may
+        not run as Ulysses)."""
+        c = self.cost
+        base = c.ring_compute_time(L, G)
+        exp = c.ring_exposed_comm(L, G, tier, sharers)
+        uly = None
+        if ulysses and tier == "intra" and self.ulysses_ok(G):
+            uly = (c.ulysses_attn_time(L, G), c.ulysses_comm_time(L / G, G, "intra"))
+        return base, exp, uly
+
+    def span_table(self, L, routed_nics: int = 1, ulysses: bool = False) -> SpanTable:
+        """Per candidate span and sequence: attention time per unit (all layers, incl. exposed
+        communication), memory fit and exposed-communication fraction. Independent of the step's
+        target and linear rate, so one table serves every refinement of a micro-batch.
+
+        ``ulysses``: an intra-node span may instead run as Ulysses (all-to-all to head shards,
+        whole-sequence kernels on H/G heads, communication exposed); the table keeps, per span and
+        sequence, the cheaper of the two and marks Ulysses in ``U``."""
+        L = np.asarray(L, dtype=np.float64)
+        S, m = len(self.spans), len(L)
+        Li = L.astype(np.int64)
+        A = np.empty((S, m))
+        F = np.empty((S, m), dtype=bool)
+        E = np.empty((S, m))
+        U = np.zeros((S, m), dtype=bool)
+        R = np.empty((S, m)) if ulysses else None
+        Q = np.full((S, m), np.inf) if ulysses else None
+        c = self.cost
+        attn_L = c.attn_time(L)
+        for k, sp in enumerate(self.spans):
+            if sp.G == 1:
+                A[k] = self.layers * attn_L
+                F[k] = Li <= self.cap
+                E[k] = 0.0
+                if R is not None:
+                    R[k] = A[k]
+                continue
+            sharers = self.inter_sharers(routed_nics) if sp.tier == "inter" else 1.0
+            base, exp, uly = self.split_prices(L, sp.G, sp.tier, sharers, ulysses)
+            A[k] = self.layers * (base + exp)  # == ring_attention_time
+            q, r = np.divmod(Li, 2 * sp.G)
+            F[k] = 2 * q + np.where(r >= sp.G + 1, 2, np.where(r >= 1, 1, 0)) <= self.cap
+            E[k] = np.where(base > 0, exp / np.maximum(base, 1e-30), np.inf)
+            if R is not None:
+                R[k] = A[k]
+            if uly is not None:
+                u_comp, u_comm = uly
+                better = u_comp + u_comm < base + exp
+                Q[k] = self.layers * (u_comp + u_comm)
+                U[k] = better
+                A[k] = np.where(better, self.layers * (u_comp + u_comm), A[k])
+                E[k] = np.where(better, u_comm / np.maximum(u_comp, 1e-30), E[k])
+        return SpanTable(L, A, F, E, np.array([sp.G for sp in self.spans], dtype=np.float64), U if ulysses else None, R, Q)
+
+    def choose_spans(self, L, target: float, lin_rate: float, routed_nics: int = 1,
+                     table: SpanTable | None = None) -> list[Span]:
+        """Vectorised :meth:`choose_span` over an array of lengths (same rule)."""
+        tb = table if table is not None else self.span_table(L, routed_nics)
+        return [self.spans[k] for k in self.choose_span_index(tb, target, lin_rate)]
+
+    def choose_span_index(self, tb: SpanTable, target: float, lin_rate: float) -> np.ndarray:
+        m = len(tb.L)
+        S = len(self.spans)
+        if m == 0:
+            return np.zeros(0, dtype=np.int64)
+        F, E = tb.F, tb.E
+        T = tb.times(lin_rate)
+        if not F.any(axis=0).all():
+            raise ValueError("does not fit")
+        ok = F & (T <= target)
+        has = ok.any(axis=0)
+        idx = np.where(has, ok.argmax(axis=0), 0)
+        if not has.all():
+            # nothing brings it under the target: the step is bounded by this sequence. Take the
+            # smallest span within 5% of the least per-unit time (exposed ring communication
+            # hardly shrinks with G, so wider spans would only waste device time)
+            Tm = np.where(F, T, np.inf)
+            near = Tm <= 1.05 * Tm.min(axis=0)[None, :]
+            idx = np.where(has, idx, near.argmax(axis=0))
+        tiers = np.array([sp.tier == "inter" for sp in self.spans])
+        active = has.copy()
+        cols = np.arange(m)
+        for _ in range(S):
+            if not active.any():
+                break
+            nxt = np.minimum(idx + 1, S - 1)
+            step = (active & (idx + 1 < S) & (T[idx, cols] > GRANULARITY * target)
+                    & ~(tiers[nxt] & ~tiers[idx]) & (E[nxt, cols] <= FREE_WASTE) & F[nxt, cols])
+            idx = np.where(step, nxt, idx)
+            active = step
+        return idx
+
+    # ------------------------------------------------------------------ explanation
+    def summary(self, routed_nics: int | None = None) -> dict:
+        nn = routed_nics if routed_nics is not None else len(self.ctx.cluster.nics)
+        out = {
+            "memory": self.memory_thresholds,
+            "intra_hide": {str(g): self.hide_threshold(g, "intra") for g in (2, self.upn) if 2 <= g <= self.upn},
+        }
+        if self.num_nodes >= 2:
+            G = 2 * self.upn
+            out["inter_hide_one_nic"] = self.hide_threshold(G, "inter", 1)
+            out["inter_hide_routed"] = self.hide_threshold(G, "inter", nn)
+        return out
+
+    def explain(self) -> str:
+        c, cl, m = self.cost, self.ctx.cluster, self.ctx.model
+        s = self.summary()
+        lines = [
+            (f"Tier thresholds for {m.name} on {cl.name} ({cl.num_nodes} nodes x {cl.gpus_per_node} GPUs, "
+            f"tp={self.ctx.tp}: {self.n} units, {self.upn} per node)"),
+            "",
+            ("Memory (activations after model states, ZeRO stage "
+            f"{self.ctx.zero_stage}: {c.model_state_bytes() / 1e9:.1f} GB states, "
+            f"{c.activation_bytes_per_token / 1e6:.3f} MB per token):"),
+            f"  one unit holds     {s['memory']['unit']:>10,} tokens  -> longer sequences must be split",
+            f"  one node holds     {s['memory']['node']:>10,} tokens  -> longer sequences must span nodes",
+            f"  the cluster holds  {s['memory']['cluster']:>10,} tokens  -> longer sequences cannot be trained",
+            "",
+            "Ring attention hides its communication when a round's compute attn(L)/G^2 covers the K/V",
+            "transfer alpha + 3*KV(L/G)/bandwidth (attention ~ L^2, transfer ~ L: one crossover each):",
+        ]
+        bw_i = c.intra_link.bandwidth_GBps
+        for g, th in s["intra_hide"].items():
+            lines.append(f"  intra-node, G={g:<3} over {cl.intra_link.kind} {bw_i:g} GB/s: "
+                         f"L >= {_fmt(th)} tokens")
+        if self.num_nodes >= 2:
+            bw_n = c.inter_link.bandwidth_GBps
+            lines.append(f"  inter-node, G={2 * self.upn:<3} over one NIC ({bw_n:g} GB/s):      "
+                         f"L >= {_fmt(s['inter_hide_one_nic'])} tokens")
+            eff = bw_n / self.inter_sharers(len(cl.nics))
+            lines.append(f"  inter-node, G={2 * self.upn:<3} routed over {len(cl.nics)} NICs "
+                         f"({eff:.0f} GB/s effective*): L >= {_fmt(s['inter_hide_routed'])} tokens")
+            lines.append("  * a NIC carries the node's outgoing and incoming pieces, and each piece pays an "
+                         "NVLink dispatch and combine")
+        else:
+            lines.append("  inter-node: single node, no inter tier")
+        lines += [
+            "",
+            "Per step each sequence takes the smallest span that fits in memory and whose per-unit time",
+            "is below the step's balanced per-unit load (total work / units); when the ring hides its",
+            f"communication (exposed <= {FREE_WASTE:.0%}), it is split further until each piece is at most",
+            f"{GRANULARITY:.0%} of that load. Spans above one node take whole nodes (inter tier); the rest",
+            "stay inside a node (intra tier) or on one unit (local).",
+        ]
+        return "\n".join(lines)
+
+
+def _fmt(x: int | None) -> str:
+    return "never" if x is None else f"{x:,}"
