@@ -93,10 +93,23 @@ class CudaCaps:
     aten_efficient: bool
 
 
+def _params(fn) -> set[str] | None:
+    """Parameter names of a function or of a ``torch.library.custom_op`` (flash-attn >= 2.7 wraps
+    its entry points in one); None when they cannot be read."""
+    for f in (getattr(fn, "_init_fn", None), fn):  # a custom op's own signature is (*args, **kwargs)
+        if f is None:
+            continue
+        try:
+            return set(inspect.signature(f).parameters)
+        except (TypeError, ValueError):
+            continue
+    return None
+
+
 @functools.lru_cache(maxsize=1)
 def _flash_attn_fns():
-    """flash-attn's varlen forward/backward when the package (>= 2.6 keyword API) is importable
-    (looked up once)."""
+    """``(forward, backward, backward takes softcap)`` of flash-attn's varlen API when the package
+    (>= 2.6 keyword API) is importable; None otherwise. Looked up once."""
     try:
         from flash_attn import flash_attn_interface as fi  # type: ignore[import-not-found]
     except Exception:  # noqa: BLE001 - any import failure means "not usable"
@@ -104,12 +117,10 @@ def _flash_attn_fns():
     fwd, bwd = getattr(fi, "_flash_attn_varlen_forward", None), getattr(fi, "_flash_attn_varlen_backward", None)
     if fwd is None or bwd is None:
         return None
-    try:
-        if "window_size_left" not in inspect.signature(fwd).parameters:
-            return None
-    except (TypeError, ValueError):
+    fp, bp = _params(fwd), _params(bwd)
+    if fp is None or bp is None or "window_size_left" not in fp or "window_size_left" not in bp:
         return None
-    return fwd, bwd
+    return fwd, bwd, "softcap" in bp
 
 
 @functools.lru_cache(maxsize=16)
@@ -305,7 +316,7 @@ def math_backward(dout, q, k, v, out, lse, mask, scale):
 
 
 def _flash_attn_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
-    fwd, _ = _flash_attn_fns()  # type: ignore[misc]
+    fwd = _flash_attn_fns()[0]  # type: ignore[index]
     res = fwd(
         _last_contig(q), _last_contig(k), _last_contig(v), cu_q, cu_k, max_q, max_k,
         dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=-1, window_size_right=-1,
@@ -314,22 +325,17 @@ def _flash_attn_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
 
 
 def _flash_attn_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
-    _, bwd = _flash_attn_fns()  # type: ignore[misc]
+    _, bwd, softcap = _flash_attn_fns()  # type: ignore[misc]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     kw = {"window_size_left": -1, "window_size_right": -1, "alibi_slopes": None, "deterministic": False,
           "rng_state": None}
-    if _has_param(bwd, "softcap"):
+    if softcap:
         kw["softcap"] = 0.0
     bwd(
         _last_contig(dout), _last_contig(q), _last_contig(k), _last_contig(v), _last_contig(out),
         lse.contiguous(), dq, dk, dv, cu_q, cu_k, max_q, max_k, 0.0, scale, causal, **kw,
     )
     return dq, dk, dv
-
-
-@functools.lru_cache(maxsize=8)
-def _has_param(fn, name: str) -> bool:
-    return name in inspect.signature(fn).parameters
 
 
 def _aten_flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):

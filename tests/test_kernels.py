@@ -178,7 +178,7 @@ def fakes(monkeypatch):
     ops = dict(real)
     ops.update(flash_fwd=f.aten_flash_fwd, flash_bwd=f.aten_flash_bwd, eff_fwd=f.eff_fwd, eff_bwd=f.eff_bwd)
     monkeypatch.setattr(kern, "_ops", lambda: ops)
-    monkeypatch.setattr(kern, "_flash_attn_fns", lambda: (f.fa_fwd, f.fa_bwd))
+    monkeypatch.setattr(kern, "_flash_attn_fns", lambda: (f.fa_fwd, f.fa_bwd, True))
     return f
 
 
@@ -249,7 +249,7 @@ def test_flash_attn_older_than_2_6_is_not_used(monkeypatch):
 
     mod = types.ModuleType("flash_attn.flash_attn_interface")
     mod._flash_attn_varlen_forward = old_fwd
-    mod._flash_attn_varlen_backward = old_fwd
+    mod._flash_attn_varlen_backward = Fakes().fa_bwd
     pkg = types.ModuleType("flash_attn")
     pkg.flash_attn_interface = mod
     monkeypatch.setitem(sys.modules, "flash_attn", pkg)
@@ -258,6 +258,18 @@ def test_flash_attn_older_than_2_6_is_not_used(monkeypatch):
     try:
         assert kern._flash_attn_fns() is None
         mod._flash_attn_varlen_forward = Fakes().fa_fwd
+        kern._flash_attn_fns.cache_clear()
+        fns = kern._flash_attn_fns()
+        assert fns is not None and fns[2] is True  # the backward takes softcap
+
+        class CustomOp:  # flash-attn >= 2.7 wraps its entry points in torch.library.custom_op
+            def __init__(self, fn):
+                self._init_fn = fn
+
+            def __call__(self, *a, **kw):
+                return self._init_fn(*a, **kw)
+
+        mod._flash_attn_varlen_forward = CustomOp(Fakes().fa_fwd)
         kern._flash_attn_fns.cache_clear()
         assert kern._flash_attn_fns() is not None
     finally:
