@@ -2,7 +2,8 @@
 
     python benchmarks/bench_gpu.py                # 1B-class shapes (Hq 32, Hkv 8, D 64), bf16
 
-Measures, on one CUDA GPU (CUDA events, median of ``--repeats`` after a warm-up):
+Measures, on one CUDA GPU (CUDA events, median of ``--repeats`` after a warm-up; ``--allow-cpu``
+runs the same flow on CPU to test the script, its figures mean nothing):
 
 * ``local``: causal varlen attention forward+backward of whole packs through the runtime
   (:func:`zeppelin.runtime.attention.local_attention`, kernel picked by runtime/kernels.py) and
@@ -34,6 +35,7 @@ import platform
 import random
 import statistics
 import sys
+import time
 
 
 def _die(msg: str) -> None:
@@ -61,6 +63,13 @@ def causal_flops(lens, hq: int, d: int) -> float:
 
 def _timer(torch, fn, repeats: int) -> float:
     fn()
+    if not torch.cuda.is_available():  # --allow-cpu (a test of the script's flow)
+        ts = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts)
     torch.cuda.synchronize()
     ts = []
     for _ in range(repeats):
@@ -96,14 +105,18 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     ap.add_argument("--pack-tokens", type=int, default=65536)
+    ap.add_argument("--long-length", type=int, default=16384, help="sequence length of the long pack")
     ap.add_argument("--chunks", type=int, nargs="+", default=[4096, 16384, 32768])
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--ring-size", type=int, default=4)
+    ap.add_argument("--ring-length", type=int, default=8192)
+    ap.add_argument("--allow-cpu", action="store_true",
+                    help="run on CPU when there is no GPU (tests the script's flow; the figures mean nothing)")
     args = ap.parse_args(argv)
 
     import torch
 
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not args.allow_cpu:
         _die("bench_gpu.py needs a CUDA GPU (torch.cuda.is_available() is False)")
 
     from zeppelin.runtime import kernels
@@ -115,10 +128,11 @@ def main(argv=None) -> int:
     )
     from zeppelin.schemas.layout import zigzag_ranges
 
-    dev = torch.device("cuda")
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
     dt = getattr(torch, args.dtype)
     hq, hkv, d = args.heads, args.kv_heads, args.head_dim
-    caps = kernels.cuda_caps(dev)
+    caps = kernels.cuda_caps(dev) if cuda else None
     try:
         from flash_attn import flash_attn_varlen_func
     except Exception:  # noqa: BLE001
@@ -131,8 +145,8 @@ def main(argv=None) -> int:
     cm = _cost_model(hq, hkv, d)
     result: dict = {
         "benchmark": "bench_gpu",
-        "device": torch.cuda.get_device_name(dev),
-        "capability": list(caps.capability),
+        "device": torch.cuda.get_device_name(dev) if cuda else "cpu (--allow-cpu: figures meaningless)",
+        "capability": list(caps.capability) if caps else None,
         "torch": torch.__version__,
         "flash_attn_installed": flash_attn_varlen_func is not None,
         "shape": {"heads": hq, "kv_heads": hkv, "head_dim": d, "dtype": args.dtype},
@@ -151,7 +165,7 @@ def main(argv=None) -> int:
 
     # ---- local varlen attention vs flash_attn_varlen_func
     local = {}
-    for name, lens in (("short-heavy", short_heavy_pack(args.pack_tokens)), ("long", long_pack(args.pack_tokens))):
+    for name, lens in (("short-heavy", short_heavy_pack(args.pack_tokens)), ("long", long_pack(args.pack_tokens, args.long_length))):
         T = sum(lens)
         q, k, v, do = tensors(T)
         cu = [0]
@@ -207,7 +221,7 @@ def main(argv=None) -> int:
     result["ring_blocks"] = blocks
 
     # ---- bf16 ring (zigzag chunk pairs merged by LSE) vs a float32 reference
-    G, L = args.ring_size, 8192
+    G, L = args.ring_size, args.ring_length
     q, k, v, do = tensors(L, seed=1)
     ranges = zigzag_ranges(L, G)
     chunks = [tuple(r) for pos in ranges for r in pos if r[1] > r[0]]

@@ -597,6 +597,26 @@ def test_bench_gpu_refuses_without_cuda():
     assert lines == ["zeppelin: error: bench_gpu.py needs a CUDA GPU (torch.cuda.is_available() is False)"]
 
 
+def test_bench_gpu_flow_on_cpu():
+    # --allow-cpu runs the whole script on CPU (figures meaningless): every section is produced and
+    # the bf16 block-by-block ring agrees with the float32 reference
+    import json
+
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), "--allow-cpu", "--heads", "2", "--kv-heads", "1",
+           "--head-dim", "8", "--pack-tokens", "512", "--long-length", "256", "--chunks", "32", "--repeats", "1",
+           "--ring-length", "96"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert set(out["local"]) == {"short-heavy", "long"}
+    assert out["local"]["long"]["sequences"] == 2 and out["local"]["short-heavy"]["tokens"] == 512
+    assert out["local"]["long"]["runtime_tflops"] > 0 and "measured_over_predicted" in out["local"]["long"]
+    assert set(out["ring_blocks"]["32"]) == {"full", "diag", "local_tflops_same_tokens"}
+    assert max(out["ring_accuracy"]["max_abs_err"].values()) <= 2e-2
+    assert out["whole_step"]["available"] is False
+    assert out["kernels"] == {"diag": "cpu_flash", "full": "cpu_flash", "varlen": "cpu_flash", "mask": "math"}
+
+
 def _cuda_kernels():
     if not torch.cuda.is_available():
         return []
