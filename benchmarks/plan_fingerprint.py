@@ -8,7 +8,7 @@ one JSON object::
                                          "simulated_s": [...], "lower_bound_s": [...]}, ...}}
 
 The plan digest covers every record of the plan file except the fields that record wall-clock
-time (``created_at``, solver ``time_s``). Every setting plans with ``--ilp never`` (greedy packing)
+time or the checkout's location (``created_at``, solver ``time_s``, the manifest's ``path``). Every setting plans with ``--ilp never`` (greedy packing)
 so that the bytes do not depend on how much wall-clock time a solver got; Hydraulis solves its ILPs
 to optimality on these small steps, and FlexSP, whose MILP stops at a wall-clock limit, is left out.
 ``tests/test_plan_fingerprint.py`` compares the output with the values recorded in
@@ -56,8 +56,9 @@ def _cli(argv: list[str]) -> str:
     return out.getvalue()
 
 
-# Fields that record when and how long, not what: left out of the plan's digest.
-WALL_CLOCK = {"created_at", "time_s"}
+# Fields that record when, how long and where (the manifest's absolute path), not what: left out of
+# the plan's digest.
+WALL_CLOCK = {"created_at", "time_s", "path"}
 
 
 def _stable_bytes(text: str) -> bytes:
