@@ -32,7 +32,7 @@ import time
 import torch
 
 from zeppelin.runtime import kernels
-from zeppelin.runtime.attention import merge_partial, reference_attention
+from zeppelin.runtime.attention_impl import merge_partial, reference_attention
 from zeppelin.schemas.layout import zigzag_ranges
 
 RUNTIME_GQA_EXPAND = kernels.gqa_expand  # the runtime's choice (the context below overrides it)

@@ -7,7 +7,7 @@ sequences in placement order, each sequence's ranges in listed order):
 
 * ``ring`` groups (and ``allgather`` groups, which are executed with the same exact ring
   schedule — K/V blocks pass around the group, partial results merge by log-sum-exp) through
-  :func:`zeppelin.runtime.attention.ring_forward` / ``ring_backward``;
+  :func:`zeppelin.runtime.attention_impl.ring_forward` / ``ring_backward``;
 * ``local`` groups: one-rank rings (whole sequences, no communication);
 * ``ulysses`` groups: delegated to :func:`zeppelin.runtime.ulysses.ulysses_attention`.
 
@@ -15,7 +15,7 @@ Order. Work runs in phases inter -> intra -> local (the slowest communication st
 inside a phase, groups in increasing group index. Communication-free work (sequences of one-rank
 groups) fills the waits: while a ring exchange is still in flight, the engine runs queued local
 sequences — all of them as ONE varlen kernel call where the device has a varlen kernel
-(:class:`zeppelin.runtime.attention.LocalPack`), else one task per sequence — and whatever is left runs after the rings (``engine.filled`` counts the fills). Every rank derives the
+(:class:`zeppelin.runtime.attention_impl.LocalPack`), else one task per sequence — and whatever is left runs after the rings (``engine.filled`` counts the fills). Every rank derives the
 same order from the plan, which makes the P2P schedule deadlock-free: a rank waiting inside group
 g only waits on ranks that have finished every group ordered before g. The ring/local/allgather
 work of a call is ONE autograd node (:class:`_EngineFunction`), so backward runs the same global
@@ -42,7 +42,7 @@ import torch
 from zeppelin.schemas.common import InputError
 from zeppelin.schemas.plan import PlanHeader, StepPlan
 
-from .attention import (
+from .attention_impl import (
     LocalPack,
     RingSpec,
     Transport,

@@ -6,7 +6,7 @@ any disjoint cover works), sequences in placement order. Attention runs *head-sh
 
 1. one all-to-all scatters Q, K and V by heads and gathers the sequence — afterwards position ``j``
    holds every token of every sequence of the group for its heads;
-2. local causal varlen attention over those whole sequences (``runtime.attention.local_attention``);
+2. local causal varlen attention over those whole sequences (``runtime.attention_impl.local_attention``);
 3. one all-to-all sends O back to the sequence shards.
 
 Head split: query heads are split near-evenly and contiguously over the positions (``Hq`` need not
@@ -272,7 +272,7 @@ def ulysses_attention(q, k, v, spec: UlyssesSpec, group=None, scale: float | Non
     ``k, v [T, Hkv, D]`` (``T = spec.rows(spec.pos)``, sequences in ``spec.seqs`` order, ranges in
     listed order); returns ``[T, Hq, D]``. Differentiable; ``group``: the process group of
     ``spec.ranks`` (looked up in the default GroupCache when omitted)."""
-    from .attention import local_attention
+    from .attention_impl import local_attention
 
     G = spec.size
     T = spec.rows(spec.pos)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zeppelin.runtime.attention import (
+from zeppelin.runtime.attention_impl import (
     RingSpec,
     Transport,
     attention_block,
@@ -312,7 +312,7 @@ def test_pool_reports_dead_rank_and_timeout_then_recovers():
 def test_math_path_tiles_exactly(monkeypatch):
     # the float32 math kernel (the reference; partial masks; CUDA float32) computes in
     # query tiles; a tiny tile budget must give the same results as one tile
-    import zeppelin.runtime.attention as att
+    import zeppelin.runtime.attention_impl as att
     import zeppelin.runtime.kernels as kern
 
     q, k, v, do = (x.float() for x in _inputs([29], seed=4))

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import zeppelin.runtime.attention as att
+import zeppelin.runtime.attention_impl as att
 import zeppelin.runtime.kernels as kern
-from zeppelin.runtime.attention import (
+from zeppelin.runtime.attention_impl import (
     LocalPack,
     RingSpec,
     Transport,

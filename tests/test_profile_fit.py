@@ -248,7 +248,7 @@ def test_profiler_times_packs_of_sequences_through_the_engine_path(one_rank_grou
     two calls' worth, whatever the pack size."""
     import torch
 
-    import zeppelin.runtime.attention as att
+    import zeppelin.runtime.attention_impl as att
     from zeppelin.runtime.profiler import measure_attention, pack_count
     from zeppelin.schemas.model import model_preset
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zeppelin.runtime.attention import reference_attention
+from zeppelin.runtime.attention_impl import reference_attention
 from zeppelin.runtime.dist_utils import DistributedPool
 from zeppelin.runtime.ulysses import UlyssesSpec, head_split
 from zeppelin.schemas.cluster import cluster_preset
