@@ -614,3 +614,85 @@ def test_select_simulate_never_slower_than_prediction_choice():
     assert t_sim <= t_pred * (1 + 1e-12)
     assert sim.simulate_step(auto).step_time_s == pytest.approx(t_sim)
     _check_plan(ctx, by_sim, lengths)
+
+
+# ------------------------------------------------------------------ whole-step candidate families
+
+
+def _grid_step(cluster: str, model: str, tp: int, mix: str, gpus: int, k: int):
+    """Step ``k`` of a docs/RESULTS.md grid cell (same sampler settings as benchmarks/bench_compare.py)."""
+    from zeppelin.planner.core.sampler import sample_steps
+    from zeppelin.planner.tools.compare import mix_dataset
+    from zeppelin.schemas.plan import SamplerConfig
+
+    cl = cluster_preset(f"{cluster}:{gpus // 8}")
+    ctx = PlanContext(cl, model_preset(model), default_profile(cl.name, cl.device), tp=tp)
+    cfg = SamplerConfig(tokens_per_step=16384 * gpus, seed=0, max_seq_len=131072)
+    return ctx, sample_steps(mix_dataset(mix), cfg, k + 1)[k]
+
+
+def _valid(ctx, plan):
+    from zeppelin.planner.tools.validate import step_problems
+
+    assert step_problems(ctx, header_for(ctx), plan) == []
+    assert sorted(p.seq for mb in plan.microbatches for p in mb.placements) == list(range(len(plan.sequences)))
+
+
+@pytest.mark.parametrize("cell, family", [
+    (("zeppelin-a", "llama-7b", 1, "short", 32, 0), "ulysses-groups"),
+    (("zeppelin-c", "llama-13b", 2, "short", 64, 0), "flop-share"),
+    (("zeppelin-a", "llama-13b", 2, "long", 64, 0), "tp-replicas"),
+])
+def test_family_chosen_where_it_wins_by_the_cost_model(cell, family):
+    """Each family wins a step of the RESULTS grid by the prediction: the planner returns it, the
+    plan validates, and it is faster by the prediction than the tiered search alone."""
+    from zeppelin.planner.costmodel.predict import predict_replicas
+
+    ctx, seqs = _grid_step(*cell)
+    plan = ZeppelinPlanner().plan_step(ctx, 0, seqs)
+    tiered = ZeppelinPlanner(families="none").plan_step(ctx, 0, seqs)
+    assert plan.notes["family"] == family
+    assert "family" not in tiered.notes and "tiers" in tiered.notes
+    assert plan.prediction.step_time_s < tiered.prediction.step_time_s
+    _valid(ctx, plan)
+    again = (predict_replicas if plan.replicas is not None else predict_step)(ctx, plan)
+    assert again.step_time_s == pytest.approx(plan.prediction.step_time_s, rel=1e-9)
+    if family == "tp-replicas":
+        assert max(r.tp for r in plan.replicas) > ctx.tp
+        assert sorted(g for r in plan.replicas for g in r.ranks) == list(range(ctx.cluster.world_size))
+    if family == "ulysses-groups":  # groups keep their units for the whole step
+        units_of = {}
+        for mb in plan.microbatches:
+            for g in mb.groups:
+                for u in g.units:
+                    assert units_of.setdefault(u, tuple(g.units)) == tuple(g.units)
+    # same inputs, same plan
+    assert ZeppelinPlanner().plan_step(ctx, 0, seqs).model_dump(exclude={"solver"}) == plan.model_dump(exclude={"solver"})
+
+
+def test_families_option_validated():
+    with pytest.raises(PlanningError, match=r"^families option: unknown family 'megatron' \(known: ulysses-groups, "
+                                            r"flop-share, tp-replicas, all, none\)$"):
+        ZeppelinPlanner(families="ulysses-groups,megatron")
+
+
+def test_family_dispatch_local_search_never_worse():
+    from zeppelin.planner.zeppelin.families import _dispatch
+
+    rng = np.random.default_rng(5)
+    for trial in range(20):
+        n = int(rng.integers(5, 60))
+        cost = {0: rng.lognormal(0, 1.2, n), 1: None}
+        cost[1] = cost[0] * rng.uniform(0.3, 0.7)
+        fits = {0: np.ones(n, dtype=bool), 1: rng.random(n) < 0.9}
+        counts = {0: int(rng.integers(1, 6)), 1: int(rng.integers(0, 3))}
+        lpt = _dispatch(cost, fits, counts)
+        best = _dispatch(cost, fits, counts, improve=True)
+        assert best[0] <= lpt[0] * (1 + 1e-12)
+        # the makespan is that of the returned assignment, which respects fits
+        loads = {}
+        for i, (t, g) in enumerate(best[1]):
+            assert fits[t][i] and counts[t] > g
+            loads[(t, g)] = loads.get((t, g), 0.0) + cost[t][i]
+        assert max(loads.values()) == pytest.approx(best[0])
+        assert _dispatch(cost, fits, counts, improve=True) == best
