@@ -44,9 +44,9 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "API_VERSION",
     "IGNORE_INDEX",
-    "InputError",
     "PLAN_FORMAT",
     "AttentionContext",
+    "InputError",
     "MicroBatch",
     "PlanSteps",
     "StepContext",

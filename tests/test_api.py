@@ -14,13 +14,12 @@ import sys
 
 import pytest
 import torch
+from test_runtime_dist import make_header, planner_step
 
 import zeppelin.runtime as z
 from zeppelin.schemas.cluster import cluster_preset
 from zeppelin.schemas.model import model_preset
 from zeppelin.schemas.plan import write_plan
-
-from test_runtime_dist import make_header, planner_step
 
 WORLD = 2
 TOL = 1e-5
@@ -143,7 +142,7 @@ def test_attention_matches_single_process_sdpa(pool, plans, plan):
             ref = _reference(k, q, L)
             for key in ("o", "dq", "dk", "dv"):
                 parts = sorted(got[(k, q)][key], key=lambda x: x[0])
-                assert [s for s, _ in parts][0] == 0
+                assert parts[0][0] == 0
                 mine = torch.cat([t for _, t in parts])
                 assert mine.shape[0] == L, (k, q, key)           # every real token exactly once
                 assert _rel(mine, ref[key]) <= TOL, (plan, k, q, key, _rel(mine, ref[key]))
