@@ -198,15 +198,17 @@ def _check_plan(ctx, plan, lengths):
     placed = sorted(p.seq for mb in plan.microbatches for p in mb.placements)
     assert placed == list(range(len(lengths)))
     cap = ctx.cost.token_capacity
+    if plan.replicas is not None:  # a tp-replicas plan: units are replicas of their own TP degree
+        cap = np.array([ctx.cost_for(r.tp).token_capacity for r in plan.replicas])
     for mb in plan.microbatches:
-        held = np.zeros(ctx.num_units)
+        held = np.zeros(len(mb.queues))
         for p in mb.placements:
             g = mb.groups[p.group]
             if g.kind == "ring":
                 assert p.ranges == zigzag_ranges(lengths[p.seq], len(g.units))
             for pos, u in enumerate(g.units):
                 held[u] += sum(e - s for s, e in p.ranges[pos])
-        assert held.max() <= cap
+        assert (held <= cap).all()
         # queues: inter before intra before local
         rank = {"inter": 0, "intra": 1, "local": 2}
         for q in mb.queues:
@@ -229,7 +231,7 @@ def test_plan_step_structure_and_tiers():
     rng = np.random.default_rng(3)
     # many short sequences (their rings would waste device time on small blocks) and two long ones
     lengths = list(np.clip(rng.lognormal(7, 1, 600).astype(int), 16, 4000)) + [tg.cap * 5, tg.cap * 12]
-    plan = ZeppelinPlanner(intra="ring").plan_step(ctx, 0, seqs_of(lengths))
+    plan = ZeppelinPlanner(intra="ring", families="none").plan_step(ctx, 0, seqs_of(lengths))
     _check_plan(ctx, plan, lengths)
     tiers = plan.notes["tiers"]
     assert tiers["inter"] >= 1 and tiers["local"] >= 1
@@ -257,8 +259,8 @@ def test_intra_node_ulysses_option():
         tg = Tiering(ctx)
         rng = np.random.default_rng(mix_seed)
         lengths = list(np.clip(rng.lognormal(8.5, 1.2, 90).astype(int), 16, 60000)) + [tg.cap * 3]
-        ring = ZeppelinPlanner(intra="ring").plan_step(ctx, 0, seqs_of(lengths))
-        auto = ZeppelinPlanner(intra="auto").plan_step(ctx, 0, seqs_of(lengths))
+        ring = ZeppelinPlanner(intra="ring", families="none").plan_step(ctx, 0, seqs_of(lengths))
+        auto = ZeppelinPlanner(intra="auto", families="none").plan_step(ctx, 0, seqs_of(lengths))
         _check_plan(ctx, auto, lengths)
         assert auto.prediction.step_time_s <= ring.prediction.step_time_s * 1.001
         kinds = {g.kind for mb in ring.microbatches for g in mb.groups}
@@ -300,7 +302,7 @@ def test_ablation_variants_differ_only_in_routing_and_remap():
     ctx = make_ctx()
     tg = Tiering(ctx)
     lengths = [tg.cap * 10, 3000, 2500, 800, 600, 500] * 3
-    plans = {cls.name: cls().plan_step(ctx, 0, seqs_of(lengths))
+    plans = {cls.name: cls(families="none").plan_step(ctx, 0, seqs_of(lengths))
              for cls in (ZeppelinPlanner, ZeppelinNoRouting, ZeppelinNoRemap, ZeppelinTiersOnly)}
     for name, plan in plans.items():
         _check_plan(ctx, plan, lengths)
@@ -354,7 +356,7 @@ def test_ilp_never_worse_than_greedy_inside_planner(monkeypatch):
     rng = np.random.default_rng(5)
     for _ in range(2):
         lengths = np.clip(rng.lognormal(8, 1.2, 30).astype(int), 16, 30000)
-        plan = ZeppelinPlanner(ilp="always", time_limit=0.5).plan_step(ctx, 0, seqs_of(lengths))
+        plan = ZeppelinPlanner(ilp="always", time_limit=0.5, families="none").plan_step(ctx, 0, seqs_of(lengths))
         _check_plan(ctx, plan, lengths)
         # the chosen candidate may be node-major (whole-step node assignment, no packing ILP left)
         assert plan.solver.name in ("highs", "greedy")
@@ -584,7 +586,7 @@ def test_fewest_microbatches_memory_allows_on_short_mix():
 
     ctx = make_ctx("zeppelin-a:8")
     cfg = SamplerConfig(tokens_per_step=16384 * 64, seed=0, max_seq_len=65536)
-    pl = ZeppelinPlanner(select="predict")
+    pl = ZeppelinPlanner(select="predict", families="none")
     for k, seqs in enumerate(sample_steps(resolve_dataset("short"), cfg, 3)):
         total = sum(s.length for s in seqs)
         need = -(-total // (ctx.num_units * pl.tiering(ctx).cap))

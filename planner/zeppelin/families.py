@@ -279,7 +279,7 @@ def ulysses_groups(ctx: PlanContext, step: int, sequences: list[Sequence], top: 
 
 
 # ---------------------------------------------------------------------------------------------
-def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int = 1):
+def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int = 1, routing: bool = True):
     n, upn, cm = ctx.num_units, ctx.units_per_node, ctx.cost
     cap = cm.token_capacity
     L = np.array([s.length for s in sequences], dtype=np.int64)
@@ -313,7 +313,7 @@ def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
         if G == 1:
             continue
         starts = np.arange(0, n - G + 1, G)
-        bmax = load.reshape(-1, G).max(axis=1)
+        bmax = load[:len(starts) * G].reshape(-1, G).max(axis=1)
         blk = list(range(int(starts[int(np.argmin(bmax))]), int(starts[int(np.argmin(bmax))]) + G))
         where[i] = (blk, int(_zigzag_share(L[i:i + 1], G)[0]))
         load[blk] += t_unit[i]
@@ -341,7 +341,7 @@ def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
             b.place(k, "ring" if len(units) > 1 else "local", units, int(i))
             held[k][units] += per
         plan = b.finish(step, SolverInfo(name="greedy"), notes={"family": "flop-share"})
-        if any(g.tier == "inter" for mb in plan.microbatches for g in mb.groups):
+        if routing and any(g.tier == "inter" for mb in plan.microbatches for g in mb.groups):
             # inter-node rings: their boundary hops routed over every NIC (routing.py), as in
             # the tiered plans
             for mb in plan.microbatches:
@@ -460,7 +460,7 @@ def tp_replicas(ctx: PlanContext, step: int, sequences: list[Sequence], top: int
 
 
 def family_plans(ctx: PlanContext, step: int, sequences: list[Sequence], families=FAMILIES,
-                 bound: float | None = None) -> list[StepPlan]:
+                 bound: float | None = None, routing: bool = True) -> list[StepPlan]:
     """The families' best plans for the step (a family that cannot plan it contributes none).
 
     Each family scores its configurations by its own estimate of the slowest unit's time (no
@@ -472,7 +472,8 @@ def family_plans(ctx: PlanContext, step: int, sequences: list[Sequence], familie
     cands = []
     for f, name in enumerate(families):
         try:
-            got = fns[name](ctx, step, sequences, top=2)
+            kw = {"routing": routing} if name == "flop-share" else {}
+            got = fns[name](ctx, step, sequences, top=2, **kw)
         except PlanningError:
             continue
         cands += [(score, f, a, build) for score, a, build in got]

@@ -21,6 +21,12 @@ Per training step:
    queue: inter groups, then intra, then its local group - in one global group order, so no two
    units wait on each other in opposite orders.
 6. **Routes** and **remap** (``routing.py``, ``remap.py`` of this package), then the prediction.
+7. **Candidate families** (``families.py``): Ulysses groups that keep their units for the whole
+   step, FLOP-share rings beside local units, replicas of a larger tensor-parallel degree. Each
+   family scores its configurations by its own per-group time; the best (those that can beat the
+   tiered plan) are built and priced by the same prediction, and the fastest candidate of all wins
+   (ties: the tiered plan). On clusters of at most ``simulate_max_units`` units the simulator
+   judges instead. Option ``families`` (``all``, ``none`` or a comma list).
 
 Registered variants: ``zeppelin`` (everything), ``zeppelin-no-routing``, ``zeppelin-no-remap``,
 ``zeppelin-tiers-only`` (neither routing nor remapping) - the paper's ablation.
@@ -151,7 +157,8 @@ class ZeppelinPlanner(Planner):
         families = _optional("families")
         if families is None or not self.families:
             return []
-        return families.family_plans(ctx, step, sequences, self.families, bound)
+        fams = [f for f in self.families if not (f == "ulysses-groups" and self.intra == "ring")]  # rings only
+        return families.family_plans(ctx, step, sequences, fams, bound, routing=self.routing)
 
     def tiering(self, ctx: PlanContext) -> Tiering:
         t = self._tiering.get(id(ctx))
