@@ -6,7 +6,7 @@ from pathlib import Path
 
 from zeppelin.schemas.cluster import ClusterSpec, cluster_preset
 from zeppelin.schemas.common import InputError, load_doc
-from zeppelin.schemas.model import ModelSpec, model_preset
+from zeppelin.schemas.model import ModelSpec, resolve_model_ref
 from zeppelin.schemas.profile import CostProfile, default_profile
 
 
@@ -22,9 +22,8 @@ def resolve_cluster(ref: str) -> ClusterSpec:
 
 
 def resolve_model(ref: str) -> ModelSpec:
-    if _looks_like_file(ref):
-        return load_doc(ModelSpec, ref)
-    return model_preset(ref)
+    """A preset name, a ModelSpec JSON file or ``hf:DIR`` (a Hugging Face config.json)."""
+    return resolve_model_ref(ref)
 
 
 def resolve_profile(ref: str | None, cluster: ClusterSpec) -> CostProfile:
