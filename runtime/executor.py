@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeppelin.schemas.common import InputError, content_hash
+from zeppelin.schemas.common import InputError, check_output, content_hash
 from zeppelin.schemas.layout import split_even
 from zeppelin.schemas.plan import PlanHeader, PlanReader, StepPlan
 
@@ -420,6 +420,8 @@ def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSo
         raise InputError("--checkpoint-every must be >= 0")
     if (cfg.checkpoint_every or cfg.resume) and not cfg.checkpoint_dir:
         raise InputError("--checkpoint-every/--resume need --checkpoint-dir")
+    metrics_path = Path(cfg.metrics) if cfg.metrics else Path(cfg.plan).with_suffix(".metrics.jsonl")
+    check_output(metrics_path, [cfg.plan, cfg.data, cfg.model], what="metrics file")
     return reader, source, 0, end
 
 
