@@ -3,10 +3,10 @@
 The model is the ``transformers`` implementation itself (``AutoModelForCausalLM.from_config``),
 built from ``DIR/config.json`` in fp32 master weights; weights come from ``DIR/*.safetensors``
 through ``safetensors`` (never a pickle) or, without weight files, from the config's own
-initialisation under a fixed seed. The runtime's attention engine is registered with transformers'
-attention-function interface under the name ``"zeppelin"`` (:func:`register_attention`); the
-micro-batch's layout (:class:`~zeppelin.runtime.model.Layout`) travels to it as the forward keyword
-``zeppelin_layout``. So the plan's layouts, remaps and rings are unchanged:
+initialisation under a fixed seed. The runtime's attention is registered with transformers'
+attention-function interface under the name ``"zeppelin"`` (:func:`register_attention`, i.e.
+:func:`zeppelin.runtime.api.register_hf_attention`); the micro-batch's attention context travels to
+it as the forward keyword ``zeppelin_context``. So the plan's layouts, remaps and rings are unchanged:
 
 * the model runs on the rank's packed linear-layout tokens as one ``[1, T]`` batch, with position
   ids restarting at 0 at every sequence's start (RoPE is applied by transformers before attention,
@@ -19,7 +19,7 @@ micro-batch's layout (:class:`~zeppelin.runtime.model.Layout`) travels to it as 
 
 The single-process reference of ``--verify`` (:class:`~zeppelin.runtime.model.ReferenceLayout`)
 runs transformers' own ``eager`` attention one whole sequence at a time, so a distributed step is
-checked against transformers, not against this module's attention adapter.
+checked against transformers, not against the attention adapter.
 
 Tensor-parallel plans (``tp > 1``) are refused for Hugging Face models: their linears are
 transformers' ``nn.Linear`` modules, which the runtime's TP-SP path does not shard.
@@ -28,7 +28,6 @@ transformers' ``nn.Linear`` modules, which the runtime's TP-SP path does not sha
 from __future__ import annotations
 
 import contextlib
-import math
 from pathlib import Path
 from typing import Any
 
@@ -43,54 +42,12 @@ from zeppelin.schemas.model import ModelSpec
 from .data import IGNORE_INDEX
 from .model import COMPUTE_DTYPES, Layout, PhaseTimer, ReferenceLayout
 
-ATTENTION_NAME = "zeppelin"
-_REGISTERED = False
-
-
-def zeppelin_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       attention_mask: Any = None, scaling: float | None = None, dropout: float = 0.0,
-                       **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers attention function: ``query [1, Hq, T, D]``, ``key/value [1, Hkv, T, D]`` in
-    the linear layout -> ``[1, T, Hq, D]`` (linear layout), through the layout's remaps and engine."""
-    layout: Layout | None = kwargs.get("zeppelin_layout")
-    timer: PhaseTimer | None = kwargs.get("zeppelin_timer")
-    if layout is None:
-        raise RuntimeError("the 'zeppelin' attention needs the forward keyword zeppelin_layout "
-                           "(run the model through zeppelin.runtime.hf.HFCausalLM)")
-    if query.shape[0] != 1:
-        raise ValueError(f"the 'zeppelin' attention runs packed [1, T] batches, got batch {query.shape[0]}")
-    if dropout:
-        raise ValueError("attention dropout is not supported by the 'zeppelin' attention")
-    _, hq, T, d = query.shape
-    hkv = key.shape[1]
-    if scaling is not None and not math.isclose(scaling, 1.0 / math.sqrt(d), rel_tol=1e-6):
-        raise ValueError(f"attention scaling {scaling} differs from 1/sqrt(head_dim) used by the engine")
-    q = query[0].transpose(0, 1).reshape(T, hq * d)
-    k = key[0].transpose(0, 1).reshape(T, hkv * d)
-    v = value[0].transpose(0, 1).reshape(T, hkv * d)
-    x = torch.cat([q, k, v], dim=1)
-    x = timer.region("remap", layout.to_attention, x) if timer is not None else layout.to_attention(x)
-    Ta = x.shape[0]
-    qa = x[:, : hq * d].reshape(Ta, hq, d)
-    ka = x[:, hq * d:(hq + hkv) * d].reshape(Ta, hkv, d)
-    va = x[:, (hq + hkv) * d:].reshape(Ta, hkv, d)
-    o = timer.region("attention", layout.attention, qa, ka, va) if timer is not None \
-        else layout.attention(qa, ka, va)
-    o = o.reshape(Ta, hq * d)
-    o = timer.region("remap", layout.to_linear, o) if timer is not None else layout.to_linear(o)
-    return o.reshape(1, T, hq, d), None
-
-
 def register_attention() -> str:
-    """Register :func:`zeppelin_attention` with transformers' ``AttentionInterface`` (idempotent);
-    returns its name (``"zeppelin"``)."""
-    global _REGISTERED
-    if not _REGISTERED:
-        from transformers import AttentionInterface
+    """Register the runtime's attention with transformers' ``AttentionInterface`` (the public
+    :func:`zeppelin.runtime.api.register_hf_attention`); returns its name (``"zeppelin"``)."""
+    from .api import register_hf_attention
 
-        AttentionInterface.register(ATTENTION_NAME, zeppelin_attention)
-        _REGISTERED = True
-    return ATTENTION_NAME
+    return register_hf_attention()
 
 
 def _safetensors_files(d: Path) -> list[Path]:
@@ -143,11 +100,12 @@ class HFCausalLM(nn.Module):
         if isinstance(layout, ReferenceLayout):
             return self._reference_hidden(tokens, layout)
         pos = getattr(layout, "linear_positions", None)
-        if pos is None:
-            raise RuntimeError("the layout has no linear_positions (position ids of the linear layout)")
+        if pos is None or getattr(layout, "ctx", None) is None:
+            raise RuntimeError("HFCausalLM runs on a plan layout with an attention context and the linear "
+                               "layout's position ids")
         with self._autocast(tokens.device):
             out = self.model(input_ids=tokens[None], position_ids=pos.to(tokens.device)[None], use_cache=False,
-                             zeppelin_layout=layout, zeppelin_timer=timer)
+                             zeppelin_context=layout.ctx, zeppelin_timer=timer)
         return out.last_hidden_state[0]
 
     def _reference_hidden(self, tokens: torch.Tensor, layout: ReferenceLayout) -> torch.Tensor:

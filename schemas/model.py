@@ -104,7 +104,7 @@ def model_preset(name: str) -> ModelSpec:
 def resolve_model_ref(ref: str) -> ModelSpec:
     """A model reference of the command line: ``hf:DIR`` (a Hugging Face ``config.json``, see
     :mod:`zeppelin.schemas.hf`), a ModelSpec JSON file, or a preset name."""
-    from pathlib import Path
+    import os
 
     from .common import load_doc
 
@@ -112,6 +112,6 @@ def resolve_model_ref(ref: str) -> ModelSpec:
         from .hf import hf_model_spec
 
         return hf_model_spec(ref)
-    if ref.endswith(".json") or "/" in ref or Path(ref).exists():
+    if ref.lower().endswith(".json") or "/" in ref or os.sep in ref:  # a bare name is always a preset
         return load_doc(ModelSpec, ref)
     return model_preset(ref)

@@ -58,6 +58,7 @@ def plan(
     from zeppelin.planner.core.driver import check_steps, make_header, plan_steps
     from zeppelin.planner.core.inputs import (
         check_path_writable,
+        input_refs,
         resolve_cluster,
         resolve_model,
         resolve_profile,
@@ -81,7 +82,7 @@ def plan(
     if output is None and not explain:
         raise InputError("missing -o/--output PLAN (or use --explain alone to see the tier thresholds)")
     if output is not None:
-        check_path_writable(output)
+        check_path_writable(output, [manifest, *input_refs(cluster, model, profile)])
     cl = resolve_cluster(cluster)
     md = resolve_model(model)
     pf = resolve_profile(profile, cl)
@@ -97,7 +98,7 @@ def plan(
         typer.echo(Tiering(ctx).explain())
         if output is None:
             return
-    from zeppelin.planner.core.sampler import sample_steps
+    from zeppelin.planner.core.sampler import run_max_seq_len, sample_steps
     from zeppelin.schemas.datasets import default_manifest_path, load_manifest
 
     ds = load_manifest(manifest if manifest is not None else default_manifest_path())
@@ -105,6 +106,7 @@ def plan(
         tokens_per_step = max(ctx.cost.token_capacity * ctx.num_units, 1)
     cfg = SamplerConfig(tokens_per_step=tokens_per_step, seqs_per_step=seqs_per_step, shuffle=not no_shuffle,
                         seed=seed, max_seq_len=max_seq_len, overflow=overflow)
+    ctx.max_seq_len = run_max_seq_len(ds, cfg)
     step_seqs = sample_steps(ds, cfg, steps)
     check_steps(step_seqs, cfg)
     if hasattr(pl, "check_feasible"):

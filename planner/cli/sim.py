@@ -8,15 +8,12 @@ from pathlib import Path
 
 import typer
 
-from zeppelin.schemas.common import InputError, atomic_write_text
+from zeppelin.schemas.common import InputError, atomic_write_text, same_file
 
 
 def _emit_json(doc: dict, output: Path | None) -> None:
     text = json.dumps(doc, indent=1) + "\n"
     if output is not None:
-        from zeppelin.planner.core.inputs import check_path_writable
-
-        check_path_writable(output)
         atomic_write_text(output, text)
     else:
         typer.echo(text, nl=False)
@@ -40,6 +37,10 @@ def simulate(
 
     if step is not None and step < 0:
         raise InputError(f"--step must be >= 0 (got {step})")
+    if output is not None:
+        from zeppelin.planner.core.inputs import check_path_writable
+
+        check_path_writable(output, [plan])
     header, results = simulate_plan(plan, steps=None if step is None else [step], timeline=timeline)
     if json_out or output is not None:
         doc = {
@@ -87,7 +88,7 @@ def show(
     if png is not None:
         from zeppelin.planner.core.inputs import check_path_writable
 
-        check_path_writable(png)
+        check_path_writable(png, [plan])
     reader = PlanReader(plan)
     h = reader.header
     con = Console()
@@ -131,11 +132,12 @@ def compare(
     from zeppelin.planner.core.base import PlanContext, PlanningError
     from zeppelin.planner.core.inputs import (
         check_path_writable,
+        input_refs,
         resolve_cluster,
         resolve_model,
         resolve_profile,
     )
-    from zeppelin.planner.core.sampler import sample_steps
+    from zeppelin.planner.core.sampler import run_max_seq_len, sample_steps
     from zeppelin.planner.tools.compare import (
         DEFAULT_PLANNERS,
         SOLVER_PLANNERS,
@@ -156,7 +158,9 @@ def compare(
         raise InputError(f"--solver-time-limit must be >= 0 (got {solver_time_limit})")
     for p in (output, png):
         if p is not None:
-            check_path_writable(p)
+            check_path_writable(p, [profile, *input_refs(cluster, model), dataset])
+    if output is not None and png is not None and (str(output) == str(png) or same_file(output, png)):
+        raise InputError("-o and --png name the same file", source=output)
     names = DEFAULT_PLANNERS if planners is None else [x.strip() for x in planners.split(",") if x.strip()]
     if not names:
         raise InputError("--planners is empty")
@@ -169,6 +173,7 @@ def compare(
         raise PlanningError(str(e)) from None
     ds = resolve_dataset(dataset)
     cfg = SamplerConfig(tokens_per_step=tokens_per_gpu * cl.world_size, seed=seed, max_seq_len=max_seq_len)
+    ctx.max_seq_len = run_max_seq_len(ds, cfg)
     step_seqs = sample_steps(ds, cfg, steps)
     options = {p: {"time_limit": solver_time_limit} for p in SOLVER_PLANNERS}
     t0 = time.perf_counter()
@@ -187,7 +192,9 @@ def compare(
         con = Console(width=max(Console().width, 120))  # the table is unreadable folded to 80 columns
         con.print(render_table(doc, title))
         if "zeppelin_speedup_vs_te_cp" in doc:
-            con.print(f"zeppelin: {doc['zeppelin_speedup_vs_te_cp']:.2f}x over te-cp, "
+            tuned = (f"{doc['zeppelin_speedup_vs_te_cp_tuned']:.2f}x over te-cp-tuned, "
+                     if "zeppelin_speedup_vs_te_cp_tuned" in doc else "")
+            con.print(f"zeppelin: {doc['zeppelin_speedup_vs_te_cp']:.2f}x over te-cp, {tuned}"
                       f"{doc['zeppelin_speedup_vs_best_baseline']:.2f}x over the best other baseline "
                       f"({doc['best_baseline']}); {wall:.1f} s")
         for p in (output, png):

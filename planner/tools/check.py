@@ -39,7 +39,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
-from zeppelin.schemas.common import InputError, Strict, format_validation_error
+from zeppelin.schemas.common import InputError, Strict, format_validation_error, parse_json, read_input_bytes
 
 CASE_SCHEMA = "zeppelin.check-case/1"
 SETTING_FIELDS = ("cluster", "model", "dataset", "steps", "seed", "tokens_per_step", "max_seq_len", "tp")
@@ -128,10 +128,7 @@ def load_cases(directory: str | os.PathLike, only: list[str] | None = None) -> l
         raise InputError("no check cases (*.json) in this directory", source=d)
     cases = []
     for f in files:
-        try:
-            data = json.loads(f.read_text())
-        except json.JSONDecodeError as e:
-            raise InputError(f"malformed JSON at line {e.lineno} column {e.colno}: {e.msg}", source=f) from None
+        data = parse_json(read_input_bytes(f, "check case"), source=f)
         if not isinstance(data, dict):
             raise InputError(f"expected a JSON object, got {type(data).__name__}", source=f)
         if data.get("schema_version", CASE_SCHEMA) != CASE_SCHEMA:
@@ -176,7 +173,7 @@ def _dataset(case: Case):
 def _inputs(case: Case):
     from zeppelin.planner.core.base import PlanContext, PlanningError
     from zeppelin.planner.core.inputs import resolve_cluster, resolve_model, resolve_profile
-    from zeppelin.planner.core.sampler import sample_steps
+    from zeppelin.planner.core.sampler import run_max_seq_len, sample_steps
     from zeppelin.schemas.plan import SamplerConfig
 
     s = case.spec
@@ -188,6 +185,7 @@ def _inputs(case: Case):
     except ValueError as e:
         raise PlanningError(str(e)) from None
     cfg = SamplerConfig(tokens_per_step=s.tokens_per_step, seed=s.seed, max_seq_len=s.max_seq_len)
+    ctx.max_seq_len = run_max_seq_len(ds, cfg)
     return ctx, ds, cfg, sample_steps(ds, cfg, s.steps)
 
 
@@ -269,7 +267,7 @@ def run_case(case: Case, update: bool = False) -> CaseResult:
         res.failures = [f for f in res.failures if ": golden plan " not in f and ": no golden plan " not in f
                         and ": unreadable golden plan" not in f and " against the golden " not in f]
         if not res.unchanged:
-            with PlanWriter(case.golden, header, "pretty") as w:
+            with PlanWriter(case.golden, header, "pretty", replaces=True) as w:
                 for sp in plans:
                     w.write(sp)
             res.written = True
