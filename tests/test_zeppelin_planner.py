@@ -214,9 +214,10 @@ def _check_plan(ctx, plan, lengths):
         for q in mb.queues:
             tiers = [rank[mb.groups[g].tier] for g in q]
             assert tiers == sorted(tiers)
-        # inter rings: units of a node contiguous, each node entered once
+        # inter rings: units of a node contiguous, each node entered once (units of the context's
+        # TP degree; a tp-replicas plan's rings join whole replicas)
         upn = ctx.units_per_node
-        for g in mb.groups:
+        for g in (mb.groups if plan.replicas is None else []):
             if g.tier == "inter":
                 nodes = [u // upn for u in g.units]
                 changes = sum(1 for a, b in zip(nodes, nodes[1:] + nodes[:1]) if a != b)

@@ -35,6 +35,7 @@ Registered variants: ``zeppelin`` (everything), ``zeppelin-no-routing``, ``zeppe
 from __future__ import annotations
 
 import gc
+import heapq
 import math
 import time
 from dataclasses import dataclass, field
@@ -80,6 +81,28 @@ def _fam_list(spec: str) -> tuple[str, ...]:
     bad = [x for x in out if x not in known]
     if bad:
         raise PlanningError(f"families option: unknown family {bad[0]!r} (known: {', '.join(known)}, all, none)")
+    return out
+
+
+def _lpt_with_room(items: list[int], bins: int, room: float, weight: list[float], size: list[float]):
+    """Each item in the given order to the least-loaded bin (by ``weight``) whose ``size`` total
+    stays within ``room`` (ties: lowest bin). Returns the bin of each item (in ``items`` order), or
+    None when an item fits no bin."""
+    heap = [(0.0, b) for b in range(bins)]
+    tok = [0.0] * bins
+    out = []
+    for i in items:
+        aside = []
+        while heap and tok[heap[0][1]] + size[i] > room:
+            aside.append(heapq.heappop(heap))
+        if not heap:
+            return None
+        ld, b = heapq.heappop(heap)
+        out.append(b)
+        tok[b] += size[i]
+        heapq.heappush(heap, (ld + weight[i], b))
+        for e in aside:
+            heapq.heappush(heap, e)
     return out
 
 
@@ -320,20 +343,26 @@ class ZeppelinPlanner(Planner):
         if M == 1:
             return [list(range(len(lengths)))] if lengths.sum() <= budget else None
         work = ctx.cost.work(lengths)
-        order = np.argsort(-work, kind="stable")
-        loads = np.zeros(M)
-        toks = np.zeros(M)
+        order = np.argsort(-work, kind="stable").tolist()
+        wl, Ll = work.tolist(), lengths.tolist()
+        toks = [0] * M
         parts: list[list[int]] = [[] for _ in range(M)]
+        # least work among the micro-batches with room; ties: fewest tokens, lowest index (a heap
+        # of (work, tokens, index); entries without room are set aside and put back)
+        heap = [(0.0, 0, j) for j in range(M)]
         for i in order:
-            L = lengths[i]
-            cand = np.flatnonzero(toks + L <= budget)
-            if len(cand) == 0:
+            L = Ll[i]
+            aside = []
+            while heap and heap[0][1] + L > budget:
+                aside.append(heapq.heappop(heap))
+            if not heap:
                 return None
-            # least work among those with room; ties: fewest tokens
-            j = int(cand[np.lexsort((toks[cand], loads[cand]))[0]])
+            w, t, j = heapq.heappop(heap)
             parts[j].append(int(i))
-            loads[j] += work[i]
-            toks[j] += L
+            toks[j] = t + L
+            heapq.heappush(heap, (w + wl[i], t + L, j))
+            for e in aside:
+                heapq.heappush(heap, e)
         if any(not p for p in parts):
             return None
         return [sorted(p) for p in parts]
@@ -371,29 +400,24 @@ class ZeppelinPlanner(Planner):
         T_avg = max(float(Ls.sum()) / ctx.num_units, 1.0)
         lin_rate = float(layers * c.linear_time(T_avg) + c.head_time(T_avg)) / T_avg
         w = layers * att + lin_rate * Ls / upn
-        load, tok = np.zeros(N), np.zeros(N)
-        node = np.zeros(len(lengths), dtype=np.int64)
-        for i in np.argsort(-w, kind="stable"):
-            room = np.flatnonzero(tok + per_tok[i] <= M * cap)
-            if len(room) == 0:
-                return None
-            nd = int(room[np.argmin(load[room])])
-            node[i] = nd
-            load[nd] += w[i]
-            tok[nd] += per_tok[i]
+        wl, pt = w.tolist(), per_tok.tolist()
+        order = np.argsort(-w, kind="stable").tolist()
+        node = _lpt_with_room(order, N, M * cap, wl, pt)
+        if node is None:
+            return None
+        by_node: list[list[int]] = [[] for _ in range(N)]
+        for i, nd in zip(order, node):  # heaviest first within each node
+            by_node[nd].append(i)
         parts: list[list[int]] = [[] for _ in range(M)]
         for nd in range(N):
-            ptok, pw = np.zeros(M), np.zeros(M)
-            for i in sorted(np.flatnonzero(node == nd), key=lambda i: -w[i]):
-                room = np.flatnonzero(ptok + per_tok[i] <= cap)
-                if len(room) == 0:
-                    return None
-                k = int(room[np.argmin(pw[room])])
-                parts[k].append(int(i))
-                ptok[k] += per_tok[i]
-                pw[k] += w[i]
+            mbs = _lpt_with_room(by_node[nd], M, cap, wl, pt)
+            if mbs is None:
+                return None
+            for i, k in zip(by_node[nd], mbs):
+                parts[k].append(i)
+        node_of = dict(zip(order, node))
         parts = [sorted(p) for p in parts if p]
-        return parts, {int(i): int(node[i]) for i in range(len(lengths))}
+        return parts, {i: node_of[i] for i in range(len(lengths))}
 
     # ------------------------------------------------------------------ one micro-batch
     def _coupling_waste(self, built, t: float) -> bool:
