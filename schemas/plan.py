@@ -40,11 +40,39 @@ from typing import Any, Iterator, Literal
 from pydantic import Field, ValidationError, model_validator
 
 from .cluster import ClusterSpec
-from .common import Doc, InputError, Strict, atomic_write, format_validation_error
+from .common import Doc, InputError, Strict, atomic_write, check_input_file, format_validation_error, parse_json
 from .model import ModelSpec
 from .profile import CostProfile
 
 PLAN_SCHEMA = "zeppelin.plan/1"
+
+#: Every plan format version there has been, with the zeppelin releases that read it (a stable
+#: surface: docs/API.md). A new format gets a new entry; old entries stay.
+PLAN_FORMAT_READERS = {"zeppelin.plan/1": "zeppelin 0.1.0 and later 0.x releases"}
+
+
+def format_version_message(version: Any) -> str:
+    """The one-line reason a plan whose header says ``schema_version: version`` cannot be read
+    here, naming the zeppelin that reads it (older and newer formats alike)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as _pkg_version
+
+    try:
+        mine = f"zeppelin {_pkg_version('zeppelin')}"
+    except PackageNotFoundError:  # not installed as a distribution (a source checkout)
+        mine = "this zeppelin"
+    prefix, _, num = str(version).rpartition("/")
+    cur = int(PLAN_SCHEMA.rpartition("/")[2])
+    if prefix != "zeppelin.plan" or not num.isdigit():
+        return (f"plan schema_version {version!r} is not a zeppelin plan format "
+                f"({mine} reads {PLAN_SCHEMA!r})")
+    n = int(num)
+    if n < cur:
+        readers = PLAN_FORMAT_READERS.get(str(version), "unreleased development versions before zeppelin 0.1.0")
+        return (f"plan format {version!r} is older than {mine} reads ({PLAN_SCHEMA!r}); {readers} read it: "
+                "re-plan with `zeppelin plan` to get a current plan")
+    return (f"plan format {version!r} is newer than {mine} reads ({PLAN_SCHEMA!r}); it was written by a later "
+            "zeppelin: upgrade zeppelin to read it")
 
 GroupKind = Literal["local", "ring", "allgather", "ulysses"]
 Tier = Literal["local", "intra", "inter"]
@@ -407,14 +435,16 @@ class PlanWriter:
     ...     for step in steps: w.write(step)
     """
 
-    def __init__(self, path: str | os.PathLike, header: PlanHeader, fmt: Literal["jsonl", "pretty"] = "jsonl"):
+    def __init__(self, path: str | os.PathLike, header: PlanHeader, fmt: Literal["jsonl", "pretty"] = "jsonl", *,
+                 replaces: bool = False):
         self.path, self.header, self.fmt = Path(path), header, fmt
+        self.replaces = replaces  # True: the plan replaces one read from the same path (check --update)
         self._cm = None
         self._fh = None
         self.count = 0
 
     def __enter__(self) -> "PlanWriter":
-        self._cm = atomic_write(self.path)
+        self._cm = atomic_write(self.path, replaces=self.replaces)
         self._fh = self._cm.__enter__()
         self._fh.write(_dump(self.header, self.fmt))
         return self
@@ -454,6 +484,7 @@ class PlanReader:
             raise InputError("plan file not found", source=self.path)
         if self.path.is_dir():
             raise InputError("is a directory, not a plan file", source=self.path)
+        check_input_file(self.path, "plan")
         self._offsets: list[int] | None = None
         with self.path.open("rb") as fh:
             rec, self._first_step_offset = self._read_record(fh, 0, what="header")
@@ -463,8 +494,7 @@ class PlanReader:
             raise InputError("first record is not a plan header", source=self.path)
         ver = rec.get("schema_version")
         if ver != PLAN_SCHEMA:
-            raise InputError(f"plan schema_version {ver!r} is not supported (this zeppelin reads {PLAN_SCHEMA!r})",
-                             source=self.path)
+            raise InputError(format_version_message(ver), source=self.path)
         try:
             self.header = PlanHeader.model_validate(rec)
         except ValidationError as e:
@@ -491,10 +521,12 @@ class PlanReader:
                     break
             text = b"".join(buf)
         try:
-            rec = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            msg = getattr(e, "msg", str(e))
-            raise InputError(f"{what}: corrupt or truncated record ({msg})", source=self.path) from None
+            rec = parse_json(text, source=self.path, what=what)
+        except InputError as e:
+            if e.problem.startswith(f"{what}: malformed JSON") or e.problem == f"{what}: not UTF-8 text":
+                msg = e.problem.split(": ", 2)[-1] if "malformed" in e.problem else "not UTF-8 text"
+                raise InputError(f"{what}: corrupt or truncated record ({msg})", source=self.path) from None
+            raise
         if not isinstance(rec, dict):
             raise InputError(f"{what}: record is not a JSON object", source=self.path)
         return rec, fh.tell()

@@ -11,9 +11,12 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from zeppelin.planner.cli import main
+from zeppelin.planner.core.solver import SolveLimits
+from zeppelin.planner.zeppelin.assign import pack
 
 # 2 "nodes" x 2 CPU ranks, tiny model, the shipped sample: every solver runs in a fraction of a second
 SETTING = ["-c", "local-cpu:2x2", "--model", "tiny", "--tokens-per-step", "16384", "--max-seq-len", "4096",
@@ -51,9 +54,16 @@ def test_identical_bytes_under_cpu_stress_and_with_1_or_2_workers(tmp_path):
             solvers = [s["solver"] for s in steps]
             assert all("time_s" not in s for s in solvers)  # no wall-clock field in the plan
             assert all(s["status"] != "wall_clock_limit" for s in solvers)
-            if planner == "zeppelin":  # the ILP ran on every step, and some stopped at the node limit
-                assert {s["name"] for s in solvers} == {"highs"}
-                assert "work_limit" in {s["status"] for s in solvers}
+            if planner == "zeppelin":  # the ILP's plan won on some steps
+                assert "highs" in {s["name"] for s in solvers}
+        # a packing ILP that stops at its node limit (the search is cut, not finished): the same
+        # assignment every time, whatever the load
+        rng = np.random.default_rng(0)
+        cost = rng.uniform(1.0, 10.0, 24)
+        args = (np.zeros(6), np.zeros(6), cost, np.ones(24), np.ones(24, dtype=np.int64), 100.0)
+        runs = [pack(*args, ilp="always", limits=SolveLimits(nodes=20)) for _ in range(3)]
+        assert {(r.solver, r.status, r.nodes) for r in runs} == {("highs", "work_limit", 20)}
+        assert all(r.bins == runs[0].bins and r.makespan == runs[0].makespan for r in runs)
     finally:
         for p in stress:
             p.kill()

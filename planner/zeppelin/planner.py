@@ -21,6 +21,12 @@ Per training step:
    queue: inter groups, then intra, then its local group - in one global group order, so no two
    units wait on each other in opposite orders.
 6. **Routes** and **remap** (``routing.py``, ``remap.py`` of this package), then the prediction.
+7. **Candidate families** (``families.py``): Ulysses groups that keep their units for the whole
+   step, FLOP-share rings beside local units, replicas of a larger tensor-parallel degree. Each
+   family scores its configurations by its own per-group time; the best (those that can beat the
+   tiered plan) are built and priced by the same prediction, and the fastest candidate of all wins
+   (ties: the tiered plan). On clusters of at most ``simulate_max_units`` units the simulator
+   judges instead. Option ``families`` (``all``, ``none`` or a comma list).
 
 Registered variants: ``zeppelin`` (everything), ``zeppelin-no-routing``, ``zeppelin-no-remap``,
 ``zeppelin-tiers-only`` (neither routing nor remapping) - the paper's ablation.
@@ -63,6 +69,19 @@ def _optional(module: str):
         if e.name == f"zeppelin.planner.zeppelin.{module}":
             return None
         raise
+
+
+def _fam_list(spec: str) -> tuple[str, ...]:
+    known = ("ulysses-groups", "flop-share", "tp-replicas")
+    if spec in ("all", ""):
+        return known
+    if spec == "none":
+        return ()
+    out = tuple(x.strip() for x in spec.split(",") if x.strip())
+    bad = [x for x in out if x not in known]
+    if bad:
+        raise PlanningError(f"families option: unknown family {bad[0]!r} (known: {', '.join(known)}, all, none)")
+    return out
 
 
 def _record(cls, **fields):
@@ -130,17 +149,31 @@ class ZeppelinPlanner(Planner):
         # ILP solves per step shared by every candidate layout (``ilp=always``: no budget)
         self.ilp_budget_calls = int(options.get("ilp_budget_calls", ILP_SOLVES))
         self._ilp_left = 0
+        self._wall_hit = False
         # how a sequence split inside a node runs: "auto" - a zigzag ring or Ulysses (all-to-all to
         # head shards), whichever the cost model prices lower for that sequence; "ring" - always a
         # ring (the published design)
         self.intra = str(options.get("intra", "auto"))
         if self.intra not in ("auto", "ring"):
             raise PlanningError(f"intra option must be auto or ring (got {self.intra!r})")
+        # the whole-step candidate families of families.py (comma list, or "none"), tried on clusters
+        # of at most ``families_max_units`` units (beyond, for planning latency, the tiered search only)
+        fam = str(options.get("families", "all"))
+        self.families = _fam_list(fam)
+        self.families_max_units = int(options.get("families_max_units", 256))
+        self.family_margin = float(options.get("family_margin", 0.05))
         self._sims: dict[int, object] = {}
         self._tiering: dict[int, Tiering] = {}
         self._tables: dict = {}
 
     # ------------------------------------------------------------------ helpers
+    def _family_plans(self, ctx: PlanContext, step: int, sequences: list[Sequence], bound=None) -> list[StepPlan]:
+        families = _optional("families")
+        if families is None or not self.families:
+            return []
+        fams = [f for f in self.families if not (f == "ulysses-groups" and self.intra == "ring")]  # rings only
+        return families.family_plans(ctx, step, sequences, fams, bound, routing=self.routing)
+
     def tiering(self, ctx: PlanContext) -> Tiering:
         t = self._tiering.get(id(ctx))
         if t is None or t.ctx is not ctx:
@@ -165,6 +198,7 @@ class ZeppelinPlanner(Planner):
 
     def _ilp_spent(self, r) -> None:
         self._ilp_left -= getattr(r, "ilp_runs", 0)
+        self._wall_hit = self._wall_hit or getattr(r, "status", "") == WALL_CLOCK
 
     def _routed_nics(self, ctx: PlanContext) -> int:
         return len(ctx.cluster.nics) if self.routing else 1
@@ -199,6 +233,7 @@ class ZeppelinPlanner(Planner):
     def _plan_step(self, ctx: PlanContext, step: int, sequences: list[Sequence]) -> StepPlan:
         t0 = time.perf_counter()
         self._ilp_left = self.ilp_budget_calls
+        self._wall_hit = False  # did any ILP of this step stop at the wall-clock safety net?
         if not sequences:
             raise PlanningError(f"step {step} has no sequences")
         self.check_feasible(ctx, sequences)
@@ -267,11 +302,25 @@ class ZeppelinPlanner(Planner):
             # the prediction from the candidate's terms: the same as predict_step(ctx, plan)
             plan.prediction = predict_from_terms(ctx, lengths, [b[2] for b in built])
             plans.append((plan, built))
-        if len(plans) > 1:
+        # the other whole-step families (families.py), priced the same way; ties keep the tiered plan
+        fams = []
+        if n <= self.families_max_units:
+            # a family configuration whose own score is this far above the best tiered candidate
+            # (without the all-reduce) is not built: it would not win
+            bound = min(t for _, t in found) * (1 + self.family_margin)
+            fams = self._family_plans(ctx, step, sequences, bound)
+        if len(plans) + len(fams) > 1 and simulate:
             sim = self._simulator(ctx)
-            plan, built = min(plans, key=lambda pb: sim.simulate_step(pb[0]).step_time_s)
+            scored = [(sim.simulate_step(pb[0]).step_time_s, a, pb) for a, pb in enumerate(plans + [(f, None) for f in fams])]
         else:
-            plan, built = plans[0]
+            scored = [(pb[0].prediction.step_time_s, a, pb) for a, pb in enumerate(plans + [(f, None) for f in fams])]
+        plan, built = min(scored, key=lambda x: (x[0], x[1]))[2]
+        if built is None:  # a family's plan won
+            plan.solver = SolverInfo(name="greedy", status="ok", gap=None, time_s=time.perf_counter() - t0)
+            if self._wall_hit:  # it won against candidates shaped by a load-dependent ILP
+                plan.solver.status = WALL_CLOCK
+                plan.solver.fallback_reason = "a packing ILP of a losing candidate hit the wall-clock safety net"
+            return plan
         mbs = plan.microbatches
         stats = [b[1] for b in built]
         plan.solver = self._solver_info(stats, time.perf_counter() - t0)
@@ -653,7 +702,7 @@ class ZeppelinPlanner(Planner):
         name = "highs" if "highs" in names else "cbc" if "cbc" in names else "greedy"
         ilp_runs = [r for r in results if r.solver in ("highs", "cbc")]
         status = merge_status([r.status for r in ilp_runs])
-        if any(r.status == WALL_CLOCK for r in results):
+        if self._wall_hit or any(r.status == WALL_CLOCK for r in results):
             status = WALL_CLOCK  # a greedy fallback after the safety net fired: the step depends on the load
         # gap of the unit assignment: the hottest unit vs the best any assignment could do
         gaps = []
