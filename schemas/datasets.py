@@ -40,7 +40,6 @@ from __future__ import annotations
 import glob as _glob
 import gzip
 import hashlib
-import importlib
 import json
 import os
 from array import array
@@ -51,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from .common import InputError, load_doc
+from .common import InputError, check_input_file, load_doc
 from .manifest import ManifestSpec
 
 __all__ = [
@@ -208,29 +207,24 @@ def _bytes(text: str) -> int:
     return len(text.encode("utf-8"))
 
 
+BUILTIN_TOKENIZERS = {"whitespace": _whitespace, "bytes": _bytes}
+TOKENIZER_HINT = "'whitespace' or 'bytes'"
+
+
 def resolve_tokenizer(spec: str | Callable[[str], Any]) -> Callable[[str], Any]:
-    """``'whitespace'``, ``'bytes'``, ``'module:callable'`` (or a callable) -> callable(text)."""
+    """A tokenizer named in a manifest or on the command line -> callable(text).
+
+    Data never names code: a string is a built-in tokenizer. A Python callable can only be passed in
+    by a caller that chose to run it (the command line's ``--python-tokenizer``, or library code)."""
     if callable(spec):
         return spec
-    if spec == "whitespace":
-        return _whitespace
-    if spec == "bytes":
-        return _bytes
-    if not isinstance(spec, str) or ":" not in spec:
-        raise InputError(f"unknown tokenizer {spec!r} (use 'whitespace', 'bytes' or 'module:callable')")
-    mod_name, _, attr = spec.partition(":")
-    try:
-        mod = importlib.import_module(mod_name)
-    except Exception as e:  # ImportError and errors raised while importing the module
-        raise InputError(f"cannot import tokenizer module {mod_name!r} ({e.__class__.__name__}: {e})") from None
-    obj: Any = mod
-    for part in attr.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            raise InputError(f"tokenizer {spec!r}: module {mod_name!r} has no attribute {attr!r}")
-    if not callable(obj):
-        raise InputError(f"tokenizer {spec!r} is not callable")
-    return obj
+    if isinstance(spec, str) and spec in BUILTIN_TOKENIZERS:
+        return BUILTIN_TOKENIZERS[spec]
+    if isinstance(spec, str) and ":" in spec:
+        raise InputError(f"tokenizer {spec!r} names Python code, which a manifest or case file may not do "
+                         f"(built-in tokenizers: {TOKENIZER_HINT}; `zeppelin data stats --python-tokenizer "
+                         f"MODULE:CALLABLE` runs code you name on the command line)")
+    raise InputError(f"unknown tokenizer {spec!r} (use {TOKENIZER_HINT})")
 
 
 # =============================================================================================
@@ -273,6 +267,7 @@ def _expand(pattern: str, base: Path | None, forced: str | None) -> list[tuple[P
         raise InputError("file not found", source=p)
     out = []
     for f in files:
+        check_input_file(f, "manifest")
         fmt = forced or _ext_format(f)
         if fmt is None:
             known = ", ".join(sorted(set(KNOWN_EXTENSIONS)))
@@ -758,12 +753,19 @@ def load_manifest(
         mode, field = "tokens", tf
     elif xf:
         if not tk:
-            raise InputError("text_field needs a tokenizer ('whitespace', 'bytes' or 'module:callable')",
+            raise InputError(f"text_field needs a tokenizer ({TOKENIZER_HINT})",
                              source=source if base else None)
         mode, field = "text", xf
     else:
         mode, field = "length", (lf or "length")
-    tok = resolve_tokenizer(tk) if mode == "text" else None
+    tok = None
+    if mode == "text":
+        try:
+            tok = resolve_tokenizer(tk)
+        except InputError as e:  # name the manifest document that named the tokenizer
+            if tokenizer is None and base is not None:
+                raise InputError(e.problem, source=source) from None
+            raise
     forced = None if spec.format == "auto" else spec.format
 
     shards: list[tuple[Path, str]] = []

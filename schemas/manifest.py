@@ -30,11 +30,11 @@ class ManifestSpec(Doc):
     text_field: str | None = Field(default=None, description="field/column holding raw text")
     tokenizer: str | None = Field(
         default=None,
-        description="for text_field: 'whitespace', 'bytes', or 'module:callable' returning token ids or a count",
+        description="for text_field: 'whitespace' or 'bytes' (a manifest never names Python code)",
     )
 
     @model_validator(mode="after")
     def _check(self) -> "ManifestSpec":
         if self.text_field and not self.tokenizer:
-            raise ValueError("text_field needs a tokenizer ('whitespace', 'bytes' or 'module:callable')")
+            raise ValueError("text_field needs a tokenizer ('whitespace' or 'bytes')")
         return self
