@@ -85,9 +85,10 @@ class PlanLayout(Layout):
     """One micro-batch on one rank, through the public API only (:mod:`zeppelin.runtime.api`):
     :func:`~zeppelin.runtime.api.attention` and the two remaps on the micro-batch's context."""
 
-    def __init__(self, ctx: AttentionContext) -> None:
+    def __init__(self, ctx: AttentionContext, linear_positions: torch.Tensor | None = None) -> None:
         self.ctx = ctx
         self.attn_positions = ctx.attention_positions
+        self.linear_positions = linear_positions
         self.tp = ctx.tp
 
     def to_attention(self, x):
@@ -181,7 +182,7 @@ class Executor:
         phases["data"] = self._now() - t0
         for mb in sc.microbatches:
             t1 = self._now()
-            loss_sum, h = self.model(mb.input_ids, mb.labels, PlanLayout(mb.context), timer)
+            loss_sum, h = self.model(mb.input_ids, mb.labels, PlanLayout(mb.context, mb.position_ids), timer)
             loss = loss_sum / mb.loss_normaliser
             t2 = self._now()
             loss.backward()
@@ -210,6 +211,9 @@ class Executor:
         rep = self.header.replicas(step)[unit]
         if rep.tp == 1:
             return None
+        if not getattr(self.model, "supports_tp", True):
+            raise InputError(f"step {step.step}: replica {unit} has tp={rep.tp}; Hugging Face models run "
+                             "plans without tensor parallelism only")
         hq = self.header.model.num_heads
         if rep.tp > hq:
             raise InputError(f"step {step.step}: replica {unit} has tp={rep.tp}, more than the model's {hq} "
@@ -343,14 +347,21 @@ def plan_hash(header: PlanHeader) -> str:
 
 
 def _resolve_model_ref(ref: str):
-    from pathlib import Path as _P
+    from zeppelin.schemas.model import resolve_model_ref
 
-    from zeppelin.schemas.common import load_doc
-    from zeppelin.schemas.model import ModelSpec, model_preset
+    return resolve_model_ref(ref)
 
-    if ref.endswith(".json") or "/" in ref or _P(ref).exists():
-        return load_doc(ModelSpec, ref)
-    return model_preset(ref)
+
+def build_model(ref: str | None, header: PlanHeader, seed: int, device: torch.device):
+    """The model a job trains: the transformers model of ``hf:DIR`` (:mod:`zeppelin.runtime.hf`)
+    or the runtime's own Llama built from the plan's ModelSpec."""
+    from zeppelin.schemas.hf import is_hf_ref
+
+    if is_hf_ref(ref):
+        from .hf import load_hf_model
+
+        return load_hf_model(ref, seed=seed, device=device, spec=header.model)
+    return LlamaModel(header.model, seed=seed).to(device)
 
 
 def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSource, int, int]:
@@ -366,6 +377,9 @@ def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSo
         if content_hash(spec) != header.hashes.model:
             raise InputError(f"--model {cfg.model} does not match the plan: the plan was made for model "
                              f"{header.model.name!r} (hash {header.hashes.model}, given {content_hash(spec)})")
+    if cfg.model is not None and cfg.model.startswith("hf:") and header.tp > 1:
+        raise InputError(f"the plan uses tensor parallelism (tp={header.tp}); Hugging Face models run "
+                         "data/sequence/context-parallel plans only (plan with --tp 1)")
     if header.tp > header.model.num_heads:
         raise InputError(f"the plan's tensor-parallel degree tp={header.tp} exceeds the model's "
                          f"{header.model.num_heads} attention heads")
@@ -520,7 +534,7 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
     groups = GroupCache(world, header=header, steps=steps_iter)
     set_default_cache(groups)
     seed = header.seed if cfg.seed is None else cfg.seed
-    model = LlamaModel(header.model, seed=seed).to(device)
+    model = build_model(cfg.model, header, seed, device)
     ex = Executor(header, model, source, rank=rank, world_size=world, device=device, groups=groups,
                   lr=cfg.lr, weight_decay=cfg.weight_decay, tp_overlap=cfg.tp_overlap, tp_chunks=cfg.tp_chunks)
     if state is not None:

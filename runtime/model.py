@@ -152,6 +152,7 @@ class Layout:
     unit's tensor parallelism (None: the rank holds its whole linear buffer)."""
 
     attn_positions: torch.Tensor
+    linear_positions: torch.Tensor | None = None  # positions of the linear-layout tokens (HF models)
     tp: TPContext | None = None
 
     def to_attention(self, x: torch.Tensor) -> torch.Tensor:
@@ -172,6 +173,7 @@ class ReferenceLayout(Layout):
         self.attn_positions = torch.cat(
             [torch.arange(L, dtype=torch.int64) for L in self.seq_lengths]
         ).to(device) if self.seq_lengths else torch.zeros(0, dtype=torch.int64, device=device)
+        self.linear_positions = self.attn_positions
 
     def attention(self, q, k, v):
         return reference_attention(q, k, v, self.seq_lengths)
