@@ -21,6 +21,12 @@ Per training step:
    queue: inter groups, then intra, then its local group - in one global group order, so no two
    units wait on each other in opposite orders.
 6. **Routes** and **remap** (``routing.py``, ``remap.py`` of this package), then the prediction.
+7. **Candidate families** (``families.py``): Ulysses groups that keep their units for the whole
+   step, FLOP-share rings beside local units, replicas of a larger tensor-parallel degree. Each
+   family scores its configurations by its own per-group time; the best (those that can beat the
+   tiered plan) are built and priced by the same prediction, and the fastest candidate of all wins
+   (ties: the tiered plan). On clusters of at most ``simulate_max_units`` units the simulator
+   judges instead. Option ``families`` (``all``, ``none`` or a comma list).
 
 Registered variants: ``zeppelin`` (everything), ``zeppelin-no-routing``, ``zeppelin-no-remap``,
 ``zeppelin-tiers-only`` (neither routing nor remapping) - the paper's ablation.
@@ -62,6 +68,19 @@ def _optional(module: str):
         if e.name == f"zeppelin.planner.zeppelin.{module}":
             return None
         raise
+
+
+def _fam_list(spec: str) -> tuple[str, ...]:
+    known = ("ulysses-groups", "flop-share", "tp-replicas")
+    if spec in ("all", ""):
+        return known
+    if spec == "none":
+        return ()
+    out = tuple(x.strip() for x in spec.split(",") if x.strip())
+    bad = [x for x in out if x not in known]
+    if bad:
+        raise PlanningError(f"families option: unknown family {bad[0]!r} (known: {', '.join(known)}, all, none)")
+    return out
 
 
 def _record(cls, **fields):
@@ -123,11 +142,24 @@ class ZeppelinPlanner(Planner):
         self.intra = str(options.get("intra", "auto"))
         if self.intra not in ("auto", "ring"):
             raise PlanningError(f"intra option must be auto or ring (got {self.intra!r})")
+        # the whole-step candidate families of families.py (comma list, or "none"), tried on clusters
+        # of at most ``families_max_units`` units (beyond, for planning latency, the tiered search only)
+        fam = str(options.get("families", "all"))
+        self.families = _fam_list(fam)
+        self.families_max_units = int(options.get("families_max_units", 256))
+        self.family_margin = float(options.get("family_margin", 0.05))
         self._sims: dict[int, object] = {}
         self._tiering: dict[int, Tiering] = {}
         self._tables: dict = {}
 
     # ------------------------------------------------------------------ helpers
+    def _family_plans(self, ctx: PlanContext, step: int, sequences: list[Sequence], bound=None) -> list[StepPlan]:
+        families = _optional("families")
+        if families is None or not self.families:
+            return []
+        fams = [f for f in self.families if not (f == "ulysses-groups" and self.intra == "ring")]  # rings only
+        return families.family_plans(ctx, step, sequences, fams, bound, routing=self.routing)
+
     def tiering(self, ctx: PlanContext) -> Tiering:
         t = self._tiering.get(id(ctx))
         if t is None or t.ctx is not ctx:
@@ -257,11 +289,22 @@ class ZeppelinPlanner(Planner):
             # the prediction from the candidate's terms: the same as predict_step(ctx, plan)
             plan.prediction = predict_from_terms(ctx, lengths, [b[2] for b in built])
             plans.append((plan, built))
-        if len(plans) > 1:
+        # the other whole-step families (families.py), priced the same way; ties keep the tiered plan
+        fams = []
+        if n <= self.families_max_units:
+            # a family configuration whose own score is this far above the best tiered candidate
+            # (without the all-reduce) is not built: it would not win
+            bound = min(t for _, t in found) * (1 + self.family_margin)
+            fams = self._family_plans(ctx, step, sequences, bound)
+        if len(plans) + len(fams) > 1 and simulate:
             sim = self._simulator(ctx)
-            plan, built = min(plans, key=lambda pb: sim.simulate_step(pb[0]).step_time_s)
+            scored = [(sim.simulate_step(pb[0]).step_time_s, a, pb) for a, pb in enumerate(plans + [(f, None) for f in fams])]
         else:
-            plan, built = plans[0]
+            scored = [(pb[0].prediction.step_time_s, a, pb) for a, pb in enumerate(plans + [(f, None) for f in fams])]
+        plan, built = min(scored, key=lambda x: (x[0], x[1]))[2]
+        if built is None:  # a family's plan won
+            plan.solver = SolverInfo(name="greedy", status="ok", gap=None, time_s=time.perf_counter() - t0)
+            return plan
         mbs = plan.microbatches
         stats = [b[1] for b in built]
         plan.solver = self._solver_info(stats, time.perf_counter() - t0)
