@@ -38,7 +38,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_serializer, model_validator
 
 from .cluster import ClusterSpec
 from .common import Doc, InputError, Strict, atomic_write, check_input_file, format_validation_error, parse_json
@@ -244,6 +244,16 @@ class ManifestRef(Strict):
     format: str = ""
     num_samples: int = 0
     num_tokens: int = 0
+    #: the manifest holds token ids (then ``zeppelin run`` needs it as ``--data``); written only when true,
+    #: so plans of lengths-only manifests keep their bytes
+    token_ids: bool = False
+
+    @model_serializer(mode="wrap")
+    def _drop_default_token_ids(self, handler):
+        data = handler(self)
+        if not self.token_ids:
+            data.pop("token_ids", None)
+        return data
 
 
 class SamplerConfig(Strict):
