@@ -385,6 +385,9 @@ def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSo
                          f"{header.model.num_heads} attention heads")
     if cfg.tp_overlap is not None and cfg.tp_overlap not in ("none", "slicing", "commfuse"):
         raise InputError(f"--tp-overlap {cfg.tp_overlap!r} is not one of none, slicing, commfuse")
+    if cfg.data is None and header.manifest.token_ids:
+        raise InputError(f"the plan was made from a manifest with token ids ({header.manifest.path}); pass it "
+                         "with --data (without it the run would train on synthetic ids)")
     source, mhash = load_token_source(header.model.vocab_size, header.seed, cfg.data)
     if cfg.data is not None and mhash is not None and mhash != header.hashes.manifest:
         raise InputError(f"--data {cfg.data} does not match the plan: the plan was made for manifest hash "
@@ -525,6 +528,8 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
         except InputError as e:
             local_err = str(e)
     _agree(world, local_err)
+    if rank == 0:  # the run's first line: where its token ids come from
+        print(f"zeppelin run: {source.describe()}", flush=True)
     if state is not None:
         start = state["next_step"]
     # one scan of the steps to run: validates every record (a corrupt line is reported with its

@@ -23,7 +23,7 @@ from zeppelin.schemas.plan import write_plan
 
 WORLD = 2
 TOL = 1e-5
-STEPS = [[300, 120, 40, 17, 9, 5, 3, 1], [250, 60, 33, 8]]
+STEPS = [[600, 60, 33, 8, 5, 3, 1], [250, 60, 33, 8]]
 PLANS = {
     "te-cp": ("te-cp", {"cp": 2}),
     "zeppelin": ("zeppelin", {"intra": "ring"}),     # a ring + local sequences; a remapped step
@@ -156,7 +156,7 @@ def _fields_on_rank(rank: int, world: int, path: str):
     vocab = 256
 
     def tokens(sample_id: int):
-        return [(sample_id * 7 + i) % vocab for i in range(400)]
+        return [(sample_id * 7 + i) % vocab for i in range(1000)]
 
     steps = z.open_plan(path, rank=rank, world_size=world, data=tokens)
     res = []

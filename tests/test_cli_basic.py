@@ -59,7 +59,7 @@ def test_stats_parquet_npy_and_fields(tmp_path, capsys):
     assert code == 2 and err == f"zeppelin: error: {tmp_path / 'c.jsonl'}: field 'text' not found at line 2 " \
                                 "(fields: ids)\n"
     code, _, err = run(["data", "stats", str(tmp_path / "c.jsonl"), "--text-field", "text"], capsys)
-    assert code == 2 and err == "zeppelin: error: --text-field needs --tokenizer ('whitespace' or 'bytes') or " \
+    assert code == 2 and err == "zeppelin: error: --text-field needs --tokenizer ('whitespace', 'bytes' or a tokenizer.json path) or " \
                                 "--python-tokenizer MODULE:CALLABLE\n"
 
 

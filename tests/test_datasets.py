@@ -177,14 +177,14 @@ def test_tokenizer_errors(tmp_path):
     p = write_lines(tmp_path / "x.jsonl", [json.dumps({"text": "a b"})])
     assert err(load_manifest, p, text_field="text", tokenizer=f"{__name__}:toy_tokenizer") == (
         f"tokenizer '{__name__}:toy_tokenizer' names Python code, which a manifest or case file may not do "
-        "(built-in tokenizers: 'whitespace' or 'bytes'; `zeppelin data stats --python-tokenizer MODULE:CALLABLE` "
+        "(built-in tokenizers: 'whitespace', 'bytes' or a tokenizer.json path; `zeppelin data stats --python-tokenizer MODULE:CALLABLE` "
         "runs code you name on the command line)")
     assert err(load_manifest, p, text_field="text", tokenizer="sentencepiece-ish") == (
-        "unknown tokenizer 'sentencepiece-ish' (use 'whitespace' or 'bytes')")
+        "unknown tokenizer 'sentencepiece-ish' (use 'whitespace', 'bytes' or a tokenizer.json path)")
     assert err(load_manifest, p, text_field="text", tokenizer=bad_tokenizer) == (
         f"{p}: tokenizer returned str at line 1; expected a list of token ids or a count")
     assert err(load_manifest, p, text_field="text") == (
-        "text_field needs a tokenizer ('whitespace' or 'bytes')")
+        "text_field needs a tokenizer ('whitespace', 'bytes' or a tokenizer.json path)")
 
 
 def test_jsonl_error_messages(tmp_path):

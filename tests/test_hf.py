@@ -259,6 +259,7 @@ def test_run_cli_hf_verify(hf_dirs, tmp_path):
     p = subprocess.run([ZEPPELIN, "run", str(plan), "--model", ref, "--verify", "--progress", "none",
                         "--metrics", str(metrics)], capture_output=True, text=True, env=env, timeout=200)
     assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[0].startswith("zeppelin run: synthetic token ids (no --data given; seed 0")
     assert "--verify max relative differences" in p.stdout and " - ok" in p.stdout
     recs = [json.loads(ln) for ln in metrics.read_text().splitlines()]
     assert len(recs) == 2 and all(r["verify"]["ok"] and r["verify"]["grad_rel"] <= 1e-5 for r in recs)

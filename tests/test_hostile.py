@@ -241,7 +241,7 @@ def test_signal_while_writing_leaves_nothing(work, sig):
 
 # ---------------------------------------------------------------------------------- no code from data
 CODE = ("tokenizer 'os:system' names Python code, which a manifest or case file may not do (built-in tokenizers: "
-        "'whitespace' or 'bytes'; `zeppelin data stats --python-tokenizer MODULE:CALLABLE` runs code you name on "
+        "'whitespace', 'bytes' or a tokenizer.json path; `zeppelin data stats --python-tokenizer MODULE:CALLABLE` runs code you name on "
         "the command line)")
 
 
