@@ -211,9 +211,13 @@ class Prediction(Strict):
 
 class SolverInfo(Strict):
     name: str = Field(description="e.g. highs, cbc, greedy")
-    status: str = "ok"
+    status: str = Field(default="ok", description="ok (no solver), optimal, work_limit (node / iteration limit: "
+                                                  "reproducible), wall_clock_limit (the optional wall-clock safety "
+                                                  "net fired: the step depends on the machine's load)")
     gap: float | None = Field(default=None, description="relative optimality gap (0 = proven optimal)")
-    time_s: float = 0.0
+    # planning wall time: kept in memory for reports, never written (plan bytes must not depend on
+    # the machine's load); older plans that carry it still read
+    time_s: float = Field(default=0.0, exclude=True)
     fallback_reason: str | None = None
 
 
