@@ -56,7 +56,8 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
     return {"llama": make_hf_dir(root / "llama", "llama", seed=1),
             "qwen2": make_hf_dir(root / "qwen2", "qwen2", tie=True, seed=2),
-            "qwen2-bf16": make_hf_dir(root / "qwen2-bf16", "qwen2", tie=True, seed=2, dtype="bfloat16")}
+            "qwen2-bf16": make_hf_dir(root / "qwen2-bf16", "qwen2", tie=True, seed=2, dtype="bfloat16"),
+            "mistral": make_hf_dir(root / "mistral", "mistral", seed=4)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,7 +206,7 @@ def pool():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind, tol", [("llama", 1e-5), ("qwen2", 1e-5), ("qwen2-bf16", 2e-2)])
+@pytest.mark.parametrize("kind, tol", [("llama", 1e-5), ("qwen2", 1e-5), ("mistral", 1e-5), ("qwen2-bf16", 2e-2)])
 def test_hand_plan_equals_transformers(pool, hf_dirs, kind, tol):
     """Every path (routed inter-node ring, intra rings, remap, padded zigzag ring, locals) on 4
     gloo ranks vs transformers single-process (fp32 1e-5; bf16 autocast within 2e-2 of fp32)."""
