@@ -140,6 +140,21 @@ class HFCausalLM(nn.Module):
         h = self.hidden_states(tokens, layout, timer)
         return self.loss_sum(h, labels), h
 
+    def reference_copy(self, device: torch.device | str = "cpu") -> HFCausalLM:
+        """A new unsharded fp32 model of the same config and spec (transformers' initialisation,
+        the global RNG left as it was): the frame a sharded model's whole parameters are copied
+        into for the single-process reference of ``--verify``. Parameter names are this model's."""
+        import copy
+
+        from transformers import AutoModelForCausalLM
+
+        config = copy.deepcopy(self.config)
+        with torch.random.fork_rng(devices=[]):
+            causal = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        ref = HFCausalLM(causal, self.spec).to(device)
+        ref.dtype = torch.float32
+        return ref
+
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The Hugging Face checkpoint's tensors (tied output weights once, under the embedding)."""
         sd = self.state_dict()

@@ -136,6 +136,19 @@ def test_weights_load_like_from_pretrained(hf_dirs):
             assert torch.equal(v, ref[k]), k
 
 
+def test_reference_copy_has_the_same_names_and_leaves_the_rng(hf_dirs):
+    from zeppelin.runtime.hf import load_hf_model
+
+    model = load_hf_model(f"hf:{hf_dirs['qwen2']}")
+    torch.manual_seed(11)
+    want = torch.rand(3)
+    torch.manual_seed(11)
+    ref = model.reference_copy()
+    assert torch.equal(torch.rand(3), want)
+    assert [n for n, _ in ref.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert ref.dtype == torch.float32 and ref.config is not model.config
+
+
 def test_random_init_is_seeded(tmp_path):
     from zeppelin.runtime.hf import load_hf_model
 
