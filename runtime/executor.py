@@ -74,6 +74,7 @@ class RunConfig:
     threads: int | None = None
     tp_overlap: str | None = None    # none | slicing | commfuse (default: the plan header's)
     tp_chunks: int = 4               # slices of the slicing overlap mode
+    export: str | None = None        # write a Hugging Face directory (safetensors + config) at the end
 
 
 # ---------------------------------------------------------------------------------------------
@@ -389,6 +390,15 @@ def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSo
                          f"{header.model.num_heads} attention heads")
     if cfg.tp_overlap is not None and cfg.tp_overlap not in ("none", "slicing", "commfuse"):
         raise InputError(f"--tp-overlap {cfg.tp_overlap!r} is not one of none, slicing, commfuse")
+    if cfg.export:
+        from zeppelin.runtime.hf import export_problem
+
+        why = export_problem(cfg.model, header.model)
+        if why:
+            raise InputError(why)
+        ex_dir = Path(cfg.export)
+        if ex_dir.exists() and (not ex_dir.is_dir() or any(ex_dir.iterdir())):
+            raise InputError("--export: the directory exists and is not empty", source=ex_dir)
     if cfg.data is None and header.manifest.token_ids:
         raise InputError(f"the plan was made from a manifest with token ids ({header.manifest.path}); pass it "
                          "with --data (without it the run would train on synthetic ids)")
@@ -607,6 +617,14 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
             progress.close()
         if mfh is not None:
             mfh.close()
+    exported = None
+    if cfg.export:  # every rank takes part in gathering the full state (collective under FSDP)
+        from .hf import export_model, full_state_dict
+
+        state_full = full_state_dict(model)
+        if rank == 0:
+            exported = str(export_model(model, header.model, cfg.export, state=state_full))
+        del state_full
     # every rank is done with every transfer before any rank tears its groups down
     dist.barrier()
     if rank != 0:
@@ -617,6 +635,8 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
         summary["tp_overlap"] = ex.tp_overlap
     if cfg.verify:
         summary["verify"] = verify_worst | {"tolerance": tol}
+    if exported is not None:
+        summary["export"] = exported
     return summary
 
 

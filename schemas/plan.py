@@ -220,9 +220,13 @@ class Prediction(Strict):
 
 class SolverInfo(Strict):
     name: str = Field(description="e.g. highs, cbc, greedy")
-    status: str = "ok"
+    status: str = Field(default="ok", description="ok (no solver), optimal, work_limit (node / iteration limit: "
+                                                  "reproducible), wall_clock_limit (the optional wall-clock safety "
+                                                  "net fired: the step depends on the machine's load)")
     gap: float | None = Field(default=None, description="relative optimality gap (0 = proven optimal)")
-    time_s: float = 0.0
+    # planning wall time: kept in memory for reports, never written (plan bytes must not depend on
+    # the machine's load); older plans that carry it still read
+    time_s: float = Field(default=0.0, exclude=True)
     fallback_reason: str | None = None
 
 
@@ -543,6 +547,18 @@ def end_record(steps: int, digest: "hashlib._Hash") -> str:
     bytes as written), so that a reader detects any edit of the header or of any step."""
     return json.dumps({"kind": "end", "steps": steps, "digest": "sha256:" + digest.hexdigest()},
                       separators=(",", ":")) + "\n"
+
+
+def plan_text(header: PlanHeader, steps, fmt: Literal["jsonl", "pretty"] = "jsonl") -> str:
+    """The exact text :class:`PlanWriter` writes for these records (end record included)."""
+    digest = hashlib.sha256()
+    parts = []
+    for r in [header, *steps]:
+        t = _dump(r, fmt)
+        digest.update(t.encode())
+        parts.append(t)
+    parts.append(end_record(len(parts) - 1, digest))
+    return "".join(parts)
 
 
 def write_plan(path, header: PlanHeader, steps, fmt: Literal["jsonl", "pretty"] = "jsonl") -> None:

@@ -28,7 +28,8 @@ from zeppelin.schemas.common import InputError, check_int, check_training_option
 def run(
     ctx: typer.Context,
     plan: Path = typer.Argument(..., help="plan file written by `zeppelin plan`"),
-    model: str | None = typer.Option(None, "--model", help="model preset or JSON file; must match the plan"),
+    model: str | None = typer.Option(None, "--model",
+                                     help="model preset, JSON file or hf:DIR (Hugging Face); must match the plan"),
     data: str | None = typer.Option(None, "--data", help="dataset manifest (token ids); must match the plan"),
     steps: int | None = typer.Option(None, "--steps", help="run the first N steps (default: all)"),
     lr: float = typer.Option(1e-3, "--lr", help="AdamW learning rate"),
@@ -59,6 +60,9 @@ def run(
         None, "--report-json", help="also write that report as JSON (implies --report)"),
     tp_overlap: str | None = typer.Option(
         None, "--tp-overlap", help="none | slicing | commfuse: TP-SP overlap (default: the plan's)"),
+    export: Path | None = typer.Option(
+        None, "--export", help="after the run, write the model as a Hugging Face directory (config.json + "
+                               "model.safetensors) that transformers' from_pretrained loads"),
 ) -> None:
     """Execute a plan with torch (launched through torchrun): train, report metrics, verify."""
     from zeppelin.planner.sim.report import count_lines
@@ -102,6 +106,8 @@ def run(
         raise InputError("--checkpoint-every/--resume need --checkpoint-dir")
     if tp_overlap is not None and tp_overlap not in ("none", "slicing", "commfuse"):
         raise InputError(f"--tp-overlap must be none, slicing or commfuse (got {tp_overlap!r})")
+    if export is not None and export.exists() and (not export.is_dir() or any(export.iterdir())):
+        raise InputError("--export: the directory exists and is not empty", source=export)
     report = report or report_json is not None
     if report_json is not None and report_json.is_dir():
         raise InputError("--report-json is a directory", source=report_json)
@@ -116,7 +122,7 @@ def run(
             "--seed": seed, "--metrics": metrics, "--verify-tol": verify_tol,
             "--checkpoint-every": checkpoint_every or None, "--checkpoint-dir": checkpoint_dir,
             "--timeout": timeout, "--progress": progress, "--device": device, "--threads": threads,
-            "--tp-overlap": tp_overlap}
+            "--tp-overlap": tp_overlap, "--export": export}
     for k, v in opts.items():
         if v is not None:
             worker += [k, str(v)]
