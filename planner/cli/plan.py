@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from zeppelin.schemas.common import InputError
+from zeppelin.schemas.common import MAX_SEED, MAX_STEPS, MAX_TOKENS, MAX_WORKERS, InputError, check_float, check_int
 
 
 def _planner(name: str, options: dict):
@@ -73,14 +73,14 @@ def plan(
         raise InputError(f"--format must be jsonl or pretty (got {fmt!r})")
     if overflow not in ("truncate", "reject", "skip"):
         raise InputError(f"--overflow must be truncate, reject or skip (got {overflow!r})")
-    if steps < 1:
-        raise InputError(f"--steps must be at least 1 (got {steps})")
-    for flag, v in (("--tokens-per-step", tokens_per_step), ("--seqs-per-step", seqs_per_step),
-                    ("--max-seq-len", max_seq_len)):
-        if v is not None and v < 1:
-            raise InputError(f"{flag} must be at least 1 (got {v})")
-    if tp < 1:
-        raise InputError(f"--tp must be at least 1 (got {tp})")
+    check_int("--steps", steps, 1, MAX_STEPS)
+    check_int("--tokens-per-step", tokens_per_step, 1, MAX_TOKENS)
+    check_int("--seqs-per-step", seqs_per_step, 1, 2**31)
+    check_int("--max-seq-len", max_seq_len, 1, 2**31)
+    check_int("--seed", seed, 0, MAX_SEED)
+    check_int("--tp", tp, 1, 256)
+    check_int("--workers", workers, 1, MAX_WORKERS)
+    check_float("--time-limit", time_limit, 0.0, 3600.0, lo_open=True)
     if not 0 <= zero_stage <= 3:
         raise InputError(f"--zero-stage must be 0, 1, 2 or 3 (got {zero_stage})")
     if output is None and not explain:
