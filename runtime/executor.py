@@ -41,8 +41,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeppelin.schemas.common import InputError, check_output, content_hash
-from zeppelin.schemas.plan import PlanHeader, PlanReader, StepPlan
+from zeppelin.schemas.common import InputError, check_output, check_training_options, content_hash
+from zeppelin.schemas.plan import PlanHeader, PlanReader, StepPlan, check_embedded_specs, sample_problems
 
 from .api import AttentionContext, attention, build_step, to_attention_layout, to_linear_layout
 from .data import TokenSource, load_token_source, predicted_tokens
@@ -368,8 +368,12 @@ def build_model(ref: str | None, header: PlanHeader, seed: int, device: torch.de
 def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSource, int, int]:
     """Everything a rank can decide alone, before any collective. Returns
     (reader, token source, first step, end step). Raises InputError."""
+    check_training_options(lr=cfg.lr, weight_decay=cfg.weight_decay, seed=cfg.seed, timeout=cfg.timeout_s,
+                           verify_tol=cfg.verify_tol, checkpoint_every=cfg.checkpoint_every, threads=cfg.threads)
     reader = PlanReader(cfg.plan)
     header = reader.header
+    reader.verify()
+    check_embedded_specs(reader)
     if header.world_size != world_size:
         raise InputError(f"the plan is for {header.world_size} ranks but the job has {world_size} "
                          f"(launch with --nproc-per-node/--nnodes giving {header.world_size} processes)")
@@ -405,6 +409,12 @@ def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSo
     end = header.num_steps if cfg.steps is None else cfg.steps
     if cfg.steps is not None and not 1 <= cfg.steps <= header.num_steps:
         raise InputError(f"--steps {cfg.steps} is out of range (the plan has {header.num_steps} steps)")
+    lengths = getattr(getattr(source, "manifest", None), "lengths", None)
+    if lengths is not None:  # every sample the steps name is in the manifest, never synthetic tokens instead
+        for k in range(end):
+            probs = sample_problems(reader.step(k), lengths)
+            if probs:
+                raise InputError(f"--data {cfg.data}: {probs[0]}")
     if cfg.checkpoint_every < 0:
         raise InputError("--checkpoint-every must be >= 0")
     if (cfg.checkpoint_every or cfg.resume) and not cfg.checkpoint_dir:

@@ -17,16 +17,16 @@ class ModelSpec(Doc):
     schema_version: Literal["zeppelin.model/1"] = MODEL_SCHEMA
     name: str = Field(min_length=1)
     family: Literal["llama", "gpt"] = "llama"
-    num_layers: int = Field(ge=1)
-    hidden: int = Field(ge=1)
-    num_heads: int = Field(ge=1)
-    num_kv_heads: int = Field(ge=1)
-    ffn_hidden: int = Field(ge=1)
-    vocab_size: int = Field(ge=2)
+    num_layers: int = Field(ge=1, le=1024)
+    hidden: int = Field(ge=1, le=131072)
+    num_heads: int = Field(ge=1, le=1024)
+    num_kv_heads: int = Field(ge=1, le=1024)
+    ffn_hidden: int = Field(ge=1, le=1 << 20)
+    vocab_size: int = Field(ge=2, le=1 << 24)
     mlp: Literal["swiglu", "gelu"] = "swiglu"
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
-    rope_theta: float = Field(default=10000.0, gt=0)
-    norm_eps: float = Field(default=1e-5, gt=0)
+    rope_theta: float = Field(default=10000.0, gt=0, le=1e12)
+    norm_eps: float = Field(default=1e-5, gt=0, le=1.0)
     tie_embeddings: bool = False
     #: what the linear <-> attention remap carries per token: ``hidden`` (the runtime's own model
     #: remaps the normed hidden states; the result of attention's O projection comes back) or ``qkv``
@@ -49,6 +49,9 @@ class ModelSpec(Doc):
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.head_dim % 2:  # rotary embeddings rotate pairs of channels
+            raise ValueError(f"head_dim = hidden / num_heads = {self.head_dim} must be even (rotary embeddings "
+                             f"rotate pairs of channels)")
         return self
 
     @property

@@ -699,3 +699,28 @@ def test_family_dispatch_local_search_never_worse():
             loads[(t, g)] = loads.get((t, g), 0.0) + cost[t][i]
         assert max(loads.values()) == pytest.approx(best[0])
         assert _dispatch(cost, fits, counts, improve=True) == best
+
+
+def test_plan_steps_streams_with_bounded_memory():
+    """A plan file streams: with a process pool at most 2 x workers steps are drawn ahead of the one
+    written, and the planner keeps no per-step tables once a step is planned."""
+    from zeppelin.planner.core.driver import plan_steps
+
+    ctx = make_ctx("local-cpu:2x2", "tiny")
+    pulled = []
+
+    def steps():
+        for k in range(8):
+            pulled.append(k)
+            yield seqs_of([1000 + 37 * k, 500, 300, 200])
+
+    pl = ZeppelinPlanner()
+    out = []
+    for plan in plan_steps(ctx, pl, steps(), workers=2, progress=False):
+        out.append(plan)
+        assert len(pulled) <= len(out) + 2 * 2
+    assert [p.step for p in out] == list(range(8))
+    assert ZeppelinPlanner().plan_step(ctx, 3, out[3].sequences).model_dump(exclude={"solver"}) == \
+        out[3].model_dump(exclude={"solver"})
+    pl.plan_step(ctx, 0, out[0].sequences)
+    assert pl._tables == {}

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import typer
 
-from zeppelin.schemas.common import InputError
+from zeppelin.schemas.common import InputError, check_int, check_training_options
 
 
 def run(
@@ -67,9 +67,21 @@ def run(
     """Execute a plan with torch (launched through torchrun): train, report metrics, verify."""
     from zeppelin.planner.sim.report import count_lines
     from zeppelin.runtime.launch import torchrun_argv  # torch-free module top
-    from zeppelin.schemas.plan import PlanReader
+    from zeppelin.schemas.plan import PlanReader, check_embedded_specs
 
-    header = PlanReader(plan).header
+    check_training_options(lr=lr, weight_decay=weight_decay, seed=seed, timeout=timeout, verify_tol=verify_tol,
+                           checkpoint_every=checkpoint_every, threads=threads)
+    check_int("--nproc-per-node", nproc_per_node, 1, 1024)
+    check_int("--nnodes", nnodes, 1, 4096)
+    check_int("--master-port", master_port, 1, 65535)
+    if node_rank is not None:
+        check_int("--node-rank", node_rank, 0, (nnodes or 1) - 1)
+    reader = PlanReader(plan)
+    header = reader.header
+    reader.verify()  # every record against the plan's digest, before any process starts
+    check_embedded_specs(reader)
+    if model is not None:
+        _check_model(model, header)
     cl = header.cluster
     if progress not in ("auto", "rich", "plain", "none"):
         raise InputError(f"--progress must be auto, rich, plain or none (got {progress!r})")
@@ -132,6 +144,18 @@ def run(
     if rc == 0 and report:
         _report(plan, metrics_path, skip, tp_overlap, report_json)
     raise SystemExit(rc)
+
+
+def _check_model(ref: str, header) -> None:
+    """``--model`` must be the model embedded in the plan, field by field."""
+    from zeppelin.schemas.model import resolve_model_ref
+
+    given = resolve_model_ref(ref).model_dump()
+    planned = header.model.model_dump()
+    for key in sorted(planned, key=lambda k: k == "name"):  # the architecture first, the name last
+        if given.get(key) != planned[key]:
+            raise InputError(f"--model {ref} does not match the plan: {key} is {given.get(key)!r} here, "
+                             f"{planned[key]!r} in the plan's model {header.model.name!r}")
 
 
 def _check_outputs(plan: Path, model: str | None, data: str | None, metrics: Path, report_json: Path | None) -> None:

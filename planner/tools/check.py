@@ -196,9 +196,9 @@ def _inputs(case: Case):
 
 def _plan_bytes(header, steps) -> bytes:
     """The golden plan file ``zeppelin check --update`` writes for these records (pretty format)."""
-    from zeppelin.schemas.plan import _dump
+    from zeppelin.schemas.plan import plan_text
 
-    return "".join(_dump(r, "pretty") for r in [header, *steps]).encode()
+    return plan_text(header, steps, "pretty").encode()
 
 
 def non_reproducible(steps) -> list[str]:

@@ -250,6 +250,9 @@ class ZeppelinPlanner(Planner):
         try:
             return self._plan_step(ctx, step, sequences)
         finally:
+            # span tables serve one step's candidate layouts (tens of MB each at 4,096 GPUs): none
+            # outlives its step, so a long plan file streams with one step's memory
+            self._tables.clear()
             if gc_was_on:
                 gc.enable()
 
