@@ -1,6 +1,9 @@
 """Plan / StepPlan: the execution plan shared by every planner, the simulator and the runtime.
 
-File format (streamable, diffable): a header record followed by one record per training step.
+File format (streamable, diffable): a header record, one record per training step, and an end
+record ``{"kind": "end", "steps": N, "digest": "sha256:..."}`` whose digest is the SHA-256 of the
+bytes of every record before it; readers check it as they stream (plans written before it existed
+have no end record and still read).
 Two encodings are read transparently:
 
 * ``jsonl``  - one compact JSON object per line (large plans);
