@@ -695,3 +695,29 @@ def test_bare_name_is_a_preset(work, capsys, name):
     flag = "--model" if name == "tiny" else "-c"
     argv[argv.index(flag) + 1] = f"./{name}"
     assert_refused(work, capsys, argv, f"{name}: malformed JSON at line 1 column 1: Expecting value")
+
+
+# --------------------------------------------------------------------------------- command-line usage
+USAGE = [
+    ("plan-steps-not-int", ["plan", "--steps", "abc", "-c", "local-cpu", "--model", "tiny", "-o", "o.jsonl"],
+     "Invalid value for '--steps': Input should be a valid integer, unable to parse string as an integer "
+     "(see `zeppelin plan --help`)"),
+    ("plan-unknown-option", ["plan", "--bogus"], "No such option: --bogus (see `zeppelin plan --help`)"),
+    ("plan-missing-cluster", ["plan", "--model", "tiny", "-o", "o.jsonl"],
+     "Missing option '--cluster' / '-c'. (see `zeppelin plan --help`)"),
+    ("simulate-missing-plan", ["simulate"], "Missing argument 'plan'. (see `zeppelin simulate --help`)"),
+    ("run-lr-not-float", ["run", "p.jsonl", "--lr", "fast"],
+     "Invalid value for '--lr': Input should be a valid number, unable to parse string as a number "
+     "(see `zeppelin run --help`)"),
+    ("unknown-command", ["bogus"], "No such command 'bogus'. (see `zeppelin --help`)"),
+    ("data-unknown-command", ["data", "bogus"], "No such command 'bogus'. (see `zeppelin data --help`)"),
+    ("schema-unknown", ["schema", "nope"], "unknown schema 'nope' (known: cluster, model, manifest, profile, plan, step)"),
+    ("validate-limit-not-int", ["validate", "p.jsonl", "--limit", "x"],
+     "Invalid value for '--limit': Input should be a valid integer, unable to parse string as an integer "
+     "(see `zeppelin validate --help`)"),
+]
+
+
+@pytest.mark.parametrize("argv,message", [c[1:] for c in USAGE], ids=[c[0] for c in USAGE])
+def test_usage_errors_are_one_line(work, capsys, argv, message):
+    assert_refused(work, capsys, argv, message)
