@@ -105,7 +105,7 @@ def hf_model_spec(ref: str) -> ModelSpec:
             vocab_size=need("vocab_size"), mlp="swiglu", dtype=_DTYPES[dt],
             rope_theta=float(theta if theta is not None else 10000.0),
             norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), remap_payload="qkv")
     except ValueError as e:  # pydantic validation (divisibility, ...)
         msg = str(e).splitlines()
         raise InputError(f"config.json does not describe a supported decoder: {msg[-1].strip() if msg else e}",

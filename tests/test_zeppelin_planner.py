@@ -326,7 +326,8 @@ def test_microbatches_when_step_exceeds_memory():
 
 def test_sequence_larger_than_cluster_is_rejected():
     ctx = make_ctx()
-    too_long = ctx.cost.token_capacity * ctx.num_units + 100
+    # more than even replicas of tp=8 (whose model states leave each GPU more room) hold together
+    too_long = ctx.cost_for(8).token_capacity * ctx.cluster.world_size // 8 * 2 + 100
     with pytest.raises(PlanningError) as e:
         ZeppelinPlanner().plan_step(ctx, 0, seqs_of([100, too_long]))
     assert str(e.value) == (
@@ -724,3 +725,16 @@ def test_plan_steps_streams_with_bounded_memory():
         out[3].model_dump(exclude={"solver"})
     pl.plan_step(ctx, 0, out[0].sequences)
     assert pl._tables == {}
+
+
+def test_sequence_longer_than_the_units_hold_runs_on_larger_tp_replicas():
+    """LLaMA-13B at tp=2 on 16 A800s: a 91,511-token sequence exceeds what the 8 units hold together,
+    but replicas of tp=8 (model states over 8 GPUs leave more room for activations) hold it as a
+    2-replica ring; without the family the step is rejected with the memory message."""
+    ctx, seqs = _grid_step("zeppelin-a", "llama-13b", 2, "mixed", 16, 2)
+    plan = ZeppelinPlanner().plan_step(ctx, 2, seqs)
+    assert plan.notes["family"] == "tp-replicas" and max(r.tp for r in plan.replicas) == 8
+    _valid(ctx, plan)
+    with pytest.raises(PlanningError, match=r"^sequence \d+ \(sample \d+\) has 91,511 tokens, more than the whole "
+                                            r"cluster can hold \(8 units x [\d,]+ tokens"):
+        ZeppelinPlanner(families="none").plan_step(ctx, 2, seqs)

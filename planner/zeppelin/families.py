@@ -361,9 +361,7 @@ def _tp_comm(ctx: PlanContext, cm, tokens: np.ndarray) -> np.ndarray:
 
 def tp_replicas(ctx: PlanContext, step: int, sequences: list[Sequence], top: int = 2):
     cl = ctx.cluster
-    heads = ctx.model.num_heads
-    degrees = [d for d in _pow2_upto(cl.gpus_per_node) if d >= ctx.tp and d % ctx.tp == 0
-               and cl.gpus_per_node % d == 0 and heads % d == 0]
+    degrees = _replica_degrees(ctx)
     if len(degrees) < 2:
         return []
     world = cl.world_size
@@ -457,6 +455,23 @@ def tp_replicas(ctx: PlanContext, step: int, sequences: list[Sequence], top: int
 
     return [(span, a, (lambda keys=keys, cfg=cfg, owner=owner: build(keys, cfg, owner)))
             for span, a, keys, cfg, owner in scored[:top]]
+
+
+def _replica_degrees(ctx: PlanContext) -> list[int]:
+    cl = ctx.cluster
+    return [d for d in _pow2_upto(cl.gpus_per_node) if d >= ctx.tp and d % ctx.tp == 0
+            and cl.gpus_per_node % d == 0 and ctx.model.num_heads % d == 0]
+
+
+def replicas_hold(ctx: PlanContext, length: int) -> bool:
+    """Whether replicas of the largest TP degree, context-parallel over as many of them as the
+    cluster has, hold a sequence of ``length`` tokens (what :func:`tp_replicas` can plan)."""
+    degrees = _replica_degrees(ctx)
+    if len(degrees) < 2:
+        return False
+    D = degrees[-1]
+    cap = ctx.cost_for(D).token_capacity
+    return any(_zigzag_share(np.array([length]), g)[0] <= cap for g in _pow2_upto(ctx.cluster.world_size // D))
 
 
 def family_plans(ctx: PlanContext, step: int, sequences: list[Sequence], families=FAMILIES,

@@ -190,11 +190,13 @@ class ZeppelinPlanner(Planner):
         self._tables: dict = {}
 
     # ------------------------------------------------------------------ helpers
-    def _family_plans(self, ctx: PlanContext, step: int, sequences: list[Sequence], bound=None) -> list[StepPlan]:
+    def _family_plans(self, ctx: PlanContext, step: int, sequences: list[Sequence], bound=None,
+                      only=None) -> list[StepPlan]:
         families = _optional("families")
         if families is None or not self.families:
             return []
-        fams = [f for f in self.families if not (f == "ulysses-groups" and self.intra == "ring")]  # rings only
+        fams = [f for f in self.families if not (f == "ulysses-groups" and self.intra == "ring")  # rings only
+                and (only is None or f in only)]
         return families.family_plans(ctx, step, sequences, fams, bound, routing=self.routing)
 
     def tiering(self, ctx: PlanContext) -> Tiering:
@@ -236,10 +238,34 @@ class ZeppelinPlanner(Planner):
                 f"(try --zero-stage 3 or --tp)")
         for i, s in enumerate(sequences):
             if tg.min_span(s.length) is None:
+                if self._replicas_hold(ctx, sequences):
+                    return  # replicas of a larger TP degree hold it (families.tp_replicas plans the step)
                 raise PlanningError(
                     f"sequence {i} (sample {s.sample_id}) has {s.length:,} tokens, more than the whole cluster "
                     f"can hold ({tg.n} units x {tg.cap:,} tokens = {tg.n * tg.cap:,}); lower --max-seq-len "
                     f"or use more GPUs / --zero-stage 3")
+
+    def _replicas_hold(self, ctx: PlanContext, sequences: list[Sequence]) -> bool:
+        """Whether the tp-replicas family (on) can hold every sequence of the step."""
+        families = _optional("families")
+        if families is None or "tp-replicas" not in self.families or ctx.num_units > self.families_max_units:
+            return False
+        return families.replicas_hold(ctx, max(s.length for s in sequences))
+
+    def _oversize_step(self, ctx: PlanContext, step: int, sequences: list[Sequence], t0: float) -> StepPlan:
+        """A step with a sequence longer than the context's units can hold together, planned on
+        replicas of a larger tensor-parallel degree (whose model states take less of each GPU)."""
+        plans = self._family_plans(ctx, step, sequences, None, only=("tp-replicas",))
+        if not plans:
+            raise PlanningError(f"step {step}: no replica layout of a larger tensor-parallel degree holds its "
+                                f"longest sequence ({max(s.length for s in sequences):,} tokens)")
+        if self.select == "simulate" or (self.select == "auto" and ctx.num_units <= self.simulate_max_units):
+            sim = self._simulator(ctx)
+            plan = min(enumerate(plans), key=lambda ap: (sim.simulate_step(ap[1]).step_time_s, ap[0]))[1]
+        else:
+            plan = min(enumerate(plans), key=lambda ap: (ap[1].prediction.step_time_s, ap[0]))[1]
+        plan.solver = SolverInfo(name="greedy", status="ok", gap=None, time_s=time.perf_counter() - t0)
+        return plan
 
     # ------------------------------------------------------------------ main entry
     def plan_step(self, ctx: PlanContext, step: int, sequences: list[Sequence]) -> StepPlan:
@@ -264,6 +290,8 @@ class ZeppelinPlanner(Planner):
             raise PlanningError(f"step {step} has no sequences")
         self.check_feasible(ctx, sequences)
         tg = self.tiering(ctx)
+        if any(tg.min_span(s.length) is None for s in sequences):
+            return self._oversize_step(ctx, step, sequences, t0)
         lengths = np.array([s.length for s in sequences], dtype=np.int64)
         n = ctx.num_units
         budget = n * tg.cap
