@@ -695,3 +695,63 @@ def test_bare_name_is_a_preset(work, capsys, name):
     flag = "--model" if name == "tiny" else "-c"
     argv[argv.index(flag) + 1] = f"./{name}"
     assert_refused(work, capsys, argv, f"{name}: malformed JSON at line 1 column 1: Expecting value")
+
+
+# --------------------------------------------------------------------------------- command-line usage
+USAGE = [
+    ("plan-steps-not-int", ["plan", "--steps", "abc", "-c", "local-cpu", "--model", "tiny", "-o", "o.jsonl"],
+     "Invalid value for '--steps': Input should be a valid integer, unable to parse string as an integer "
+     "(see `zeppelin plan --help`)"),
+    ("plan-unknown-option", ["plan", "--bogus"], "No such option: --bogus (see `zeppelin plan --help`)"),
+    ("plan-missing-cluster", ["plan", "--model", "tiny", "-o", "o.jsonl"],
+     "Missing option '--cluster' / '-c'. (see `zeppelin plan --help`)"),
+    ("simulate-missing-plan", ["simulate"], "Missing argument 'plan'. (see `zeppelin simulate --help`)"),
+    ("run-lr-not-float", ["run", "p.jsonl", "--lr", "fast"],
+     "Invalid value for '--lr': Input should be a valid number, unable to parse string as a number "
+     "(see `zeppelin run --help`)"),
+    ("unknown-command", ["bogus"], "No such command 'bogus'. (see `zeppelin --help`)"),
+    ("data-unknown-command", ["data", "bogus"], "No such command 'bogus'. (see `zeppelin data --help`)"),
+    ("schema-unknown", ["schema", "nope"], "unknown schema 'nope' (known: cluster, model, manifest, profile, plan, step)"),
+    ("validate-limit-not-int", ["validate", "p.jsonl", "--limit", "x"],
+     "Invalid value for '--limit': Input should be a valid integer, unable to parse string as an integer "
+     "(see `zeppelin validate --help`)"),
+]
+
+
+@pytest.mark.parametrize("argv,message", [c[1:] for c in USAGE], ids=[c[0] for c in USAGE])
+def test_usage_errors_are_one_line(work, capsys, argv, message):
+    assert_refused(work, capsys, argv, message)
+
+
+# ---------------------------------------------------------------------------------- manifest contents
+MANIFESTS = [
+    ("deep.jsonl", b"[" * 100_000 + b"]" * 100_000 + b"\n", "deep.jsonl: JSON nested too deeply at line 1"),
+    ("deep-field.jsonl", b'{"length": 5, "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n",
+     "deep-field.jsonl: JSON nested too deeply at line 1"),
+    ("huge.jsonl", b'{"length": 100000000000000000000000}\n',
+     "huge.jsonl: length 100000000000000000000000 at sample 0 (line 1) is implausibly large (more than "
+     "1,099,511,627,776)"),
+    ("huge.txt", b"7\n100000000000000000000000\n",
+     "huge.txt: length 100000000000000000000000 at sample 1 (line 2) is implausibly large (more than "
+     "1,099,511,627,776)"),
+    ("large.txt", b"2000000000000\n", "large.txt: length 2000000000000 at sample 0 (line 1) is implausibly large"),
+    ("nan.jsonl", b'{"length": NaN}\n', "nan.jsonl: field 'length' at line 1 must be an integer, got NaN"),
+    ("inf.jsonl", b'{"length": 1e999}\n', "inf.jsonl: field 'length' at line 1 must be an integer, got Infinity"),
+    ("neg.txt", b"-5\n", "neg.txt: non-positive length -5 at sample 0 (line 1)"),
+    ("zero.jsonl", b'{"length": 0}\n', "zero.jsonl: non-positive length 0 at sample 0 (line 1)"),
+    ("bool.jsonl", b'{"length": true}\n', "bool.jsonl: field 'length' at line 1 must be an integer, got true"),
+    ("array.jsonl", b'{"length": 5}\n[1, 2]\n', "array.jsonl: expected a JSON object at line 2, got array"),
+    ("latin1.jsonl", b'{"length": 5}\n{"length": \xff}\n', "latin1.jsonl: malformed JSON at line 2: invalid UTF-8"),
+    ("empty.jsonl", b"", "empty.jsonl: manifest has no samples"),
+    ("word.txt", b"abc\n", "word.txt: expected one integer length per line, got 'abc' at line 1"),
+]
+
+
+@pytest.mark.parametrize("command", ["data", "plan", "compare"])
+@pytest.mark.parametrize("name,content,message", MANIFESTS, ids=[c[0] for c in MANIFESTS])
+def test_bad_manifest(work, capsys, command, name, content, message):
+    (work / name).write_bytes(content)
+    argv = {"data": ["data", "stats", name],
+            "plan": ["plan", "-m", name, "-c", "local-cpu:2", "--model", "tiny", "-o", "o.jsonl"],
+            "compare": ["compare", "-n", "1", "-d", name]}[command]
+    assert_refused(work, capsys, argv, message)
