@@ -326,22 +326,29 @@ def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
 
     def build():
         b = StepBuilder(ctx, sequences, "zeppelin")
-        held: list[np.ndarray] = []
+        held: list[list[int]] = []
         # micro-batches: first fit, every ring before any local sequence (widest first), so that
         # rings sit in the earliest micro-batches, whose start their units reach together
-        for i in sorted(order, key=lambda i: (-int(sizes[i]), -work[i], i)):
+        order_o = np.array(order, dtype=np.int64)
+        for i in order_o[np.lexsort((order_o, -work[order_o], -sizes[order_o]))].tolist():
             units, per = where[i]
             k = 0
             while True:
                 if k == len(held):
-                    held.append(np.zeros(n, dtype=np.int64))
-                if (held[k][units] + per <= cap).all():
+                    held.append([0] * n)
+                hk = held[k]
+                if all(hk[u] + per <= cap for u in units):
                     break
                 k += 1
-            b.place(k, "ring" if len(units) > 1 else "local", units, int(i))
-            held[k][units] += per
-        plan = b.finish(step, SolverInfo(name="greedy"), notes={"family": "flop-share"})
-        if routing and any(g.tier == "inter" for mb in plan.microbatches for g in mb.groups):
+            b.place(k, "ring" if len(units) > 1 else "local", units, i)
+            for u in units:
+                hk[u] += per
+        route = routing and any(len(w[0]) > 1 and ctx.cost.node_of_unit(w[0][0]) != ctx.cost.node_of_unit(w[0][-1])
+                                for w in where)
+        # (with inter-node rings the prediction waits for their routes)
+        plan = b.finish(step, SolverInfo(name="greedy"), notes={"family": "flop-share"},
+                        predict=(lambda c, p: None) if route else None)
+        if route:
             # inter-node rings: their boundary hops routed over every NIC (routing.py), as in
             # the tiered plans
             for mb in plan.microbatches:

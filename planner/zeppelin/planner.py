@@ -180,11 +180,13 @@ class ZeppelinPlanner(Planner):
         if self.intra not in ("auto", "ring"):
             raise PlanningError(f"intra option must be auto or ring (got {self.intra!r})")
         # the whole-step candidate families of families.py (comma list, or "none"), tried on clusters
-        # of at most ``families_max_units`` units (beyond, for planning latency, the tiered search only)
+        # of at most ``families_max_units`` units; beyond, for planning latency, ``large_families``
         fam = str(options.get("families", "all"))
         self.families = _fam_list(fam)
         self.families_max_units = int(options.get("families_max_units", 256))
         self.family_margin = float(options.get("family_margin", 0.05))
+        self.large_families = _fam_list(str(options.get("large_families", "flop-share")))
+        self.attention_max_units = int(options.get("attention_max_units", 256))
         self._sims: dict[int, object] = {}
         self._tiering: dict[int, Tiering] = {}
         self._tables: dict = {}
@@ -357,12 +359,15 @@ class ZeppelinPlanner(Planner):
             plan.prediction = predict_from_terms(ctx, lengths, [b[2] for b in built])
             plans.append((plan, built))
         # the other whole-step families (families.py), priced the same way; ties keep the tiered plan
-        fams = []
         if n <= self.families_max_units:
             # a family configuration whose own score is this far above the best tiered candidate
             # (without the all-reduce) is not built: it would not win
             bound = min(t for _, t in found) * (1 + self.family_margin)
             fams = self._family_plans(ctx, step, sequences, bound)
+        else:
+            # large clusters: the cheap families only, always built (FLOP-share's own score is coarse
+            # where rings span many nodes, so it does not prune)
+            fams = self._family_plans(ctx, step, sequences, None, only=self.large_families)
         if len(plans) + len(fams) > 1 and simulate:
             sim = self._simulator(ctx)
             scored = [(sim.simulate_step(pb[0]).step_time_s, a, pb) for a, pb in enumerate(plans + [(f, None) for f in fams])]
@@ -474,7 +479,10 @@ class ZeppelinPlanner(Planner):
 
     def _modes(self, ctx: PlanContext) -> list[tuple[list, list[str]]]:
         """(span floors, balance objectives) of each whole-step search (see :meth:`_plan_step`)."""
-        balances = ["total"] + (["attention"] if self.remap and _optional("remap") is not None else [])
+        # (the attention-balanced layout with a remap is a candidate up to ``attention_max_units``
+        # units: beyond, for planning latency, the FLOP-share family takes its place)
+        balances = ["total"] + (["attention"] if self.remap and _optional("remap") is not None
+                                and ctx.num_units <= self.attention_max_units else [])
         if ctx.units_per_node <= 1:
             return [([None], balances)]
         node_cp = ctx.units_per_node - 1  # index of Span(units_per_node, "intra")
