@@ -755,3 +755,30 @@ def test_bad_manifest(work, capsys, command, name, content, message):
             "plan": ["plan", "-m", name, "-c", "local-cpu:2", "--model", "tiny", "-o", "o.jsonl"],
             "compare": ["compare", "-n", "1", "-d", name]}[command]
     assert_refused(work, capsys, argv, message)
+
+
+def test_every_file_write_goes_through_the_one_writer():
+    """Writes in the package go through ``atomic_write`` (the PNG writer hands matplotlib its file);
+    the exceptions are listed with why: the streamed metrics file (checked up front by the same
+    check_output), in-memory buffers, and the runtime's per-rank error files in a directory the
+    launcher owns."""
+    import re
+
+    pattern = re.compile(r"open\([^)]*[\"'][wax]b?[\"']|\.write_text\(|\.write_bytes\(|savefig\(|np\.save\(|"
+                         r"torch\.save\(|json\.dump\(|os\.open\(")
+    found = set()
+    for pkg in ("schemas", "planner", "runtime"):
+        for f in sorted((ROOT / pkg).rglob("*.py")):
+            for line in f.read_text().splitlines():
+                if pattern.search(line) and not line.lstrip().startswith("#"):
+                    found.add((str(f.relative_to(ROOT)), line.strip()))
+    allowed = {
+        ("planner/tools/show.py", 'fig.savefig(fh, format="png", dpi=dpi)'),  # fh from atomic_write
+        ("runtime/dist_utils.py", "torch.save(obj, buf)"),  # an in-memory buffer
+        ("runtime/executor.py", 'mfh = metrics_path.open("a" if state is not None else "w")'),  # streamed metrics
+        ("runtime/__main__.py", 'with open(tmp, "w") as fh:'),  # per-rank error file, launcher's directory
+        ("runtime/__main__.py", "json.dump(rec, fh)"),
+        ("schemas/common.py", "fd = os.open(tmp, _TEMP_FLAGS, 0o600)"),  # the writer itself
+    }
+    checkpoint = {x for x in found if x[0] == "runtime/checkpoint.py"}  # checkpoint files: inside atomic_write
+    assert found - allowed - checkpoint == set()
