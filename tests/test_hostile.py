@@ -34,7 +34,9 @@ def snapshot(d: Path) -> dict:
     for p in sorted(d.rglob("*")):
         st = os.lstat(p)
         rel = str(p.relative_to(d))
-        if stat.S_ISREG(st.st_mode):
+        if stat.S_ISREG(st.st_mode) and st.st_size > 8 << 20:  # large (sparse) files: size and times
+            out[rel] = ("file", st.st_mode, st.st_size, st.st_mtime_ns, st.st_ino)
+        elif stat.S_ISREG(st.st_mode):
             out[rel] = ("file", st.st_mode, p.read_bytes())
         elif stat.S_ISLNK(st.st_mode):
             out[rel] = ("link", os.readlink(p))
@@ -816,3 +818,10 @@ def test_bad_check_case(work, capsys, change, message):
     (work / "cases").mkdir()
     (work / "cases" / "a.json").write_text(json.dumps({**CASE, **change}))
     assert_refused(work, capsys, ["check", "cases", "-j", "1"], message)
+
+
+def test_oversized_spec_document_is_refused_before_reading(work, capsys):
+    with open(work / "big.json", "wb") as fh:  # sparse: 100 MiB of nothing, read by nobody
+        fh.truncate(100 << 20)
+    assert_refused(work, capsys, ["plan", "-c", "big.json", "--model", "tiny", "-o", "o.jsonl"],
+                   "big.json: ClusterSpec document of 104,857,600 bytes is larger than the 64 MiB zeppelin reads")
