@@ -34,7 +34,9 @@ def snapshot(d: Path) -> dict:
     for p in sorted(d.rglob("*")):
         st = os.lstat(p)
         rel = str(p.relative_to(d))
-        if stat.S_ISREG(st.st_mode):
+        if stat.S_ISREG(st.st_mode) and st.st_size > 8 << 20:  # large (sparse) files: size and times
+            out[rel] = ("file", st.st_mode, st.st_size, st.st_mtime_ns, st.st_ino)
+        elif stat.S_ISREG(st.st_mode):
             out[rel] = ("file", st.st_mode, p.read_bytes())
         elif stat.S_ISLNK(st.st_mode):
             out[rel] = ("link", os.readlink(p))
@@ -782,3 +784,44 @@ def test_every_file_write_goes_through_the_one_writer():
     }
     checkpoint = {x for x in found if x[0] == "runtime/checkpoint.py"}  # checkpoint files: inside atomic_write
     assert found - allowed - checkpoint == set()
+
+
+# ------------------------------------------------------------------------------------- check cases
+CASE = {"cluster": "local-cpu:2", "model": "tiny", "dataset": "sample", "planner": "zeppelin", "steps": 1,
+        "tokens_per_step": 2048, "tolerance": 0.1}
+CASES = [
+    ("option-negative", {"options": {"ilp_nodes": -5}},
+     "cases/a.json: planner 'zeppelin': bad option (solver node and iteration limits must be >= 0)"),
+    ("option-not-int", {"options": {"ilp_nodes": "abc"}},
+     "cases/a.json: planner 'zeppelin': bad option (invalid literal for int() with base 10: 'abc')"),
+    ("option-time-limit", {"options": {"time_limit": -1}}, "cases/a.json: --time-limit must be positive (got -1)"),
+    ("steps-huge", {"steps": 100000},
+     "cases/a.json: invalid check case: steps: Input should be less than or equal to 64"),
+    ("tokens-huge", {"tokens_per_step": 10**17},
+     "cases/a.json: invalid check case: tokens_per_step: Input should be less than or equal to 1099511627776"),
+    ("seed-negative", {"seed": -1}, "cases/a.json: invalid check case: seed: Input should be greater than or equal to 0"),
+    ("tolerance-string", {"tolerance": "NaN"}, "cases/a.json: invalid check case: tolerance: Input should be a valid "
+                                                "number"),
+    ("unknown-field", {"bogus": 1}, "cases/a.json: invalid check case: bogus: Extra inputs are not permitted"),
+    ("planner-unknown", {"planner": "nope"}, "cases/a.json: unknown planner 'nope' (known: flexsp, hybrid-dp, "
+     "hydraulis, llama3-cp, megatron-dcp, packed-dp, te-cp, te-cp-tuned, ulysses, zeppelin, zeppelin-no-remap, "
+     "zeppelin-no-routing, zeppelin-tiers-only)"),
+    ("cluster-huge", {"cluster": "zeppelin-a:9999999"},
+     "a: bad input: cluster preset 'zeppelin-a:9999999': at most 4,096 nodes of 256 GPUs (got 9,999,999 x 8)"),
+    ("dataset-dev-zero", {"dataset": "/dev/zero"}, "a: bad input: /dev/zero: manifest is a character device, not a "
+                                                   "regular file"),
+]
+
+
+@pytest.mark.parametrize("change,message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_check_case(work, capsys, change, message):
+    (work / "cases").mkdir()
+    (work / "cases" / "a.json").write_text(json.dumps({**CASE, **change}))
+    assert_refused(work, capsys, ["check", "cases", "-j", "1"], message)
+
+
+def test_oversized_spec_document_is_refused_before_reading(work, capsys):
+    with open(work / "big.json", "wb") as fh:  # sparse: 100 MiB of nothing, read by nobody
+        fh.truncate(100 << 20)
+    assert_refused(work, capsys, ["plan", "-c", "big.json", "--model", "tiny", "-o", "o.jsonl"],
+                   "big.json: ClusterSpec document of 104,857,600 bytes is larger than the 64 MiB zeppelin reads")

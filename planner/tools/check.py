@@ -61,7 +61,7 @@ class CheckCase(Strict):
     options: dict[str, Any] = Field(default_factory=dict, description="planner options")
     steps: int = Field(ge=1, le=64)
     seed: int = Field(default=0, ge=0)
-    tokens_per_step: int = Field(ge=1)
+    tokens_per_step: int = Field(ge=1, le=2**40)
     max_seq_len: int | None = Field(default=None, ge=1)
     tp: int = Field(default=1, ge=1)
     tolerance: float = Field(ge=0, le=10, description="allowed relative increase of the mean step time")
