@@ -161,8 +161,11 @@ def _check_model(ref: str, header) -> None:
 def _check_outputs(plan: Path, model: str | None, data: str | None, metrics: Path, report_json: Path | None) -> None:
     """The metrics and report files may not be (the same file as) an input, a device or a FIFO."""
     from zeppelin.planner.core.inputs import check_path_writable, input_refs
+    from zeppelin.schemas.common import check_input_file
 
     inputs = [plan, data, *input_refs(model)]
+    if data is not None and os.path.lexists(data) and not os.path.isdir(data):
+        check_input_file(data, "manifest")  # a device or FIFO is refused here, before any rank reads it
     check_path_writable(metrics, inputs)
     if report_json is not None:
         check_path_writable(report_json, inputs + [metrics])
