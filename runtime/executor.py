@@ -302,6 +302,9 @@ class Executor:
             gathered = [result.hidden]
         report = None
         if self.rank == 0:
+            from .lifecycle import maybe_fault
+
+            maybe_fault(self.rank, step.step, "verify")
             ref = reference_step(self.model, step.sequences, self.source, self.device,
                                  normaliser=max(predicted_tokens(step.sequences), 1))
             report = compare_with_reference(self.model, step, result.loss, gathered, ref)
@@ -328,7 +331,8 @@ class Executor:
             try:
                 dist.broadcast_object_list(box, src=0, group=group)
             except Exception as e:
-                if self.rank != 0 and "timed out" in str(e).lower() or "timeout" in str(e).lower():
+                low = str(e).lower()
+                if self.rank != 0 and ("timed out" in low or "timeout" in low):
                     wait = f" within --verify-timeout {timeout_s:g} s" if timeout_s else ""
                     raise VerifyError(f"step {step.step}: --verify: no verdict from rank 0{wait} (its single-process "
                                       f"reference did not finish; raise --verify-timeout)") from None

@@ -330,10 +330,16 @@ def run_local(nproc: int, module: str, wargs: list[str], err_dir: Path, timeout_
 def run_torchrun(opts: list[str], module: str, wargs: list[str], err_dir: Path, timeout_s: float) -> int:
     import logging
 
+    had = os.environ.get("TORCH_CPP_LOG_LEVEL")
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"  # the launcher's store retries: one line below instead
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    if had is None:  # the ranks keep the default level
+        os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
+    else:
+        os.environ["TORCH_CPP_LOG_LEVEL"] = had
     for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     t = max(1, math.ceil(timeout_s))

@@ -25,8 +25,10 @@ whose hyperparameters differ from the ones the checkpoint was trained with.
 Fault injection for tests (:func:`maybe_fault`), ``ZEPPELIN_FAULT=KIND:RANK:STEP`` with KIND one of
 ``kill`` (SIGKILL itself), ``oom`` (exit 137, as a process killed by the out-of-memory killer
 appears through a shell or container runtime), ``raise`` (a Python exception), ``stall`` (sleep
-until stopped), ``exit`` (``os._exit(3)`` without a report). The older form ``RANK:STEP:exit|raise``
-is accepted too.
+until stopped), ``exit`` (``os._exit(3)`` without a report), ``slowverify`` (rank 0's ``--verify``
+reference of that step takes ``$ZEPPELIN_FAULT_SLEEP`` s, default 3, longer). The older form ``RANK:STEP:exit|raise`` is accepted too.
+With ``ZEPPELIN_FAULT_LOG=FILE`` the rank writes ``KIND RANK STEP TIME`` there just before the fault
+(tests measure the time from the fault to the end of the job).
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ from zeppelin.schemas.common import InputError
 
 FAULT_ENV = "ZEPPELIN_FAULT"
 PARENT_ENV = "ZEPPELIN_PARENT_PID"
-FAULT_KINDS = ("kill", "oom", "raise", "stall", "exit")
+FAULT_KINDS = ("kill", "oom", "raise", "stall", "exit", "slowverify")
+FAULT_LOG_ENV = "ZEPPELIN_FAULT_LOG"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 PR_SET_PDEATHSIG = 1
 LOCK_NAME = ".zeppelin.lock"
@@ -319,13 +322,21 @@ def parse_fault(spec: str | None) -> tuple[str, int, int] | None:
         return None
 
 
-def maybe_fault(rank: int, step: int) -> None:
-    """Inject the fault ``$ZEPPELIN_FAULT`` names when this rank reaches that step."""
+def maybe_fault(rank: int, step: int, where: str = "step") -> None:
+    """Inject the fault ``$ZEPPELIN_FAULT`` names when this rank reaches that step (``where``:
+    ``"step"`` at the start of the step, ``"verify"`` before rank 0's reference)."""
     f = parse_fault(os.environ.get(FAULT_ENV))
-    if f is None or f[1] != rank or f[2] != step:
+    if f is None or f[1] != rank or f[2] != step or (f[0] == "slowverify") != (where == "verify"):
         return
     kind = f[0]
+    log = os.environ.get(FAULT_LOG_ENV)
+    if log:
+        with contextlib.suppress(OSError), open(log, "a") as fh:
+            fh.write(f"{kind} {rank} {step} {time.time():.6f}\n")
     sys.stderr.flush()
+    if kind == "slowverify":
+        time.sleep(float(os.environ.get("ZEPPELIN_FAULT_SLEEP", "3")))
+        return
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)
