@@ -40,12 +40,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeppelin.schemas.common import InputError, content_hash
-from zeppelin.schemas.layout import split_even
-from zeppelin.schemas.plan import PlanHeader, PlanReader, StepPlan
+from zeppelin.schemas.common import (
+    MAX_TIMEOUT_S,
+    InputError,
+    check_float,
+    check_output,
+    check_training_options,
+    content_hash,
+)
+from zeppelin.schemas.plan import PlanHeader, PlanReader, StepPlan, check_embedded_specs, sample_problems
 
+from .api import AttentionContext, attention, build_step, to_attention_layout, to_linear_layout
 from .data import TokenSource, load_token_source, predicted_tokens
-from .model import Layout, LlamaModel, PhaseTimer, TPContext, reference_step
+from .model import Layout, LlamaModel, PhaseTimer, reference_step
 
 
 class VerifyError(RuntimeError):
@@ -74,6 +81,7 @@ class RunConfig:
     threads: int | None = None
     tp_overlap: str | None = None    # none | slicing | commfuse (default: the plan header's)
     tp_chunks: int = 4               # slices of the slicing overlap mode
+    export: str | None = None        # write a Hugging Face directory (safetensors + config) at the end
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,28 +90,23 @@ class RunConfig:
 
 
 class PlanLayout(Layout):
-    """One micro-batch on one rank: the plan's remapper and attention engine."""
+    """One micro-batch on one rank, through the public API only (:mod:`zeppelin.runtime.api`):
+    :func:`~zeppelin.runtime.api.attention` and the two remaps on the micro-batch's context."""
 
-    def __init__(self, attn_positions: torch.Tensor, engine, remapper, tp: TPContext | None = None) -> None:
-        self.attn_positions = attn_positions
-        self.engine = engine
-        self.remapper = remapper
-        self.tp = tp
+    def __init__(self, ctx: AttentionContext, linear_positions: torch.Tensor | None = None) -> None:
+        self.ctx = ctx
+        self.attn_positions = ctx.attention_positions
+        self.linear_positions = linear_positions
+        self.tp = ctx.tp
 
     def to_attention(self, x):
-        return self.remapper.to_attention(x)
+        return to_attention_layout(x, self.ctx)
 
     def to_linear(self, x):
-        return self.remapper.to_linear(x)
+        return to_linear_layout(x, self.ctx)
 
     def attention(self, q, k, v):
-        return self.engine(q, k, v)
-
-
-def _positions(segments: list[list[int]]) -> torch.Tensor:
-    if not segments:
-        return torch.zeros(0, dtype=torch.int64)
-    return torch.cat([torch.arange(s, e, dtype=torch.int64) for _, s, e in segments])
+        return attention(q, k, v, self.ctx)
 
 
 def _add_bytes(acc: dict[str, int], stats: Any) -> None:
@@ -113,19 +116,6 @@ def _add_bytes(acc: dict[str, int], stats: Any) -> None:
         v = stats.get(cls)
         if isinstance(v, (int, float)):
             acc[cls] = acc.get(cls, 0) + int(v)
-
-
-def shard_segments(segments: list[list[int]], a: int, b: int) -> list[list[int]]:
-    """Rows ``[a, b)`` of the buffer made of ``segments`` (``[seq, start, end]``), as segments."""
-    out: list[list[int]] = []
-    row = 0
-    for q, s, e in segments:
-        n = e - s
-        lo, hi = max(a, row), min(b, row + n)
-        if hi > lo:
-            out.append([q, s + lo - row, s + hi - row])
-        row += n
-    return out
 
 
 def my_unit(header: PlanHeader, step: StepPlan, rank: int) -> int:
@@ -184,53 +174,34 @@ class Executor:
     # -- one step: forward / backward / all-reduce ---------------------------------------------
     def forward_backward(self, step: StepPlan, *, keep_hidden: bool = False) -> StepResult:
         """Gradients of the step's loss in ``param.grad`` (all-reduced); nothing is updated."""
-        from .engine import AttentionEngine
-        from .remap import Remapper
-
         for p in self.params:
             p.grad = None
-        self.source.clear()
         unit = my_unit(self.header, step, self.rank)
         tpg = self._tp_group(step, unit)
-        n_pred = max(predicted_tokens(step.sequences), 1)
         timer = PhaseTimer(enabled=True, cuda=self.cuda)
         phases = {"data": 0.0, "forward": 0.0, "backward": 0.0}
         nbytes: dict[str, int] = {"intra": 0, "inter": 0}
         loss_local = torch.zeros((), dtype=torch.float64)
         tokens = 0
         hidden = []
-        for mbi, mb in enumerate(step.microbatches):
-            t0 = self._now()
-            lin = mb.linear_segments(unit)
-            att = mb.attention_segments(unit)
-            tpc = None
-            if tpg is not None:  # TP-SP: this rank's sequence shard of the unit's linear buffer
-                rows = split_even(sum(e - s for _, s, e in lin), tpg.size)
-                a = sum(rows[:tpg.pos])
-                lin = shard_segments(lin, a, a + rows[tpg.pos])
-                tpc = TPContext(tpg, rows, self.tp_overlap, self.tp_chunks)
-            batch = self.source.segments(step.sequences, lin)
-            toks = torch.from_numpy(batch.tokens).to(self.device)
-            labels = torch.from_numpy(batch.labels).to(self.device)
-            pos = _positions(att).to(self.device)
-            engine = AttentionEngine(self.header, step, mbi, self.rank, groups=self.groups)
-            remapper = Remapper(self.header, step, mbi, self.rank, device=self.device)
-            layout = PlanLayout(pos, engine, remapper, tp=tpc)
+        t0 = self._now()
+        sc = build_step(self.header, step, rank=self.rank, source=self.source, device=self.device,
+                        groups=self.groups, tp_group=tpg, tp_mode=self.tp_overlap, tp_chunks=self.tp_chunks)
+        phases["data"] = self._now() - t0
+        for mb in sc.microbatches:
             t1 = self._now()
-            loss_sum, h = self.model(toks, labels, layout, timer)
-            loss = loss_sum / n_pred
+            loss_sum, h = self.model(mb.input_ids, mb.labels, PlanLayout(mb.context, mb.position_ids), timer)
+            loss = loss_sum / mb.loss_normaliser
             t2 = self._now()
             loss.backward()
             t3 = self._now()
-            phases["data"] += t1 - t0
             phases["forward"] += t2 - t1
             phases["backward"] += t3 - t2
             loss_local += loss.detach().double().cpu()
-            tokens += batch.num_tokens
-            _add_bytes(nbytes, getattr(engine, "stats", None))
-            _add_bytes(nbytes, getattr(remapper, "stats", None))
+            tokens += mb.num_tokens
+            _add_bytes(nbytes, mb.context.bytes_sent())
             if keep_hidden:
-                hidden.append((lin, h.detach().float().cpu()))
+                hidden.append(([list(sg) for sg in mb.segments], h.detach().float().cpu()))
         t4 = self._now()
         sent = self.allreduce_grads()
         t5 = self._now()
@@ -248,6 +219,9 @@ class Executor:
         rep = self.header.replicas(step)[unit]
         if rep.tp == 1:
             return None
+        if not getattr(self.model, "supports_tp", True):
+            raise InputError(f"step {step.step}: replica {unit} has tp={rep.tp}; Hugging Face models run "
+                             "plans without tensor parallelism only")
         hq = self.header.model.num_heads
         if rep.tp > hq:
             raise InputError(f"step {step.step}: replica {unit} has tp={rep.tp}, more than the model's {hq} "
@@ -398,21 +372,33 @@ def plan_hash(header: PlanHeader) -> str:
 
 
 def _resolve_model_ref(ref: str):
-    from pathlib import Path as _P
+    from zeppelin.schemas.model import resolve_model_ref
 
-    from zeppelin.schemas.common import load_doc
-    from zeppelin.schemas.model import ModelSpec, model_preset
+    return resolve_model_ref(ref)
 
-    if ref.endswith(".json") or "/" in ref or _P(ref).exists():
-        return load_doc(ModelSpec, ref)
-    return model_preset(ref)
+
+def build_model(ref: str | None, header: PlanHeader, seed: int, device: torch.device):
+    """The model a job trains: the transformers model of ``hf:DIR`` (:mod:`zeppelin.runtime.hf`)
+    or the runtime's own Llama built from the plan's ModelSpec."""
+    from zeppelin.schemas.hf import is_hf_ref
+
+    if is_hf_ref(ref):
+        from .hf import load_hf_model
+
+        return load_hf_model(ref, seed=seed, device=device, spec=header.model)
+    return LlamaModel(header.model, seed=seed).to(device)
 
 
 def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSource, int, int]:
     """Everything a rank can decide alone, before any collective. Returns
     (reader, token source, first step, end step). Raises InputError."""
+    check_training_options(lr=cfg.lr, weight_decay=cfg.weight_decay, seed=cfg.seed, timeout=cfg.timeout_s,
+                           verify_tol=cfg.verify_tol, checkpoint_every=cfg.checkpoint_every, threads=cfg.threads)
+    check_float("--verify-timeout", cfg.verify_timeout_s, 0.0, MAX_TIMEOUT_S, lo_open=True)
     reader = PlanReader(cfg.plan)
     header = reader.header
+    reader.verify()
+    check_embedded_specs(reader)
     if header.world_size != world_size:
         raise InputError(f"the plan is for {header.world_size} ranks but the job has {world_size} "
                          f"(launch with --nproc-per-node/--nnodes giving {header.world_size} processes)")
@@ -421,11 +407,26 @@ def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSo
         if content_hash(spec) != header.hashes.model:
             raise InputError(f"--model {cfg.model} does not match the plan: the plan was made for model "
                              f"{header.model.name!r} (hash {header.hashes.model}, given {content_hash(spec)})")
+    if cfg.model is not None and cfg.model.startswith("hf:") and header.tp > 1:
+        raise InputError(f"the plan uses tensor parallelism (tp={header.tp}); Hugging Face models run "
+                         "data/sequence/context-parallel plans only (plan with --tp 1)")
     if header.tp > header.model.num_heads:
         raise InputError(f"the plan's tensor-parallel degree tp={header.tp} exceeds the model's "
                          f"{header.model.num_heads} attention heads")
     if cfg.tp_overlap is not None and cfg.tp_overlap not in ("none", "slicing", "commfuse"):
         raise InputError(f"--tp-overlap {cfg.tp_overlap!r} is not one of none, slicing, commfuse")
+    if cfg.export:
+        from zeppelin.runtime.hf import export_problem
+
+        why = export_problem(cfg.model, header.model)
+        if why:
+            raise InputError(why)
+        ex_dir = Path(cfg.export)
+        if ex_dir.exists() and (not ex_dir.is_dir() or any(ex_dir.iterdir())):
+            raise InputError("--export: the directory exists and is not empty", source=ex_dir)
+    if cfg.data is None and header.manifest.token_ids:
+        raise InputError(f"the plan was made from a manifest with token ids ({header.manifest.path}); pass it "
+                         "with --data (without it the run would train on synthetic ids)")
     source, mhash = load_token_source(header.model.vocab_size, header.seed, cfg.data)
     if cfg.data is not None and mhash is not None and mhash != header.hashes.manifest:
         raise InputError(f"--data {cfg.data} does not match the plan: the plan was made for manifest hash "
@@ -433,10 +434,18 @@ def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSo
     end = header.num_steps if cfg.steps is None else cfg.steps
     if cfg.steps is not None and not 1 <= cfg.steps <= header.num_steps:
         raise InputError(f"--steps {cfg.steps} is out of range (the plan has {header.num_steps} steps)")
+    lengths = getattr(getattr(source, "manifest", None), "lengths", None)
+    if lengths is not None:  # every sample the steps name is in the manifest, never synthetic tokens instead
+        for k in range(end):
+            probs = sample_problems(reader.step(k), lengths)
+            if probs:
+                raise InputError(f"--data {cfg.data}: {probs[0]}")
     if cfg.checkpoint_every < 0:
         raise InputError("--checkpoint-every must be >= 0")
     if (cfg.checkpoint_every or cfg.resume) and not cfg.checkpoint_dir:
         raise InputError("--checkpoint-every/--resume need --checkpoint-dir")
+    metrics_path = Path(cfg.metrics) if cfg.metrics else Path(cfg.plan).with_suffix(".metrics.jsonl")
+    check_output(metrics_path, [cfg.plan, cfg.data, cfg.model], what="metrics file")
     return reader, source, 0, end
 
 
@@ -574,6 +583,8 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
         except InputError as e:
             local_err = str(e)
     _agree(world, local_err)
+    if rank == 0:  # the run's first line: where its token ids come from
+        print(f"zeppelin run: {source.describe()}", flush=True)
     if state is not None:
         start = state["next_step"]
     verify_group, verify_timeout = None, None
@@ -588,7 +599,7 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
     groups = GroupCache(world, header=header, steps=steps_iter)
     set_default_cache(groups)
     seed = header.seed if cfg.seed is None else cfg.seed
-    model = LlamaModel(header.model, seed=seed).to(device)
+    model = build_model(cfg.model, header, seed, device)
     ex = Executor(header, model, source, rank=rank, world_size=world, device=device, groups=groups,
                   lr=cfg.lr, weight_decay=cfg.weight_decay, tp_overlap=cfg.tp_overlap, tp_chunks=cfg.tp_chunks)
     if state is not None:
@@ -658,6 +669,14 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
             progress.close()
         if mfh is not None:
             mfh.close()
+    exported = None
+    if cfg.export:  # every rank takes part in gathering the full state (collective under FSDP)
+        from .hf import export_model, full_state_dict
+
+        state_full = full_state_dict(model)
+        if rank == 0:
+            exported = str(export_model(model, header.model, cfg.export, state=state_full))
+        del state_full
     # every rank is done with every transfer before any rank tears its groups down
     dist.barrier()
     if ckpt_lock is not None:
@@ -670,6 +689,8 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
         summary["tp_overlap"] = ex.tp_overlap
     if cfg.verify:
         summary["verify"] = verify_worst | {"tolerance": tol}
+    if exported is not None:
+        summary["export"] = exported
     return summary
 
 

@@ -1,6 +1,9 @@
 """Plan / StepPlan: the execution plan shared by every planner, the simulator and the runtime.
 
-File format (streamable, diffable): a header record followed by one record per training step.
+File format (streamable, diffable): a header record, one record per training step, and an end
+record ``{"kind": "end", "steps": N, "digest": "sha256:..."}`` whose digest is the SHA-256 of the
+bytes of every record before it; readers check it as they stream (plans written before it existed
+have no end record and still read).
 Two encodings are read transparently:
 
 * ``jsonl``  - one compact JSON object per line (large plans);
@@ -32,19 +35,57 @@ layout instead and the runtime remaps activations between the two.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_serializer, model_validator
 
 from .cluster import ClusterSpec
-from .common import Doc, InputError, Strict, atomic_write, format_validation_error
+from .common import (
+    Doc,
+    InputError,
+    Strict,
+    atomic_write,
+    check_input_file,
+    content_hash,
+    format_validation_error,
+    parse_json,
+)
 from .model import ModelSpec
 from .profile import CostProfile
 
 PLAN_SCHEMA = "zeppelin.plan/1"
+
+#: Every plan format version there has been, with the zeppelin releases that read it (a stable
+#: surface: docs/API.md). A new format gets a new entry; old entries stay.
+PLAN_FORMAT_READERS = {"zeppelin.plan/1": "zeppelin 0.1.0 and later 0.x releases"}
+
+
+def format_version_message(version: Any) -> str:
+    """The one-line reason a plan whose header says ``schema_version: version`` cannot be read
+    here, naming the zeppelin that reads it (older and newer formats alike)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as _pkg_version
+
+    try:
+        mine = f"zeppelin {_pkg_version('zeppelin')}"
+    except PackageNotFoundError:  # not installed as a distribution (a source checkout)
+        mine = "this zeppelin"
+    prefix, _, num = str(version).rpartition("/")
+    cur = int(PLAN_SCHEMA.rpartition("/")[2])
+    if prefix != "zeppelin.plan" or not num.isdigit():
+        return (f"plan schema_version {version!r} is not a zeppelin plan format "
+                f"({mine} reads {PLAN_SCHEMA!r})")
+    n = int(num)
+    if n < cur:
+        readers = PLAN_FORMAT_READERS.get(str(version), "unreleased development versions before zeppelin 0.1.0")
+        return (f"plan format {version!r} is older than {mine} reads ({PLAN_SCHEMA!r}); {readers} read it: "
+                "re-plan with `zeppelin plan` to get a current plan")
+    return (f"plan format {version!r} is newer than {mine} reads ({PLAN_SCHEMA!r}); it was written by a later "
+            "zeppelin: upgrade zeppelin to read it")
 
 GroupKind = Literal["local", "ring", "allgather", "ulysses"]
 Tier = Literal["local", "intra", "inter"]
@@ -182,9 +223,13 @@ class Prediction(Strict):
 
 class SolverInfo(Strict):
     name: str = Field(description="e.g. highs, cbc, greedy")
-    status: str = "ok"
+    status: str = Field(default="ok", description="ok (no solver), optimal, work_limit (node / iteration limit: "
+                                                  "reproducible), wall_clock_limit (the optional wall-clock safety "
+                                                  "net fired: the step depends on the machine's load)")
     gap: float | None = Field(default=None, description="relative optimality gap (0 = proven optimal)")
-    time_s: float = 0.0
+    # planning wall time: kept in memory for reports, never written (plan bytes must not depend on
+    # the machine's load); older plans that carry it still read
+    time_s: float = Field(default=0.0, exclude=True)
     fallback_reason: str | None = None
 
 
@@ -215,13 +260,23 @@ class ManifestRef(Strict):
     format: str = ""
     num_samples: int = 0
     num_tokens: int = 0
+    #: the manifest holds token ids (then ``zeppelin run`` needs it as ``--data``); written only when true,
+    #: so plans of lengths-only manifests keep their bytes
+    token_ids: bool = False
+
+    @model_serializer(mode="wrap")
+    def _drop_default_token_ids(self, handler):
+        data = handler(self)
+        if not self.token_ids:
+            data.pop("token_ids", None)
+        return data
 
 
 class SamplerConfig(Strict):
     tokens_per_step: int | None = Field(default=None, ge=1)
     seqs_per_step: int | None = Field(default=None, ge=1)
     shuffle: bool = True
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, le=2**63 - 1)
     max_seq_len: int | None = Field(default=None, ge=1)
     overflow: Literal["truncate", "reject", "skip"] = "truncate"
     start_sample: int = Field(default=0, ge=0)
@@ -234,8 +289,8 @@ class PlanHeader(Doc):
     planner_options: dict[str, Any] = Field(default_factory=dict)
     zeppelin_version: str = ""
     created_at: str = ""
-    seed: int = 0
-    num_steps: int = Field(ge=0)
+    seed: int = Field(default=0, ge=0, le=2**63 - 1)
+    num_steps: int = Field(ge=0, le=1_000_000)
     world_size: int = Field(ge=1, description="GPU ranks")
     tp: int = Field(default=1, ge=1, description="default tensor-parallel degree of a unit")
     tp_overlap: Literal["none", "slicing", "commfuse"] = "none"
@@ -253,6 +308,8 @@ class PlanHeader(Doc):
             raise ValueError(
                 f"world_size {self.world_size} does not match the cluster ({self.cluster.world_size} GPUs)"
             )
+        if self.cluster.gpus_per_node % self.tp:
+            raise ValueError(f"tp={self.tp} does not divide the cluster's {self.cluster.gpus_per_node} GPUs per node")
         return self
 
     @property
@@ -285,10 +342,15 @@ def structural_problems(header: PlanHeader, step: StepPlan, limit: int = 20) -> 
         if len(mb.queues) != n_units:
             probs.append(f"{where}: {len(mb.queues)} queues for {n_units} units")
             continue
+        bad_unit = False
         for gi, g in enumerate(mb.groups):
             for u in g.units:
                 if not 0 <= u < n_units:
                     probs.append(f"{where}: group {gi} names unit {u} (have {n_units})")
+                    bad_unit = True
+        if bad_unit:
+            continue
+        probs += _route_problems(header, mb, n_units, where)
         for u, q in enumerate(mb.queues):
             for g in q:
                 if not 0 <= g < len(mb.groups) or u not in mb.groups[g].units:
@@ -309,6 +371,9 @@ def structural_problems(header: PlanHeader, step: StepPlan, limit: int = 20) -> 
                 )
         if len(probs) >= limit:
             return probs[:limit]
+    if probs:
+        return probs[:limit]
+    probs += _prediction_problems(header, step, n_units)
     # coverage: every token of every sequence exactly once, in attention and in linear layout
     att: dict[int, list[tuple[int, int]]] = {}
     lin: dict[int, list[tuple[int, int]]] = {}
@@ -371,6 +436,47 @@ def structural_problems(header: PlanHeader, step: StepPlan, limit: int = 20) -> 
     return probs[:limit]
 
 
+def _route_problems(header: PlanHeader, mb: MicroBatch, n_units: int, where: str) -> list[str]:
+    """Every index and name a route uses exists: its group, its endpoints (members of the group), its
+    proxies (units) and its NICs (of the plan's cluster)."""
+    probs = []
+    nics = {f"node{k}/{n.id}" for k in range(header.cluster.num_nodes) for n in header.cluster.nics}
+    for ri, r in enumerate(mb.routes):
+        if not 0 <= r.group < len(mb.groups):
+            probs.append(f"{where}: route {ri} names missing group {r.group}")
+            continue
+        members = mb.groups[r.group].units
+        for end, u in (("source", r.src), ("destination", r.dst)):
+            if u not in members:
+                probs.append(f"{where}: route {ri} {end} {u} is not a unit of group {r.group}")
+        for path in r.paths:
+            for end, u in (("source", path.via_src), ("destination", path.via_dst)):
+                if not 0 <= u < n_units:
+                    probs.append(f"{where}: route {ri} {end} proxy {u} is not a unit (have {n_units})")
+            for nic in (path.nic_src, path.nic_dst):
+                if nic not in nics:
+                    probs.append(f"{where}: route {ri} uses NIC {nic!r}, which the cluster does not have")
+    return probs
+
+
+def _prediction_problems(header: PlanHeader, step: StepPlan, n_units: int) -> list[str]:
+    """A prediction has one entry per unit and names only the cluster's NICs."""
+    pred = step.prediction
+    if pred is None:
+        return []
+    probs = []
+    for name in RankLoads.model_fields:
+        got = len(getattr(pred.per_unit, name))
+        if got != n_units:
+            probs.append(f"step {step.step}: prediction per_unit.{name} has {got} entries for {n_units} units")
+    nics = {f"node{k}/{n.id}" for k in range(header.cluster.num_nodes) for n in header.cluster.nics}
+    for field in ("nic_bytes", "nic_bytes_unrouted"):
+        for k in getattr(pred, field):
+            if k not in nics:
+                probs.append(f"step {step.step}: prediction {field} names NIC {k!r}, which the cluster does not have")
+    return probs
+
+
 # ---------------------------------------------------------------------------------------------
 # Streaming reader / atomic writer
 # ---------------------------------------------------------------------------------------------
@@ -403,22 +509,30 @@ class PlanWriter:
     ...     for step in steps: w.write(step)
     """
 
-    def __init__(self, path: str | os.PathLike, header: PlanHeader, fmt: Literal["jsonl", "pretty"] = "jsonl"):
+    def __init__(self, path: str | os.PathLike, header: PlanHeader, fmt: Literal["jsonl", "pretty"] = "jsonl", *,
+                 replaces: bool = False):
         self.path, self.header, self.fmt = Path(path), header, fmt
+        self.replaces = replaces  # True: the plan replaces one read from the same path (check --update)
         self._cm = None
         self._fh = None
         self.count = 0
 
     def __enter__(self) -> "PlanWriter":
-        self._cm = atomic_write(self.path)
+        self._cm = atomic_write(self.path, replaces=self.replaces)
         self._fh = self._cm.__enter__()
-        self._fh.write(_dump(self.header, self.fmt))
+        self._digest = hashlib.sha256()
+        self._put(_dump(self.header, self.fmt))
         return self
+
+    def _put(self, text: str) -> None:
+        data = text.encode()
+        self._digest.update(data)
+        self._fh.write(text)
 
     def write(self, step: StepPlan) -> None:
         if step.step != self.count:
             raise ValueError(f"steps must be written in order: expected step {self.count}, got {step.step}")
-        self._fh.write(_dump(step, self.fmt))
+        self._put(_dump(step, self.fmt))
         self.count += 1
 
     def __exit__(self, et, ev, tb):
@@ -426,7 +540,28 @@ class PlanWriter:
             err = ValueError(f"header promises {self.header.num_steps} steps, {self.count} written")
             self._cm.__exit__(ValueError, err, None)  # removes the temporary file
             raise err
+        if et is None:
+            self._fh.write(end_record(self.count, self._digest))
         return self._cm.__exit__(et, ev, tb)
+
+
+def end_record(steps: int, digest: "hashlib._Hash") -> str:
+    """The last record of a plan: the step count and a SHA-256 digest of every record before it (the
+    bytes as written), so that a reader detects any edit of the header or of any step."""
+    return json.dumps({"kind": "end", "steps": steps, "digest": "sha256:" + digest.hexdigest()},
+                      separators=(",", ":")) + "\n"
+
+
+def plan_text(header: PlanHeader, steps, fmt: Literal["jsonl", "pretty"] = "jsonl") -> str:
+    """The exact text :class:`PlanWriter` writes for these records (end record included)."""
+    digest = hashlib.sha256()
+    parts = []
+    for r in [header, *steps]:
+        t = _dump(r, fmt)
+        digest.update(t.encode())
+        parts.append(t)
+    parts.append(end_record(len(parts) - 1, digest))
+    return "".join(parts)
 
 
 def write_plan(path, header: PlanHeader, steps, fmt: Literal["jsonl", "pretty"] = "jsonl") -> None:
@@ -450,24 +585,28 @@ class PlanReader:
             raise InputError("plan file not found", source=self.path)
         if self.path.is_dir():
             raise InputError("is a directory, not a plan file", source=self.path)
+        check_input_file(self.path, "plan")
         self._offsets: list[int] | None = None
+        self._integrity: str | None = None  # set by a full scan: why the plan fails its integrity check
         with self.path.open("rb") as fh:
             rec, self._first_step_offset = self._read_record(fh, 0, what="header")
+        self._header_raw = self._raw
         if rec is None:
             raise InputError("empty plan file", source=self.path)
         if rec.get("kind") != "header":
             raise InputError("first record is not a plan header", source=self.path)
         ver = rec.get("schema_version")
         if ver != PLAN_SCHEMA:
-            raise InputError(f"plan schema_version {ver!r} is not supported (this zeppelin reads {PLAN_SCHEMA!r})",
-                             source=self.path)
+            raise InputError(format_version_message(ver), source=self.path)
         try:
             self.header = PlanHeader.model_validate(rec)
         except ValidationError as e:
             raise InputError(f"invalid plan header: {format_validation_error(e)}", source=self.path) from None
 
     # A record is either one JSON line, or a pretty block ending with a line that is exactly "}".
+    # ``self._raw`` keeps the bytes of the record just read (for the integrity digest).
     def _read_record(self, fh, offset: int, what: str) -> tuple[dict | None, int]:
+        self._raw = b""
         fh.seek(offset)
         line = fh.readline()
         while line and not line.strip():
@@ -486,11 +625,14 @@ class PlanReader:
                 if nxt.rstrip(b"\r\n") == b"}":
                     break
             text = b"".join(buf)
+        self._raw = text
         try:
-            rec = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            msg = getattr(e, "msg", str(e))
-            raise InputError(f"{what}: corrupt or truncated record ({msg})", source=self.path) from None
+            rec = parse_json(text, source=self.path, what=what)
+        except InputError as e:
+            if e.problem.startswith(f"{what}: malformed JSON") or e.problem == f"{what}: not UTF-8 text":
+                msg = e.problem.split(": ", 2)[-1] if "malformed" in e.problem else "not UTF-8 text"
+                raise InputError(f"{what}: corrupt or truncated record ({msg})", source=self.path) from None
+            raise
         if not isinstance(rec, dict):
             raise InputError(f"{what}: record is not a JSON object", source=self.path)
         return rec, fh.tell()
@@ -508,7 +650,23 @@ class PlanReader:
                 raise InputError(f"step {k}: invalid plan: {probs[0]}", source=self.path)
         return step
 
+    def _end_problem(self, rec: dict, k: int, digest, fh) -> str | None:
+        """Why the end record does not vouch for the ``k`` records before it (None: it does)."""
+        if set(rec) != {"kind", "steps", "digest"} or not isinstance(rec["digest"], str):
+            return "end record: expected exactly kind, steps and digest"
+        if rec["steps"] != k:
+            return f"end record: it counts {rec['steps']} steps, the file has {k}"
+        if rec["digest"] != "sha256:" + digest.hexdigest():
+            return ("integrity check failed: the records do not match the digest of the end record "
+                    "(the plan was edited after it was written)")
+        if fh.read(1 << 16).strip():
+            return "integrity check failed: records after the end record"
+        return None
+
     def __iter__(self) -> Iterator[StepPlan]:
+        """Steps in order, each checked when read; the digest of the end record (plans written before
+        it existed have none) is checked once every record has been read."""
+        digest = hashlib.sha256(self._header_raw)
         with self.path.open("rb") as fh:
             off = self._first_step_offset
             k = 0
@@ -516,6 +674,12 @@ class PlanReader:
                 rec, off = self._read_record(fh, off, what=f"step {k}")
                 if rec is None:
                     break
+                if rec.get("kind") == "end":
+                    problem = self._end_problem(rec, k, digest, fh)
+                    if problem:
+                        raise InputError(problem, source=self.path)
+                    break
+                digest.update(self._raw)
                 yield self._parse_step(rec, k)
                 k += 1
         if k != self.header.num_steps:
@@ -523,8 +687,10 @@ class PlanReader:
                              source=self.path)
 
     def _index(self) -> list[int]:
+        """Offsets of the step records, from one scan that also checks the integrity digest."""
         if self._offsets is None:
             offs = []
+            digest = hashlib.sha256(self._header_raw)
             with self.path.open("rb") as fh:
                 off = self._first_step_offset
                 k = 0
@@ -534,11 +700,22 @@ class PlanReader:
                     rec, nxt = self._read_record(fh, off, what=f"step {k}")
                     if rec is None:
                         break
+                    if rec.get("kind") == "end":
+                        fh.seek(nxt)
+                        self._integrity = self._end_problem(rec, k, digest, fh)
+                        break
+                    digest.update(self._raw)
                     offs.append(pos)
                     off = nxt
                     k += 1
             self._offsets = offs
         return self._offsets
+
+    def verify(self) -> None:
+        """Read every record once and check the plan's integrity digest (no-op for plans without one)."""
+        self._index()
+        if self._integrity:
+            raise InputError(self._integrity, source=self.path)
 
     def __len__(self) -> int:
         return self.header.num_steps
@@ -551,7 +728,36 @@ class PlanReader:
             raise InputError(f"step {k} out of range (plan has {self.header.num_steps} steps)", source=self.path)
         with self.path.open("rb") as fh:
             rec, _ = self._read_record(fh, offs[k], what=f"step {k}")
-        return self._parse_step(rec, k)
+        step = self._parse_step(rec, k)
+        if self._integrity:  # after the step's own checks, which name what is wrong more precisely
+            raise InputError(self._integrity, source=self.path)
+        return step
+
+
+def sample_problems(step: StepPlan, lengths: Any) -> list[str]:
+    """Every sequence of the step names a sample of the manifest (``lengths``: its per-sample lengths)
+    and uses no more tokens than the sample has."""
+    probs = []
+    n = len(lengths)
+    for i, seq in enumerate(step.sequences):
+        if seq.sample_id >= n:
+            probs.append(f"step {step.step}: sequence {i} names sample {seq.sample_id}, beyond the manifest's "
+                         f"{n:,} samples")
+        elif seq.length > int(lengths[seq.sample_id]):
+            probs.append(f"step {step.step}: sequence {i} uses {seq.length:,} tokens of sample {seq.sample_id}, "
+                         f"which has {int(lengths[seq.sample_id]):,}")
+    return probs
+
+
+def check_embedded_specs(reader: PlanReader) -> None:
+    """The cluster, model and profile embedded in the header are the ones its hashes record (``run``
+    trains the embedded model; an edit of it that left the hashes alone is refused here)."""
+    h = reader.header
+    for name in ("cluster", "model", "profile"):
+        got, want = content_hash(getattr(h, name)), getattr(h.hashes, name)
+        if got != want:
+            raise InputError(f"the plan's embedded {name} hashes to {got}, its header records {want} (the plan was "
+                             f"edited after planning)", source=reader.path)
 
 
 def read_plan(path: str | os.PathLike, *, check: bool = True) -> tuple[PlanHeader, list[StepPlan]]:

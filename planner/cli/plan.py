@@ -8,15 +8,20 @@ from pathlib import Path
 
 import typer
 
-from zeppelin.schemas.common import InputError
+from zeppelin.schemas.common import MAX_SEED, MAX_STEPS, MAX_TOKENS, MAX_WORKERS, InputError, check_float, check_int
 
 
 def _planner(name: str, options: dict):
     from zeppelin.planner.core.base import PLANNERS, get_planner
     from zeppelin.planner.zeppelin import planner as zeppelin_planner  # noqa: F401  (registers the zeppelin planners)
 
-    if name in PLANNERS:
-        return PLANNERS[name](**options)
+    if name in PLANNERS:  # the zeppelin planners: no need to import every baseline
+        try:
+            return PLANNERS[name](**options)
+        except InputError:
+            raise
+        except (ValueError, TypeError, OverflowError) as e:  # an option of the wrong type or out of range
+            raise InputError(f"planner {name!r}: bad option ({e})") from None
     return get_planner(name, **options)
 
 
@@ -41,7 +46,11 @@ def plan(
     tp: int = typer.Option(1, "--tp", help="tensor-parallel degree of a unit"),
     zero_stage: int = typer.Option(1, "--zero-stage", help="ZeRO stage (0-3) for the memory model"),
     profile: str | None = typer.Option(None, "--profile", help="cost profile JSON (from `zeppelin profile`)"),
-    time_limit: float = typer.Option(0.05, "--time-limit", help="ILP time limit per solve, seconds"),
+    ilp_nodes: int = typer.Option(10, "--ilp-nodes", help="branch-and-bound nodes per ILP solve (a deterministic "
+                                                             "limit: the same plan on any machine, under any load)"),
+    time_limit: float | None = typer.Option(None, "--time-limit",
+                                            help="optional wall-clock safety net per ILP solve, seconds (off by "
+                                                 "default; a step that hits it is marked non-reproducible)"),
     ilp: str = typer.Option("auto", "--ilp", help="auto (where it pays), always, never"),
     solver: str = typer.Option("highs", "--solver", help="ILP solver: highs (CBC as fallback) or cbc"),
     intra: str = typer.Option("auto", "--intra",
@@ -58,6 +67,7 @@ def plan(
     from zeppelin.planner.core.driver import check_steps, make_header, plan_steps
     from zeppelin.planner.core.inputs import (
         check_path_writable,
+        input_refs,
         resolve_cluster,
         resolve_model,
         resolve_profile,
@@ -68,28 +78,34 @@ def plan(
         raise InputError(f"--format must be jsonl or pretty (got {fmt!r})")
     if overflow not in ("truncate", "reject", "skip"):
         raise InputError(f"--overflow must be truncate, reject or skip (got {overflow!r})")
-    if steps < 1:
-        raise InputError(f"--steps must be at least 1 (got {steps})")
-    for flag, v in (("--tokens-per-step", tokens_per_step), ("--seqs-per-step", seqs_per_step),
-                    ("--max-seq-len", max_seq_len)):
-        if v is not None and v < 1:
-            raise InputError(f"{flag} must be at least 1 (got {v})")
-    if tp < 1:
-        raise InputError(f"--tp must be at least 1 (got {tp})")
+    check_int("--steps", steps, 1, MAX_STEPS)
+    check_int("--tokens-per-step", tokens_per_step, 1, MAX_TOKENS)
+    check_int("--seqs-per-step", seqs_per_step, 1, 2**31)
+    check_int("--max-seq-len", max_seq_len, 1, 2**31)
+    check_int("--seed", seed, 0, MAX_SEED)
+    check_int("--tp", tp, 1, 256)
+    check_int("--workers", workers, 1, MAX_WORKERS)
+    check_float("--time-limit", time_limit, 0.0, 3600.0, lo_open=True)
     if not 0 <= zero_stage <= 3:
         raise InputError(f"--zero-stage must be 0, 1, 2 or 3 (got {zero_stage})")
     if output is None and not explain:
         raise InputError("missing -o/--output PLAN (or use --explain alone to see the tier thresholds)")
     if output is not None:
-        check_path_writable(output)
+        check_path_writable(output, [manifest, *input_refs(cluster, model, profile)])
     cl = resolve_cluster(cluster)
     md = resolve_model(model)
     pf = resolve_profile(profile, cl)
     if cl.gpus_per_node % tp:
         raise PlanningError(f"--tp {tp} does not divide the {cl.gpus_per_node} GPUs per node of {cl.name}")
     ctx = PlanContext(cl, md, pf, tp=tp, zero_stage=zero_stage, seed=seed)
-    options = ({"time_limit": time_limit, "ilp": ilp, "solver": solver, "intra": intra}
+    if ilp_nodes < 0:
+        raise InputError(f"--ilp-nodes must be >= 0 (got {ilp_nodes})")
+    if time_limit is not None and not time_limit > 0:
+        raise InputError(f"--time-limit must be positive (got {time_limit:g})")
+    options = ({"ilp": ilp, "ilp_nodes": ilp_nodes, "solver": solver, "intra": intra}
                if planner.startswith("zeppelin") else {})
+    if time_limit is not None and (planner.startswith("zeppelin") or planner in ("flexsp", "hydraulis")):
+        options["time_limit"] = time_limit
     pl = _planner(planner, options)
     if explain:
         from zeppelin.planner.zeppelin.tiering import Tiering
@@ -97,7 +113,7 @@ def plan(
         typer.echo(Tiering(ctx).explain())
         if output is None:
             return
-    from zeppelin.planner.core.sampler import sample_steps
+    from zeppelin.planner.core.sampler import StepSampler, run_max_seq_len
     from zeppelin.schemas.datasets import default_manifest_path, load_manifest
 
     ds = load_manifest(manifest if manifest is not None else default_manifest_path())
@@ -105,24 +121,35 @@ def plan(
         tokens_per_step = max(ctx.cost.token_capacity * ctx.num_units, 1)
     cfg = SamplerConfig(tokens_per_step=tokens_per_step, seqs_per_step=seqs_per_step, shuffle=not no_shuffle,
                         seed=seed, max_seq_len=max_seq_len, overflow=overflow)
-    step_seqs = sample_steps(ds, cfg, steps)
-    check_steps(step_seqs, cfg)
+    ctx.max_seq_len = run_max_seq_len(ds, cfg)
+    # the steps are drawn again for each pass (the sampler is deterministic and cheap): checking
+    # every step before any work, then planning and writing one step at a time, keeps a single
+    # step's sequences and plan in memory however many steps the plan file holds
+    def step_seqs():
+        return StepSampler(ds, cfg).steps(steps)
+
+    check_steps(step_seqs(), cfg)
     if hasattr(pl, "check_feasible"):
-        for seqs in step_seqs:
+        for seqs in step_seqs():
             pl.check_feasible(ctx, seqs)
     header = make_header(ctx, pl, ds, cfg, steps)
     show = not quiet and sys.stderr.isatty()
     t0 = time.perf_counter()
-    ratios, solvers, tiers = [], {}, {"local": 0, "intra": 0, "inter": 0}
+    ratios, solvers, tiers, wall_hit = [], {}, {"local": 0, "intra": 0, "inter": 0}, []
     with PlanWriter(output, header, fmt) as w:
-        for st in plan_steps(ctx, pl, step_seqs, workers=workers, progress=show):
+        for st in plan_steps(ctx, pl, step_seqs(), workers=workers, progress=show, total=steps):
             w.write(st)
             if st.prediction is not None and st.prediction.lower_bound_s > 0:
                 ratios.append(st.prediction.step_time_s / st.prediction.lower_bound_s)
             if st.solver is not None:
                 solvers[st.solver.name] = solvers.get(st.solver.name, 0) + 1
+                if st.solver.status == "wall_clock_limit":
+                    wall_hit.append(st.step)
             for k, v in (st.notes.get("tiers") or {}).items():
                 tiers[k] = tiers.get(k, 0) + v
+    if wall_hit:
+        typer.echo(f"warning: step(s) {', '.join(map(str, wall_hit))} hit the --time-limit wall-clock safety net: "
+                   f"their plans depend on this machine's load and are not reproducible", err=True)
     if quiet:
         return
     import numpy as np

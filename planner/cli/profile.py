@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from zeppelin.schemas.common import InputError
+from zeppelin.schemas.common import InputError, check_int
 
 
 def profile(
@@ -30,9 +30,13 @@ def profile(
     """
     from zeppelin.planner.core.inputs import resolve_model
 
+    from zeppelin.planner.core.inputs import check_path_writable, input_refs
+
+    check_int("--nproc", nproc, 1, 1024)
+    check_int("--nodes", nodes, 1, 4096)
     resolve_model(model)  # fail early on a bad name
-    if output.exists() and output.is_dir():
-        raise InputError("output path is a directory", source=output)
+    check_path_writable(output, input_refs(model))
+    check_path_writable(Path(str(output) + ".raw.json"), input_refs(model))
     if nproc is None:
         try:
             import torch

@@ -8,15 +8,22 @@ from pathlib import Path
 
 import typer
 
-from zeppelin.schemas.common import InputError, atomic_write_text
+from zeppelin.schemas.common import (
+    MAX_SEED,
+    MAX_STEPS,
+    MAX_TOKENS,
+    MAX_WORKERS,
+    InputError,
+    atomic_write_text,
+    check_float,
+    check_int,
+    same_file,
+)
 
 
 def _emit_json(doc: dict, output: Path | None) -> None:
     text = json.dumps(doc, indent=1) + "\n"
     if output is not None:
-        from zeppelin.planner.core.inputs import check_path_writable
-
-        check_path_writable(output)
         atomic_write_text(output, text)
     else:
         typer.echo(text, nl=False)
@@ -38,8 +45,11 @@ def simulate(
 
     from zeppelin.planner.sim.simulate import render_step_table, render_summary_table, simulate_plan, summary
 
-    if step is not None and step < 0:
-        raise InputError(f"--step must be >= 0 (got {step})")
+    check_int("--step", step, 0, MAX_STEPS)
+    if output is not None:
+        from zeppelin.planner.core.inputs import check_path_writable
+
+        check_path_writable(output, [plan])
     header, results = simulate_plan(plan, steps=None if step is None else [step], timeline=timeline)
     if json_out or output is not None:
         doc = {
@@ -87,7 +97,7 @@ def show(
     if png is not None:
         from zeppelin.planner.core.inputs import check_path_writable
 
-        check_path_writable(png)
+        check_path_writable(png, [plan])
     reader = PlanReader(plan)
     h = reader.header
     con = Console()
@@ -131,11 +141,12 @@ def compare(
     from zeppelin.planner.core.base import PlanContext, PlanningError
     from zeppelin.planner.core.inputs import (
         check_path_writable,
+        input_refs,
         resolve_cluster,
         resolve_model,
         resolve_profile,
     )
-    from zeppelin.planner.core.sampler import sample_steps
+    from zeppelin.planner.core.sampler import run_max_seq_len, sample_steps
     from zeppelin.planner.tools.compare import (
         DEFAULT_PLANNERS,
         SOLVER_PLANNERS,
@@ -148,15 +159,18 @@ def compare(
     )
     from zeppelin.schemas.plan import SamplerConfig
 
-    if steps < 1:
-        raise InputError(f"--steps must be at least 1 (got {steps})")
-    if tokens_per_gpu < 1:
-        raise InputError(f"--tokens-per-gpu must be at least 1 (got {tokens_per_gpu})")
-    if solver_time_limit < 0:
-        raise InputError(f"--solver-time-limit must be >= 0 (got {solver_time_limit})")
+    check_int("--steps", steps, 1, MAX_STEPS)
+    check_int("--tokens-per-gpu", tokens_per_gpu, 1, MAX_TOKENS)
+    check_int("--max-seq-len", max_seq_len, 1, 2**31)
+    check_int("--tp", tp, 1, 256)
+    check_int("--seed", seed, 0, MAX_SEED)
+    check_int("--workers", workers, 0, MAX_WORKERS)
+    check_float("--solver-time-limit", solver_time_limit, 0.0, 3600.0)
     for p in (output, png):
         if p is not None:
-            check_path_writable(p)
+            check_path_writable(p, [profile, *input_refs(cluster, model), dataset])
+    if output is not None and png is not None and (str(output) == str(png) or same_file(output, png)):
+        raise InputError("-o and --png name the same file", source=output)
     names = DEFAULT_PLANNERS if planners is None else [x.strip() for x in planners.split(",") if x.strip()]
     if not names:
         raise InputError("--planners is empty")
@@ -169,6 +183,7 @@ def compare(
         raise PlanningError(str(e)) from None
     ds = resolve_dataset(dataset)
     cfg = SamplerConfig(tokens_per_step=tokens_per_gpu * cl.world_size, seed=seed, max_seq_len=max_seq_len)
+    ctx.max_seq_len = run_max_seq_len(ds, cfg)
     step_seqs = sample_steps(ds, cfg, steps)
     options = {p: {"time_limit": solver_time_limit} for p in SOLVER_PLANNERS}
     t0 = time.perf_counter()
@@ -187,7 +202,9 @@ def compare(
         con = Console(width=max(Console().width, 120))  # the table is unreadable folded to 80 columns
         con.print(render_table(doc, title))
         if "zeppelin_speedup_vs_te_cp" in doc:
-            con.print(f"zeppelin: {doc['zeppelin_speedup_vs_te_cp']:.2f}x over te-cp, "
+            tuned = (f"{doc['zeppelin_speedup_vs_te_cp_tuned']:.2f}x over te-cp-tuned, "
+                     if "zeppelin_speedup_vs_te_cp_tuned" in doc else "")
+            con.print(f"zeppelin: {doc['zeppelin_speedup_vs_te_cp']:.2f}x over te-cp, {tuned}"
                       f"{doc['zeppelin_speedup_vs_best_baseline']:.2f}x over the best other baseline "
                       f"({doc['best_baseline']}); {wall:.1f} s")
         for p in (output, png):
@@ -201,10 +218,12 @@ def check(
     case: list[str] = typer.Option(None, "--case", "-k", help="check only this case (repeatable)"),
     workers: int = typer.Option(0, "--workers", "-j", help="worker processes (0: one per CPU)"),
     json_out: bool = typer.Option(False, "--json", help="print the report as JSON"),
+    exact: bool = typer.Option(False, "--exact", help="also fail when a new plan is not byte-identical to its golden "
+                                                      "(plans are deterministic)"),
 ) -> None:
     """CI plan regression check against the golden plans in plans/.
 
-    Re-plans every case (one JSON file each), validates the plan, simulates it and the golden plan, and fails (exit 1) when the mean step time got worse than the golden's by more than the case's tolerance, when a plan is invalid, or when zeppelin no longer beats a baseline of the same setting. Exit 2: bad input.
+    Re-plans every case (one JSON file each), validates the plan, simulates it and the golden plan, and fails (exit 1) when the mean step time got worse than the golden's by more than the case's tolerance, when a plan is invalid, when zeppelin no longer beats a baseline of the same setting, or when a step hit a solver's wall-clock safety net (non-reproducible); `--exact` also fails on any byte difference from the golden. Exit 2: bad input.
 
     `--update` rewrites the goldens (atomically) and prints the step time before and after.
     """
@@ -213,9 +232,9 @@ def check(
     from zeppelin.planner.tools.check import render, run_check
     from zeppelin.planner.tools.compare import default_workers
 
-    if workers < 0:
-        raise InputError(f"--workers must be >= 0 (got {workers})")
-    report = run_check(directory, update=update, workers=workers or default_workers(), only=case or None)
+    check_int("--workers", workers, 0, MAX_WORKERS)
+    report = run_check(directory, update=update, workers=workers or default_workers(), only=case or None,
+                       exact=exact and not update)
     if report.bad_input:
         raise InputError(report.bad_input[0])
     if json_out:

@@ -23,9 +23,14 @@ judged), and fails when
 * in a *setting* (cases equal in everything but planner, options and tolerance), the ``zeppelin``
   case's mean simulated step time is above any baseline's (planners not named ``zeppelin*``).
 
+* a step of the new plan (or of the golden) hit a solver's wall-clock safety net (solver status
+  ``wall_clock_limit``): its plan depends on the machine's load, so the step is reported as
+  non-reproducible rather than compared as if it were the planner's answer;
+* with ``--exact``: the new plan is not byte-identical to the golden (plans are deterministic: the
+  same inputs give the same bytes on any machine and under any load).
+
 ``--update`` rewrites the goldens of the valid cases (atomically) and prints the step time before
-and after. Golden plans store solver wall time as 0 so that an unchanged planner rewrites
-byte-identical files.
+and after. Plans carry no wall-clock fields, so an unchanged planner rewrites byte-identical files.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
-from zeppelin.schemas.common import InputError, Strict, format_validation_error
+from zeppelin.schemas.common import InputError, Strict, format_validation_error, parse_json, read_input_bytes
 
 CASE_SCHEMA = "zeppelin.check-case/1"
 SETTING_FIELDS = ("cluster", "model", "dataset", "steps", "seed", "tokens_per_step", "max_seq_len", "tp")
@@ -56,7 +61,7 @@ class CheckCase(Strict):
     options: dict[str, Any] = Field(default_factory=dict, description="planner options")
     steps: int = Field(ge=1, le=64)
     seed: int = Field(default=0, ge=0)
-    tokens_per_step: int = Field(ge=1)
+    tokens_per_step: int = Field(ge=1, le=2**40)
     max_seq_len: int | None = Field(default=None, ge=1)
     tp: int = Field(default=1, ge=1)
     tolerance: float = Field(ge=0, le=10, description="allowed relative increase of the mean step time")
@@ -128,10 +133,7 @@ def load_cases(directory: str | os.PathLike, only: list[str] | None = None) -> l
         raise InputError("no check cases (*.json) in this directory", source=d)
     cases = []
     for f in files:
-        try:
-            data = json.loads(f.read_text())
-        except json.JSONDecodeError as e:
-            raise InputError(f"malformed JSON at line {e.lineno} column {e.colno}: {e.msg}", source=f) from None
+        data = parse_json(read_input_bytes(f, "check case"), source=f)
         if not isinstance(data, dict):
             raise InputError(f"expected a JSON object, got {type(data).__name__}", source=f)
         if data.get("schema_version", CASE_SCHEMA) != CASE_SCHEMA:
@@ -176,7 +178,7 @@ def _dataset(case: Case):
 def _inputs(case: Case):
     from zeppelin.planner.core.base import PlanContext, PlanningError
     from zeppelin.planner.core.inputs import resolve_cluster, resolve_model, resolve_profile
-    from zeppelin.planner.core.sampler import sample_steps
+    from zeppelin.planner.core.sampler import run_max_seq_len, sample_steps
     from zeppelin.schemas.plan import SamplerConfig
 
     s = case.spec
@@ -188,18 +190,27 @@ def _inputs(case: Case):
     except ValueError as e:
         raise PlanningError(str(e)) from None
     cfg = SamplerConfig(tokens_per_step=s.tokens_per_step, seed=s.seed, max_seq_len=s.max_seq_len)
+    ctx.max_seq_len = run_max_seq_len(ds, cfg)
     return ctx, ds, cfg, sample_steps(ds, cfg, s.steps)
 
 
-def _golden_form(step):
-    """The step as stored in a golden plan: solver wall time zeroed (it varies run to run)."""
-    if step.solver is not None and step.solver.time_s:
-        step = step.model_copy(update={"solver": step.solver.model_copy(update={"time_s": 0.0})})
-    return step
+def _plan_bytes(header, steps) -> bytes:
+    """The golden plan file ``zeppelin check --update`` writes for these records (pretty format)."""
+    from zeppelin.schemas.plan import plan_text
+
+    return plan_text(header, steps, "pretty").encode()
+
+
+def non_reproducible(steps) -> list[str]:
+    """'step K (reason)' for every step whose solver hit its wall-clock safety net."""
+    from zeppelin.planner.core.solver import WALL_CLOCK
+
+    return [f"step {sp.step}" + (f" ({sp.solver.fallback_reason})" if sp.solver.fallback_reason else "")
+            for sp in steps if sp.solver is not None and sp.solver.status == WALL_CLOCK]
 
 
 # ------------------------------------------------------------------ one case
-def run_case(case: Case, update: bool = False) -> CaseResult:
+def run_case(case: Case, update: bool = False, exact: bool = False) -> CaseResult:
     from zeppelin.planner.core.driver import make_header
     from zeppelin.planner.sim.simulate import Simulator
     from zeppelin.planner.tools.validate import step_problems
@@ -217,7 +228,7 @@ def run_case(case: Case, update: bool = False) -> CaseResult:
     t0 = time.perf_counter()
     try:
         for k, seqs in enumerate(step_seqs):
-            plans.append(_golden_form(planner.plan_step(ctx, k, seqs)))
+            plans.append(planner.plan_step(ctx, k, seqs))
     except InputError as e:
         res.failures.append(f"{case.name}: planner {s.planner} failed: {e}")
         return res
@@ -227,6 +238,10 @@ def run_case(case: Case, update: bool = False) -> CaseResult:
         if probs:
             res.failures.append(f"{case.name}: invalid plan: {probs[0]}")
             return res
+    for what in non_reproducible(plans):
+        res.failures.append(f"{case.name}: {what} of the new plan hit the solver's wall-clock safety net: not "
+                            f"reproducible (its plan depends on the machine's load; remove the case's time_limit "
+                            f"or raise it)")
     sim = Simulator(ctx)
     res.new_times_s = [sim.simulate_step(sp).step_time_s for sp in plans]
     res.new_mean_s = sum(res.new_times_s) / len(res.new_times_s)
@@ -258,18 +273,29 @@ def run_case(case: Case, update: bool = False) -> CaseResult:
                         f"{case.name}: {s.planner} mean step time {res.new_mean_s * 1e3:.2f} ms is "
                         f"{res.change * 100:+.2f}% against the golden {res.golden_mean_s * 1e3:.2f} ms "
                         f"(tolerance {s.tolerance * 100:g}%)")
-            res.unchanged = (golden_steps is not None and gh is not None
-                             and gh.model_dump(mode="json") == header.model_dump(mode="json")
-                             and [x.model_dump(mode="json") for x in golden_steps]
-                             == [x.model_dump(mode="json") for x in plans])
+            # byte for byte: what --update would write against the golden file
+            res.unchanged = golden_steps is not None and gh is not None and case.golden.read_bytes() == _plan_bytes(
+                header, plans)
+            if golden_steps is not None:
+                for what in non_reproducible(golden_steps):
+                    res.notes.append(f"{case.name}: {what} of the golden plan hit a wall-clock safety net "
+                                     f"when it was made")
+            if exact and not stale and golden_steps is not None and not res.unchanged:
+                differ = [sp.step for g, sp in zip(golden_steps, plans)
+                          if g.model_dump(mode="json") != sp.model_dump(mode="json")]
+                where = f"steps {', '.join(map(str, differ))}" if differ else "the header"
+                res.failures.append(f"{case.name}: the new plan is not byte-identical to the golden ({where} "
+                                    f"differ); plans are deterministic, so the planner changed: review and run "
+                                    f"`zeppelin check --update`")
     elif not update:
         res.failures.append(f"{case.name}: no golden plan {case.golden.name} (create it with "
                             f"`zeppelin check --update`)")
     if update:
         res.failures = [f for f in res.failures if ": golden plan " not in f and ": no golden plan " not in f
-                        and ": unreadable golden plan" not in f and " against the golden " not in f]
+                        and ": unreadable golden plan" not in f and " against the golden " not in f
+                        and " byte-identical to the golden " not in f]
         if not res.unchanged:
-            with PlanWriter(case.golden, header, "pretty") as w:
+            with PlanWriter(case.golden, header, "pretty", replaces=True) as w:
                 for sp in plans:
                     w.write(sp)
             res.written = True
@@ -293,10 +319,10 @@ def _stale(gh, header, golden_steps, plans) -> str:
     return ""
 
 
-def _run_case_job(arg: tuple[Case, bool]) -> CaseResult:
-    case, update = arg
+def _run_case_job(arg: tuple[Case, bool, bool]) -> CaseResult:
+    case, update, exact = arg
     try:
-        return run_case(case, update)
+        return run_case(case, update, exact)
     except InputError as e:  # inputs of a case that cannot be resolved
         r = CaseResult(case.name, case.spec.planner, case.spec.tolerance)
         r.failures.append(f"{case.name}: bad input: {e}")
@@ -346,10 +372,10 @@ def zeppelin_beats(cases: list[Case], results: list[CaseResult]) -> tuple[list[d
 
 
 def run_check(directory: str | os.PathLike, update: bool = False, workers: int = 1,
-              only: list[str] | None = None) -> CheckReport:
+              only: list[str] | None = None, exact: bool = False) -> CheckReport:
     cases = load_cases(directory, only)
     t0 = time.perf_counter()
-    jobs = [(c, update) for c in cases]
+    jobs = [(c, update, exact) for c in cases]
     if workers <= 1 or len(jobs) <= 1:
         results = [_run_case_job(j) for j in jobs]
     else:
