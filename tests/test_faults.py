@@ -201,9 +201,9 @@ def test_failing_rank_is_named_and_every_rank_ends(plans, tmp_path, fault, nproc
     if fault.startswith("stall"):
         assert "rank 0 gave up waiting for it: RuntimeError: " in lines[-1] and "Timed out" in lines[-1], err
     assert "Traceback" not in err
-    assert job.t_exit - job.fault_time() < FAULT_TO_EXIT_S
-    assert len(job.seen) >= nproc + 1  # the launcher and every rank were seen
-    assert job.leftovers() == []
+    assert job.t_exit - job.fault_time() < FAULT_TO_EXIT_S, (job.t_exit - job.fault_time(), err)
+    assert len(job.seen) >= nproc + 1, (job.seen, err)  # the launcher and every rank were seen
+    assert job.leftovers() == [], err
 
 
 # ---------------------------------------------------------------------------------------------
