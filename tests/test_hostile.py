@@ -368,8 +368,8 @@ PLAN_EDITS = [
      "replicas do not cover GPU ranks 0..15 exactly once"),
     ("range-negative", lambda h, s: _mb(s)["placements"][0]["ranges"][0].__setitem__(0, [-5, 3]),
      "step 0: sequence 0 has a bad range [-5, 3]"),
-    ("sequence-length-huge", lambda h, s: s["sequences"][0].__setitem__("length", 10**15),
-     "step 0: attention layout misses the end of sequence 0 (covers 100000 of 1000000000000000 tokens)"),
+    ("sequence-length-huge", lambda h, s: s["sequences"][0].__setitem__("length", 10**12),
+     "step 0: attention layout misses the end of sequence 0 (covers 100000 of 1000000000000 tokens)"),
 ]
 
 READERS = [["simulate"], ["simulate", "--step", "0", "--json"], ["show"], ["show", "--png", "x.png"]]
@@ -825,3 +825,23 @@ def test_oversized_spec_document_is_refused_before_reading(work, capsys):
         fh.truncate(100 << 20)
     assert_refused(work, capsys, ["plan", "-c", "big.json", "--model", "tiny", "-o", "o.jsonl"],
                    "big.json: ClusterSpec document of 104,857,600 bytes is larger than the 64 MiB zeppelin reads")
+
+
+RECORD_EDITS = [
+    ("length-beyond-int64", lambda h, s: s["sequences"][0].__setitem__("length", 10**30),
+     "sequences.0.length: Input should be less than or equal to 1099511627776"),
+    ("sample-id-negative", lambda h, s: s["sequences"][0].__setitem__("sample_id", -1),
+     "sequences.0.sample_id: Input should be greater than or equal to 0"),
+    ("route-bytes-huge", lambda h, s: _route_mb(s)["routes"][0].__setitem__("bytes", 10**30),
+     "microbatches.0.routes.0.bytes: Input should be less than or equal to 4611686018427387904"),
+    ("unknown-field", lambda h, s: s.__setitem__("exec", "os.system"), "exec: Extra inputs are not permitted"),
+    ("string-for-int", lambda h, s: s.__setitem__("step", "0"), "step: Input should be a valid integer"),
+]
+
+
+@pytest.mark.parametrize("reader", READERS[:3], ids=["-".join(r) for r in READERS[:3]])
+@pytest.mark.parametrize("edit,problem", [c[1:] for c in RECORD_EDITS], ids=[c[0] for c in RECORD_EDITS])
+def test_bad_step_record(work, capsys, reader, edit, problem):
+    _write_edited(work, edit)
+    assert_refused(work, capsys, [reader[0], "bad.jsonl", *reader[1:]],
+                   f"bad.jsonl: step 0: invalid step record: {problem}")
