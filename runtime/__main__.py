@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads per rank")
     p.add_argument("--tp-overlap", choices=["none", "slicing", "commfuse"], default=None,
                    help="communication/GEMM overlap of the tensor-parallel linears (default: the plan's)")
+    p.add_argument("--export", default=None, metavar="DIR",
+                   help="after the run, write the model as a Hugging Face directory (safetensors + config.json)")
     return p
 
 
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                     verify_tol=args.verify_tol, checkpoint_every=args.checkpoint_every,
                     checkpoint_dir=args.checkpoint_dir, resume=args.resume, timeout_s=args.timeout,
                     progress=args.progress, device=args.device, threads=args.threads,
-                    tp_overlap=args.tp_overlap)
+                    tp_overlap=args.tp_overlap, export=args.export)
     try:
         summary = run_job(cfg)
     except InputError as e:
@@ -102,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         if "tp_overlap" in summary:
             line += f", TP overlap {summary['tp_overlap']}"
         print(line + f"; metrics in {summary['metrics']}", flush=True)
+        if "export" in summary:
+            print(f"zeppelin run: exported the model to {summary['export']} (transformers "
+                  "AutoModelForCausalLM.from_pretrained loads it)", flush=True)
         if "verify" in summary:
             v = summary["verify"]
             print(f"zeppelin run: --verify max relative differences: loss {v['loss_rel']:.2e}, "

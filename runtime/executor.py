@@ -41,8 +41,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeppelin.schemas.common import InputError, check_output, content_hash
-from zeppelin.schemas.plan import PlanHeader, PlanReader, StepPlan
+from zeppelin.schemas.common import InputError, check_output, check_training_options, content_hash
+from zeppelin.schemas.plan import PlanHeader, PlanReader, StepPlan, check_embedded_specs, sample_problems
 
 from .api import AttentionContext, attention, build_step, to_attention_layout, to_linear_layout
 from .data import TokenSource, load_token_source, predicted_tokens
@@ -74,6 +74,7 @@ class RunConfig:
     threads: int | None = None
     tp_overlap: str | None = None    # none | slicing | commfuse (default: the plan header's)
     tp_chunks: int = 4               # slices of the slicing overlap mode
+    export: str | None = None        # write a Hugging Face directory (safetensors + config) at the end
 
 
 # ---------------------------------------------------------------------------------------------
@@ -367,8 +368,12 @@ def build_model(ref: str | None, header: PlanHeader, seed: int, device: torch.de
 def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSource, int, int]:
     """Everything a rank can decide alone, before any collective. Returns
     (reader, token source, first step, end step). Raises InputError."""
+    check_training_options(lr=cfg.lr, weight_decay=cfg.weight_decay, seed=cfg.seed, timeout=cfg.timeout_s,
+                           verify_tol=cfg.verify_tol, checkpoint_every=cfg.checkpoint_every, threads=cfg.threads)
     reader = PlanReader(cfg.plan)
     header = reader.header
+    reader.verify()
+    check_embedded_specs(reader)
     if header.world_size != world_size:
         raise InputError(f"the plan is for {header.world_size} ranks but the job has {world_size} "
                          f"(launch with --nproc-per-node/--nnodes giving {header.world_size} processes)")
@@ -385,6 +390,15 @@ def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSo
                          f"{header.model.num_heads} attention heads")
     if cfg.tp_overlap is not None and cfg.tp_overlap not in ("none", "slicing", "commfuse"):
         raise InputError(f"--tp-overlap {cfg.tp_overlap!r} is not one of none, slicing, commfuse")
+    if cfg.export:
+        from zeppelin.runtime.hf import export_problem
+
+        why = export_problem(cfg.model, header.model)
+        if why:
+            raise InputError(why)
+        ex_dir = Path(cfg.export)
+        if ex_dir.exists() and (not ex_dir.is_dir() or any(ex_dir.iterdir())):
+            raise InputError("--export: the directory exists and is not empty", source=ex_dir)
     if cfg.data is None and header.manifest.token_ids:
         raise InputError(f"the plan was made from a manifest with token ids ({header.manifest.path}); pass it "
                          "with --data (without it the run would train on synthetic ids)")
@@ -395,6 +409,12 @@ def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSo
     end = header.num_steps if cfg.steps is None else cfg.steps
     if cfg.steps is not None and not 1 <= cfg.steps <= header.num_steps:
         raise InputError(f"--steps {cfg.steps} is out of range (the plan has {header.num_steps} steps)")
+    lengths = getattr(getattr(source, "manifest", None), "lengths", None)
+    if lengths is not None:  # every sample the steps name is in the manifest, never synthetic tokens instead
+        for k in range(end):
+            probs = sample_problems(reader.step(k), lengths)
+            if probs:
+                raise InputError(f"--data {cfg.data}: {probs[0]}")
     if cfg.checkpoint_every < 0:
         raise InputError("--checkpoint-every must be >= 0")
     if (cfg.checkpoint_every or cfg.resume) and not cfg.checkpoint_dir:
@@ -597,6 +617,14 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
             progress.close()
         if mfh is not None:
             mfh.close()
+    exported = None
+    if cfg.export:  # every rank takes part in gathering the full state (collective under FSDP)
+        from .hf import export_model, full_state_dict
+
+        state_full = full_state_dict(model)
+        if rank == 0:
+            exported = str(export_model(model, header.model, cfg.export, state=state_full))
+        del state_full
     # every rank is done with every transfer before any rank tears its groups down
     dist.barrier()
     if rank != 0:
@@ -607,6 +635,8 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
         summary["tp_overlap"] = ex.tp_overlap
     if cfg.verify:
         summary["verify"] = verify_worst | {"tolerance": tol}
+    if exported is not None:
+        summary["export"] = exported
     return summary
 
 

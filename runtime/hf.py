@@ -140,6 +140,21 @@ class HFCausalLM(nn.Module):
         h = self.hidden_states(tokens, layout, timer)
         return self.loss_sum(h, labels), h
 
+    def reference_copy(self, device: torch.device | str = "cpu") -> HFCausalLM:
+        """A new unsharded fp32 model of the same config and spec (transformers' initialisation,
+        the global RNG left as it was): the frame a sharded model's whole parameters are copied
+        into for the single-process reference of ``--verify``. Parameter names are this model's."""
+        import copy
+
+        from transformers import AutoModelForCausalLM
+
+        config = copy.deepcopy(self.config)
+        with torch.random.fork_rng(devices=[]):
+            causal = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        ref = HFCausalLM(causal, self.spec).to(device)
+        ref.dtype = torch.float32
+        return ref
+
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The Hugging Face checkpoint's tensors (tied output weights once, under the embedding)."""
         sd = self.state_dict()
@@ -186,10 +201,87 @@ def load_hf_model(ref: str, seed: int = 0, device: torch.device | str = "cpu",
     return HFCausalLM(causal, spec).to(device)
 
 
-def export_hf(model: HFCausalLM, out_dir: str | Path, state: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write ``model`` (or the full ``state`` dict gathered from a sharded one) as a Hugging Face
-    directory: ``config.json`` + consolidated ``model.safetensors``, written to a temporary
-    directory next to ``out_dir`` and renamed into place. Refuses an existing non-empty ``out_dir``."""
+# ---------------------------------------------------------------------------------------------
+# export: a consolidated Hugging Face directory
+# ---------------------------------------------------------------------------------------------
+
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# the runtime's own Llama -> transformers' LlamaForCausalLM parameter names
+_LLAMA_NAMES = {"attn_norm.weight": "input_layernorm.weight", "attn.wq": "self_attn.q_proj.weight",
+                "attn.wk": "self_attn.k_proj.weight", "attn.wv": "self_attn.v_proj.weight",
+                "attn.wo": "self_attn.o_proj.weight", "mlp_norm.weight": "post_attention_layernorm.weight",
+                "mlp.w1": "mlp.gate_proj.weight", "mlp.w3": "mlp.up_proj.weight", "mlp.w2": "mlp.down_proj.weight"}
+
+
+def export_problem(model_ref: str | None, spec: ModelSpec) -> str | None:
+    """Why ``--export`` cannot write this model (None when it can): Hugging Face models always
+    can; the runtime's own model when it is a Llama (SwiGLU) decoder."""
+    if model_ref is not None and model_ref.startswith("hf:"):
+        return None
+    if spec.mlp != "swiglu":
+        return (f"--export writes Llama-family models; model {spec.name!r} has a {spec.mlp} MLP, which has no "
+                "transformers Llama equivalent")
+    return None
+
+
+def llama_config(spec: ModelSpec, max_positions: int = 1 << 17):
+    """transformers' ``LlamaConfig`` of the runtime's own model (same shapes, RoPE and norms)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=spec.vocab_size, hidden_size=spec.hidden, intermediate_size=spec.ffn_hidden,
+                       num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+                       num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim, hidden_act="silu",
+                       rms_norm_eps=spec.norm_eps, max_position_embeddings=max_positions,
+                       rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
+                       tie_word_embeddings=spec.tie_embeddings, attention_bias=False, mlp_bias=False,
+                       bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def llama_to_hf_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The runtime's Llama state dict under transformers' LlamaForCausalLM names."""
+    out = {}
+    for k, v in state.items():
+        if k == "embed":
+            out["model.embed_tokens.weight"] = v
+        elif k == "lm_head":
+            out["lm_head.weight"] = v
+        elif k == "norm.weight":
+            out["model.norm.weight"] = v
+        elif k.startswith("layers."):
+            _, i, rest = k.split(".", 2)
+            if rest not in _LLAMA_NAMES:
+                raise ValueError(f"no transformers name for parameter {k!r}")
+            out[f"model.layers.{i}.{_LLAMA_NAMES[rest]}"] = v
+        else:
+            raise ValueError(f"no transformers name for parameter {k!r}")
+    return out
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model state on CPU on rank 0 (an empty dict on the other ranks of a sharded
+    model): ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` with
+    ``full_state_dict=True, cpu_offload=True``. Collective for an FSDP model: call on every rank."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if dist.is_initialized():
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    return {k.replace("_checkpoint_wrapped_module.", ""): v for k, v in sd.items()}
+
+
+def export_model(model: nn.Module, spec: ModelSpec, out_dir: str | Path,
+                 state: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write a Hugging Face model directory (``config.json`` + consolidated ``model.safetensors``)
+    that ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)`` loads.
+
+    ``model``: an :class:`HFCausalLM` (its own config) or the runtime's Llama (a ``LlamaConfig``
+    from its ModelSpec, parameters renamed); ``state``: its full state dict when gathered from a
+    sharded model (:func:`full_state_dict`). Weights are written in the ModelSpec's dtype. The
+    directory is written under a temporary name next to ``out_dir`` and renamed into place; an
+    existing non-empty ``out_dir`` is refused."""
     import os
     import shutil
     import tempfile
@@ -199,20 +291,37 @@ def export_hf(model: HFCausalLM, out_dir: str | Path, state: dict[str, torch.Ten
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise InputError("export directory exists and is not empty", source=out)
+    sd = state if state is not None else full_state_dict(model)
+    if isinstance(model, HFCausalLM):
+        import copy
+
+        config = copy.deepcopy(model.config)
+    else:
+        config = llama_config(spec)
+        sd = llama_to_hf_names(sd)
+    dtype = _TORCH_DTYPES[spec.dtype]
+    config._attn_implementation = "eager"
+    config.dtype = dtype
     out.parent.mkdir(parents=True, exist_ok=True)
-    sd = state if state is not None else model.state_dict()
-    config = model.config
-    old = config._attn_implementation
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        config._attn_implementation = "eager"
         with torch.device("meta"):
-            shell = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        shell.load_state_dict({k: v.detach().to("cpu", torch.float32) for k, v in sd.items()},
-                              strict=False, assign=True)
-        if getattr(config, "tie_word_embeddings", False):
+            shell = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        if tied:
+            sd = {k: v for k, v in sd.items() if k != "lm_head.weight"}
+        own = {k for k in shell.state_dict() if not (tied and k == "lm_head.weight")}
+        if set(sd) != own:
+            diff = sorted(set(sd) ^ own)
+            raise RuntimeError(f"export: the model's tensors differ from transformers' ({diff[0]!r})")
+        shell.load_state_dict({k: v.detach().to("cpu", dtype) for k, v in sd.items()}, strict=False, assign=True)
+        if tied:
             shell.tie_weights()
-        shell.config.dtype = torch.float32
+        for name, buf in list(shell.named_buffers()):  # non-persistent buffers (RoPE tables): rebuilt on load
+            if buf.is_meta:
+                mod, _, leaf = name.rpartition(".")
+                shell.get_submodule(mod).register_buffer(leaf, torch.zeros(buf.shape, dtype=buf.dtype),
+                                                         persistent=False)
         shell.save_pretrained(str(tmp), safe_serialization=True)
         if out.exists():
             out.rmdir()
@@ -220,6 +329,4 @@ def export_hf(model: HFCausalLM, out_dir: str | Path, state: dict[str, torch.Ten
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    finally:
-        config._attn_implementation = old
     return out

@@ -56,7 +56,8 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
     return {"llama": make_hf_dir(root / "llama", "llama", seed=1),
             "qwen2": make_hf_dir(root / "qwen2", "qwen2", tie=True, seed=2),
-            "qwen2-bf16": make_hf_dir(root / "qwen2-bf16", "qwen2", tie=True, seed=2, dtype="bfloat16")}
+            "qwen2-bf16": make_hf_dir(root / "qwen2-bf16", "qwen2", tie=True, seed=2, dtype="bfloat16"),
+            "mistral": make_hf_dir(root / "mistral", "mistral", seed=4)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,6 +85,23 @@ def test_model_spec_from_config(hf_dirs, tmp_path):
     assert hf_model_spec(f"hf:{moved}").rope_theta == 500000.0
     m = make_hf_dir(tmp_path / "mistral", "mistral", weights=False)
     assert hf_model_spec(f"hf:{m}").name.startswith("hf-mistral-")
+
+
+def test_planner_prices_the_qkv_remap(hf_dirs):
+    """An HF model's remap moves Q, K, V to the attention layout (the output comes back): the cost
+    model charges 2 x kv_dim more values per token each way than for the runtime's own model."""
+    from zeppelin.planner.costmodel.cost import CostModel
+    from zeppelin.schemas.cluster import cluster_preset
+
+    spec = hf_model_spec(f"hf:{hf_dirs['llama']}")
+    assert spec.remap_payload == "qkv" and spec.remap_widths() == (spec.hidden + 2 * spec.kv_dim, spec.hidden)
+    own = spec.model_copy(update={"remap_payload": "hidden"})
+    assert "remap_payload" not in own.model_dump(mode="json")  # presets and JSON specs keep their hashes
+    c_hf, c_own = CostModel(cluster_preset("h100"), spec), CostModel(cluster_preset("h100"), own)
+    n = 10_000
+    extra = float(c_hf.remap_time(n, "inter") - c_own.remap_time(n, "inter"))
+    want = 2 * n * 2 * spec.kv_dim * spec.dtype_bytes / (c_hf.link("inter").bandwidth_GBps * 1e9)
+    assert abs(extra - want) <= 1e-9 * want
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -133,6 +151,19 @@ def test_weights_load_like_from_pretrained(hf_dirs):
         assert set(mine) == {k for k in ref if not k.endswith("inv_freq")}
         for k, v in mine.items():
             assert torch.equal(v, ref[k]), k
+
+
+def test_reference_copy_has_the_same_names_and_leaves_the_rng(hf_dirs):
+    from zeppelin.runtime.hf import load_hf_model
+
+    model = load_hf_model(f"hf:{hf_dirs['qwen2']}")
+    torch.manual_seed(11)
+    want = torch.rand(3)
+    torch.manual_seed(11)
+    ref = model.reference_copy()
+    assert torch.equal(torch.rand(3), want)
+    assert [n for n, _ in ref.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert ref.dtype == torch.float32 and ref.config is not model.config
 
 
 def test_random_init_is_seeded(tmp_path):
@@ -205,7 +236,7 @@ def pool():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind, tol", [("llama", 1e-5), ("qwen2", 1e-5), ("qwen2-bf16", 2e-2)])
+@pytest.mark.parametrize("kind, tol", [("llama", 1e-5), ("qwen2", 1e-5), ("mistral", 1e-5), ("qwen2-bf16", 2e-2)])
 def test_hand_plan_equals_transformers(pool, hf_dirs, kind, tol):
     """Every path (routed inter-node ring, intra rings, remap, padded zigzag ring, locals) on 4
     gloo ranks vs transformers single-process (fp32 1e-5; bf16 autocast within 2e-2 of fp32)."""
@@ -243,9 +274,103 @@ def test_run_refuses_another_model(hf_dirs, tmp_path):
                             f"{spec.name!r} (hash {content_hash(spec)}, given {content_hash(other)})")
 
 
+# ---------------------------------------------------------------------------------------------
+# --export
+# ---------------------------------------------------------------------------------------------
+
+
+def _logits_by_sequence(model, tokens: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    outs, pos = [], 0
+    for n in lengths:
+        outs.append(model(input_ids=tokens[pos:pos + n][None]).logits[0])
+        pos += n
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "own-tiny"])
+def test_export_round_trips_through_from_pretrained(hf_dirs, tmp_path, kind):
+    from transformers import AutoModelForCausalLM
+
+    from zeppelin.runtime.hf import export_model, load_hf_model
+    from zeppelin.runtime.model import LlamaModel, ReferenceLayout
+    from zeppelin.schemas.model import model_preset
+
+    if kind == "own-tiny":
+        spec = model_preset("tiny")
+        model = LlamaModel(spec, seed=3)
+    else:
+        model = load_hf_model(f"hf:{hf_dirs[kind]}", seed=0)
+        spec = model.spec
+        with torch.no_grad():  # not the weights of DIR: the export must write the model's own
+            for p in model.parameters():
+                p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    out = export_model(model, spec, tmp_path / "export")
+    assert sorted(f.name for f in out.iterdir() if f.suffix in (".json", ".safetensors"))[:2] == [
+        "config.json", "generation_config.json"] and (out / "model.safetensors").is_file()
+    assert not [f for f in tmp_path.iterdir() if f.name.startswith(".")]  # no temporary left behind
+    lengths = [5, 9, 3]
+    tokens = torch.randint(0, spec.vocab_size, (sum(lengths),), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        mine = model.logits(model.hidden_states(tokens, ReferenceLayout(lengths)))
+        theirs = _logits_by_sequence(AutoModelForCausalLM.from_pretrained(str(out)), tokens, lengths)
+    assert float((mine - theirs).abs().max()) <= 1e-5 * float(mine.abs().max())
+    # and the export reads back as a model reference of its own
+    assert hf_model_spec(f"hf:{out}").num_params() == spec.num_params()
+    with pytest.raises(InputError, match="export directory exists and is not empty"):
+        export_model(model, spec, out)
+
+
+def test_export_refusals(hf_dirs, tmp_path):
+    from zeppelin.runtime.executor import RunConfig, startup_checks
+    from zeppelin.runtime.hf import export_problem
+    from zeppelin.schemas.model import model_preset
+
+    assert export_problem(None, model_preset("gpt-7b")) == (
+        "--export writes Llama-family models; model 'gpt-7b' has a gelu MLP, which has no transformers Llama "
+        "equivalent")
+    assert export_problem(None, model_preset("tiny")) is None
+    spec = hf_model_spec(f"hf:{hf_dirs['llama']}")
+    plan = tmp_path / "p.jsonl"
+    write_plan(plan, make_header(two_node_cluster(), spec, 1), [hand_step(0, spec)])
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    with pytest.raises(InputError) as e:
+        startup_checks(RunConfig(plan=str(plan), model=f"hf:{hf_dirs['llama']}", export=str(tmp_path / "full")), 4)
+    assert str(e.value) == f"{tmp_path / 'full'}: --export: the directory exists and is not empty"
+
+
+def _train_like_the_runtime(d: Path, plan: Path, steps: int, lr: float):
+    """transformers single-process: ``steps`` AdamW steps (the runtime's settings) on the plan's
+    steps, each sequence whole, eager attention."""
+    from transformers import AutoModelForCausalLM
+
+    from zeppelin.runtime.data import TokenSource, predicted_tokens
+    from zeppelin.schemas.plan import PlanReader
+
+    reader = PlanReader(plan)
+    header = reader.header
+    model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32, attn_implementation="eager")
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8,
+                            foreach=False)
+    source = TokenSource(header.model.vocab_size, header.seed)
+    for k in range(steps):
+        step = reader.step(k)
+        n = predicted_tokens(step.sequences)
+        for i, s in enumerate(step.sequences):
+            if s.length < 2:
+                continue
+            ids = torch.from_numpy(source.segments(step.sequences, [[i, 0, s.length]]).tokens)[None]
+            (model(input_ids=ids, labels=ids).loss * ((s.length - 1) / n)).backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_run_cli_hf_verify(hf_dirs, tmp_path):
+    """`zeppelin run --model hf:DIR --verify --export OUT` on 2 ranks: verify within 1e-5 every
+    step, and the exported weights equal transformers trained single-process the same way."""
     ref = f"hf:{hf_dirs['qwen2']}"
     plan = tmp_path / "p.jsonl"
     manifest = tmp_path / "m.jsonl"
@@ -256,10 +381,23 @@ def test_run_cli_hf_verify(hf_dirs, tmp_path):
     assert p.returncode == 0, p.stderr
     metrics = tmp_path / "m.metrics.jsonl"
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = tmp_path / "export"
     p = subprocess.run([ZEPPELIN, "run", str(plan), "--model", ref, "--verify", "--progress", "none",
-                        "--metrics", str(metrics)], capture_output=True, text=True, env=env, timeout=200)
+                        "--metrics", str(metrics), "--lr", "1e-3", "--export", str(out)],
+                       capture_output=True, text=True, env=env, timeout=200)
     assert p.returncode == 0, p.stderr
     assert p.stdout.splitlines()[0].startswith("zeppelin run: synthetic token ids (no --data given; seed 0")
     assert "--verify max relative differences" in p.stdout and " - ok" in p.stdout
     recs = [json.loads(ln) for ln in metrics.read_text().splitlines()]
     assert len(recs) == 2 and all(r["verify"]["ok"] and r["verify"]["grad_rel"] <= 1e-5 for r in recs)
+    assert f"zeppelin run: exported the model to {out}" in p.stdout
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(str(out)).state_dict()
+    expected = _train_like_the_runtime(hf_dirs["qwen2"], plan, 2, 1e-3).state_dict()
+    initial = AutoModelForCausalLM.from_pretrained(str(hf_dirs["qwen2"])).state_dict()
+    assert set(exported) == set(expected)
+    for k, v in expected.items():
+        moved = (v - initial[k]).norm()
+        if moved > 0:  # trained: the export holds the trained weights, not the initial ones
+            assert float((exported[k] - v).norm()) <= 1e-3 * float(moved), k

@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 
 import typer
 
-from zeppelin.schemas.common import InputError, atomic_write_text
+from zeppelin.schemas.common import MAX_SEED, MAX_TOKENS, InputError, atomic_write_text, check_int
 
 SCHEMAS = ("cluster", "model", "manifest", "profile", "plan", "step")
 
@@ -367,14 +367,11 @@ def demo(
     unknown = [s for s in wanted if s not in DEMO_STAGES]
     if unknown or not wanted:
         raise InputError(f"unknown demo stage {(unknown or [stages])[0]!r} (available: {', '.join(DEMO_STAGES)})")
-    if steps < 1:
-        raise InputError(f"--steps must be at least 1, got {steps}")
-    if tokens_per_step is not None and tokens_per_step < 1:
-        raise InputError(f"--tokens-per-step must be at least 1, got {tokens_per_step}")
-    if max_seq_len is not None and max_seq_len < 1:
-        raise InputError(f"--max-seq-len must be at least 1, got {max_seq_len}")
-    if workers < 0:
-        raise InputError(f"--workers must be >= 0 (got {workers})")
+    check_int("--steps", steps, 1, 10_000)
+    check_int("--tokens-per-step", tokens_per_step, 1, MAX_TOKENS)
+    check_int("--max-seq-len", max_seq_len, 1, 2**31)
+    check_int("--seed", seed, 0, MAX_SEED)
+    check_int("--workers", workers, 0, 1024)
     names = [p.strip() for p in planners.split(",") if p.strip()]
     if "plan" in wanted:
         from zeppelin.planner.core.base import get_planner

@@ -156,7 +156,7 @@ def stats(
                                                "(default: length)"),
     tokens_field: str | None = typer.Option(None, "--tokens-field", help="field/column with token-id lists"),
     text_field: str | None = typer.Option(None, "--text-field", help="field/column with raw text"),
-    tokenizer: str | None = typer.Option(None, "--tokenizer", help="for --text-field: whitespace or bytes"),
+    tokenizer: str | None = typer.Option(None, "--tokenizer", help="for --text-field: whitespace, bytes or a Hugging Face tokenizer.json (file or directory)"),
     python_tokenizer: str | None = typer.Option(
         None, "--python-tokenizer", metavar="MODULE:CALLABLE",
         help="for --text-field: IMPORTS AND RUNS this Python code as the tokenizer (callable(text) -> token ids "

@@ -22,13 +22,14 @@ from pathlib import Path
 
 import typer
 
-from zeppelin.schemas.common import InputError
+from zeppelin.schemas.common import InputError, check_int, check_training_options
 
 
 def run(
     ctx: typer.Context,
     plan: Path = typer.Argument(..., help="plan file written by `zeppelin plan`"),
-    model: str | None = typer.Option(None, "--model", help="model preset or JSON file; must match the plan"),
+    model: str | None = typer.Option(None, "--model",
+                                     help="model preset, JSON file or hf:DIR (Hugging Face); must match the plan"),
     data: str | None = typer.Option(None, "--data", help="dataset manifest (token ids); must match the plan"),
     steps: int | None = typer.Option(None, "--steps", help="run the first N steps (default: all)"),
     lr: float = typer.Option(1e-3, "--lr", help="AdamW learning rate"),
@@ -59,13 +60,28 @@ def run(
         None, "--report-json", help="also write that report as JSON (implies --report)"),
     tp_overlap: str | None = typer.Option(
         None, "--tp-overlap", help="none | slicing | commfuse: TP-SP overlap (default: the plan's)"),
+    export: Path | None = typer.Option(
+        None, "--export", help="after the run, write the model as a Hugging Face directory (config.json + "
+                               "model.safetensors) that transformers' from_pretrained loads"),
 ) -> None:
     """Execute a plan with torch (launched through torchrun): train, report metrics, verify."""
     from zeppelin.planner.sim.report import count_lines
     from zeppelin.runtime.launch import torchrun_argv  # torch-free module top
-    from zeppelin.schemas.plan import PlanReader
+    from zeppelin.schemas.plan import PlanReader, check_embedded_specs
 
-    header = PlanReader(plan).header
+    check_training_options(lr=lr, weight_decay=weight_decay, seed=seed, timeout=timeout, verify_tol=verify_tol,
+                           checkpoint_every=checkpoint_every, threads=threads)
+    check_int("--nproc-per-node", nproc_per_node, 1, 1024)
+    check_int("--nnodes", nnodes, 1, 4096)
+    check_int("--master-port", master_port, 1, 65535)
+    if node_rank is not None:
+        check_int("--node-rank", node_rank, 0, (nnodes or 1) - 1)
+    reader = PlanReader(plan)
+    header = reader.header
+    reader.verify()  # every record against the plan's digest, before any process starts
+    check_embedded_specs(reader)
+    if model is not None:
+        _check_model(model, header)
     cl = header.cluster
     if progress not in ("auto", "rich", "plain", "none"):
         raise InputError(f"--progress must be auto, rich, plain or none (got {progress!r})")
@@ -90,6 +106,8 @@ def run(
         raise InputError("--checkpoint-every/--resume need --checkpoint-dir")
     if tp_overlap is not None and tp_overlap not in ("none", "slicing", "commfuse"):
         raise InputError(f"--tp-overlap must be none, slicing or commfuse (got {tp_overlap!r})")
+    if export is not None and export.exists() and (not export.is_dir() or any(export.iterdir())):
+        raise InputError("--export: the directory exists and is not empty", source=export)
     report = report or report_json is not None
     if report_json is not None and report_json.is_dir():
         raise InputError("--report-json is a directory", source=report_json)
@@ -104,7 +122,7 @@ def run(
             "--seed": seed, "--metrics": metrics, "--verify-tol": verify_tol,
             "--checkpoint-every": checkpoint_every or None, "--checkpoint-dir": checkpoint_dir,
             "--timeout": timeout, "--progress": progress, "--device": device, "--threads": threads,
-            "--tp-overlap": tp_overlap}
+            "--tp-overlap": tp_overlap, "--export": export}
     for k, v in opts.items():
         if v is not None:
             worker += [k, str(v)]
@@ -126,6 +144,18 @@ def run(
     if rc == 0 and report:
         _report(plan, metrics_path, skip, tp_overlap, report_json)
     raise SystemExit(rc)
+
+
+def _check_model(ref: str, header) -> None:
+    """``--model`` must be the model embedded in the plan, field by field."""
+    from zeppelin.schemas.model import resolve_model_ref
+
+    given = resolve_model_ref(ref).model_dump()
+    planned = header.model.model_dump()
+    for key in sorted(planned, key=lambda k: k == "name"):  # the architecture first, the name last
+        if given.get(key) != planned[key]:
+            raise InputError(f"--model {ref} does not match the plan: {key} is {given.get(key)!r} here, "
+                             f"{planned[key]!r} in the plan's model {header.model.name!r}")
 
 
 def _check_outputs(plan: Path, model: str | None, data: str | None, metrics: Path, report_json: Path | None) -> None:

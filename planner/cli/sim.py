@@ -8,7 +8,17 @@ from pathlib import Path
 
 import typer
 
-from zeppelin.schemas.common import InputError, atomic_write_text, same_file
+from zeppelin.schemas.common import (
+    MAX_SEED,
+    MAX_STEPS,
+    MAX_TOKENS,
+    MAX_WORKERS,
+    InputError,
+    atomic_write_text,
+    check_float,
+    check_int,
+    same_file,
+)
 
 
 def _emit_json(doc: dict, output: Path | None) -> None:
@@ -35,8 +45,7 @@ def simulate(
     from zeppelin.planner.tools.tables import console as make_console
     from zeppelin.planner.tools.tables import simulate_step_tables, simulate_summary_table
 
-    if step is not None and step < 0:
-        raise InputError(f"--step must be >= 0 (got {step})")
+    check_int("--step", step, 0, MAX_STEPS)
     if output is not None:
         from zeppelin.planner.core.inputs import check_path_writable
 
@@ -148,12 +157,13 @@ def compare(
     from zeppelin.planner.tools.tables import console as make_console
     from zeppelin.schemas.plan import SamplerConfig
 
-    if steps < 1:
-        raise InputError(f"--steps must be at least 1 (got {steps})")
-    if tokens_per_gpu < 1:
-        raise InputError(f"--tokens-per-gpu must be at least 1 (got {tokens_per_gpu})")
-    if solver_time_limit is not None and not solver_time_limit > 0:
-        raise InputError(f"--solver-time-limit must be positive (got {solver_time_limit})")
+    check_int("--steps", steps, 1, MAX_STEPS)
+    check_int("--tokens-per-gpu", tokens_per_gpu, 1, MAX_TOKENS)
+    check_int("--max-seq-len", max_seq_len, 1, 2**31)
+    check_int("--tp", tp, 1, 256)
+    check_int("--seed", seed, 0, MAX_SEED)
+    check_int("--workers", workers, 0, MAX_WORKERS)
+    check_float("--solver-time-limit", solver_time_limit, 0.0, 3600.0, lo_open=True)
     for p in (output, png):
         if p is not None:
             check_path_writable(p, [profile, *input_refs(cluster, model), dataset])
@@ -218,8 +228,7 @@ def check(
     from zeppelin.planner.tools.check import render, run_check
     from zeppelin.planner.tools.compare import default_workers
 
-    if workers < 0:
-        raise InputError(f"--workers must be >= 0 (got {workers})")
+    check_int("--workers", workers, 0, MAX_WORKERS)
     report = run_check(directory, update=update, workers=workers or default_workers(), only=case or None,
                        exact=exact and not update)
     if report.bad_input:

@@ -749,7 +749,9 @@ class _Layer:
         self.linear_tokens = lin_tok
         moves = self._remap_moves() if mb.linear_layout is not None else {}
         in_deps: dict[int, list[int]] = defaultdict(list)
-        hidden_dev = self.sim.ctx.model.hidden * self.sim.ctx.model.dtype_bytes
+        # values per token moved: to the attention layout / back to the linear layout (ModelSpec.remap_payload)
+        to_attn_w, to_lin_w = self.sim.ctx.model.remap_widths()
+        hidden_dev = to_lin_w * self.sim.ctx.model.dtype_bytes
         for (a, b), tokens in moves.items():
             nb = 2.0 * tokens * hidden_dev / self.reps[a].tp  # activations fwd + their gradients bwd
             f = self.transfer(a, b, nb, [attn_done[a], attn_done[b]], "remap")
@@ -765,7 +767,7 @@ class _Layer:
                 if tp_exp > 0:
                     lin_task[u] = eng.compute(u, tp_exp, (10**9, 1), [lin_task[u]], cat="tp-comm")
         for (a, b), tokens in moves.items():
-            nb = 2.0 * tokens * hidden_dev / self.reps[b].tp
+            nb = 2.0 * tokens * to_attn_w * self.sim.ctx.model.dtype_bytes / self.reps[b].tp
             self.transfer(b, a, nb, [lin_task[a], lin_task[b]], "remap")
         self.lin_task = lin_task
 

@@ -107,12 +107,18 @@ def greedy_pack(pre: np.ndarray, pre_tok: np.ndarray, cost: np.ndarray, tokens: 
     key = toks if by_tokens else loads
     heap = [(key[b], b) for b in range(B)]
     heapq.heapify(heap)
+    # bins without token room for the current item wait aside (fewest tokens first) and return to the
+    # heap once an item small enough for them comes: a nearly full cluster of hundreds of bins
+    # would otherwise have every item pop (and push back) every full bin
+    aside: list[tuple[float, int]] = []
     for i in order:
         w, c, k = width_l[i], cost_l[i], tok_l[i]
         if w > B:
             raise PackInfeasible(i, f"item {i} needs {w} bins, only {B} exist")
         if w == 1:
-            skipped = []
+            while aside and toks[aside[0][1]] + k <= cap:
+                _, b = heapq.heappop(aside)
+                heapq.heappush(heap, (key[b], b))
             chosen = -1
             while heap:
                 ld, b = heapq.heappop(heap)
@@ -121,9 +127,7 @@ def greedy_pack(pre: np.ndarray, pre_tok: np.ndarray, cost: np.ndarray, tokens: 
                 if toks[b] + k <= cap:
                     chosen = b
                     break
-                skipped.append((ld, b))
-            for e in skipped:
-                heapq.heappush(heap, e)
+                heapq.heappush(aside, (toks[b], b))
             if chosen < 0:
                 raise PackInfeasible(i, f"item {i} ({int(k)} tokens) does not fit any bin")
             loads[chosen] += c

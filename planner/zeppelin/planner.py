@@ -35,6 +35,7 @@ Registered variants: ``zeppelin`` (everything), ``zeppelin-no-routing``, ``zeppe
 from __future__ import annotations
 
 import gc
+import heapq
 import math
 import time
 from dataclasses import dataclass, field
@@ -81,6 +82,28 @@ def _fam_list(spec: str) -> tuple[str, ...]:
     bad = [x for x in out if x not in known]
     if bad:
         raise PlanningError(f"families option: unknown family {bad[0]!r} (known: {', '.join(known)}, all, none)")
+    return out
+
+
+def _lpt_with_room(items: list[int], bins: int, room: float, weight: list[float], size: list[float]):
+    """Each item in the given order to the least-loaded bin (by ``weight``) whose ``size`` total
+    stays within ``room`` (ties: lowest bin). Returns the bin of each item (in ``items`` order), or
+    None when an item fits no bin."""
+    heap = [(0.0, b) for b in range(bins)]
+    tok = [0.0] * bins
+    out = []
+    for i in items:
+        aside = []
+        while heap and tok[heap[0][1]] + size[i] > room:
+            aside.append(heapq.heappop(heap))
+        if not heap:
+            return None
+        ld, b = heapq.heappop(heap)
+        out.append(b)
+        tok[b] += size[i]
+        heapq.heappush(heap, (ld + weight[i], b))
+        for e in aside:
+            heapq.heappush(heap, e)
     return out
 
 
@@ -157,21 +180,25 @@ class ZeppelinPlanner(Planner):
         if self.intra not in ("auto", "ring"):
             raise PlanningError(f"intra option must be auto or ring (got {self.intra!r})")
         # the whole-step candidate families of families.py (comma list, or "none"), tried on clusters
-        # of at most ``families_max_units`` units (beyond, for planning latency, the tiered search only)
+        # of at most ``families_max_units`` units; beyond, for planning latency, ``large_families``
         fam = str(options.get("families", "all"))
         self.families = _fam_list(fam)
         self.families_max_units = int(options.get("families_max_units", 256))
         self.family_margin = float(options.get("family_margin", 0.05))
+        self.large_families = _fam_list(str(options.get("large_families", "flop-share")))
+        self.attention_max_units = int(options.get("attention_max_units", 256))
         self._sims: dict[int, object] = {}
         self._tiering: dict[int, Tiering] = {}
         self._tables: dict = {}
 
     # ------------------------------------------------------------------ helpers
-    def _family_plans(self, ctx: PlanContext, step: int, sequences: list[Sequence], bound=None) -> list[StepPlan]:
+    def _family_plans(self, ctx: PlanContext, step: int, sequences: list[Sequence], bound=None,
+                      only=None) -> list[StepPlan]:
         families = _optional("families")
         if families is None or not self.families:
             return []
-        fams = [f for f in self.families if not (f == "ulysses-groups" and self.intra == "ring")]  # rings only
+        fams = [f for f in self.families if not (f == "ulysses-groups" and self.intra == "ring")  # rings only
+                and (only is None or f in only)]
         return families.family_plans(ctx, step, sequences, fams, bound, routing=self.routing)
 
     def tiering(self, ctx: PlanContext) -> Tiering:
@@ -213,10 +240,34 @@ class ZeppelinPlanner(Planner):
                 f"(try --zero-stage 3 or --tp)")
         for i, s in enumerate(sequences):
             if tg.min_span(s.length) is None:
+                if self._replicas_hold(ctx, sequences):
+                    return  # replicas of a larger TP degree hold it (families.tp_replicas plans the step)
                 raise PlanningError(
                     f"sequence {i} (sample {s.sample_id}) has {s.length:,} tokens, more than the whole cluster "
                     f"can hold ({tg.n} units x {tg.cap:,} tokens = {tg.n * tg.cap:,}); lower --max-seq-len "
                     f"or use more GPUs / --zero-stage 3")
+
+    def _replicas_hold(self, ctx: PlanContext, sequences: list[Sequence]) -> bool:
+        """Whether the tp-replicas family (on) can hold every sequence of the step."""
+        families = _optional("families")
+        if families is None or "tp-replicas" not in self.families or ctx.num_units > self.families_max_units:
+            return False
+        return families.replicas_hold(ctx, max(s.length for s in sequences))
+
+    def _oversize_step(self, ctx: PlanContext, step: int, sequences: list[Sequence], t0: float) -> StepPlan:
+        """A step with a sequence longer than the context's units can hold together, planned on
+        replicas of a larger tensor-parallel degree (whose model states take less of each GPU)."""
+        plans = self._family_plans(ctx, step, sequences, None, only=("tp-replicas",))
+        if not plans:
+            raise PlanningError(f"step {step}: no replica layout of a larger tensor-parallel degree holds its "
+                                f"longest sequence ({max(s.length for s in sequences):,} tokens)")
+        if self.select == "simulate" or (self.select == "auto" and ctx.num_units <= self.simulate_max_units):
+            sim = self._simulator(ctx)
+            plan = min(enumerate(plans), key=lambda ap: (sim.simulate_step(ap[1]).step_time_s, ap[0]))[1]
+        else:
+            plan = min(enumerate(plans), key=lambda ap: (ap[1].prediction.step_time_s, ap[0]))[1]
+        plan.solver = SolverInfo(name="greedy", status="ok", gap=None, time_s=time.perf_counter() - t0)
+        return plan
 
     # ------------------------------------------------------------------ main entry
     def plan_step(self, ctx: PlanContext, step: int, sequences: list[Sequence]) -> StepPlan:
@@ -227,6 +278,9 @@ class ZeppelinPlanner(Planner):
         try:
             return self._plan_step(ctx, step, sequences)
         finally:
+            # span tables serve one step's candidate layouts (tens of MB each at 4,096 GPUs): none
+            # outlives its step, so a long plan file streams with one step's memory
+            self._tables.clear()
             if gc_was_on:
                 gc.enable()
 
@@ -238,6 +292,8 @@ class ZeppelinPlanner(Planner):
             raise PlanningError(f"step {step} has no sequences")
         self.check_feasible(ctx, sequences)
         tg = self.tiering(ctx)
+        if any(tg.min_span(s.length) is None for s in sequences):
+            return self._oversize_step(ctx, step, sequences, t0)
         lengths = np.array([s.length for s in sequences], dtype=np.int64)
         n = ctx.num_units
         budget = n * tg.cap
@@ -303,12 +359,15 @@ class ZeppelinPlanner(Planner):
             plan.prediction = predict_from_terms(ctx, lengths, [b[2] for b in built])
             plans.append((plan, built))
         # the other whole-step families (families.py), priced the same way; ties keep the tiered plan
-        fams = []
         if n <= self.families_max_units:
             # a family configuration whose own score is this far above the best tiered candidate
             # (without the all-reduce) is not built: it would not win
             bound = min(t for _, t in found) * (1 + self.family_margin)
             fams = self._family_plans(ctx, step, sequences, bound)
+        else:
+            # large clusters: the cheap families only, always built (FLOP-share's own score is coarse
+            # where rings span many nodes, so it does not prune)
+            fams = self._family_plans(ctx, step, sequences, None, only=self.large_families)
         if len(plans) + len(fams) > 1 and simulate:
             sim = self._simulator(ctx)
             scored = [(sim.simulate_step(pb[0]).step_time_s, a, pb) for a, pb in enumerate(plans + [(f, None) for f in fams])]
@@ -336,20 +395,26 @@ class ZeppelinPlanner(Planner):
         if M == 1:
             return [list(range(len(lengths)))] if lengths.sum() <= budget else None
         work = ctx.cost.work(lengths)
-        order = np.argsort(-work, kind="stable")
-        loads = np.zeros(M)
-        toks = np.zeros(M)
+        order = np.argsort(-work, kind="stable").tolist()
+        wl, Ll = work.tolist(), lengths.tolist()
+        toks = [0] * M
         parts: list[list[int]] = [[] for _ in range(M)]
+        # least work among the micro-batches with room; ties: fewest tokens, lowest index (a heap
+        # of (work, tokens, index); entries without room are set aside and put back)
+        heap = [(0.0, 0, j) for j in range(M)]
         for i in order:
-            L = lengths[i]
-            cand = np.flatnonzero(toks + L <= budget)
-            if len(cand) == 0:
+            L = Ll[i]
+            aside = []
+            while heap and heap[0][1] + L > budget:
+                aside.append(heapq.heappop(heap))
+            if not heap:
                 return None
-            # least work among those with room; ties: fewest tokens
-            j = int(cand[np.lexsort((toks[cand], loads[cand]))[0]])
+            w, t, j = heapq.heappop(heap)
             parts[j].append(int(i))
-            loads[j] += work[i]
-            toks[j] += L
+            toks[j] = t + L
+            heapq.heappush(heap, (w + wl[i], t + L, j))
+            for e in aside:
+                heapq.heappush(heap, e)
         if any(not p for p in parts):
             return None
         return [sorted(p) for p in parts]
@@ -387,29 +452,24 @@ class ZeppelinPlanner(Planner):
         T_avg = max(float(Ls.sum()) / ctx.num_units, 1.0)
         lin_rate = float(layers * c.linear_time(T_avg) + c.head_time(T_avg)) / T_avg
         w = layers * att + lin_rate * Ls / upn
-        load, tok = np.zeros(N), np.zeros(N)
-        node = np.zeros(len(lengths), dtype=np.int64)
-        for i in np.argsort(-w, kind="stable"):
-            room = np.flatnonzero(tok + per_tok[i] <= M * cap)
-            if len(room) == 0:
-                return None
-            nd = int(room[np.argmin(load[room])])
-            node[i] = nd
-            load[nd] += w[i]
-            tok[nd] += per_tok[i]
+        wl, pt = w.tolist(), per_tok.tolist()
+        order = np.argsort(-w, kind="stable").tolist()
+        node = _lpt_with_room(order, N, M * cap, wl, pt)
+        if node is None:
+            return None
+        by_node: list[list[int]] = [[] for _ in range(N)]
+        for i, nd in zip(order, node):  # heaviest first within each node
+            by_node[nd].append(i)
         parts: list[list[int]] = [[] for _ in range(M)]
         for nd in range(N):
-            ptok, pw = np.zeros(M), np.zeros(M)
-            for i in sorted(np.flatnonzero(node == nd), key=lambda i: -w[i]):
-                room = np.flatnonzero(ptok + per_tok[i] <= cap)
-                if len(room) == 0:
-                    return None
-                k = int(room[np.argmin(pw[room])])
-                parts[k].append(int(i))
-                ptok[k] += per_tok[i]
-                pw[k] += w[i]
+            mbs = _lpt_with_room(by_node[nd], M, cap, wl, pt)
+            if mbs is None:
+                return None
+            for i, k in zip(by_node[nd], mbs):
+                parts[k].append(i)
+        node_of = dict(zip(order, node))
         parts = [sorted(p) for p in parts if p]
-        return parts, {int(i): int(node[i]) for i in range(len(lengths))}
+        return parts, {i: node_of[i] for i in range(len(lengths))}
 
     # ------------------------------------------------------------------ one micro-batch
     def _coupling_waste(self, built, t: float) -> bool:
@@ -419,7 +479,10 @@ class ZeppelinPlanner(Planner):
 
     def _modes(self, ctx: PlanContext) -> list[tuple[list, list[str]]]:
         """(span floors, balance objectives) of each whole-step search (see :meth:`_plan_step`)."""
-        balances = ["total"] + (["attention"] if self.remap and _optional("remap") is not None else [])
+        # (the attention-balanced layout with a remap is a candidate up to ``attention_max_units``
+        # units: beyond, for planning latency, the FLOP-share family takes its place)
+        balances = ["total"] + (["attention"] if self.remap and _optional("remap") is not None
+                                and ctx.num_units <= self.attention_max_units else [])
         if ctx.units_per_node <= 1:
             return [([None], balances)]
         node_cp = ctx.units_per_node - 1  # index of Span(units_per_node, "intra")
