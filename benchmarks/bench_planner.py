@@ -121,8 +121,9 @@ def quality(clusters, models, dists, steps: int) -> None:
 def ablation(cluster: str, model: str, dists, steps: int) -> None:
     ctx = ctx_for(cluster, model)
     budget = ctx.cost.token_capacity * ctx.num_units
-    variants = [("tiers only", ZeppelinTiersOnly()), ("+ routing", ZeppelinNoRemap()),
-                ("+ remapping", ZeppelinPlanner())]
+    # the tiered search alone (no candidate families), so that the layers' contributions show
+    variants = [("tiers only", ZeppelinTiersOnly(families="none")), ("+ routing", ZeppelinNoRemap(families="none")),
+                ("+ remapping", ZeppelinPlanner(families="none"))]
     for dist in dists:
         all_steps = steps_for(dist, budget, steps, seed=7)
         res = {}

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import resource
 import sys
 import time
 from dataclasses import dataclass, field
@@ -41,7 +40,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeppelin.schemas.common import InputError, check_output, check_training_options, content_hash
+from zeppelin.schemas.common import (
+    MAX_TIMEOUT_S,
+    InputError,
+    check_float,
+    check_output,
+    check_training_options,
+    content_hash,
+)
 from zeppelin.schemas.plan import PlanHeader, PlanReader, StepPlan, check_embedded_specs, sample_problems
 
 from .api import AttentionContext, attention, build_step, to_attention_layout, to_linear_layout
@@ -69,6 +75,7 @@ class RunConfig:
     checkpoint_dir: str | None = None
     resume: bool = False
     timeout_s: float = 300.0
+    verify_timeout_s: float | None = None  # how long ranks wait for rank 0's verdict (default: max(600, 4 x timeout))
     progress: str = "auto"           # auto | rich | plain | none
     device: str = "auto"             # auto | cpu | cuda
     threads: int | None = None
@@ -252,17 +259,26 @@ class Executor:
         return self._now() - t0
 
     # -- --verify ------------------------------------------------------------------------------
-    def verify(self, step: StepPlan, result: StepResult, tol: float) -> dict[str, Any] | None:
+    def verify(self, step: StepPlan, result: StepResult, tol: float, *, group=None,
+               timeout_s: float | None = None) -> dict[str, Any] | None:
         """Rank 0 recomputes the step single-process and compares loss, final hidden states and
         every parameter gradient (relative max-norm differences). Collective; returns the report
-        on every rank (or raises :class:`VerifyError` on every rank when beyond ``tol``)."""
+        on every rank (or raises :class:`VerifyError` on every rank when beyond ``tol``).
+
+        ``group``: the process group the hidden states and the verdict travel on — a group whose
+        timeout is the verification timeout (``timeout_s``, for the message), so that the other
+        ranks wait for rank 0's reference as long as that, not the communication ``--timeout``.
+        A verdict that does not come in time raises :class:`VerifyError` saying so."""
         gathered = [None] * self.world_size if self.rank == 0 else None
         if self.world_size > 1:
-            dist.gather_object(result.hidden, gathered, dst=0)
+            dist.gather_object(result.hidden, gathered, dst=0, group=group)
         else:
             gathered = [result.hidden]
         report = None
         if self.rank == 0:
+            from .lifecycle import maybe_fault
+
+            maybe_fault(self.rank, step.step, "verify")
             ref = reference_step(self.model, step.sequences, self.source, self.device,
                                  normaliser=max(predicted_tokens(step.sequences), 1))
             report = compare_with_reference(self.model, step, result.loss, gathered, ref)
@@ -286,7 +302,15 @@ class Executor:
             report["ok"] = max(report["loss_rel"], report["hidden_rel"]) <= tol and ok_grad
         box = [report]
         if self.world_size > 1:
-            dist.broadcast_object_list(box, src=0)
+            try:
+                dist.broadcast_object_list(box, src=0, group=group)
+            except Exception as e:
+                low = str(e).lower()
+                if self.rank != 0 and ("timed out" in low or "timeout" in low):
+                    wait = f" within --verify-timeout {timeout_s:g} s" if timeout_s else ""
+                    raise VerifyError(f"step {step.step}: --verify: no verdict from rank 0{wait} (its single-process "
+                                      f"reference did not finish; raise --verify-timeout)") from None
+                raise
         report = box[0]
         if not report["ok"]:
             raise VerifyError(
@@ -370,6 +394,7 @@ def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSo
     (reader, token source, first step, end step). Raises InputError."""
     check_training_options(lr=cfg.lr, weight_decay=cfg.weight_decay, seed=cfg.seed, timeout=cfg.timeout_s,
                            verify_tol=cfg.verify_tol, checkpoint_every=cfg.checkpoint_every, threads=cfg.threads)
+    check_float("--verify-timeout", cfg.verify_timeout_s, 0.0, MAX_TIMEOUT_S, lo_open=True)
     reader = PlanReader(cfg.plan)
     header = reader.header
     reader.verify()
@@ -456,12 +481,6 @@ class _Progress:
             self.bar.stop()
 
 
-def _peak_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
 def run_job(cfg: RunConfig) -> dict[str, Any]:
     """Run a job on this rank (called by ``python -m zeppelin.runtime`` under torchrun).
 
@@ -470,11 +489,13 @@ def run_job(cfg: RunConfig) -> dict[str, Any]:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if "MASTER_ADDR" not in os.environ:  # a single process without torchrun
-        from .dist_utils import free_port
+    store = None
+    if os.environ.get("ZEPPELIN_STORE_FILE"):  # zeppelin-local: ranks meet through a file, no TCP store
+        store = dist.FileStore(os.environ["ZEPPELIN_STORE_FILE"], world)
+    elif "MASTER_ADDR" not in os.environ and world == 1:  # a single process without a launcher
+        import tempfile
 
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(free_port())
+        store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="zeppelin-store-"), "store"), 1)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     local_err: str | None = None
@@ -497,6 +518,7 @@ def run_job(cfg: RunConfig) -> dict[str, Any]:
     else:
         device = torch.device("cpu")
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=cfg.timeout_s),
+                            **({"store": store} if store is not None else {}),
                             **({"device_id": device} if want_cuda else {}))
     try:
         return _run_initialised(cfg, rank, world, device, local_err, reader, header, source, start, end)
@@ -534,7 +556,18 @@ def _agree(world: int, err: str | None) -> None:
 def _run_initialised(cfg, rank, world, device, local_err, reader, header, source, start, end):
     from .checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
     from .groups import GroupCache, set_default_cache
+    from .lifecycle import Heartbeat, check_resume_hyperparameters, maybe_fault, prepare_checkpoint_dir
+    from .memory import StepMemory
 
+    # the checkpoint directory: writable, and locked by this run (rank 0 holds the lock until it exits)
+    ckpt_lock = None
+    if local_err is None and cfg.checkpoint_dir and rank == 0:
+        try:
+            ckpt_lock = prepare_checkpoint_dir(cfg.checkpoint_dir)
+        except InputError as e:
+            local_err = str(e)
+    hparams = {"lr": cfg.lr, "weight_decay": cfg.weight_decay,
+               "seed": header.seed if (header is not None and cfg.seed is None) else cfg.seed}
     # resume: find the checkpoint (rank 0's filesystem view is shared with every local rank)
     state = None
     if local_err is None and cfg.resume:
@@ -545,6 +578,8 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
                 if not 0 <= state["next_step"] <= end:
                     raise InputError(f"checkpoint resumes at step {state['next_step']}, beyond --steps {end}",
                                      source=path)
+                check_resume_hyperparameters((state.get("extra") or {}).get("hyperparameters"), hparams,
+                                             source=path)
         except InputError as e:
             local_err = str(e)
     _agree(world, local_err)
@@ -552,6 +587,11 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
         print(f"zeppelin run: {source.describe()}", flush=True)
     if state is not None:
         start = state["next_step"]
+    verify_group, verify_timeout = None, None
+    if cfg.verify and world > 1:
+        # the verdict travels on a group of its own whose timeout accounts for the reference
+        verify_timeout = cfg.verify_timeout_s or max(600.0, 4 * cfg.timeout_s)
+        verify_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=verify_timeout))
     # one scan of the steps to run: validates every record (a corrupt line is reported with its
     # step number here, on every rank) and collects the process groups the steps need
     steps_iter = (reader.step(k) for k in range(start, end))
@@ -579,15 +619,24 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
     losses: list[float] = []
     used_tp = False
     verify_worst = {"loss_rel": 0.0, "hidden_rel": 0.0, "grad_rel": 0.0}
+    heartbeat = Heartbeat(os.environ.get("ZEPPELIN_ERROR_DIR"), rank)
+    memory = StepMemory(device)
     try:
         for k in range(start, end):
             step = reader.step(k)
             used_tp = used_tp or any(rep.tp > 1 for rep in header.replicas(step))
-            _maybe_fault(rank, k)
+            heartbeat.step(k)
+            maybe_fault(rank, k)
+            memory.reset()
             t0 = time.perf_counter()
             res = ex.forward_backward(step, keep_hidden=cfg.verify)
             tv = time.perf_counter()
-            report = ex.verify(step, res, tol) if cfg.verify else None
+            if cfg.verify:
+                heartbeat.step(k, "verify")
+                report = ex.verify(step, res, tol, group=verify_group, timeout_s=verify_timeout)
+                heartbeat.step(k)
+            else:
+                report = None
             t_verify = time.perf_counter() - tv
             res.phases["optimizer"] = ex.optimizer_step()
             res.phases["step"] = time.perf_counter() - t0 - t_verify
@@ -595,7 +644,8 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
                 for key in ("loss_rel", "hidden_rel", "grad_rel", "grad_rel_vs_fp64", "fp32_reference_vs_fp64"):
                     if key in report:
                         verify_worst[key] = max(verify_worst.get(key, 0.0), report[key])
-            res.phases["peak_memory_bytes"] = float(_peak_memory(device))
+            res.phases["peak_memory_bytes"] = float(memory.peak())
+            res.phases["verify"] = t_verify
             per_rank = [None] * world
             dist.all_gather_object(per_rank, (res.phases, res.bytes, res.tokens))
             losses.append(res.loss)
@@ -610,9 +660,11 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
                 dist.all_gather_object(rngs, rng_state())
                 if rank == 0:
                     save_checkpoint(cfg.checkpoint_dir, next_step=k + 1, model=model, optimizer=ex.optimizer,
-                                    rng_states=rngs, plan_hash=phash, world_size=world)
+                                    rng_states=rngs, plan_hash=phash, world_size=world,
+                                    extra={"hyperparameters": hparams})
                 dist.barrier()
     finally:
+        heartbeat.close()
         if progress is not None:
             progress.close()
         if mfh is not None:
@@ -627,6 +679,8 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
         del state_full
     # every rank is done with every transfer before any rank tears its groups down
     dist.barrier()
+    if ckpt_lock is not None:
+        ckpt_lock.release()
     if rank != 0:
         return {}
     summary = {"steps_run": end - start, "first_step": start, "losses": losses,
@@ -638,23 +692,6 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
     if exported is not None:
         summary["export"] = exported
     return summary
-
-
-def _maybe_fault(rank: int, step: int) -> None:
-    """Fault injection for tests of failure handling: ``ZEPPELIN_FAULT=RANK:STEP:exit|raise``
-    makes that rank die (``os._exit(3)``, no error report) or raise when it reaches that step."""
-    spec = os.environ.get("ZEPPELIN_FAULT")
-    if not spec:
-        return
-    try:
-        r, k, kind = spec.split(":")
-        r, k = int(r), int(k)
-    except ValueError:
-        return
-    if r == rank and k == step:
-        if kind == "exit":
-            os._exit(3)
-        raise RuntimeError(f"injected fault at step {step}")
 
 
 def _metrics_record(step: StepPlan, loss: float, per_rank: list, report: dict | None) -> dict[str, Any]:

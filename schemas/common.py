@@ -409,9 +409,17 @@ def _finite_float(text: str) -> float:
     return v
 
 
+MAX_DOC_BYTES = 64 << 20
+"""Largest spec document (cluster, model, profile, manifest spec) read: real ones are a few KB."""
+
+
 def load_doc(cls: type[T], path: str | os.PathLike) -> T:
     """Read and validate a JSON document, raising :class:`InputError` with a one-line message."""
     path = Path(path)
+    size = check_input_file(path, "input").stat().st_size
+    if size > MAX_DOC_BYTES:
+        raise InputError(f"{cls.__name__} document of {size:,} bytes is larger than the {MAX_DOC_BYTES >> 20} MiB "
+                         f"zeppelin reads", source=path)
     return validate_doc(cls, parse_json(read_input_bytes(path, "input"), source=path), source=path)
 
 

@@ -88,13 +88,15 @@ def format_version_message(version: Any) -> str:
             "zeppelin: upgrade zeppelin to read it")
 
 GroupKind = Literal["local", "ring", "allgather", "ulysses"]
+MAX_LENGTH = 1 << 40  # longest sequence a plan may name (the manifest readers' bound too)
+MAX_INDEX = 1 << 48  # largest sample id
 Tier = Literal["local", "intra", "inter"]
 
 
 class Sequence(Strict):
-    sample_id: int = Field(ge=0, description="index of the sample in the manifest")
-    length: int = Field(ge=1, description="tokens used (after truncation)")
-    truncated_from: int | None = Field(default=None, description="original length if truncated")
+    sample_id: int = Field(ge=0, le=MAX_INDEX, description="index of the sample in the manifest")
+    length: int = Field(ge=1, le=MAX_LENGTH, description="tokens used (after truncation)")
+    truncated_from: int | None = Field(default=None, ge=1, le=MAX_LENGTH, description="original length if truncated")
 
 
 class Replica(Strict):
@@ -129,7 +131,7 @@ class Placement(Strict):
     group: int = Field(ge=0, description="index into MicroBatch.groups")
     scheme: Literal["whole", "zigzag", "contiguous"] = "whole"
     padded_length: int | None = Field(
-        default=None, description="length after padding (e.g. to a multiple of 2*CP); tokens >= length are padding"
+        default=None, ge=1, le=MAX_LENGTH, description="length after padding (e.g. to a multiple of 2*CP); tokens >= length are padding"
     )
     ranges: list[list[list[int]]] = Field(
         description="for each ring position of the group, the [start, end) token ranges held there"
@@ -141,7 +143,7 @@ class RoutePath(Strict):
     via_dst: int = Field(description="proxy unit on the destination node (== dst for the direct path)")
     nic_src: str
     nic_dst: str
-    tokens: int = Field(ge=0, description="tokens of the K/V block carried on this path")
+    tokens: int = Field(ge=0, le=MAX_LENGTH, description="tokens of the K/V block carried on this path")
 
 
 class Route(Strict):
@@ -150,8 +152,8 @@ class Route(Strict):
     group: int = Field(ge=0)
     src: int
     dst: int
-    tokens: int = Field(ge=0, description="K/V tokens moved src->dst per ring round")
-    bytes: int = Field(ge=0, description="bytes per ring round per layer (forward)")
+    tokens: int = Field(ge=0, le=MAX_LENGTH, description="K/V tokens moved src->dst per ring round")
+    bytes: int = Field(ge=0, le=1 << 62, description="bytes per ring round per layer (forward)")
     paths: list[RoutePath] = Field(min_length=1)
 
     @model_validator(mode="after")

@@ -34,7 +34,9 @@ def snapshot(d: Path) -> dict:
     for p in sorted(d.rglob("*")):
         st = os.lstat(p)
         rel = str(p.relative_to(d))
-        if stat.S_ISREG(st.st_mode):
+        if stat.S_ISREG(st.st_mode) and st.st_size > 8 << 20:  # large (sparse) files: size and times
+            out[rel] = ("file", st.st_mode, st.st_size, st.st_mtime_ns, st.st_ino)
+        elif stat.S_ISREG(st.st_mode):
             out[rel] = ("file", st.st_mode, p.read_bytes())
         elif stat.S_ISLNK(st.st_mode):
             out[rel] = ("link", os.readlink(p))
@@ -366,8 +368,8 @@ PLAN_EDITS = [
      "replicas do not cover GPU ranks 0..15 exactly once"),
     ("range-negative", lambda h, s: _mb(s)["placements"][0]["ranges"][0].__setitem__(0, [-5, 3]),
      "step 0: sequence 0 has a bad range [-5, 3]"),
-    ("sequence-length-huge", lambda h, s: s["sequences"][0].__setitem__("length", 10**15),
-     "step 0: attention layout misses the end of sequence 0 (covers 100000 of 1000000000000000 tokens)"),
+    ("sequence-length-huge", lambda h, s: s["sequences"][0].__setitem__("length", 10**12),
+     "step 0: attention layout misses the end of sequence 0 (covers 100000 of 1000000000000 tokens)"),
 ]
 
 READERS = [["simulate"], ["simulate", "--step", "0", "--json"], ["show"], ["show", "--png", "x.png"]]
@@ -664,6 +666,10 @@ INPUT_CASES = [
     ("show-plan-deep", ["show", "deep-plan.jsonl"], "deep-plan.jsonl: header: JSON nested deeper than 64 levels"),
     ("compare-dataset-dev-zero", ["compare", "-n", "1", "-d", "zero.jsonl"],
      "zero.jsonl: manifest is a character device, not a regular file"),
+    ("run-data-fifo", ["run", "p.jsonl", "--data", "fifo.jsonl"], "fifo.jsonl: manifest is a FIFO, not a regular file"),
+    ("run-data-dev-zero", ["run", "p.jsonl", "--data", "zero.jsonl"],
+     "zero.jsonl: manifest is a character device, not a regular file"),
+    ("run-model-fifo", ["run", "p.jsonl", "--model", "fifo.json"], "fifo.json: input is a FIFO, not a regular file"),
     ("validate-manifest-fifo", ["validate", "p.jsonl", "--manifest", "fifo.jsonl"],
      "fifo.jsonl: manifest is a FIFO, not a regular file"),
     ("check-case-fifo", ["check", "cases"], "cases/a.json: check case is a FIFO, not a regular file"),
@@ -760,8 +766,8 @@ def test_bad_manifest(work, capsys, command, name, content, message):
 def test_every_file_write_goes_through_the_one_writer():
     """Writes in the package go through ``atomic_write`` (the PNG writer hands matplotlib its file);
     the exceptions are listed with why: the streamed metrics file (checked up front by the same
-    check_output), in-memory buffers, and the runtime's per-rank error files in a directory the
-    launcher owns."""
+    check_output), in-memory buffers, the runtime's per-rank error files in a directory the launcher
+    owns, and the modules below that write state files, not outputs."""
     import re
 
     pattern = re.compile(r"open\([^)]*[\"'][wax]b?[\"']|\.write_text\(|\.write_bytes\(|savefig\(|np\.save\(|"
@@ -780,8 +786,10 @@ def test_every_file_write_goes_through_the_one_writer():
         ("runtime/__main__.py", "json.dump(rec, fh)"),
         ("schemas/common.py", "fd = os.open(tmp, _TEMP_FLAGS, 0o600)"),  # the writer itself
     }
-    checkpoint = {x for x in found if x[0] == "runtime/checkpoint.py"}  # checkpoint files: inside atomic_write
-    assert found - allowed - checkpoint == set()
+    # whole modules whose writes are not outputs: checkpoint files (written inside atomic_write or by DCP),
+    # the run's lock, heartbeat and writability probe files (lifecycle), /proc/self/clear_refs (memory)
+    modules = {"runtime/checkpoint.py", "runtime/lifecycle.py", "runtime/memory.py"}
+    assert {x for x in found if x[0] not in modules} - allowed == set()
 
 
 # ------------------------------------------------------------------------------------- check cases
@@ -816,3 +824,44 @@ def test_bad_check_case(work, capsys, change, message):
     (work / "cases").mkdir()
     (work / "cases" / "a.json").write_text(json.dumps({**CASE, **change}))
     assert_refused(work, capsys, ["check", "cases", "-j", "1"], message)
+
+
+def test_oversized_spec_document_is_refused_before_reading(work, capsys):
+    with open(work / "big.json", "wb") as fh:  # sparse: 100 MiB of nothing, read by nobody
+        fh.truncate(100 << 20)
+    assert_refused(work, capsys, ["plan", "-c", "big.json", "--model", "tiny", "-o", "o.jsonl"],
+                   "big.json: ClusterSpec document of 104,857,600 bytes is larger than the 64 MiB zeppelin reads")
+
+
+RECORD_EDITS = [
+    ("length-beyond-int64", lambda h, s: s["sequences"][0].__setitem__("length", 10**30),
+     "sequences.0.length: Input should be less than or equal to 1099511627776"),
+    ("sample-id-negative", lambda h, s: s["sequences"][0].__setitem__("sample_id", -1),
+     "sequences.0.sample_id: Input should be greater than or equal to 0"),
+    ("route-bytes-huge", lambda h, s: _route_mb(s)["routes"][0].__setitem__("bytes", 10**30),
+     "microbatches.0.routes.0.bytes: Input should be less than or equal to 4611686018427387904"),
+    ("unknown-field", lambda h, s: s.__setitem__("exec", "os.system"), "exec: Extra inputs are not permitted"),
+    ("string-for-int", lambda h, s: s.__setitem__("step", "0"), "step: Input should be a valid integer"),
+]
+
+
+@pytest.mark.parametrize("reader", READERS[:3], ids=["-".join(r) for r in READERS[:3]])
+@pytest.mark.parametrize("edit,problem", [c[1:] for c in RECORD_EDITS], ids=[c[0] for c in RECORD_EDITS])
+def test_bad_step_record(work, capsys, reader, edit, problem):
+    _write_edited(work, edit)
+    assert_refused(work, capsys, [reader[0], "bad.jsonl", *reader[1:]],
+                   f"bad.jsonl: step 0: invalid step record: {problem}")
+
+
+def test_validate_checks_sample_ids_against_the_manifest(work, capsys):
+    lines = (work / "m.jsonl").read_text().splitlines(keepends=True)
+    (work / "m4.jsonl").write_text("".join(lines[:4]))
+    before = snapshot(work)
+    rc, _, err = run_cli(["validate", "p.jsonl", "--manifest", "m4.jsonl", "--limit", "50"], capsys)
+    assert rc == 1
+    beyond = [ln for ln in err.splitlines() if "beyond the manifest's 4 samples" in ln]
+    steps = [json.loads(x) for x in (work / "p.jsonl").read_text().splitlines()[1:-1]]
+    want = [f"  inputs: step {s['step']}: sequence {i} names sample {q['sample_id']}, beyond the manifest's 4 samples"
+            for s in steps for i, q in enumerate(s["sequences"]) if q["sample_id"] >= 4]
+    assert beyond == want[:len(beyond)] and beyond
+    assert snapshot(work) == before

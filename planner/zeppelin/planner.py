@@ -26,7 +26,11 @@ Per training step:
    family scores its configurations by its own per-group time; the best (those that can beat the
    tiered plan) are built and priced by the same prediction, and the fastest candidate of all wins
    (ties: the tiered plan). On clusters of at most ``simulate_max_units`` units the simulator
-   judges instead. Option ``families`` (``all``, ``none`` or a comma list).
+   judges instead. Option ``families`` (``all``, ``none`` or a comma list). Beyond
+   ``families_max_units`` (256) units only ``large_families`` (FLOP-share) are built, and beyond
+   ``attention_max_units`` (256) the attention-balanced remap layout is not a candidate (latency).
+   A step with a sequence longer than the context's units hold together runs on replicas of a
+   larger TP degree when they hold it.
 
 Registered variants: ``zeppelin`` (everything), ``zeppelin-no-routing``, ``zeppelin-no-remap``,
 ``zeppelin-tiers-only`` (neither routing nor remapping) - the paper's ablation.
