@@ -851,3 +851,17 @@ def test_bad_step_record(work, capsys, reader, edit, problem):
     _write_edited(work, edit)
     assert_refused(work, capsys, [reader[0], "bad.jsonl", *reader[1:]],
                    f"bad.jsonl: step 0: invalid step record: {problem}")
+
+
+def test_validate_checks_sample_ids_against_the_manifest(work, capsys):
+    lines = (work / "m.jsonl").read_text().splitlines(keepends=True)
+    (work / "m4.jsonl").write_text("".join(lines[:4]))
+    before = snapshot(work)
+    rc, _, err = run_cli(["validate", "p.jsonl", "--manifest", "m4.jsonl", "--limit", "50"], capsys)
+    assert rc == 1
+    beyond = [ln for ln in err.splitlines() if "beyond the manifest's 4 samples" in ln]
+    steps = [json.loads(x) for x in (work / "p.jsonl").read_text().splitlines()[1:-1]]
+    want = [f"  inputs: step {s['step']}: sequence {i} names sample {q['sample_id']}, beyond the manifest's 4 samples"
+            for s in steps for i, q in enumerate(s["sequences"]) if q["sample_id"] >= 4]
+    assert beyond == want[:len(beyond)] and beyond
+    assert snapshot(work) == before
