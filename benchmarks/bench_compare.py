@@ -100,7 +100,7 @@ def findings(cells: list[dict]) -> tuple[dict, list[str]]:
     # fastest or tied (within 0.5%) per cell, and every cell where zeppelin is not, with the numbers
     fastest, exceptions, close = 0, [], []
     for c in cells:
-        label = f"{c['cluster']} {c['model']} {c['mix']} {c['gpus']} GPUs"
+        label = f"{c['cluster']} {c.get('model', '')} {c['mix']} {c['gpus']} GPUs".replace("  ", " ")
         z = _stat(c, "zeppelin")
         others = [s for s in c["planners"] if not s["planner"].startswith("zeppelin") and not s.get("error")]
         if z is None:

@@ -109,6 +109,9 @@ def test_check_exact_fails_on_any_byte_difference(tmp_path, monkeypatch):
     (tmp_path / "c.json").write_text(json.dumps(case))
     assert run_check(tmp_path, update=True).failures == []
     assert run_check(tmp_path, exact=True).failures == []
+    # the golden names its dataset as the case does, not by this checkout's path: any clone matches it
+    header = json.loads((tmp_path / "c.plan").read_text().split("\n}\n")[0] + "\n}")
+    assert header["manifest"]["path"] == "sample" and header["created_at"] == ""
     real = TECPTuned.plan_step
 
     def relabelled(self, ctx, step, seqs):

@@ -57,6 +57,8 @@ def plan(
                               help="zeppelin: how a sequence split inside a node runs - auto (zigzag ring or "
                                    "Ulysses all-to-all, whichever the cost model prices lower) or ring (rings only, "
                                    "as published)"),
+    families: str = typer.Option("all", "--families", help="zeppelin: whole-step candidate families beside the "
+                                 "tiered search - all, none, or a comma list of ulysses-groups, flop-share, tp-replicas"),
     workers: int = typer.Option(1, "--workers", "-j", help="plan steps in this many processes"),
     fmt: str = typer.Option("jsonl", "--format", help="jsonl (compact) or pretty (readable, diffable)"),
     explain: bool = typer.Option(False, "--explain", help="print the tier thresholds and how they were derived"),
@@ -104,6 +106,8 @@ def plan(
         raise InputError(f"--time-limit must be positive (got {time_limit:g})")
     options = ({"ilp": ilp, "ilp_nodes": ilp_nodes, "solver": solver, "intra": intra}
                if planner.startswith("zeppelin") else {})
+    if families != "all" and planner.startswith("zeppelin"):  # (the default leaves the header as it was)
+        options["families"] = families
     if time_limit is not None and (planner.startswith("zeppelin") or planner in ("flexsp", "hydraulis")):
         options["time_limit"] = time_limit
     pl = _planner(planner, options)
