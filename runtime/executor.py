@@ -74,6 +74,12 @@ class RunConfig:
     threads: int | None = None
     tp_overlap: str | None = None    # none | slicing | commfuse (default: the plan header's)
     tp_chunks: int = 4               # slices of the slicing overlap mode
+    dp: str = "fsdp"                 # fsdp (FSDP2, the plan's ZeRO stage) | replicate (whole model, all-reduce)
+    zero_stage: int | None = None    # default: the plan header's
+    hsdp: int | None = None          # hybrid sharding: shard groups of this many ranks (None: shard over all)
+    dtype: str | None = None         # fp32 | bf16 (default: bf16 on CUDA, fp32 on CPU)
+    recompute: str | None = None     # none | selective | full (default: the plan header's)
+    recompute_override: bool = False  # run a plan made for another --recompute
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,8 +159,34 @@ class Executor:
     def __init__(self, header: PlanHeader, model: LlamaModel, source: TokenSource, *,
                  rank: int, world_size: int, device: torch.device, groups=None,
                  lr: float = 1e-3, weight_decay: float = 0.0, tp_overlap: str | None = None,
-                 tp_chunks: int = 4) -> None:
+                 tp_chunks: int = 4, dp: str = "fsdp", zero_stage: int | None = None,
+                 dtype: str | None = None, recompute: str = "none", hsdp: int | None = None) -> None:
+        from . import fsdp
         from .tp import OVERLAP_MODES
+
+        if dp not in fsdp.DP_MODES:
+            raise InputError(f"--dp {dp!r} is not one of {', '.join(fsdp.DP_MODES)}")
+        if recompute not in fsdp.RECOMPUTE_MODES:
+            raise InputError(f"--recompute {recompute!r} is not one of {', '.join(fsdp.RECOMPUTE_MODES)}")
+        if dtype is not None and dtype not in fsdp.DTYPES:
+            raise InputError(f"--dtype {dtype!r} is not one of {', '.join(fsdp.DTYPES)}")
+        self.zero_stage = header.zero_stage if zero_stage is None else zero_stage
+        if dp == "fsdp" and self.zero_stage == 0:
+            dp = "replicate"  # ZeRO-0: whole model and optimizer state on every rank
+        self.dp = dp
+        self.recompute = recompute
+        self.spec_dtype = model.dtype
+        if dtype is not None:
+            model.dtype = fsdp.DTYPES[dtype]
+        self.dtype = {v: k for k, v in fsdp.DTYPES.items()}.get(model.dtype, str(model.dtype))
+        if dp == "fsdp":
+            self.mesh = fsdp.dp_mesh(world_size, device.type, hsdp)
+            fsdp.shard_model(model, self.mesh, self.zero_stage,
+                             fsdp.mixed_precision(self.dtype if self.dtype in fsdp.DTYPES else "fp32"), recompute)
+        else:
+            self.mesh = None
+            fsdp.apply_recompute(model, recompute)
+        self.activations = fsdp.SavedActivations()
 
         self.tp_overlap = header.tp_overlap if tp_overlap is None else tp_overlap
         if self.tp_overlap not in OVERLAP_MODES:
@@ -199,6 +231,7 @@ class Executor:
         loss_local = torch.zeros((), dtype=torch.float64)
         tokens = 0
         hidden = []
+        n_mb = len(step.microbatches)
         for mbi, mb in enumerate(step.microbatches):
             t0 = self._now()
             lin = mb.linear_segments(unit)
@@ -217,10 +250,12 @@ class Executor:
             remapper = Remapper(self.header, step, mbi, self.rank, device=self.device)
             layout = PlanLayout(pos, engine, remapper, tp=tpc)
             t1 = self._now()
-            loss_sum, h = self.model(toks, labels, layout, timer)
+            with self.activations.hooks():
+                loss_sum, h = self.model(toks, labels, layout, timer)
             loss = loss_sum / n_pred
             t2 = self._now()
             loss.backward()
+            self.activations.release()
             t3 = self._now()
             phases["data"] += t1 - t0
             phases["forward"] += t2 - t1
@@ -232,7 +267,7 @@ class Executor:
             if keep_hidden:
                 hidden.append((lin, h.detach().float().cpu()))
         t4 = self._now()
-        sent = self.allreduce_grads()
+        sent = self.allreduce_grads() if self.dp == "replicate" else self._fsdp_bytes(n_mb)
         t5 = self._now()
         phases["grad_allreduce"] = t5 - t4
         if self.world_size > 1:
@@ -257,6 +292,15 @@ class Executor:
         self.used_tp = True
         pg = self.groups.get(rep.ranks) if self.groups is not None else None
         return TPGroup(ranks=list(rep.ranks), rank=self.rank, pg=pg)
+
+    def _fsdp_bytes(self, n_mb: int) -> int:
+        """Bytes this rank sent in FSDP's gradient reduce-scatters (ring estimate, fp32): one per
+        micro-batch."""
+        w = self.mesh.size() if self.mesh is not None else self.world_size
+        if w == 1:
+            return 0
+        numel = sum(p.numel() for p in self.params)
+        return int(n_mb * (w - 1) / w * numel * 4)
 
     def allreduce_grads(self) -> int:
         """SUM the gradients over all ranks in one flat buffer; returns bytes this rank sent."""
@@ -286,33 +330,35 @@ class Executor:
 
     # -- --verify ------------------------------------------------------------------------------
     def verify(self, step: StepPlan, result: StepResult, tol: float) -> dict[str, Any] | None:
-        """Rank 0 recomputes the step single-process and compares loss, final hidden states and
-        every parameter gradient (relative max-norm differences). Collective; returns the report
-        on every rank (or raises :class:`VerifyError` on every rank when beyond ``tol``)."""
+        """Rank 0 recomputes the step single-process in fp32 and compares loss, final hidden
+        states and every parameter gradient (relative max-norm differences). Collective (FSDP
+        gathers the whole parameters and gradients); returns the report on every rank (or raises
+        :class:`VerifyError` on every rank when beyond ``tol``)."""
         gathered = [None] * self.world_size if self.rank == 0 else None
         if self.world_size > 1:
             dist.gather_object(result.hidden, gathered, dst=0)
         else:
             gathered = [result.hidden]
+        ref_model = self._reference_model()
         report = None
         if self.rank == 0:
-            ref = reference_step(self.model, step.sequences, self.source, self.device,
+            ref = reference_step(ref_model, step.sequences, self.source, self.device,
                                  normaliser=max(predicted_tokens(step.sequences), 1))
-            report = compare_with_reference(self.model, step, result.loss, gathered, ref)
+            report = compare_with_reference(ref_model, step, result.loss, gathered, ref)
             report["tolerance"] = tol
             ok_grad = report["grad_rel"] <= tol
-            if not ok_grad and self.model.dtype == torch.float32:
+            if not ok_grad and self.dtype == "fp32":
                 # beyond tol of the fp32 reference: judge both against an fp64 oracle. A trained fp32
                 # model amplifies summation-order rounding; the distributed step passes when it is
                 # as exact as the single-process fp32 step (within 2x of that step's own error).
                 import copy
 
-                m64 = copy.deepcopy(self.model).double()
+                m64 = copy.deepcopy(ref_model).double()
                 m64.dtype = torch.float64
                 ref64 = reference_step(m64, step.sequences, self.source, self.device,
                                        normaliser=max(predicted_tokens(step.sequences), 1))
                 mine = {n: (p.grad if p.grad is not None else torch.zeros_like(p))
-                        for n, p in self.model.named_parameters()}
+                        for n, p in ref_model.named_parameters()}
                 report["grad_rel_vs_fp64"] = max(_rel(mine[n], g) for n, g in ref64["grads"].items())
                 report["fp32_reference_vs_fp64"] = max(_rel(ref["grads"][n], g) for n, g in ref64["grads"].items())
                 ok_grad = report["grad_rel_vs_fp64"] <= max(tol, 2 * report["fp32_reference_vs_fp64"])
@@ -329,6 +375,25 @@ class Executor:
                 + (f"; vs an fp64 reference: distributed {report['grad_rel_vs_fp64']:.3g}, single-process fp32 "
                    f"{report['fp32_reference_vs_fp64']:.3g}" if "grad_rel_vs_fp64" in report else ""))
         return report
+
+
+    def _reference_model(self) -> LlamaModel | None:
+        """An unsharded fp32 copy of the model holding this step's whole gradients, on rank 0
+        (None elsewhere); the model itself when it already is one. Collective under FSDP."""
+        from .fsdp import full_params_and_grads
+
+        if self.dp == "replicate" and self.model.dtype == torch.float32 and self.recompute == "none":
+            return self.model if self.rank == 0 else None
+        params, grads = full_params_and_grads(self.model)
+        if self.rank != 0:
+            return None
+        ref = LlamaModel(self.model.spec, seed=0).to(self.device)
+        ref.dtype = torch.float32
+        with torch.no_grad():
+            for name, p in ref.named_parameters():
+                p.copy_(params[name])
+                p.grad = grads[name].to(p.dtype)
+        return ref
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -420,6 +485,24 @@ def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSo
         raise InputError("--checkpoint-every must be >= 0")
     if (cfg.checkpoint_every or cfg.resume) and not cfg.checkpoint_dir:
         raise InputError("--checkpoint-every/--resume need --checkpoint-dir")
+    from .fsdp import DP_MODES, DTYPES, RECOMPUTE_MODES
+
+    if cfg.dp not in DP_MODES:
+        raise InputError(f"--dp {cfg.dp!r} is not one of {', '.join(DP_MODES)}")
+    if cfg.dtype is not None and cfg.dtype not in DTYPES:
+        raise InputError(f"--dtype {cfg.dtype!r} is not one of {', '.join(DTYPES)}")
+    if cfg.zero_stage is not None and not 0 <= cfg.zero_stage <= 3:
+        raise InputError(f"--zero-stage must be 0, 1, 2 or 3 (got {cfg.zero_stage})")
+    if cfg.hsdp is not None and (cfg.hsdp < 1 or world_size % cfg.hsdp):
+        raise InputError(f"--hsdp {cfg.hsdp} must divide the world size {world_size}")
+    planned = getattr(header, "recompute", "none")
+    if cfg.recompute is not None:
+        if cfg.recompute not in RECOMPUTE_MODES:
+            raise InputError(f"--recompute {cfg.recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}")
+        if cfg.recompute != planned and not cfg.recompute_override:
+            raise InputError(f"the plan was made for --recompute {planned} (its activation memory per token), "
+                             f"not {cfg.recompute}; re-plan with `zeppelin plan --recompute {cfg.recompute}` "
+                             "or pass --recompute-override")
     return reader, source, 0, end
 
 
@@ -531,16 +614,25 @@ def _agree(world: int, err: str | None) -> None:
 
 
 def _run_initialised(cfg, rank, world, device, local_err, reader, header, source, start, end):
-    from .checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+    from .checkpoint import (
+        latest_checkpoint,
+        load_checkpoint_tensors,
+        read_checkpoint_state,
+        rng_state,
+        save_checkpoint,
+        set_rng_state,
+    )
     from .groups import GroupCache, set_default_cache
 
     # resume: find the checkpoint (rank 0's filesystem view is shared with every local rank)
     state = None
+    ckpt_path = None
     if local_err is None and cfg.resume:
         try:
             path = latest_checkpoint(cfg.checkpoint_dir)
             if path is not None:
-                state = load_checkpoint(path, plan_hash=plan_hash(header), world_size=world)
+                state = read_checkpoint_state(path, plan_hash=plan_hash(header), world_size=world)
+                ckpt_path = path
                 if not 0 <= state["next_step"] <= end:
                     raise InputError(f"checkpoint resumes at step {state['next_step']}, beyond --steps {end}",
                                      source=path)
@@ -557,14 +649,16 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
     set_default_cache(groups)
     seed = header.seed if cfg.seed is None else cfg.seed
     model = LlamaModel(header.model, seed=seed).to(device)
+    dtype = cfg.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    recompute = cfg.recompute if cfg.recompute is not None else getattr(header, "recompute", "none")
     ex = Executor(header, model, source, rank=rank, world_size=world, device=device, groups=groups,
-                  lr=cfg.lr, weight_decay=cfg.weight_decay, tp_overlap=cfg.tp_overlap, tp_chunks=cfg.tp_chunks)
+                  lr=cfg.lr, weight_decay=cfg.weight_decay, tp_overlap=cfg.tp_overlap, tp_chunks=cfg.tp_chunks,
+                  dp=cfg.dp, zero_stage=cfg.zero_stage, dtype=dtype, recompute=recompute, hsdp=cfg.hsdp)
     if state is not None:
-        model.load_state_dict(state["model"])
-        ex.optimizer.load_state_dict(state["optimizer"])
+        load_checkpoint_tensors(ckpt_path, model, ex.optimizer)
         if rank < len(state["rng"]):
             set_rng_state(state["rng"][rank])
-    tol = cfg.verify_tol if cfg.verify_tol is not None else (1e-5 if header.model.dtype == "fp32" else 2e-2)
+    tol = cfg.verify_tol if cfg.verify_tol is not None else (1e-5 if dtype == "fp32" else 2e-2)
     metrics_path = Path(cfg.metrics) if cfg.metrics else Path(cfg.plan).with_suffix(".metrics.jsonl")
     mfh = None
     progress = None
@@ -605,10 +699,8 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
                                        or k + 1 == end):
                 rngs = [None] * world
                 dist.all_gather_object(rngs, rng_state())
-                if rank == 0:
-                    save_checkpoint(cfg.checkpoint_dir, next_step=k + 1, model=model, optimizer=ex.optimizer,
-                                    rng_states=rngs, plan_hash=phash, world_size=world)
-                dist.barrier()
+                save_checkpoint(cfg.checkpoint_dir, next_step=k + 1, model=model, optimizer=ex.optimizer,
+                                rng_states=rngs, plan_hash=phash, world_size=world, rank=rank)
     finally:
         if progress is not None:
             progress.close()

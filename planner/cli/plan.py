@@ -40,6 +40,9 @@ def plan(
     overflow: str = typer.Option("truncate", "--overflow", help="longer samples: truncate, reject or skip"),
     tp: int = typer.Option(1, "--tp", help="tensor-parallel degree of a unit"),
     zero_stage: int = typer.Option(1, "--zero-stage", help="ZeRO stage (0-3) for the memory model"),
+    recompute: str = typer.Option("none", "--recompute",
+                                  help="none | selective | full: activation recomputation `zeppelin run` will use "
+                                       "(sets the activation memory per token)"),
     profile: str | None = typer.Option(None, "--profile", help="cost profile JSON (from `zeppelin profile`)"),
     time_limit: float = typer.Option(0.05, "--time-limit", help="ILP time limit per solve, seconds"),
     ilp: str = typer.Option("auto", "--ilp", help="auto (where it pays), always, never"),
@@ -78,6 +81,8 @@ def plan(
         raise InputError(f"--tp must be at least 1 (got {tp})")
     if not 0 <= zero_stage <= 3:
         raise InputError(f"--zero-stage must be 0, 1, 2 or 3 (got {zero_stage})")
+    if recompute not in ("none", "selective", "full"):
+        raise InputError(f"--recompute must be none, selective or full (got {recompute!r})")
     if output is None and not explain:
         raise InputError("missing -o/--output PLAN (or use --explain alone to see the tier thresholds)")
     if output is not None:
@@ -87,7 +92,7 @@ def plan(
     pf = resolve_profile(profile, cl)
     if cl.gpus_per_node % tp:
         raise PlanningError(f"--tp {tp} does not divide the {cl.gpus_per_node} GPUs per node of {cl.name}")
-    ctx = PlanContext(cl, md, pf, tp=tp, zero_stage=zero_stage, seed=seed)
+    ctx = PlanContext(cl, md, pf, tp=tp, zero_stage=zero_stage, seed=seed, recompute=recompute)
     options = ({"time_limit": time_limit, "ilp": ilp, "solver": solver, "intra": intra}
                if planner.startswith("zeppelin") else {})
     pl = _planner(planner, options)

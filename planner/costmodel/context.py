@@ -31,11 +31,12 @@ class PlanContext:
     zero_stage: int = 1
     tp_overlap: str = "none"
     seed: int = 0
+    recompute: str = "none"
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         self.cost = CostModel(self.cluster, self.model, self.profile, tp=self.tp, zero_stage=self.zero_stage,
-                              tp_overlap=self.tp_overlap)
+                              tp_overlap=self.tp_overlap, recompute=self.recompute)
 
     def cost_for(self, tp: int) -> CostModel:
         """The cost model of a unit of ``tp`` GPUs (replicas of mixed TP degree: Hydraulis plans),
@@ -45,7 +46,7 @@ class PlanContext:
         cache = self.__dict__.setdefault("_costs_by_tp", {})
         if tp not in cache:
             cache[tp] = CostModel(self.cluster, self.model, self.profile, tp=tp, zero_stage=self.zero_stage,
-                                  tp_overlap=self.tp_overlap)
+                                  tp_overlap=self.tp_overlap, recompute=self.recompute)
         return cache[tp]
 
     @property

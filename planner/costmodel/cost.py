@@ -28,7 +28,6 @@ ArrayLike = "np.ndarray | float | int"
 
 # bytes per parameter for mixed-precision AdamW: bf16 weights (2) + bf16 grads (2) +
 # fp32 master weights (4) + two fp32 Adam moments (8). fp32 training: 4 + 4 + 8.
-_STATE_BYTES = {"bf16": (2, 2, 12), "fp16": (2, 2, 12), "fp32": (4, 4, 8)}
 
 
 def _arr(x) -> np.ndarray:
@@ -64,6 +63,7 @@ class CostModel:
     tp: int = 1
     zero_stage: int = 1
     tp_overlap: str = "none"
+    recompute: str = "none"
 
     def __post_init__(self):
         if self.profile is None:
@@ -415,25 +415,55 @@ class CostModel:
         return self.TP_SITES * per_site
 
     # ---------------------------------------------------------------- memory
+    # fraction of a layer's activations kept when the MLP is recomputed (selective): of the
+    # 34 h bytes per token of a bf16 layer, the MLP's 19 h go and its 2 h input is kept
+    SELECTIVE_KEEP = 17.0 / 34.0
+
     @cached_property
     def activation_bytes_per_token(self) -> float:
-        """Activation memory per token held, all layers (flash attention: no L^2 term)."""
+        """Activation memory per token held, all layers (flash attention: no L^2 term), for the
+        runtime's recomputation setting: ``none`` keeps every layer's activations; ``selective``
+        (each block's MLP recomputed) keeps :attr:`SELECTIVE_KEEP` of them; ``full`` keeps each
+        block's input and, during the backward, one layer's activations at a time."""
         m = self.model
         per_layer = self.profile.activation_bytes_per_token_layer or 34.0 * m.hidden * m.dtype_bytes / 2.0
-        return per_layer * m.num_layers / self.tp + m.vocab_size * 4.0 / self.tp
+        logits = m.vocab_size * 4.0 / self.tp
+        if self.recompute == "none":
+            return per_layer * m.num_layers / self.tp + logits
+        if self.recompute == "selective":
+            return per_layer * self.SELECTIVE_KEEP * m.num_layers / self.tp + logits
+        if self.recompute == "full":
+            return (m.hidden * m.dtype_bytes * m.num_layers + per_layer) / self.tp + logits
+        raise ValueError(f"unknown recompute mode {self.recompute!r} (none, selective, full)")
 
     def model_state_bytes(self, dp: int | None = None) -> float:
+        """Parameter, gradient and optimizer bytes one GPU holds at its peak, as the runtime's
+        FSDP2 holds them (``zeppelin.runtime.fsdp``; ``P`` parameters of this GPU's TP share,
+        ``N``-way sharding, ``c`` bytes of a compute-dtype element):
+
+        * every stage >= 1: fp32 master parameters, fp32 gradients (the reduction dtype) and
+          AdamW's two fp32 moments sharded: ``16 P / N``;
+        * ZeRO-3: plus the unsharded compute copies FSDP holds while it runs — the root module
+          (embedding, head, final norm: not re-sharded after forward), two blocks (one computing,
+          one prefetched) and one block's unsharded gradient;
+        * ZeRO-1 and ZeRO-2: plus the whole compute-dtype parameters (kept unsharded between
+          forward and backward): ``c P``. FSDP reduce-scatters each gradient as the backward
+          produces it, so a ZeRO-1 plan runs sharding its gradients too (ZeRO-2's holdings);
+        * ZeRO-0 (``--dp replicate``): fp32 parameters, gradients and moments whole: ``16 P``.
+        """
         dp = dp or self.num_units
-        P = self.model.num_params() / self.tp
-        w, g, o = _STATE_BYTES[self.model.dtype]
+        m = self.model
+        P = m.num_params() / self.tp
+        c = m.dtype_bytes
         z = self.zero_stage
         if z == 0:
-            return P * (w + g + o)
-        if z == 1:
-            return P * (w + g) + P * o / dp
-        if z == 2:
-            return P * w + P * (g + o) / dp
-        return P * (w + g + o) / dp
+            return 16.0 * P
+        shards = 16.0 * P / dp
+        if z == 3:
+            root = (m.num_params() - m.num_layers * m.params_per_layer()) / self.tp
+            block = m.params_per_layer() / self.tp
+            return shards + c * (root + 2 * block) + c * block
+        return shards + c * P
 
     @cached_property
     def gpu_capacity_bytes(self) -> float:
