@@ -31,7 +31,7 @@ from pathlib import Path
 
 from zeppelin.planner.cli import main as zeppelin
 
-PLANNERS = ["zeppelin", "zeppelin-no-routing", "zeppelin-no-remap", "zeppelin-tiers-only", "packed-dp", "te-cp",
+PLANNERS = ["zeppelin", "zeppelin-no-routing", "zeppelin-no-remap", "zeppelin-tiers-only", "packed-dp", "te-cp", "te-cp-tuned",
             "llama3-cp", "ulysses", "hybrid-dp", "megatron-dcp", "flexsp", "hydraulis"]
 
 SETTINGS = {

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import resource
 import sys
 import time
 from dataclasses import dataclass, field
@@ -42,11 +41,11 @@ import torch
 import torch.distributed as dist
 
 from zeppelin.schemas.common import InputError, content_hash
-from zeppelin.schemas.layout import split_even
 from zeppelin.schemas.plan import PlanHeader, PlanReader, StepPlan
 
+from .api import AttentionContext, attention, build_step, to_attention_layout, to_linear_layout
 from .data import TokenSource, load_token_source, predicted_tokens
-from .model import Layout, LlamaModel, PhaseTimer, TPContext, reference_step
+from .model import Layout, LlamaModel, PhaseTimer, reference_step
 
 
 class VerifyError(RuntimeError):
@@ -88,28 +87,22 @@ class RunConfig:
 
 
 class PlanLayout(Layout):
-    """One micro-batch on one rank: the plan's remapper and attention engine."""
+    """One micro-batch on one rank, through the public API only (:mod:`zeppelin.runtime.api`):
+    :func:`~zeppelin.runtime.api.attention` and the two remaps on the micro-batch's context."""
 
-    def __init__(self, attn_positions: torch.Tensor, engine, remapper, tp: TPContext | None = None) -> None:
-        self.attn_positions = attn_positions
-        self.engine = engine
-        self.remapper = remapper
-        self.tp = tp
+    def __init__(self, ctx: AttentionContext) -> None:
+        self.ctx = ctx
+        self.attn_positions = ctx.attention_positions
+        self.tp = ctx.tp
 
     def to_attention(self, x):
-        return self.remapper.to_attention(x)
+        return to_attention_layout(x, self.ctx)
 
     def to_linear(self, x):
-        return self.remapper.to_linear(x)
+        return to_linear_layout(x, self.ctx)
 
     def attention(self, q, k, v):
-        return self.engine(q, k, v)
-
-
-def _positions(segments: list[list[int]]) -> torch.Tensor:
-    if not segments:
-        return torch.zeros(0, dtype=torch.int64)
-    return torch.cat([torch.arange(s, e, dtype=torch.int64) for _, s, e in segments])
+        return attention(q, k, v, self.ctx)
 
 
 def _add_bytes(acc: dict[str, int], stats: Any) -> None:
@@ -119,19 +112,6 @@ def _add_bytes(acc: dict[str, int], stats: Any) -> None:
         v = stats.get(cls)
         if isinstance(v, (int, float)):
             acc[cls] = acc.get(cls, 0) + int(v)
-
-
-def shard_segments(segments: list[list[int]], a: int, b: int) -> list[list[int]]:
-    """Rows ``[a, b)`` of the buffer made of ``segments`` (``[seq, start, end]``), as segments."""
-    out: list[list[int]] = []
-    row = 0
-    for q, s, e in segments:
-        n = e - s
-        lo, hi = max(a, row), min(b, row + n)
-        if hi > lo:
-            out.append([q, s + lo - row, s + hi - row])
-        row += n
-    return out
 
 
 def my_unit(header: PlanHeader, step: StepPlan, rank: int) -> int:
@@ -148,6 +128,7 @@ class StepResult:
     bytes: dict[str, int]
     tokens: int
     hidden: list[tuple[list[list[int]], torch.Tensor]] = field(default_factory=list)
+    memory: dict[str, int] = field(default_factory=dict)
 
 
 class Executor:
@@ -216,15 +197,10 @@ class Executor:
     # -- one step: forward / backward / all-reduce ---------------------------------------------
     def forward_backward(self, step: StepPlan, *, keep_hidden: bool = False) -> StepResult:
         """Gradients of the step's loss in ``param.grad`` (all-reduced); nothing is updated."""
-        from .engine import AttentionEngine
-        from .remap import Remapper
-
         for p in self.params:
             p.grad = None
-        self.source.clear()
         unit = my_unit(self.header, step, self.rank)
         tpg = self._tp_group(step, unit)
-        n_pred = max(predicted_tokens(step.sequences), 1)
         timer = PhaseTimer(enabled=True, cuda=self.cuda)
         phases = {"data": 0.0, "forward": 0.0, "backward": 0.0}
         nbytes: dict[str, int] = {"intra": 0, "inter": 0}
@@ -232,40 +208,30 @@ class Executor:
         tokens = 0
         hidden = []
         n_mb = len(step.microbatches)
-        for mbi, mb in enumerate(step.microbatches):
-            t0 = self._now()
-            lin = mb.linear_segments(unit)
-            att = mb.attention_segments(unit)
-            tpc = None
-            if tpg is not None:  # TP-SP: this rank's sequence shard of the unit's linear buffer
-                rows = split_even(sum(e - s for _, s, e in lin), tpg.size)
-                a = sum(rows[:tpg.pos])
-                lin = shard_segments(lin, a, a + rows[tpg.pos])
-                tpc = TPContext(tpg, rows, self.tp_overlap, self.tp_chunks)
-            batch = self.source.segments(step.sequences, lin)
-            toks = torch.from_numpy(batch.tokens).to(self.device)
-            labels = torch.from_numpy(batch.labels).to(self.device)
-            pos = _positions(att).to(self.device)
-            engine = AttentionEngine(self.header, step, mbi, self.rank, groups=self.groups)
-            remapper = Remapper(self.header, step, mbi, self.rank, device=self.device)
-            layout = PlanLayout(pos, engine, remapper, tp=tpc)
+        self.activations.peak = 0
+        act_peak = (0, 0)  # (bytes saved for the backward, tokens) of the micro-batch holding the most
+        t0 = self._now()
+        sc = build_step(self.header, step, rank=self.rank, source=self.source, device=self.device,
+                        groups=self.groups, tp_group=tpg, tp_mode=self.tp_overlap, tp_chunks=self.tp_chunks)
+        phases["data"] = self._now() - t0
+        for mb in sc.microbatches:
             t1 = self._now()
             with self.activations.hooks():
-                loss_sum, h = self.model(toks, labels, layout, timer)
-            loss = loss_sum / n_pred
+                loss_sum, h = self.model(mb.input_ids, mb.labels, PlanLayout(mb.context), timer)
+            loss = loss_sum / mb.loss_normaliser
             t2 = self._now()
             loss.backward()
-            self.activations.release()
+            held_mb = self.activations.release()
+            if held_mb >= act_peak[0]:
+                act_peak = (held_mb, mb.num_tokens)
             t3 = self._now()
-            phases["data"] += t1 - t0
             phases["forward"] += t2 - t1
             phases["backward"] += t3 - t2
             loss_local += loss.detach().double().cpu()
-            tokens += batch.num_tokens
-            _add_bytes(nbytes, getattr(engine, "stats", None))
-            _add_bytes(nbytes, getattr(remapper, "stats", None))
+            tokens += mb.num_tokens
+            _add_bytes(nbytes, mb.context.bytes_sent())
             if keep_hidden:
-                hidden.append((lin, h.detach().float().cpu()))
+                hidden.append(([list(sg) for sg in mb.segments], h.detach().float().cpu()))
         t4 = self._now()
         sent = self.allreduce_grads() if self.dp == "replicate" else self._fsdp_bytes(n_mb)
         t5 = self._now()
@@ -276,7 +242,13 @@ class Executor:
         phases["remap"] = timer.totals.get("remap", 0.0)
         phases["linear"] = max(phases["forward"] + phases["backward"] - phases["attention"] - phases["remap"], 0.0)
         nbytes["allreduce"] = sent
-        return StepResult(loss=float(loss_local), phases=phases, bytes=nbytes, tokens=tokens, hidden=hidden)
+        from .fsdp import held_bytes
+
+        held = held_bytes(self.model)
+        memory = {"params": held["params"], "grads": held["grads"], "activations": act_peak[0],
+                  "activation_tokens": act_peak[1]}
+        return StepResult(loss=float(loss_local), phases=phases, bytes=nbytes, tokens=tokens, hidden=hidden,
+                          memory=memory)
 
     def _tp_group(self, step: StepPlan, unit: int):
         """The TP group of this rank's unit in ``step`` (None for a one-rank unit)."""
@@ -320,6 +292,19 @@ class Executor:
             off += n
         w = self.world_size
         return int(2 * (w - 1) / w * flat.numel() * flat.element_size())
+
+    def measured_memory(self, result: StepResult) -> dict[str, int]:
+        """This rank's memory for the step (after the optimizer step): the shards of parameters,
+        gradients (as the backward left them) and AdamW state it holds, the peak bytes autograd
+        saved for a backward (``activations``), and ``measured``: the CUDA allocator's peak on a
+        GPU, on the CPU the sum of the four."""
+        from .fsdp import held_bytes
+
+        mem = dict(result.memory)
+        mem["optimizer"] = held_bytes(self.model, self.optimizer)["optimizer"]
+        mem["measured"] = (int(torch.cuda.max_memory_allocated(self.device)) if self.cuda else
+                           mem.get("params", 0) + mem.get("grads", 0) + mem["optimizer"] + mem.get("activations", 0))
+        return mem
 
     def optimizer_step(self) -> float:
         t0 = self._now()
@@ -538,12 +523,6 @@ class _Progress:
             self.bar.stop()
 
 
-def _peak_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
 def run_job(cfg: RunConfig) -> dict[str, Any]:
     """Run a job on this rank (called by ``python -m zeppelin.runtime`` under torchrun).
 
@@ -686,12 +665,18 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
                 for key in ("loss_rel", "hidden_rel", "grad_rel", "grad_rel_vs_fp64", "fp32_reference_vs_fp64"):
                     if key in report:
                         verify_worst[key] = max(verify_worst.get(key, 0.0), report[key])
-            res.phases["peak_memory_bytes"] = float(_peak_memory(device))
+            mem = ex.measured_memory(res)
+            res.phases["peak_memory_bytes"] = float(mem["measured"])
             per_rank = [None] * world
-            dist.all_gather_object(per_rank, (res.phases, res.bytes, res.tokens))
+            dist.all_gather_object(per_rank, (res.phases, res.bytes, res.tokens, mem))
             losses.append(res.loss)
             if rank == 0:
-                rec = _metrics_record(step, res.loss, per_rank, report)
+                rec = _metrics_record(step, res.loss, per_rank, report, header)
+                for r in rec["memory"]["exceeds_capacity"]:
+                    print(f"zeppelin run: warning: step {step.step}: rank {r} measured "
+                          f"{rec['memory']['measured_bytes'][r] / 1e9:.2f} GB, more than the "
+                          f"{header.cluster.gpu.memory_gb:g} GB of a {header.cluster.gpu.name} the plan assumes",
+                          file=sys.stderr, flush=True)
                 mfh.write(json.dumps(rec) + "\n")
                 mfh.flush()
                 progress.update(rec)
@@ -736,7 +721,39 @@ def _maybe_fault(rank: int, step: int) -> None:
         raise RuntimeError(f"injected fault at step {step}")
 
 
-def _metrics_record(step: StepPlan, loss: float, per_rank: list, report: dict | None) -> dict[str, Any]:
+def _memory_record(step: StepPlan, per_rank: list, header: PlanHeader | None) -> dict[str, Any]:
+    """Measured memory of every rank next to the plan's prediction for that rank."""
+    mems = [pr[3] if len(pr) > 3 else {} for pr in per_rank]
+    measured = [int(m.get("measured", 0)) for m in mems]
+    out: dict[str, Any] = {
+        "measured_bytes": measured,
+        "params_bytes": [int(m.get("params", 0)) for m in mems],
+        "grads_bytes": [int(m.get("grads", 0)) for m in mems],
+        "optimizer_bytes": [int(m.get("optimizer", 0)) for m in mems],
+        "activation_bytes": [int(m.get("activations", 0)) for m in mems],
+        "activation_bytes_per_token": [round(int(m.get("activations", 0)) / m["activation_tokens"], 3)
+                                       if m.get("activation_tokens") else 0.0 for m in mems],
+        "predicted_bytes": None,
+        "capacity_bytes": None,
+        "exceeds_capacity": [],
+    }
+    if header is not None:
+        cap = header.cluster.gpu.memory_gb * 1e9
+        out["capacity_bytes"] = cap
+        out["exceeds_capacity"] = [r for r, v in enumerate(measured) if v > cap]
+        if step.prediction is not None:
+            unit_of = {}
+            for u, rep in enumerate(header.replicas(step)):
+                for r in rep.ranks:
+                    unit_of[r] = u
+            gb = step.prediction.per_unit.memory_gb
+            out["predicted_bytes"] = [int(gb[unit_of[r]] * 1e9) if unit_of.get(r, len(gb)) < len(gb) else None
+                                      for r in range(len(per_rank))]
+    return out
+
+
+def _metrics_record(step: StepPlan, loss: float, per_rank: list, report: dict | None,
+                    header: PlanHeader | None = None) -> dict[str, Any]:
     phases_names = ["data", "forward", "backward", "attention", "remap", "linear", "grad_allreduce", "optimizer",
                     "step"]
     phases = {n: [round(pr[0].get(n, 0.0), 6) for pr in per_rank] for n in phases_names}
@@ -756,6 +773,7 @@ def _metrics_record(step: StepPlan, loss: float, per_rank: list, report: dict | 
         "bytes_sent": nbytes,
         "tokens_per_rank": [pr[2] for pr in per_rank],
         "peak_memory_bytes": [int(pr[0].get("peak_memory_bytes", 0)) for pr in per_rank],
+        "memory": _memory_record(step, per_rank, header),
     }
     if step.prediction is not None:
         p = step.prediction

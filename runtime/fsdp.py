@@ -207,6 +207,7 @@ class SavedActivations:
         self.live: dict[Any, int] = {}
         self.held = 0
         self.peak = 0
+        self.mb_peak = 0
 
     def _pack(self, t: torch.Tensor):
         try:
@@ -219,6 +220,7 @@ class SavedActivations:
             self.live[key] = n
             self.held += n
             self.peak = max(self.peak, self.held)
+            self.mb_peak = max(self.mb_peak, self.held)
         return t
 
     def _unpack(self, t):
@@ -227,7 +229,10 @@ class SavedActivations:
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
-    def release(self) -> None:
-        """After a micro-batch's backward: its saved tensors are gone."""
+    def release(self) -> int:
+        """After a micro-batch's backward: its saved tensors are gone. Returns the most that
+        micro-batch held."""
         self.live.clear()
         self.held = 0
+        mb, self.mb_peak = self.mb_peak, 0
+        return mb

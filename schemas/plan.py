@@ -46,6 +46,34 @@ from .profile import CostProfile
 
 PLAN_SCHEMA = "zeppelin.plan/1"
 
+#: Every plan format version there has been, with the zeppelin releases that read it (a stable
+#: surface: docs/API.md). A new format gets a new entry; old entries stay.
+PLAN_FORMAT_READERS = {"zeppelin.plan/1": "zeppelin 0.1.0 and later 0.x releases"}
+
+
+def format_version_message(version: Any) -> str:
+    """The one-line reason a plan whose header says ``schema_version: version`` cannot be read
+    here, naming the zeppelin that reads it (older and newer formats alike)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as _pkg_version
+
+    try:
+        mine = f"zeppelin {_pkg_version('zeppelin')}"
+    except PackageNotFoundError:  # not installed as a distribution (a source checkout)
+        mine = "this zeppelin"
+    prefix, _, num = str(version).rpartition("/")
+    cur = int(PLAN_SCHEMA.rpartition("/")[2])
+    if prefix != "zeppelin.plan" or not num.isdigit():
+        return (f"plan schema_version {version!r} is not a zeppelin plan format "
+                f"({mine} reads {PLAN_SCHEMA!r})")
+    n = int(num)
+    if n < cur:
+        readers = PLAN_FORMAT_READERS.get(str(version), "unreleased development versions before zeppelin 0.1.0")
+        return (f"plan format {version!r} is older than {mine} reads ({PLAN_SCHEMA!r}); {readers} read it: "
+                "re-plan with `zeppelin plan` to get a current plan")
+    return (f"plan format {version!r} is newer than {mine} reads ({PLAN_SCHEMA!r}); it was written by a later "
+            "zeppelin: upgrade zeppelin to read it")
+
 GroupKind = Literal["local", "ring", "allgather", "ulysses"]
 Tier = Literal["local", "intra", "inter"]
 
@@ -470,8 +498,7 @@ class PlanReader:
             raise InputError("first record is not a plan header", source=self.path)
         ver = rec.get("schema_version")
         if ver != PLAN_SCHEMA:
-            raise InputError(f"plan schema_version {ver!r} is not supported (this zeppelin reads {PLAN_SCHEMA!r})",
-                             source=self.path)
+            raise InputError(format_version_message(ver), source=self.path)
         try:
             self.header = PlanHeader.model_validate(rec)
         except ValidationError as e:

@@ -143,7 +143,7 @@ def test_packed_dp_fails_honestly():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name,kind", [("te-cp", "ring"), ("llama3-cp", "allgather")])
+@pytest.mark.parametrize("name,kind", [("te-cp-tuned", "ring"), ("llama3-cp", "allgather")])
 def test_static_cp_one_size_zigzag_padded(name, kind):
     ctx = make_ctx("zeppelin-a", "llama-7b")
     cap = ctx.cost.token_capacity
@@ -191,11 +191,76 @@ def test_te_cp_forced_size_routes_and_hand_layout():
     assert str(e.value) == "te-cp: cp=3 is not usable here (choose one of 1, 2, 4, 8, 16)"
 
 
-def test_te_cp_fails_when_longest_does_not_fit_all_units():
+def test_te_cp_cp_size_by_hand():
+    """Faithful te-cp: one CP size for the run, the smallest power of two whose per-GPU share of
+    max_seq_len (padded to a multiple of 2*CP) fits the activation capacity - worked out by hand."""
+    from zeppelin.planner.baselines.static_sp import run_cp_size
+
+    sizes = [1, 2, 4, 8, 16]
+    # capacity 1000 tokens: 1000 fits alone; 1001 needs CP=2 (padded 1004 -> 502 per GPU)
+    assert run_cp_size(1000, 1000, sizes) == 1
+    assert run_cp_size(1001, 1000, sizes) == 2
+    # 3998 at CP=4: padded to 4000 (a multiple of 8) -> 1000 per GPU fits; 4001 -> 4008 -> 1002 does not
+    assert run_cp_size(3998, 1000, sizes) == 4
+    assert run_cp_size(4001, 1000, sizes) == 8
+    # padding alone can push a size over: 2000 at CP=2 is 1000 per GPU; 1999 pads to 2000 too
+    assert run_cp_size(1999, 1000, sizes) == 2
+    assert run_cp_size(16001, 1000, sizes) is None
+    # only sizes that divide the unit count are offered (the caller's list)
+    assert run_cp_size(1500, 1000, [1, 4]) == 4
+
+
+def test_te_cp_one_size_for_the_run_from_max_seq_len():
+    """The CP size comes from the run's max_seq_len, not from the step: a step of short sequences
+    is still split over CP ranks, every sequence padded to a multiple of 2*CP, DP groups of
+    contiguous ranks; te-cp-tuned picks its size per step."""
+    ctx = make_ctx("zeppelin-a", "llama-7b")  # 16 GPUs, capacity 9596 tokens per GPU
+    cap = ctx.cost.token_capacity
+    assert cap == 9596
+    ctx.max_seq_len = 32768  # 32768 / 4 = 8192 <= 9596, / 2 = 16384 > 9596 -> CP = 4
+    lengths = [10, 100, 777, 2000, 5000, 300]
+    plan = get_planner("te-cp").plan_step(ctx, 0, seqs(lengths))
+    assert plan.notes["cp"] == 4 and plan.notes["dp"] == 4
+    assert plan.notes["cp_sized_for"] == 32768 and plan.notes["cp_basis"] == "max_seq_len"
+    for _, g, ps in groups_of(plan):
+        assert g.kind == "ring" and len(g.units) == 4
+        assert g.units == list(range(g.units[0], g.units[0] + 4)) and g.units[0] % 4 == 0  # contiguous DP group
+        for p in ps:
+            # by hand: 10 -> 16, 100 -> 104, 777 -> 784, 2000 -> 2000, 5000 -> 5000, 300 -> 304
+            P = {10: 16, 100: 104, 777: 784, 2000: 2000, 5000: 5000, 300: 304}[lengths[p.seq]]
+            assert (p.padded_length or lengths[p.seq]) == P
+            c = P // 8
+            assert p.ranges == [[[i * c, (i + 1) * c], [(7 - i) * c, (8 - i) * c]] for i in range(4)]
+    covered = sorted(p.seq for mb in plan.microbatches for p in mb.placements)
+    assert covered == list(range(len(lengths)))
+    # the same step without a run maximum: sized for the step's longest (5000 fits one GPU)
+    ctx2 = make_ctx("zeppelin-a", "llama-7b")
+    plan2 = get_planner("te-cp").plan_step(ctx2, 0, seqs(lengths))
+    assert plan2.notes["cp"] == 1 and plan2.notes["cp_basis"] == "step"
+    # a larger run maximum: 65536 / 8 = 8192 fits -> CP = 8 for the same short step
+    ctx.max_seq_len = 65536
+    assert get_planner("te-cp").plan_step(ctx, 0, seqs(lengths)).notes["cp"] == 8
+    # te-cp-tuned chooses per step among every size that fits the step (1 included), by predicted time
+    tuned = get_planner("te-cp-tuned").plan_step(ctx, 0, seqs(lengths))
+    cands = {int(k): v for k, v in tuned.notes["candidates_step_time_s"].items()}
+    assert sorted(cands) == [1, 2, 4, 8, 16] and tuned.prediction.step_time_s == min(cands.values())
+
+
+def test_te_cp_max_seq_len_does_not_fit():
+    ctx = make_ctx("zeppelin-a", "llama-7b")
+    ctx.max_seq_len = 200000
+    with pytest.raises(PlanningError) as e:
+        get_planner("te-cp").plan_step(ctx, 0, seqs([500]))
+    assert str(e.value) == ("te-cp: --max-seq-len 200000 does not fit even with cp=16 "
+                            "(12500 tokens per GPU, capacity 9596)")
+
+
+@pytest.mark.parametrize("name", ["te-cp", "te-cp-tuned"])
+def test_te_cp_fails_when_longest_does_not_fit_all_units(name):
     ctx = make_ctx("zeppelin-a", "llama-7b")
     with pytest.raises(PlanningError) as e:
-        get_planner("te-cp").plan_step(ctx, 0, seqs([500, 200000]))
-    assert str(e.value) == ("sequence 1 (sample 13, 200000 tokens) does not fit te-cp even with cp=16 "
+        get_planner(name).plan_step(ctx, 0, seqs([500, 200000]))
+    assert str(e.value) == (f"sequence 1 (sample 13, 200000 tokens) does not fit {name} even with cp=16 "
                             "(12500 tokens per GPU, capacity 9596)")
 
 

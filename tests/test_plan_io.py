@@ -167,8 +167,11 @@ def test_reader_rejects_bad_files(tmp_path):
     d = json.loads(header().model_dump_json())
     d["schema_version"] = "zeppelin.plan/0"
     p.write_text(json.dumps(d) + "\n")
-    with pytest.raises(InputError, match="plan schema_version 'zeppelin.plan/0' is not supported"):
+    with pytest.raises(InputError) as e:
         PlanReader(p)
+    assert ("plan format 'zeppelin.plan/0' is older than zeppelin 0.1.0 reads ('zeppelin.plan/1'); unreleased "
+            "development versions before zeppelin 0.1.0 read it: re-plan with `zeppelin plan` to get a current plan"
+            in str(e.value))
 
 
 def test_dropped_chunk_is_detected(tmp_path):

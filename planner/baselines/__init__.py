@@ -5,7 +5,8 @@ Every planner here subclasses :class:`zeppelin.planner.core.base.Planner`, regis
 section 5) with its best-known setting:
 
 ``packed-dp``     :mod:`.packed`        token-balanced packing per unit, every sequence local.
-``te-cp``         :mod:`.static_sp`     TransformerEngine / Megatron static ring context parallelism.
+``te-cp``         :mod:`.static_sp`     TransformerEngine / Megatron ring CP: one CP size for the run.
+``te-cp-tuned``   :mod:`.static_sp`     the same with the CP size tuned per step.
 ``llama3-cp``     :mod:`.static_sp`     the same layout with LLaMA-3 all-gather K/V attention.
 ``ulysses``       :mod:`.static_sp`     DeepSpeed-Ulysses static all-to-all sequence parallelism.
 ``hybrid-dp``     :mod:`.hybrid_dp`     FLOP-based Hybrid DP (local short sequences, ring CP for the rest).

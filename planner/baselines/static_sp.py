@@ -1,12 +1,16 @@
-"""Static sequence / context parallelism with one group size for the whole step.
+"""Static sequence / context parallelism with one group size.
 
-``te-cp``      TransformerEngine / Megatron ring CP: every sequence padded to a multiple of 2*CP and cut
-               into 2*CP zigzag chunks over CP consecutive units; DP = units / CP replicas.
-``llama3-cp``  the same layout with LLaMA-3 all-gather K/V attention.
-``ulysses``    DeepSpeed-Ulysses all-to-all SP (the SP degree divides the heads per unit).
+``te-cp``        TransformerEngine / Megatron ring CP as real jobs run it: one CP size for the whole
+                 run, the smallest power of two whose per-GPU share of the run's longest sequence
+                 (``--max-seq-len``; :attr:`PlanContext.max_seq_len`) fits a GPU's activation memory;
+                 DP = units / CP replicas of CP consecutive units; every sequence padded to a
+                 multiple of 2*CP and cut into 2*CP zigzag chunks over its replica.
+``te-cp-tuned``  the same layout with the CP size chosen per step: the best predicted one among
+                 those that fit the step's longest sequence (a stronger baseline than what users run).
+``llama3-cp``    the tuned layout with LLaMA-3 all-gather K/V attention.
+``ulysses``      DeepSpeed-Ulysses all-to-all SP, tuned per step (the SP degree divides the heads per unit).
 
-The size is the best predicted one among those that fit the longest sequence (or the ``cp``/``sp``
-option)."""
+The ``cp``/``sp`` option forces the size."""
 
 from __future__ import annotations
 
@@ -91,11 +95,64 @@ class _StaticSP(Planner):
         return best
 
 
+def run_cp_size(max_seq_len: int, cap: int, sizes: list[int]) -> int | None:
+    """The CP size of a whole TE run: the smallest of ``sizes`` (powers of two dividing the unit
+    count) at which the fullest rank's share of a ``max_seq_len`` sequence, padded to a multiple
+    of 2*CP, fits ``cap`` tokens; None when none does."""
+    for G in sizes:
+        if ceil_div(cp_padded(max_seq_len, G), G) <= cap:
+            return G
+    return None
+
+
 @register
 class TECP(_StaticSP):
     name = "te-cp"
-    description = ("TransformerEngine/Megatron static ring context parallelism: one CP size, every sequence "
-                   "padded to a multiple of 2*CP and split into 2*CP zigzag chunks")
+    description = ("TransformerEngine/Megatron ring context parallelism as run: one CP size for the whole run (the "
+                   "smallest power of two whose share of --max-seq-len fits memory), every sequence padded to a "
+                   "multiple of 2*CP and split into 2*CP zigzag chunks over its DP group")
+
+    def plan_step(self, ctx: PlanContext, step: int, sequences: list[Sequence]) -> StepPlan:
+        t = Timer()
+        cap = check_capacity(ctx, self.name)
+        sizes = self.sizes(ctx)
+        forced = opt(self.options, self.option, int, None, self.name, minimum=1)
+        longest = max(s.length for s in sequences)
+        if ctx.max_seq_len is not None:
+            basis, L = "max_seq_len", max(int(ctx.max_seq_len), longest)
+        else:  # no run-level maximum known (a bare API call): size for this step's longest sequence
+            basis, L = "step", longest
+        if forced is not None:
+            if forced not in sizes:
+                raise PlanningError(f"{self.name}: {self.option}={forced} is not usable here (choose one of "
+                                    f"{', '.join(map(str, sizes))})")
+            G = forced
+        else:
+            G = run_cp_size(L, cap, sizes)
+        b = None if G is None else self.build(ctx, sequences, G, cap)
+        if b is None:
+            G = G or sizes[-1]
+            need = ceil_div(cp_padded(L, G), G)
+            if basis == "max_seq_len" and L > longest:
+                raise PlanningError(f"te-cp: --max-seq-len {L} does not fit even with {self.option}={G} "
+                                    f"({need} tokens per GPU, capacity {cap})")
+            i = max(range(len(sequences)), key=lambda k: (sequences[k].length, -k))
+            s = sequences[i]
+            need = ceil_div(cp_padded(s.length, G), G)
+            raise PlanningError(f"{seq_label(i, s)} does not fit {self.name} even with {self.option}={G} "
+                                f"({need} tokens per GPU, capacity {cap})")
+        plan = b.finish(step, SolverInfo(name="greedy"),
+                        notes={self.option: G, "dp": ctx.num_units // G, "microbatches": b.num_microbatches,
+                               "cp_sized_for": L, "cp_basis": basis})
+        plan.solver = SolverInfo(name="greedy", time_s=t.elapsed)
+        return plan
+
+
+@register
+class TECPTuned(_StaticSP):
+    name = "te-cp-tuned"
+    description = ("TransformerEngine/Megatron ring context parallelism with the CP size tuned per step (the best "
+                   "predicted size that fits the step's longest sequence): stronger than what users run")
 
 
 @register

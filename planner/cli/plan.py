@@ -102,7 +102,7 @@ def plan(
         typer.echo(Tiering(ctx).explain())
         if output is None:
             return
-    from zeppelin.planner.core.sampler import sample_steps
+    from zeppelin.planner.core.sampler import run_max_seq_len, sample_steps
     from zeppelin.schemas.datasets import default_manifest_path, load_manifest
 
     ds = load_manifest(manifest if manifest is not None else default_manifest_path())
@@ -110,6 +110,7 @@ def plan(
         tokens_per_step = max(ctx.cost.token_capacity * ctx.num_units, 1)
     cfg = SamplerConfig(tokens_per_step=tokens_per_step, seqs_per_step=seqs_per_step, shuffle=not no_shuffle,
                         seed=seed, max_seq_len=max_seq_len, overflow=overflow)
+    ctx.max_seq_len = run_max_seq_len(ds, cfg)
     step_seqs = sample_steps(ds, cfg, steps)
     check_steps(step_seqs, cfg)
     if hasattr(pl, "check_feasible"):

@@ -135,7 +135,7 @@ def compare(
         resolve_model,
         resolve_profile,
     )
-    from zeppelin.planner.core.sampler import sample_steps
+    from zeppelin.planner.core.sampler import run_max_seq_len, sample_steps
     from zeppelin.planner.tools.compare import (
         DEFAULT_PLANNERS,
         SOLVER_PLANNERS,
@@ -169,6 +169,7 @@ def compare(
         raise PlanningError(str(e)) from None
     ds = resolve_dataset(dataset)
     cfg = SamplerConfig(tokens_per_step=tokens_per_gpu * cl.world_size, seed=seed, max_seq_len=max_seq_len)
+    ctx.max_seq_len = run_max_seq_len(ds, cfg)
     step_seqs = sample_steps(ds, cfg, steps)
     options = {p: {"time_limit": solver_time_limit} for p in SOLVER_PLANNERS}
     t0 = time.perf_counter()
@@ -187,7 +188,9 @@ def compare(
         con = Console(width=max(Console().width, 120))  # the table is unreadable folded to 80 columns
         con.print(render_table(doc, title))
         if "zeppelin_speedup_vs_te_cp" in doc:
-            con.print(f"zeppelin: {doc['zeppelin_speedup_vs_te_cp']:.2f}x over te-cp, "
+            tuned = (f"{doc['zeppelin_speedup_vs_te_cp_tuned']:.2f}x over te-cp-tuned, "
+                     if "zeppelin_speedup_vs_te_cp_tuned" in doc else "")
+            con.print(f"zeppelin: {doc['zeppelin_speedup_vs_te_cp']:.2f}x over te-cp, {tuned}"
                       f"{doc['zeppelin_speedup_vs_best_baseline']:.2f}x over the best other baseline "
                       f"({doc['best_baseline']}); {wall:.1f} s")
         for p in (output, png):

@@ -31,7 +31,7 @@ from zeppelin.schemas.common import InputError
 from zeppelin.schemas.datasets import Dataset
 from zeppelin.schemas.plan import SamplerConfig, Sequence
 
-__all__ = ["StepSampler", "sample_steps"]
+__all__ = ["StepSampler", "run_max_seq_len", "sample_steps"]
 
 
 class StepSampler:
@@ -132,3 +132,11 @@ class StepSampler:
 def sample_steps(dataset: Dataset, config: SamplerConfig, num_steps: int) -> list[list[Sequence]]:
     """The first ``num_steps`` steps of a fresh :class:`StepSampler`."""
     return list(StepSampler(dataset, config).steps(num_steps))
+
+
+def run_max_seq_len(dataset: Dataset, config: SamplerConfig) -> int:
+    """The longest sequence a run with ``config`` can meet: ``max_seq_len`` when set (what a static
+    context-parallel job sizes its CP group for), else the dataset's longest sample."""
+    if config.max_seq_len is not None:
+        return int(config.max_seq_len)
+    return int(dataset.lengths.max()) if dataset.num_samples else 1

@@ -33,6 +33,9 @@ class PlanContext:
     seed: int = 0
     recompute: str = "none"
     options: dict[str, Any] = field(default_factory=dict)
+    # the longest sequence the run trains on (``--max-seq-len``, else the data's longest sample):
+    # a run-level fact that planners sizing one layout for the whole run (te-cp) read; None: unknown
+    max_seq_len: int | None = None
 
     def __post_init__(self):
         self.cost = CostModel(self.cluster, self.model, self.profile, tp=self.tp, zero_stage=self.zero_stage,

@@ -29,6 +29,8 @@ ArrayLike = "np.ndarray | float | int"
 # bytes per parameter for mixed-precision AdamW: bf16 weights (2) + bf16 grads (2) +
 # fp32 master weights (4) + two fp32 Adam moments (8). fp32 training: 4 + 4 + 8.
 
+_STATE_BYTES = {"bf16": (2, 2, 12), "fp16": (2, 2, 12), "fp32": (4, 4, 8)}
+
 
 def _arr(x) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
@@ -423,47 +425,37 @@ class CostModel:
     def activation_bytes_per_token(self) -> float:
         """Activation memory per token held, all layers (flash attention: no L^2 term), for the
         runtime's recomputation setting: ``none`` keeps every layer's activations; ``selective``
-        (each block's MLP recomputed) keeps :attr:`SELECTIVE_KEEP` of them; ``full`` keeps each
-        block's input and, during the backward, one layer's activations at a time."""
+        (each block's MLP recomputed) keeps :attr:`SELECTIVE_KEEP` of them plus, during the
+        backward, one MLP's recomputed activations; ``full`` keeps each block's input and, during
+        the backward, one layer's recomputed activations."""
         m = self.model
         per_layer = self.profile.activation_bytes_per_token_layer or 34.0 * m.hidden * m.dtype_bytes / 2.0
         logits = m.vocab_size * 4.0 / self.tp
         if self.recompute == "none":
             return per_layer * m.num_layers / self.tp + logits
-        if self.recompute == "selective":
-            return per_layer * self.SELECTIVE_KEEP * m.num_layers / self.tp + logits
+        if self.recompute == "selective":  # kept part of every layer + one MLP being recomputed
+            keep = self.SELECTIVE_KEEP
+            return per_layer * (keep * m.num_layers + (1.0 - keep)) / self.tp + logits
         if self.recompute == "full":
             return (m.hidden * m.dtype_bytes * m.num_layers + per_layer) / self.tp + logits
         raise ValueError(f"unknown recompute mode {self.recompute!r} (none, selective, full)")
 
     def model_state_bytes(self, dp: int | None = None) -> float:
-        """Parameter, gradient and optimizer bytes one GPU holds at its peak, as the runtime's
-        FSDP2 holds them (``zeppelin.runtime.fsdp``; ``P`` parameters of this GPU's TP share,
-        ``N``-way sharding, ``c`` bytes of a compute-dtype element):
-
-        * every stage >= 1: fp32 master parameters, fp32 gradients (the reduction dtype) and
-          AdamW's two fp32 moments sharded: ``16 P / N``;
-        * ZeRO-3: plus the unsharded compute copies FSDP holds while it runs — the root module
-          (embedding, head, final norm: not re-sharded after forward), two blocks (one computing,
-          one prefetched) and one block's unsharded gradient;
-        * ZeRO-1 and ZeRO-2: plus the whole compute-dtype parameters (kept unsharded between
-          forward and backward): ``c P``. FSDP reduce-scatters each gradient as the backward
-          produces it, so a ZeRO-1 plan runs sharding its gradients too (ZeRO-2's holdings);
-        * ZeRO-0 (``--dp replicate``): fp32 parameters, gradients and moments whole: ``16 P``.
-        """
+        """Parameter, gradient and optimizer bytes per GPU by ZeRO stage (``P`` parameters of
+        this GPU's TP share, ``N``-way data parallel; bf16: 2-byte weights and gradients, 12 bytes
+        of fp32 master weights and Adam moments; fp32: 4, 4, 8). How this compares with what the
+        runtime's FSDP2 holds at each stage: docs/RUNTIME.md ("ZeRO stages")."""
         dp = dp or self.num_units
-        m = self.model
-        P = m.num_params() / self.tp
-        c = m.dtype_bytes
+        P = self.model.num_params() / self.tp
+        w, g, o = _STATE_BYTES[self.model.dtype]
         z = self.zero_stage
         if z == 0:
-            return 16.0 * P
-        shards = 16.0 * P / dp
-        if z == 3:
-            root = (m.num_params() - m.num_layers * m.params_per_layer()) / self.tp
-            block = m.params_per_layer() / self.tp
-            return shards + c * (root + 2 * block) + c * block
-        return shards + c * P
+            return P * (w + g + o)
+        if z == 1:
+            return P * (w + g) + P * o / dp
+        if z == 2:
+            return P * w + P * (g + o) / dp
+        return P * (w + g + o) / dp
 
     @cached_property
     def gpu_capacity_bytes(self) -> float:

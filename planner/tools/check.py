@@ -176,7 +176,7 @@ def _dataset(case: Case):
 def _inputs(case: Case):
     from zeppelin.planner.core.base import PlanContext, PlanningError
     from zeppelin.planner.core.inputs import resolve_cluster, resolve_model, resolve_profile
-    from zeppelin.planner.core.sampler import sample_steps
+    from zeppelin.planner.core.sampler import run_max_seq_len, sample_steps
     from zeppelin.schemas.plan import SamplerConfig
 
     s = case.spec
@@ -188,6 +188,7 @@ def _inputs(case: Case):
     except ValueError as e:
         raise PlanningError(str(e)) from None
     cfg = SamplerConfig(tokens_per_step=s.tokens_per_step, seed=s.seed, max_seq_len=s.max_seq_len)
+    ctx.max_seq_len = run_max_seq_len(ds, cfg)
     return ctx, ds, cfg, sample_steps(ds, cfg, s.steps)
 
 

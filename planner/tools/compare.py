@@ -2,7 +2,9 @@
 
 Independent (planner, step) pairs run in worker processes; each job plans one step, checks its
 structural invariants and simulates it (:mod:`zeppelin.planner.sim.simulate`). Per planner the table
-reports mean / p50 / p90 simulated step time, speedup over ``te-cp`` (ratio of mean step times),
+reports mean / p50 / p90 simulated step time, speedup over ``te-cp`` (ratio of mean step times; the
+faithful TransformerEngine baseline, one CP size for the run) and over ``te-cp-tuned`` (its CP size
+tuned per step),
 ratio to the lower bound, mean exposed communication and planner latency.
 
 Datasets: a manifest (anything ``zeppelin data stats`` reads) or one of the built-in synthetic
@@ -29,7 +31,7 @@ MIXES: dict[str, list[tuple[float, float, float]]] = {
     "mixed": [(0.55, 1500.0, 1.0), (0.35, 9000.0, 0.7), (0.10, 45000.0, 0.5)],
     "long": [(0.25, 2000.0, 1.0), (0.35, 16000.0, 0.6), (0.40, 60000.0, 0.35)],
 }
-DEFAULT_PLANNERS = ["packed-dp", "te-cp", "llama3-cp", "ulysses", "hybrid-dp", "megatron-dcp", "flexsp", "hydraulis",
+DEFAULT_PLANNERS = ["packed-dp", "te-cp", "te-cp-tuned", "llama3-cp", "ulysses", "hybrid-dp", "megatron-dcp", "flexsp", "hydraulis",
                     "zeppelin", "zeppelin-no-routing", "zeppelin-no-remap"]
 SOLVER_PLANNERS = ("flexsp", "hydraulis")  # planners whose MILP time limit --solver-time-limit sets
 
@@ -234,25 +236,32 @@ def run_compare(ctx: PlanContext, steps: list[list], planners: list[str],
     return [runs[p] for p in planners]
 
 
-def comparison(runs: list[PlannerRun], reference: str = "te-cp") -> dict[str, Any]:
-    """Per-planner statistics plus speedups over ``reference`` and over the best other baseline."""
+def comparison(runs: list[PlannerRun], reference: str = "te-cp",
+               also: tuple[str, ...] = ("te-cp-tuned",)) -> dict[str, Any]:
+    """Per-planner statistics plus speedups over ``reference``, over each planner of ``also``
+    (when it ran) and over the best other baseline."""
     stats = [r.stats() for r in runs]
     by = {s["planner"]: s for s in stats}
-    ref = by.get(reference)
-    ref_mean = ref["mean_s"] if ref and ref.get("error") is None else None
-    for s in stats:
-        if s.get("error") is None and ref_mean:
-            s["speedup_vs_" + reference.replace("-", "_")] = ref_mean / s["mean_s"]
-    doc: dict[str, Any] = {"planners": stats, "reference": reference}
+    doc: dict[str, Any] = {"planners": stats, "reference": reference,
+                           "references": [reference] + [a for a in also if a in by and a != reference]}
     z = by.get("zeppelin")
+    for name in doc["references"]:
+        ref = by.get(name)
+        ref_mean = ref["mean_s"] if ref and ref.get("error") is None else None
+        if not ref_mean:
+            continue
+        key = name.replace("-", "_")
+        for s in stats:
+            if s.get("error") is None:
+                s["speedup_vs_" + key] = ref_mean / s["mean_s"]
+        if z and z.get("error") is None:
+            doc["zeppelin_speedup_vs_" + key] = ref_mean / z["mean_s"]
     if z and z.get("error") is None:
         others = [s for s in stats if s.get("error") is None and not s["planner"].startswith("zeppelin")]
         if others:
             best = min(others, key=lambda s: s["mean_s"])
             doc["best_baseline"] = best["planner"]
             doc["zeppelin_speedup_vs_best_baseline"] = best["mean_s"] / z["mean_s"]
-        if ref_mean:
-            doc["zeppelin_speedup_vs_" + reference.replace("-", "_")] = ref_mean / z["mean_s"]
     return doc
 
 
