@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeppelin.schemas.common import InputError, content_hash
+from zeppelin.schemas.common import InputError, check_output, content_hash
 from zeppelin.schemas.plan import PlanHeader, PlanReader, StepPlan
 
 from .api import AttentionContext, attention, build_step, to_attention_layout, to_linear_layout
@@ -488,6 +488,8 @@ def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSo
             raise InputError(f"the plan was made for --recompute {planned} (its activation memory per token), "
                              f"not {cfg.recompute}; re-plan with `zeppelin plan --recompute {cfg.recompute}` "
                              "or pass --recompute-override")
+    metrics_path = Path(cfg.metrics) if cfg.metrics else Path(cfg.plan).with_suffix(".metrics.jsonl")
+    check_output(metrics_path, [cfg.plan, cfg.data, cfg.model], what="metrics file")
     return reader, source, 0, end
 
 

@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from .common import InputError, load_doc
+from .common import InputError, check_input_file, load_doc
 from .manifest import ManifestSpec
 
 __all__ = [
@@ -273,6 +273,7 @@ def _expand(pattern: str, base: Path | None, forced: str | None) -> list[tuple[P
         raise InputError("file not found", source=p)
     out = []
     for f in files:
+        check_input_file(f, "manifest")
         fmt = forced or _ext_format(f)
         if fmt is None:
             known = ", ".join(sorted(set(KNOWN_EXTENSIONS)))

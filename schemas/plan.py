@@ -40,7 +40,7 @@ from typing import Any, Iterator, Literal
 from pydantic import Field, ValidationError, model_serializer, model_validator
 
 from .cluster import ClusterSpec
-from .common import Doc, InputError, Strict, atomic_write, format_validation_error
+from .common import Doc, InputError, Strict, atomic_write, check_input_file, format_validation_error, parse_json
 from .model import ModelSpec
 from .profile import CostProfile
 
@@ -442,14 +442,16 @@ class PlanWriter:
     ...     for step in steps: w.write(step)
     """
 
-    def __init__(self, path: str | os.PathLike, header: PlanHeader, fmt: Literal["jsonl", "pretty"] = "jsonl"):
+    def __init__(self, path: str | os.PathLike, header: PlanHeader, fmt: Literal["jsonl", "pretty"] = "jsonl", *,
+                 replaces: bool = False):
         self.path, self.header, self.fmt = Path(path), header, fmt
+        self.replaces = replaces  # True: the plan replaces one read from the same path (check --update)
         self._cm = None
         self._fh = None
         self.count = 0
 
     def __enter__(self) -> "PlanWriter":
-        self._cm = atomic_write(self.path)
+        self._cm = atomic_write(self.path, replaces=self.replaces)
         self._fh = self._cm.__enter__()
         self._fh.write(_dump(self.header, self.fmt))
         return self
@@ -489,6 +491,7 @@ class PlanReader:
             raise InputError("plan file not found", source=self.path)
         if self.path.is_dir():
             raise InputError("is a directory, not a plan file", source=self.path)
+        check_input_file(self.path, "plan")
         self._offsets: list[int] | None = None
         with self.path.open("rb") as fh:
             rec, self._first_step_offset = self._read_record(fh, 0, what="header")
@@ -525,10 +528,12 @@ class PlanReader:
                     break
             text = b"".join(buf)
         try:
-            rec = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            msg = getattr(e, "msg", str(e))
-            raise InputError(f"{what}: corrupt or truncated record ({msg})", source=self.path) from None
+            rec = parse_json(text, source=self.path, what=what)
+        except InputError as e:
+            if e.problem.startswith(f"{what}: malformed JSON") or e.problem == f"{what}: not UTF-8 text":
+                msg = e.problem.split(": ", 2)[-1] if "malformed" in e.problem else "not UTF-8 text"
+                raise InputError(f"{what}: corrupt or truncated record ({msg})", source=self.path) from None
+            raise
         if not isinstance(rec, dict):
             raise InputError(f"{what}: record is not a JSON object", source=self.path)
         return rec, fh.tell()

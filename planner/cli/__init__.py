@@ -18,7 +18,7 @@ from zeppelin.planner.cli import plan as cmd_plan
 from zeppelin.planner.cli import profile as cmd_profile
 from zeppelin.planner.cli import run as cmd_run
 from zeppelin.planner.cli import sim as cmd_sim
-from zeppelin.schemas.common import InputError
+from zeppelin.schemas.common import InputError, Terminated, tracking_inputs
 
 app = typer.Typer(
     name="zeppelin",
@@ -32,6 +32,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
 )
+
+
 
 data_app = typer.Typer(help="Inspect dataset manifests.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
@@ -60,12 +62,16 @@ def fail(message: str, code: int = 2) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     try:
-        app(args=argv, prog_name="zeppelin")
+        with tracking_inputs():  # outputs are checked against every file the command reads
+            app(args=argv, prog_name="zeppelin")
     except InputError as e:
         fail(str(e))
     except KeyboardInterrupt:
         print("zeppelin: interrupted", file=sys.stderr)
         raise SystemExit(130)
+    except Terminated as e:  # SIGTERM/SIGHUP while writing a file: the temporary file is already removed
+        print(f"zeppelin: {e}", file=sys.stderr)
+        raise SystemExit(128 + e.signum)
 
 
 if __name__ == "__main__":  # pragma: no cover

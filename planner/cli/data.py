@@ -115,11 +115,12 @@ def load_for_cli(manifest: str, length_field: str | None, tokens_field: str | No
                          tokenizer=tokenizer)
 
 
-def check_png_path(png: Path) -> Path:
+def check_png_path(png: Path, inputs=()) -> Path:
+    from zeppelin.schemas.common import check_output
+
     if png.suffix.lower() != ".png":
         raise InputError("--png needs a file name ending in .png", source=png)
-    if png.exists() and png.is_dir():
-        raise InputError("output path is a directory", source=png)
+    check_output(png, inputs)
     return png
 
 
@@ -136,7 +137,7 @@ def stats(
 ) -> None:
     """Length statistics of a dataset manifest: count, tokens, percentiles, a log2 length histogram."""
     if png is not None:
-        check_png_path(png)
+        check_png_path(png, [manifest])
     ds = load_for_cli(manifest, length_field, tokens_field, text_field, tokenizer)
     if as_json:
         typer.echo(json.dumps(stats_payload(ds), indent=2))

@@ -61,6 +61,7 @@ def plan(
     from zeppelin.planner.core.driver import check_steps, make_header, plan_steps
     from zeppelin.planner.core.inputs import (
         check_path_writable,
+        input_refs,
         resolve_cluster,
         resolve_model,
         resolve_profile,
@@ -86,7 +87,7 @@ def plan(
     if output is None and not explain:
         raise InputError("missing -o/--output PLAN (or use --explain alone to see the tier thresholds)")
     if output is not None:
-        check_path_writable(output)
+        check_path_writable(output, [manifest, *input_refs(cluster, model, profile)])
     cl = resolve_cluster(cluster)
     md = resolve_model(model)
     pf = resolve_profile(profile, cl)

@@ -30,9 +30,11 @@ def profile(
     """
     from zeppelin.planner.core.inputs import resolve_model
 
+    from zeppelin.planner.core.inputs import check_path_writable, input_refs
+
     resolve_model(model)  # fail early on a bad name
-    if output.exists() and output.is_dir():
-        raise InputError("output path is a directory", source=output)
+    check_path_writable(output, input_refs(model))
+    check_path_writable(Path(str(output) + ".raw.json"), input_refs(model))
     if nproc is None:
         try:
             import torch

@@ -115,6 +115,7 @@ def run(
     if report_json is not None and report_json.is_dir():
         raise InputError("--report-json is a directory", source=report_json)
     metrics_path = metrics if metrics is not None else plan.with_suffix(".metrics.jsonl")
+    _check_outputs(plan, model, data, metrics_path, report_json)
     if report and nnodes > 1 and node_rank not in (None, 0):
         report = False  # rank 0 (node 0) writes the metrics; the other nodes have nothing to report
     # a resumed run appends to the metrics file: report only on the records this run adds
@@ -149,6 +150,24 @@ def run(
     if rc == 0 and report:
         _report(plan, metrics_path, skip, tp_overlap, report_json)
     raise SystemExit(rc)
+
+
+def _check_outputs(plan: Path, model: str | None, data: str | None, metrics: Path, report_json: Path | None) -> None:
+    """The metrics and report files may not be (the same file as) an input, a device or a FIFO."""
+    from zeppelin.planner.core.inputs import check_path_writable, input_refs
+
+    inputs = [plan, data, *input_refs(model)]
+    check_path_writable(metrics, inputs)
+    if report_json is not None:
+        check_path_writable(report_json, inputs + [metrics])
+        if same_path(report_json, metrics):
+            raise InputError("--report-json and the metrics file are the same file", source=report_json)
+
+
+def same_path(a: Path, b: Path) -> bool:
+    from zeppelin.schemas.common import same_file
+
+    return os.path.abspath(a) == os.path.abspath(b) or same_file(a, b)
 
 
 def _report(plan: Path, metrics_path: Path, skip: int, tp_overlap: str | None,

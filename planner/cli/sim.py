@@ -8,15 +8,12 @@ from pathlib import Path
 
 import typer
 
-from zeppelin.schemas.common import InputError, atomic_write_text
+from zeppelin.schemas.common import InputError, atomic_write_text, same_file
 
 
 def _emit_json(doc: dict, output: Path | None) -> None:
     text = json.dumps(doc, indent=1) + "\n"
     if output is not None:
-        from zeppelin.planner.core.inputs import check_path_writable
-
-        check_path_writable(output)
         atomic_write_text(output, text)
     else:
         typer.echo(text, nl=False)
@@ -40,6 +37,10 @@ def simulate(
 
     if step is not None and step < 0:
         raise InputError(f"--step must be >= 0 (got {step})")
+    if output is not None:
+        from zeppelin.planner.core.inputs import check_path_writable
+
+        check_path_writable(output, [plan])
     header, results = simulate_plan(plan, steps=None if step is None else [step], timeline=timeline)
     if json_out or output is not None:
         doc = {
@@ -87,7 +88,7 @@ def show(
     if png is not None:
         from zeppelin.planner.core.inputs import check_path_writable
 
-        check_path_writable(png)
+        check_path_writable(png, [plan])
     reader = PlanReader(plan)
     h = reader.header
     con = Console()
@@ -131,6 +132,7 @@ def compare(
     from zeppelin.planner.core.base import PlanContext, PlanningError
     from zeppelin.planner.core.inputs import (
         check_path_writable,
+        input_refs,
         resolve_cluster,
         resolve_model,
         resolve_profile,
@@ -156,7 +158,9 @@ def compare(
         raise InputError(f"--solver-time-limit must be >= 0 (got {solver_time_limit})")
     for p in (output, png):
         if p is not None:
-            check_path_writable(p)
+            check_path_writable(p, [profile, *input_refs(cluster, model), dataset])
+    if output is not None and png is not None and (str(output) == str(png) or same_file(output, png)):
+        raise InputError("-o and --png name the same file", source=output)
     names = DEFAULT_PLANNERS if planners is None else [x.strip() for x in planners.split(",") if x.strip()]
     if not names:
         raise InputError("--planners is empty")

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from zeppelin.schemas.cluster import ClusterSpec, cluster_preset
-from zeppelin.schemas.common import InputError, load_doc
+from zeppelin.schemas.common import InputError, check_output, load_doc
 from zeppelin.schemas.model import ModelSpec, model_preset
 from zeppelin.schemas.profile import CostProfile, default_profile
 
 
 def _looks_like_file(ref: str) -> bool:
-    return ref.endswith(".json") or "/" in ref or Path(ref).exists()
+    """A reference is a file when it looks like a path (``./tiny``, ``tiny.json``, ``dir/x``); a bare
+    name is always a preset, even when a file of that name is in the working directory."""
+    return ref.lower().endswith(".json") or "/" in ref or os.sep in ref
+
+
+def input_refs(*refs) -> list[str]:
+    """The references among ``refs`` that name files (for the output checks)."""
+    return [str(r) for r in refs if r is not None and _looks_like_file(str(r))]
 
 
 def resolve_cluster(ref: str) -> ClusterSpec:
@@ -34,11 +42,10 @@ def resolve_profile(ref: str | None, cluster: ClusterSpec) -> CostProfile:
     return prof
 
 
-def check_path_writable(path: str | Path) -> Path:
-    p = Path(path)
-    if p.exists() and p.is_dir():
-        raise InputError("output path is a directory", source=p)
-    return p
+def check_path_writable(path: str | Path, inputs=()) -> Path:
+    """Refuse an output path up front (before any work): see :func:`zeppelin.schemas.common.check_output`."""
+    check_output(path, inputs)
+    return Path(path)
 
 
-__all__ = ["resolve_cluster", "resolve_model", "resolve_profile", "check_path_writable", "InputError"]
+__all__ = ["input_refs", "resolve_cluster", "resolve_model", "resolve_profile", "check_path_writable", "InputError"]

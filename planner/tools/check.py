@@ -39,7 +39,7 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
-from zeppelin.schemas.common import InputError, Strict, format_validation_error
+from zeppelin.schemas.common import InputError, Strict, format_validation_error, parse_json, read_input_bytes
 
 CASE_SCHEMA = "zeppelin.check-case/1"
 SETTING_FIELDS = ("cluster", "model", "dataset", "steps", "seed", "tokens_per_step", "max_seq_len", "tp")
@@ -128,10 +128,7 @@ def load_cases(directory: str | os.PathLike, only: list[str] | None = None) -> l
         raise InputError("no check cases (*.json) in this directory", source=d)
     cases = []
     for f in files:
-        try:
-            data = json.loads(f.read_text())
-        except json.JSONDecodeError as e:
-            raise InputError(f"malformed JSON at line {e.lineno} column {e.colno}: {e.msg}", source=f) from None
+        data = parse_json(read_input_bytes(f, "check case"), source=f)
         if not isinstance(data, dict):
             raise InputError(f"expected a JSON object, got {type(data).__name__}", source=f)
         if data.get("schema_version", CASE_SCHEMA) != CASE_SCHEMA:
@@ -270,7 +267,7 @@ def run_case(case: Case, update: bool = False) -> CaseResult:
         res.failures = [f for f in res.failures if ": golden plan " not in f and ": no golden plan " not in f
                         and ": unreadable golden plan" not in f and " against the golden " not in f]
         if not res.unchanged:
-            with PlanWriter(case.golden, header, "pretty") as w:
+            with PlanWriter(case.golden, header, "pretty", replaces=True) as w:
                 for sp in plans:
                     w.write(sp)
             res.written = True
