@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from test_runtime_dist import make_header, planner_step
 from test_seed_systems_rt import planned_step, seed_header, tight_cluster
+
 from zeppelin.schemas.cluster import cluster_preset
 from zeppelin.schemas.model import model_preset
 from zeppelin.schemas.plan import PlanHeader, StepPlan, write_plan
