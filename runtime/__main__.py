@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activation recomputation (default: the plan's)")
     p.add_argument("--recompute-override", action="store_true",
                    help="run a plan made for another --recompute setting")
+    p.add_argument("--export", default=None, metavar="DIR",
+                   help="after the run, write the model as a Hugging Face directory (safetensors + config.json)")
     return p
 
 
@@ -89,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
                     checkpoint_dir=args.checkpoint_dir, resume=args.resume, timeout_s=args.timeout,
                     progress=args.progress, device=args.device, threads=args.threads,
                     tp_overlap=args.tp_overlap, dp=args.dp, zero_stage=args.zero_stage, hsdp=args.hsdp,
-                    dtype=args.dtype, recompute=args.recompute, recompute_override=args.recompute_override)
+                    dtype=args.dtype, recompute=args.recompute, recompute_override=args.recompute_override,
+                    export=args.export)
     try:
         summary = run_job(cfg)
     except InputError as e:
@@ -114,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         if "tp_overlap" in summary:
             line += f", TP overlap {summary['tp_overlap']}"
         print(line + f"; metrics in {summary['metrics']}", flush=True)
+        if "export" in summary:
+            print(f"zeppelin run: exported the model to {summary['export']} (transformers "
+                  "AutoModelForCausalLM.from_pretrained loads it)", flush=True)
         if "verify" in summary:
             v = summary["verify"]
             print(f"zeppelin run: --verify max relative differences: loss {v['loss_rel']:.2e}, "

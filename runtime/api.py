@@ -465,13 +465,19 @@ def _hf_attention_forward(module, query, key, value, attention_mask=None, dropou
     if dropout:
         raise ValueError(f"attention implementation {HF_ATTENTION_NAME!r} does not support attention dropout "
                          f"(got {dropout})")
+    timer = kwargs.get("zeppelin_timer")  # zeppelin run's per-phase timer (internal; optional)
+
+    def region(name, fn, *xs):
+        return timer.region(name, fn, *xs) if timer is not None else fn(*xs)
+
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
     hq, hkv = q.shape[1], k.shape[1]
     if ctx.remapped:  # one all-to-all for q, k and v together
-        qkv = to_attention_layout(torch.cat([q, k, v], dim=1), ctx)
+        qkv = region("remap", lambda x: to_attention_layout(x, ctx), torch.cat([q, k, v], dim=1))
         q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
-    o = attention(q, k, v, ctx, getattr(module, "layer_idx", None), scale=scaling)
-    o = to_linear_layout(o, ctx)
+    layer = getattr(module, "layer_idx", None)
+    o = region("attention", lambda a, b, c: attention(a, b, c, ctx, layer, scale=scaling), q, k, v)
+    o = region("remap", lambda x: to_linear_layout(x, ctx), o)
     return o[None], None
 
 

@@ -91,12 +91,30 @@ class TokenSource:
         self.vocab = vocab
         self.seed = seed
         self._fn = tokens_fn
-        if self._fn is None and manifest is not None and hasattr(manifest, "tokens"):
+        self.manifest = manifest
+        if self._fn is None and manifest is not None and getattr(manifest, "has_tokens", True) \
+                and hasattr(manifest, "tokens"):
             self._fn = manifest.tokens
         self._cache: dict[int, np.ndarray | None] = {}
 
     def clear(self) -> None:
         self._cache.clear()
+
+    @property
+    def synthetic(self) -> bool:
+        """True when every token id is synthetic (no manifest ids, no token function)."""
+        return self._fn is None
+
+    def describe(self) -> str:
+        """One line saying where the token ids come from."""
+        m = self.manifest
+        if not self.synthetic:
+            if m is None:
+                return "token ids from the caller's function"
+            return (f"token ids from {m.source} ({m.num_samples} samples, {m.num_tokens} tokens, "
+                    f"manifest hash {m.content_hash})")
+        why = "no --data given" if m is None else f"the manifest {m.source} holds lengths only"
+        return f"synthetic token ids ({why}; seed {self.seed}, vocabulary {self.vocab})"
 
     def _manifest_ids(self, sample_id: int) -> np.ndarray | None:
         if self._fn is None:

@@ -79,6 +79,7 @@ class RunConfig:
     dtype: str | None = None         # fp32 | bf16 (default: bf16 on CUDA, fp32 on CPU)
     recompute: str | None = None     # none | selective | full (default: the plan header's)
     recompute_override: bool = False  # run a plan made for another --recompute
+    export: str | None = None        # write a Hugging Face directory (safetensors + config) at the end
 
 
 # ---------------------------------------------------------------------------------------------
@@ -90,9 +91,10 @@ class PlanLayout(Layout):
     """One micro-batch on one rank, through the public API only (:mod:`zeppelin.runtime.api`):
     :func:`~zeppelin.runtime.api.attention` and the two remaps on the micro-batch's context."""
 
-    def __init__(self, ctx: AttentionContext) -> None:
+    def __init__(self, ctx: AttentionContext, linear_positions: torch.Tensor | None = None) -> None:
         self.ctx = ctx
         self.attn_positions = ctx.attention_positions
+        self.linear_positions = linear_positions
         self.tp = ctx.tp
 
     def to_attention(self, x):
@@ -217,7 +219,7 @@ class Executor:
         for mb in sc.microbatches:
             t1 = self._now()
             with self.activations.hooks():
-                loss_sum, h = self.model(mb.input_ids, mb.labels, PlanLayout(mb.context), timer)
+                loss_sum, h = self.model(mb.input_ids, mb.labels, PlanLayout(mb.context, mb.position_ids), timer)
             loss = loss_sum / mb.loss_normaliser
             t2 = self._now()
             loss.backward()
@@ -255,6 +257,9 @@ class Executor:
         rep = self.header.replicas(step)[unit]
         if rep.tp == 1:
             return None
+        if not getattr(self.model, "supports_tp", True):
+            raise InputError(f"step {step.step}: replica {unit} has tp={rep.tp}; Hugging Face models run "
+                             "plans without tensor parallelism only")
         hq = self.header.model.num_heads
         if rep.tp > hq:
             raise InputError(f"step {step.step}: replica {unit} has tp={rep.tp}, more than the model's {hq} "
@@ -372,7 +377,16 @@ class Executor:
         params, grads = full_params_and_grads(self.model)
         if self.rank != 0:
             return None
-        ref = LlamaModel(self.model.spec, seed=0).to(self.device)
+        if isinstance(self.model, LlamaModel):
+            ref = LlamaModel(self.model.spec, seed=0)
+        else:  # a transformers model (zeppelin.runtime.hf): a fresh one from the same config
+            from transformers import AutoModelForCausalLM
+
+            from .hf import HFCausalLM
+
+            ref = HFCausalLM(AutoModelForCausalLM.from_config(self.model.config, dtype=torch.float32),
+                             self.model.spec)
+        ref = ref.to(self.device)
         ref.dtype = torch.float32
         with torch.no_grad():
             for name, p in ref.named_parameters():
@@ -431,14 +445,21 @@ def plan_hash(header: PlanHeader) -> str:
 
 
 def _resolve_model_ref(ref: str):
-    from pathlib import Path as _P
+    from zeppelin.schemas.model import resolve_model_ref
 
-    from zeppelin.schemas.common import load_doc
-    from zeppelin.schemas.model import ModelSpec, model_preset
+    return resolve_model_ref(ref)
 
-    if ref.endswith(".json") or "/" in ref or _P(ref).exists():
-        return load_doc(ModelSpec, ref)
-    return model_preset(ref)
+
+def build_model(ref: str | None, header: PlanHeader, seed: int, device: torch.device):
+    """The model a job trains: the transformers model of ``hf:DIR`` (:mod:`zeppelin.runtime.hf`)
+    or the runtime's own Llama built from the plan's ModelSpec."""
+    from zeppelin.schemas.hf import is_hf_ref
+
+    if is_hf_ref(ref):
+        from .hf import load_hf_model
+
+        return load_hf_model(ref, seed=seed, device=device, spec=header.model)
+    return LlamaModel(header.model, seed=seed).to(device)
 
 
 def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSource, int, int]:
@@ -454,11 +475,26 @@ def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSo
         if content_hash(spec) != header.hashes.model:
             raise InputError(f"--model {cfg.model} does not match the plan: the plan was made for model "
                              f"{header.model.name!r} (hash {header.hashes.model}, given {content_hash(spec)})")
+    if cfg.model is not None and cfg.model.startswith("hf:") and header.tp > 1:
+        raise InputError(f"the plan uses tensor parallelism (tp={header.tp}); Hugging Face models run "
+                         "data/sequence/context-parallel plans only (plan with --tp 1)")
     if header.tp > header.model.num_heads:
         raise InputError(f"the plan's tensor-parallel degree tp={header.tp} exceeds the model's "
                          f"{header.model.num_heads} attention heads")
     if cfg.tp_overlap is not None and cfg.tp_overlap not in ("none", "slicing", "commfuse"):
         raise InputError(f"--tp-overlap {cfg.tp_overlap!r} is not one of none, slicing, commfuse")
+    if cfg.export:
+        from zeppelin.runtime.hf import export_problem
+
+        why = export_problem(cfg.model, header.model)
+        if why:
+            raise InputError(why)
+        ex_dir = Path(cfg.export)
+        if ex_dir.exists() and (not ex_dir.is_dir() or any(ex_dir.iterdir())):
+            raise InputError("--export: the directory exists and is not empty", source=ex_dir)
+    if cfg.data is None and header.manifest.token_ids:
+        raise InputError(f"the plan was made from a manifest with token ids ({header.manifest.path}); pass it "
+                         "with --data (without it the run would train on synthetic ids)")
     source, mhash = load_token_source(header.model.vocab_size, header.seed, cfg.data)
     if cfg.data is not None and mhash is not None and mhash != header.hashes.manifest:
         raise InputError(f"--data {cfg.data} does not match the plan: the plan was made for manifest hash "
@@ -620,6 +656,8 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
         except InputError as e:
             local_err = str(e)
     _agree(world, local_err)
+    if rank == 0:  # the run's first line: where its token ids come from
+        print(f"zeppelin run: {source.describe()}", flush=True)
     if state is not None:
         start = state["next_step"]
     # one scan of the steps to run: validates every record (a corrupt line is reported with its
@@ -629,7 +667,7 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
     groups = GroupCache(world, header=header, steps=steps_iter)
     set_default_cache(groups)
     seed = header.seed if cfg.seed is None else cfg.seed
-    model = LlamaModel(header.model, seed=seed).to(device)
+    model = build_model(cfg.model, header, seed, device)
     dtype = cfg.dtype or ("bf16" if device.type == "cuda" else "fp32")
     recompute = cfg.recompute if cfg.recompute is not None else getattr(header, "recompute", "none")
     ex = Executor(header, model, source, rank=rank, world_size=world, device=device, groups=groups,
@@ -693,6 +731,14 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
             progress.close()
         if mfh is not None:
             mfh.close()
+    exported = None
+    if cfg.export:  # every rank takes part in gathering the full state (collective under FSDP)
+        from .hf import export_model, full_state_dict
+
+        state_full = full_state_dict(model)
+        if rank == 0:
+            exported = str(export_model(model, header.model, cfg.export, state=state_full))
+        del state_full
     # every rank is done with every transfer before any rank tears its groups down
     dist.barrier()
     if rank != 0:
@@ -703,6 +749,8 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
         summary["tp_overlap"] = ex.tp_overlap
     if cfg.verify:
         summary["verify"] = verify_worst | {"tolerance": tol}
+    if exported is not None:
+        summary["export"] = exported
     return summary
 
 

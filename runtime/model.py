@@ -13,7 +13,8 @@ Embedding, final norm, LM head and the loss run in the linear layout. With tenso
 loss on sequence shards of the unit's linear buffer, Q/K/V and gate/up as column-parallel and O and
 down as row-parallel linears (overlap none / slicing / CommFuse), attention on the rank's heads. The model never
 communicates itself: a *layout* object supplies the remaps and the attention. The distributed
-layout (:class:`PlanLayout`) wraps the plan's ``AttentionEngine`` and ``Remapper``; the reference
+layout (:class:`PlanLayout`) wraps a micro-batch's context of the public API (``attention``,
+``to_attention_layout``, ``to_linear_layout`` of :mod:`zeppelin.runtime.api`); the reference
 layout (:class:`ReferenceLayout`) holds whole sequences and runs plain causal attention, so the
 same parameters give the single-process reference that ``--verify`` and the tests compare with.
 
@@ -152,6 +153,7 @@ class Layout:
     unit's tensor parallelism (None: the rank holds its whole linear buffer)."""
 
     attn_positions: torch.Tensor
+    linear_positions: torch.Tensor | None = None  # positions of the linear-layout tokens (HF models)
     tp: TPContext | None = None
 
     def to_attention(self, x: torch.Tensor) -> torch.Tensor:
@@ -172,6 +174,7 @@ class ReferenceLayout(Layout):
         self.attn_positions = torch.cat(
             [torch.arange(L, dtype=torch.int64) for L in self.seq_lengths]
         ).to(device) if self.seq_lengths else torch.zeros(0, dtype=torch.int64, device=device)
+        self.linear_positions = self.attn_positions
 
     def attention(self, q, k, v):
         return reference_attention(q, k, v, self.seq_lengths)

@@ -12,9 +12,9 @@ import json
 import math
 import os
 import re
+import secrets
 import signal
 import stat
-import tempfile
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -244,6 +244,13 @@ def _cleanup_signals() -> Iterator[None]:
             signal.signal(sig, h)
 
 
+def _temp_name(target: Path) -> str:
+    return str(target.parent / f".{target.name[:40]}.{secrets.token_hex(6)}.tmp")
+
+
+_TEMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+
+
 @contextmanager
 def atomic_write(path: str | os.PathLike, mode: str = "w", *, inputs: Any = (), what: str = "output",
                  replaces: bool = False) -> Iterator[Any]:
@@ -261,11 +268,17 @@ def atomic_write(path: str | os.PathLike, mode: str = "w", *, inputs: Any = (), 
             target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise InputError(f"cannot write {what}: {_reason(e)}", source=shown) from None
-    tmp = None
+    tmp: str | None = None
     try:
         with _cleanup_signals():
             try:
-                fd, tmp = tempfile.mkstemp(prefix=f".{target.name[:40]}.", suffix=".tmp", dir=str(target.parent))
+                while True:  # the name is known before the file exists: a signal in between still removes it
+                    tmp = _temp_name(target)
+                    try:
+                        fd = os.open(tmp, _TEMP_FLAGS, 0o600)
+                        break
+                    except FileExistsError:
+                        continue
                 with os.fdopen(fd, mode) as fh:
                     yield fh
                     fh.flush()

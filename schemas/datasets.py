@@ -40,7 +40,6 @@ from __future__ import annotations
 import glob as _glob
 import gzip
 import hashlib
-import importlib
 import json
 import os
 from array import array
@@ -134,8 +133,10 @@ class Dataset:
         ``common.content_hash(lengths_bytes + token_bytes)``)."""
         h = hashlib.sha256()
         h.update(self.lengths.astype("<i8", copy=False).tobytes())
-        if self._token_ids is not None:
-            h.update(np.ascontiguousarray(self._token_ids, dtype="<i8").tobytes())
+        if self._token_ids is not None:  # in chunks: token files may be memory maps larger than memory
+            step = 1 << 24
+            for a in range(0, int(self._token_ids.shape[0]), step):
+                h.update(np.ascontiguousarray(self._token_ids[a:a + step], dtype="<i8").tobytes())
         return "sha256:" + h.hexdigest()[:16]
 
     def describe(self) -> dict[str, Any]:
@@ -154,7 +155,7 @@ class Dataset:
         from .plan import ManifestRef
 
         return ManifestRef(path=self.source, format=self.format, num_samples=self.num_samples,
-                           num_tokens=self.num_tokens)
+                           num_tokens=self.num_tokens, token_ids=self.has_tokens)
 
     def __repr__(self) -> str:
         return (f"Dataset({self.source!r}, format={self.format}, samples={self.num_samples}, "
@@ -208,29 +209,63 @@ def _bytes(text: str) -> int:
     return len(text.encode("utf-8"))
 
 
-def resolve_tokenizer(spec: str | Callable[[str], Any]) -> Callable[[str], Any]:
-    """``'whitespace'``, ``'bytes'``, ``'module:callable'`` (or a callable) -> callable(text)."""
+BUILTIN_TOKENIZERS = {"whitespace": _whitespace, "bytes": _bytes}
+TOKENIZER_HINT = "'whitespace', 'bytes' or a tokenizer.json path"
+
+
+def _looks_like_path(spec: str) -> bool:
+    return spec.lower().endswith(".json") or "/" in spec or os.sep in spec
+
+
+def hf_tokenizer(path: str | os.PathLike, base: Path | None = None) -> Callable[[str], list[int]]:
+    """A Hugging Face ``tokenizer.json`` (a file, or a directory holding one) -> callable(text) ->
+    token ids, through the ``tokenizers`` library. The file is JSON read from disk (no code, no
+    network); special tokens are added as the tokenizer's post-processor defines them."""
+    p = Path(path).expanduser()
+    if base is not None and not p.is_absolute():
+        p = base / p
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    if not p.is_file():
+        raise InputError("tokenizer file not found (name a tokenizer.json or a directory holding one)", source=p)
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:  # pragma: no cover - a dependency
+        raise InputError("reading a tokenizer.json needs the tokenizers package", source=p) from None
+    try:
+        tk = Tokenizer.from_file(str(p))
+    except Exception as e:  # the library raises its own exception types for malformed files
+        msg = str(e).strip().splitlines()
+        raise InputError(f"cannot read tokenizer.json ({e.__class__.__name__}: {msg[0] if msg else ''})",
+                         source=p) from None
+
+    def encode(text: str) -> list[int]:
+        return tk.encode(text).ids
+
+    encode.tokenizer = tk  # type: ignore[attr-defined]
+    encode.path = str(p)  # type: ignore[attr-defined]
+    return encode
+
+
+def resolve_tokenizer(spec: str | Callable[[str], Any], base: Path | None = None) -> Callable[[str], Any]:
+    """A tokenizer named in a manifest or on the command line -> callable(text).
+
+    Data never names code: a string is a built-in tokenizer (``whitespace``, ``bytes``: counts
+    only) or the path of a Hugging Face ``tokenizer.json`` (or of a directory holding one; relative
+    to ``base``, the manifest document's directory), read with the ``tokenizers`` library (token
+    ids). A Python callable can only be passed in by a caller that chose to run it (the command
+    line's ``--python-tokenizer``, or library code)."""
     if callable(spec):
         return spec
-    if spec == "whitespace":
-        return _whitespace
-    if spec == "bytes":
-        return _bytes
-    if not isinstance(spec, str) or ":" not in spec:
-        raise InputError(f"unknown tokenizer {spec!r} (use 'whitespace', 'bytes' or 'module:callable')")
-    mod_name, _, attr = spec.partition(":")
-    try:
-        mod = importlib.import_module(mod_name)
-    except Exception as e:  # ImportError and errors raised while importing the module
-        raise InputError(f"cannot import tokenizer module {mod_name!r} ({e.__class__.__name__}: {e})") from None
-    obj: Any = mod
-    for part in attr.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            raise InputError(f"tokenizer {spec!r}: module {mod_name!r} has no attribute {attr!r}")
-    if not callable(obj):
-        raise InputError(f"tokenizer {spec!r} is not callable")
-    return obj
+    if isinstance(spec, str) and spec in BUILTIN_TOKENIZERS:
+        return BUILTIN_TOKENIZERS[spec]
+    if isinstance(spec, str) and _looks_like_path(spec):
+        return hf_tokenizer(spec, base)
+    if isinstance(spec, str) and ":" in spec:
+        raise InputError(f"tokenizer {spec!r} names Python code, which a manifest or case file may not do "
+                         f"(built-in tokenizers: {TOKENIZER_HINT}; `zeppelin data stats --python-tokenizer "
+                         f"MODULE:CALLABLE` runs code you name on the command line)")
+    raise InputError(f"unknown tokenizer {spec!r} (use {TOKENIZER_HINT})")
 
 
 # =============================================================================================
@@ -721,6 +756,88 @@ def _read_parquet(path: Path, mode: str, field: str, tok: Callable[[str], Any] |
 # =============================================================================================
 
 
+def _token_file(path: Path, dtype: str | None) -> np.ndarray:
+    """A token file as a read-only memory map: ``.npy`` (its own dtype) or raw little-endian
+    ``.bin`` of ``dtype``."""
+    check_input_file(path, "token file")
+    if path.name.lower().endswith(".npy"):
+        try:
+            arr = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError) as e:
+            raise InputError(f"cannot read .npy token file ({e.__class__.__name__}: {e})", source=path) from None
+        if not isinstance(arr, np.ndarray) or arr.ndim != 1 or arr.dtype.kind not in "iu":
+            raise InputError("expected a 1-D integer array of token ids", source=path)
+        return arr
+    if not path.name.lower().endswith(".bin"):
+        raise InputError("token files are .npy or .bin", source=path)
+    if dtype is None:
+        raise InputError("a .bin token file needs token_dtype in the manifest (uint16, uint32, int32 or int64)",
+                         source=path)
+    dt = np.dtype(dtype).newbyteorder("<")
+    size = path.stat().st_size
+    if size % dt.itemsize:
+        raise InputError(f"file size {size} is not a multiple of the {dtype} token size ({dt.itemsize} bytes)",
+                         source=path)
+    if size == 0:
+        return np.zeros(0, dtype=dt)
+    return np.memmap(path, dtype=dt, mode="r")
+
+
+def _offsets_file(path: Path, n_tokens: int) -> np.ndarray:
+    check_input_file(path, "offsets index")
+    try:
+        off = np.load(path, allow_pickle=False)
+    except (ValueError, OSError) as e:
+        raise InputError(f"cannot read offsets index ({e.__class__.__name__}: {e})", source=path) from None
+    if not isinstance(off, np.ndarray) or off.ndim != 1 or off.dtype.kind not in "iu" or off.size < 2:
+        raise InputError("the offsets index must be a 1-D integer .npy array of num_samples + 1 entries",
+                         source=path)
+    off = off.astype(np.int64)
+    if off[0] != 0:
+        raise InputError(f"the offsets index must start at 0 (got {int(off[0])})", source=path)
+    lengths = np.diff(off)
+    bad = np.flatnonzero(lengths <= 0)
+    if bad.size:
+        i = int(bad[0])
+        raise InputError(f"non-positive length {int(lengths[i])} at sample {i} (offsets {int(off[i])} -> "
+                         f"{int(off[i + 1])})", source=path)
+    if int(off[-1]) != n_tokens:
+        raise InputError(f"the offsets index ends at {int(off[-1])} but the token file holds {n_tokens} ids",
+                         source=path)
+    return off
+
+
+def _load_token_files(spec: ManifestSpec, base: Path | None, source: str) -> Dataset:
+    """Token files (``.npy`` / ``.bin``) with an offsets index each (``spec.offsets``, paired with
+    ``spec.paths`` in order): sample ``i`` of a shard is ``tokens[offsets[i]:offsets[i + 1]]``."""
+    def one(p: str) -> Path:
+        q = Path(p).expanduser()
+        if base is not None and not q.is_absolute():
+            q = base / q
+        if not q.exists():
+            raise InputError("file not found", source=q)
+        return q
+
+    paths = [one(p) for p in spec.paths]
+    offs = [one(p) for p in spec.offsets or []]
+    if len(paths) != len(offs):
+        raise InputError(f"{len(paths)} token files but {len(offs)} offsets indexes (one per token file)",
+                         source=source)
+    toks, lens, names = [], [], []
+    for tp, op in zip(paths, offs):
+        t = _token_file(tp, spec.token_dtype)
+        off = _offsets_file(op, int(t.shape[0]))
+        toks.append(t)
+        lens.append(np.diff(off))
+        names.append(str(tp))
+    lengths = np.concatenate(lens) if len(lens) > 1 else lens[0]
+    token_ids = toks[0] if len(toks) == 1 else np.concatenate([np.asarray(t, dtype=np.int64) for t in toks])
+    offsets = np.zeros(lengths.size + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    fmt = "tokens-npy" if all(n.lower().endswith(".npy") for n in names) else "tokens-bin"
+    return Dataset(lengths, source=source, format=fmt, shards=names, token_ids=token_ids, token_offsets=offsets)
+
+
 def _is_spec_file(ref: str | os.PathLike) -> bool:
     return str(ref).lower().endswith(".manifest.json")
 
@@ -759,14 +876,23 @@ def load_manifest(
         mode, field = "tokens", tf
     elif xf:
         if not tk:
-            raise InputError("text_field needs a tokenizer ('whitespace', 'bytes' or 'module:callable')",
+            raise InputError(f"text_field needs a tokenizer ({TOKENIZER_HINT})",
                              source=source if base else None)
         mode, field = "text", xf
     else:
         mode, field = "length", (lf or "length")
-    tok = resolve_tokenizer(tk) if mode == "text" else None
+    tok = None
+    if mode == "text":
+        try:
+            tok = resolve_tokenizer(tk, base)
+        except InputError as e:  # name the manifest document that named the tokenizer
+            if tokenizer is None and base is not None and e.source is None:
+                raise InputError(e.problem, source=source) from None
+            raise
     forced = None if spec.format == "auto" else spec.format
 
+    if spec.offsets is not None:
+        return _load_token_files(spec, base, source)
     shards: list[tuple[Path, str]] = []
     for pattern in spec.paths:
         shards.extend(_expand(pattern, base, forced))

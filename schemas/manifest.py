@@ -30,11 +30,19 @@ class ManifestSpec(Doc):
     text_field: str | None = Field(default=None, description="field/column holding raw text")
     tokenizer: str | None = Field(
         default=None,
-        description="for text_field: 'whitespace', 'bytes', or 'module:callable' returning token ids or a count",
+        description="for text_field: 'whitespace' or 'bytes' (lengths only), or the path of a Hugging Face "
+                    "tokenizer.json or of a directory holding one (token ids); a manifest never names Python code",
     )
+    offsets: list[str] | None = Field(
+        default=None,
+        description="token files: one offsets index (.npy, num_samples + 1 int entries from 0) per entry of "
+                    "paths, which then name .npy or raw .bin token-id files",
+    )
+    token_dtype: Literal["uint8", "uint16", "uint32", "int32", "int64"] | None = Field(
+        default=None, description="dtype of raw .bin token files (little-endian)")
 
     @model_validator(mode="after")
     def _check(self) -> "ManifestSpec":
         if self.text_field and not self.tokenizer:
-            raise ValueError("text_field needs a tokenizer ('whitespace', 'bytes' or 'module:callable')")
+            raise ValueError("text_field needs a tokenizer ('whitespace', 'bytes' or a tokenizer.json path)")
         return self

@@ -99,3 +99,19 @@ def model_preset(name: str) -> ModelSpec:
     if key not in _PRESETS:
         raise InputError(f"unknown model preset {name!r} (known: {', '.join(MODEL_PRESETS)})")
     return _PRESETS[key]()
+
+
+def resolve_model_ref(ref: str) -> ModelSpec:
+    """A model reference of the command line: ``hf:DIR`` (a Hugging Face ``config.json``, see
+    :mod:`zeppelin.schemas.hf`), a ModelSpec JSON file, or a preset name."""
+    import os
+
+    from .common import load_doc
+
+    if ref.startswith("hf:"):
+        from .hf import hf_model_spec
+
+        return hf_model_spec(ref)
+    if ref.lower().endswith(".json") or "/" in ref or os.sep in ref:  # a bare name is always a preset
+        return load_doc(ModelSpec, ref)
+    return model_preset(ref)

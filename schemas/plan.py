@@ -32,6 +32,7 @@ layout instead and the runtime remaps activations between the two.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -210,9 +211,13 @@ class Prediction(Strict):
 
 class SolverInfo(Strict):
     name: str = Field(description="e.g. highs, cbc, greedy")
-    status: str = "ok"
+    status: str = Field(default="ok", description="ok (no solver), optimal, work_limit (node / iteration limit: "
+                                                  "reproducible), wall_clock_limit (the optional wall-clock safety "
+                                                  "net fired: the step depends on the machine's load)")
     gap: float | None = Field(default=None, description="relative optimality gap (0 = proven optimal)")
-    time_s: float = 0.0
+    # planning wall time: kept in memory for reports, never written (plan bytes must not depend on
+    # the machine's load); older plans that carry it still read
+    time_s: float = Field(default=0.0, exclude=True)
     fallback_reason: str | None = None
 
 
@@ -243,6 +248,16 @@ class ManifestRef(Strict):
     format: str = ""
     num_samples: int = 0
     num_tokens: int = 0
+    #: the manifest holds token ids (then ``zeppelin run`` needs it as ``--data``); written only when true,
+    #: so plans of lengths-only manifests keep their bytes
+    token_ids: bool = False
+
+    @model_serializer(mode="wrap")
+    def _drop_default_token_ids(self, handler):
+        data = handler(self)
+        if not self.token_ids:
+            data.pop("token_ids", None)
+        return data
 
 
 class SamplerConfig(Strict):
@@ -292,6 +307,8 @@ class PlanHeader(Doc):
             raise ValueError(
                 f"world_size {self.world_size} does not match the cluster ({self.cluster.world_size} GPUs)"
             )
+        if self.cluster.gpus_per_node % self.tp:
+            raise ValueError(f"tp={self.tp} does not divide the cluster's {self.cluster.gpus_per_node} GPUs per node")
         return self
 
     @property
@@ -324,10 +341,15 @@ def structural_problems(header: PlanHeader, step: StepPlan, limit: int = 20) -> 
         if len(mb.queues) != n_units:
             probs.append(f"{where}: {len(mb.queues)} queues for {n_units} units")
             continue
+        bad_unit = False
         for gi, g in enumerate(mb.groups):
             for u in g.units:
                 if not 0 <= u < n_units:
                     probs.append(f"{where}: group {gi} names unit {u} (have {n_units})")
+                    bad_unit = True
+        if bad_unit:
+            continue
+        probs += _route_problems(header, mb, n_units, where)
         for u, q in enumerate(mb.queues):
             for g in q:
                 if not 0 <= g < len(mb.groups) or u not in mb.groups[g].units:
@@ -348,6 +370,9 @@ def structural_problems(header: PlanHeader, step: StepPlan, limit: int = 20) -> 
                 )
         if len(probs) >= limit:
             return probs[:limit]
+    if probs:
+        return probs[:limit]
+    probs += _prediction_problems(header, step, n_units)
     # coverage: every token of every sequence exactly once, in attention and in linear layout
     att: dict[int, list[tuple[int, int]]] = {}
     lin: dict[int, list[tuple[int, int]]] = {}
@@ -410,6 +435,47 @@ def structural_problems(header: PlanHeader, step: StepPlan, limit: int = 20) -> 
     return probs[:limit]
 
 
+def _route_problems(header: PlanHeader, mb: MicroBatch, n_units: int, where: str) -> list[str]:
+    """Every index and name a route uses exists: its group, its endpoints (members of the group), its
+    proxies (units) and its NICs (of the plan's cluster)."""
+    probs = []
+    nics = {f"node{k}/{n.id}" for k in range(header.cluster.num_nodes) for n in header.cluster.nics}
+    for ri, r in enumerate(mb.routes):
+        if not 0 <= r.group < len(mb.groups):
+            probs.append(f"{where}: route {ri} names missing group {r.group}")
+            continue
+        members = mb.groups[r.group].units
+        for end, u in (("source", r.src), ("destination", r.dst)):
+            if u not in members:
+                probs.append(f"{where}: route {ri} {end} {u} is not a unit of group {r.group}")
+        for path in r.paths:
+            for end, u in (("source", path.via_src), ("destination", path.via_dst)):
+                if not 0 <= u < n_units:
+                    probs.append(f"{where}: route {ri} {end} proxy {u} is not a unit (have {n_units})")
+            for nic in (path.nic_src, path.nic_dst):
+                if nic not in nics:
+                    probs.append(f"{where}: route {ri} uses NIC {nic!r}, which the cluster does not have")
+    return probs
+
+
+def _prediction_problems(header: PlanHeader, step: StepPlan, n_units: int) -> list[str]:
+    """A prediction has one entry per unit and names only the cluster's NICs."""
+    pred = step.prediction
+    if pred is None:
+        return []
+    probs = []
+    for name in RankLoads.model_fields:
+        got = len(getattr(pred.per_unit, name))
+        if got != n_units:
+            probs.append(f"step {step.step}: prediction per_unit.{name} has {got} entries for {n_units} units")
+    nics = {f"node{k}/{n.id}" for k in range(header.cluster.num_nodes) for n in header.cluster.nics}
+    for field in ("nic_bytes", "nic_bytes_unrouted"):
+        for k in getattr(pred, field):
+            if k not in nics:
+                probs.append(f"step {step.step}: prediction {field} names NIC {k!r}, which the cluster does not have")
+    return probs
+
+
 # ---------------------------------------------------------------------------------------------
 # Streaming reader / atomic writer
 # ---------------------------------------------------------------------------------------------
@@ -453,13 +519,19 @@ class PlanWriter:
     def __enter__(self) -> "PlanWriter":
         self._cm = atomic_write(self.path, replaces=self.replaces)
         self._fh = self._cm.__enter__()
-        self._fh.write(_dump(self.header, self.fmt))
+        self._digest = hashlib.sha256()
+        self._put(_dump(self.header, self.fmt))
         return self
+
+    def _put(self, text: str) -> None:
+        data = text.encode()
+        self._digest.update(data)
+        self._fh.write(text)
 
     def write(self, step: StepPlan) -> None:
         if step.step != self.count:
             raise ValueError(f"steps must be written in order: expected step {self.count}, got {step.step}")
-        self._fh.write(_dump(step, self.fmt))
+        self._put(_dump(step, self.fmt))
         self.count += 1
 
     def __exit__(self, et, ev, tb):
@@ -467,7 +539,16 @@ class PlanWriter:
             err = ValueError(f"header promises {self.header.num_steps} steps, {self.count} written")
             self._cm.__exit__(ValueError, err, None)  # removes the temporary file
             raise err
+        if et is None:
+            self._fh.write(end_record(self.count, self._digest))
         return self._cm.__exit__(et, ev, tb)
+
+
+def end_record(steps: int, digest: "hashlib._Hash") -> str:
+    """The last record of a plan: the step count and a SHA-256 digest of every record before it (the
+    bytes as written), so that a reader detects any edit of the header or of any step."""
+    return json.dumps({"kind": "end", "steps": steps, "digest": "sha256:" + digest.hexdigest()},
+                      separators=(",", ":")) + "\n"
 
 
 def write_plan(path, header: PlanHeader, steps, fmt: Literal["jsonl", "pretty"] = "jsonl") -> None:
@@ -493,8 +574,10 @@ class PlanReader:
             raise InputError("is a directory, not a plan file", source=self.path)
         check_input_file(self.path, "plan")
         self._offsets: list[int] | None = None
+        self._integrity: str | None = None  # set by a full scan: why the plan fails its integrity check
         with self.path.open("rb") as fh:
             rec, self._first_step_offset = self._read_record(fh, 0, what="header")
+        self._header_raw = self._raw
         if rec is None:
             raise InputError("empty plan file", source=self.path)
         if rec.get("kind") != "header":
@@ -508,7 +591,9 @@ class PlanReader:
             raise InputError(f"invalid plan header: {format_validation_error(e)}", source=self.path) from None
 
     # A record is either one JSON line, or a pretty block ending with a line that is exactly "}".
+    # ``self._raw`` keeps the bytes of the record just read (for the integrity digest).
     def _read_record(self, fh, offset: int, what: str) -> tuple[dict | None, int]:
+        self._raw = b""
         fh.seek(offset)
         line = fh.readline()
         while line and not line.strip():
@@ -527,6 +612,7 @@ class PlanReader:
                 if nxt.rstrip(b"\r\n") == b"}":
                     break
             text = b"".join(buf)
+        self._raw = text
         try:
             rec = parse_json(text, source=self.path, what=what)
         except InputError as e:
@@ -551,7 +637,23 @@ class PlanReader:
                 raise InputError(f"step {k}: invalid plan: {probs[0]}", source=self.path)
         return step
 
+    def _end_problem(self, rec: dict, k: int, digest, fh) -> str | None:
+        """Why the end record does not vouch for the ``k`` records before it (None: it does)."""
+        if set(rec) != {"kind", "steps", "digest"} or not isinstance(rec["digest"], str):
+            return "end record: expected exactly kind, steps and digest"
+        if rec["steps"] != k:
+            return f"end record: it counts {rec['steps']} steps, the file has {k}"
+        if rec["digest"] != "sha256:" + digest.hexdigest():
+            return ("integrity check failed: the records do not match the digest of the end record "
+                    "(the plan was edited after it was written)")
+        if fh.read(1 << 16).strip():
+            return "integrity check failed: records after the end record"
+        return None
+
     def __iter__(self) -> Iterator[StepPlan]:
+        """Steps in order, each checked when read; the digest of the end record (plans written before
+        it existed have none) is checked once every record has been read."""
+        digest = hashlib.sha256(self._header_raw)
         with self.path.open("rb") as fh:
             off = self._first_step_offset
             k = 0
@@ -559,6 +661,12 @@ class PlanReader:
                 rec, off = self._read_record(fh, off, what=f"step {k}")
                 if rec is None:
                     break
+                if rec.get("kind") == "end":
+                    problem = self._end_problem(rec, k, digest, fh)
+                    if problem:
+                        raise InputError(problem, source=self.path)
+                    break
+                digest.update(self._raw)
                 yield self._parse_step(rec, k)
                 k += 1
         if k != self.header.num_steps:
@@ -566,8 +674,10 @@ class PlanReader:
                              source=self.path)
 
     def _index(self) -> list[int]:
+        """Offsets of the step records, from one scan that also checks the integrity digest."""
         if self._offsets is None:
             offs = []
+            digest = hashlib.sha256(self._header_raw)
             with self.path.open("rb") as fh:
                 off = self._first_step_offset
                 k = 0
@@ -577,6 +687,11 @@ class PlanReader:
                     rec, nxt = self._read_record(fh, off, what=f"step {k}")
                     if rec is None:
                         break
+                    if rec.get("kind") == "end":
+                        fh.seek(nxt)
+                        self._integrity = self._end_problem(rec, k, digest, fh)
+                        break
+                    digest.update(self._raw)
                     offs.append(pos)
                     off = nxt
                     k += 1
@@ -594,7 +709,10 @@ class PlanReader:
             raise InputError(f"step {k} out of range (plan has {self.header.num_steps} steps)", source=self.path)
         with self.path.open("rb") as fh:
             rec, _ = self._read_record(fh, offs[k], what=f"step {k}")
-        return self._parse_step(rec, k)
+        step = self._parse_step(rec, k)
+        if self._integrity:  # after the step's own checks, which name what is wrong more precisely
+            raise InputError(self._integrity, source=self.path)
+        return step
 
 
 def read_plan(path: str | os.PathLike, *, check: bool = True) -> tuple[PlanHeader, list[StepPlan]]:

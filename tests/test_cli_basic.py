@@ -59,8 +59,8 @@ def test_stats_parquet_npy_and_fields(tmp_path, capsys):
     assert code == 2 and err == f"zeppelin: error: {tmp_path / 'c.jsonl'}: field 'text' not found at line 2 " \
                                 "(fields: ids)\n"
     code, _, err = run(["data", "stats", str(tmp_path / "c.jsonl"), "--text-field", "text"], capsys)
-    assert code == 2 and err == "zeppelin: error: --text-field needs --tokenizer ('whitespace', 'bytes' or " \
-                                "'module:callable')\n"
+    assert code == 2 and err == "zeppelin: error: --text-field needs --tokenizer ('whitespace', 'bytes' or a tokenizer.json path) or " \
+                                "--python-tokenizer MODULE:CALLABLE\n"
 
 
 def test_png_written_and_nothing_written_on_error(tmp_path, capsys):

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def toy_tokenizer(text: str) -> list[int]:
-    """module:callable tokenizer used by the tests: one id per character (its code point)."""
+    """A Python tokenizer passed in by the caller: one id per character (its code point)."""
     return [ord(c) for c in text]
 
 
@@ -162,29 +162,29 @@ def test_tokens_field_keeps_flat_ids_and_hash_covers_them(tmp_path):
         ds.tokens(3)
 
 
-def test_text_field_with_builtin_and_module_tokenizers(tmp_path):
+def test_text_field_with_builtin_and_python_tokenizers(tmp_path):
     p = write_lines(tmp_path / "x.jsonl", [json.dumps({"text": "hello big world"}), json.dumps({"text": "é a"})])
     assert load_manifest(p, text_field="text", tokenizer="whitespace").lengths.tolist() == [3, 2]
     assert load_manifest(p, text_field="text", tokenizer="bytes").lengths.tolist() == [15, 4]
-    ds = load_manifest(p, text_field="text", tokenizer=f"{__name__}:toy_tokenizer")
+    ds = load_manifest(p, text_field="text", tokenizer=toy_tokenizer)
     assert ds.lengths.tolist() == [15, 3]
     assert ds.has_tokens and ds.tokens(1).tolist() == [ord("é"), ord(" "), ord("a")]
-    ds = load_manifest(p, text_field="text", tokenizer=f"{__name__}:count_tokenizer")
+    ds = load_manifest(p, text_field="text", tokenizer=count_tokenizer)
     assert ds.lengths.tolist() == [16, 4] and not ds.has_tokens
 
 
 def test_tokenizer_errors(tmp_path):
     p = write_lines(tmp_path / "x.jsonl", [json.dumps({"text": "a b"})])
-    assert err(load_manifest, p, text_field="text", tokenizer="nosuchmod_zz:f") == (
-        "cannot import tokenizer module 'nosuchmod_zz' (ModuleNotFoundError: No module named 'nosuchmod_zz')")
-    assert err(load_manifest, p, text_field="text", tokenizer=f"{__name__}:missing") == (
-        f"tokenizer '{__name__}:missing': module '{__name__}' has no attribute 'missing'")
+    assert err(load_manifest, p, text_field="text", tokenizer=f"{__name__}:toy_tokenizer") == (
+        f"tokenizer '{__name__}:toy_tokenizer' names Python code, which a manifest or case file may not do "
+        "(built-in tokenizers: 'whitespace', 'bytes' or a tokenizer.json path; `zeppelin data stats --python-tokenizer MODULE:CALLABLE` "
+        "runs code you name on the command line)")
     assert err(load_manifest, p, text_field="text", tokenizer="sentencepiece-ish") == (
-        "unknown tokenizer 'sentencepiece-ish' (use 'whitespace', 'bytes' or 'module:callable')")
-    assert err(load_manifest, p, text_field="text", tokenizer=f"{__name__}:bad_tokenizer") == (
+        "unknown tokenizer 'sentencepiece-ish' (use 'whitespace', 'bytes' or a tokenizer.json path)")
+    assert err(load_manifest, p, text_field="text", tokenizer=bad_tokenizer) == (
         f"{p}: tokenizer returned str at line 1; expected a list of token ids or a count")
     assert err(load_manifest, p, text_field="text") == (
-        "text_field needs a tokenizer ('whitespace', 'bytes' or 'module:callable')")
+        "text_field needs a tokenizer ('whitespace', 'bytes' or a tokenizer.json path)")
 
 
 def test_jsonl_error_messages(tmp_path):

@@ -237,3 +237,79 @@ def test_signal_while_writing_leaves_nothing(work, sig):
     assert proc.returncode == 128 + sig
     assert err.splitlines()[-1] == f"zeppelin: terminated by {signal.Signals(sig).name}"
     assert snapshot(work) == before
+
+
+# ---------------------------------------------------------------------------------- no code from data
+CODE = ("tokenizer 'os:system' names Python code, which a manifest or case file may not do (built-in tokenizers: "
+        "'whitespace', 'bytes' or a tokenizer.json path; `zeppelin data stats --python-tokenizer MODULE:CALLABLE` runs code you name on "
+        "the command line)")
+
+
+def _code_manifest(work: Path) -> None:
+    """A manifest whose tokenizer would run each record's text as a shell command."""
+    (work / "t.jsonl").write_text(json.dumps({"text": "touch pwned"}) + "\n")
+    (work / "evil.manifest.json").write_text(json.dumps(
+        {"paths": ["t.jsonl"], "text_field": "text", "tokenizer": "os:system"}))
+    (work / "cases").mkdir()
+    (work / "cases" / "c.json").write_text(json.dumps(
+        {"cluster": "local-cpu:2", "model": "tiny", "dataset": "../evil.manifest.json", "planner": "packed-dp",
+         "steps": 1, "tokens_per_step": 2048, "tolerance": 0.1}))
+
+
+CODE_CASES = [
+    ("data-stats", ["data", "stats", "evil.manifest.json"], f"evil.manifest.json: {CODE}"),
+    ("plan", ["plan", "-m", "evil.manifest.json", "-c", "local-cpu:2", "--model", "tiny", "-o", "o.jsonl"],
+     f"evil.manifest.json: {CODE}"),
+    ("compare", ["compare", "-c", "local-cpu:2", "-m", "tiny", "-n", "1", "-d", "evil.manifest.json"],
+     f"evil.manifest.json: {CODE}"),
+    ("check-case", ["check", "cases"], f"c: bad input: cases/../evil.manifest.json: {CODE}"),
+    ("validate", ["validate", "p.jsonl", "--manifest", "evil.manifest.json"], f"evil.manifest.json: {CODE}"),
+    ("demo", ["demo", "--manifest", "evil.manifest.json", "--cluster", "local-cpu:2", "--model", "tiny"],
+     f"evil.manifest.json: {CODE}"),
+    ("data-stats-cli-tokenizer", ["data", "stats", "t.jsonl", "--text-field", "text", "--tokenizer", "os:system"],
+     CODE),
+    ("python-tokenizer-no-text-field", ["data", "stats", "t.jsonl", "--python-tokenizer", "builtins:len"],
+     "--python-tokenizer needs --text-field"),
+    ("python-tokenizer-bad-ref", ["data", "stats", "t.jsonl", "--text-field", "text", "--python-tokenizer", "os"],
+     "--python-tokenizer 'os': expected MODULE:CALLABLE"),
+    ("python-tokenizer-missing", ["data", "stats", "t.jsonl", "--text-field", "text", "--python-tokenizer",
+                                  "nosuchmod_zz:f"],
+     "--python-tokenizer: cannot import module 'nosuchmod_zz' (ModuleNotFoundError: No module named 'nosuchmod_zz')"),
+    ("python-tokenizer-both", ["data", "stats", "t.jsonl", "--text-field", "text", "--tokenizer", "bytes",
+                               "--python-tokenizer", "builtins:len"],
+     "--tokenizer and --python-tokenizer exclude each other"),
+]
+
+
+@pytest.mark.parametrize("argv,message", [c[1:] for c in CODE_CASES], ids=[c[0] for c in CODE_CASES])
+def test_data_never_names_code(work, capsys, argv, message):
+    _code_manifest(work)
+    assert_refused(work, capsys, argv, message)
+
+
+def test_python_tokenizer_only_from_the_command_line(work, capsys):
+    _code_manifest(work)
+    rc, out, err = run_cli(["data", "stats", "t.jsonl", "--text-field", "text", "--python-tokenizer", "builtins:len",
+                            "--json"], capsys)
+    assert rc == 0, err
+    assert json.loads(out)["num_tokens"] == len("touch pwned")
+
+
+def test_no_import_or_unpickling_of_data_in_the_source():
+    """Only fixed module names are imported, and only the --python-tokenizer option imports a name the
+    user gave; nothing unpickles with pickle or numpy's allow_pickle (torch.load is checked by the
+    checkpoint tests)."""
+    hits: dict[str, list[str]] = {}
+    for pkg in ("schemas", "planner", "runtime"):
+        for f in sorted((ROOT / pkg).rglob("*.py")):
+            text = f.read_text()
+            for needle in ("import_module(", "__import__(", "exec(", "eval(", "pickle.load", "allow_pickle=True",
+                           "runpy", "marshal.load"):
+                if needle in text:
+                    hits.setdefault(needle, []).append(str(f.relative_to(ROOT)))
+    assert hits.pop("import_module(", []) == ["planner/cli/data.py", "planner/core/registry.py",
+                                              "planner/zeppelin/planner.py"]
+    assert hits == {}
+    # the two fixed-name imports: string constants naming zeppelin's own modules
+    assert 'import_module(f"zeppelin.planner.zeppelin.{module}")' in (ROOT / "planner/zeppelin/planner.py").read_text()
+    assert '"zeppelin.planner.baselines",' in (ROOT / "planner/core/registry.py").read_text()

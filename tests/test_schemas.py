@@ -136,7 +136,7 @@ def test_manifest_spec_validation():
     with pytest.raises(InputError) as e:
         validate_doc(ManifestSpec, {"paths": ["a.jsonl"], "text_field": "text"})
     assert str(e.value) == (
-        "invalid ManifestSpec: (document): text_field needs a tokenizer ('whitespace', 'bytes' or 'module:callable')"
+        "invalid ManifestSpec: (document): text_field needs a tokenizer ('whitespace', 'bytes' or a tokenizer.json path)"
     )
     with pytest.raises(InputError) as e:
         validate_doc(ManifestSpec, {"paths": []})

@@ -157,10 +157,10 @@ def test_ilp_finds_optimum_greedy_misses():
     args = (np.zeros(2), np.zeros(2), cost, np.ones(5), np.ones(5, dtype=int), 100.0)
     g = greedy_pack(*args, search=False)
     assert g.makespan == pytest.approx(7.0)
-    r = pack(*args, ilp="always", time_limit=5)
+    r = pack(*args, ilp="always")
     assert r.makespan == pytest.approx(6.0)
     assert r.solver == "highs" and r.status == "optimal" and r.gap == pytest.approx(0.0)
-    rc = pack(*args, ilp="always", time_limit=5, solver="cbc")
+    rc = pack(*args, ilp="always", solver="cbc")
     assert rc.makespan == pytest.approx(6.0) and rc.solver == "cbc"
 
 
@@ -180,7 +180,7 @@ def test_ilp_never_worse_than_greedy(costs, B, data):
     cap = float(tokens.sum())  # always feasible
     args = (np.zeros(B), np.zeros(B), np.array(costs), tokens, width, cap)
     g = pack(*args, ilp="never")
-    r = pack(*args, ilp="always", time_limit=1.0)
+    r = pack(*args, ilp="always")
     assert r.makespan <= g.makespan + 1e-9
     assert r.makespan >= r.lower_bound - 1e-9
     for i, bs in enumerate(r.bins):
@@ -198,23 +198,26 @@ def _check_plan(ctx, plan, lengths):
     placed = sorted(p.seq for mb in plan.microbatches for p in mb.placements)
     assert placed == list(range(len(lengths)))
     cap = ctx.cost.token_capacity
+    if plan.replicas is not None:  # a tp-replicas plan: units are replicas of their own TP degree
+        cap = np.array([ctx.cost_for(r.tp).token_capacity for r in plan.replicas])
     for mb in plan.microbatches:
-        held = np.zeros(ctx.num_units)
+        held = np.zeros(len(mb.queues))
         for p in mb.placements:
             g = mb.groups[p.group]
             if g.kind == "ring":
                 assert p.ranges == zigzag_ranges(lengths[p.seq], len(g.units))
             for pos, u in enumerate(g.units):
                 held[u] += sum(e - s for s, e in p.ranges[pos])
-        assert held.max() <= cap
+        assert (held <= cap).all()
         # queues: inter before intra before local
         rank = {"inter": 0, "intra": 1, "local": 2}
         for q in mb.queues:
             tiers = [rank[mb.groups[g].tier] for g in q]
             assert tiers == sorted(tiers)
-        # inter rings: units of a node contiguous, each node entered once
+        # inter rings: units of a node contiguous, each node entered once (units of the context's
+        # TP degree; a tp-replicas plan's rings join whole replicas)
         upn = ctx.units_per_node
-        for g in mb.groups:
+        for g in (mb.groups if plan.replicas is None else []):
             if g.tier == "inter":
                 nodes = [u // upn for u in g.units]
                 changes = sum(1 for a, b in zip(nodes, nodes[1:] + nodes[:1]) if a != b)
@@ -229,7 +232,7 @@ def test_plan_step_structure_and_tiers():
     rng = np.random.default_rng(3)
     # many short sequences (their rings would waste device time on small blocks) and two long ones
     lengths = list(np.clip(rng.lognormal(7, 1, 600).astype(int), 16, 4000)) + [tg.cap * 5, tg.cap * 12]
-    plan = ZeppelinPlanner(intra="ring").plan_step(ctx, 0, seqs_of(lengths))
+    plan = ZeppelinPlanner(intra="ring", families="none").plan_step(ctx, 0, seqs_of(lengths))
     _check_plan(ctx, plan, lengths)
     tiers = plan.notes["tiers"]
     assert tiers["inter"] >= 1 and tiers["local"] >= 1
@@ -257,8 +260,8 @@ def test_intra_node_ulysses_option():
         tg = Tiering(ctx)
         rng = np.random.default_rng(mix_seed)
         lengths = list(np.clip(rng.lognormal(8.5, 1.2, 90).astype(int), 16, 60000)) + [tg.cap * 3]
-        ring = ZeppelinPlanner(intra="ring").plan_step(ctx, 0, seqs_of(lengths))
-        auto = ZeppelinPlanner(intra="auto").plan_step(ctx, 0, seqs_of(lengths))
+        ring = ZeppelinPlanner(intra="ring", families="none").plan_step(ctx, 0, seqs_of(lengths))
+        auto = ZeppelinPlanner(intra="auto", families="none").plan_step(ctx, 0, seqs_of(lengths))
         _check_plan(ctx, auto, lengths)
         assert auto.prediction.step_time_s <= ring.prediction.step_time_s * 1.001
         kinds = {g.kind for mb in ring.microbatches for g in mb.groups}
@@ -300,7 +303,7 @@ def test_ablation_variants_differ_only_in_routing_and_remap():
     ctx = make_ctx()
     tg = Tiering(ctx)
     lengths = [tg.cap * 10, 3000, 2500, 800, 600, 500] * 3
-    plans = {cls.name: cls().plan_step(ctx, 0, seqs_of(lengths))
+    plans = {cls.name: cls(families="none").plan_step(ctx, 0, seqs_of(lengths))
              for cls in (ZeppelinPlanner, ZeppelinNoRouting, ZeppelinNoRemap, ZeppelinTiersOnly)}
     for name, plan in plans.items():
         _check_plan(ctx, plan, lengths)
@@ -354,7 +357,7 @@ def test_ilp_never_worse_than_greedy_inside_planner(monkeypatch):
     rng = np.random.default_rng(5)
     for _ in range(2):
         lengths = np.clip(rng.lognormal(8, 1.2, 30).astype(int), 16, 30000)
-        plan = ZeppelinPlanner(ilp="always", time_limit=0.5).plan_step(ctx, 0, seqs_of(lengths))
+        plan = ZeppelinPlanner(ilp="always", families="none").plan_step(ctx, 0, seqs_of(lengths))
         _check_plan(ctx, plan, lengths)
         # the chosen candidate may be node-major (whole-step node assignment, no packing ILP left)
         assert plan.solver.name in ("highs", "greedy")
@@ -584,7 +587,7 @@ def test_fewest_microbatches_memory_allows_on_short_mix():
 
     ctx = make_ctx("zeppelin-a:8")
     cfg = SamplerConfig(tokens_per_step=16384 * 64, seed=0, max_seq_len=65536)
-    pl = ZeppelinPlanner(select="predict")
+    pl = ZeppelinPlanner(select="predict", families="none")
     for k, seqs in enumerate(sample_steps(resolve_dataset("short"), cfg, 3)):
         total = sum(s.length for s in seqs)
         need = -(-total // (ctx.num_units * pl.tiering(ctx).cap))
@@ -614,3 +617,85 @@ def test_select_simulate_never_slower_than_prediction_choice():
     assert t_sim <= t_pred * (1 + 1e-12)
     assert sim.simulate_step(auto).step_time_s == pytest.approx(t_sim)
     _check_plan(ctx, by_sim, lengths)
+
+
+# ------------------------------------------------------------------ whole-step candidate families
+
+
+def _grid_step(cluster: str, model: str, tp: int, mix: str, gpus: int, k: int):
+    """Step ``k`` of a docs/RESULTS.md grid cell (same sampler settings as benchmarks/bench_compare.py)."""
+    from zeppelin.planner.core.sampler import sample_steps
+    from zeppelin.planner.tools.compare import mix_dataset
+    from zeppelin.schemas.plan import SamplerConfig
+
+    cl = cluster_preset(f"{cluster}:{gpus // 8}")
+    ctx = PlanContext(cl, model_preset(model), default_profile(cl.name, cl.device), tp=tp)
+    cfg = SamplerConfig(tokens_per_step=16384 * gpus, seed=0, max_seq_len=131072)
+    return ctx, sample_steps(mix_dataset(mix), cfg, k + 1)[k]
+
+
+def _valid(ctx, plan):
+    from zeppelin.planner.tools.validate import step_problems
+
+    assert step_problems(ctx, header_for(ctx), plan) == []
+    assert sorted(p.seq for mb in plan.microbatches for p in mb.placements) == list(range(len(plan.sequences)))
+
+
+@pytest.mark.parametrize("cell, family", [
+    (("zeppelin-a", "llama-7b", 1, "short", 32, 0), "ulysses-groups"),
+    (("zeppelin-c", "llama-13b", 2, "short", 64, 0), "flop-share"),
+    (("zeppelin-a", "llama-13b", 2, "long", 64, 0), "tp-replicas"),
+])
+def test_family_chosen_where_it_wins_by_the_cost_model(cell, family):
+    """Each family wins a step of the RESULTS grid by the prediction: the planner returns it, the
+    plan validates, and it is faster by the prediction than the tiered search alone."""
+    from zeppelin.planner.costmodel.predict import predict_replicas
+
+    ctx, seqs = _grid_step(*cell)
+    plan = ZeppelinPlanner().plan_step(ctx, 0, seqs)
+    tiered = ZeppelinPlanner(families="none").plan_step(ctx, 0, seqs)
+    assert plan.notes["family"] == family
+    assert "family" not in tiered.notes and "tiers" in tiered.notes
+    assert plan.prediction.step_time_s < tiered.prediction.step_time_s
+    _valid(ctx, plan)
+    again = (predict_replicas if plan.replicas is not None else predict_step)(ctx, plan)
+    assert again.step_time_s == pytest.approx(plan.prediction.step_time_s, rel=1e-9)
+    if family == "tp-replicas":
+        assert max(r.tp for r in plan.replicas) > ctx.tp
+        assert sorted(g for r in plan.replicas for g in r.ranks) == list(range(ctx.cluster.world_size))
+    if family == "ulysses-groups":  # groups keep their units for the whole step
+        units_of = {}
+        for mb in plan.microbatches:
+            for g in mb.groups:
+                for u in g.units:
+                    assert units_of.setdefault(u, tuple(g.units)) == tuple(g.units)
+    # same inputs, same plan
+    assert ZeppelinPlanner().plan_step(ctx, 0, seqs).model_dump(exclude={"solver"}) == plan.model_dump(exclude={"solver"})
+
+
+def test_families_option_validated():
+    with pytest.raises(PlanningError, match=r"^families option: unknown family 'megatron' \(known: ulysses-groups, "
+                                            r"flop-share, tp-replicas, all, none\)$"):
+        ZeppelinPlanner(families="ulysses-groups,megatron")
+
+
+def test_family_dispatch_local_search_never_worse():
+    from zeppelin.planner.zeppelin.families import _dispatch
+
+    rng = np.random.default_rng(5)
+    for trial in range(20):
+        n = int(rng.integers(5, 60))
+        cost = {0: rng.lognormal(0, 1.2, n), 1: None}
+        cost[1] = cost[0] * rng.uniform(0.3, 0.7)
+        fits = {0: np.ones(n, dtype=bool), 1: rng.random(n) < 0.9}
+        counts = {0: int(rng.integers(1, 6)), 1: int(rng.integers(0, 3))}
+        lpt = _dispatch(cost, fits, counts)
+        best = _dispatch(cost, fits, counts, improve=True)
+        assert best[0] <= lpt[0] * (1 + 1e-12)
+        # the makespan is that of the returned assignment, which respects fits
+        loads = {}
+        for i, (t, g) in enumerate(best[1]):
+            assert fits[t][i] and counts[t] > g
+            loads[(t, g)] = loads.get((t, g), 0.0) + cost[t][i]
+        assert max(loads.values()) == pytest.approx(best[0])
+        assert _dispatch(cost, fits, counts, improve=True) == best

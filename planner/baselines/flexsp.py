@@ -16,10 +16,12 @@ Per step:
 4. warm start: the best greedy *homogeneous* solution (all groups of one size, sequences by LPT on
    time under the memory cap; on bucketed lengths for the warm start, on exact lengths as the
    fallback a static Ulysses size would give); the MILP is built as sparse arrays and solved by HiGHS directly
-   (:class:`bl_milp.SparseMilp`) under one wall-clock budget for the whole step (``time_limit``,
-   model building included), micro-batch counts with the best greedy objective first, each solve
-   getting at least ``MIN_SOLVE_S`` while budget remains (greedy stands for the rest); the step
-   keeps the better of MILP and greedy for every micro-batch;
+   (:class:`bl_milp.SparseMilp`) under deterministic work limits (``milp_nodes`` branch-and-bound
+   nodes and ``milp_iterations`` simplex iterations per solve, at most ``milp_solves`` solves per
+   step; :mod:`zeppelin.planner.core.solver`), micro-batch counts with the best greedy objective
+   first (greedy stands for the micro-batches past the solve budget); the step keeps the better of
+   MILP and greedy for every micro-batch. ``time_limit`` is an optional wall-clock safety net per
+   solve (off by default; a step that hits it is marked non-reproducible);
 5. the groups become aligned unit blocks (largest first) and the bucket counts concrete sequences;
 6. the step's plan is chosen by the planner-wide predictor (:func:`predict.predict_step`, the judge
    every planner is measured by) among the MILP search's best micro-batch count and the best
@@ -35,7 +37,6 @@ meets a valid lower bound (least work over N units, the longest bucket's fastest
 
 from __future__ import annotations
 
-import time
 from functools import lru_cache
 
 import numpy as np
@@ -53,9 +54,11 @@ from zeppelin.planner.baselines.common import (
     seq_label,
 )
 from zeppelin.planner.core.base import PlanContext, Planner, PlanningError, register
+from zeppelin.planner.core.solver import merge_status, solve_limits
 from zeppelin.schemas.plan import Sequence, SolverInfo, StepPlan
 
-MIN_SOLVE_S = 0.1  # a MILP gets at least this much of the step's remaining budget (else greedy)
+MILP_SOLVES = 4  # MILP solves per step (the rest of the micro-batches keep their greedy solution)
+MILP_NODES = 200  # branch-and-bound nodes per solve
 DEFAULT_GAP = 0.01  # relative MILP gap: the bucketed cost model is coarser than this
 
 
@@ -187,7 +190,7 @@ def _homogeneous_step(model: _Model, lengths: list[int], s: int, n: int, cap: in
     return worst, per_group
 
 
-def _solve_microbatch(model, lengths, sizes, n, cap, Q, time_limit, use_milp, gap=DEFAULT_GAP):
+def _solve_microbatch(model, lengths, sizes, n, cap, Q, limits, use_milp):
     """Groups of one micro-batch: (groups as (size, [indices into lengths]), C, record, MilpResult or None)."""
     bounds, bucket = bucketize(lengths, Q)
     Ub = [bounds[b] for b in bucket]
@@ -220,7 +223,7 @@ def _solve_microbatch(model, lengths, sizes, n, cap, Q, time_limit, use_milp, ga
             longest = min(longest, model.fixed[s] + float(model.coef(bvals[-1:], s)[0]))
     bound = max(float(np.sum(counts * least)) / n, longest)
     rec["bound_C"], rec["warm_C"] = bound, Cw
-    if Cw <= bound * (1.0 + gap):  # the warm start is optimal within the gap: no MILP to run
+    if Cw <= bound * (1.0 + limits.gap_rel):  # the warm start is optimal within the gap: no MILP to run
         rec["bound_met"] = True
         Cm = max(model.group_time([lengths[i] for i in members], s) for s, members in warm_groups)
         rec["milp_C"] = Cm
@@ -257,7 +260,7 @@ def _solve_microbatch(model, lengths, sizes, n, cap, Q, time_limit, use_milp, ga
         start[y[s, j]] = 1.0
         for i in members:
             start[x[bucket[i], s, j]] += 1.0
-    res, vals = m.solve(time_limit, start, gap_rel=gap)
+    res, vals = m.solve(limits, start)
     if not res.has_solution or vals is None:
         return greedy_groups, Cg, rec, res
     # read the solution back into concrete groups (sequences of a bucket, longest first)
@@ -303,10 +306,11 @@ class FlexSP(Planner):
     def plan_step(self, ctx: PlanContext, step: int, sequences: list[Sequence]) -> StepPlan:
         t = Timer()
         cap = check_capacity(ctx, self.name)
-        time_limit = opt(self.options, "time_limit", float, 5.0, self.name, minimum=0.0)
+        budget = opt(self.options, "milp_solves", int, MILP_SOLVES, self.name, minimum=0)
         Q = opt(self.options, "buckets", int, 16, self.name, minimum=1)
         span = opt(self.options, "mb_search", int, 5, self.name, minimum=1)
         gap = opt(self.options, "gap", float, DEFAULT_GAP, self.name, minimum=0.0)
+        limits = solve_limits(self.options, self.name, nodes=MILP_NODES, gap_rel=gap)
         mode = str(self.options.get("solver", "milp"))
         if mode not in ("milp", "greedy"):
             raise PlanningError(f"flexsp: option solver={mode!r} must be 'milp' or 'greedy'")
@@ -334,27 +338,22 @@ class FlexSP(Planner):
         if not cands:
             raise PlanningError(f"flexsp: no micro-batch count in [{m_min}, {m_min + span}) fits the step's "
                                 f"{sum(lengths)} tokens into memory ({cap} tokens per GPU, {n} units)")
-        # pass 2: MILPs, most promising micro-batch count first, under one wall-clock budget for the
-        # whole step (model building included); once it is spent the greedy solutions stand
+        # pass 2: MILPs, most promising micro-batch count first, at most ``budget`` solves per step
+        # (each under deterministic work limits); past it the greedy solutions stand
         cands.sort(key=lambda c: (c[0], c[1]))
-        deadline = t.t0 + time_limit
-        solves_left = sum(len(mbs) for _, _, mbs in cands)
         skipped = 0
         done = []  # per micro-batch count that completed: (objective, M, solution, records, MILP results)
         records = []
         for _, M, mbs in cands:
             total, sol, recs, results = 0.0, [], [], []
             for mb in mbs:
-                remaining = deadline - time.perf_counter()
-                per_solve = max(remaining / max(solves_left, 1), min(remaining, MIN_SOLVE_S))
-                solves_left -= 1
-                use_milp = mode == "milp" and remaining >= MIN_SOLVE_S / 2
+                use_milp = mode == "milp" and budget > 0
                 skipped += mode == "milp" and not use_milp
-                out = _solve_microbatch(model, [lengths[i] for i in mb], sizes, n, cap, Q, per_solve, use_milp,
-                                       gap)
+                out = _solve_microbatch(model, [lengths[i] for i in mb], sizes, n, cap, Q, limits, use_milp)
                 if out is None:
                     break
                 groups, Cm, rec, res = out
+                budget -= res is not None
                 total += Cm
                 sol.append([(s, [mb[i] for i in members]) for s, members in groups])
                 recs.append(rec)
@@ -396,19 +395,20 @@ class FlexSP(Planner):
         met = [r for dd in done for r in dd[3] if r.get("bound_met")]
         if results or met:
             solver_name = results[0].solver if results else "greedy"
-            status = "optimal" if all(r.status == "optimal" for r in results) else "time_limit"
+            status = merge_status([r.status for r in results]) if results else "optimal"  # bounds met: optimal
             gaps = [r.gap for r in results] + [max(r["warm_C"] / r["bound_C"] - 1.0, 0.0) for r in met]
             gap = None if any(g is None for g in gaps) else max(gaps)
             fallback = None
             if any(not r.has_solution for r in results):
-                fallback = "no MILP solution within the time limit for some micro-batches: greedy kept"
+                fallback = "no MILP solution within the solver limits for some micro-batches: greedy kept"
             if skipped:
                 fallback = (fallback + "; " if fallback else "") + (
-                    f"time budget spent: greedy for {skipped} micro-batch(es) of other micro-batch counts")
+                    f"MILP budget ({self.options.get('milp_solves', MILP_SOLVES)} solves) spent: greedy for "
+                    f"{skipped} micro-batch(es) of other micro-batch counts")
         else:
             solver_name, status, gap, fallback = "greedy", "ok", None, None
             if mode == "milp":
-                fallback = "time budget spent before any MILP" if skipped else "every micro-batch was trivial"
+                fallback = "MILP budget of 0 solves: greedy only" if skipped else "every micro-batch was trivial"
         plan.solver = SolverInfo(name=solver_name, status=status, gap=gap, time_s=t.elapsed, fallback_reason=fallback)
         groups_per_mb = [sorted((len(g.units) for g in mb.groups), reverse=True) for mb in plan.microbatches]
         plan.notes = {"microbatches": len(plan.microbatches), "chosen": chosen,
@@ -416,6 +416,7 @@ class FlexSP(Planner):
                       # the MILP search: its best micro-batch count and objective (sum over micro-batches
                       # of the slowest group; without the gradient all-reduce)
                       "milp_microbatches": M, "objective_s": total, "m_search": records,
+                      "milp_solves": sum(len(dd[4]) for dd in done),
                       "greedy_objective_s": sum(r["greedy_C"] for r in recs),
                       "group_sizes": groups_per_mb}
         return plan

@@ -33,8 +33,6 @@ The prediction uses one cost model per TP degree (:func:`predict_replicas`), sin
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from zeppelin.planner.baselines import milp as bl_milp
@@ -48,6 +46,7 @@ from zeppelin.planner.baselines.common import (
     seq_label,
 )
 from zeppelin.planner.core.base import PlanContext, Planner, PlanningError, register
+from zeppelin.planner.core.solver import merge_status, solve_limits
 from zeppelin.planner.costmodel.cost import CostModel
 from zeppelin.planner.costmodel.predict import predict_replicas
 from zeppelin.schemas.plan import Replica, Sequence, SolverInfo, StepPlan
@@ -138,7 +137,7 @@ def _lpt_pack(items: list[int], c: dict[int, float], L: dict[int, int], cap: int
     return bins
 
 
-def _pack_ilp(items, c, L, cap, v, start, time_limit):
+def _pack_ilp(items, c, L, cap, v, start, limits):
     import pulp
 
     order = sorted(items, key=lambda k: (-c[k], k))
@@ -168,7 +167,7 @@ def _pack_ilp(items, c, L, cap, v, start, time_limit):
                     warm[x[i, m]] = 1.0
         warm[z] = max(sum(c[i] for i in b) for b in bins)
         warm = warm if ok else None
-    res = bl_milp.solve(prob, time_limit, warm)
+    res = bl_milp.solve(prob, limits, warm)
     if not res.has_solution:
         return None, res
     bins = [[] for _ in range(v)]
@@ -202,7 +201,7 @@ class Hydraulis(Planner):
     def plan_step(self, ctx: PlanContext, step: int, sequences: list[Sequence]) -> StepPlan:
         t = Timer()
         check_capacity(ctx, self.name)
-        time_limit = opt(self.options, "time_limit", float, 5.0, self.name, minimum=0.0)
+        limits = solve_limits(self.options, self.name)
         restarts = opt(self.options, "restarts", int, 8, self.name, minimum=1)
         v_span = opt(self.options, "mb_search", int, 3, self.name, minimum=1)
         use_cp = opt(self.options, "cp", bool, True, self.name)
@@ -281,8 +280,6 @@ class Hydraulis(Planner):
             Ld = {i: int(size[cfg[r]][i]) for i in items}  # tokens per unit (a CP replica: zigzag share)
             v_min = max(1, ceil_div(sum(Ld.values()), cap_of[cfg[r]]))
             tasks.append((r, items, c, Ld, v_min))
-        n_ilp = sum(v_span for (_, items, _, Ld, v_min) in tasks if len(items) > 1 and v_min > 1) or 1
-        deadline = t.t0 + time_limit
         fallback = None
         for r, items, c, Ld, v_min in tasks:
             d, cpr = cfg[r]
@@ -300,14 +297,12 @@ class Hydraulis(Planner):
                 if best is not None and (sum(c.values()) / v + const) * v >= best[0]:
                     break  # (max + c) * v >= (mean + c) * v can no longer win
                 greedy = _lpt_pack(items, c, Ld, cap_r, v)
-                per_solve = max(0.05, (deadline - time.perf_counter()) / max(n_ilp, 1))
-                n_ilp -= 1
-                bins, res = _pack_ilp(items, c, Ld, cap_r, v, greedy, per_solve)
+                bins, res = _pack_ilp(items, c, Ld, cap_r, v, greedy, limits)
                 results.append(res)
                 if bins is None:
                     bins = greedy
                     if res.has_solution is False and greedy is not None:
-                        fallback = "ILP found no packing within the time limit for some replicas: greedy kept"
+                        fallback = "ILP found no packing within its limits for some replicas: greedy kept"
                 if bins is None:
                     continue
                 zmax = max(sum(c[i] for i in b) for b in bins)
@@ -328,7 +323,7 @@ class Hydraulis(Planner):
                 for i in sorted(bin_, key=lambda i: -L[i]):
                     b.place(k, "ring" if len(units_of[r]) > 1 else "local", units_of[r], i)
         if results:
-            status = "optimal" if all(x.status == "optimal" for x in results) else "time_limit"
+            status = merge_status([x.status for x in results])
             gaps = [x.gap for x in results]
             solver = SolverInfo(name=results[0].solver, status=status,
                                 gap=None if any(g is None for g in gaps) else max(gaps), time_s=t.elapsed,

@@ -1,4 +1,5 @@
-"""Solving the baselines' (M)ILPs: HiGHS when available, CBC otherwise; warm starts.
+"""Solving the baselines' (M)ILPs: HiGHS when available, CBC otherwise; warm starts; the
+deterministic work limits of :mod:`zeppelin.planner.core.solver`.
 
 * :func:`solve` - a PuLP model (Hydraulis' packing ILP);
 * :class:`SparseMilp` - a MILP given as arrays and handed to highspy directly (FlexSP: building a PuLP
@@ -11,98 +12,18 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
+from zeppelin.planner.core.solver import MilpResult, SolveLimits, configure_highs, highs_result, solve_pulp
 
-@dataclass
-class MilpResult:
-    solver: str          # "highs" or "cbc"
-    status: str          # "optimal", "time_limit" (feasible, not proven), "infeasible", "no_solution"
-    gap: float | None    # relative gap of the returned solution (0 = proven optimal)
-    time_s: float
-    has_solution: bool
+__all__ = ["MilpResult", "SolveLimits", "SparseMilp", "new_var", "solve", "value"]
 
 
-_AVAILABLE: list[str] | None = None
-
-
-def available_solvers() -> list[str]:
-    global _AVAILABLE
-    if _AVAILABLE is None:
-        import pulp
-
-        _AVAILABLE = list(pulp.listSolvers(onlyAvailable=True))
-    return _AVAILABLE
-
-
-def _highs_result(h, gap_rel: float, t0: float) -> MilpResult:
-    """Status, gap and solution flag of a finished ``highspy.Highs`` run."""
-    import highspy
-
-    M = highspy.HighsModelStatus
-    ms = h.getModelStatus()
-    info = h.getInfo()
-    has = info.primal_solution_status == 2  # kSolutionStatusFeasible
-    gap = float(info.mip_gap) if has else None
-    if gap is not None and not math.isfinite(gap):
-        gap = None
-    if ms == M.kOptimal:
-        status, gap = "optimal", (gap if gap is not None and gap > gap_rel else 0.0)
-    elif ms == M.kInfeasible:
-        status, has = "infeasible", False
-    elif has:
-        status = "time_limit"
-    else:
-        status = "no_solution"
-    return MilpResult("highs", status, gap, time.perf_counter() - t0, has)
-
-
-def solve(prob, time_limit: float, start: dict | None = None, gap_rel: float = 1e-4) -> MilpResult:
-    """Solve ``prob`` (a ``pulp.LpProblem``) within ``time_limit`` seconds.
-
-    ``start`` maps variables to a feasible assignment (a warm start): handed to HiGHS as its
-    initial MIP solution, or to CBC through ``warmStart``.
-    """
-    import pulp
-
-    t0 = time.perf_counter()
-    avail = available_solvers()
-    time_limit = max(float(time_limit), 0.05)
-    if "HiGHS" in avail:
-        import highspy
-
-        class _WarmHiGHS(pulp.HiGHS):
-            def callSolver(self, lp):
-                if start:
-                    values = [0.0] * lp.solverModel.getNumCol()
-                    for var in lp.variables():
-                        values[var.index] = float(start.get(var, 0.0))
-                    sol = highspy.HighsSolution()
-                    sol.col_value = values
-                    lp.solverModel.setSolution(sol)
-                lp.solverModel.run()
-
-        solver = _WarmHiGHS(msg=False, timeLimit=time_limit, gapRel=gap_rel, threads=1)
-        prob.solve(solver)
-        return _highs_result(prob.solverModel, gap_rel, t0)
-    if start:
-        for var, val in start.items():
-            var.setInitialValue(val)
-    solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=gap_rel, warmStart=bool(start), threads=1)
-    prob.solve(solver)
-    st = pulp.LpStatus[prob.status]
-    has = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
-    if st == "Optimal" and prob.sol_status == pulp.LpSolutionOptimal:
-        status, gap = "optimal", 0.0
-    elif st == "Infeasible":
-        status, gap, has = "infeasible", None, False
-    elif has:
-        status, gap = "time_limit", None
-    else:
-        status, gap = "no_solution", None
-    return MilpResult("cbc", status, gap, time.perf_counter() - t0, has)
+def solve(prob, limits: SolveLimits, start: dict | None = None) -> MilpResult:
+    """Solve ``prob`` (a ``pulp.LpProblem``) under ``limits`` (deterministic work limits; see
+    :mod:`zeppelin.planner.core.solver`). ``start`` maps variables to a feasible assignment."""
+    return solve_pulp(prob, limits, start)
 
 
 def value(var) -> float:
@@ -158,20 +79,15 @@ class SparseMilp:
         self.row_lo.append(lo)
         self.row_hi.append(hi)
 
-    def solve(self, time_limit: float, start: np.ndarray | None = None,
-              gap_rel: float = 1e-4) -> tuple[MilpResult, np.ndarray | None]:
+    def solve(self, limits: SolveLimits, start: np.ndarray | None = None) -> tuple[MilpResult, np.ndarray | None]:
         """(result, column values or None). ``start``: a feasible assignment handed to the solver."""
         t0 = time.perf_counter()
-        time_limit = max(float(time_limit), 0.01)
         try:
             import highspy
         except ImportError:  # pragma: no cover - highspy is a dependency; CBC through PuLP otherwise
-            return self._solve_pulp(time_limit, start, gap_rel, t0)
+            return self._solve_pulp(limits, start, t0)
         h = highspy.Highs()
-        h.setOptionValue("output_flag", False)
-        h.setOptionValue("time_limit", time_limit)
-        h.setOptionValue("mip_rel_gap", gap_rel)
-        h.setOptionValue("threads", 1)
+        configure_highs(h, limits)
         inf = highspy.kHighsInf
         n = self.num_cols
         lb = np.array(self.lb)
@@ -195,11 +111,11 @@ class SparseMilp:
             sol.col_value = [float(v) for v in start]
             h.setSolution(sol)
         h.run()
-        res = _highs_result(h, gap_rel, t0)
+        res = highs_result(h, limits, t0)
         values = np.array(h.getSolution().col_value) if res.has_solution else None
         return res, values
 
-    def _solve_pulp(self, time_limit, start, gap_rel, t0):  # pragma: no cover - only without highspy
+    def _solve_pulp(self, limits, start, t0):  # pragma: no cover - only without highspy
         import pulp
 
         prob = pulp.LpProblem("milp", pulp.LpMinimize)
@@ -216,7 +132,6 @@ class SparseMilp:
                     prob += e >= lo
                 if not math.isinf(hi):
                     prob += e <= hi
-        res = solve(prob, time_limit, None if start is None else {v[i]: float(s) for i, s in enumerate(start)},
-                    gap_rel)
+        res = solve(prob, limits, None if start is None else {v[i]: float(s) for i, s in enumerate(start)})
         res.time_s = time.perf_counter() - t0
         return res, (np.array([value(x) for x in v]) if res.has_solution else None)

@@ -103,16 +103,43 @@ def write_histogram_png(path: Path, dataset) -> None:
     save_png(fig, path, dpi=110)
 
 
-def load_for_cli(manifest: str, length_field: str | None, tokens_field: str | None, text_field: str | None,
-                 tokenizer: str | None):
-    from zeppelin.schemas.datasets import load_manifest
+def import_python_tokenizer(ref: str):
+    """``MODULE:CALLABLE`` -> the callable. This imports and runs code, so it is reached only from the
+    ``--python-tokenizer`` option, never from anything a data file says."""
+    import importlib
 
-    if text_field and not tokenizer:
-        raise InputError("--text-field needs --tokenizer ('whitespace', 'bytes' or 'module:callable')")
-    if tokenizer and not text_field:
-        raise InputError("--tokenizer needs --text-field")
+    mod_name, sep, attr = ref.partition(":")
+    if not sep or not mod_name or not attr:
+        raise InputError(f"--python-tokenizer {ref!r}: expected MODULE:CALLABLE")
+    try:
+        mod = importlib.import_module(mod_name)
+    except Exception as e:  # ImportError and errors raised while importing the module
+        msg = str(e).splitlines()[0] if str(e) else ""
+        raise InputError(f"--python-tokenizer: cannot import module {mod_name!r} ({e.__class__.__name__}: {msg})") \
+            from None
+    obj = mod
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            raise InputError(f"--python-tokenizer {ref!r}: module {mod_name!r} has no attribute {attr!r}")
+    if not callable(obj):
+        raise InputError(f"--python-tokenizer {ref!r} is not callable")
+    return obj
+
+
+def load_for_cli(manifest: str, length_field: str | None, tokens_field: str | None, text_field: str | None,
+                 tokenizer: str | None, python_tokenizer: str | None = None):
+    from zeppelin.schemas.datasets import TOKENIZER_HINT, load_manifest
+
+    if tokenizer and python_tokenizer:
+        raise InputError("--tokenizer and --python-tokenizer exclude each other")
+    if text_field and not (tokenizer or python_tokenizer):
+        raise InputError(f"--text-field needs --tokenizer ({TOKENIZER_HINT}) or --python-tokenizer MODULE:CALLABLE")
+    if (tokenizer or python_tokenizer) and not text_field:
+        raise InputError(f"{'--tokenizer' if tokenizer else '--python-tokenizer'} needs --text-field")
+    tok = import_python_tokenizer(python_tokenizer) if python_tokenizer else tokenizer
     return load_manifest(manifest, length_field=length_field, tokens_field=tokens_field, text_field=text_field,
-                         tokenizer=tokenizer)
+                         tokenizer=tok)
 
 
 def check_png_path(png: Path, inputs=()) -> Path:
@@ -130,15 +157,18 @@ def stats(
                                                "(default: length)"),
     tokens_field: str | None = typer.Option(None, "--tokens-field", help="field/column with token-id lists"),
     text_field: str | None = typer.Option(None, "--text-field", help="field/column with raw text"),
-    tokenizer: str | None = typer.Option(None, "--tokenizer",
-                                            help="for --text-field: whitespace, bytes or module:callable"),
+    tokenizer: str | None = typer.Option(None, "--tokenizer", help="for --text-field: whitespace, bytes or a Hugging Face tokenizer.json (file or directory)"),
+    python_tokenizer: str | None = typer.Option(
+        None, "--python-tokenizer", metavar="MODULE:CALLABLE",
+        help="for --text-field: IMPORTS AND RUNS this Python code as the tokenizer (callable(text) -> token ids "
+             "or a count). Only this option runs code; a manifest never can."),
     png: Path | None = typer.Option(None, "--png", help="also write the histogram as a PNG picture"),
     as_json: bool = typer.Option(False, "--json", help="print machine-readable statistics instead of tables"),
 ) -> None:
     """Length statistics of a dataset manifest: count, tokens, percentiles, a log2 length histogram."""
     if png is not None:
         check_png_path(png, [manifest])
-    ds = load_for_cli(manifest, length_field, tokens_field, text_field, tokenizer)
+    ds = load_for_cli(manifest, length_field, tokens_field, text_field, tokenizer, python_tokenizer)
     if as_json:
         typer.echo(json.dumps(stats_payload(ds), indent=2))
     else:

@@ -44,7 +44,11 @@ def plan(
                                   help="none | selective | full: activation recomputation `zeppelin run` will use "
                                        "(sets the activation memory per token)"),
     profile: str | None = typer.Option(None, "--profile", help="cost profile JSON (from `zeppelin profile`)"),
-    time_limit: float = typer.Option(0.05, "--time-limit", help="ILP time limit per solve, seconds"),
+    ilp_nodes: int = typer.Option(10, "--ilp-nodes", help="branch-and-bound nodes per ILP solve (a deterministic "
+                                                             "limit: the same plan on any machine, under any load)"),
+    time_limit: float | None = typer.Option(None, "--time-limit",
+                                            help="optional wall-clock safety net per ILP solve, seconds (off by "
+                                                 "default; a step that hits it is marked non-reproducible)"),
     ilp: str = typer.Option("auto", "--ilp", help="auto (where it pays), always, never"),
     solver: str = typer.Option("highs", "--solver", help="ILP solver: highs (CBC as fallback) or cbc"),
     intra: str = typer.Option("auto", "--intra",
@@ -94,8 +98,14 @@ def plan(
     if cl.gpus_per_node % tp:
         raise PlanningError(f"--tp {tp} does not divide the {cl.gpus_per_node} GPUs per node of {cl.name}")
     ctx = PlanContext(cl, md, pf, tp=tp, zero_stage=zero_stage, seed=seed, recompute=recompute)
-    options = ({"time_limit": time_limit, "ilp": ilp, "solver": solver, "intra": intra}
+    if ilp_nodes < 0:
+        raise InputError(f"--ilp-nodes must be >= 0 (got {ilp_nodes})")
+    if time_limit is not None and not time_limit > 0:
+        raise InputError(f"--time-limit must be positive (got {time_limit:g})")
+    options = ({"ilp": ilp, "ilp_nodes": ilp_nodes, "solver": solver, "intra": intra}
                if planner.startswith("zeppelin") else {})
+    if time_limit is not None and (planner.startswith("zeppelin") or planner in ("flexsp", "hydraulis")):
+        options["time_limit"] = time_limit
     pl = _planner(planner, options)
     if explain:
         from zeppelin.planner.zeppelin.tiering import Tiering
@@ -120,7 +130,7 @@ def plan(
     header = make_header(ctx, pl, ds, cfg, steps)
     show = not quiet and sys.stderr.isatty()
     t0 = time.perf_counter()
-    ratios, solvers, tiers = [], {}, {"local": 0, "intra": 0, "inter": 0}
+    ratios, solvers, tiers, wall_hit = [], {}, {"local": 0, "intra": 0, "inter": 0}, []
     with PlanWriter(output, header, fmt) as w:
         for st in plan_steps(ctx, pl, step_seqs, workers=workers, progress=show):
             w.write(st)
@@ -128,8 +138,13 @@ def plan(
                 ratios.append(st.prediction.step_time_s / st.prediction.lower_bound_s)
             if st.solver is not None:
                 solvers[st.solver.name] = solvers.get(st.solver.name, 0) + 1
+                if st.solver.status == "wall_clock_limit":
+                    wall_hit.append(st.step)
             for k, v in (st.notes.get("tiers") or {}).items():
                 tiers[k] = tiers.get(k, 0) + v
+    if wall_hit:
+        typer.echo(f"warning: step(s) {', '.join(map(str, wall_hit))} hit the --time-limit wall-clock safety net: "
+                   f"their plans depend on this machine's load and are not reproducible", err=True)
     if quiet:
         return
     import numpy as np

@@ -28,7 +28,8 @@ from zeppelin.schemas.common import InputError
 def run(
     ctx: typer.Context,
     plan: Path = typer.Argument(..., help="plan file written by `zeppelin plan`"),
-    model: str | None = typer.Option(None, "--model", help="model preset or JSON file; must match the plan"),
+    model: str | None = typer.Option(None, "--model",
+                                     help="model preset, JSON file or hf:DIR (Hugging Face); must match the plan"),
     data: str | None = typer.Option(None, "--data", help="dataset manifest (token ids); must match the plan"),
     steps: int | None = typer.Option(None, "--steps", help="run the first N steps (default: all)"),
     lr: float = typer.Option(1e-3, "--lr", help="AdamW learning rate"),
@@ -68,6 +69,9 @@ def run(
     recompute: str | None = typer.Option(None, "--recompute", help="none | selective | full (default: the plan's)"),
     recompute_override: bool = typer.Option(False, "--recompute-override",
                                             help="run a plan made for another --recompute setting"),
+    export: Path | None = typer.Option(
+        None, "--export", help="after the run, write the model as a Hugging Face directory (config.json + "
+                               "model.safetensors) that transformers' from_pretrained loads"),
 ) -> None:
     """Execute a plan with torch (launched through torchrun): train, report metrics, verify."""
     from zeppelin.planner.sim.report import count_lines
@@ -111,6 +115,8 @@ def run(
         raise InputError(f"the plan was made for --recompute {header.recompute} (its activation memory per "
                          f"token), not {recompute}; re-plan with `zeppelin plan --recompute {recompute}` or pass "
                          "--recompute-override")
+    if export is not None and export.exists() and (not export.is_dir() or any(export.iterdir())):
+        raise InputError("--export: the directory exists and is not empty", source=export)
     report = report or report_json is not None
     if report_json is not None and report_json.is_dir():
         raise InputError("--report-json is a directory", source=report_json)
@@ -126,7 +132,7 @@ def run(
             "--checkpoint-every": checkpoint_every or None, "--checkpoint-dir": checkpoint_dir,
             "--timeout": timeout, "--progress": progress, "--device": device, "--threads": threads,
             "--tp-overlap": tp_overlap, "--dp": dp, "--zero-stage": zero_stage, "--hsdp": hsdp,
-            "--dtype": dtype, "--recompute": recompute}
+            "--dtype": dtype, "--recompute": recompute, "--export": export}
     for k, v in opts.items():
         if v is not None:
             worker += [k, str(v)]

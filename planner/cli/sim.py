@@ -208,10 +208,12 @@ def check(
     case: list[str] = typer.Option(None, "--case", "-k", help="check only this case (repeatable)"),
     workers: int = typer.Option(0, "--workers", "-j", help="worker processes (0: one per CPU)"),
     json_out: bool = typer.Option(False, "--json", help="print the report as JSON"),
+    exact: bool = typer.Option(False, "--exact", help="also fail when a new plan is not byte-identical to its golden "
+                                                      "(plans are deterministic)"),
 ) -> None:
     """CI plan regression check against the golden plans in plans/.
 
-    Re-plans every case (one JSON file each), validates the plan, simulates it and the golden plan, and fails (exit 1) when the mean step time got worse than the golden's by more than the case's tolerance, when a plan is invalid, or when zeppelin no longer beats a baseline of the same setting. Exit 2: bad input.
+    Re-plans every case (one JSON file each), validates the plan, simulates it and the golden plan, and fails (exit 1) when the mean step time got worse than the golden's by more than the case's tolerance, when a plan is invalid, when zeppelin no longer beats a baseline of the same setting, or when a step hit a solver's wall-clock safety net (non-reproducible); `--exact` also fails on any byte difference from the golden. Exit 2: bad input.
 
     `--update` rewrites the goldens (atomically) and prints the step time before and after.
     """
@@ -222,7 +224,8 @@ def check(
 
     if workers < 0:
         raise InputError(f"--workers must be >= 0 (got {workers})")
-    report = run_check(directory, update=update, workers=workers or default_workers(), only=case or None)
+    report = run_check(directory, update=update, workers=workers or default_workers(), only=case or None,
+                       exact=exact and not update)
     if report.bad_input:
         raise InputError(report.bad_input[0])
     if json_out:

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import datetime as _dt
 import os
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -35,8 +34,10 @@ def input_hashes(ctx: PlanContext, manifest_hash: str) -> InputHashes:
 
 
 def make_header(ctx: PlanContext, planner: Planner, dataset: Any, sampler_cfg: SamplerConfig, num_steps: int,
-                *, planner_options: dict[str, Any] | None = None, created_at: str | None = None) -> PlanHeader:
-    """``dataset``: a :class:`zeppelin.schemas.datasets.Dataset` (or None for synthetic steps)."""
+                *, planner_options: dict[str, Any] | None = None, created_at: str = "") -> PlanHeader:
+    """``dataset``: a :class:`zeppelin.schemas.datasets.Dataset` (or None for synthetic steps).
+
+    ``created_at`` stays empty by default: the same inputs give the same plan bytes, whenever made."""
     if dataset is not None:
         ref = dataset.manifest_ref()
         mhash = dataset.content_hash
@@ -48,8 +49,7 @@ def make_header(ctx: PlanContext, planner: Planner, dataset: Any, sampler_cfg: S
         planner=planner.name,
         planner_options=opts,
         zeppelin_version=_version(),
-        created_at=created_at if created_at is not None else _dt.datetime.now(_dt.timezone.utc).isoformat(
-            timespec="seconds"),
+        created_at=created_at,
         seed=sampler_cfg.seed,
         num_steps=num_steps,
         world_size=ctx.cluster.world_size,

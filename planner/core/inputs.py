@@ -7,7 +7,7 @@ from pathlib import Path
 
 from zeppelin.schemas.cluster import ClusterSpec, cluster_preset
 from zeppelin.schemas.common import InputError, check_output, load_doc
-from zeppelin.schemas.model import ModelSpec, model_preset
+from zeppelin.schemas.model import ModelSpec, resolve_model_ref
 from zeppelin.schemas.profile import CostProfile, default_profile
 
 
@@ -19,7 +19,16 @@ def _looks_like_file(ref: str) -> bool:
 
 def input_refs(*refs) -> list[str]:
     """The references among ``refs`` that name files (for the output checks)."""
-    return [str(r) for r in refs if r is not None and _looks_like_file(str(r))]
+    out = []
+    for r in refs:
+        if r is None:
+            continue
+        r = str(r)
+        if r.startswith("hf:"):  # a Hugging Face model directory: its config.json is the input
+            out.append(os.path.join(r[3:], "config.json"))
+        elif _looks_like_file(r):
+            out.append(r)
+    return out
 
 
 def resolve_cluster(ref: str) -> ClusterSpec:
@@ -30,9 +39,8 @@ def resolve_cluster(ref: str) -> ClusterSpec:
 
 
 def resolve_model(ref: str) -> ModelSpec:
-    if _looks_like_file(ref):
-        return load_doc(ModelSpec, ref)
-    return model_preset(ref)
+    """A preset name, a ModelSpec JSON file or ``hf:DIR`` (a Hugging Face config.json)."""
+    return resolve_model_ref(ref)
 
 
 def resolve_profile(ref: str | None, cluster: ClusterSpec) -> CostProfile:

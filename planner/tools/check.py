@@ -23,9 +23,14 @@ judged), and fails when
 * in a *setting* (cases equal in everything but planner, options and tolerance), the ``zeppelin``
   case's mean simulated step time is above any baseline's (planners not named ``zeppelin*``).
 
+* a step of the new plan (or of the golden) hit a solver's wall-clock safety net (solver status
+  ``wall_clock_limit``): its plan depends on the machine's load, so the step is reported as
+  non-reproducible rather than compared as if it were the planner's answer;
+* with ``--exact``: the new plan is not byte-identical to the golden (plans are deterministic: the
+  same inputs give the same bytes on any machine and under any load).
+
 ``--update`` rewrites the goldens of the valid cases (atomically) and prints the step time before
-and after. Golden plans store solver wall time as 0 so that an unchanged planner rewrites
-byte-identical files.
+and after. Plans carry no wall-clock fields, so an unchanged planner rewrites byte-identical files.
 """
 
 from __future__ import annotations
@@ -189,15 +194,23 @@ def _inputs(case: Case):
     return ctx, ds, cfg, sample_steps(ds, cfg, s.steps)
 
 
-def _golden_form(step):
-    """The step as stored in a golden plan: solver wall time zeroed (it varies run to run)."""
-    if step.solver is not None and step.solver.time_s:
-        step = step.model_copy(update={"solver": step.solver.model_copy(update={"time_s": 0.0})})
-    return step
+def _plan_bytes(header, steps) -> bytes:
+    """The golden plan file ``zeppelin check --update`` writes for these records (pretty format)."""
+    from zeppelin.schemas.plan import _dump
+
+    return "".join(_dump(r, "pretty") for r in [header, *steps]).encode()
+
+
+def non_reproducible(steps) -> list[str]:
+    """'step K (reason)' for every step whose solver hit its wall-clock safety net."""
+    from zeppelin.planner.core.solver import WALL_CLOCK
+
+    return [f"step {sp.step}" + (f" ({sp.solver.fallback_reason})" if sp.solver.fallback_reason else "")
+            for sp in steps if sp.solver is not None and sp.solver.status == WALL_CLOCK]
 
 
 # ------------------------------------------------------------------ one case
-def run_case(case: Case, update: bool = False) -> CaseResult:
+def run_case(case: Case, update: bool = False, exact: bool = False) -> CaseResult:
     from zeppelin.planner.core.driver import make_header
     from zeppelin.planner.sim.simulate import Simulator
     from zeppelin.planner.tools.validate import step_problems
@@ -215,7 +228,7 @@ def run_case(case: Case, update: bool = False) -> CaseResult:
     t0 = time.perf_counter()
     try:
         for k, seqs in enumerate(step_seqs):
-            plans.append(_golden_form(planner.plan_step(ctx, k, seqs)))
+            plans.append(planner.plan_step(ctx, k, seqs))
     except InputError as e:
         res.failures.append(f"{case.name}: planner {s.planner} failed: {e}")
         return res
@@ -225,6 +238,10 @@ def run_case(case: Case, update: bool = False) -> CaseResult:
         if probs:
             res.failures.append(f"{case.name}: invalid plan: {probs[0]}")
             return res
+    for what in non_reproducible(plans):
+        res.failures.append(f"{case.name}: {what} of the new plan hit the solver's wall-clock safety net: not "
+                            f"reproducible (its plan depends on the machine's load; remove the case's time_limit "
+                            f"or raise it)")
     sim = Simulator(ctx)
     res.new_times_s = [sim.simulate_step(sp).step_time_s for sp in plans]
     res.new_mean_s = sum(res.new_times_s) / len(res.new_times_s)
@@ -256,16 +273,27 @@ def run_case(case: Case, update: bool = False) -> CaseResult:
                         f"{case.name}: {s.planner} mean step time {res.new_mean_s * 1e3:.2f} ms is "
                         f"{res.change * 100:+.2f}% against the golden {res.golden_mean_s * 1e3:.2f} ms "
                         f"(tolerance {s.tolerance * 100:g}%)")
-            res.unchanged = (golden_steps is not None and gh is not None
-                             and gh.model_dump(mode="json") == header.model_dump(mode="json")
-                             and [x.model_dump(mode="json") for x in golden_steps]
-                             == [x.model_dump(mode="json") for x in plans])
+            # byte for byte: what --update would write against the golden file
+            res.unchanged = golden_steps is not None and gh is not None and case.golden.read_bytes() == _plan_bytes(
+                header, plans)
+            if golden_steps is not None:
+                for what in non_reproducible(golden_steps):
+                    res.notes.append(f"{case.name}: {what} of the golden plan hit a wall-clock safety net "
+                                     f"when it was made")
+            if exact and not stale and golden_steps is not None and not res.unchanged:
+                differ = [sp.step for g, sp in zip(golden_steps, plans)
+                          if g.model_dump(mode="json") != sp.model_dump(mode="json")]
+                where = f"steps {', '.join(map(str, differ))}" if differ else "the header"
+                res.failures.append(f"{case.name}: the new plan is not byte-identical to the golden ({where} "
+                                    f"differ); plans are deterministic, so the planner changed: review and run "
+                                    f"`zeppelin check --update`")
     elif not update:
         res.failures.append(f"{case.name}: no golden plan {case.golden.name} (create it with "
                             f"`zeppelin check --update`)")
     if update:
         res.failures = [f for f in res.failures if ": golden plan " not in f and ": no golden plan " not in f
-                        and ": unreadable golden plan" not in f and " against the golden " not in f]
+                        and ": unreadable golden plan" not in f and " against the golden " not in f
+                        and " byte-identical to the golden " not in f]
         if not res.unchanged:
             with PlanWriter(case.golden, header, "pretty", replaces=True) as w:
                 for sp in plans:
@@ -291,10 +319,10 @@ def _stale(gh, header, golden_steps, plans) -> str:
     return ""
 
 
-def _run_case_job(arg: tuple[Case, bool]) -> CaseResult:
-    case, update = arg
+def _run_case_job(arg: tuple[Case, bool, bool]) -> CaseResult:
+    case, update, exact = arg
     try:
-        return run_case(case, update)
+        return run_case(case, update, exact)
     except InputError as e:  # inputs of a case that cannot be resolved
         r = CaseResult(case.name, case.spec.planner, case.spec.tolerance)
         r.failures.append(f"{case.name}: bad input: {e}")
@@ -344,10 +372,10 @@ def zeppelin_beats(cases: list[Case], results: list[CaseResult]) -> tuple[list[d
 
 
 def run_check(directory: str | os.PathLike, update: bool = False, workers: int = 1,
-              only: list[str] | None = None) -> CheckReport:
+              only: list[str] | None = None, exact: bool = False) -> CheckReport:
     cases = load_cases(directory, only)
     t0 = time.perf_counter()
-    jobs = [(c, update) for c in cases]
+    jobs = [(c, update, exact) for c in cases]
     if workers <= 1 or len(jobs) <= 1:
         results = [_run_case_job(j) for j in jobs]
     else:

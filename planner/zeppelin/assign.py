@@ -16,10 +16,11 @@ Minimise the most loaded bin subject to each bin's token capacity.
                     tok_b + sum_i k_i x[i,b] <= cap             (memory)
                     C <= C_greedy                               (greedy incumbent as cutoff)
 
-  solved by HiGHS (CBC when HiGHS is unavailable or fails) under a time limit; the greedy
+  solved by HiGHS (CBC when HiGHS is unavailable or fails) under deterministic node / iteration
+  limits (:mod:`zeppelin.planner.core.solver`); the greedy
   solution is the incumbent: the ILP result is kept only when it is feasible and no worse.
 * :func:`pack` - greedy, then the ILP only where it pays: when greedy is not already within
-  ``tol`` of the lower bound and the instance is small enough to solve in the time limit.
+  ``tol`` of the lower bound and the instance is small enough to pay.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from zeppelin.planner.core.solver import INFEASIBLE, WALL_CLOCK, SolveLimits, solve_pulp
 
 
 @dataclass
@@ -42,6 +45,8 @@ class PackResult:
     status: str = "ok"
     time_s: float = 0.0
     ilp_gap: float | None = None  # solver-reported relative MIP gap (None: no ILP ran)
+    nodes: int = 0  # branch-and-bound nodes the ILP used
+    ilp_runs: int = 0  # ILP solves behind this result (0: greedy alone)
     fallback_reason: str | None = None
     greedy_makespan: float = 0.0
     notes: list[str] = field(default_factory=list)
@@ -102,12 +107,18 @@ def greedy_pack(pre: np.ndarray, pre_tok: np.ndarray, cost: np.ndarray, tokens: 
     key = toks if by_tokens else loads
     heap = [(key[b], b) for b in range(B)]
     heapq.heapify(heap)
+    # bins without token room for the current item wait aside (fewest tokens first) and return to the
+    # heap once an item small enough for them comes: a nearly full cluster of hundreds of bins
+    # would otherwise have every item pop (and push back) every full bin
+    aside: list[tuple[float, int]] = []
     for i in order:
         w, c, k = width_l[i], cost_l[i], tok_l[i]
         if w > B:
             raise PackInfeasible(i, f"item {i} needs {w} bins, only {B} exist")
         if w == 1:
-            skipped = []
+            while aside and toks[aside[0][1]] + k <= cap:
+                _, b = heapq.heappop(aside)
+                heapq.heappush(heap, (key[b], b))
             chosen = -1
             while heap:
                 ld, b = heapq.heappop(heap)
@@ -116,9 +127,7 @@ def greedy_pack(pre: np.ndarray, pre_tok: np.ndarray, cost: np.ndarray, tokens: 
                 if toks[b] + k <= cap:
                     chosen = b
                     break
-                skipped.append((ld, b))
-            for e in skipped:
-                heapq.heappush(heap, e)
+                heapq.heappush(aside, (toks[b], b))
             if chosen < 0:
                 raise PackInfeasible(i, f"item {i} ({int(k)} tokens) does not fit any bin")
             loads[chosen] += c
@@ -214,15 +223,17 @@ def _local_search(out, loads, toks, cost, tokens, width, cap, max_iter: int | No
 
 
 def ilp_pack(pre: np.ndarray, pre_tok: np.ndarray, cost: np.ndarray, tokens: np.ndarray, width: np.ndarray,
-             cap: float, incumbent: PackResult, time_limit: float = 1.0, solver: str = "highs") -> PackResult:
+             cap: float, incumbent: PackResult, limits: SolveLimits | None = None, solver: str = "highs") -> PackResult:
     """Solve the packing MILP; return the better of its solution and ``incumbent``.
 
-    ``solver``: ``highs`` (falls back to CBC when HiGHS is missing or crashes; a time-out keeps
-    the greedy incumbent) or ``cbc``. The result records
-    which solver produced it, the solver status, its MIP gap and any fallback.
+    ``limits``: deterministic work limits per solve (:mod:`zeppelin.planner.core.solver`).
+    ``solver``: ``highs`` (falls back to CBC when HiGHS is missing or crashes; hitting a limit keeps
+    the greedy incumbent) or ``cbc``. The result records which solver produced it, the solver
+    status, its MIP gap, the branch-and-bound nodes used and any fallback.
     """
     import pulp
 
+    limits = limits or SolveLimits()
     t0 = time.perf_counter()
     B, m = len(pre), len(cost)
     prob = pulp.LpProblem("zeppelin_pack", pulp.LpMinimize)
@@ -234,42 +245,22 @@ def ilp_pack(pre: np.ndarray, pre_tok: np.ndarray, cost: np.ndarray, tokens: np.
     for b in range(B):
         prob += float(pre[b]) + pulp.lpSum(float(cost[i]) * x[i, b] for i in range(m)) <= C
         prob += pulp.lpSum(float(tokens[i]) * x[i, b] for i in range(m)) <= float(cap) - float(pre_tok[b])
-    # symmetry breaking is unsafe with unequal preloads; warm start values for CBC
-    for i, bs in enumerate(incumbent.bins):
-        for b in range(B):
-            x[i, b].setInitialValue(1 if b in bs else 0)
-    C.setInitialValue(float(incumbent.makespan))
+    # symmetry breaking is unsafe with unequal preloads; the greedy solution is the warm start
+    start = {x[i, b]: (1.0 if b in bs else 0.0) for i, bs in enumerate(incumbent.bins) for b in range(B)}
+    start[C] = float(incumbent.makespan)
 
     tried: list[str] = []
-    names = [solver] + (["cbc"] if solver == "highs" else [])
     res = None
-    for name in names:
-        try:
-            if name == "highs":
-                s = pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=1e-4, threads=1)
-            else:
-                import warnings
-
-                with warnings.catch_warnings():  # PuLP 3.x deprecates the bundled-CBC class name
-                    warnings.simplefilter("ignore", DeprecationWarning)
-                    s = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(np.ceil(time_limit))), warmStart=True,
-                                          gapRel=1e-4, threads=1)
-            prob.solve(s)
-        except Exception as e:  # noqa: BLE001  (solver missing or crashed: try the next one)
-            tried.append(f"{name} failed ({e.__class__.__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})")
-            continue
-        status = pulp.LpStatus.get(prob.status, str(prob.status))
-        sol_status = prob.sol_status
-        gap = None
-        if name == "highs":
-            try:
-                info = prob.solverModel.getInfo()
-                gap = float(info.mip_gap)
-                if not np.isfinite(gap):
-                    gap = None
-            except Exception:  # noqa: BLE001  (gap is informational)
-                gap = None
-        if sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+    nodes = 0
+    wall = False
+    try:
+        r = solve_pulp(prob, limits, start, solver=solver)
+    except RuntimeError as e:  # no solver could run
+        r = None
+        tried.append(str(e))
+    if r is not None:
+        nodes, wall = r.nodes, r.wall_clock_hit
+        if r.has_solution:
             bins = [[b for b in range(B) if (x[i, b].value() or 0) > 0.5] for i in range(m)]
             ok = all(len(bins[i]) == int(width[i]) for i in range(m))
             if ok:
@@ -280,27 +271,23 @@ def ilp_pack(pre: np.ndarray, pre_tok: np.ndarray, cost: np.ndarray, tokens: np.
                         loads[b] += cost[i]
                         toks[b] += tokens[i]
                 if (toks <= cap + 1e-6).all():
-                    st = "optimal" if sol_status == pulp.LpSolutionOptimal else "time_limit"
-                    if sol_status == pulp.LpSolutionOptimal:
-                        gap = 0.0 if gap is None else gap
-                    res = PackResult(bins, loads, toks, float(loads.max()), incumbent.lower_bound, solver=name,
-                                     status=st, ilp_gap=gap, greedy_makespan=incumbent.greedy_makespan)
-                    break
-            tried.append(f"{name} returned an inconsistent solution ({status})")
-            continue
-        if prob.status == pulp.LpStatusInfeasible or status == "Infeasible":
+                    res = PackResult(bins, loads, toks, float(loads.max()), incumbent.lower_bound, solver=r.solver,
+                                     status=r.status, ilp_gap=r.gap, greedy_makespan=incumbent.greedy_makespan,
+                                     nodes=nodes, ilp_runs=1)
+            if res is None:
+                tried.append(f"{r.solver} returned an inconsistent solution ({r.status})")
+        elif r.status == INFEASIBLE:
             # the cutoff C <= greedy makespan plus optimality: greedy is optimal up to tolerance
-            res = None
-            tried.append(f"{name}: no solution better than greedy ({status})")
-            break
-        tried.append(f"{name}: {status} without a feasible solution in {time_limit:g} s")
-        break  # a time-out keeps the greedy incumbent; the next solver is only for a missing/crashed one
+            tried.append(f"{r.solver}: no solution better than greedy ({r.status})")
+        else:
+            tried.append(f"{r.solver}: {r.status} without a feasible solution")
     elapsed = time.perf_counter() - t0
     if res is None or res.makespan > incumbent.makespan * (1 + 1e-9):
         inc = PackResult(incumbent.bins, incumbent.loads, incumbent.tokens, incumbent.makespan,
-                         incumbent.lower_bound, solver="greedy", status="ok",
+                         incumbent.lower_bound, solver="greedy", status=WALL_CLOCK if wall else "ok",
                          time_s=incumbent.time_s + elapsed, greedy_makespan=incumbent.greedy_makespan,
-                         fallback_reason="; ".join(tried) or "ILP did not improve on greedy")
+                         fallback_reason="; ".join(tried) or "ILP did not improve on greedy", nodes=nodes,
+                         ilp_runs=1)
         return inc
     res.time_s = incumbent.time_s + elapsed
     if tried:
@@ -308,7 +295,7 @@ def ilp_pack(pre: np.ndarray, pre_tok: np.ndarray, cost: np.ndarray, tokens: np.
     return res
 
 
-def pack(pre, pre_tok, cost, tokens, width, cap: float, *, ilp: str = "auto", time_limit: float = 0.2,
+def pack(pre, pre_tok, cost, tokens, width, cap: float, *, ilp: str = "auto", limits: SolveLimits | None = None,
          tol: float = 0.01, max_ilp_vars: int = 1200, solver: str = "highs") -> PackResult:
     """Greedy, then the ILP where it pays.
 
@@ -335,4 +322,4 @@ def pack(pre, pre_tok, cost, tokens, width, cap: float, *, ilp: str = "auto", ti
         if nvars > max_ilp_vars:
             g.fallback_reason = f"ILP skipped: {nvars} binaries > {max_ilp_vars} (greedy used)"
             return g
-    return ilp_pack(pre, pre_tok, cost, tokens, width, cap, g, time_limit=time_limit, solver=solver)
+    return ilp_pack(pre, pre_tok, cost, tokens, width, cap, g, limits=limits, solver=solver)

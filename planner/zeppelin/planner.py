@@ -21,6 +21,12 @@ Per training step:
    queue: inter groups, then intra, then its local group - in one global group order, so no two
    units wait on each other in opposite orders.
 6. **Routes** and **remap** (``routing.py``, ``remap.py`` of this package), then the prediction.
+7. **Candidate families** (``families.py``): Ulysses groups that keep their units for the whole
+   step, FLOP-share rings beside local units, replicas of a larger tensor-parallel degree. Each
+   family scores its configurations by its own per-group time; the best (those that can beat the
+   tiered plan) are built and priced by the same prediction, and the fastest candidate of all wins
+   (ties: the tiered plan). On clusters of at most ``simulate_max_units`` units the simulator
+   judges instead. Option ``families`` (``all``, ``none`` or a comma list).
 
 Registered variants: ``zeppelin`` (everything), ``zeppelin-no-routing``, ``zeppelin-no-remap``,
 ``zeppelin-tiers-only`` (neither routing nor remapping) - the paper's ablation.
@@ -29,6 +35,7 @@ Registered variants: ``zeppelin`` (everything), ``zeppelin-no-routing``, ``zeppe
 from __future__ import annotations
 
 import gc
+import heapq
 import math
 import time
 from dataclasses import dataclass, field
@@ -36,6 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from zeppelin.planner.core.base import PlanContext, Planner, PlanningError, register
+from zeppelin.planner.core.solver import WALL_CLOCK, SolveLimits, merge_status
 from zeppelin.planner.costmodel.predict import coupled_components, microbatch_terms, predict_from_terms
 from zeppelin.planner.zeppelin.assign import PackInfeasible, PackResult, pack
 from zeppelin.planner.zeppelin.tiering import Tiering, zigzag_max_tokens_array
@@ -64,6 +72,41 @@ def _optional(module: str):
         raise
 
 
+def _fam_list(spec: str) -> tuple[str, ...]:
+    known = ("ulysses-groups", "flop-share", "tp-replicas")
+    if spec in ("all", ""):
+        return known
+    if spec == "none":
+        return ()
+    out = tuple(x.strip() for x in spec.split(",") if x.strip())
+    bad = [x for x in out if x not in known]
+    if bad:
+        raise PlanningError(f"families option: unknown family {bad[0]!r} (known: {', '.join(known)}, all, none)")
+    return out
+
+
+def _lpt_with_room(items: list[int], bins: int, room: float, weight: list[float], size: list[float]):
+    """Each item in the given order to the least-loaded bin (by ``weight``) whose ``size`` total
+    stays within ``room`` (ties: lowest bin). Returns the bin of each item (in ``items`` order), or
+    None when an item fits no bin."""
+    heap = [(0.0, b) for b in range(bins)]
+    tok = [0.0] * bins
+    out = []
+    for i in items:
+        aside = []
+        while heap and tok[heap[0][1]] + size[i] > room:
+            aside.append(heapq.heappop(heap))
+        if not heap:
+            return None
+        ld, b = heapq.heappop(heap)
+        out.append(b)
+        tok[b] += size[i]
+        heapq.heappush(heap, (ld + weight[i], b))
+        for e in aside:
+            heapq.heappush(heap, e)
+    return out
+
+
 def _record(cls, **fields):
     """``cls.model_construct(**fields)`` for records built from validated parts, with every field
     given: pydantic's model_construct costs tens of microseconds per call, and a step at 1,024 GPUs
@@ -74,6 +117,12 @@ def _record(cls, **fields):
     object.__setattr__(m, "__pydantic_extra__", None)
     object.__setattr__(m, "__pydantic_private__", None)
     return m
+
+
+# Deterministic ILP work per step: at most ILP_SOLVES packing ILPs, each stopped after ILP_NODES
+# branch-and-bound nodes (about the 0.05 s wall-clock budget this replaced, on an idle 2-core machine)
+ILP_SOLVES = 1
+ILP_NODES = 10
 
 
 @dataclass
@@ -96,9 +145,14 @@ class ZeppelinPlanner(Planner):
         self.ilp = str(options.get("ilp", "auto"))
         if self.ilp not in ("auto", "always", "never"):
             raise PlanningError(f"ilp option must be auto, always or never (got {self.ilp!r})")
-        self.time_limit = float(options.get("time_limit", 0.05))
-        if not self.time_limit > 0:
-            raise PlanningError(f"--time-limit must be positive (got {self.time_limit:g})")
+        # the packing ILP runs under deterministic work limits (same plan on any machine, under any
+        # load); ``time_limit`` is only an optional wall-clock safety net per solve (None: off)
+        wall = options.get("time_limit")
+        wall = None if wall is None else float(wall)
+        if wall is not None and not wall > 0:
+            raise PlanningError(f"--time-limit must be positive (got {wall:g})")
+        self.limits = SolveLimits(nodes=int(options.get("ilp_nodes", ILP_NODES)),
+                                  iterations=int(options.get("ilp_iterations", 20000)), wall_s=wall)
         self.solver = str(options.get("solver", "highs"))
         if self.solver not in ("highs", "cbc"):
             raise PlanningError(f"solver must be highs or cbc (got {self.solver!r})")
@@ -115,19 +169,34 @@ class ZeppelinPlanner(Planner):
         if self.select not in ("auto", "predict", "simulate"):
             raise PlanningError(f"select option must be auto, predict or simulate (got {self.select!r})")
         self.simulate_max_units = int(options.get("simulate_max_units", 16))
-        self.ilp_budget_calls = float(options.get("ilp_budget_calls", 1.0))
-        self._ilp_left = 0.0
+        # ILP solves per step shared by every candidate layout (``ilp=always``: no budget)
+        self.ilp_budget_calls = int(options.get("ilp_budget_calls", ILP_SOLVES))
+        self._ilp_left = 0
+        self._wall_hit = False
         # how a sequence split inside a node runs: "auto" - a zigzag ring or Ulysses (all-to-all to
         # head shards), whichever the cost model prices lower for that sequence; "ring" - always a
         # ring (the published design)
         self.intra = str(options.get("intra", "auto"))
         if self.intra not in ("auto", "ring"):
             raise PlanningError(f"intra option must be auto or ring (got {self.intra!r})")
+        # the whole-step candidate families of families.py (comma list, or "none"), tried on clusters
+        # of at most ``families_max_units`` units (beyond, for planning latency, the tiered search only)
+        fam = str(options.get("families", "all"))
+        self.families = _fam_list(fam)
+        self.families_max_units = int(options.get("families_max_units", 256))
+        self.family_margin = float(options.get("family_margin", 0.05))
         self._sims: dict[int, object] = {}
         self._tiering: dict[int, Tiering] = {}
         self._tables: dict = {}
 
     # ------------------------------------------------------------------ helpers
+    def _family_plans(self, ctx: PlanContext, step: int, sequences: list[Sequence], bound=None) -> list[StepPlan]:
+        families = _optional("families")
+        if families is None or not self.families:
+            return []
+        fams = [f for f in self.families if not (f == "ulysses-groups" and self.intra == "ring")]  # rings only
+        return families.family_plans(ctx, step, sequences, fams, bound, routing=self.routing)
+
     def tiering(self, ctx: PlanContext) -> Tiering:
         t = self._tiering.get(id(ctx))
         if t is None or t.ctx is not ctx:
@@ -142,19 +211,17 @@ class ZeppelinPlanner(Planner):
             sim = self._sims[id(ctx)] = Simulator(ctx)
         return sim
 
-    # ILP time per step: every candidate layout may call the packing ILP; together they share a
-    # budget of ``ilp_budget_calls`` x ``time_limit`` seconds (``ilp=always``: no budget)
+    # ILP work per step: every candidate layout may call the packing ILP; together they share a
+    # budget of ``ilp_budget_calls`` solves, each under ``self.limits`` (``ilp=always``: no budget).
+    # Counted in solves, not seconds, so that the plan does not depend on the machine's load.
     def _ilp_mode(self) -> str:
         if self.ilp == "always":
             return "always"
-        return self.ilp if self._ilp_left > 1e-3 else "never"
+        return self.ilp if self._ilp_left > 0 else "never"
 
-    def _ilp_limit(self) -> float:
-        return self.time_limit if self.ilp == "always" else max(1e-3, min(self.time_limit, self._ilp_left))
-
-    def _ilp_spent(self, t0: float, r) -> None:
-        if getattr(r, "solver", "greedy") != "greedy":
-            self._ilp_left -= time.perf_counter() - t0
+    def _ilp_spent(self, r) -> None:
+        self._ilp_left -= getattr(r, "ilp_runs", 0)
+        self._wall_hit = self._wall_hit or getattr(r, "status", "") == WALL_CLOCK
 
     def _routed_nics(self, ctx: PlanContext) -> int:
         return len(ctx.cluster.nics) if self.routing else 1
@@ -188,7 +255,8 @@ class ZeppelinPlanner(Planner):
 
     def _plan_step(self, ctx: PlanContext, step: int, sequences: list[Sequence]) -> StepPlan:
         t0 = time.perf_counter()
-        self._ilp_left = self.ilp_budget_calls * self.time_limit
+        self._ilp_left = self.ilp_budget_calls
+        self._wall_hit = False  # did any ILP of this step stop at the wall-clock safety net?
         if not sequences:
             raise PlanningError(f"step {step} has no sequences")
         self.check_feasible(ctx, sequences)
@@ -257,11 +325,25 @@ class ZeppelinPlanner(Planner):
             # the prediction from the candidate's terms: the same as predict_step(ctx, plan)
             plan.prediction = predict_from_terms(ctx, lengths, [b[2] for b in built])
             plans.append((plan, built))
-        if len(plans) > 1:
+        # the other whole-step families (families.py), priced the same way; ties keep the tiered plan
+        fams = []
+        if n <= self.families_max_units:
+            # a family configuration whose own score is this far above the best tiered candidate
+            # (without the all-reduce) is not built: it would not win
+            bound = min(t for _, t in found) * (1 + self.family_margin)
+            fams = self._family_plans(ctx, step, sequences, bound)
+        if len(plans) + len(fams) > 1 and simulate:
             sim = self._simulator(ctx)
-            plan, built = min(plans, key=lambda pb: sim.simulate_step(pb[0]).step_time_s)
+            scored = [(sim.simulate_step(pb[0]).step_time_s, a, pb) for a, pb in enumerate(plans + [(f, None) for f in fams])]
         else:
-            plan, built = plans[0]
+            scored = [(pb[0].prediction.step_time_s, a, pb) for a, pb in enumerate(plans + [(f, None) for f in fams])]
+        plan, built = min(scored, key=lambda x: (x[0], x[1]))[2]
+        if built is None:  # a family's plan won
+            plan.solver = SolverInfo(name="greedy", status="ok", gap=None, time_s=time.perf_counter() - t0)
+            if self._wall_hit:  # it won against candidates shaped by a load-dependent ILP
+                plan.solver.status = WALL_CLOCK
+                plan.solver.fallback_reason = "a packing ILP of a losing candidate hit the wall-clock safety net"
+            return plan
         mbs = plan.microbatches
         stats = [b[1] for b in built]
         plan.solver = self._solver_info(stats, time.perf_counter() - t0)
@@ -277,20 +359,26 @@ class ZeppelinPlanner(Planner):
         if M == 1:
             return [list(range(len(lengths)))] if lengths.sum() <= budget else None
         work = ctx.cost.work(lengths)
-        order = np.argsort(-work, kind="stable")
-        loads = np.zeros(M)
-        toks = np.zeros(M)
+        order = np.argsort(-work, kind="stable").tolist()
+        wl, Ll = work.tolist(), lengths.tolist()
+        toks = [0] * M
         parts: list[list[int]] = [[] for _ in range(M)]
+        # least work among the micro-batches with room; ties: fewest tokens, lowest index (a heap
+        # of (work, tokens, index); entries without room are set aside and put back)
+        heap = [(0.0, 0, j) for j in range(M)]
         for i in order:
-            L = lengths[i]
-            cand = np.flatnonzero(toks + L <= budget)
-            if len(cand) == 0:
+            L = Ll[i]
+            aside = []
+            while heap and heap[0][1] + L > budget:
+                aside.append(heapq.heappop(heap))
+            if not heap:
                 return None
-            # least work among those with room; ties: fewest tokens
-            j = int(cand[np.lexsort((toks[cand], loads[cand]))[0]])
+            w, t, j = heapq.heappop(heap)
             parts[j].append(int(i))
-            loads[j] += work[i]
-            toks[j] += L
+            toks[j] = t + L
+            heapq.heappush(heap, (w + wl[i], t + L, j))
+            for e in aside:
+                heapq.heappush(heap, e)
         if any(not p for p in parts):
             return None
         return [sorted(p) for p in parts]
@@ -328,29 +416,24 @@ class ZeppelinPlanner(Planner):
         T_avg = max(float(Ls.sum()) / ctx.num_units, 1.0)
         lin_rate = float(layers * c.linear_time(T_avg) + c.head_time(T_avg)) / T_avg
         w = layers * att + lin_rate * Ls / upn
-        load, tok = np.zeros(N), np.zeros(N)
-        node = np.zeros(len(lengths), dtype=np.int64)
-        for i in np.argsort(-w, kind="stable"):
-            room = np.flatnonzero(tok + per_tok[i] <= M * cap)
-            if len(room) == 0:
-                return None
-            nd = int(room[np.argmin(load[room])])
-            node[i] = nd
-            load[nd] += w[i]
-            tok[nd] += per_tok[i]
+        wl, pt = w.tolist(), per_tok.tolist()
+        order = np.argsort(-w, kind="stable").tolist()
+        node = _lpt_with_room(order, N, M * cap, wl, pt)
+        if node is None:
+            return None
+        by_node: list[list[int]] = [[] for _ in range(N)]
+        for i, nd in zip(order, node):  # heaviest first within each node
+            by_node[nd].append(i)
         parts: list[list[int]] = [[] for _ in range(M)]
         for nd in range(N):
-            ptok, pw = np.zeros(M), np.zeros(M)
-            for i in sorted(np.flatnonzero(node == nd), key=lambda i: -w[i]):
-                room = np.flatnonzero(ptok + per_tok[i] <= cap)
-                if len(room) == 0:
-                    return None
-                k = int(room[np.argmin(pw[room])])
-                parts[k].append(int(i))
-                ptok[k] += per_tok[i]
-                pw[k] += w[i]
+            mbs = _lpt_with_room(by_node[nd], M, cap, wl, pt)
+            if mbs is None:
+                return None
+            for i, k in zip(by_node[nd], mbs):
+                parts[k].append(i)
+        node_of = dict(zip(order, node))
         parts = [sorted(p) for p in parts if p]
-        return parts, {int(i): int(node[i]) for i in range(len(lengths))}
+        return parts, {i: node_of[i] for i in range(len(lengths))}
 
     # ------------------------------------------------------------------ one micro-batch
     def _coupling_waste(self, built, t: float) -> bool:
@@ -461,11 +544,10 @@ class ZeppelinPlanner(Planner):
             w1 = np.where(inter_k, np.array([sp.nodes for sp in tg.spans], dtype=np.int64)[k], 1)
             c1 = unit_t * np.where(inter_k, upn, Gk)
             k1 = per_tok * np.where(inter_k, upn, Gk)
-            t_ilp = time.perf_counter()
             r1 = pack(carry.reshape(N, upn).sum(axis=1), np.zeros(N), c1, k1, w1, float(cap * upn) * node_fill,
-                      ilp=self._ilp_mode(), time_limit=self._ilp_limit(), tol=self.tol, solver=self.solver,
+                      ilp=self._ilp_mode(), limits=self.limits, tol=self.tol, solver=self.solver,
                       max_ilp_vars=self.max_ilp_vars_nodes)
-            self._ilp_spent(t_ilp, r1)
+            self._ilp_spent(r1)
             st.results.append(r1)
             node_of = r1.bins
         # ---- level 2: units inside each node
@@ -520,13 +602,12 @@ class ZeppelinPlanner(Planner):
                 if self._ilp_mode() != "never" and (self.ilp == "always" or (hot and r2.gap > self.tol)):
                     js = by_node.get(nd, [])
                     sl = slice(nd * upn, (nd + 1) * upn)
-                    t_ilp = time.perf_counter()
                     node_results[nd] = pack(pre[sl], pre_tok[sl], unit_t[js], per_tok[js],
                                             np.array([spans[j].G for j in js], dtype=np.int64), float(cap),
                                             ilp="always" if self.ilp == "always" else "auto",
-                                            time_limit=self._ilp_limit(), tol=self.tol, solver=self.solver,
+                                            limits=self.limits, tol=self.tol, solver=self.solver,
                                             max_ilp_vars=self.max_ilp_vars_units)
-                    self._ilp_spent(t_ilp, node_results[nd])
+                    self._ilp_spent(node_results[nd])
         loads = np.zeros(n)
         for nd, r2 in node_results.items():
             loads[nd * upn:(nd + 1) * upn] = r2.loads
@@ -644,12 +725,9 @@ class ZeppelinPlanner(Planner):
         names = {r.solver for r in results}
         name = "highs" if "highs" in names else "cbc" if "cbc" in names else "greedy"
         ilp_runs = [r for r in results if r.solver in ("highs", "cbc")]
-        if not ilp_runs:
-            status = "ok"
-        elif all(r.status == "optimal" for r in ilp_runs):
-            status = "optimal"
-        else:
-            status = "time_limit"
+        status = merge_status([r.status for r in ilp_runs])
+        if self._wall_hit or any(r.status == WALL_CLOCK for r in results):
+            status = WALL_CLOCK  # a greedy fallback after the safety net fired: the step depends on the load
         # gap of the unit assignment: the hottest unit vs the best any assignment could do
         gaps = []
         for st in stats:

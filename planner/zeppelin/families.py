@@ -1,0 +1,491 @@
+"""Whole-step candidate families of the Zeppelin planner beyond its tiered layouts.
+
+The tiered search (:mod:`.planner`) gives each sequence a span and balances units per micro-batch.
+Three other layouts win some steps by the cost model, so the planner builds them too and keeps
+whichever candidate the prediction (or, on small clusters, the simulator) rates fastest:
+
+* ``ulysses-groups`` - Ulysses groups that keep their units for the whole step (FlexSP's
+  freedom): ``n / s`` groups of ``s`` units, or ``k`` groups of a larger size ``S`` (for the
+  sequences that need it) and the rest of size ``s``; sequences dealt whole-step to the group where
+  they finish earliest (cost-model time, most expensive first), each group's share cut into
+  micro-batches first-fit-decreasing under the memory cap. Groups never wait for each other, so
+  the step costs the slowest group's sum of micro-batch times.
+* ``flop-share`` - a sequence whose work exceeds a unit's share of the step (or whose tokens do
+  not fit one unit) runs as a zigzag ring over an aligned block of the power-of-two size it needs,
+  the rest stay local; blocks and units are filled least-loaded first, micro-batches first fit.
+* ``tp-replicas`` - replicas of a larger tensor-parallel degree than the context's (Hydraulis'
+  freedom): replicas of degree ``hi`` (or context-parallel replicas of ``cp`` of them where the
+  step's longest sequence fits no replica) for the long sequences and of degree ``lo`` for the
+  rest, each sequence to the replica where it finishes earliest, each replica's share cut into
+  micro-batches longest-first under its memory.
+
+Everything is deterministic (sorted orders, index tie-breaks, no clock). Each family scores its
+configurations with its own per-sequence times first and builds only the best ``top`` of them as
+plans (:class:`zeppelin.planner.core.builder.StepBuilder`), priced by the shared prediction.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from zeppelin.planner.core.base import PlanContext, PlanningError
+from zeppelin.planner.core.builder import StepBuilder
+from zeppelin.planner.costmodel.predict import predict_replicas, predict_step
+from zeppelin.planner.zeppelin.routing import plan_routes
+from zeppelin.schemas.plan import Replica, Sequence, SolverInfo, StepPlan
+
+FAMILIES = ("ulysses-groups", "flop-share", "tp-replicas")
+
+
+def _pow2_upto(limit: int) -> list[int]:
+    out, g = [], 1
+    while g <= limit:
+        out.append(g)
+        g *= 2
+    return out
+
+
+def _ceil_div(a, b):
+    return -(-np.asarray(a) // b)
+
+
+def _zigzag_share(L: np.ndarray, G: int) -> np.ndarray:
+    """Tokens the fullest unit of a zigzag ring of ``G`` holds (schemas.layout.zigzag_ranges' cut)."""
+    L = np.asarray(L, dtype=np.int64)
+    if G <= 1:
+        return L
+    q, r = np.divmod(L, 2 * G)
+    return 2 * q + (r > 0) + (r > G)
+
+
+def _dispatch(cost: dict[int, np.ndarray], fits: dict[int, np.ndarray], counts: dict[int, int],
+              fixed: dict[int, float] | None = None, improve: bool = False):
+    """Whole-step dispatch over group types: ``counts[t]`` groups of type ``t``, ``cost[t][i]`` the
+    time of sequence ``i`` on one group of type ``t``. Most expensive sequence first (its cheapest
+    type's time), each to the group where it finishes earliest (ties: lower type, lower group);
+    ``improve``: then the local search of :func:`_improve`. Returns (makespan, [(type, group
+    index)] per sequence) or None when a sequence fits no type."""
+    types = sorted(t for t in counts if counts[t] > 0)
+    n_seq = len(next(iter(cost.values())))
+    base = np.full(n_seq, np.inf)
+    for t in types:
+        base = np.minimum(base, np.where(fits[t], cost[t], np.inf))
+    if not np.isfinite(base).all():
+        return None
+    heaps = {t: [((fixed or {}).get(t, 0.0), g) for g in range(counts[t])] for t in types}
+    order = np.lexsort((np.arange(n_seq), -base)).tolist()
+    out: list[tuple[int, int]] = [(0, 0)] * n_seq
+    if len(types) == 1:
+        t = types[0]
+        h, c = heaps[t], cost[t].tolist()
+        for i in order:
+            load, g = h[0]
+            heapq.heapreplace(h, (load + c[i], g))
+            out[i] = (t, g)
+    else:
+        cl = {t: cost[t].tolist() for t in types}
+        fl = {t: fits[t].tolist() for t in types}
+        for i in order:
+            best = None
+            for t in types:
+                if fl[t][i]:
+                    fin = heaps[t][0][0] + cl[t][i]
+                    if best is None or fin < best[0]:
+                        best = (fin, t)
+            fin, t = best
+            g = heaps[t][0][1]
+            heapq.heapreplace(heaps[t], (fin, g))
+            out[i] = (t, g)
+    loads = {t: np.array(sorted((g, load) for load, g in heaps[t]))[:, 1].astype(np.float64) for t in types}
+    if improve:
+        _improve(cost, fits, out, loads)
+    span = max(float(loads[t].max()) for t in types)
+    return span, out
+
+
+def _improve(cost, fits, out, loads, rounds: int = 48, cold_groups: int = 3) -> None:
+    """Local search on a dispatch (in place): move a sequence off the slowest group, or swap one
+    of its sequences with one of a fast group's, whichever lowers the pair's larger time most,
+    while that lowers the slowest group's time (vectorised over the sequences of the pair)."""
+    members: dict[tuple[int, int], list[int]] = {}
+    for i, key in enumerate(out):
+        members.setdefault(key, []).append(i)
+    keys = [(t, g) for t in sorted(loads) for g in range(len(loads[t]))]
+    for _ in range(rounds):
+        lv = np.array([loads[t][g] for t, g in keys])
+        hot = keys[int(np.argmax(lv))]
+        top = float(lv.max())
+        mine = np.array(sorted(members.get(hot, [])), dtype=np.int64)
+        if len(mine) == 0:
+            return
+        c_out = cost[hot[0]][mine]
+        best = None  # (value, kind, i, j, cold)
+        for x in np.argsort(lv, kind="stable")[:cold_groups]:
+            cold = keys[int(x)]
+            if cold == hot:
+                continue
+            lc = loads[cold[0]][cold[1]]
+            c_in = cost[cold[0]][mine]
+            ok = fits[cold[0]][mine]
+            val = np.where(ok, np.maximum(top - c_out, lc + c_in), np.inf)
+            a = int(np.argmin(val))
+            if best is None or val[a] < best[0]:
+                best = (float(val[a]), "move", int(mine[a]), -1, cold)
+            theirs = np.array(sorted(members.get(cold, [])), dtype=np.int64)
+            if len(theirs):
+                nh = top - c_out[:, None] + cost[hot[0]][theirs][None, :]
+                nc = lc - cost[cold[0]][theirs][None, :] + c_in[:, None]
+                okm = ok[:, None] & fits[hot[0]][theirs][None, :]
+                v = np.where(okm, np.maximum(nh, nc), np.inf)
+                f = int(np.argmin(v))
+                r, c = divmod(f, len(theirs))
+                if v[r, c] < best[0]:
+                    best = (float(v[r, c]), "swap", int(mine[r]), int(theirs[c]), cold)
+        if best is None or not best[0] < top * (1 - 1e-9):
+            return
+        _, kind, i, j, cold = best
+        loads[hot[0]][hot[1]] -= float(cost[hot[0]][i])
+        loads[cold[0]][cold[1]] += float(cost[cold[0]][i])
+        members[hot].remove(i)
+        members.setdefault(cold, []).append(i)
+        out[i] = cold
+        if kind == "swap":
+            loads[cold[0]][cold[1]] -= float(cost[cold[0]][j])
+            loads[hot[0]][hot[1]] += float(cost[hot[0]][j])
+            members[cold].remove(j)
+            members[hot].append(j)
+            out[j] = hot
+
+
+def _pack_bins(items: list[int], need: np.ndarray, w: np.ndarray, cap: int) -> list[list[int]]:
+    """A group's sequences into micro-batches: the fewest bins by first-fit decreasing on tokens,
+    then work-balanced (heaviest first to the lightest bin with room)."""
+    order = sorted(items, key=lambda i: (-int(need[i]), i))
+    room: list[int] = []
+    for i in order:  # first fit decreasing: how many bins
+        for b in range(len(room)):
+            if need[i] <= room[b]:
+                room[b] -= int(need[i])
+                break
+        else:
+            room.append(cap - int(need[i]))
+    v = max(1, len(room))
+    bins: list[list[int]] = [[] for _ in range(v)]
+    load, held = [0.0] * v, [0] * v
+    for i in sorted(items, key=lambda i: (-float(w[i]), i)):
+        ok = [b for b in range(v) if held[b] + need[i] <= cap]
+        if not ok:  # the balanced pass failed to fit: keep first fit
+            return _ffd(items, need, cap)
+        b = min(ok, key=lambda b: (load[b], b))
+        bins[b].append(i)
+        load[b] += float(w[i])
+        held[b] += int(need[i])
+    return [b for b in bins if b]
+
+
+def _ffd(items, need, cap):
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(items, key=lambda i: (-int(need[i]), i)):
+        for b in range(len(room)):
+            if need[i] <= room[b]:
+                bins[b].append(i)
+                room[b] -= int(need[i])
+                break
+        else:
+            bins.append([i])
+            room.append(cap - int(need[i]))
+    return bins
+
+
+def _token_slope(ctx: PlanContext, cm, T: float, s: int = 1, link: str = "intra") -> float:
+    """Marginal time per token (linear modules, LM head, TP and - for ``s`` > 1 - Ulysses
+    all-to-alls) of a unit holding about ``T`` tokens: the secant between T/2 and T."""
+
+    def f(x):
+        comm = cm.ulysses_comm_time(x, s, link) if s > 1 else 0.0
+        tp = cm.tp_exposed_comm(x) if cm.tp > 1 else 0.0
+        return float(ctx.model.num_layers * (cm.linear_time(x) + comm + tp) + cm.head_time(x))
+
+    return (f(T) - f(T / 2)) / (T / 2)
+
+
+# ---------------------------------------------------------------------------------------------
+def ulysses_groups(ctx: PlanContext, step: int, sequences: list[Sequence], top: int = 2):
+    n, upn, cm = ctx.num_units, ctx.units_per_node, ctx.cost
+    heads = max(1, ctx.model.num_heads // ctx.tp)
+    cap = cm.token_capacity
+    L = np.array([s.length for s in sequences], dtype=np.int64)
+    Lf = L.astype(np.float64)
+    sizes = [s for s in _pow2_upto(n) if heads % s == 0 and n % s == 0]
+    cost, fits, need = {}, {}, {}
+    T_avg = max(float(Lf.sum()) / n, 2.0)
+    for s in sizes:
+        link = "inter" if s > upn else "intra"
+        # a group's linear modules, LM head and all-to-alls run once per micro-batch on all its
+        # tokens: priced per token by their slope around a unit's average share of the step (a
+        # per-sequence price would charge every short sequence the fixed costs again)
+        slope = _token_slope(ctx, cm, T_avg, s, link)
+        cost[s] = ctx.model.num_layers * cm.ulysses_attn_time(Lf, s) + slope * Lf / s
+        need[s] = _ceil_div(L, s)
+        fits[s] = need[s] <= cap
+    scored = []
+
+    def score(cfg):
+        r = _dispatch({t: cost[t] for t in cfg}, {t: fits[t] for t in cfg}, cfg)
+        if r is not None:
+            scored.append((r[0], len(scored), cfg, r[1]))
+
+    for s in sizes:  # homogeneous
+        score({s: n // s})
+    if scored:
+        # heterogeneous around the best homogeneous size s*: k groups of a larger size (one or two
+        # steps up) for the long sequences, the rest of size s* or s*/2
+        s_best = next(iter(min(scored, key=lambda x: (x[0], x[1]))[2]))
+        near = [x for x in sizes if s_best // 2 <= x <= 4 * s_best]
+        for big in near:
+            for small in [x for x in near if x < big]:
+                for k in _pow2_upto(n // big):
+                    if k * big + small <= n:
+                        score({big: k, small: (n - k * big) // small})
+    scored.sort(key=lambda x: (x[0], x[1]))
+    # the best few dispatches refined by local search, then ranked again
+    scored = sorted([(r[0], a, cfg, r[1]) for _, a, cfg, _ in scored[:top + 1]
+                     if (r := _dispatch({t: cost[t] for t in cfg}, {t: fits[t] for t in cfg}, cfg, improve=True))],
+                    key=lambda x: (x[0], x[1]))
+    def build(cfg, owner):
+        # groups: aligned blocks, largest size first
+        blocks: dict[tuple[int, int], list[int]] = {}
+        u0 = 0
+        for t in sorted(cfg, reverse=True):
+            for g in range(cfg[t]):
+                blocks[(t, g)] = list(range(u0, u0 + t))
+                u0 += t
+        b = StepBuilder(ctx, sequences, "zeppelin")
+        members: dict[tuple[int, int], list[int]] = {}
+        for i, key in enumerate(owner):
+            members.setdefault(key, []).append(i)
+        for key in sorted(members):
+            t = key[0]
+            for k, bin_ in enumerate(_pack_bins(members[key], need[t], cost[t], cap)):
+                for i in sorted(bin_, key=lambda i: (-L[i], i)):
+                    b.place(k, "ulysses" if t > 1 else "local", blocks[key], i)
+        desc = " + ".join(f"{cfg[t]} x sp={t}" for t in sorted(cfg, reverse=True))
+        return b.finish(step, SolverInfo(name="greedy"), notes={"family": "ulysses-groups", "groups": desc})
+
+    return [(span, a, (lambda cfg=cfg, owner=owner: build(cfg, owner))) for span, a, cfg, owner in scored[:top]]
+
+
+# ---------------------------------------------------------------------------------------------
+def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int = 1, routing: bool = True):
+    n, upn, cm = ctx.num_units, ctx.units_per_node, ctx.cost
+    cap = cm.token_capacity
+    L = np.array([s.length for s in sequences], dtype=np.int64)
+    Lf = L.astype(np.float64)
+    work = cm.work(Lf)
+    share = float(work.sum()) / n
+    gmax = _pow2_upto(n)[-1]
+    sizes = np.ones(len(L), dtype=np.int64)
+    for i in np.flatnonzero((L > cap) | (work > share)).tolist():
+        g = 1
+        while _zigzag_share(L[i:i + 1], g)[0] > cap:
+            g *= 2
+        if g > gmax:
+            return []
+        g_flop = 1
+        while work[i] > share * g_flop and g_flop < gmax:
+            g_flop *= 2
+        sizes[i] = min(max(g, g_flop), gmax)
+    # per-unit time of each sequence on its ring / alone (the score; placement balances on it)
+    slope = _token_slope(ctx, cm, max(float(Lf.sum()) / n, 2.0))
+    t_unit = ctx.model.num_layers * cm.attn_time(Lf) + slope * Lf
+    for G in np.unique(sizes[sizes > 1]).tolist():
+        sel = sizes == G
+        tier = "inter" if G > upn else "intra"
+        t_unit[sel] = ctx.model.num_layers * cm.ring_attention_time(Lf[sel], G, tier) + slope * Lf[sel] / G
+    load = np.zeros(n)
+    order = sorted(range(len(L)), key=lambda i: (-work[i], i))
+    where: list[tuple[list[int], int]] = [([], 0)] * len(L)
+    for i in order:
+        G = int(sizes[i])
+        if G == 1:
+            continue
+        starts = np.arange(0, n - G + 1, G)
+        bmax = load[:len(starts) * G].reshape(-1, G).max(axis=1)
+        blk = list(range(int(starts[int(np.argmin(bmax))]), int(starts[int(np.argmin(bmax))]) + G))
+        where[i] = (blk, int(_zigzag_share(L[i:i + 1], G)[0]))
+        load[blk] += t_unit[i]
+    for i in order:
+        if sizes[i] != 1:
+            continue
+        u = int(np.argmin(load))
+        where[i] = ([u], int(L[i]))
+        load[u] += t_unit[i]
+
+    def build():
+        b = StepBuilder(ctx, sequences, "zeppelin")
+        held: list[np.ndarray] = []
+        # micro-batches: first fit, every ring before any local sequence (widest first), so that
+        # rings sit in the earliest micro-batches, whose start their units reach together
+        for i in sorted(order, key=lambda i: (-int(sizes[i]), -work[i], i)):
+            units, per = where[i]
+            k = 0
+            while True:
+                if k == len(held):
+                    held.append(np.zeros(n, dtype=np.int64))
+                if (held[k][units] + per <= cap).all():
+                    break
+                k += 1
+            b.place(k, "ring" if len(units) > 1 else "local", units, int(i))
+            held[k][units] += per
+        plan = b.finish(step, SolverInfo(name="greedy"), notes={"family": "flop-share"})
+        if routing and any(g.tier == "inter" for mb in plan.microbatches for g in mb.groups):
+            # inter-node rings: their boundary hops routed over every NIC (routing.py), as in
+            # the tiered plans
+            for mb in plan.microbatches:
+                mb.routes = plan_routes(ctx, mb, enable=True)
+            plan.prediction = predict_step(ctx, plan)
+        return plan
+
+    return [(float(load.max()), 0, build)]
+
+
+# ---------------------------------------------------------------------------------------------
+def _tp_comm(ctx: PlanContext, cm, tokens: np.ndarray) -> np.ndarray:
+    if cm.tp <= 1:
+        return np.zeros_like(tokens)
+    return ctx.model.num_layers * cm.tp_exposed_comm(tokens)
+
+
+def tp_replicas(ctx: PlanContext, step: int, sequences: list[Sequence], top: int = 2):
+    cl = ctx.cluster
+    heads = ctx.model.num_heads
+    degrees = [d for d in _pow2_upto(cl.gpus_per_node) if d >= ctx.tp and d % ctx.tp == 0
+               and cl.gpus_per_node % d == 0 and heads % d == 0]
+    if len(degrees) < 2:
+        return []
+    world = cl.world_size
+    cms = {d: ctx.cost_for(d) for d in degrees}
+    caps = {d: cms[d].token_capacity for d in degrees}
+    L = np.array([s.length for s in sequences], dtype=np.int64)
+    Lf = L.astype(np.float64)
+    D = degrees[-1]
+    Lmax = int(L.max())
+    cp = 1
+    if caps[D] < Lmax:
+        cp = next((g for g in _pow2_upto(world // D) if g > 1 and _zigzag_share(L[L.argmax():][:1], g)[0] <= caps[D]), 0)
+        if not cp:
+            return []
+    types: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, int]] = {}  # (degree, cp): cost, tokens/unit, cap
+    for d in degrees:
+        types[(d, 1)] = (cms[d].seq_compute_time(Lf) + _tp_comm(ctx, cms[d], Lf), L, caps[d])
+    if cp > 1:
+        last = cp * D - 1
+        tier = "inter" if cl.node_of(0) != cl.node_of(last) else "intra"
+        sharers = 1.0
+        if tier == "inter":
+            nics: dict[str, int] = {}
+            for g in range(D):
+                nics[cl.nic_of(g)] = nics.get(cl.nic_of(g), 0) + 1
+            sharers = float(max(nics.values()))
+        cm = cms[D]
+        sh = Lf / cp
+        c = ctx.model.num_layers * (cm.ring_attention_time(Lf, cp, tier, sharers) + cm.linear_time(sh)) \
+            + cm.head_time(sh) + _tp_comm(ctx, cm, sh)
+        types[(D, cp)] = (c, _zigzag_share(L, cp), caps[D])
+        his = [(D, cp)]
+    else:
+        his = [(d, 1) for d in degrees if caps[d] >= Lmax]
+    configs = []
+    for hi in his:
+        gpus_hi = hi[0] * hi[1]
+        for lo in [d for d in degrees if d <= hi[0]]:
+            for k in _pow2_upto(world // gpus_hi):
+                rest = world - k * gpus_hi
+                if rest % lo:
+                    continue
+                cfg = {hi: k}
+                if rest:
+                    cfg[(lo, 1)] = cfg.get((lo, 1), 0) + rest // lo
+                if cfg == {(ctx.tp, 1): world // ctx.tp}:
+                    continue  # the context's own units: the tiered search's space
+                if cfg not in configs:
+                    configs.append(cfg)
+    scored = []
+    for a, cfg in enumerate(configs):
+        keys = sorted(cfg, key=lambda t: (-t[0] * t[1], -t[1]))
+        idx = {t: x for x, t in enumerate(keys)}
+        r = _dispatch({idx[t]: types[t][0] for t in keys}, {idx[t]: types[t][1] <= types[t][2] for t in keys},
+                      {idx[t]: cfg[t] for t in keys})
+        if r is not None:
+            scored.append((r[0], a, keys, cfg, r[1]))
+    scored.sort(key=lambda x: (x[0], x[1]))
+    refined = []
+    for _, a, keys, cfg, _ in scored[:top + 1]:
+        idx = {t: x for x, t in enumerate(keys)}
+        r = _dispatch({idx[t]: types[t][0] for t in keys}, {idx[t]: types[t][1] <= types[t][2] for t in keys},
+                      {idx[t]: cfg[t] for t in keys}, improve=True)
+        refined.append((r[0], a, keys, cfg, r[1]))
+    scored = sorted(refined, key=lambda x: (x[0], x[1]))
+    def build(keys, cfg, owner):
+        replicas: list[Replica] = []
+        units_of: dict[tuple[int, int], list[int]] = {}
+        r0 = 0
+        for x, (d, c) in enumerate(keys):
+            for g in range(cfg[(d, c)]):
+                units_of[(x, g)] = list(range(len(replicas), len(replicas) + c))
+                for _ in range(c):
+                    replicas.append(Replica(ranks=list(range(r0, r0 + d)), tp=d))
+                    r0 += d
+        members: dict[tuple[int, int], list[int]] = {}
+        for i, key in enumerate(owner):
+            members.setdefault(key, []).append(i)
+        b = StepBuilder(ctx, sequences, "zeppelin", n_units=len(replicas), capacity=[caps[r.tp] for r in replicas],
+                        replicas=replicas)
+        for key in sorted(members):
+            t = keys[key[0]]
+            c_t, tok, cap_t = types[t]
+            units = units_of[key]
+            for k, bin_ in enumerate(_pack_bins(members[key], tok, c_t, cap_t)):
+                for i in sorted(bin_, key=lambda i: (-L[i], i)):
+                    b.place(k, "ring" if len(units) > 1 else "local", units, i)
+        desc = " + ".join(f"{cfg[t]} x tp={t[0]}" + (f" cp={t[1]}" if t[1] > 1 else "") for t in keys)
+        return b.finish(step, SolverInfo(name="greedy"), predict=predict_replicas, replicas=replicas,
+                        notes={"family": "tp-replicas", "replicas": desc})
+
+    return [(span, a, (lambda keys=keys, cfg=cfg, owner=owner: build(keys, cfg, owner)))
+            for span, a, keys, cfg, owner in scored[:top]]
+
+
+def family_plans(ctx: PlanContext, step: int, sequences: list[Sequence], families=FAMILIES,
+                 bound: float | None = None, routing: bool = True) -> list[StepPlan]:
+    """The families' best plans for the step (a family that cannot plan it contributes none).
+
+    Each family scores its configurations by its own estimate of the slowest unit's time (no
+    gradient all-reduce); only the best-scored ones become plans: two per family on clusters of at
+    most 32 units, else the best two over all families. ``bound``: a configuration scored above
+    it is not built - it cannot beat the plan the caller already has."""
+    small = ctx.num_units <= 32
+    fns = {"ulysses-groups": ulysses_groups, "flop-share": flop_share, "tp-replicas": tp_replicas}
+    cands = []
+    for f, name in enumerate(families):
+        try:
+            kw = {"routing": routing} if name == "flop-share" else {}
+            got = fns[name](ctx, step, sequences, top=2, **kw)
+        except PlanningError:
+            continue
+        cands += [(score, f, a, build) for score, a, build in got]
+    cands.sort(key=lambda c: (c[0], c[1], c[2]))
+    if not small:
+        cands = cands[:2]
+    out: list[StepPlan] = []
+    for score, _, _, build in cands:
+        if bound is not None and score > bound:
+            continue
+        try:
+            out.append(build())
+        except PlanningError:
+            continue
+    return out

@@ -1,0 +1,317 @@
+"""Hugging Face decoders (Llama, Mistral, Qwen2) on a plan's layouts: ``--model hf:DIR``.
+
+The model is the ``transformers`` implementation itself (``AutoModelForCausalLM.from_config``),
+built from ``DIR/config.json`` in fp32 master weights; weights come from ``DIR/*.safetensors``
+through ``safetensors`` (never a pickle) or, without weight files, from the config's own
+initialisation under a fixed seed. The runtime's attention is registered with transformers'
+attention-function interface under the name ``"zeppelin"`` (:func:`register_attention`, i.e.
+:func:`zeppelin.runtime.api.register_hf_attention`); the micro-batch's attention context travels to
+it as the forward keyword ``zeppelin_context``. So the plan's layouts, remaps and rings are unchanged:
+
+* the model runs on the rank's packed linear-layout tokens as one ``[1, T]`` batch, with position
+  ids restarting at 0 at every sequence's start (RoPE is applied by transformers before attention,
+  per token, so the positions of the linear layout are the right ones);
+* inside the attention function Q/K/V arrive in the linear layout; they are remapped to the
+  attention layout as one ``[T, (Hq + 2 Hkv) D]`` buffer, run through the plan's engine (rings,
+  routes, local varlen work) and the output is remapped back — the remap wraps attention only;
+* no attention mask is built (a custom attention implementation gets none): causality and sequence
+  boundaries are the engine's.
+
+The single-process reference of ``--verify`` (:class:`~zeppelin.runtime.model.ReferenceLayout`)
+runs transformers' own ``eager`` attention one whole sequence at a time, so a distributed step is
+checked against transformers, not against the attention adapter.
+
+Tensor-parallel plans (``tp > 1``) are refused for Hugging Face models: their linears are
+transformers' ``nn.Linear`` modules, which the runtime's TP-SP path does not shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zeppelin.schemas.common import InputError
+from zeppelin.schemas.hf import hf_dir, hf_model_spec
+from zeppelin.schemas.model import ModelSpec
+
+from .data import IGNORE_INDEX
+from .model import COMPUTE_DTYPES, Layout, PhaseTimer, ReferenceLayout
+
+def register_attention() -> str:
+    """Register the runtime's attention with transformers' ``AttentionInterface`` (the public
+    :func:`zeppelin.runtime.api.register_hf_attention`); returns its name (``"zeppelin"``)."""
+    from .api import register_hf_attention
+
+    return register_hf_attention()
+
+
+def _safetensors_files(d: Path) -> list[Path]:
+    return sorted(p for p in d.glob("*.safetensors") if p.is_file())
+
+
+def load_safetensors_state(d: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of ``DIR/*.safetensors`` (sharded checkpoints included), as CPU tensors."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in _safetensors_files(d):
+        try:
+            part = load_file(str(f), device="cpu")
+        except (SafetensorError, OSError, ValueError) as e:
+            raise InputError(f"cannot read safetensors weights ({e.__class__.__name__}: {e})", source=f) from None
+        dup = set(part) & set(out)
+        if dup:
+            raise InputError(f"tensor {sorted(dup)[0]!r} appears in two weight files", source=f)
+        out.update(part)
+    return out
+
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM behind the runtime's model interface.
+
+    ``model`` is the transformers decoder stack (``model.layers`` are the decoder blocks) and
+    ``lm_head`` its output projection: the parameter names are those of the Hugging Face checkpoint
+    (``model.layers.0.self_attn.q_proj.weight``, ``lm_head.weight``, ...). ``forward(tokens, labels,
+    layout, timer) -> (loss_sum, final hidden states)`` as :class:`~zeppelin.runtime.model.LlamaModel`.
+    """
+
+    supports_tp = False  # transformers' nn.Linear projections are not sharded by the TP-SP path
+
+    def __init__(self, causal_lm: nn.Module, spec: ModelSpec) -> None:
+        super().__init__()
+        self.model = causal_lm.model
+        self.lm_head = causal_lm.lm_head
+        self.config = causal_lm.config
+        self.spec = spec
+        self.dtype = COMPUTE_DTYPES[spec.dtype]
+
+    def _autocast(self, device: torch.device):
+        if self.dtype in (torch.float32, torch.float64):
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device.type, dtype=self.dtype)
+
+    def hidden_states(self, tokens: torch.Tensor, layout: Layout, timer: PhaseTimer | None = None) -> torch.Tensor:
+        if isinstance(layout, ReferenceLayout):
+            return self._reference_hidden(tokens, layout)
+        pos = getattr(layout, "linear_positions", None)
+        if pos is None or getattr(layout, "ctx", None) is None:
+            raise RuntimeError("HFCausalLM runs on a plan layout with an attention context and the linear "
+                               "layout's position ids")
+        with self._autocast(tokens.device):
+            out = self.model(input_ids=tokens[None], position_ids=pos.to(tokens.device)[None], use_cache=False,
+                             zeppelin_context=layout.ctx, zeppelin_timer=timer)
+        return out.last_hidden_state[0]
+
+    def _reference_hidden(self, tokens: torch.Tensor, layout: ReferenceLayout) -> torch.Tensor:
+        """transformers' own eager attention, one whole sequence per call (the --verify oracle)."""
+        cfg = self.config
+        old = cfg._attn_implementation
+        cfg._attn_implementation = "eager"
+        try:
+            hs = []
+            pos = 0
+            for L in layout.seq_lengths:
+                ids = tokens[pos:pos + L][None]
+                with self._autocast(tokens.device):
+                    out = self.model(input_ids=ids, position_ids=torch.arange(L, device=tokens.device)[None],
+                                     use_cache=False)
+                hs.append(out.last_hidden_state[0])
+                pos += L
+        finally:
+            cfg._attn_implementation = old
+        if not hs:
+            return tokens.new_zeros((0, self.spec.hidden), dtype=torch.float32)
+        return torch.cat(hs, dim=0)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        with self._autocast(h.device):
+            return self.lm_head(h).float()
+
+    def loss_sum(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.logits(h), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+    def forward(self, tokens, labels, layout: Layout, timer: PhaseTimer | None = None):
+        h = self.hidden_states(tokens, layout, timer)
+        return self.loss_sum(h, labels), h
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The Hugging Face checkpoint's tensors (tied output weights once, under the embedding)."""
+        sd = self.state_dict()
+        if getattr(self.config, "tie_word_embeddings", False):
+            sd.pop("lm_head.weight", None)
+        return sd
+
+
+def load_hf_model(ref: str, seed: int = 0, device: torch.device | str = "cpu",
+                  spec: ModelSpec | None = None) -> HFCausalLM:
+    """Build the model of ``hf:DIR``: weights from ``DIR/*.safetensors`` when present, otherwise
+    the config's initialisation seeded with ``seed`` (the global RNG is left as it was)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    d = hf_dir(ref)
+    spec = spec or hf_model_spec(ref)
+    name = register_attention()
+    config = AutoConfig.from_pretrained(str(d), local_files_only=True)
+    config._attn_implementation = name
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        causal = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    files = _safetensors_files(d)
+    if files:
+        state = load_safetensors_state(d)
+        state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+        own = causal.state_dict()
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        unexpected = sorted(set(state) - set(own))
+        if unexpected:
+            raise InputError(f"weights hold {len(unexpected)} tensors the model does not have "
+                             f"(first: {unexpected[0]!r})", source=d)
+        missing = sorted(set(own) - set(state) - ({"lm_head.weight"} if tied else set()))
+        if missing:
+            raise InputError(f"weights lack {len(missing)} tensors of the model (first: {missing[0]!r})", source=d)
+        for k, v in state.items():
+            if tuple(v.shape) != tuple(own[k].shape):
+                raise InputError(f"tensor {k!r} has shape {tuple(v.shape)}, the config gives "
+                                 f"{tuple(own[k].shape)}", source=d)
+        causal.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=False)
+        if tied:
+            causal.tie_weights()
+    causal.train()
+    return HFCausalLM(causal, spec).to(device)
+
+
+# ---------------------------------------------------------------------------------------------
+# export: a consolidated Hugging Face directory
+# ---------------------------------------------------------------------------------------------
+
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# the runtime's own Llama -> transformers' LlamaForCausalLM parameter names
+_LLAMA_NAMES = {"attn_norm.weight": "input_layernorm.weight", "attn.wq": "self_attn.q_proj.weight",
+                "attn.wk": "self_attn.k_proj.weight", "attn.wv": "self_attn.v_proj.weight",
+                "attn.wo": "self_attn.o_proj.weight", "mlp_norm.weight": "post_attention_layernorm.weight",
+                "mlp.w1": "mlp.gate_proj.weight", "mlp.w3": "mlp.up_proj.weight", "mlp.w2": "mlp.down_proj.weight"}
+
+
+def export_problem(model_ref: str | None, spec: ModelSpec) -> str | None:
+    """Why ``--export`` cannot write this model (None when it can): Hugging Face models always
+    can; the runtime's own model when it is a Llama (SwiGLU) decoder."""
+    if model_ref is not None and model_ref.startswith("hf:"):
+        return None
+    if spec.mlp != "swiglu":
+        return (f"--export writes Llama-family models; model {spec.name!r} has a {spec.mlp} MLP, which has no "
+                "transformers Llama equivalent")
+    return None
+
+
+def llama_config(spec: ModelSpec, max_positions: int = 1 << 17):
+    """transformers' ``LlamaConfig`` of the runtime's own model (same shapes, RoPE and norms)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=spec.vocab_size, hidden_size=spec.hidden, intermediate_size=spec.ffn_hidden,
+                       num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+                       num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim, hidden_act="silu",
+                       rms_norm_eps=spec.norm_eps, max_position_embeddings=max_positions,
+                       rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
+                       tie_word_embeddings=spec.tie_embeddings, attention_bias=False, mlp_bias=False,
+                       bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def llama_to_hf_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The runtime's Llama state dict under transformers' LlamaForCausalLM names."""
+    out = {}
+    for k, v in state.items():
+        if k == "embed":
+            out["model.embed_tokens.weight"] = v
+        elif k == "lm_head":
+            out["lm_head.weight"] = v
+        elif k == "norm.weight":
+            out["model.norm.weight"] = v
+        elif k.startswith("layers."):
+            _, i, rest = k.split(".", 2)
+            if rest not in _LLAMA_NAMES:
+                raise ValueError(f"no transformers name for parameter {k!r}")
+            out[f"model.layers.{i}.{_LLAMA_NAMES[rest]}"] = v
+        else:
+            raise ValueError(f"no transformers name for parameter {k!r}")
+    return out
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model state on CPU on rank 0 (an empty dict on the other ranks of a sharded
+    model): ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` with
+    ``full_state_dict=True, cpu_offload=True``. Collective for an FSDP model: call on every rank."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if dist.is_initialized():
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    return {k.replace("_checkpoint_wrapped_module.", ""): v for k, v in sd.items()}
+
+
+def export_model(model: nn.Module, spec: ModelSpec, out_dir: str | Path,
+                 state: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write a Hugging Face model directory (``config.json`` + consolidated ``model.safetensors``)
+    that ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)`` loads.
+
+    ``model``: an :class:`HFCausalLM` (its own config) or the runtime's Llama (a ``LlamaConfig``
+    from its ModelSpec, parameters renamed); ``state``: its full state dict when gathered from a
+    sharded model (:func:`full_state_dict`). Weights are written in the ModelSpec's dtype. The
+    directory is written under a temporary name next to ``out_dir`` and renamed into place; an
+    existing non-empty ``out_dir`` is refused."""
+    import os
+    import shutil
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise InputError("export directory exists and is not empty", source=out)
+    sd = state if state is not None else full_state_dict(model)
+    if isinstance(model, HFCausalLM):
+        import copy
+
+        config = copy.deepcopy(model.config)
+    else:
+        config = llama_config(spec)
+        sd = llama_to_hf_names(sd)
+    dtype = _TORCH_DTYPES[spec.dtype]
+    config._attn_implementation = "eager"
+    config.dtype = dtype
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        with torch.device("meta"):
+            shell = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        if tied:
+            sd = {k: v for k, v in sd.items() if k != "lm_head.weight"}
+        own = {k for k in shell.state_dict() if not (tied and k == "lm_head.weight")}
+        if set(sd) != own:
+            diff = sorted(set(sd) ^ own)
+            raise RuntimeError(f"export: the model's tensors differ from transformers' ({diff[0]!r})")
+        shell.load_state_dict({k: v.detach().to("cpu", dtype) for k, v in sd.items()}, strict=False, assign=True)
+        if tied:
+            shell.tie_weights()
+        for name, buf in list(shell.named_buffers()):  # non-persistent buffers (RoPE tables): rebuilt on load
+            if buf.is_meta:
+                mod, _, leaf = name.rpartition(".")
+                shell.get_submodule(mod).register_buffer(leaf, torch.zeros(buf.shape, dtype=buf.dtype),
+                                                         persistent=False)
+        shell.save_pretrained(str(tmp), safe_serialization=True)
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
