@@ -15,8 +15,8 @@ Two entry points:
 Processes start from a forkserver that imported torch once (``spawn`` where forkserver does not
 exist), so a world of 8 ranks starts in seconds. Each rank runs with ``threads`` torch threads
 (default 1) and ``GLOO_SOCKET_IFNAME=lo`` unless set. ``fn`` must be picklable by reference (a
-module-level function: it is sent by name and looked up); its arguments and return values are moved
-with ``torch.save``/``torch.load(weights_only=True)``: tensors, numbers, strings and plain containers
+module-level function, passed by reference through the pool's own queue); its arguments and return
+values are moved with ``torch.save``/``torch.load(weights_only=True)``: tensors, numbers, strings and plain containers
 (tensors come back on the CPU), nothing that needs unpickling code.
 
 Failure handling: when a rank raises, its traceback is re-raised in the parent as
@@ -79,24 +79,6 @@ def _loads(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=True)
 
 
-def _fn_ref(fn: Callable[..., Any]) -> tuple[str, str]:
-    """A module-level function by name (module, qualified name): functions are looked up, not
-    unpickled."""
-    mod, qual = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
-    if not mod or "<" in qual:
-        raise TypeError(f"{fn!r} is not a module-level function (run it by reference)")
-    return mod, qual
-
-
-def _resolve(ref: tuple[str, str]) -> Callable[..., Any]:
-    import importlib
-
-    obj: Any = importlib.import_module(ref[0])
-    for part in ref[1].split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def _to_cpu(obj: Any) -> Any:
     import torch
 
@@ -142,10 +124,9 @@ def _worker(
             task = tasks.get()
             if task is None:
                 break
-            task_id, payload = task
+            task_id, fn, payload = task
             try:
-                ref, args, kwargs = _loads(payload)
-                fn = _resolve(tuple(ref))
+                args, kwargs = _loads(payload)
                 out = fn(rank, world_size, *args, **kwargs)
                 results.put((rank, task_id, True, _dumps(_to_cpu(out))))
             except BaseException:  # noqa: BLE001 - reported to the parent
@@ -310,9 +291,9 @@ class DistributedPool:
             self.start()
         task_id = self._next_id
         self._next_id += 1
-        payload = _dumps((list(_fn_ref(fn)), args, kwargs))
+        payload = _dumps((args, kwargs))
         for q in self._tasks:
-            q.put((task_id, payload))
+            q.put((task_id, fn, payload))
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
         deadline = time.monotonic() + timeout
