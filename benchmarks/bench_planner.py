@@ -3,6 +3,7 @@
     python benchmarks/bench_planner.py                      # everything (JSON lines on stdout)
     python benchmarks/bench_planner.py --only latency --sizes 16,64,256
     python benchmarks/bench_planner.py --only quality --steps 100
+    python benchmarks/bench_planner.py --only rss --rss-gpus 4096 --rss-steps 1,4   # peak RSS of plan files
 
 Length distributions are generated here (seeded): *short-heavy* (log-normal, median ~1.1K),
 *long-heavy* (log-normal, median ~22K) and *mixed* (log-normal body + Pareto tail); all clipped to
@@ -73,22 +74,24 @@ def latency(sizes: list[int], steps: int) -> None:
         ctx = ctx_for(f"zeppelin-c:{nodes}", "llama-7b")
         # ~8 sequences per GPU on the mixed distribution
         rng = np.random.default_rng(gpus)
-        n_steps = steps if gpus <= 1024 else max(1, steps // 3)
+        n_steps = steps if gpus <= 1024 else max(3, steps // 2)
         pl = ZeppelinPlanner()
-        times, seqs, ratios, solvers = [], [], [], []
+        times, cpu, seqs, ratios, solvers = [], [], [], [], []
         for k in range(n_steps):
             L = draw("mixed", rng, 8 * gpus)
             ss = [Sequence(sample_id=i, length=int(x)) for i, x in enumerate(L)]
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             sp = pl.plan_step(ctx, k, ss)
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
             seqs.append(len(ss))
             ratios.append(sp.prediction.step_time_s / sp.prediction.lower_bound_s)
             solvers.append(sp.solver.name)
         print(json.dumps({"bench": "planner_latency", "gpus": gpus, "cluster": ctx.cluster.name,
                           "nodes": nodes, "model": "llama-7b", "seqs_per_step": int(np.median(seqs)),
                           "steps": n_steps, "median_s": round(float(np.median(times)), 4),
-                          "max_s": round(float(np.max(times)), 4), "median_ratio": round(float(np.median(ratios)), 4),
+                          "max_s": round(float(np.max(times)), 4), "median_cpu_s": round(float(np.median(cpu)), 4),
+                          "median_ratio": round(float(np.median(ratios)), 4),
                           "solvers": {s: solvers.count(s) for s in sorted(set(solvers))}}), flush=True)
 
 
@@ -118,8 +121,9 @@ def quality(clusters, models, dists, steps: int) -> None:
 def ablation(cluster: str, model: str, dists, steps: int) -> None:
     ctx = ctx_for(cluster, model)
     budget = ctx.cost.token_capacity * ctx.num_units
-    variants = [("tiers only", ZeppelinTiersOnly()), ("+ routing", ZeppelinNoRemap()),
-                ("+ remapping", ZeppelinPlanner())]
+    # the tiered search alone (no candidate families), so that the layers' contributions show
+    variants = [("tiers only", ZeppelinTiersOnly(families="none")), ("+ routing", ZeppelinNoRemap(families="none")),
+                ("+ remapping", ZeppelinPlanner(families="none"))]
     for dist in dists:
         all_steps = steps_for(dist, budget, steps, seed=7)
         res = {}
@@ -132,13 +136,44 @@ def ablation(cluster: str, model: str, dists, steps: int) -> None:
                           "speedup_vs_tiers_only": {k: round(base / v, 4) for k, v in res.items()}}), flush=True)
 
 
+_RSS_CODE = ("import atexit, resource, sys\n"
+             "atexit.register(lambda: print('MAXRSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,"
+             " file=sys.stderr))\n"
+             "from zeppelin.planner.cli import main\nmain(sys.argv[1:])\n")
+
+
+def rss(gpus: int, step_counts: list[int]) -> None:
+    """Peak resident memory of ``zeppelin plan`` writing a plan file of ``k`` steps at ``gpus`` GPUs
+    (LLaMA-7B, cluster zeppelin-c, the shipped sample manifest, a step = the cluster's activation
+    capacity): steps are written as they are planned, so the peak should not grow with ``k``."""
+    import os
+    import subprocess
+    import tempfile
+
+    for k in step_counts:
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "plan.jsonl")
+            cmd = ["plan", "-c", f"zeppelin-c:{max(1, gpus // 8)}", "--model", "llama-7b", "--steps", str(k),
+                   "-o", out, "-q"]
+            t0 = time.perf_counter()
+            r = subprocess.run([sys.executable, "-c", _RSS_CODE, *cmd], capture_output=True, text=True, check=True)
+            wall = time.perf_counter() - t0
+            kb = int(next(line.split()[1] for line in r.stderr.splitlines() if line.startswith("MAXRSS_KB")))
+            size = os.path.getsize(out)
+        print(json.dumps({"bench": "plan_file_rss", "gpus": gpus, "steps": k, "command": "zeppelin " + " ".join(cmd),
+                          "peak_rss_mb": round(kb / 1024, 1), "plan_file_mb": round(size / 2**20, 2),
+                          "wall_s": round(wall, 1)}), flush=True)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=["latency", "quality", "ablation"], default=None)
+    ap.add_argument("--only", choices=["latency", "quality", "ablation", "rss"], default=None)
     ap.add_argument("--sizes", default="16,64,256,1024,4096")
     ap.add_argument("--latency-steps", type=int, default=5)
     ap.add_argument("--steps", type=int, default=100, help="steps per quality cell")
     ap.add_argument("--ablation-steps", type=int, default=30)
+    ap.add_argument("--rss-gpus", type=int, default=4096)
+    ap.add_argument("--rss-steps", default="1,4", help="plan-file lengths (steps) whose peak RSS is compared")
     a = ap.parse_args(argv)
     print(json.dumps({"bench": "machine", "python": sys.version.split()[0]}), flush=True)
     if a.only in (None, "latency"):
@@ -148,6 +183,8 @@ def main(argv=None) -> None:
     if a.only in (None, "ablation"):
         for cl in ("zeppelin-a", "zeppelin-c"):
             ablation(cl, "llama-7b", ["short", "mixed", "long"], a.ablation_steps)
+    if a.only in (None, "rss"):
+        rss(a.rss_gpus, [int(x) for x in a.rss_steps.split(",")])
 
 
 if __name__ == "__main__":

@@ -5,7 +5,10 @@ single plain ``python -m zeppelin.runtime PLAN`` for a one-rank plan). Every ran
 :func:`zeppelin.runtime.executor.run_job`. Failures are reported on the failing rank as one line
 ``zeppelin: error: [rank R] ...`` on stderr and, when ``ZEPPELIN_ERROR_DIR`` is set (``zeppelin
 run`` sets it), as a JSON error file the launcher summarises; exit codes: 2 bad input, 1 runtime
-failure or ``--verify`` beyond tolerance, 130 interrupted.
+failure or ``--verify`` beyond tolerance, 128 + signal when stopped (SIGINT, SIGTERM, SIGHUP).
+
+Under the launcher (``ZEPPELIN_PARENT_PID`` set) a rank dies with its launcher
+(:func:`zeppelin.runtime.lifecycle.die_with_parent`) and is stopped quietly: the launcher reports.
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     p.add_argument("--timeout", type=float, default=300.0, help="collective / P2P timeout in seconds")
+    p.add_argument("--verify-timeout", type=float, default=None,
+                   help="with --verify: how long the ranks wait for rank 0's verdict on a step, seconds "
+                        "(default: max(600, 4 x --timeout))")
     p.add_argument("--progress", choices=["auto", "rich", "plain", "none"], default="auto")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads per rank")
@@ -75,20 +81,30 @@ def _report(rank: int, message: str, code: int, tb: str | None = None) -> None:
             pass
 
 
-def _on_sigterm(signum, frame):  # the launcher stops the other workers with SIGTERM
+_STOPPED_BY: list[int] = []
+
+
+def _on_stop_signal(signum, frame):  # the launcher stops the workers with SIGTERM
+    _STOPPED_BY.append(signum)
     raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .lifecycle import PARENT_ENV, die_with_parent
+
+    if os.environ.get(PARENT_ENV):
+        die_with_parent(signal.SIGKILL)
+    for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(s, _on_stop_signal)
     args = build_parser().parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
-    signal.signal(signal.SIGTERM, _on_sigterm)
     from .executor import RunConfig, VerifyError, run_job
 
     cfg = RunConfig(plan=args.plan, model=args.model, data=args.data, steps=args.steps, lr=args.lr,
                     weight_decay=args.weight_decay, seed=args.seed, metrics=args.metrics, verify=args.verify,
                     verify_tol=args.verify_tol, checkpoint_every=args.checkpoint_every,
                     checkpoint_dir=args.checkpoint_dir, resume=args.resume, timeout_s=args.timeout,
+                    verify_timeout_s=args.verify_timeout,
                     progress=args.progress, device=args.device, threads=args.threads,
                     tp_overlap=args.tp_overlap, dp=args.dp, zero_stage=args.zero_stage, hsdp=args.hsdp,
                     dtype=args.dtype, recompute=args.recompute, recompute_override=args.recompute_override,
@@ -102,9 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         _report(rank, str(e), 1)
         return 1
     except KeyboardInterrupt:
-        if rank == 0:
-            print("zeppelin: interrupted", file=sys.stderr, flush=True)
-        return 130
+        sig = _STOPPED_BY[0] if _STOPPED_BY else int(signal.SIGINT)
+        if rank == 0 and not os.environ.get(PARENT_ENV):  # under a launcher, the launcher reports
+            print(f"zeppelin: error: stopped by {signal.Signals(sig).name}", file=sys.stderr, flush=True)
+        return 128 + sig
     except Exception as e:  # noqa: BLE001 - any failure: one line here, the traceback in the error file
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         _report(rank, f"{e.__class__.__name__}: {msg}" if msg else e.__class__.__name__, 1, traceback.format_exc())

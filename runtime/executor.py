@@ -40,8 +40,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeppelin.schemas.common import InputError, check_output, content_hash
-from zeppelin.schemas.plan import PlanHeader, PlanReader, StepPlan
+from zeppelin.schemas.common import (
+    MAX_TIMEOUT_S,
+    InputError,
+    check_float,
+    check_output,
+    check_training_options,
+    content_hash,
+)
+from zeppelin.schemas.plan import PlanHeader, PlanReader, StepPlan, check_embedded_specs, sample_problems
 
 from .api import AttentionContext, attention, build_step, to_attention_layout, to_linear_layout
 from .data import TokenSource, load_token_source, predicted_tokens
@@ -68,6 +75,7 @@ class RunConfig:
     checkpoint_dir: str | None = None
     resume: bool = False
     timeout_s: float = 300.0
+    verify_timeout_s: float | None = None  # how long ranks wait for rank 0's verdict (default: max(600, 4 x timeout))
     progress: str = "auto"           # auto | rich | plain | none
     device: str = "auto"             # auto | cpu | cuda
     threads: int | None = None
@@ -319,19 +327,28 @@ class Executor:
         return self._now() - t0
 
     # -- --verify ------------------------------------------------------------------------------
-    def verify(self, step: StepPlan, result: StepResult, tol: float) -> dict[str, Any] | None:
-        """Rank 0 recomputes the step single-process in fp32 and compares loss, final hidden
-        states and every parameter gradient (relative max-norm differences). Collective (FSDP
-        gathers the whole parameters and gradients); returns the report on every rank (or raises
-        :class:`VerifyError` on every rank when beyond ``tol``)."""
+    def verify(self, step: StepPlan, result: StepResult, tol: float, *, group=None,
+               timeout_s: float | None = None) -> dict[str, Any] | None:
+        """Rank 0 recomputes the step single-process in fp32 and compares loss, final hidden states and
+        every parameter gradient (relative max-norm differences). Collective (FSDP
+        gathers the whole parameters and gradients); returns the report
+        on every rank (or raises :class:`VerifyError` on every rank when beyond ``tol``).
+
+        ``group``: the process group the hidden states and the verdict travel on — a group whose
+        timeout is the verification timeout (``timeout_s``, for the message), so that the other
+        ranks wait for rank 0's reference as long as that, not the communication ``--timeout``.
+        A verdict that does not come in time raises :class:`VerifyError` saying so."""
         gathered = [None] * self.world_size if self.rank == 0 else None
         if self.world_size > 1:
-            dist.gather_object(result.hidden, gathered, dst=0)
+            dist.gather_object(result.hidden, gathered, dst=0, group=group)
         else:
             gathered = [result.hidden]
         ref_model = self._reference_model()
         report = None
         if self.rank == 0:
+            from .lifecycle import maybe_fault
+
+            maybe_fault(self.rank, step.step, "verify")
             ref = reference_step(ref_model, step.sequences, self.source, self.device,
                                  normaliser=max(predicted_tokens(step.sequences), 1))
             report = compare_with_reference(ref_model, step, result.loss, gathered, ref)
@@ -355,7 +372,15 @@ class Executor:
             report["ok"] = max(report["loss_rel"], report["hidden_rel"]) <= tol and ok_grad
         box = [report]
         if self.world_size > 1:
-            dist.broadcast_object_list(box, src=0)
+            try:
+                dist.broadcast_object_list(box, src=0, group=group)
+            except Exception as e:
+                low = str(e).lower()
+                if self.rank != 0 and ("timed out" in low or "timeout" in low):
+                    wait = f" within --verify-timeout {timeout_s:g} s" if timeout_s else ""
+                    raise VerifyError(f"step {step.step}: --verify: no verdict from rank 0{wait} (its single-process "
+                                      f"reference did not finish; raise --verify-timeout)") from None
+                raise
         report = box[0]
         if not report["ok"]:
             raise VerifyError(
@@ -465,8 +490,13 @@ def build_model(ref: str | None, header: PlanHeader, seed: int, device: torch.de
 def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSource, int, int]:
     """Everything a rank can decide alone, before any collective. Returns
     (reader, token source, first step, end step). Raises InputError."""
+    check_training_options(lr=cfg.lr, weight_decay=cfg.weight_decay, seed=cfg.seed, timeout=cfg.timeout_s,
+                           verify_tol=cfg.verify_tol, checkpoint_every=cfg.checkpoint_every, threads=cfg.threads)
+    check_float("--verify-timeout", cfg.verify_timeout_s, 0.0, MAX_TIMEOUT_S, lo_open=True)
     reader = PlanReader(cfg.plan)
     header = reader.header
+    reader.verify()
+    check_embedded_specs(reader)
     if header.world_size != world_size:
         raise InputError(f"the plan is for {header.world_size} ranks but the job has {world_size} "
                          f"(launch with --nproc-per-node/--nnodes giving {header.world_size} processes)")
@@ -502,6 +532,12 @@ def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSo
     end = header.num_steps if cfg.steps is None else cfg.steps
     if cfg.steps is not None and not 1 <= cfg.steps <= header.num_steps:
         raise InputError(f"--steps {cfg.steps} is out of range (the plan has {header.num_steps} steps)")
+    lengths = getattr(getattr(source, "manifest", None), "lengths", None)
+    if lengths is not None:  # every sample the steps name is in the manifest, never synthetic tokens instead
+        for k in range(end):
+            probs = sample_problems(reader.step(k), lengths)
+            if probs:
+                raise InputError(f"--data {cfg.data}: {probs[0]}")
     if cfg.checkpoint_every < 0:
         raise InputError("--checkpoint-every must be >= 0")
     if (cfg.checkpoint_every or cfg.resume) and not cfg.checkpoint_dir:
@@ -569,11 +605,13 @@ def run_job(cfg: RunConfig) -> dict[str, Any]:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if "MASTER_ADDR" not in os.environ:  # a single process without torchrun
-        from .dist_utils import free_port
+    store = None
+    if os.environ.get("ZEPPELIN_STORE_FILE"):  # zeppelin-local: ranks meet through a file, no TCP store
+        store = dist.FileStore(os.environ["ZEPPELIN_STORE_FILE"], world)
+    elif "MASTER_ADDR" not in os.environ and world == 1:  # a single process without a launcher
+        import tempfile
 
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(free_port())
+        store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="zeppelin-store-"), "store"), 1)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     local_err: str | None = None
@@ -596,6 +634,7 @@ def run_job(cfg: RunConfig) -> dict[str, Any]:
     else:
         device = torch.device("cpu")
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=cfg.timeout_s),
+                            **({"store": store} if store is not None else {}),
                             **({"device_id": device} if want_cuda else {}))
     try:
         return _run_initialised(cfg, rank, world, device, local_err, reader, header, source, start, end)
@@ -640,7 +679,18 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
         set_rng_state,
     )
     from .groups import GroupCache, set_default_cache
+    from .lifecycle import Heartbeat, check_resume_hyperparameters, maybe_fault, prepare_checkpoint_dir
+    from .memory import StepMemory
 
+    # the checkpoint directory: writable, and locked by this run (rank 0 holds the lock until it exits)
+    ckpt_lock = None
+    if local_err is None and cfg.checkpoint_dir and rank == 0:
+        try:
+            ckpt_lock = prepare_checkpoint_dir(cfg.checkpoint_dir)
+        except InputError as e:
+            local_err = str(e)
+    hparams = {"lr": cfg.lr, "weight_decay": cfg.weight_decay,
+               "seed": header.seed if (header is not None and cfg.seed is None) else cfg.seed}
     # resume: find the checkpoint (rank 0's filesystem view is shared with every local rank)
     state = None
     ckpt_path = None
@@ -653,6 +703,8 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
                 if not 0 <= state["next_step"] <= end:
                     raise InputError(f"checkpoint resumes at step {state['next_step']}, beyond --steps {end}",
                                      source=path)
+                check_resume_hyperparameters((state.get("extra") or {}).get("hyperparameters"), hparams,
+                                             source=path)
         except InputError as e:
             local_err = str(e)
     _agree(world, local_err)
@@ -660,6 +712,11 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
         print(f"zeppelin run: {source.describe()}", flush=True)
     if state is not None:
         start = state["next_step"]
+    verify_group, verify_timeout = None, None
+    if cfg.verify and world > 1:
+        # the verdict travels on a group of its own whose timeout accounts for the reference
+        verify_timeout = cfg.verify_timeout_s or max(600.0, 4 * cfg.timeout_s)
+        verify_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=verify_timeout))
     # one scan of the steps to run: validates every record (a corrupt line is reported with its
     # step number here, on every rank) and collects the process groups the steps need
     steps_iter = (reader.step(k) for k in range(start, end))
@@ -689,15 +746,24 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
     losses: list[float] = []
     used_tp = False
     verify_worst = {"loss_rel": 0.0, "hidden_rel": 0.0, "grad_rel": 0.0}
+    heartbeat = Heartbeat(os.environ.get("ZEPPELIN_ERROR_DIR"), rank)
+    memory = StepMemory(device)
     try:
         for k in range(start, end):
             step = reader.step(k)
             used_tp = used_tp or any(rep.tp > 1 for rep in header.replicas(step))
-            _maybe_fault(rank, k)
+            heartbeat.step(k)
+            maybe_fault(rank, k)
+            memory.reset()
             t0 = time.perf_counter()
             res = ex.forward_backward(step, keep_hidden=cfg.verify)
             tv = time.perf_counter()
-            report = ex.verify(step, res, tol) if cfg.verify else None
+            if cfg.verify:
+                heartbeat.step(k, "verify")
+                report = ex.verify(step, res, tol, group=verify_group, timeout_s=verify_timeout)
+                heartbeat.step(k)
+            else:
+                report = None
             t_verify = time.perf_counter() - tv
             res.phases["optimizer"] = ex.optimizer_step()
             res.phases["step"] = time.perf_counter() - t0 - t_verify
@@ -706,7 +772,9 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
                     if key in report:
                         verify_worst[key] = max(verify_worst.get(key, 0.0), report[key])
             mem = ex.measured_memory(res)
-            res.phases["peak_memory_bytes"] = float(mem["measured"])
+            mem["process_peak"] = int(memory.peak())
+            res.phases["peak_memory_bytes"] = float(mem["process_peak"])
+            res.phases["verify"] = t_verify
             per_rank = [None] * world
             dist.all_gather_object(per_rank, (res.phases, res.bytes, res.tokens, mem))
             losses.append(res.loss)
@@ -725,8 +793,10 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
                 rngs = [None] * world
                 dist.all_gather_object(rngs, rng_state())
                 save_checkpoint(cfg.checkpoint_dir, next_step=k + 1, model=model, optimizer=ex.optimizer,
-                                rng_states=rngs, plan_hash=phash, world_size=world, rank=rank)
+                                rng_states=rngs, plan_hash=phash, world_size=world, rank=rank,
+                                extra={"hyperparameters": hparams})
     finally:
+        heartbeat.close()
         if progress is not None:
             progress.close()
         if mfh is not None:
@@ -741,6 +811,8 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
         del state_full
     # every rank is done with every transfer before any rank tears its groups down
     dist.barrier()
+    if ckpt_lock is not None:
+        ckpt_lock.release()
     if rank != 0:
         return {}
     summary = {"steps_run": end - start, "first_step": start, "losses": losses,
@@ -754,23 +826,6 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
     return summary
 
 
-def _maybe_fault(rank: int, step: int) -> None:
-    """Fault injection for tests of failure handling: ``ZEPPELIN_FAULT=RANK:STEP:exit|raise``
-    makes that rank die (``os._exit(3)``, no error report) or raise when it reaches that step."""
-    spec = os.environ.get("ZEPPELIN_FAULT")
-    if not spec:
-        return
-    try:
-        r, k, kind = spec.split(":")
-        r, k = int(r), int(k)
-    except ValueError:
-        return
-    if r == rank and k == step:
-        if kind == "exit":
-            os._exit(3)
-        raise RuntimeError(f"injected fault at step {step}")
-
-
 def _memory_record(step: StepPlan, per_rank: list, header: PlanHeader | None) -> dict[str, Any]:
     """Measured memory of every rank next to the plan's prediction for that rank."""
     mems = [pr[3] if len(pr) > 3 else {} for pr in per_rank]
@@ -781,6 +836,7 @@ def _memory_record(step: StepPlan, per_rank: list, header: PlanHeader | None) ->
         "grads_bytes": [int(m.get("grads", 0)) for m in mems],
         "optimizer_bytes": [int(m.get("optimizer", 0)) for m in mems],
         "activation_bytes": [int(m.get("activations", 0)) for m in mems],
+        "process_peak_bytes": [int(m.get("process_peak", 0)) for m in mems],
         "activation_bytes_per_token": [round(int(m.get("activations", 0)) / m["activation_tokens"], 3)
                                        if m.get("activation_tokens") else 0.0 for m in mems],
         "predicted_bytes": None,

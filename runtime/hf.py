@@ -137,8 +137,26 @@ class HFCausalLM(nn.Module):
         return F.cross_entropy(self.logits(h), labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
     def forward(self, tokens, labels, layout: Layout, timer: PhaseTimer | None = None):
+        """``(loss_sum, final hidden states)``; the hidden states are returned detached (for
+        inspection and --verify: a view of transformers' output that required grad would make
+        FSDP register its pre-backward hook on a view)."""
         h = self.hidden_states(tokens, layout, timer)
-        return self.loss_sum(h, labels), h
+        return self.loss_sum(h, labels), h.detach()
+
+    def reference_copy(self, device: torch.device | str = "cpu") -> HFCausalLM:
+        """A new unsharded fp32 model of the same config and spec (transformers' initialisation,
+        the global RNG left as it was): the frame a sharded model's whole parameters are copied
+        into for the single-process reference of ``--verify``. Parameter names are this model's."""
+        import copy
+
+        from transformers import AutoModelForCausalLM
+
+        config = copy.deepcopy(self.config)
+        with torch.random.fork_rng(devices=[]):
+            causal = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        ref = HFCausalLM(causal, self.spec).to(device)
+        ref.dtype = torch.float32
+        return ref
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The Hugging Face checkpoint's tensors (tied output weights once, under the embedding)."""

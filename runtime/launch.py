@@ -1,28 +1,54 @@
-"""Launcher: torchrun with zeppelin's error reporting.
+"""Launcher: start the ranks of a job, watch them, report the first failure in one line.
 
-``python -m zeppelin.runtime.launch [torchrun options] -m zeppelin.runtime PLAN [options]`` runs
-``torch.distributed.run`` (torchrun) in this process, with three changes:
+``python -m zeppelin.runtime.launch [torchrun options] -m zeppelin.runtime PLAN [options]``.
 
-* every worker gets ``ZEPPELIN_ERROR_DIR``; a failing worker writes its one-line error there;
-* torchrun's own log chatter and its ``ChildFailedError`` traceback are replaced by one line
-  naming the rank that failed first and its error (a rank that died without a word — killed, or
-  ``os._exit`` — is named with its exit code or signal);
-* Ctrl-C stops every worker (torchrun sends them SIGTERM) and exits with 130.
+On one machine (``--nnodes 1`` without a rendezvous endpoint or master address, only the options
+``--standalone``, ``--nproc-per-node``, ``--nnodes``, ``--node-rank 0``) the launcher starts the
+ranks itself ("zeppelin-local"); otherwise it runs ``torch.distributed.run`` (torchrun) in this
+process. Either way:
 
-When one worker fails, torchrun's agent stops the others at once, so a job never waits for a
-collective that cannot complete; ranks additionally run with a process-group timeout.
+* every rank gets ``ZEPPELIN_ERROR_DIR``; a failing rank writes its one-line error there, and its
+  current step (the launcher tells a slow rank from the ranks that timed out waiting for it);
+* **the first failure wins**: a rank that raises, exits non-zero or is killed is reported as the
+  cause (a rank that died without a word — killed, ``os._exit`` — is named with its exit code or
+  signal, ahead of the peers that then lost their connection to it); the other ranks are stopped
+  at once (SIGTERM, SIGKILL one second later), not after ``--timeout``. When the first error is a
+  timeout and a rank is still running without an error, that rank is named as *slow*;
+* SIGINT / SIGTERM / SIGHUP stop every rank and exit with 128 + the signal, with one line; the
+  launcher dies with its parent (``zeppelin run``) and every rank dies with the launcher
+  (:mod:`zeppelin.runtime.lifecycle`).
+
+Local runs bind nothing beyond the loopback interface: the ranks meet through a ``FileStore`` in
+the job's private temporary directory (no TCP rendezvous store at all) and gloo/NCCL sockets are
+bound to the loopback interface (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``). With torchrun
+(several machines) the rendezvous timeouts are set to the job's ``--timeout``, so a rendezvous that
+cannot form fails within it.
+
+This module's top imports nothing heavy: ``zeppelin run`` imports :func:`torchrun_argv` without
+torch, and a local launch never imports torch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import logging
+import math
 import os
+import re
 import shutil
 import signal
+import socket
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+from types import SimpleNamespace
+
+SETTLE_S = 0.3          # after the first failure: collect the other ranks' exits/reports this long
+STOP_GRACE_S = 1.0      # SIGTERM -> SIGKILL for ranks being stopped
+POLL_S = 0.02
+DEFAULT_TIMEOUT_S = 300.0
 
 
 def torchrun_argv(*, nproc_per_node: int, nnodes: int = 1, node_rank: int | None = None,
@@ -57,61 +83,325 @@ def _signal_name(code: int) -> str:
         return f"signal {-code}"
 
 
-def _summarise(err_dir: Path, failures: dict) -> tuple[str, int]:
-    """One line for the user about a failed job, and the exit code to return."""
+def _read_errors(err_dir: Path) -> dict[int, dict]:
     errs = {}
     for f in err_dir.glob("rank*.json"):
         try:
             rec = json.loads(f.read_text())
             errs[int(rec["rank"])] = rec
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, TypeError):
             continue
+    return errs
+
+
+def _death(code: int) -> str:
+    if code < 0:
+        how = f"was killed by {_signal_name(code)}"
+        if code == -int(signal.SIGKILL):
+            how += " (e.g. by the out-of-memory killer)"
+        return how
+    if code == 137:
+        return "exited with code 137 (128 + SIGKILL: killed, e.g. out of memory)"
+    return f"exited with code {code} without an error message"
+
+
+def _summarise(err_dir: Path, failures: dict) -> tuple[str, int]:
+    """One line for the user about a failed job, and the exit code to return.
+
+    ``failures``: rank -> object with ``exitcode`` for every rank that exited non-zero."""
+    errs = _read_errors(err_dir)
     # a rank that died without writing an error caused the others' failures - unless the launcher
     # stopped it (SIGTERM, or exit 130 from the worker's SIGTERM handler) because another rank failed
     silent = sorted(r for r, pf in failures.items() if r not in errs)
-    stopped = {-int(signal.SIGTERM), 130}
+    stopped = {-int(signal.SIGTERM), 130, 143}
     if any(failures[r].exitcode not in stopped for r in silent):
         silent = [r for r in silent if failures[r].exitcode not in stopped]
     elif errs:
         silent = []
     if silent:
-        r = silent[0]
-        code = failures[r].exitcode
-        how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code} without an error message"
+        r = min(silent, key=lambda x: (getattr(failures[x], "time", 0.0), x))
         more = ""
         if errs:
             first = min(errs.values(), key=lambda x: x["time"])
             more = f" (then rank {first['rank']}: {first['message']})"
-        return f"rank {r} {how}{more}", 1
+        return f"rank {r} {_death(failures[r].exitcode)}{more}", 1
     if errs:
         first = min(errs.values(), key=lambda x: x["time"])
         return f"rank {first['rank']}: {first['message']}", int(first.get("code", 1)) or 1
     return "the job failed (no worker reported an error)", 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+_TIMEOUT_RE = re.compile(r"timed? ?out|timeout", re.IGNORECASE)
+
+
+def classify_failure(err_dir: Path, failures: dict, alive: list[int]) -> tuple[str, int]:
+    """:func:`_summarise`, and a slow rank named as slow: when the first report is a timeout and a
+    rank is still running without having reported anything, that rank is the one the others were
+    waiting for."""
+    from .lifecycle import read_heartbeat
+
+    errs = _read_errors(err_dir)
+    stopped = {-int(signal.SIGTERM), 130, 143}
+    silent_dead = [r for r, f in failures.items() if r not in errs and f.exitcode not in stopped]
+    if errs and not silent_dead:
+        first = min(errs.values(), key=lambda x: x["time"])
+        slow = [r for r in alive if r not in errs]
+        if slow and _TIMEOUT_RE.search(first["message"]):
+            r = slow[0]
+            hb = read_heartbeat(err_dir, r)
+            where = ""
+            if hb is not None:
+                at = f"step {hb[1]}" if hb[0] == "step" else f"{hb[0]} of step {hb[1]}"
+                where = f" (in {at}, no progress for {max(time.time() - hb[2], 0):.0f} s)"
+            others = ", ".join(str(x) for x in sorted(slow[1:]))
+            return (f"rank {r} is slow{where}: rank {first['rank']} gave up waiting for it: {first['message']}"
+                    + (f"; ranks {others} were also still running" if others else ""), 1)
+    return _summarise(err_dir, failures)
+
+
+# ---------------------------------------------------------------------------------------------
+# argument handling
+# ---------------------------------------------------------------------------------------------
+
+
+def _split(argv: list[str]) -> tuple[list[str], str, list[str]]:
+    """``[launcher opts] -m MODULE [worker args]`` -> (opts, module, worker args)."""
+    for i, a in enumerate(argv):
+        if a == "-m" and i + 1 < len(argv):
+            return argv[:i], argv[i + 1], argv[i + 2:]
+        if a.startswith("-m") and len(a) > 2 and not a.startswith("--"):
+            return argv[:i], a[2:], argv[i + 1:]
+    return argv, "", []
+
+
+def _opt_value(args: list[str], name: str) -> str | None:
+    """Value of ``--name V`` / ``--name=V`` (also with underscores) in ``args``, last one wins."""
+    names = {name, name.replace("-", "_")}
+    val = None
+    it = iter(range(len(args)))
+    for i in it:
+        a = args[i]
+        key, eq, v = a.partition("=")
+        if key in names:
+            if eq:
+                val = v
+            elif i + 1 < len(args):
+                val = args[i + 1]
+                next(it, None)
+    return val
+
+
+_LOCAL_FLAGS = {"--standalone"}
+_LOCAL_VALUED = {"--nproc-per-node", "--nproc_per_node", "--nnodes", "--node-rank", "--node_rank",
+                 "--monitor-interval", "--monitor_interval"}
+
+
+def _local_plan(opts: list[str]) -> int | None:
+    """Ranks to start locally when ``opts`` describe a one-machine job the launcher runs itself."""
+    i = 0
+    while i < len(opts):
+        key, eq, _ = opts[i].partition("=")
+        if key in _LOCAL_FLAGS and not eq:
+            i += 1
+            continue
+        if key in _LOCAL_VALUED:
+            i += 1 if eq else 2
+            continue
+        return None
+    nnodes = _opt_value(opts, "--nnodes") or "1"
+    if nnodes not in ("1", "1:1") or (_opt_value(opts, "--node-rank") or "0") != "0":
+        return None
+    n = _opt_value(opts, "--nproc-per-node") or "1"
+    return int(n) if n.isdigit() and int(n) >= 1 else None
+
+
+def _worker_timeout(wargs: list[str]) -> float:
+    v = _opt_value(wargs, "--timeout")
+    try:
+        t = float(v) if v is not None else DEFAULT_TIMEOUT_S
+    except ValueError:
+        return DEFAULT_TIMEOUT_S
+    return t if math.isfinite(t) and t > 0 else DEFAULT_TIMEOUT_S
+
+
+def loopback_interface() -> str:
+    """Name of the loopback network interface (``lo`` on Linux, ``lo0`` on macOS)."""
+    with contextlib.suppress(OSError, AttributeError):
+        names = [n for _, n in socket.if_nameindex()]
+        for n in names:
+            if n == "lo" or n.startswith("lo"):
+                return n
+    return "lo0" if sys.platform == "darwin" else "lo"
+
+
+# ---------------------------------------------------------------------------------------------
+# zeppelin-local: start, watch and stop the ranks of a one-machine job
+# ---------------------------------------------------------------------------------------------
+
+
+class _Stop(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop_all(procs: dict[int, subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
+    for p in procs.values():
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs.values()):
+        time.sleep(POLL_S)
+    for p in procs.values():
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.kill()
+    for p in procs.values():
+        with contextlib.suppress(Exception):
+            p.wait(timeout=10)
+
+
+def run_local(nproc: int, module: str, wargs: list[str], err_dir: Path, timeout_s: float,
+              pending: list[int]) -> int:
+    env = dict(os.environ)
+    lo = loopback_interface()
+    env.update({
+        "ZEPPELIN_ERROR_DIR": str(err_dir),
+        "ZEPPELIN_STORE_FILE": str(err_dir / "store"),
+        "ZEPPELIN_PARENT_PID": str(os.getpid()),
+        "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "NODE_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "GLOO_SOCKET_IFNAME": lo, "NCCL_SOCKET_IFNAME": lo,
+    })
+    env.pop("MASTER_PORT", None)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    procs: dict[int, subprocess.Popen] = {}
+    try:
+        for r in range(nproc):
+            if pending:
+                raise _Stop(pending[0])
+            e = dict(env, RANK=str(r), LOCAL_RANK=str(r))
+            procs[r] = subprocess.Popen([sys.executable, "-m", module, *wargs], env=e)
+        exits: dict[int, SimpleNamespace] = {}
+        first_bad = None
+        while True:
+            if pending:
+                raise _Stop(pending[0])
+            now = time.time()
+            for r, p in procs.items():
+                if r not in exits:
+                    c = p.poll()
+                    if c is not None:
+                        exits[r] = SimpleNamespace(exitcode=c, time=now)
+            if len(exits) == nproc and all(x.exitcode == 0 for x in exits.values()):
+                return 0
+            bad = any(x.exitcode != 0 for x in exits.values()) or any(err_dir.glob("rank*.json"))
+            if bad and first_bad is None:
+                first_bad = time.monotonic()
+            if first_bad is not None and (time.monotonic() - first_bad >= SETTLE_S or len(exits) == nproc):
+                break
+            time.sleep(POLL_S)
+        failures = {r: x for r, x in exits.items() if x.exitcode != 0}
+        alive = sorted(r for r in procs if r not in exits)
+        msg, code = classify_failure(err_dir, failures, alive)
+        _stop_all(procs)
+        print(f"zeppelin: error: job failed: {msg}", file=sys.stderr, flush=True)
+        return code
+    except _Stop as s:
+        _stop_all(procs)
+        print(f"zeppelin: error: job stopped: received {_signal_name(-s.signum)}; every rank ended",
+              file=sys.stderr, flush=True)
+        return 128 + s.signum
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
+                with contextlib.suppress(Exception):
+                    p.wait(timeout=10)
+
+
+# ---------------------------------------------------------------------------------------------
+# several machines: torchrun in this process
+# ---------------------------------------------------------------------------------------------
+
+
+def run_torchrun(opts: list[str], module: str, wargs: list[str], err_dir: Path, timeout_s: float) -> int:
+    import logging
+
+    had = os.environ.get("TORCH_CPP_LOG_LEVEL")
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"  # the launcher's store retries: one line below instead
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    if had is None:  # the ranks keep the default level
+        os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
+    else:
+        os.environ["TORCH_CPP_LOG_LEVEL"] = had
     for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    own_dir = "ZEPPELIN_ERROR_DIR" not in os.environ
-    err_dir = Path(os.environ["ZEPPELIN_ERROR_DIR"]) if not own_dir else Path(tempfile.mkdtemp(prefix="zeppelin-err-"))
-    os.environ["ZEPPELIN_ERROR_DIR"] = str(err_dir)
-    err_dir.mkdir(parents=True, exist_ok=True)
+    t = max(1, math.ceil(timeout_s))
+    extra = []
+    if _opt_value(opts, "--rdzv-conf") is None:
+        extra.append(f"--rdzv-conf=join_timeout={t},read_timeout={t},timeout={t},last_call_timeout=1")
+    if _opt_value(opts, "--monitor-interval") is None:
+        extra.append("--monitor-interval=0.1")
+    os.environ["ZEPPELIN_PARENT_PID"] = str(os.getpid())
     try:
-        torchrun.main(argv)
+        torchrun.main([*opts, *extra, "-m", module, *wargs])
         return 0
     except ChildFailedError as e:
         msg, code = _summarise(err_dir, e.failures)
         print(f"zeppelin: error: job failed: {msg}", file=sys.stderr, flush=True)
         return code
-    except (KeyboardInterrupt, SignalException):
-        print("zeppelin: interrupted", file=sys.stderr, flush=True)
-        return 130
+    except (KeyboardInterrupt, SignalException) as e:
+        sig = getattr(e, "sigval", signal.SIGINT)
+        print(f"zeppelin: error: job stopped: received {_signal_name(-int(sig))}; every rank on this machine "
+              f"ended", file=sys.stderr, flush=True)
+        return 128 + int(sig)
+    except Exception as e:  # noqa: BLE001 - rendezvous failures and the like: one line
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"zeppelin: error: job failed to start: {e.__class__.__name__}: {msg}"
+              f" (rendezvous timeout {t} s)", file=sys.stderr, flush=True)
+        return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    pending: list[int] = []
+
+    def on_signal(signum, frame):
+        pending.append(signum)
+        if not local[0]:
+            raise KeyboardInterrupt
+
+    local = [True]
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    from .lifecycle import PARENT_ENV, die_with_parent
+
+    if os.environ.get(PARENT_ENV):  # started by zeppelin run: end with it
+        die_with_parent(signal.SIGTERM)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    opts, module, wargs = _split(argv)
+    if not module:
+        print("zeppelin: error: launcher: no worker module (-m zeppelin.runtime PLAN ...)", file=sys.stderr)
+        return 2
+    timeout_s = _worker_timeout(wargs)
+    own_dir = "ZEPPELIN_ERROR_DIR" not in os.environ
+    err_dir = Path(tempfile.mkdtemp(prefix="zeppelin-job-")) if own_dir else Path(os.environ["ZEPPELIN_ERROR_DIR"])
+    err_dir.mkdir(parents=True, exist_ok=True)
+    os.environ["ZEPPELIN_ERROR_DIR"] = str(err_dir)
+    try:
+        nproc = _local_plan(opts)
+        if nproc is not None:
+            return run_local(nproc, module, wargs, err_dir, timeout_s, pending)
+        local[0] = False
+        for s, h in old.items():  # torchrun installs its own handlers (SignalException), stops its workers
+            signal.signal(s, h)
+        if pending:
+            return 128 + pending[0]
+        return run_torchrun(opts, module, wargs, err_dir, timeout_s)
     finally:
         if own_dir:
             shutil.rmtree(err_dir, ignore_errors=True)

@@ -71,29 +71,107 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
 
 
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lengths: list[int]) -> torch.Tensor:
-    """Plain causal attention over packed whole sequences (explicit softmax, fp32 statistics).
+REFERENCE_TILE_SCORES = 1 << 22  # attention scores per tile of the reference (16 MiB in fp32)
 
-    ``q: [T, Hq, D]``, ``k, v: [T, Hkv, D]``; the test oracle for every distributed path.
-    """
-    hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
-    rep = hq // hkv
-    scale = 1.0 / math.sqrt(d)
-    outs = []
-    pos = 0
-    for L in seq_lengths:
-        qs = q[pos:pos + L].float().transpose(0, 1)                       # [Hq, L, D]
-        ks = k[pos:pos + L].float().repeat_interleave(rep, dim=1).transpose(0, 1)
-        vs = v[pos:pos + L].float().repeat_interleave(rep, dim=1).transpose(0, 1)
-        s = torch.matmul(qs, ks.transpose(1, 2)) * scale                   # [Hq, L, L]
-        mask = torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1)
-        s = s.masked_fill(mask, float("-inf"))
-        p = torch.softmax(s, dim=-1)
-        outs.append(torch.matmul(p, vs).transpose(0, 1).to(q.dtype))      # [L, Hq, D]
-        pos += L
-    if not outs:
+
+def _tile_rows(heads: int, length: int, budget: int) -> int:
+    return max(1, min(length, budget // max(heads * length, 1)))
+
+
+class _TiledCausalAttention(torch.autograd.Function):
+    """Exact causal attention over packed whole sequences, one tile of query rows at a time.
+
+    A tile of ``tq`` query rows sees its causal prefix of keys in one explicit softmax (full rows,
+    so no online rescaling), with at most ``REFERENCE_TILE_SCORES`` scores alive; the forward keeps
+    only the output and the log-sum-exp of each row, and the backward recomputes each tile's
+    probabilities from them. Working precision: float32, float64 for float64 inputs. K/V with fewer
+    heads (GQA) are expanded per sequence and their gradients summed over each group."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, lengths, budget):
+        wdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        T, hq, d = q.shape
+        hkv = k.shape[1]
+        rep = hq // hkv
+        scale = 1.0 / math.sqrt(d)
+        out = torch.zeros((T, hq, d), dtype=wdt, device=q.device)
+        lse = torch.zeros((hq, T), dtype=wdt, device=q.device)
+        pos = 0
+        for L in lengths:
+            qs = q[pos:pos + L].to(wdt).transpose(0, 1)                          # [Hq, L, D]
+            ks = k[pos:pos + L].to(wdt).repeat_interleave(rep, dim=1).transpose(0, 1)
+            vs = v[pos:pos + L].to(wdt).repeat_interleave(rep, dim=1).transpose(0, 1)
+            tq = _tile_rows(hq, L, budget)
+            for a in range(0, L, tq):
+                b = min(L, a + tq)
+                s = torch.matmul(qs[:, a:b], ks[:, :b].transpose(1, 2)) * scale   # [Hq, b-a, b]
+                rows = torch.arange(a, b, device=q.device)[:, None]
+                s = s.masked_fill(torch.arange(b, device=q.device)[None, :] > rows, float("-inf"))
+                m = s.amax(-1, keepdim=True)
+                p = torch.exp(s - m)
+                den = p.sum(-1, keepdim=True)
+                out[pos + a:pos + b] = (torch.matmul(p, vs[:, :b]) / den).transpose(0, 1)
+                lse[:, pos + a:pos + b] = (m + torch.log(den)).squeeze(-1)
+                del s, p
+            pos += L
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.lengths, ctx.budget, ctx.wdt = lengths, budget, wdt
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, out, lse = ctx.saved_tensors
+        wdt, budget = ctx.wdt, ctx.budget
+        T, hq, d = q.shape
+        hkv = k.shape[1]
+        rep = hq // hkv
+        scale = 1.0 / math.sqrt(d)
+        dq = torch.zeros((T, hq, d), dtype=wdt, device=q.device)
+        dk = torch.zeros((T, hkv, d), dtype=wdt, device=q.device)
+        dv = torch.zeros((T, hkv, d), dtype=wdt, device=q.device)
+        pos = 0
+        for L in ctx.lengths:
+            qs = q[pos:pos + L].to(wdt).transpose(0, 1)
+            ks = k[pos:pos + L].to(wdt).repeat_interleave(rep, dim=1).transpose(0, 1)
+            vs = v[pos:pos + L].to(wdt).repeat_interleave(rep, dim=1).transpose(0, 1)
+            dos = do[pos:pos + L].to(wdt).transpose(0, 1)
+            delta = (dos * out[pos:pos + L].transpose(0, 1)).sum(-1)             # [Hq, L]
+            dks = torch.zeros((hq, L, d), dtype=wdt, device=q.device)
+            dvs = torch.zeros((hq, L, d), dtype=wdt, device=q.device)
+            tq = _tile_rows(hq, L, budget)
+            for a in range(0, L, tq):
+                b = min(L, a + tq)
+                s = torch.matmul(qs[:, a:b], ks[:, :b].transpose(1, 2)) * scale
+                rows = torch.arange(a, b, device=q.device)[:, None]
+                s = s.masked_fill(torch.arange(b, device=q.device)[None, :] > rows, float("-inf"))
+                p = torch.exp(s - lse[:, pos + a:pos + b, None])
+                del s
+                dvs[:, :b] += torch.matmul(p.transpose(1, 2), dos[:, a:b])
+                dp = torch.matmul(dos[:, a:b], vs[:, :b].transpose(1, 2))
+                ds = p * (dp - delta[:, a:b, None])
+                del p, dp
+                dq[pos + a:pos + b] = (torch.matmul(ds, ks[:, :b]) * scale).transpose(0, 1)
+                dks[:, :b] += torch.matmul(ds.transpose(1, 2), qs[:, a:b]) * scale
+                del ds
+            dk[pos:pos + L] = dks.view(hkv, rep, L, d).sum(1).transpose(0, 1)
+            dv[pos:pos + L] = dvs.view(hkv, rep, L, d).sum(1).transpose(0, 1)
+            pos += L
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lengths: list[int],
+                        tile_scores: int = REFERENCE_TILE_SCORES) -> torch.Tensor:
+    """Exact causal attention over packed whole sequences, memory-bounded (tiled, recomputing).
+
+    ``q: [T, Hq, D]``, ``k, v: [T, Hkv, D]``; the test oracle for every distributed path. Never
+    holds more than ``tile_scores`` attention scores at once (forward or backward), so the
+    reference of a long sequence costs memory linear in its length, like the fused kernels."""
+    lengths = tuple(int(L) for L in seq_lengths)
+    if sum(lengths) != q.shape[0]:
+        raise ValueError(f"sequence lengths sum to {sum(lengths)}, the tensors hold {q.shape[0]} tokens")
+    if not lengths:
         return q.new_zeros(q.shape)
-    return torch.cat(outs, dim=0)
+    return _TiledCausalAttention.apply(q, k, v, lengths, int(tile_scores))
 
 
 class TPContext:
@@ -403,14 +481,24 @@ class LlamaModel(nn.Module):
         return self.loss_sum(h, labels), h
 
 
+REFERENCE_LOSS_ROWS = 4096  # tokens per chunk of the reference's LM head + loss
+
+
 def reference_step(model: LlamaModel, sequences, source, device: torch.device | str = "cpu",
                    normaliser: int | None = None) -> dict[str, Any]:
-    """Single-process reference of one step: every sequence whole, plain causal attention.
+    """Single-process reference of one step: every sequence whole, exact causal attention.
 
     Returns ``loss`` (sum of cross-entropies / predicted tokens), the final hidden states of each
     sequence (``hidden[seq] -> [L, hidden]``) and the gradient of every parameter (``grads``).
     The model's existing ``.grad`` fields are left untouched.
+
+    Memory is bounded like the runtime's: attention is tiled (:func:`reference_attention`), each
+    layer is recomputed in the backward pass from its input (only one layer's activations of the
+    step are alive at a time) and the LM head / loss run in chunks of ``REFERENCE_LOSS_ROWS``
+    tokens, recomputed too. The arithmetic is the same as an un-checkpointed pass.
     """
+    from torch.utils.checkpoint import checkpoint
+
     from .data import predicted_tokens
 
     lengths = [s.length for s in sequences]
@@ -421,14 +509,27 @@ def reference_step(model: LlamaModel, sequences, source, device: torch.device | 
     layout = ReferenceLayout(lengths, device)
     n = normaliser if normaliser is not None else max(predicted_tokens(sequences), 1)
     params = [p for p in model.parameters()]
-    loss_sum, h = model(tokens, labels, layout)
+    x = F.embedding(tokens, model.embed).to(model.dtype)
+    cos, sin = rope_tables(layout.attn_positions, model.spec.head_dim, model.spec.rope_theta)
+    for blk in model.layers:
+        x = checkpoint(blk, x, cos, sin, layout, None, use_reentrant=False)
+    h = model.norm(x)
+    del x
+    loss_sum = None
+    for a in range(0, h.shape[0], REFERENCE_LOSS_ROWS):
+        part = checkpoint(model.loss_sum, h[a:a + REFERENCE_LOSS_ROWS], labels[a:a + REFERENCE_LOSS_ROWS],
+                          use_reentrant=False)
+        loss_sum = part if loss_sum is None else loss_sum + part
+    if loss_sum is None:
+        loss_sum = h.sum() * 0.0
     loss = loss_sum / n
     grads = torch.autograd.grad(loss, params, allow_unused=True)
     names = [name for name, _ in model.named_parameters()]
     hidden = {}
     pos = 0
+    hd = h.detach()
     for i, L in enumerate(lengths):
-        hidden[i] = h[pos:pos + L].detach()
+        hidden[i] = hd[pos:pos + L]
         pos += L
     return {
         "loss": float(loss.detach()),

@@ -14,25 +14,28 @@ from pydantic import Field, model_validator
 from .common import Doc, InputError, Strict
 
 CLUSTER_SCHEMA = "zeppelin.cluster/1"
+MAX_NODES = 4096
+MAX_GPUS_PER_NODE = 256
 
 
 class GPUSpec(Strict):
     name: str
-    peak_tflops: float = Field(gt=0, description="dense bf16 peak, TFLOP/s")
-    memory_gb: float = Field(gt=0, description="device memory, GB")
+    peak_tflops: float = Field(ge=1e-6, le=1e6, description="dense bf16 peak, TFLOP/s")
+    memory_gb: float = Field(ge=0.01, le=1e5, description="device memory, GB")
 
 
 class LinkSpec(Strict):
     kind: Literal["nvswitch", "nvlink", "pcie", "shm", "loopback"] = "nvswitch"
-    bandwidth_GBps: float = Field(gt=0, description="per direction, GB/s")
-    latency_us: float = Field(ge=0)
+    bandwidth_GBps: float = Field(ge=1e-3, le=1e6, description="per direction, GB/s")
+    latency_us: float = Field(ge=0, le=1e6)
 
 
 class NICSpec(Strict):
     id: str = Field(min_length=1)
-    bandwidth_GBps: float = Field(gt=0, description="per direction, GB/s")
-    latency_us: float = Field(ge=0)
-    pcie_switch: int | None = Field(default=None, ge=0, description="PCIe switch the NIC hangs off")
+    bandwidth_GBps: float = Field(ge=1e-3, le=1e6, description="per direction, GB/s")
+    latency_us: float = Field(ge=0, le=1e6)
+    pcie_switch: int | None = Field(default=None, ge=0, le=MAX_GPUS_PER_NODE,
+                                    description="PCIe switch the NIC hangs off")
 
 
 class ClusterSpec(Doc):
@@ -42,11 +45,12 @@ class ClusterSpec(Doc):
     name: str = Field(min_length=1)
     description: str = ""
     device: Literal["cuda", "cpu"] = "cuda"
-    num_nodes: int = Field(ge=1)
-    gpus_per_node: int = Field(ge=1)
+    num_nodes: int = Field(ge=1, le=MAX_NODES)
+    gpus_per_node: int = Field(ge=1, le=MAX_GPUS_PER_NODE)
     gpu: GPUSpec
     intra_link: LinkSpec
-    nics: list[NICSpec] = Field(min_length=1, description="NICs of one node (every node alike)")
+    nics: list[NICSpec] = Field(min_length=1, max_length=MAX_GPUS_PER_NODE,
+                                description="NICs of one node (every node alike)")
     gpu_nic: list[str] = Field(description="for each local GPU index, the id of the NIC it uses")
     gpu_pcie_switch: list[int] | None = Field(default=None, description="PCIe switch of each local GPU")
 
@@ -172,6 +176,9 @@ def cluster_preset(name: str) -> ClusterSpec:
     gpn = int(m.group("gpn")) if m.group("gpn") else base.gpus_per_node
     if nodes < 1 or gpn < 1:
         raise InputError(f"cluster preset {name!r}: node and GPU counts must be at least 1")
+    if nodes > MAX_NODES or gpn > MAX_GPUS_PER_NODE:
+        raise InputError(f"cluster preset {name!r}: at most {MAX_NODES:,} nodes of {MAX_GPUS_PER_NODE} GPUs "
+                         f"(got {nodes:,} x {gpn:,})")
     if m.group("base") == "local-cpu":
         return _local_cpu(nodes, gpn)
     if gpn != base.gpus_per_node:

@@ -38,7 +38,8 @@ __all__ = [
 class Strict(BaseModel):
     """Base for nested records: no unknown fields, no silent coercion of wrong types."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=False, validate_assignment=False)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=False, validate_assignment=False,
+                              allow_inf_nan=False)
 
 
 class Doc(Strict):
@@ -57,6 +58,51 @@ class InputError(Exception):
 
 
 T = TypeVar("T", bound=BaseModel)
+
+# Upper bounds of options and spec fields: far above any real job, low enough that nothing loops for
+# hours or allocates gigabytes because of a typo. Each message states the bound.
+MAX_STEPS = 1_000_000
+MAX_SEED = 2**63 - 1
+MAX_WORKERS = 1024
+MAX_TOKENS = 2**40
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+def check_int(flag: str, value: int | None, lo: int, hi: int | None = None) -> None:
+    """Refuse an integer option outside ``[lo, hi]`` with one line naming the bound."""
+    if value is None:
+        return
+    if value < lo:
+        raise InputError(f"{flag} must be at least {lo:,} (got {value:,})")
+    if hi is not None and value > hi:
+        raise InputError(f"{flag} must be at most {hi:,} (got {value:,})")
+
+
+def check_training_options(*, lr: float, weight_decay: float, seed: int | None, timeout: float,
+                           verify_tol: float | None, checkpoint_every: int, threads: int | None) -> None:
+    """Bounds of ``zeppelin run``'s numeric options, checked by the command line before it starts any
+    process and again by every rank (``python -m zeppelin.runtime`` can be started by hand)."""
+    check_float("--lr", lr, 0.0, 10.0, lo_open=True)
+    check_float("--weight-decay", weight_decay, 0.0, 10.0)
+    check_int("--seed", seed, 0, MAX_SEED)
+    check_float("--timeout", timeout, 0.0, MAX_TIMEOUT_S, lo_open=True)
+    check_float("--verify-tol", verify_tol, 0.0, 1.0, lo_open=True)
+    check_int("--checkpoint-every", checkpoint_every, 0, MAX_STEPS)
+    check_int("--threads", threads, 1, 1024)
+
+
+def check_float(flag: str, value: float | None, lo: float, hi: float, *, lo_open: bool = False) -> None:
+    """Refuse a float option that is not finite or is outside ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``)."""
+    if value is None:
+        return
+    if not math.isfinite(value):
+        raise InputError(f"{flag} must be a finite number (got {value})")
+    if lo_open and value <= lo:
+        raise InputError(f"{flag} must be greater than {lo:g} (got {value:g})")
+    if value < lo:
+        raise InputError(f"{flag} must be at least {lo:g} (got {value:g})")
+    if value > hi:
+        raise InputError(f"{flag} must be at most {hi:g} (got {value:g})")
 
 
 def format_validation_error(err: ValidationError, limit: int = 3) -> str:
@@ -363,9 +409,17 @@ def _finite_float(text: str) -> float:
     return v
 
 
+MAX_DOC_BYTES = 64 << 20
+"""Largest spec document (cluster, model, profile, manifest spec) read: real ones are a few KB."""
+
+
 def load_doc(cls: type[T], path: str | os.PathLike) -> T:
     """Read and validate a JSON document, raising :class:`InputError` with a one-line message."""
     path = Path(path)
+    size = check_input_file(path, "input").stat().st_size
+    if size > MAX_DOC_BYTES:
+        raise InputError(f"{cls.__name__} document of {size:,} bytes is larger than the {MAX_DOC_BYTES >> 20} MiB "
+                         f"zeppelin reads", source=path)
     return validate_doc(cls, parse_json(read_input_bytes(path, "input"), source=path), source=path)
 
 

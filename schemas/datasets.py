@@ -419,6 +419,8 @@ class _JsonlReader:
             msg = e.msg if isinstance(e, json.JSONDecodeError) else "invalid UTF-8"
             col = f" (column {e.colno})" if isinstance(e, json.JSONDecodeError) else ""
             raise InputError(f"malformed JSON at line {lineno}: {msg}{col}", source=self.path) from None
+        except RecursionError:
+            raise InputError(f"JSON nested too deeply at line {lineno}", source=self.path) from None
         first = not self.seen_record
         self.seen_record = True
         if not isinstance(rec, dict):
@@ -436,6 +438,9 @@ class _JsonlReader:
             if isinstance(v, bool) or not isinstance(v, int):
                 raise InputError(f"field {self.field!r} at line {lineno} must be an integer, got {_json_repr(v)}",
                                  source=self.path)
+            if v > _MAX_LENGTH:  # before numpy sees it (an int beyond int64 would overflow there)
+                raise InputError(f"length {v} at sample {sample} (line {lineno}) is implausibly large "
+                                 f"(more than {_MAX_LENGTH:,})", source=self.path)
             return v
         if self.mode == "tokens":
             if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
@@ -665,7 +670,11 @@ def _read_txt(path: Path, sink: _Sink) -> None:
                 if not s or s.startswith(b"#"):
                     continue
                 try:
-                    out.append(int(s))
+                    v = int(s)
+                    if v > _MAX_LENGTH:  # before numpy sees it (an int beyond int64 would overflow there)
+                        raise InputError(f"length {v} at sample {sink.count + len(out)} (line {line0 + i + 1}) is "
+                                         f"implausibly large (more than {_MAX_LENGTH:,})", source=path)
+                    out.append(v)
                 except ValueError:
                     txt = s[:30].decode("utf-8", "replace")
                     raise InputError(f"expected one integer length per line, got {txt!r} at line {line0 + i + 1}",

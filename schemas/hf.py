@@ -10,11 +10,10 @@ match but whose config differs (biases, rope scaling, ...) is refused by the pla
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from .common import InputError, content_hash
+from .common import InputError, content_hash, parse_json, read_input_bytes
 from .model import ModelSpec
 
 HF_PREFIX = "hf:"
@@ -46,10 +45,7 @@ def hf_dir(ref: str) -> Path:
 
 def read_hf_config(d: Path) -> dict[str, Any]:
     path = d / "config.json"
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputError(f"cannot read config.json ({e.__class__.__name__}: {e})", source=path) from None
+    cfg = parse_json(read_input_bytes(path, "config.json"), source=path)  # a regular file, bounded JSON
     if not isinstance(cfg, dict):
         raise InputError("config.json is not a JSON object", source=path)
     return cfg
@@ -109,7 +105,7 @@ def hf_model_spec(ref: str) -> ModelSpec:
             vocab_size=need("vocab_size"), mlp="swiglu", dtype=_DTYPES[dt],
             rope_theta=float(theta if theta is not None else 10000.0),
             norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), remap_payload="qkv")
     except ValueError as e:  # pydantic validation (divisibility, ...)
         msg = str(e).splitlines()
         raise InputError(f"config.json does not describe a supported decoder: {msg[-1].strip() if msg else e}",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, model_serializer, model_validator
 
 from .common import Doc, InputError
 
@@ -17,17 +17,29 @@ class ModelSpec(Doc):
     schema_version: Literal["zeppelin.model/1"] = MODEL_SCHEMA
     name: str = Field(min_length=1)
     family: Literal["llama", "gpt"] = "llama"
-    num_layers: int = Field(ge=1)
-    hidden: int = Field(ge=1)
-    num_heads: int = Field(ge=1)
-    num_kv_heads: int = Field(ge=1)
-    ffn_hidden: int = Field(ge=1)
-    vocab_size: int = Field(ge=2)
+    num_layers: int = Field(ge=1, le=1024)
+    hidden: int = Field(ge=1, le=131072)
+    num_heads: int = Field(ge=1, le=1024)
+    num_kv_heads: int = Field(ge=1, le=1024)
+    ffn_hidden: int = Field(ge=1, le=1 << 20)
+    vocab_size: int = Field(ge=2, le=1 << 24)
     mlp: Literal["swiglu", "gelu"] = "swiglu"
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
-    rope_theta: float = Field(default=10000.0, gt=0)
-    norm_eps: float = Field(default=1e-5, gt=0)
+    rope_theta: float = Field(default=10000.0, gt=0, le=1e12)
+    norm_eps: float = Field(default=1e-5, gt=0, le=1.0)
     tie_embeddings: bool = False
+    #: what the linear <-> attention remap carries per token: ``hidden`` (the runtime's own model
+    #: remaps the normed hidden states; the result of attention's O projection comes back) or ``qkv``
+    #: (Hugging Face models: Q, K and V go to the attention layout, the attention output comes back).
+    #: Written only when not ``hidden``, so existing specs keep their hashes.
+    remap_payload: Literal["hidden", "qkv"] = "hidden"
+
+    @model_serializer(mode="wrap")
+    def _drop_default_remap_payload(self, handler):
+        data = handler(self)
+        if self.remap_payload == "hidden":
+            data.pop("remap_payload", None)
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> "ModelSpec":
@@ -37,6 +49,9 @@ class ModelSpec(Doc):
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.head_dim % 2:  # rotary embeddings rotate pairs of channels
+            raise ValueError(f"head_dim = hidden / num_heads = {self.head_dim} must be even (rotary embeddings "
+                             f"rotate pairs of channels)")
         return self
 
     @property
@@ -50,6 +65,12 @@ class ModelSpec(Doc):
     @property
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def remap_widths(self) -> tuple[int, int]:
+        """Values per token the remap moves (to the attention layout, back to the linear layout)."""
+        if self.remap_payload == "qkv":
+            return self.hidden + 2 * self.kv_dim, self.hidden
+        return self.hidden, self.hidden
 
     def params_per_layer(self) -> int:
         h, f = self.hidden, self.ffn_hidden

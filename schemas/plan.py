@@ -1,6 +1,9 @@
 """Plan / StepPlan: the execution plan shared by every planner, the simulator and the runtime.
 
-File format (streamable, diffable): a header record followed by one record per training step.
+File format (streamable, diffable): a header record, one record per training step, and an end
+record ``{"kind": "end", "steps": N, "digest": "sha256:..."}`` whose digest is the SHA-256 of the
+bytes of every record before it; readers check it as they stream (plans written before it existed
+have no end record and still read).
 Two encodings are read transparently:
 
 * ``jsonl``  - one compact JSON object per line (large plans);
@@ -41,7 +44,16 @@ from typing import Any, Iterator, Literal
 from pydantic import Field, ValidationError, model_serializer, model_validator
 
 from .cluster import ClusterSpec
-from .common import Doc, InputError, Strict, atomic_write, check_input_file, format_validation_error, parse_json
+from .common import (
+    Doc,
+    InputError,
+    Strict,
+    atomic_write,
+    check_input_file,
+    content_hash,
+    format_validation_error,
+    parse_json,
+)
 from .model import ModelSpec
 from .profile import CostProfile
 
@@ -76,13 +88,15 @@ def format_version_message(version: Any) -> str:
             "zeppelin: upgrade zeppelin to read it")
 
 GroupKind = Literal["local", "ring", "allgather", "ulysses"]
+MAX_LENGTH = 1 << 40  # longest sequence a plan may name (the manifest readers' bound too)
+MAX_INDEX = 1 << 48  # largest sample id
 Tier = Literal["local", "intra", "inter"]
 
 
 class Sequence(Strict):
-    sample_id: int = Field(ge=0, description="index of the sample in the manifest")
-    length: int = Field(ge=1, description="tokens used (after truncation)")
-    truncated_from: int | None = Field(default=None, description="original length if truncated")
+    sample_id: int = Field(ge=0, le=MAX_INDEX, description="index of the sample in the manifest")
+    length: int = Field(ge=1, le=MAX_LENGTH, description="tokens used (after truncation)")
+    truncated_from: int | None = Field(default=None, ge=1, le=MAX_LENGTH, description="original length if truncated")
 
 
 class Replica(Strict):
@@ -117,7 +131,7 @@ class Placement(Strict):
     group: int = Field(ge=0, description="index into MicroBatch.groups")
     scheme: Literal["whole", "zigzag", "contiguous"] = "whole"
     padded_length: int | None = Field(
-        default=None, description="length after padding (e.g. to a multiple of 2*CP); tokens >= length are padding"
+        default=None, ge=1, le=MAX_LENGTH, description="length after padding (e.g. to a multiple of 2*CP); tokens >= length are padding"
     )
     ranges: list[list[list[int]]] = Field(
         description="for each ring position of the group, the [start, end) token ranges held there"
@@ -129,7 +143,7 @@ class RoutePath(Strict):
     via_dst: int = Field(description="proxy unit on the destination node (== dst for the direct path)")
     nic_src: str
     nic_dst: str
-    tokens: int = Field(ge=0, description="tokens of the K/V block carried on this path")
+    tokens: int = Field(ge=0, le=MAX_LENGTH, description="tokens of the K/V block carried on this path")
 
 
 class Route(Strict):
@@ -138,8 +152,8 @@ class Route(Strict):
     group: int = Field(ge=0)
     src: int
     dst: int
-    tokens: int = Field(ge=0, description="K/V tokens moved src->dst per ring round")
-    bytes: int = Field(ge=0, description="bytes per ring round per layer (forward)")
+    tokens: int = Field(ge=0, le=MAX_LENGTH, description="K/V tokens moved src->dst per ring round")
+    bytes: int = Field(ge=0, le=1 << 62, description="bytes per ring round per layer (forward)")
     paths: list[RoutePath] = Field(min_length=1)
 
     @model_validator(mode="after")
@@ -264,7 +278,7 @@ class SamplerConfig(Strict):
     tokens_per_step: int | None = Field(default=None, ge=1)
     seqs_per_step: int | None = Field(default=None, ge=1)
     shuffle: bool = True
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, le=2**63 - 1)
     max_seq_len: int | None = Field(default=None, ge=1)
     overflow: Literal["truncate", "reject", "skip"] = "truncate"
     start_sample: int = Field(default=0, ge=0)
@@ -277,8 +291,8 @@ class PlanHeader(Doc):
     planner_options: dict[str, Any] = Field(default_factory=dict)
     zeppelin_version: str = ""
     created_at: str = ""
-    seed: int = 0
-    num_steps: int = Field(ge=0)
+    seed: int = Field(default=0, ge=0, le=2**63 - 1)
+    num_steps: int = Field(ge=0, le=1_000_000)
     world_size: int = Field(ge=1, description="GPU ranks")
     tp: int = Field(default=1, ge=1, description="default tensor-parallel degree of a unit")
     tp_overlap: Literal["none", "slicing", "commfuse"] = "none"
@@ -551,6 +565,18 @@ def end_record(steps: int, digest: "hashlib._Hash") -> str:
                       separators=(",", ":")) + "\n"
 
 
+def plan_text(header: PlanHeader, steps, fmt: Literal["jsonl", "pretty"] = "jsonl") -> str:
+    """The exact text :class:`PlanWriter` writes for these records (end record included)."""
+    digest = hashlib.sha256()
+    parts = []
+    for r in [header, *steps]:
+        t = _dump(r, fmt)
+        digest.update(t.encode())
+        parts.append(t)
+    parts.append(end_record(len(parts) - 1, digest))
+    return "".join(parts)
+
+
 def write_plan(path, header: PlanHeader, steps, fmt: Literal["jsonl", "pretty"] = "jsonl") -> None:
     with PlanWriter(path, header, fmt) as w:
         for s in steps:
@@ -698,6 +724,12 @@ class PlanReader:
             self._offsets = offs
         return self._offsets
 
+    def verify(self) -> None:
+        """Read every record once and check the plan's integrity digest (no-op for plans without one)."""
+        self._index()
+        if self._integrity:
+            raise InputError(self._integrity, source=self.path)
+
     def __len__(self) -> int:
         return self.header.num_steps
 
@@ -713,6 +745,32 @@ class PlanReader:
         if self._integrity:  # after the step's own checks, which name what is wrong more precisely
             raise InputError(self._integrity, source=self.path)
         return step
+
+
+def sample_problems(step: StepPlan, lengths: Any) -> list[str]:
+    """Every sequence of the step names a sample of the manifest (``lengths``: its per-sample lengths)
+    and uses no more tokens than the sample has."""
+    probs = []
+    n = len(lengths)
+    for i, seq in enumerate(step.sequences):
+        if seq.sample_id >= n:
+            probs.append(f"step {step.step}: sequence {i} names sample {seq.sample_id}, beyond the manifest's "
+                         f"{n:,} samples")
+        elif seq.length > int(lengths[seq.sample_id]):
+            probs.append(f"step {step.step}: sequence {i} uses {seq.length:,} tokens of sample {seq.sample_id}, "
+                         f"which has {int(lengths[seq.sample_id]):,}")
+    return probs
+
+
+def check_embedded_specs(reader: PlanReader) -> None:
+    """The cluster, model and profile embedded in the header are the ones its hashes record (``run``
+    trains the embedded model; an edit of it that left the hashes alone is refused here)."""
+    h = reader.header
+    for name in ("cluster", "model", "profile"):
+        got, want = content_hash(getattr(h, name)), getattr(h.hashes, name)
+        if got != want:
+            raise InputError(f"the plan's embedded {name} hashes to {got}, its header records {want} (the plan was "
+                             f"edited after planning)", source=reader.path)
 
 
 def read_plan(path: str | os.PathLike, *, check: bool = True) -> tuple[PlanHeader, list[StepPlan]]:

@@ -49,8 +49,8 @@ def test_identical_bytes_under_cpu_stress_and_with_1_or_2_workers(tmp_path):
             pooled = _plan(tmp_path / f"{planner}-3.plan", planner, extra, workers=2)
             assert first == second, f"{planner}: two runs under load gave different plans"
             assert first == pooled, f"{planner}: --workers 2 changed the plan"
-            header, *steps = _records(first)
-            assert header["created_at"] == "" and len(steps) == 4
+            header, *steps, end = _records(first)
+            assert header["created_at"] == "" and len(steps) == 4 and end["kind"] == "end"
             solvers = [s["solver"] for s in steps]
             assert all("time_s" not in s for s in solvers)  # no wall-clock field in the plan
             assert all(s["status"] != "wall_clock_limit" for s in solvers)
@@ -81,7 +81,7 @@ def test_wall_clock_safety_net_is_recorded_and_check_reports_the_step(tmp_path, 
     err = capsys.readouterr().err
     assert ("warning: step(s) 0, 1 hit the --time-limit wall-clock safety net: their plans depend on this "
             "machine's load and are not reproducible") in err
-    _, *steps = _records(out.read_bytes())
+    _, *steps, _end = _records(out.read_bytes())
     assert [s["solver"]["status"] for s in steps] == ["wall_clock_limit"] * 2
 
     from zeppelin.planner.tools.check import run_check
@@ -109,6 +109,9 @@ def test_check_exact_fails_on_any_byte_difference(tmp_path, monkeypatch):
     (tmp_path / "c.json").write_text(json.dumps(case))
     assert run_check(tmp_path, update=True).failures == []
     assert run_check(tmp_path, exact=True).failures == []
+    # the golden names its dataset as the case does, not by this checkout's path: any clone matches it
+    header = json.loads((tmp_path / "c.plan").read_text().split("\n}\n")[0] + "\n}")
+    assert header["manifest"]["path"] == "sample" and header["created_at"] == ""
     real = TECPTuned.plan_step
 
     def relabelled(self, ctx, step, seqs):

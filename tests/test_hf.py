@@ -87,6 +87,23 @@ def test_model_spec_from_config(hf_dirs, tmp_path):
     assert hf_model_spec(f"hf:{m}").name.startswith("hf-mistral-")
 
 
+def test_planner_prices_the_qkv_remap(hf_dirs):
+    """An HF model's remap moves Q, K, V to the attention layout (the output comes back): the cost
+    model charges 2 x kv_dim more values per token each way than for the runtime's own model."""
+    from zeppelin.planner.costmodel.cost import CostModel
+    from zeppelin.schemas.cluster import cluster_preset
+
+    spec = hf_model_spec(f"hf:{hf_dirs['llama']}")
+    assert spec.remap_payload == "qkv" and spec.remap_widths() == (spec.hidden + 2 * spec.kv_dim, spec.hidden)
+    own = spec.model_copy(update={"remap_payload": "hidden"})
+    assert "remap_payload" not in own.model_dump(mode="json")  # presets and JSON specs keep their hashes
+    c_hf, c_own = CostModel(cluster_preset("h100"), spec), CostModel(cluster_preset("h100"), own)
+    n = 10_000
+    extra = float(c_hf.remap_time(n, "inter") - c_own.remap_time(n, "inter"))
+    want = 2 * n * 2 * spec.kv_dim * spec.dtype_bytes / (c_hf.link("inter").bandwidth_GBps * 1e9)
+    assert abs(extra - want) <= 1e-9 * want
+
+
 @pytest.mark.parametrize("edit, message", [
     ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported (supported: llama, mistral, qwen2)"),
     ({"sliding_window": 16}, "sliding-window attention (sliding_window=16) is not supported; set it to null"),
@@ -134,6 +151,19 @@ def test_weights_load_like_from_pretrained(hf_dirs):
         assert set(mine) == {k for k in ref if not k.endswith("inv_freq")}
         for k, v in mine.items():
             assert torch.equal(v, ref[k]), k
+
+
+def test_reference_copy_has_the_same_names_and_leaves_the_rng(hf_dirs):
+    from zeppelin.runtime.hf import load_hf_model
+
+    model = load_hf_model(f"hf:{hf_dirs['qwen2']}")
+    torch.manual_seed(11)
+    want = torch.rand(3)
+    torch.manual_seed(11)
+    ref = model.reference_copy()
+    assert torch.equal(torch.rand(3), want)
+    assert [n for n, _ in ref.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert ref.dtype == torch.float32 and ref.config is not model.config
 
 
 def test_random_init_is_seeded(tmp_path):

@@ -326,7 +326,8 @@ def test_microbatches_when_step_exceeds_memory():
 
 def test_sequence_larger_than_cluster_is_rejected():
     ctx = make_ctx()
-    too_long = ctx.cost.token_capacity * ctx.num_units + 100
+    # more than even replicas of tp=8 (whose model states leave each GPU more room) hold together
+    too_long = ctx.cost_for(8).token_capacity * ctx.cluster.world_size // 8 * 2 + 100
     with pytest.raises(PlanningError) as e:
         ZeppelinPlanner().plan_step(ctx, 0, seqs_of([100, too_long]))
     assert str(e.value) == (
@@ -699,3 +700,60 @@ def test_family_dispatch_local_search_never_worse():
             loads[(t, g)] = loads.get((t, g), 0.0) + cost[t][i]
         assert max(loads.values()) == pytest.approx(best[0])
         assert _dispatch(cost, fits, counts, improve=True) == best
+
+
+def test_plan_steps_streams_with_bounded_memory():
+    """A plan file streams: with a process pool at most 2 x workers steps are drawn ahead of the one
+    written, and the planner keeps no per-step tables once a step is planned."""
+    from zeppelin.planner.core.driver import plan_steps
+
+    ctx = make_ctx("local-cpu:2x2", "tiny")
+    pulled = []
+
+    def steps():
+        for k in range(8):
+            pulled.append(k)
+            yield seqs_of([1000 + 37 * k, 500, 300, 200])
+
+    pl = ZeppelinPlanner()
+    out = []
+    for plan in plan_steps(ctx, pl, steps(), workers=2, progress=False):
+        out.append(plan)
+        assert len(pulled) <= len(out) + 2 * 2
+    assert [p.step for p in out] == list(range(8))
+    assert ZeppelinPlanner().plan_step(ctx, 3, out[3].sequences).model_dump(exclude={"solver"}) == \
+        out[3].model_dump(exclude={"solver"})
+    pl.plan_step(ctx, 0, out[0].sequences)
+    assert pl._tables == {}
+
+
+def test_sequence_longer_than_the_units_hold_runs_on_larger_tp_replicas():
+    """LLaMA-13B at tp=2 on 16 A800s: a 91,511-token sequence exceeds what the 8 units hold together,
+    but replicas of tp=8 (model states over 8 GPUs leave more room for activations) hold it as a
+    2-replica ring; without the family the step is rejected with the memory message."""
+    ctx, seqs = _grid_step("zeppelin-a", "llama-13b", 2, "mixed", 16, 2)
+    plan = ZeppelinPlanner().plan_step(ctx, 2, seqs)
+    assert plan.notes["family"] == "tp-replicas" and max(r.tp for r in plan.replicas) == 8
+    _valid(ctx, plan)
+    with pytest.raises(PlanningError, match=r"^sequence \d+ \(sample \d+\) has 91,511 tokens, more than the whole "
+                                            r"cluster can hold \(8 units x [\d,]+ tokens"):
+        ZeppelinPlanner(families="none").plan_step(ctx, 2, seqs)
+
+
+def test_cli_families_option(tmp_path, capsys):
+    from zeppelin.planner.cli import main
+
+    args = ["plan", "-c", "local-cpu:2x2", "--model", "tiny", "--steps", "1", "--tokens-per-step", "8192", "-q"]
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--families", "bogus", "-o", str(tmp_path / "bad.plan")])
+    assert e.value.code == 2 and not (tmp_path / "bad.plan").exists()
+    assert "zeppelin: error: families option: unknown family 'bogus'" in capsys.readouterr().err
+    try:
+        main([*args, "--families", "none", "-o", str(tmp_path / "tiered.plan")])
+    except SystemExit as x:
+        assert x.code in (0, None)
+    from zeppelin.schemas.plan import PlanReader
+
+    r = PlanReader(tmp_path / "tiered.plan")
+    steps = list(r)
+    assert r.header.planner_options["families"] == "none" and "tiers" in steps[0].notes

@@ -57,8 +57,8 @@ from zeppelin.planner.core.base import PlanContext, Planner, PlanningError, regi
 from zeppelin.planner.core.solver import merge_status, solve_limits
 from zeppelin.schemas.plan import Sequence, SolverInfo, StepPlan
 
-MILP_SOLVES = 4  # MILP solves per step (the rest of the micro-batches keep their greedy solution)
-MILP_NODES = 200  # branch-and-bound nodes per solve
+MILP_SOLVES = 2  # MILP solves per step (the rest of the micro-batches keep their greedy solution)
+MILP_NODES = 30  # branch-and-bound nodes per solve
 DEFAULT_GAP = 0.01  # relative MILP gap: the bucketed cost model is coarser than this
 
 

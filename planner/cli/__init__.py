@@ -60,18 +60,45 @@ def fail(message: str, code: int = 2) -> None:
     raise SystemExit(code)
 
 
+def _click_exceptions():
+    """The click exception classes the installed typer raises (typer >= 0.24 carries its own click)."""
+    try:
+        import typer._click.exceptions as cx
+    except ImportError:  # older typer: click itself
+        import click.exceptions as cx
+    return cx
+
+
+def _usage_line(e) -> str:
+    """A click usage error as one line, with where to find help."""
+    msg = " ".join(e.format_message().split())
+    path = e.ctx.command_path if getattr(e, "ctx", None) is not None else "zeppelin"
+    return f"{msg} (see `{path} --help`)"
+
+
 def main(argv: list[str] | None = None) -> None:
+    cx = _click_exceptions()
+    args = list(sys.argv[1:] if argv is None else argv)
     try:
         with tracking_inputs():  # outputs are checked against every file the command reads
-            app(args=argv, prog_name="zeppelin")
+            rv = app(args=args, prog_name="zeppelin", standalone_mode=False)
+    except cx.NoArgsIsHelpError:
+        app(args=[*args, "--help"], prog_name="zeppelin")  # a bare command group prints its help
+        return
+    except cx.UsageError as e:  # bad option, missing argument, value of the wrong type
+        fail(_usage_line(e))
+    except cx.ClickException as e:
+        fail(" ".join(e.format_message().split()), e.exit_code or 2)
     except InputError as e:
         fail(str(e))
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, typer.Abort):
         print("zeppelin: interrupted", file=sys.stderr)
         raise SystemExit(130)
     except Terminated as e:  # SIGTERM/SIGHUP while writing a file: the temporary file is already removed
         print(f"zeppelin: {e}", file=sys.stderr)
         raise SystemExit(128 + e.signum)
+    # like a standalone click program: always leave through SystemExit (typer.Exit(code) gives its code)
+    raise SystemExit(rv if isinstance(rv, int) else 0)
 
 
 if __name__ == "__main__":  # pragma: no cover

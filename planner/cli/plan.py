@@ -8,15 +8,20 @@ from pathlib import Path
 
 import typer
 
-from zeppelin.schemas.common import InputError
+from zeppelin.schemas.common import MAX_SEED, MAX_STEPS, MAX_TOKENS, MAX_WORKERS, InputError, check_float, check_int
 
 
 def _planner(name: str, options: dict):
     from zeppelin.planner.core.base import PLANNERS, get_planner
     from zeppelin.planner.zeppelin import planner as zeppelin_planner  # noqa: F401  (registers the zeppelin planners)
 
-    if name in PLANNERS:
-        return PLANNERS[name](**options)
+    if name in PLANNERS:  # the zeppelin planners: no need to import every baseline
+        try:
+            return PLANNERS[name](**options)
+        except InputError:
+            raise
+        except (ValueError, TypeError, OverflowError) as e:  # an option of the wrong type or out of range
+            raise InputError(f"planner {name!r}: bad option ({e})") from None
     return get_planner(name, **options)
 
 
@@ -55,6 +60,8 @@ def plan(
                               help="zeppelin: how a sequence split inside a node runs - auto (zigzag ring or "
                                    "Ulysses all-to-all, whichever the cost model prices lower) or ring (rings only, "
                                    "as published)"),
+    families: str = typer.Option("all", "--families", help="zeppelin: whole-step candidate families beside the "
+                                 "tiered search - all, none, or a comma list of ulysses-groups, flop-share, tp-replicas"),
     workers: int = typer.Option(1, "--workers", "-j", help="plan steps in this many processes"),
     fmt: str = typer.Option("jsonl", "--format", help="jsonl (compact) or pretty (readable, diffable)"),
     explain: bool = typer.Option(False, "--explain", help="print the tier thresholds and how they were derived"),
@@ -76,14 +83,14 @@ def plan(
         raise InputError(f"--format must be jsonl or pretty (got {fmt!r})")
     if overflow not in ("truncate", "reject", "skip"):
         raise InputError(f"--overflow must be truncate, reject or skip (got {overflow!r})")
-    if steps < 1:
-        raise InputError(f"--steps must be at least 1 (got {steps})")
-    for flag, v in (("--tokens-per-step", tokens_per_step), ("--seqs-per-step", seqs_per_step),
-                    ("--max-seq-len", max_seq_len)):
-        if v is not None and v < 1:
-            raise InputError(f"{flag} must be at least 1 (got {v})")
-    if tp < 1:
-        raise InputError(f"--tp must be at least 1 (got {tp})")
+    check_int("--steps", steps, 1, MAX_STEPS)
+    check_int("--tokens-per-step", tokens_per_step, 1, MAX_TOKENS)
+    check_int("--seqs-per-step", seqs_per_step, 1, 2**31)
+    check_int("--max-seq-len", max_seq_len, 1, 2**31)
+    check_int("--seed", seed, 0, MAX_SEED)
+    check_int("--tp", tp, 1, 256)
+    check_int("--workers", workers, 1, MAX_WORKERS)
+    check_float("--time-limit", time_limit, 0.0, 3600.0, lo_open=True)
     if not 0 <= zero_stage <= 3:
         raise InputError(f"--zero-stage must be 0, 1, 2 or 3 (got {zero_stage})")
     if recompute not in ("none", "selective", "full"):
@@ -104,6 +111,8 @@ def plan(
         raise InputError(f"--time-limit must be positive (got {time_limit:g})")
     options = ({"ilp": ilp, "ilp_nodes": ilp_nodes, "solver": solver, "intra": intra}
                if planner.startswith("zeppelin") else {})
+    if families != "all" and planner.startswith("zeppelin"):  # (the default leaves the header as it was)
+        options["families"] = families
     if time_limit is not None and (planner.startswith("zeppelin") or planner in ("flexsp", "hydraulis")):
         options["time_limit"] = time_limit
     pl = _planner(planner, options)
@@ -113,7 +122,7 @@ def plan(
         typer.echo(Tiering(ctx).explain())
         if output is None:
             return
-    from zeppelin.planner.core.sampler import run_max_seq_len, sample_steps
+    from zeppelin.planner.core.sampler import StepSampler, run_max_seq_len
     from zeppelin.schemas.datasets import default_manifest_path, load_manifest
 
     ds = load_manifest(manifest if manifest is not None else default_manifest_path())
@@ -122,17 +131,22 @@ def plan(
     cfg = SamplerConfig(tokens_per_step=tokens_per_step, seqs_per_step=seqs_per_step, shuffle=not no_shuffle,
                         seed=seed, max_seq_len=max_seq_len, overflow=overflow)
     ctx.max_seq_len = run_max_seq_len(ds, cfg)
-    step_seqs = sample_steps(ds, cfg, steps)
-    check_steps(step_seqs, cfg)
+    # the steps are drawn again for each pass (the sampler is deterministic and cheap): checking
+    # every step before any work, then planning and writing one step at a time, keeps a single
+    # step's sequences and plan in memory however many steps the plan file holds
+    def step_seqs():
+        return StepSampler(ds, cfg).steps(steps)
+
+    check_steps(step_seqs(), cfg)
     if hasattr(pl, "check_feasible"):
-        for seqs in step_seqs:
+        for seqs in step_seqs():
             pl.check_feasible(ctx, seqs)
     header = make_header(ctx, pl, ds, cfg, steps)
     show = not quiet and sys.stderr.isatty()
     t0 = time.perf_counter()
     ratios, solvers, tiers, wall_hit = [], {}, {"local": 0, "intra": 0, "inter": 0}, []
     with PlanWriter(output, header, fmt) as w:
-        for st in plan_steps(ctx, pl, step_seqs, workers=workers, progress=show):
+        for st in plan_steps(ctx, pl, step_seqs(), workers=workers, progress=show, total=steps):
             w.write(st)
             if st.prediction is not None and st.prediction.lower_bound_s > 0:
                 ratios.append(st.prediction.step_time_s / st.prediction.lower_bound_s)

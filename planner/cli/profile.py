@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from zeppelin.schemas.common import InputError
+from zeppelin.schemas.common import InputError, check_int
 
 
 def profile(
@@ -32,6 +32,8 @@ def profile(
 
     from zeppelin.planner.core.inputs import check_path_writable, input_refs
 
+    check_int("--nproc", nproc, 1, 1024)
+    check_int("--nodes", nodes, 1, 4096)
     resolve_model(model)  # fail early on a bad name
     check_path_writable(output, input_refs(model))
     check_path_writable(Path(str(output) + ".raw.json"), input_refs(model))

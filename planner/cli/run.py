@@ -16,13 +16,12 @@ the median / worst relative error of the predicted step time (:mod:`zeppelin.pla
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import typer
 
-from zeppelin.schemas.common import InputError
+from zeppelin.schemas.common import MAX_TIMEOUT_S, InputError, check_float, check_int, check_training_options
 
 
 def run(
@@ -42,6 +41,10 @@ def run(
     checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir"),
     resume: bool = typer.Option(False, "--resume", help="continue from the latest checkpoint in --checkpoint-dir"),
     timeout: float = typer.Option(300.0, "--timeout", help="collective / P2P timeout per operation, seconds"),
+    verify_timeout: float | None = typer.Option(
+        None, "--verify-timeout",
+        help="with --verify: how long the ranks wait for rank 0's single-process verdict on a step, seconds "
+             "(default: max(600, 4 x --timeout))"),
     progress: str = typer.Option("auto", "--progress", help="auto | rich | plain | none"),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
     threads: int | None = typer.Option(None, "--threads", help="torch threads per rank (default: cores / ranks)"),
@@ -76,9 +79,23 @@ def run(
     """Execute a plan with torch (launched through torchrun): train, report metrics, verify."""
     from zeppelin.planner.sim.report import count_lines
     from zeppelin.runtime.launch import torchrun_argv  # torch-free module top
-    from zeppelin.schemas.plan import PlanReader
+    from zeppelin.runtime.lifecycle import run_owned
+    from zeppelin.schemas.plan import PlanReader, check_embedded_specs
 
-    header = PlanReader(plan).header
+    check_training_options(lr=lr, weight_decay=weight_decay, seed=seed, timeout=timeout, verify_tol=verify_tol,
+                           checkpoint_every=checkpoint_every, threads=threads)
+    check_float("--verify-timeout", verify_timeout, 0.0, MAX_TIMEOUT_S, lo_open=True)
+    check_int("--nproc-per-node", nproc_per_node, 1, 1024)
+    check_int("--nnodes", nnodes, 1, 4096)
+    check_int("--master-port", master_port, 1, 65535)
+    if node_rank is not None:
+        check_int("--node-rank", node_rank, 0, (nnodes or 1) - 1)
+    reader = PlanReader(plan)
+    header = reader.header
+    reader.verify()  # every record against the plan's digest, before any process starts
+    check_embedded_specs(reader)
+    if model is not None:
+        _check_model(model, header)
     cl = header.cluster
     if progress not in ("auto", "rich", "plain", "none"):
         raise InputError(f"--progress must be auto, rich, plain or none (got {progress!r})")
@@ -130,8 +147,8 @@ def run(
     opts = {"--model": model, "--data": data, "--steps": steps, "--lr": lr, "--weight-decay": weight_decay,
             "--seed": seed, "--metrics": metrics, "--verify-tol": verify_tol,
             "--checkpoint-every": checkpoint_every or None, "--checkpoint-dir": checkpoint_dir,
-            "--timeout": timeout, "--progress": progress, "--device": device, "--threads": threads,
-            "--tp-overlap": tp_overlap, "--dp": dp, "--zero-stage": zero_stage, "--hsdp": hsdp,
+            "--timeout": timeout, "--verify-timeout": verify_timeout, "--progress": progress, "--device": device,
+            "--threads": threads, "--tp-overlap": tp_overlap, "--dp": dp, "--zero-stage": zero_stage, "--hsdp": hsdp,
             "--dtype": dtype, "--recompute": recompute, "--export": export}
     for k, v in opts.items():
         if v is not None:
@@ -149,20 +166,34 @@ def run(
     if threads is None and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc_per_node))
     cmd = [sys.executable, "-m", "zeppelin.runtime.launch", *trargs, "-m", "zeppelin.runtime", *worker]
-    try:
-        rc = subprocess.call(cmd, env=env)
-    except KeyboardInterrupt:
-        rc = 130
+    # the launcher leads a process group this command owns: signals here stop every rank, and no
+    # process of the job outlives the command (zeppelin.runtime.lifecycle)
+    rc = run_owned(cmd, env, grace_s=min(timeout, 10.0) + 2.0)
     if rc == 0 and report:
         _report(plan, metrics_path, skip, tp_overlap, report_json)
     raise SystemExit(rc)
 
 
+def _check_model(ref: str, header) -> None:
+    """``--model`` must be the model embedded in the plan, field by field."""
+    from zeppelin.schemas.model import resolve_model_ref
+
+    given = resolve_model_ref(ref).model_dump()
+    planned = header.model.model_dump()
+    for key in sorted(planned, key=lambda k: k == "name"):  # the architecture first, the name last
+        if given.get(key) != planned[key]:
+            raise InputError(f"--model {ref} does not match the plan: {key} is {given.get(key)!r} here, "
+                             f"{planned[key]!r} in the plan's model {header.model.name!r}")
+
+
 def _check_outputs(plan: Path, model: str | None, data: str | None, metrics: Path, report_json: Path | None) -> None:
     """The metrics and report files may not be (the same file as) an input, a device or a FIFO."""
     from zeppelin.planner.core.inputs import check_path_writable, input_refs
+    from zeppelin.schemas.common import check_input_file
 
     inputs = [plan, data, *input_refs(model)]
+    if data is not None and os.path.lexists(data) and not os.path.isdir(data):
+        check_input_file(data, "manifest")  # a device or FIFO is refused here, before any rank reads it
     check_path_writable(metrics, inputs)
     if report_json is not None:
         check_path_writable(report_json, inputs + [metrics])

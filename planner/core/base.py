@@ -43,4 +43,9 @@ def get_planner(name: str, **options: Any) -> Planner:
 
     if name not in PLANNERS:
         raise InputError(f"unknown planner {name!r} (known: {', '.join(sorted(PLANNERS))})")
-    return PLANNERS[name](**options)
+    try:
+        return PLANNERS[name](**options)
+    except InputError:
+        raise
+    except (ValueError, TypeError, OverflowError) as e:  # an option of the wrong type or out of range
+        raise InputError(f"planner {name!r}: bad option ({e})") from None

@@ -117,7 +117,20 @@ def plan_steps(ctx: PlanContext, planner: Planner, step_sequences: Iterable[list
         with ProcessPoolExecutor(max_workers=min(workers, os.cpu_count() or workers),
                                  mp_context=mp.get_context(method), initializer=_init_worker,
                                  initargs=(ctx, planner)) as ex:
-            for plan in ex.map(_plan_one, items, chunksize=1):
+            # at most 2 x workers steps in flight (Executor.map would submit every step at once and
+            # hold all their sequences and plans): plan files stream with bounded memory
+            from collections import deque
+
+            window = deque()
+            for item in items:
+                window.append(ex.submit(_plan_one, item))
+                if len(window) >= 2 * workers:
+                    plan = window.popleft().result()
+                    if bar:
+                        bar[0].advance(bar[1])
+                    yield plan
+            while window:
+                plan = window.popleft().result()
                 if bar:
                     bar[0].advance(bar[1])
                 yield plan

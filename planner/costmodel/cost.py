@@ -338,8 +338,16 @@ class CostModel:
         return 3.0 * (lk.alpha_s * (G - 1) + b / (lk.bandwidth_GBps * 1e9))
 
     def remap_time(self, max_tokens_moved_per_unit, cls: str = "intra") -> np.ndarray:
-        """Per-layer fwd+bwd: two all-to-alls of hidden activations forward, two backward."""
-        return 4.0 * self.p2p_time(self.hidden_bytes(max_tokens_moved_per_unit), cls)
+        """Per-layer fwd+bwd: two all-to-alls of hidden activations forward, two backward (a
+        ``remap_payload: qkv`` model moves Q, K and V to the attention layout and the attention
+        output back, and the same widths in backward)."""
+        to_attn, to_lin = self.model.remap_widths()
+        if to_attn == to_lin == self.model.hidden:
+            return 4.0 * self.p2p_time(self.hidden_bytes(max_tokens_moved_per_unit), cls)
+        tok = _arr(max_tokens_moved_per_unit)
+        a = self.p2p_time(tok * to_attn * self.act_bytes / self.tp, cls)
+        b = self.p2p_time(tok * to_lin * self.act_bytes / self.tp, cls)
+        return 2.0 * (a + b)
 
     def grad_allreduce_time(self, num_units: int | None = None) -> float:
         """Gradient all-reduce across the ``n`` data-parallel units, as NCCL does it on a cluster:

@@ -55,8 +55,6 @@ __all__ = [
     "SimResult",
     "Simulator",
     "context_from_header",
-    "render_step_table",
-    "render_summary_table",
     "simulate_plan",
     "summary",
 ]
@@ -751,7 +749,9 @@ class _Layer:
         self.linear_tokens = lin_tok
         moves = self._remap_moves() if mb.linear_layout is not None else {}
         in_deps: dict[int, list[int]] = defaultdict(list)
-        hidden_dev = self.sim.ctx.model.hidden * self.sim.ctx.model.dtype_bytes
+        # values per token moved: to the attention layout / back to the linear layout (ModelSpec.remap_payload)
+        to_attn_w, to_lin_w = self.sim.ctx.model.remap_widths()
+        hidden_dev = to_lin_w * self.sim.ctx.model.dtype_bytes
         for (a, b), tokens in moves.items():
             nb = 2.0 * tokens * hidden_dev / self.reps[a].tp  # activations fwd + their gradients bwd
             f = self.transfer(a, b, nb, [attn_done[a], attn_done[b]], "remap")
@@ -767,7 +767,7 @@ class _Layer:
                 if tp_exp > 0:
                     lin_task[u] = eng.compute(u, tp_exp, (10**9, 1), [lin_task[u]], cat="tp-comm")
         for (a, b), tokens in moves.items():
-            nb = 2.0 * tokens * hidden_dev / self.reps[b].tp
+            nb = 2.0 * tokens * to_attn_w * self.sim.ctx.model.dtype_bytes / self.reps[b].tp
             self.transfer(b, a, nb, [lin_task[a], lin_task[b]], "remap")
         self.lin_task = lin_task
 
@@ -1015,44 +1015,3 @@ def summary(results: list[SimResult]) -> dict[str, float]:
         "mean_exposed_comm_s": float(np.mean([r.exposed_comm_s for r in results])) if results else 0.0,
         "max_nic_busy_frac": float(max((r.max_nic_busy_frac for r in results), default=0.0)),
     }
-
-
-def _ms(x: float) -> str:
-    return f"{x * 1e3:.2f}"
-
-
-def render_summary_table(header: PlanHeader, results: list[SimResult]):
-    from rich.table import Table
-
-    t = Table(title=f"simulated steps: planner {header.planner}, {header.cluster.name} "
-                    f"({header.world_size} GPUs, tp={header.tp}), {header.model.name}")
-    t.caption = "busy / exposed / idle: mean over units; NIC busy: the busiest NIC"
-    for col in ("step", "sim ms", "pred ms", "LB ms", "xLB", "busy %", "exposed ms", "idle ms", "NIC busy %"):
-        t.add_column(col, justify="right")
-    for r in results:
-        busy = np.mean([u.busy_s for u in r.units]) / r.step_time_s * 100 if r.step_time_s else 0.0
-        t.add_row(
-            str(r.step), _ms(r.step_time_s), _ms(r.predicted_s) if r.predicted_s is not None else "-",
-            _ms(r.lower_bound_s), f"{r.step_time_s / r.lower_bound_s:.2f}" if r.lower_bound_s else "-",
-            f"{busy:.1f}", _ms(r.exposed_comm_s), _ms(float(np.mean([u.idle_s for u in r.units]))),
-            f"{r.max_nic_busy_frac * 100:.1f}",
-        )
-    return t
-
-
-def render_step_table(r: SimResult):
-    from rich.table import Table
-
-    t = Table(title=f"step {r.step}: {_ms(r.step_time_s)} ms simulated "
-                    f"(compute until {_ms(r.compute_end_s)} ms, gradient all-reduce {_ms(r.allreduce_s)} ms)")
-    for col in ("unit", "tokens", "attn ms", "linear ms", "busy ms", "exposed ms", "idle ms", "busy %"):
-        t.add_column(col, justify="right")
-    for u, s in enumerate(r.units):
-        t.add_row(str(u), str(s.tokens), _ms(s.attention_s), _ms(s.linear_s), _ms(s.busy_s), _ms(s.exposed_comm_s),
-                  _ms(s.idle_s), f"{s.busy_s / r.step_time_s * 100:.1f}" if r.step_time_s else "-")
-    nt = Table(title=f"step {r.step}: NICs")
-    for col in ("NIC", "GB moved", "busy ms", "busy %", "bandwidth use %"):
-        nt.add_column(col, justify="right")
-    for k, v in r.nics.items():
-        nt.add_row(k, f"{v.bytes / 1e9:.3f}", _ms(v.busy_s), f"{v.busy_frac * 100:.1f}", f"{v.util * 100:.1f}")
-    return t, nt

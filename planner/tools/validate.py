@@ -25,7 +25,7 @@ from typing import Any
 from zeppelin.planner.core.base import PlanContext
 from zeppelin.schemas.common import InputError, content_hash
 from zeppelin.schemas.layout import zigzag_ranges
-from zeppelin.schemas.plan import MicroBatch, PlanHeader, PlanReader, StepPlan, structural_problems
+from zeppelin.schemas.plan import MicroBatch, PlanHeader, PlanReader, StepPlan, sample_problems, structural_problems
 
 
 def header_context(header: PlanHeader) -> PlanContext:
@@ -167,6 +167,8 @@ def validate_plan(path: str | os.PathLike, cluster=None, model=None, profile=Non
     try:
         for step in reader:
             probs += step_problems(ctx, header, step, limit=limit)
+            if manifest is not None:
+                probs += [f"inputs: {p}" for p in sample_problems(step, manifest.lengths)]
             if len(probs) >= limit:
                 break
     except InputError as e:

@@ -326,22 +326,29 @@ def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
 
     def build():
         b = StepBuilder(ctx, sequences, "zeppelin")
-        held: list[np.ndarray] = []
+        held: list[list[int]] = []
         # micro-batches: first fit, every ring before any local sequence (widest first), so that
         # rings sit in the earliest micro-batches, whose start their units reach together
-        for i in sorted(order, key=lambda i: (-int(sizes[i]), -work[i], i)):
+        order_o = np.array(order, dtype=np.int64)
+        for i in order_o[np.lexsort((order_o, -work[order_o], -sizes[order_o]))].tolist():
             units, per = where[i]
             k = 0
             while True:
                 if k == len(held):
-                    held.append(np.zeros(n, dtype=np.int64))
-                if (held[k][units] + per <= cap).all():
+                    held.append([0] * n)
+                hk = held[k]
+                if all(hk[u] + per <= cap for u in units):
                     break
                 k += 1
-            b.place(k, "ring" if len(units) > 1 else "local", units, int(i))
-            held[k][units] += per
-        plan = b.finish(step, SolverInfo(name="greedy"), notes={"family": "flop-share"})
-        if routing and any(g.tier == "inter" for mb in plan.microbatches for g in mb.groups):
+            b.place(k, "ring" if len(units) > 1 else "local", units, i)
+            for u in units:
+                hk[u] += per
+        route = routing and any(len(w[0]) > 1 and ctx.cost.node_of_unit(w[0][0]) != ctx.cost.node_of_unit(w[0][-1])
+                                for w in where)
+        # (with inter-node rings the prediction waits for their routes)
+        plan = b.finish(step, SolverInfo(name="greedy"), notes={"family": "flop-share"},
+                        predict=(lambda c, p: None) if route else None)
+        if route:
             # inter-node rings: their boundary hops routed over every NIC (routing.py), as in
             # the tiered plans
             for mb in plan.microbatches:
@@ -361,9 +368,7 @@ def _tp_comm(ctx: PlanContext, cm, tokens: np.ndarray) -> np.ndarray:
 
 def tp_replicas(ctx: PlanContext, step: int, sequences: list[Sequence], top: int = 2):
     cl = ctx.cluster
-    heads = ctx.model.num_heads
-    degrees = [d for d in _pow2_upto(cl.gpus_per_node) if d >= ctx.tp and d % ctx.tp == 0
-               and cl.gpus_per_node % d == 0 and heads % d == 0]
+    degrees = _replica_degrees(ctx)
     if len(degrees) < 2:
         return []
     world = cl.world_size
@@ -457,6 +462,23 @@ def tp_replicas(ctx: PlanContext, step: int, sequences: list[Sequence], top: int
 
     return [(span, a, (lambda keys=keys, cfg=cfg, owner=owner: build(keys, cfg, owner)))
             for span, a, keys, cfg, owner in scored[:top]]
+
+
+def _replica_degrees(ctx: PlanContext) -> list[int]:
+    cl = ctx.cluster
+    return [d for d in _pow2_upto(cl.gpus_per_node) if d >= ctx.tp and d % ctx.tp == 0
+            and cl.gpus_per_node % d == 0 and ctx.model.num_heads % d == 0]
+
+
+def replicas_hold(ctx: PlanContext, length: int) -> bool:
+    """Whether replicas of the largest TP degree, context-parallel over as many of them as the
+    cluster has, hold a sequence of ``length`` tokens (what :func:`tp_replicas` can plan)."""
+    degrees = _replica_degrees(ctx)
+    if len(degrees) < 2:
+        return False
+    D = degrees[-1]
+    cap = ctx.cost_for(D).token_capacity
+    return any(_zigzag_share(np.array([length]), g)[0] <= cap for g in _pow2_upto(ctx.cluster.world_size // D))
 
 
 def family_plans(ctx: PlanContext, step: int, sequences: list[Sequence], families=FAMILIES,

@@ -26,7 +26,11 @@ Per training step:
    family scores its configurations by its own per-group time; the best (those that can beat the
    tiered plan) are built and priced by the same prediction, and the fastest candidate of all wins
    (ties: the tiered plan). On clusters of at most ``simulate_max_units`` units the simulator
-   judges instead. Option ``families`` (``all``, ``none`` or a comma list).
+   judges instead. Option ``families`` (``all``, ``none`` or a comma list). Beyond
+   ``families_max_units`` (256) units only ``large_families`` (FLOP-share) are built, and beyond
+   ``attention_max_units`` (256) the attention-balanced remap layout is not a candidate (latency).
+   A step with a sequence longer than the context's units hold together runs on replicas of a
+   larger TP degree when they hold it.
 
 Registered variants: ``zeppelin`` (everything), ``zeppelin-no-routing``, ``zeppelin-no-remap``,
 ``zeppelin-tiers-only`` (neither routing nor remapping) - the paper's ablation.
@@ -180,21 +184,25 @@ class ZeppelinPlanner(Planner):
         if self.intra not in ("auto", "ring"):
             raise PlanningError(f"intra option must be auto or ring (got {self.intra!r})")
         # the whole-step candidate families of families.py (comma list, or "none"), tried on clusters
-        # of at most ``families_max_units`` units (beyond, for planning latency, the tiered search only)
+        # of at most ``families_max_units`` units; beyond, for planning latency, ``large_families``
         fam = str(options.get("families", "all"))
         self.families = _fam_list(fam)
         self.families_max_units = int(options.get("families_max_units", 256))
         self.family_margin = float(options.get("family_margin", 0.05))
+        self.large_families = _fam_list(str(options.get("large_families", "flop-share")))
+        self.attention_max_units = int(options.get("attention_max_units", 256))
         self._sims: dict[int, object] = {}
         self._tiering: dict[int, Tiering] = {}
         self._tables: dict = {}
 
     # ------------------------------------------------------------------ helpers
-    def _family_plans(self, ctx: PlanContext, step: int, sequences: list[Sequence], bound=None) -> list[StepPlan]:
+    def _family_plans(self, ctx: PlanContext, step: int, sequences: list[Sequence], bound=None,
+                      only=None) -> list[StepPlan]:
         families = _optional("families")
         if families is None or not self.families:
             return []
-        fams = [f for f in self.families if not (f == "ulysses-groups" and self.intra == "ring")]  # rings only
+        fams = [f for f in self.families if not (f == "ulysses-groups" and self.intra == "ring")  # rings only
+                and (only is None or f in only)]
         return families.family_plans(ctx, step, sequences, fams, bound, routing=self.routing)
 
     def tiering(self, ctx: PlanContext) -> Tiering:
@@ -236,10 +244,34 @@ class ZeppelinPlanner(Planner):
                 f"(try --zero-stage 3 or --tp)")
         for i, s in enumerate(sequences):
             if tg.min_span(s.length) is None:
+                if self._replicas_hold(ctx, sequences):
+                    return  # replicas of a larger TP degree hold it (families.tp_replicas plans the step)
                 raise PlanningError(
                     f"sequence {i} (sample {s.sample_id}) has {s.length:,} tokens, more than the whole cluster "
                     f"can hold ({tg.n} units x {tg.cap:,} tokens = {tg.n * tg.cap:,}); lower --max-seq-len "
                     f"or use more GPUs / --zero-stage 3")
+
+    def _replicas_hold(self, ctx: PlanContext, sequences: list[Sequence]) -> bool:
+        """Whether the tp-replicas family (on) can hold every sequence of the step."""
+        families = _optional("families")
+        if families is None or "tp-replicas" not in self.families or ctx.num_units > self.families_max_units:
+            return False
+        return families.replicas_hold(ctx, max(s.length for s in sequences))
+
+    def _oversize_step(self, ctx: PlanContext, step: int, sequences: list[Sequence], t0: float) -> StepPlan:
+        """A step with a sequence longer than the context's units can hold together, planned on
+        replicas of a larger tensor-parallel degree (whose model states take less of each GPU)."""
+        plans = self._family_plans(ctx, step, sequences, None, only=("tp-replicas",))
+        if not plans:
+            raise PlanningError(f"step {step}: no replica layout of a larger tensor-parallel degree holds its "
+                                f"longest sequence ({max(s.length for s in sequences):,} tokens)")
+        if self.select == "simulate" or (self.select == "auto" and ctx.num_units <= self.simulate_max_units):
+            sim = self._simulator(ctx)
+            plan = min(enumerate(plans), key=lambda ap: (sim.simulate_step(ap[1]).step_time_s, ap[0]))[1]
+        else:
+            plan = min(enumerate(plans), key=lambda ap: (ap[1].prediction.step_time_s, ap[0]))[1]
+        plan.solver = SolverInfo(name="greedy", status="ok", gap=None, time_s=time.perf_counter() - t0)
+        return plan
 
     # ------------------------------------------------------------------ main entry
     def plan_step(self, ctx: PlanContext, step: int, sequences: list[Sequence]) -> StepPlan:
@@ -250,6 +282,9 @@ class ZeppelinPlanner(Planner):
         try:
             return self._plan_step(ctx, step, sequences)
         finally:
+            # span tables serve one step's candidate layouts (tens of MB each at 4,096 GPUs): none
+            # outlives its step, so a long plan file streams with one step's memory
+            self._tables.clear()
             if gc_was_on:
                 gc.enable()
 
@@ -261,6 +296,8 @@ class ZeppelinPlanner(Planner):
             raise PlanningError(f"step {step} has no sequences")
         self.check_feasible(ctx, sequences)
         tg = self.tiering(ctx)
+        if any(tg.min_span(s.length) is None for s in sequences):
+            return self._oversize_step(ctx, step, sequences, t0)
         lengths = np.array([s.length for s in sequences], dtype=np.int64)
         n = ctx.num_units
         budget = n * tg.cap
@@ -326,12 +363,15 @@ class ZeppelinPlanner(Planner):
             plan.prediction = predict_from_terms(ctx, lengths, [b[2] for b in built])
             plans.append((plan, built))
         # the other whole-step families (families.py), priced the same way; ties keep the tiered plan
-        fams = []
         if n <= self.families_max_units:
             # a family configuration whose own score is this far above the best tiered candidate
             # (without the all-reduce) is not built: it would not win
             bound = min(t for _, t in found) * (1 + self.family_margin)
             fams = self._family_plans(ctx, step, sequences, bound)
+        else:
+            # large clusters: the cheap families only, always built (FLOP-share's own score is coarse
+            # where rings span many nodes, so it does not prune)
+            fams = self._family_plans(ctx, step, sequences, None, only=self.large_families)
         if len(plans) + len(fams) > 1 and simulate:
             sim = self._simulator(ctx)
             scored = [(sim.simulate_step(pb[0]).step_time_s, a, pb) for a, pb in enumerate(plans + [(f, None) for f in fams])]
@@ -443,7 +483,10 @@ class ZeppelinPlanner(Planner):
 
     def _modes(self, ctx: PlanContext) -> list[tuple[list, list[str]]]:
         """(span floors, balance objectives) of each whole-step search (see :meth:`_plan_step`)."""
-        balances = ["total"] + (["attention"] if self.remap and _optional("remap") is not None else [])
+        # (the attention-balanced layout with a remap is a candidate up to ``attention_max_units``
+        # units: beyond, for planning latency, the FLOP-share family takes its place)
+        balances = ["total"] + (["attention"] if self.remap and _optional("remap") is not None
+                                and ctx.num_units <= self.attention_max_units else [])
         if ctx.units_per_node <= 1:
             return [([None], balances)]
         node_cp = ctx.units_per_node - 1  # index of Span(units_per_node, "intra")
