@@ -39,7 +39,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Annotated, Any, Iterator, Literal
 
 from pydantic import Field, ValidationError, model_serializer, model_validator
 
@@ -201,23 +201,26 @@ class MicroBatch(Strict):
         return [list(s) for s in self.linear_layout[unit]]
 
 
+Seconds = Annotated[float, Field(ge=-1e9, le=1e9)]  # a predicted time: finite, at most ~30 years
+
+
 class RankLoads(Strict):
     """Per-unit predictions (struct of arrays, index = unit)."""
 
-    attention_s: list[float]
-    linear_s: list[float]
-    comm_s: list[float]
-    exposed_comm_s: list[float]
-    total_s: list[float]
-    tokens: list[int]
-    memory_gb: list[float]
+    attention_s: list[Seconds]
+    linear_s: list[Seconds]
+    comm_s: list[Seconds]
+    exposed_comm_s: list[Seconds]
+    total_s: list[Seconds]
+    tokens: list[Annotated[int, Field(ge=0, le=MAX_LENGTH)]]
+    memory_gb: list[Annotated[float, Field(ge=-1e9, le=1e9)]]
 
 
 class Prediction(Strict):
-    step_time_s: float = Field(ge=0)
-    lower_bound_s: float = Field(ge=0, description="max(work_bound, longest_bound)")
-    work_bound_s: float = Field(ge=0, description="total work / number of GPUs")
-    longest_bound_s: float = Field(ge=0, description="best possible time of the longest sequence")
+    step_time_s: float = Field(ge=0, le=1e9)
+    lower_bound_s: float = Field(ge=0, le=1e9, description="max(work_bound, longest_bound)")
+    work_bound_s: float = Field(ge=0, le=1e9, description="total work / number of GPUs")
+    longest_bound_s: float = Field(ge=0, le=1e9, description="best possible time of the longest sequence")
     per_unit: RankLoads
     nic_bytes: dict[str, float] = Field(default_factory=dict, description="bytes per NIC per step, with routing")
     nic_bytes_unrouted: dict[str, float] = Field(default_factory=dict, description="same, without routing")
