@@ -300,12 +300,23 @@ class PlanHeader(Doc):
     tp: int = Field(default=1, ge=1, description="default tensor-parallel degree of a unit")
     tp_overlap: Literal["none", "slicing", "commfuse"] = "none"
     zero_stage: int = Field(default=1, ge=0, le=3)
+    recompute: Literal["none", "selective", "full"] = Field(
+        default="none", description="activation recomputation the memory model assumed (zeppelin run must match)")
     cluster: ClusterSpec
     model: ModelSpec
     profile: CostProfile
     hashes: InputHashes
     manifest: ManifestRef = ManifestRef()
     sampler: SamplerConfig = SamplerConfig()
+
+    @model_serializer(mode="wrap")
+    def _omit_default_recompute(self, handler):
+        # added after plans were first written: left out while "none", so plans (and their bytes
+        # and digests) without recomputation are unchanged
+        d = handler(self)
+        if isinstance(d, dict) and d.get("recompute", None) == "none":
+            d.pop("recompute")
+        return d
 
     @model_validator(mode="after")
     def _check(self) -> "PlanHeader":

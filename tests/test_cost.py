@@ -130,6 +130,13 @@ def test_memory_by_zero_stage():
     bf = model_preset("llama-7b")
     c = CostModel(cluster_preset("zeppelin-a"), bf, zero_stage=0)
     np.testing.assert_allclose(c.model_state_bytes(), 16 * bf.num_params())
+    # recomputation lowers the activation bytes per token: none > selective > full
+    acts = [CostModel(round_cluster(), m, ideal_profile(), recompute=r).activation_bytes_per_token
+            for r in ("none", "selective", "full")]
+    assert acts[0] > acts[1] > acts[2]
+    bf = model_preset("llama-7b")
+    c = CostModel(cluster_preset("zeppelin-a"), bf, zero_stage=0)
+    np.testing.assert_allclose(c.model_state_bytes(), 16 * bf.num_params())
 
 
 def test_activation_memory_and_capacity():

@@ -125,3 +125,15 @@ def test_check_exact_fails_on_any_byte_difference(tmp_path, monkeypatch):
     assert run_check(tmp_path, exact=True).failures == [
         "c: the new plan is not byte-identical to the golden (steps 1 differ); plans are deterministic, so the "
         "planner changed: review and run `zeppelin check --update`"]
+
+
+def test_solver_prints_nothing_on_stdout(tmp_path, zeppelin_bin):
+    """HiGHS' banner (printed when a process builds its first solver) never reaches stdout: `-q` plans
+    print nothing and `--json` output stays JSON."""
+    out = subprocess.run([zeppelin_bin, "plan", *SETTING, "--steps", "1", "--ilp", "always", "-q", "-o",
+                          str(tmp_path / "p.plan")], capture_output=True, text=True, check=False)
+    assert out.returncode == 0 and out.stdout == "", out.stdout + out.stderr
+    out = subprocess.run([zeppelin_bin, "compare", "-c", "local-cpu:2x2", "-m", "tiny", "-n", "1", "-j", "1",
+                          "--tokens-per-gpu", "4096", "--planners", "flexsp,zeppelin", "--json"],
+                         capture_output=True, text=True, check=False)
+    assert out.returncode == 0 and [p["planner"] for p in json.loads(out.stdout)["planners"]] == ["flexsp", "zeppelin"]

@@ -196,8 +196,10 @@ def _hf_step(rank: int, world: int, header_json: str, step_json: str, ref: str):
     ex = Executor(header, model, TokenSource(header.model.vocab_size, header.seed), rank=rank, world_size=world,
                   device=torch.device("cpu"), groups=cache)
     res = ex.forward_backward(step)
-    return {"loss": res.loss, "bytes": res.bytes,
-            "grads": {n: p.grad.clone() for n, p in model.named_parameters()} if rank == 0 else None}
+    from zeppelin.runtime.fsdp import full_params_and_grads
+
+    grads = full_params_and_grads(model)[1]  # whole gradients, gathered from the FSDP shards
+    return {"loss": res.loss, "bytes": res.bytes, "grads": grads if rank == 0 else None}
 
 
 def transformers_reference(d: Path, header: PlanHeader, step: StepPlan, dtype: torch.dtype):

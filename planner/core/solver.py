@@ -64,6 +64,33 @@ class MilpResult:
         return self.status == WALL_CLOCK
 
 
+_BANNER_SHOWN = False
+
+
+def quiet_highs() -> None:
+    """HiGHS prints a copyright banner on stdout when the first ``Highs`` object of a process is
+    built, before any option can silence it (it broke ``--json`` output): build that first one with
+    the stdout file descriptor pointed at /dev/null."""
+    global _BANNER_SHOWN
+    if _BANNER_SHOWN:
+        return
+    import os
+    import sys
+
+    import highspy
+
+    _BANNER_SHOWN = True
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 1)
+            highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def configure_highs(h, limits: SolveLimits) -> None:
     """Quiet, one thread, fixed seed, the work limits and (only when set) the wall-clock net."""
     h.setOptionValue("output_flag", False)
@@ -112,6 +139,11 @@ def solve_pulp(prob, limits: SolveLimits, start: dict | None = None, solver: str
 
     names = [solver] + (["cbc"] if solver == "highs" else [])
     errors = []
+    if solver == "highs":
+        try:
+            quiet_highs()
+        except ImportError:  # pragma: no cover - highspy is a dependency
+            pass
     for name in names:
         t0 = time.perf_counter()
         try:

@@ -28,6 +28,7 @@ ArrayLike = "np.ndarray | float | int"
 
 # bytes per parameter for mixed-precision AdamW: bf16 weights (2) + bf16 grads (2) +
 # fp32 master weights (4) + two fp32 Adam moments (8). fp32 training: 4 + 4 + 8.
+
 _STATE_BYTES = {"bf16": (2, 2, 12), "fp16": (2, 2, 12), "fp32": (4, 4, 8)}
 
 
@@ -64,6 +65,7 @@ class CostModel:
     tp: int = 1
     zero_stage: int = 1
     tp_overlap: str = "none"
+    recompute: str = "none"
 
     def __post_init__(self):
         if self.profile is None:
@@ -423,14 +425,34 @@ class CostModel:
         return self.TP_SITES * per_site
 
     # ---------------------------------------------------------------- memory
+    # fraction of a layer's activations kept when the MLP is recomputed (selective): of the
+    # 34 h bytes per token of a bf16 layer, the MLP's 19 h go and its 2 h input is kept
+    SELECTIVE_KEEP = 17.0 / 34.0
+
     @cached_property
     def activation_bytes_per_token(self) -> float:
-        """Activation memory per token held, all layers (flash attention: no L^2 term)."""
+        """Activation memory per token held, all layers (flash attention: no L^2 term), for the
+        runtime's recomputation setting: ``none`` keeps every layer's activations; ``selective``
+        (each block's MLP recomputed) keeps :attr:`SELECTIVE_KEEP` of them plus, during the
+        backward, one MLP's recomputed activations; ``full`` keeps each block's input and, during
+        the backward, one layer's recomputed activations."""
         m = self.model
         per_layer = self.profile.activation_bytes_per_token_layer or 34.0 * m.hidden * m.dtype_bytes / 2.0
-        return per_layer * m.num_layers / self.tp + m.vocab_size * 4.0 / self.tp
+        logits = m.vocab_size * 4.0 / self.tp
+        if self.recompute == "none":
+            return per_layer * m.num_layers / self.tp + logits
+        if self.recompute == "selective":  # kept part of every layer + one MLP being recomputed
+            keep = self.SELECTIVE_KEEP
+            return per_layer * (keep * m.num_layers + (1.0 - keep)) / self.tp + logits
+        if self.recompute == "full":
+            return (m.hidden * m.dtype_bytes * m.num_layers + per_layer) / self.tp + logits
+        raise ValueError(f"unknown recompute mode {self.recompute!r} (none, selective, full)")
 
     def model_state_bytes(self, dp: int | None = None) -> float:
+        """Parameter, gradient and optimizer bytes per GPU by ZeRO stage (``P`` parameters of
+        this GPU's TP share, ``N``-way data parallel; bf16: 2-byte weights and gradients, 12 bytes
+        of fp32 master weights and Adam moments; fp32: 4, 4, 8). How this compares with what the
+        runtime's FSDP2 holds at each stage: docs/RUNTIME.md ("ZeRO stages")."""
         dp = dp or self.num_units
         P = self.model.num_params() / self.tp
         w, g, o = _STATE_BYTES[self.model.dtype]
