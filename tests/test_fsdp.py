@@ -242,3 +242,27 @@ def test_run_refuses_a_plan_made_for_another_recompute(tmp_path):
                             "re-plan with `zeppelin plan --recompute none` or pass --recompute-override")
     startup_checks(RunConfig(plan=str(path), recompute="none", recompute_override=True), WORLD)
     startup_checks(RunConfig(plan=str(path)), WORLD)
+
+
+def test_metrics_memory_record_and_report():
+    """Each rank's measured memory sits beside the plan's prediction for its unit; a step over the
+    GPU's memory is listed, and the report summarises measured vs predicted."""
+    from zeppelin.planner.sim.report import memory_row, memory_summary
+    from zeppelin.runtime.executor import _memory_record
+
+    header, steps = _plan("zeppelin")
+    step = steps[0]
+    cap = header.cluster.gpu.memory_gb * 1e9
+    mems = [{"measured": 1000 + r, "params": 10, "grads": 20, "optimizer": 30, "activations": 400,
+             "activation_tokens": 100, "process_peak": 5000} for r in range(WORLD)]
+    mems[2]["measured"] = int(cap) + 1
+    per_rank = [({}, {}, 100, m) for m in mems]
+    rec = _memory_record(step, per_rank, header)
+    gb = step.prediction.per_unit.memory_gb
+    assert rec["predicted_bytes"] == [int(gb[r] * 1e9) for r in range(WORLD)]  # one rank per unit here
+    assert rec["exceeds_capacity"] == [2]
+    assert rec["activation_bytes_per_token"] == [4.0] * WORLD
+    row = memory_row({"memory": rec})
+    assert row["rank"] == 2 and row["measured_bytes"] == int(cap) + 1
+    summ = memory_summary([row, None])
+    assert summ["steps_exceeding_capacity"] == [0] and summ["peak_measured_bytes"] == int(cap) + 1

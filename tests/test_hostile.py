@@ -670,6 +670,10 @@ INPUT_CASES = [
     ("run-data-dev-zero", ["run", "p.jsonl", "--data", "zero.jsonl"],
      "zero.jsonl: manifest is a character device, not a regular file"),
     ("run-model-fifo", ["run", "p.jsonl", "--model", "fifo.json"], "fifo.json: input is a FIFO, not a regular file"),
+    ("manifest-name-too-long", ["data", "stats", "x" * 300 + ".jsonl"],
+     f"{'x' * 300}.jsonl: cannot read manifest: File name too long"),
+    ("plan-manifest-name-too-long", ["plan", "-m", "x" * 300 + ".jsonl", "-c", "local-cpu:2", "--model", "tiny",
+                                     "-o", "o.jsonl"], f"{'x' * 300}.jsonl: cannot read manifest: File name too long"),
     ("validate-manifest-fifo", ["validate", "p.jsonl", "--manifest", "fifo.jsonl"],
      "fifo.jsonl: manifest is a FIFO, not a regular file"),
     ("check-case-fifo", ["check", "cases"], "cases/a.json: check case is a FIFO, not a regular file"),
@@ -785,6 +789,7 @@ def test_every_file_write_goes_through_the_one_writer():
         ("runtime/__main__.py", 'with open(tmp, "w") as fh:'),  # per-rank error file, launcher's directory
         ("runtime/__main__.py", "json.dump(rec, fh)"),
         ("schemas/common.py", "fd = os.open(tmp, _TEMP_FLAGS, 0o600)"),  # the writer itself
+        ("planner/core/solver.py", 'with open(os.devnull, "wb") as null:'),  # silences the solver's banner
     }
     # whole modules whose writes are not outputs: checkpoint files (written inside atomic_write or by DCP),
     # the run's lock, heartbeat and writability probe files (lifecycle), /proc/self/clear_refs (memory)

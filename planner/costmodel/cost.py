@@ -450,20 +450,37 @@ class CostModel:
 
     def model_state_bytes(self, dp: int | None = None) -> float:
         """Parameter, gradient and optimizer bytes per GPU by ZeRO stage (``P`` parameters of
-        this GPU's TP share, ``N``-way data parallel; bf16: 2-byte weights and gradients, 12 bytes
-        of fp32 master weights and Adam moments; fp32: 4, 4, 8). How this compares with what the
-        runtime's FSDP2 holds at each stage: docs/RUNTIME.md ("ZeRO stages")."""
+        this GPU's TP share, ``N``-way data parallel, ``c`` bytes of a model-dtype element), as
+        the runtime's FSDP2 holds them (docs/RUNTIME.md, "ZeRO stages"):
+
+        * ZeRO-0 (``--dp replicate``): fp32 weights, gradients and Adam moments whole: ``16 P``;
+        * ZeRO-3: fp32 master weights, gradients and moments sharded, ``16 P / N``, plus the
+          unsharded compute copies FSDP holds while it runs: the root module (embedding, head,
+          final norm; FSDP does not re-shard the root after forward), two blocks (computing and
+          prefetched) and one block's unsharded gradient;
+        * ZeRO-2: ``16 P / N`` plus the whole compute-dtype weights kept between forward and
+          backward, ``c P``;
+        * ZeRO-1: the classic split, whole weights and gradients in the model dtype and sharded
+          fp32 master weights and moments (bf16: ``4 P + 12 P / N``; fp32: ``8 P + 8 P / N``). The
+          runtime holds ZeRO-2's ``c P + 16 P / N`` for it (FSDP shards gradients as they are
+          produced), no more than this for ``N >= 2``: the default plans keep their capacity.
+        """
         dp = dp or self.num_units
-        P = self.model.num_params() / self.tp
-        w, g, o = _STATE_BYTES[self.model.dtype]
+        m = self.model
+        P = m.num_params() / self.tp
         z = self.zero_stage
         if z == 0:
-            return P * (w + g + o)
+            return 16.0 * P
         if z == 1:
+            w, g, o = _STATE_BYTES[m.dtype]
             return P * (w + g) + P * o / dp
+        c = m.dtype_bytes
+        shards = 16.0 * P / dp
         if z == 2:
-            return P * w + P * (g + o) / dp
-        return P * (w + g + o) / dp
+            return shards + c * P
+        block = m.params_per_layer() / self.tp
+        root = (m.num_params() - m.num_layers * m.params_per_layer()) / self.tp
+        return shards + c * (root + 3 * block)
 
     @cached_property
     def gpu_capacity_bytes(self) -> float:
