@@ -404,13 +404,9 @@ class Executor:
             return None
         if isinstance(self.model, LlamaModel):
             ref = LlamaModel(self.model.spec, seed=0)
-        else:  # a transformers model (zeppelin.runtime.hf): a fresh one from the same config
-            from transformers import AutoModelForCausalLM
-
-            from .hf import HFCausalLM
-
-            ref = HFCausalLM(AutoModelForCausalLM.from_config(self.model.config, dtype=torch.float32),
-                             self.model.spec)
+        else:  # a transformers model (zeppelin.runtime.hf): a fresh one from the same config, built
+            # without drawing from the global RNG (rank 0's RNG state stays what a resume restores)
+            ref = self.model.reference_copy()
         ref = ref.to(self.device)
         ref.dtype = torch.float32
         with torch.no_grad():

@@ -509,7 +509,9 @@ def reference_step(model: LlamaModel, sequences, source, device: torch.device | 
     layout = ReferenceLayout(lengths, device)
     n = normaliser if normaliser is not None else max(predicted_tokens(sequences), 1)
     params = [p for p in model.parameters()]
-    if not isinstance(model, LlamaModel):  # a transformers model (runtime.hf): its own reference forward
+    if not isinstance(model, LlamaModel):
+        # another model behind the same interface (zeppelin.runtime.hf: transformers' own attention,
+        # one whole sequence at a time, for a ReferenceLayout)
         loss_sum, h = model(tokens, labels, layout)
     else:
         x = F.embedding(tokens, model.embed).to(model.dtype)
