@@ -123,8 +123,8 @@ def test_check_exact_fails_on_any_byte_difference(tmp_path, monkeypatch):
     monkeypatch.setattr(TECPTuned, "plan_step", relabelled)
     assert run_check(tmp_path).failures == []  # the same step times: within tolerance
     assert run_check(tmp_path, exact=True).failures == [
-        "c: the new plan is not byte-identical to the golden (steps 1 differ); plans are deterministic, so the "
-        "planner changed: review and run `zeppelin check --update`"]
+        ("c: the new plan is not byte-identical to the golden (steps 1 differ); plans are deterministic, so the "
+         "planner changed: review and run `zeppelin check --update`")]
 
 
 def test_solver_prints_nothing_on_stdout(tmp_path, zeppelin_bin):

@@ -135,8 +135,6 @@ def solve_pulp(prob, limits: SolveLimits, start: dict | None = None, solver: str
     variables to a feasible assignment (a warm start): HiGHS' initial MIP solution, CBC's
     ``warmStart``. Raises ``RuntimeError`` when no solver could run.
     """
-    import pulp
-
     names = [solver] + (["cbc"] if solver == "highs" else [])
     errors = []
     if solver == "highs":
@@ -151,10 +149,7 @@ def solve_pulp(prob, limits: SolveLimits, start: dict | None = None, solver: str
                 return _solve_pulp_highs(prob, limits, start, t0)
             return _solve_pulp_cbc(prob, limits, start, t0)
         except Exception as e:  # noqa: BLE001  (solver missing or crashed: try the next one)
-            if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                raise
             errors.append(f"{name} failed ({e.__class__.__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})")
-    del pulp
     raise RuntimeError("; ".join(errors))
 
 
