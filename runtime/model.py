@@ -255,7 +255,7 @@ class ReferenceLayout(Layout):
         self.linear_positions = self.attn_positions
 
     def attention(self, q, k, v):
-        return reference_attention(q, k, v, self.seq_lengths)
+        return reference_attention(q, k, v, self.seq_lengths, tile_scores=REFERENCE_TILE_SCORES)
 
 
 class _Mark(torch.autograd.Function):
