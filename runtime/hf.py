@@ -137,8 +137,11 @@ class HFCausalLM(nn.Module):
         return F.cross_entropy(self.logits(h), labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
     def forward(self, tokens, labels, layout: Layout, timer: PhaseTimer | None = None):
+        """``(loss_sum, final hidden states)``; the hidden states are returned detached (for
+        inspection and --verify: a view of transformers' output that required grad would make
+        FSDP register its pre-backward hook on a view)."""
         h = self.hidden_states(tokens, layout, timer)
-        return self.loss_sum(h, labels), h
+        return self.loss_sum(h, labels), h.detach()
 
     def reference_copy(self, device: torch.device | str = "cpu") -> HFCausalLM:
         """A new unsharded fp32 model of the same config and spec (transformers' initialisation,

@@ -553,19 +553,24 @@ def reference_step(model: LlamaModel, sequences, source, device: torch.device | 
     layout = ReferenceLayout(lengths, device)
     n = normaliser if normaliser is not None else max(predicted_tokens(sequences), 1)
     params = [p for p in model.parameters()]
-    x = F.embedding(tokens, model.embed).to(model.dtype)
-    cos, sin = rope_tables(layout.attn_positions, model.spec.head_dim, model.spec.rope_theta)
-    for blk in model.layers:
-        x = _reference_block(blk, x, cos, sin, layout)
-    h = model.norm(x)
-    del x
-    loss_sum = None
-    for a in range(0, h.shape[0], REFERENCE_LOSS_ROWS):
-        part = checkpoint(model.loss_sum, h[a:a + REFERENCE_LOSS_ROWS], labels[a:a + REFERENCE_LOSS_ROWS],
-                          use_reentrant=False)
-        loss_sum = part if loss_sum is None else loss_sum + part
-    if loss_sum is None:
-        loss_sum = h.sum() * 0.0
+    if not isinstance(model, LlamaModel):
+        # another model behind the same interface (zeppelin.runtime.hf: transformers' own attention,
+        # one whole sequence at a time, for a ReferenceLayout)
+        loss_sum, h = model(tokens, labels, layout)
+    else:
+        x = F.embedding(tokens, model.embed).to(model.dtype)
+        cos, sin = rope_tables(layout.attn_positions, model.spec.head_dim, model.spec.rope_theta)
+        for blk in model.layers:
+            x = _reference_block(blk, x, cos, sin, layout)
+        h = model.norm(x)
+        del x
+        loss_sum = None
+        for a in range(0, h.shape[0], REFERENCE_LOSS_ROWS):
+            part = checkpoint(model.loss_sum, h[a:a + REFERENCE_LOSS_ROWS], labels[a:a + REFERENCE_LOSS_ROWS],
+                              use_reentrant=False)
+            loss_sum = part if loss_sum is None else loss_sum + part
+        if loss_sum is None:
+            loss_sum = h.sum() * 0.0
     loss = loss_sum / n
     grads = torch.autograd.grad(loss, params, allow_unused=True)
     names = [name for name, _ in model.named_parameters()]

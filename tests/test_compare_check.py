@@ -343,6 +343,11 @@ def test_results_page_findings_from_cells():
     assert lines[0].endswith("-> **holds** in this run.")
     assert "lower: A," in lines[1] and lines[1].endswith("-> **holds** in this run.")
     assert summ["flexsp_vs_ulysses"] == {"cells": 24, "flexsp_not_slower": 24, "geomean_speedup": pytest.approx(9 / 8)}
+    # zeppelin (10 / 1.2 = 8.33 s) is behind flexsp (8 s) in C's long cells only: each listed with its numbers
+    assert summ["zeppelin_fastest_or_tied_cells"] == 20
+    assert summ["zeppelin_exceptions"] == [
+        f"zeppelin-c long {g} GPUs: flexsp 8.000 s vs zeppelin 8.333 s (4.2% slower by the simulator; predicted "
+        f"8.000 vs 8.333 s)" for g in bc.GPUS]
     assert "**holds**" in lines[2]
     # te-cp loses 10 - 2 = 8 s over the bound: 6 s exposed where it spans nodes, 1 s inside a node
     assert summ["te_cp_loss_from_exposed_comm_by_gpus_when_spanning_nodes"][128] == pytest.approx(0.75)

@@ -666,6 +666,14 @@ INPUT_CASES = [
     ("show-plan-deep", ["show", "deep-plan.jsonl"], "deep-plan.jsonl: header: JSON nested deeper than 64 levels"),
     ("compare-dataset-dev-zero", ["compare", "-n", "1", "-d", "zero.jsonl"],
      "zero.jsonl: manifest is a character device, not a regular file"),
+    ("run-data-fifo", ["run", "p.jsonl", "--data", "fifo.jsonl"], "fifo.jsonl: manifest is a FIFO, not a regular file"),
+    ("run-data-dev-zero", ["run", "p.jsonl", "--data", "zero.jsonl"],
+     "zero.jsonl: manifest is a character device, not a regular file"),
+    ("run-model-fifo", ["run", "p.jsonl", "--model", "fifo.json"], "fifo.json: input is a FIFO, not a regular file"),
+    ("manifest-name-too-long", ["data", "stats", "x" * 300 + ".jsonl"],
+     f"{'x' * 300}.jsonl: cannot read manifest: File name too long"),
+    ("plan-manifest-name-too-long", ["plan", "-m", "x" * 300 + ".jsonl", "-c", "local-cpu:2", "--model", "tiny",
+                                     "-o", "o.jsonl"], f"{'x' * 300}.jsonl: cannot read manifest: File name too long"),
     ("validate-manifest-fifo", ["validate", "p.jsonl", "--manifest", "fifo.jsonl"],
      "fifo.jsonl: manifest is a FIFO, not a regular file"),
     ("check-case-fifo", ["check", "cases"], "cases/a.json: check case is a FIFO, not a regular file"),
@@ -762,8 +770,8 @@ def test_bad_manifest(work, capsys, command, name, content, message):
 def test_every_file_write_goes_through_the_one_writer():
     """Writes in the package go through ``atomic_write`` (the PNG writer hands matplotlib its file);
     the exceptions are listed with why: the streamed metrics file (checked up front by the same
-    check_output), in-memory buffers, and the runtime's per-rank error files in a directory the
-    launcher owns."""
+    check_output), in-memory buffers, the runtime's per-rank error files in a directory the launcher
+    owns, and the modules below that write state files, not outputs."""
     import re
 
     pattern = re.compile(r"open\([^)]*[\"'][wax]b?[\"']|\.write_text\(|\.write_bytes\(|savefig\(|np\.save\(|"
@@ -781,9 +789,12 @@ def test_every_file_write_goes_through_the_one_writer():
         ("runtime/__main__.py", 'with open(tmp, "w") as fh:'),  # per-rank error file, launcher's directory
         ("runtime/__main__.py", "json.dump(rec, fh)"),
         ("schemas/common.py", "fd = os.open(tmp, _TEMP_FLAGS, 0o600)"),  # the writer itself
+        ("planner/core/solver.py", 'with open(os.devnull, "wb") as null:'),  # silences the solver's banner
     }
-    checkpoint = {x for x in found if x[0] == "runtime/checkpoint.py"}  # checkpoint files: inside atomic_write
-    assert found - allowed - checkpoint == set()
+    # whole modules whose writes are not outputs: checkpoint files (written inside atomic_write or by DCP),
+    # the run's lock, heartbeat and writability probe files (lifecycle), /proc/self/clear_refs (memory)
+    modules = {"runtime/checkpoint.py", "runtime/lifecycle.py", "runtime/memory.py"}
+    assert {x for x in found if x[0] not in modules} - allowed == set()
 
 
 # ------------------------------------------------------------------------------------- check cases
@@ -836,7 +847,29 @@ RECORD_EDITS = [
      "microbatches.0.routes.0.bytes: Input should be less than or equal to 4611686018427387904"),
     ("unknown-field", lambda h, s: s.__setitem__("exec", "os.system"), "exec: Extra inputs are not permitted"),
     ("string-for-int", lambda h, s: s.__setitem__("step", "0"), "step: Input should be a valid integer"),
+    ("prediction-huge", lambda h, s: s["prediction"]["per_unit"]["attention_s"].__setitem__(2, 1e300),
+     "prediction.per_unit.attention_s.2: Input should be less than or equal to 1000000000"),
 ]
+
+HEADER_FIELD_EDITS = [
+    ("profile-reserve-huge", lambda h, s: h["profile"].__setitem__("memory_reserved_gb", 1e300),
+     "profile.memory_reserved_gb: Input should be less than or equal to 100000"),
+    ("model-head-dim-odd", lambda h, s: h["model"].update(hidden=4092, num_heads=124, num_kv_heads=124),
+     "model: head_dim = hidden / num_heads = 33 must be even (rotary embeddings rotate pairs of channels)"),
+    ("tp-not-dividing", lambda h, s: h.__setitem__("tp", 3), "(document): tp=3 does not divide the cluster's 8 GPUs "
+                                                            "per node"),
+    ("seed-huge", lambda h, s: h.__setitem__("seed", 2**70), "seed: Input should be less than or equal to "
+                                                            "9223372036854775807"),
+    ("cluster-nodes-huge", lambda h, s: h["cluster"].__setitem__("num_nodes", 10**8),
+     "cluster.num_nodes: Input should be less than or equal to 4096"),
+]
+
+
+@pytest.mark.parametrize("command", [["simulate"], ["show"], ["validate"], ["run"]], ids=lambda c: c[0])
+@pytest.mark.parametrize("edit,problem", [c[1:] for c in HEADER_FIELD_EDITS], ids=[c[0] for c in HEADER_FIELD_EDITS])
+def test_bad_plan_header(work, capsys, command, edit, problem):
+    _write_edited(work, edit)
+    assert_refused(work, capsys, [command[0], "bad.jsonl"], f"bad.jsonl: invalid plan header: {problem}")
 
 
 @pytest.mark.parametrize("reader", READERS[:3], ids=["-".join(r) for r in READERS[:3]])
@@ -845,3 +878,17 @@ def test_bad_step_record(work, capsys, reader, edit, problem):
     _write_edited(work, edit)
     assert_refused(work, capsys, [reader[0], "bad.jsonl", *reader[1:]],
                    f"bad.jsonl: step 0: invalid step record: {problem}")
+
+
+def test_validate_checks_sample_ids_against_the_manifest(work, capsys):
+    lines = (work / "m.jsonl").read_text().splitlines(keepends=True)
+    (work / "m4.jsonl").write_text("".join(lines[:4]))
+    before = snapshot(work)
+    rc, _, err = run_cli(["validate", "p.jsonl", "--manifest", "m4.jsonl", "--limit", "50"], capsys)
+    assert rc == 1
+    beyond = [ln for ln in err.splitlines() if "beyond the manifest's 4 samples" in ln]
+    steps = [json.loads(x) for x in (work / "p.jsonl").read_text().splitlines()[1:-1]]
+    want = [f"  inputs: step {s['step']}: sequence {i} names sample {q['sample_id']}, beyond the manifest's 4 samples"
+            for s in steps for i, q in enumerate(s["sequences"]) if q["sample_id"] >= 4]
+    assert beyond == want[:len(beyond)] and beyond
+    assert snapshot(work) == before

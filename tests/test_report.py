@@ -178,7 +178,7 @@ def test_profile_plan_run_report_end_to_end(zeppelin_bin, tmp_path):
     plan = tmp_path / "plan.jsonl"
     r = subprocess.run([zeppelin_bin, "plan", "--cluster", "local-cpu:1x2", "--model", "tiny",
                         "--profile", str(prof), "--manifest", str(man), "--tokens-per-step", "600",
-                        "--steps", "2", "-q", "-o", str(plan)],
+                        "--steps", "2", "--families", "none", "-q", "-o", str(plan)],
                        capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     rep_json = tmp_path / "rep.json"

@@ -62,7 +62,8 @@ def test_cli_show_text(routed_plan, zeppelin_bin):
     assert "sequences per tier: inter 1, local 3" in text
     # each NIC carries half a round each way routed (B), the two direct NICs carry 2B unrouted
     gb, gb2 = f"{B / 1e9:.3f}", f"{2 * B / 1e9:.3f}"
-    nic_lines = {ln.split()[1]: ln.split()[3:6:2] for ln in text.splitlines() if "node" in ln and "/nic" in ln}
+    rows = [ln.replace("│", " ").split() for ln in text.splitlines() if "node" in ln and "/nic" in ln]
+    nic_lines = {r[0]: r[1:3] for r in rows}
     assert nic_lines["node0/nic0"] == [gb, gb2]
     assert nic_lines["node0/nic1"] == [gb, "0.000"]
     assert "remap (micro-batch 0): off" in text

@@ -738,3 +738,22 @@ def test_sequence_longer_than_the_units_hold_runs_on_larger_tp_replicas():
     with pytest.raises(PlanningError, match=r"^sequence \d+ \(sample \d+\) has 91,511 tokens, more than the whole "
                                             r"cluster can hold \(8 units x [\d,]+ tokens"):
         ZeppelinPlanner(families="none").plan_step(ctx, 2, seqs)
+
+
+def test_cli_families_option(tmp_path, capsys):
+    from zeppelin.planner.cli import main
+
+    args = ["plan", "-c", "local-cpu:2x2", "--model", "tiny", "--steps", "1", "--tokens-per-step", "8192", "-q"]
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--families", "bogus", "-o", str(tmp_path / "bad.plan")])
+    assert e.value.code == 2 and not (tmp_path / "bad.plan").exists()
+    assert "zeppelin: error: families option: unknown family 'bogus'" in capsys.readouterr().err
+    try:
+        main([*args, "--families", "none", "-o", str(tmp_path / "tiered.plan")])
+    except SystemExit as x:
+        assert x.code in (0, None)
+    from zeppelin.schemas.plan import PlanReader
+
+    r = PlanReader(tmp_path / "tiered.plan")
+    steps = list(r)
+    assert r.header.planner_options["families"] == "none" and "tiers" in steps[0].notes

@@ -26,7 +26,9 @@ Per step:
    largest micro-batch time under the token capacity, for several micro-batch counts ``v``; the
    count minimising the pipeline time ``(max + c) * (pp - 1 + v)`` (pp = 1 here, ``c`` the fixed
    cost of a micro-batch) is kept. Greedy LPT packing is the warm start and the fallback. A CP
-   replica packs like any replica, under the capacity of one unit.
+   replica packs like any replica, under the capacity of one unit. The ILPs run under
+   deterministic limits (``milp_nodes`` nodes each, at most ``milp_solves`` per step, the rest
+   packed by LPT; :mod:`zeppelin.planner.core.solver`): the same plan under any load.
 
 The prediction uses one cost model per TP degree (:func:`predict_replicas`), since units differ.
 """
@@ -47,6 +49,9 @@ from zeppelin.planner.baselines.common import (
 )
 from zeppelin.planner.core.base import PlanContext, Planner, PlanningError, register
 from zeppelin.planner.core.solver import merge_status, solve_limits
+
+MILP_SOLVES = 4  # packing ILPs per step (deterministic budget; LPT packing for the rest)
+MILP_NODES = 50  # branch-and-bound nodes per ILP
 from zeppelin.planner.costmodel.cost import CostModel
 from zeppelin.planner.costmodel.predict import predict_replicas
 from zeppelin.schemas.plan import Replica, Sequence, SolverInfo, StepPlan
@@ -201,7 +206,9 @@ class Hydraulis(Planner):
     def plan_step(self, ctx: PlanContext, step: int, sequences: list[Sequence]) -> StepPlan:
         t = Timer()
         check_capacity(ctx, self.name)
-        limits = solve_limits(self.options, self.name)
+        limits = solve_limits(self.options, self.name, nodes=MILP_NODES)
+        budget = opt(self.options, "milp_solves", int, MILP_SOLVES, self.name, minimum=0)
+        skipped = 0
         restarts = opt(self.options, "restarts", int, 8, self.name, minimum=1)
         v_span = opt(self.options, "mb_search", int, 3, self.name, minimum=1)
         use_cp = opt(self.options, "cp", bool, True, self.name)
@@ -297,8 +304,13 @@ class Hydraulis(Planner):
                 if best is not None and (sum(c.values()) / v + const) * v >= best[0]:
                     break  # (max + c) * v >= (mean + c) * v can no longer win
                 greedy = _lpt_pack(items, c, Ld, cap_r, v)
-                bins, res = _pack_ilp(items, c, Ld, cap_r, v, greedy, limits)
-                results.append(res)
+                if budget > 0 or greedy is None:  # (past the budget only where LPT found no packing)
+                    bins, res = _pack_ilp(items, c, Ld, cap_r, v, greedy, limits)
+                    results.append(res)
+                    budget -= 1
+                else:
+                    bins, res = greedy, None
+                    skipped += 1
                 if bins is None:
                     bins = greedy
                     if res.has_solution is False and greedy is not None:
@@ -325,6 +337,10 @@ class Hydraulis(Planner):
         if results:
             status = merge_status([x.status for x in results])
             gaps = [x.gap for x in results]
+            if skipped:
+                fallback = (fallback + "; " if fallback else "") + (
+                    f"ILP budget ({self.options.get('milp_solves', MILP_SOLVES)} solves) spent: LPT packing for "
+                    f"{skipped} more (replica, micro-batch count) pair(s)")
             solver = SolverInfo(name=results[0].solver, status=status,
                                 gap=None if any(g is None for g in gaps) else max(gaps), time_s=t.elapsed,
                                 fallback_reason=fallback)

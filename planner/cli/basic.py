@@ -45,9 +45,7 @@ def presets(
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="with --dump: write to this file"),
 ) -> None:
     """List the preset clusters and models; `--dump NAME -o FILE` to edit one and pass it back in."""
-    from rich.console import Console
-    from rich.table import Table
-
+    from zeppelin.planner.tools.tables import console, table
     from zeppelin.schemas.cluster import CLUSTER_PRESETS, cluster_preset
     from zeppelin.schemas.model import MODEL_PRESETS, model_preset
 
@@ -67,19 +65,17 @@ def presets(
         else:
             typer.echo(text, nl=False)
         return
-    con = Console()
-    t = Table(title="cluster presets  (NAME, NAME:NODES or NAME:NODESxGPUS)")
-    for col in ("name", "nodes x gpus", "gpu", "TFLOP/s", "mem GB", "intra GB/s", "NICs x GB/s"):
-        t.add_column(col)
+    con = console()
+    t = table("cluster presets  (NAME, NAME:NODES or NAME:NODESxGPUS)",
+              ["name", "nodes x gpus", ("gpu", "left"), "TFLOP/s", "mem GB", "intra GB/s", "NICs x GB/s"])
     for n in CLUSTER_PRESETS:
         c = cluster_preset(n)
         t.add_row(n, f"{c.num_nodes} x {c.gpus_per_node}", c.gpu.name, f"{c.gpu.peak_tflops:g}",
                   f"{c.gpu.memory_gb:g}", f"{c.intra_link.bandwidth_GBps:g}",
                   f"{len(c.nics)} x {c.nics[0].bandwidth_GBps:g}")
     con.print(t)
-    t = Table(title="model presets")
-    for col in ("name", "layers", "hidden", "heads", "kv heads", "ffn", "vocab", "mlp", "dtype", "params"):
-        t.add_column(col)
+    t = table("model presets", ["name", "layers", "hidden", "heads", "kv heads", "ffn", "vocab", ("mlp", "left"),
+                                ("dtype", "left"), "params"])
     for n in MODEL_PRESETS:
         m = model_preset(n)
         p = m.num_params()
@@ -109,6 +105,9 @@ class DemoContext:
     dataset: Any
     sampler: Any  # SamplerConfig
     num_steps: int
+    planners: list = field(default_factory=list)
+    workers: int = 0
+    png: Any = None  # where the picture goes (None: no picture)
     results: dict = field(default_factory=dict)
     _steps: list | None = None
 
@@ -135,9 +134,9 @@ def _ms(x: float) -> str:
 def _stage_cost(ctx: DemoContext) -> None:
     """The per-step cost picture from the analytic cost model (no planning yet)."""
     import numpy as np
-    from rich.table import Table
 
     from zeppelin.planner.cli.data import fmt_tokens
+    from zeppelin.planner.tools.tables import table
 
     cm, con, cl = ctx.cost, ctx.console, ctx.cluster
     prof = ctx.profile
@@ -153,11 +152,10 @@ def _stage_cost(ctx: DemoContext) -> None:
 
     attn_f = 1.0 + prof.backward_attention_factor
     lin_f = 1.0 + prof.backward_linear_factor
-    t = Table(title=f"sampled steps  (tokens_per_step={ctx.sampler.tokens_per_step:,}, "
-                    f"shuffle={ctx.sampler.shuffle}, seed={ctx.sampler.seed})", title_justify="left")
-    for col in ("step", "seqs", "tokens", "longest", "attn\n% FLOPs", "top 5%\n% work", "longest\n% work",
-                "GPUs to\nhold it", "ideal\nstep s", "longest\nalone s"):
-        t.add_column(col, justify="right")
+    t = table(f"sampled steps  (tokens_per_step={ctx.sampler.tokens_per_step:,}, shuffle={ctx.sampler.shuffle}, "
+              f"seed={ctx.sampler.seed})",
+              [(c, "right") for c in ("step", "seqs", "tokens", "longest", "attn % FLOPs", "top 5% % work",
+                                      "longest % work", "GPUs to hold it", "ideal step s", "longest alone s")])
     rows = []
     for i, seqs in enumerate(ctx.steps):
         L = np.array([s.length for s in seqs], dtype=np.float64)
@@ -213,15 +211,13 @@ def _stage_cost(ctx: DemoContext) -> None:
         color = "green" if comp >= comm else "red"
         return f"[{color}]{_ms(comm)}[/{color}]"
 
-    t = Table(title="why tiers: per layer, a ring round's attention compute (comp) must hide its K/V transfer; "
-                    "green = hidden, red = exposed (times at the bucket's lower edge)", title_justify="left")
     multi = cl.num_nodes > 1
-    cols = ["length", "%\nsamples", "%\ntokens", "1 GPU\nms", f"{g_intra}-GPU\nextra %", f"{g_intra}-GPU\ncomp ms",
-            "NVLink\ncomm ms"]
+    cols = ["length", "% samples", "% tokens", "1 GPU ms", f"{g_intra}-GPU extra %", f"{g_intra}-GPU comp ms",
+            "NVLink comm ms"]
     if multi:
-        cols += [f"{g_inter}-GPU\ncomp ms", "1 NIC\ncomm ms", f"{n_nics} NICs\ncomm ms"]
-    for col in cols:
-        t.add_column(col, justify="right", no_wrap=col == "length")
+        cols += [f"{g_inter}-GPU comp ms", "1 NIC comm ms", f"{n_nics} NICs comm ms"]
+    t = table("why tiers: per layer, a ring round's attention compute (comp) must hide its K/V transfer; "
+              "green = hidden, red = exposed (times at the bucket's lower edge)", [(c, "right") for c in cols])
     for k in range(lo, hi + 1):
         L = float(1 << k)
         in_b = (lens >= (1 << k)) & (lens < (1 << (k + 1))) if k > lo else lens < (1 << (k + 1))
@@ -270,10 +266,69 @@ def _stage_cost(ctx: DemoContext) -> None:
               f"only the longest ones should span nodes (tiers: local / intra-node / inter-node).")
 
 
-# name -> stage function, in execution order. Later releases register plan / simulate / run here.
+# zeppelin and the main baselines: TransformerEngine CP as run (te-cp) and tuned per step, static
+# Ulysses, the FLOP-based hybrid, Megatron's dynamic CP, FlexSP and Hydraulis
+DEMO_PLANNERS = ["zeppelin", "te-cp", "te-cp-tuned", "ulysses", "hybrid-dp", "megatron-dcp", "flexsp", "hydraulis"]
+
+
+def _stage_plan(ctx: DemoContext) -> None:
+    """Plan the sampled steps with zeppelin and the main baselines, simulate every plan, print the
+    side-by-side table and draw one step's per-GPU timeline (zeppelin vs te-cp) and the speedups."""
+    import time
+
+    from zeppelin.planner.core.base import PlanContext
+    from zeppelin.planner.core.sampler import run_max_seq_len
+    from zeppelin.planner.sim.simulate import Simulator
+    from zeppelin.planner.tools.compare import comparison, default_workers, render_table, run_compare
+    from zeppelin.planner.tools.show import draw_demo_png
+
+    con = ctx.console
+    pctx = PlanContext(ctx.cluster, ctx.model, ctx.profile, tp=ctx.cost.tp, zero_stage=ctx.cost.zero_stage,
+                       seed=ctx.sampler.seed)
+    pctx.max_seq_len = run_max_seq_len(ctx.dataset, ctx.sampler)
+    steps = ctx.steps
+    t0 = time.perf_counter()
+    keep = {("zeppelin", 0), ("te-cp", 0)}
+    runs = run_compare(pctx, steps, ctx.planners, workers=ctx.workers or default_workers(), keep=keep)
+    wall = time.perf_counter() - t0
+    doc = comparison(runs)
+    ctx.results["comparison"] = doc
+    title = (f"{len(steps)} step(s) of the sample planned by every planner and simulated "
+             f"({ctx.cluster.name}, {ctx.cluster.world_size} GPUs, {ctx.model.name}; {wall:.1f} s)")
+    con.print(render_table(doc, title))
+    if "zeppelin_speedup_vs_te_cp" in doc:
+        tuned = (f", {doc['zeppelin_speedup_vs_te_cp_tuned']:.2f}x over te-cp-tuned"
+                 if "zeppelin_speedup_vs_te_cp_tuned" in doc else "")
+        con.print(f"zeppelin: {doc['zeppelin_speedup_vs_te_cp']:.2f}x over te-cp (CP sized for the longest allowed "
+                  f"sequence, {pctx.max_seq_len:,} tokens, as TransformerEngine jobs run){tuned}; "
+                  f"{doc.get('zeppelin_speedup_vs_best_baseline', float('nan')):.2f}x over the best other baseline "
+                  f"({doc.get('best_baseline', '-')}). x LB: step time over the step's lower bound; plan ms: "
+                  f"planning time per step.")
+    if ctx.png is None:
+        return
+    by = {r.planner: r for r in runs}
+    timelines = []
+    sim = Simulator(pctx)
+    for name in ("zeppelin", "te-cp"):
+        r = by.get(name)
+        if r is not None and 0 in r.plans:
+            timelines.append((name, sim.simulate_step(r.plans[0], timeline=True)))
+    speedups = [(s["planner"], s["speedup_vs_te_cp"]) for s in doc["planners"] if "speedup_vs_te_cp" in s]
+    if not timelines or not speedups:
+        con.print("no picture: zeppelin or te-cp could not plan these steps")
+        return
+    draw_demo_png(timelines, speedups, "te-cp",
+                  f"step 0 per GPU (one layer per micro-batch), and the speedup over te-cp of every planner - "
+                  f"{ctx.cluster.name}, {ctx.cluster.world_size} GPUs, {ctx.model.name}", ctx.png)
+    ctx.results["png"] = str(ctx.png)
+    con.print(f"wrote {ctx.png} (per-GPU timeline of step 0: zeppelin vs te-cp; speedup bars)")
+
+
+# name -> stage function, in execution order
 DEMO_STAGES: dict[str, Callable[[DemoContext], None]] = {
     "data": _stage_data,
     "cost": _stage_cost,
+    "plan": _stage_plan,
 }
 
 
@@ -285,16 +340,26 @@ def demo(
     tokens_per_step: Optional[int] = typer.Option(
         None, "--tokens-per-step", help=f"global token budget per step (default: {DEMO_TOKENS_PER_GPU:,} per GPU)"),
     max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="truncate longer samples"),
-    steps: int = typer.Option(4, "--steps", help="how many steps to sample"),
+    steps: int = typer.Option(2, "--steps", help="how many steps to sample and plan"),
     seed: int = typer.Option(0, "--seed", help="sampler seed"),
     stages: str = typer.Option(",".join(DEMO_STAGES), "--stages",
                                help=f"comma-separated stages to run (available: {', '.join(DEMO_STAGES)})"),
+    planners: str = typer.Option(",".join(DEMO_PLANNERS), "--planners", help="planners of the plan stage"),
+    png: Path = typer.Option(Path("zeppelin-demo.png"), "--png",
+                             help="where the plan stage writes its picture (per-GPU timeline, speedup bars)"),
+    workers: int = typer.Option(0, "--workers", "-j", help="worker processes of the plan stage (0: one per CPU)"),
 ) -> None:
-    """Run the main job on built-in defaults (shipped sample manifest, preset cluster and model)."""
-    from rich.console import Console
-
-    from zeppelin.planner.core.inputs import resolve_cluster, resolve_model, resolve_profile
+    """Run the main job on built-in defaults (shipped sample manifest, preset cluster and model):
+    data statistics, the cost picture, then the sampled steps planned by zeppelin and the main
+    baselines - side-by-side table and a picture of one step."""
+    from zeppelin.planner.core.inputs import (
+        check_path_writable,
+        resolve_cluster,
+        resolve_model,
+        resolve_profile,
+    )
     from zeppelin.planner.costmodel.cost import CostModel
+    from zeppelin.planner.tools.tables import console
     from zeppelin.schemas.datasets import default_manifest_path, load_manifest
     from zeppelin.schemas.plan import SamplerConfig
 
@@ -306,6 +371,16 @@ def demo(
     check_int("--tokens-per-step", tokens_per_step, 1, MAX_TOKENS)
     check_int("--max-seq-len", max_seq_len, 1, 2**31)
     check_int("--seed", seed, 0, MAX_SEED)
+    check_int("--workers", workers, 0, 1024)
+    names = [p.strip() for p in planners.split(",") if p.strip()]
+    if "plan" in wanted:
+        from zeppelin.planner.core.base import get_planner
+
+        if not names:
+            raise InputError("--planners is empty")
+        for p in names:
+            get_planner(p)  # unknown names fail before any work
+        check_path_writable(png)
     cl = resolve_cluster(cluster)
     mo = resolve_model(model)
     pr = resolve_profile(profile, cl)
@@ -316,8 +391,8 @@ def demo(
     ds = load_manifest(manifest if manifest is not None else default_manifest_path())
     cfg = SamplerConfig(tokens_per_step=tokens_per_step or DEMO_TOKENS_PER_GPU * cm.num_units, seed=seed,
                         max_seq_len=max_seq_len)
-    ctx = DemoContext(console=Console(), cluster=cl, model=mo, profile=pr, cost=cm, dataset=ds, sampler=cfg,
-                      num_steps=steps)
+    ctx = DemoContext(console=console(), cluster=cl, model=mo, profile=pr, cost=cm, dataset=ds, sampler=cfg,
+                      num_steps=steps, planners=names, workers=workers, png=png)
     for name in DEMO_STAGES:
         if name in wanted:
             DEMO_STAGES[name](ctx)

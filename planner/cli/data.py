@@ -44,10 +44,12 @@ def stats_payload(dataset) -> dict[str, Any]:
 
 def print_stats(dataset, console=None, title: str | None = None) -> None:
     """Summary table and log2 length histogram with rich (shared with `zeppelin demo`)."""
-    from rich.console import Console
     from rich.table import Table
 
-    con = console or Console()
+    from zeppelin.planner.tools.tables import console as make_console
+    from zeppelin.planner.tools.tables import table
+
+    con = console or make_console()
     d = stats_payload(dataset)
     t = Table(title=title or f"manifest {dataset.source}", show_header=False, title_justify="left")
     t.add_column("", style="bold")
@@ -64,13 +66,10 @@ def print_stats(dataset, console=None, title: str | None = None) -> None:
     hist = d["histogram"]
     top_s = max(b["sample_share"] for b in hist)
     top_t = max(b["token_share"] for b in hist)
-    h = Table(title="length histogram (log2 buckets)", title_justify="left")
-    h.add_column("length", justify="right")
-    h.add_column("samples", justify="right")
-    h.add_column("% samples", justify="right")
-    h.add_column("", style="cyan", min_width=BAR_WIDTH)
-    h.add_column("% tokens", justify="right")
-    h.add_column("", style="magenta", min_width=BAR_WIDTH)
+    h = table("length histogram (log2 buckets)", [("length", "right"), "samples", "% samples", ("", "left"),
+                                                  "% tokens", ("", "left")])
+    h.columns[3].style, h.columns[3].min_width = "cyan", BAR_WIDTH
+    h.columns[5].style, h.columns[5].min_width = "magenta", BAR_WIDTH
     for b in hist:
         h.add_row(f"{fmt_tokens(b['lo'])}-{fmt_tokens(b['hi'])}", f"{b['samples']:,}",
                   f"{100 * b['sample_share']:.2f}", _bar(b["sample_share"], top_s),

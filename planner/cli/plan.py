@@ -45,6 +45,9 @@ def plan(
     overflow: str = typer.Option("truncate", "--overflow", help="longer samples: truncate, reject or skip"),
     tp: int = typer.Option(1, "--tp", help="tensor-parallel degree of a unit"),
     zero_stage: int = typer.Option(1, "--zero-stage", help="ZeRO stage (0-3) for the memory model"),
+    recompute: str = typer.Option("none", "--recompute",
+                                  help="none | selective | full: activation recomputation `zeppelin run` will use "
+                                       "(sets the activation memory per token)"),
     profile: str | None = typer.Option(None, "--profile", help="cost profile JSON (from `zeppelin profile`)"),
     ilp_nodes: int = typer.Option(10, "--ilp-nodes", help="branch-and-bound nodes per ILP solve (a deterministic "
                                                              "limit: the same plan on any machine, under any load)"),
@@ -57,6 +60,8 @@ def plan(
                               help="zeppelin: how a sequence split inside a node runs - auto (zigzag ring or "
                                    "Ulysses all-to-all, whichever the cost model prices lower) or ring (rings only, "
                                    "as published)"),
+    families: str = typer.Option("all", "--families", help="zeppelin: whole-step candidate families beside the "
+                                 "tiered search - all, none, or a comma list of ulysses-groups, flop-share, tp-replicas"),
     workers: int = typer.Option(1, "--workers", "-j", help="plan steps in this many processes"),
     fmt: str = typer.Option("jsonl", "--format", help="jsonl (compact) or pretty (readable, diffable)"),
     explain: bool = typer.Option(False, "--explain", help="print the tier thresholds and how they were derived"),
@@ -88,6 +93,8 @@ def plan(
     check_float("--time-limit", time_limit, 0.0, 3600.0, lo_open=True)
     if not 0 <= zero_stage <= 3:
         raise InputError(f"--zero-stage must be 0, 1, 2 or 3 (got {zero_stage})")
+    if recompute not in ("none", "selective", "full"):
+        raise InputError(f"--recompute must be none, selective or full (got {recompute!r})")
     if output is None and not explain:
         raise InputError("missing -o/--output PLAN (or use --explain alone to see the tier thresholds)")
     if output is not None:
@@ -97,13 +104,15 @@ def plan(
     pf = resolve_profile(profile, cl)
     if cl.gpus_per_node % tp:
         raise PlanningError(f"--tp {tp} does not divide the {cl.gpus_per_node} GPUs per node of {cl.name}")
-    ctx = PlanContext(cl, md, pf, tp=tp, zero_stage=zero_stage, seed=seed)
+    ctx = PlanContext(cl, md, pf, tp=tp, zero_stage=zero_stage, seed=seed, recompute=recompute)
     if ilp_nodes < 0:
         raise InputError(f"--ilp-nodes must be >= 0 (got {ilp_nodes})")
     if time_limit is not None and not time_limit > 0:
         raise InputError(f"--time-limit must be positive (got {time_limit:g})")
     options = ({"ilp": ilp, "ilp_nodes": ilp_nodes, "solver": solver, "intra": intra}
                if planner.startswith("zeppelin") else {})
+    if families != "all" and planner.startswith("zeppelin"):  # (the default leaves the header as it was)
+        options["families"] = families
     if time_limit is not None and (planner.startswith("zeppelin") or planner in ("flexsp", "hydraulis")):
         options["time_limit"] = time_limit
     pl = _planner(planner, options)

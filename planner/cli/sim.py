@@ -41,9 +41,9 @@ def simulate(
     Per step: simulated step time, the plan's analytic prediction and lower bound, per-unit
     busy / exposed-communication / idle time, NIC utilisation. `--step K` shows one step per unit.
     """
-    from rich.console import Console
-
-    from zeppelin.planner.sim.simulate import render_step_table, render_summary_table, simulate_plan, summary
+    from zeppelin.planner.sim.simulate import simulate_plan, summary
+    from zeppelin.planner.tools.tables import console as make_console
+    from zeppelin.planner.tools.tables import simulate_step_tables, simulate_summary_table
 
     check_int("--step", step, 0, MAX_STEPS)
     if output is not None:
@@ -62,14 +62,14 @@ def simulate(
         if output is not None:
             typer.echo(f"wrote {output} ({len(results)} step(s))")
         return
-    con = Console()
+    con = make_console()
     if step is not None:
-        t, nt = render_step_table(results[0])
+        t, nt = simulate_step_tables(results[0])
         con.print(t)
         if results[0].nics:
             con.print(nt)
     else:
-        con.print(render_summary_table(header, results))
+        con.print(simulate_summary_table(header, results))
     s = summary(results)
     con.print(f"mean step {s['mean_step_time_s'] * 1e3:.2f} ms, p50 {s['p50_step_time_s'] * 1e3:.2f} ms, "
               f"p90 {s['p90_step_time_s'] * 1e3:.2f} ms over {s['steps']} step(s); "
@@ -85,9 +85,8 @@ def show(
 ) -> None:
     """Render a plan for a person: tiers and their sequences, per-unit load bars, NIC loads with and
     without routing, remap volume; `--png` draws the simulated step."""
-    from rich.console import Console
-
     from zeppelin.planner.tools.show import draw_png, render_step
+    from zeppelin.planner.tools.tables import console as make_console
     from zeppelin.schemas.plan import PlanReader
 
     if step < 0:
@@ -100,7 +99,7 @@ def show(
         check_path_writable(png, [plan])
     reader = PlanReader(plan)
     h = reader.header
-    con = Console()
+    con = make_console()
     con.print(f"plan [bold]{plan}[/bold]: planner {h.planner}, {h.cluster.name} ({h.cluster.num_nodes} nodes x "
               f"{h.cluster.gpus_per_node} GPUs, tp={h.tp}), {h.model.name}, {h.num_steps} step(s)")
     steps = list(reader) if all_steps else [reader.step(step)]
@@ -126,18 +125,16 @@ def compare(
     max_seq_len: int = typer.Option(131072, "--max-seq-len", help="longer samples are truncated"),
     tp: int = typer.Option(1, "--tp", help="tensor-parallel degree of a unit"),
     seed: int = typer.Option(0, "--seed", help="sampler seed"),
-    solver_time_limit: float = typer.Option(0.3, "--solver-time-limit",
-                                            help="MILP time limit per step (s) for flexsp and hydraulis "
-                                                 "(their papers spend 5-15 s per step, overlapped with "
-                                                 "training; raise it to let the MILPs search longer)"),
+    solver_time_limit: float | None = typer.Option(
+        None, "--solver-time-limit",
+        help="optional wall-clock safety net per MILP solve (s) for flexsp and hydraulis (off by default: their "
+             "MILPs stop at deterministic node limits, so the comparison is the same under any load)"),
     workers: int = typer.Option(0, "--workers", "-j", help="worker processes (0: one per CPU)"),
     json_out: bool = typer.Option(False, "--json", help="print JSON instead of the table"),
     output: Path | None = typer.Option(None, "-o", "--output", help="write the JSON to this file"),
     png: Path | None = typer.Option(None, "--png", help="bar charts of step time and speedup"),
 ) -> None:
     """Plan the same steps with zeppelin and every baseline and simulate them side by side."""
-    from rich.console import Console
-
     from zeppelin.planner.core.base import PlanContext, PlanningError
     from zeppelin.planner.core.inputs import (
         check_path_writable,
@@ -157,6 +154,7 @@ def compare(
         resolve_dataset,
         run_compare,
     )
+    from zeppelin.planner.tools.tables import console as make_console
     from zeppelin.schemas.plan import SamplerConfig
 
     check_int("--steps", steps, 1, MAX_STEPS)
@@ -165,7 +163,7 @@ def compare(
     check_int("--tp", tp, 1, 256)
     check_int("--seed", seed, 0, MAX_SEED)
     check_int("--workers", workers, 0, MAX_WORKERS)
-    check_float("--solver-time-limit", solver_time_limit, 0.0, 3600.0)
+    check_float("--solver-time-limit", solver_time_limit, 0.0, 3600.0, lo_open=True)
     for p in (output, png):
         if p is not None:
             check_path_writable(p, [profile, *input_refs(cluster, model), dataset])
@@ -185,7 +183,7 @@ def compare(
     cfg = SamplerConfig(tokens_per_step=tokens_per_gpu * cl.world_size, seed=seed, max_seq_len=max_seq_len)
     ctx.max_seq_len = run_max_seq_len(ds, cfg)
     step_seqs = sample_steps(ds, cfg, steps)
-    options = {p: {"time_limit": solver_time_limit} for p in SOLVER_PLANNERS}
+    options = {p: {"time_limit": solver_time_limit} for p in SOLVER_PLANNERS} if solver_time_limit else {}
     t0 = time.perf_counter()
     runs = run_compare(ctx, step_seqs, names, options, workers=workers or default_workers())
     wall = time.perf_counter() - t0
@@ -199,7 +197,7 @@ def compare(
     if json_out or output is not None:
         _emit_json(doc, output)
     if not json_out:
-        con = Console(width=max(Console().width, 120))  # the table is unreadable folded to 80 columns
+        con = make_console()
         con.print(render_table(doc, title))
         if "zeppelin_speedup_vs_te_cp" in doc:
             tuned = (f"{doc['zeppelin_speedup_vs_te_cp_tuned']:.2f}x over te-cp-tuned, "
@@ -227,8 +225,6 @@ def check(
 
     `--update` rewrites the goldens (atomically) and prints the step time before and after.
     """
-    from rich.console import Console
-
     from zeppelin.planner.tools.check import render, run_check
     from zeppelin.planner.tools.compare import default_workers
 
@@ -240,7 +236,9 @@ def check(
     if json_out:
         typer.echo(json.dumps(report.to_dict(), indent=1))
     else:
-        con = Console(width=max(Console().width, 110))
+        from zeppelin.planner.tools.tables import console as make_console
+
+        con = make_console()
         con.print(render(report, update))
         for row in report.beats:
             mark = "ok" if row["ok"] else "FAIL"

@@ -55,8 +55,6 @@ __all__ = [
     "SimResult",
     "Simulator",
     "context_from_header",
-    "render_step_table",
-    "render_summary_table",
     "simulate_plan",
     "summary",
 ]
@@ -495,7 +493,7 @@ class SimResult:
 
 def context_from_header(header: PlanHeader) -> PlanContext:
     return PlanContext(header.cluster, header.model, header.profile, tp=header.tp,
-                       zero_stage=header.zero_stage, tp_overlap=header.tp_overlap, seed=header.seed,
+                       zero_stage=header.zero_stage, recompute=header.recompute, tp_overlap=header.tp_overlap, seed=header.seed,
                        options=dict(header.planner_options))
 
 
@@ -1017,44 +1015,3 @@ def summary(results: list[SimResult]) -> dict[str, float]:
         "mean_exposed_comm_s": float(np.mean([r.exposed_comm_s for r in results])) if results else 0.0,
         "max_nic_busy_frac": float(max((r.max_nic_busy_frac for r in results), default=0.0)),
     }
-
-
-def _ms(x: float) -> str:
-    return f"{x * 1e3:.2f}"
-
-
-def render_summary_table(header: PlanHeader, results: list[SimResult]):
-    from rich.table import Table
-
-    t = Table(title=f"simulated steps: planner {header.planner}, {header.cluster.name} "
-                    f"({header.world_size} GPUs, tp={header.tp}), {header.model.name}")
-    t.caption = "busy / exposed / idle: mean over units; NIC busy: the busiest NIC"
-    for col in ("step", "sim ms", "pred ms", "LB ms", "xLB", "busy %", "exposed ms", "idle ms", "NIC busy %"):
-        t.add_column(col, justify="right")
-    for r in results:
-        busy = np.mean([u.busy_s for u in r.units]) / r.step_time_s * 100 if r.step_time_s else 0.0
-        t.add_row(
-            str(r.step), _ms(r.step_time_s), _ms(r.predicted_s) if r.predicted_s is not None else "-",
-            _ms(r.lower_bound_s), f"{r.step_time_s / r.lower_bound_s:.2f}" if r.lower_bound_s else "-",
-            f"{busy:.1f}", _ms(r.exposed_comm_s), _ms(float(np.mean([u.idle_s for u in r.units]))),
-            f"{r.max_nic_busy_frac * 100:.1f}",
-        )
-    return t
-
-
-def render_step_table(r: SimResult):
-    from rich.table import Table
-
-    t = Table(title=f"step {r.step}: {_ms(r.step_time_s)} ms simulated "
-                    f"(compute until {_ms(r.compute_end_s)} ms, gradient all-reduce {_ms(r.allreduce_s)} ms)")
-    for col in ("unit", "tokens", "attn ms", "linear ms", "busy ms", "exposed ms", "idle ms", "busy %"):
-        t.add_column(col, justify="right")
-    for u, s in enumerate(r.units):
-        t.add_row(str(u), str(s.tokens), _ms(s.attention_s), _ms(s.linear_s), _ms(s.busy_s), _ms(s.exposed_comm_s),
-                  _ms(s.idle_s), f"{s.busy_s / r.step_time_s * 100:.1f}" if r.step_time_s else "-")
-    nt = Table(title=f"step {r.step}: NICs")
-    for col in ("NIC", "GB moved", "busy ms", "busy %", "bandwidth use %"):
-        nt.add_column(col, justify="right")
-    for k, v in r.nics.items():
-        nt.add_row(k, f"{v.bytes / 1e9:.3f}", _ms(v.busy_s), f"{v.busy_frac * 100:.1f}", f"{v.util * 100:.1f}")
-    return t, nt

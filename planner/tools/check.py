@@ -35,7 +35,6 @@ and after. Plans carry no wall-clock fields, so an unchanged planner rewrites by
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -223,7 +222,10 @@ def run_case(case: Case, update: bool = False, exact: bool = False) -> CaseResul
 
     planner = get_planner(s.planner, **s.options)
     header = make_header(ctx, planner, ds, cfg, s.steps, planner_options=dict(s.options), created_at="")
-    header = header.model_copy(update={"zeppelin_version": ""})
+    # golden headers name the dataset as the case does (not this checkout's absolute path of it), so
+    # that the same case gives the same golden bytes in any clone
+    header = header.model_copy(update={"zeppelin_version": "",
+                                       "manifest": header.manifest.model_copy(update={"path": s.dataset})})
     plans = []
     t0 = time.perf_counter()
     try:
@@ -401,11 +403,11 @@ def _weight(case: Case) -> float:
 
 
 def render(report: CheckReport, update: bool):
-    from rich.table import Table
+    from zeppelin.planner.tools.tables import table
 
-    t = Table(title="zeppelin check" + (" --update" if update else ""))
-    for col in ("case", "planner", "golden ms", "now ms", "change", "tol", "plan ms", "status"):
-        t.add_column(col, justify="left" if col in ("case", "planner", "status") else "right", no_wrap=True)
+    t = table("zeppelin check" + (" --update" if update else ""),
+              [(c, "left" if c in ("case", "planner", "status") else "right")
+               for c in ("case", "planner", "golden ms", "now ms", "change", "tol", "plan ms", "status")])
     for r in report.results:
         g = f"{r.golden_mean_s * 1e3:.2f}" if r.golden_mean_s is not None else "-"
         n = f"{r.new_mean_s * 1e3:.2f}" if r.new_mean_s is not None else "-"

@@ -33,7 +33,7 @@ MIXES: dict[str, list[tuple[float, float, float]]] = {
 }
 DEFAULT_PLANNERS = ["packed-dp", "te-cp", "te-cp-tuned", "llama3-cp", "ulysses", "hybrid-dp", "megatron-dcp", "flexsp", "hydraulis",
                     "zeppelin", "zeppelin-no-routing", "zeppelin-no-remap"]
-SOLVER_PLANNERS = ("flexsp", "hydraulis")  # planners whose MILP time limit --solver-time-limit sets
+SOLVER_PLANNERS = ("flexsp", "hydraulis")  # planners whose optional wall-clock safety net --solver-time-limit sets
 
 
 def mix_dataset(name: str, num_samples: int = 20000, seed: int = 0):
@@ -74,6 +74,7 @@ class PlannerRun:
     predicted: list[float] = field(default_factory=list)
     plan_cpu: list[float] = field(default_factory=list)
     sim_cpu: list[float] = field(default_factory=list)
+    plans: dict = field(default_factory=dict)  # step -> StepPlan, for the (planner, step) pairs asked to keep
     error: str | None = None
 
     def stats(self) -> dict[str, Any]:
@@ -110,10 +111,11 @@ def _cpu() -> float:
     return time.process_time() + ch.ru_utime + ch.ru_stime
 
 
-def _init(ctx: PlanContext, options: dict[str, dict[str, Any]], steps: list[list]) -> None:
+def _init(ctx: PlanContext, options: dict[str, dict[str, Any]], steps: list[list], keep=frozenset()) -> None:
     """Per worker process, once: the context, planner options and the steps (inherited, not pickled,
-    under fork); planners, plan headers and the simulator are built on first use and reused."""
-    _W.update(ctx=ctx, options=options, steps=steps, sims=None, planners={}, headers={})
+    under fork); planners, plan headers and the simulator are built on first use and reused.
+    ``keep``: (planner, step) pairs whose plans are sent back."""
+    _W.update(ctx=ctx, options=options, steps=steps, sims=None, planners={}, headers={}, keep=keep)
 
 
 def _max_group_nodes(ctx: PlanContext, sp) -> int:
@@ -154,14 +156,15 @@ def _job(arg: tuple[str, int]) -> tuple[str, int, dict[str, Any]]:
         _W["sims"] = Simulator(ctx)
     c1 = time.process_time()
     r = _W["sims"].simulate_step(sp)
-    return name, k, {"time": r.step_time_s, "lb": r.lower_bound_s, "exposed": r.exposed_comm_s, "latency": lat,
+    kept = {"plan": sp} if (name, k) in _W.get("keep", ()) else {}
+    return name, k, {**kept, "time": r.step_time_s, "lb": r.lower_bound_s, "exposed": r.exposed_comm_s, "latency": lat,
                      "span_nodes": _max_group_nodes(ctx, sp),
                      "predicted": sp.prediction.step_time_s if sp.prediction else r.step_time_s,
                      "plan_cpu": plan_cpu, "sim_cpu": time.process_time() - c1}
 
 
-# Pool order, longest jobs first so that short ones fill the tail: planners that spend a MILP time
-# budget per step, then zeppelin and its ablations (tiering, routing, remap; their simulation models
+# Pool order, longest jobs first so that short ones fill the tail: planners that solve MILPs
+# every step, then zeppelin and its ablations (tiering, routing, remap; their simulation models
 # every routed transfer), then the static and greedy baselines.
 _HEAVY = (*SOLVER_PLANNERS, "zeppelin", "zeppelin-no-routing", "zeppelin-no-remap")
 
@@ -176,9 +179,11 @@ def job_order(planners: list[str], num_steps: int) -> list[tuple[str, int]]:
 
 def run_compare(ctx: PlanContext, steps: list[list], planners: list[str],
                 options: dict[str, dict[str, Any]] | None = None, workers: int = 1,
-                progress: bool = False) -> list[PlannerRun]:
+                progress: bool = False, keep=frozenset()) -> list[PlannerRun]:
     """Plan and simulate every (planner, step); a planner that fails on any step is reported failed
-    (at its first failing step; its steps after a failure are not run)."""
+    (at its first failing step; its steps after a failure are not run). The plans of the
+    (planner, step) pairs in ``keep`` come back in :attr:`PlannerRun.plans`."""
+    keep = frozenset(keep)
     from zeppelin.planner.core.base import get_planner
 
     for p in planners:
@@ -189,7 +194,7 @@ def run_compare(ctx: PlanContext, steps: list[list], planners: list[str],
     out: dict[tuple[str, int], dict] = {}
     failed_at: dict[str, int] = {}  # planner -> smallest failing step seen so far
     if workers <= 1 or len(jobs) <= 1:
-        _init(ctx, options, steps)
+        _init(ctx, options, steps, keep)
         for name, k in jobs:
             if name in failed_at:
                 continue
@@ -202,7 +207,7 @@ def run_compare(ctx: PlanContext, steps: list[list], planners: list[str],
 
         method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
         with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=mp.get_context(method),
-                                 initializer=_init, initargs=(ctx, options, steps)) as ex:
+                                 initializer=_init, initargs=(ctx, options, steps, keep)) as ex:
             futs = {ex.submit(_job, j): j for j in jobs}
             pending = set(futs)
             while pending:
@@ -233,6 +238,8 @@ def run_compare(ctx: PlanContext, steps: list[list], planners: list[str],
             run.predicted.append(res["predicted"])
             run.plan_cpu.append(res["plan_cpu"])
             run.sim_cpu.append(res["sim_cpu"])
+            if "plan" in res:
+                run.plans[k] = res["plan"]
     return [runs[p] for p in planners]
 
 
@@ -266,24 +273,32 @@ def comparison(runs: list[PlannerRun], reference: str = "te-cp",
 
 
 def render_table(doc: dict[str, Any], title: str):
-    from rich.table import Table
+    """The side-by-side table of ``zeppelin compare`` (and of the demo), 80 columns wide: per planner
+    the mean and p90 simulated step time, speedups over each reference (te-cp; te-cp-tuned as
+    "tuned"), ratio to the lower bound, exposed communication and planning time per step (the p50
+    is in the JSON)."""
+    from zeppelin.planner.tools.tables import table
 
-    ref = doc["reference"]
-    key = "speedup_vs_" + ref.replace("-", "_")
-    t = Table(title=title)
-    for col in ("planner", "mean ms", "p50 ms", "p90 ms", f"vs {ref}", "xLB", "exposed ms", "plan ms"):
-        t.add_column(col, justify="left" if col == "planner" else "right", no_wrap=True)
+    refs = doc.get("references", [doc["reference"]])
+    keys = ["speedup_vs_" + r.replace("-", "_") for r in refs]
+    labels = ["vs tuned" if r == "te-cp-tuned" else f"vs {r}" for r in refs]
+    t = table(title, ["planner", "mean ms", "p90 ms", *labels, "x LB", "exposed ms", "plan ms"])
+    t.columns[0].min_width = max((len(s["planner"]) for s in doc["planners"]), default=7)
+    t.columns[0].no_wrap = True
     failed = []
     for s in doc["planners"]:
         if s.get("error"):
-            t.add_row(s["planner"], "[red]failed[/red]", "", "", "", "", "", "")
+            t.add_row(s["planner"], "[red]failed[/red]", *[""] * (len(refs) + 4))
             failed.append(f"{s['planner']}: {s['error']}")
             continue
-        t.add_row(s["planner"], f"{s['mean_s'] * 1e3:.1f}", f"{s['p50_s'] * 1e3:.1f}", f"{s['p90_s'] * 1e3:.1f}",
-                  f"{s[key]:.2f}x" if key in s else "-", f"{s['ratio_to_lower_bound']:.2f}",
+        t.add_row(s["planner"], f"{s['mean_s'] * 1e3:.1f}", f"{s['p90_s'] * 1e3:.1f}",
+                  *(f"{s[k]:.2f}x" if k in s else "-" for k in keys), f"{s['ratio_to_lower_bound']:.2f}",
                   f"{s['exposed_comm_s'] * 1e3:.1f}", f"{s['plan_latency_mean_s'] * 1e3:.0f}")
+    notes = ["tuned: te-cp-tuned"] if "te-cp-tuned" in refs else []
     if failed:
-        t.caption = "failed: " + "; ".join(failed)
+        notes.append("failed: " + "; ".join(failed))
+    if notes:
+        t.caption = "; ".join(notes)
     return t
 
 

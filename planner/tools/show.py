@@ -11,7 +11,7 @@ from zeppelin.planner.sim.simulate import SimResult
 from zeppelin.schemas.common import atomic_write
 from zeppelin.schemas.plan import PlanHeader, Prediction, StepPlan
 
-__all__ = ["draw_png", "group_rows", "load_rows", "render_step", "step_prediction"]
+__all__ = ["draw_demo_png", "draw_png", "gantt", "group_rows", "load_rows", "render_step", "step_prediction"]
 
 _BAR = 40
 
@@ -69,8 +69,9 @@ def _seqs_text(seqs: list[tuple[int, int]], limit: int = 8) -> str:
 
 def render_step(header: PlanHeader, step: StepPlan, console) -> None:
     """Print the step: groups by tier, per-unit load bars, NIC loads with/without routing, remap volume."""
-    from rich.table import Table
     from rich.text import Text
+
+    from zeppelin.planner.tools.tables import table
 
     pred = step_prediction(header, step)
     lengths = [s.length for s in step.sequences]
@@ -81,9 +82,8 @@ def render_step(header: PlanHeader, step: StepPlan, console) -> None:
         msg += f" (x{pred.step_time_s / pred.lower_bound_s:.2f})"
     console.print(msg)
 
-    t = Table(title="groups by tier")
-    for col in ("mb", "tier", "kind", "units", "seqs", "tokens", "sequences (#index:length)"):
-        t.add_column(col, justify="left" if col.startswith("seq") else "right")
+    t = table("groups by tier", [(c, "left" if c.startswith("seq") else "right")
+                                 for c in ("mb", "tier", "kind", "units", "seqs", "tokens", "sequences (#index:length)")])
     tiers: dict[str, int] = defaultdict(int)
     for r in group_rows(step):
         tiers[r["tier"]] += len(r["sequences"])
@@ -94,9 +94,8 @@ def render_step(header: PlanHeader, step: StepPlan, console) -> None:
 
     rows = load_rows(pred)
     tmax = max((r[4] for r in rows), default=0.0) or 1.0
-    lt = Table(title="per-unit predicted load (█ attention, ▓ linear, ░ exposed comm)")
-    for col in ("unit", "tokens", "total ms", "load"):
-        lt.add_column(col, justify="left" if col == "load" else "right")
+    lt = table("per-unit predicted load (█ attention, ▓ linear, ░ exposed comm)",
+               [(c, "left" if c == "load" else "right") for c in ("unit", "tokens", "total ms", "load")])
     for u, a, li, ex, tot, tok in rows:
         bar = Text()
         na = round(a / tmax * _BAR)
@@ -110,9 +109,8 @@ def render_step(header: PlanHeader, step: StepPlan, console) -> None:
 
     nics = sorted(set(pred.nic_bytes) | set(pred.nic_bytes_unrouted))
     if nics:
-        nt = Table(title="NIC load per step (GB sent + received)")
-        for col in ("NIC", "with routing", "without routing"):
-            nt.add_column(col, justify="right")
+        nt = table("NIC load per step (GB sent + received)",
+                   [(c, "right") for c in ("NIC", "with routing", "without routing")])
         for k in nics:
             nt.add_row(k, f"{pred.nic_bytes.get(k, 0.0) / 1e9:.3f}", f"{pred.nic_bytes_unrouted.get(k, 0.0) / 1e9:.3f}")
         r_max = max(pred.nic_bytes.values(), default=0.0)
@@ -137,46 +135,52 @@ _COLORS = {"attention": "#1f77b4", "linear": "#2ca02c", "ring-intra": "#ff7f0e",
            "allgather-intra": "#17becf", "allgather-inter": "#17becf"}
 
 
+def gantt(ax, result: SimResult, title: str, legend: bool = True) -> None:
+    """Per-unit Gantt of a simulated step's layers (one per micro-batch; compute full height, its
+    communication as a thin bar beneath) on ``ax``."""
+    from matplotlib.collections import PolyCollection
+    from matplotlib.patches import Patch
+
+    n = len(result.units)
+    offset = 0.0
+    # one collection of rectangles per (category, lane): thousands of intervals draw in one call each
+    boxes: dict[tuple[str, str], list] = defaultdict(list)
+    for mbi, mb in enumerate(result.timeline or []):
+        for iv in mb.intervals:
+            x0, x1 = (offset + iv.start) * 1e3, (offset + iv.end) * 1e3
+            y0, y1 = (iv.unit - 0.4, iv.unit + 0.15) if iv.lane == "compute" else (iv.unit + 0.2, iv.unit + 0.4)
+            boxes[(iv.cat, iv.lane)].append(((x0, y0), (x0, y1), (x1, y1), (x1, y0)))
+        if mbi:
+            ax.axvline(offset * 1e3, color="k", lw=0.6, ls="--")
+        offset += mb.layer_period_s
+    seen = set()
+    for (cat, lane), verts in boxes.items():
+        ax.add_collection(PolyCollection(verts, facecolors=_COLORS.get(cat, "#7f7f7f"), edgecolors="none",
+                                         alpha=1.0 if lane == "compute" else 0.6))
+        seen.add(cat)
+    ax.set_xlim(0, max(offset * 1e3, 1e-9))
+    ax.set_ylim(n - 0.5, -0.5)
+    ax.set_yticks(range(0, n, max(1, n // 32)))
+    ax.set_xlabel("ms (one transformer layer, forward + backward, per micro-batch)")
+    ax.set_ylabel("unit")
+    ax.set_title(title)
+    handles = [Patch(color=_COLORS.get(c, "#7f7f7f"), label=c) for c in sorted(seen)]
+    if handles and legend:
+        ax.legend(handles=handles, loc="upper right", fontsize=7)
+
+
 def draw_png(header: PlanHeader, step: StepPlan, result: SimResult, path: str | Path) -> None:
     """Per-unit Gantt of the simulated layers (one per micro-batch) and a heat-map of unit loads."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
 
     n = len(result.units)
     fig_h = min(max(3.0, 0.18 * n + 2.5), 18.0)
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(15, fig_h), gridspec_kw={"width_ratios": [3, 1.2]})
-    offset = 0.0
-    seen = set()
-    for mbi, mb in enumerate(result.timeline or []):
-        by_cat: dict[tuple[str, str], list] = defaultdict(list)
-        for iv in mb.intervals:
-            by_cat[(iv.cat, iv.lane)].append(iv)
-        for (cat, lane), ivs in by_cat.items():
-            color = _COLORS.get(cat, "#7f7f7f")
-            if lane == "compute":
-                for iv in ivs:
-                    ax.broken_barh([((offset + iv.start) * 1e3, (iv.end - iv.start) * 1e3)], (iv.unit - 0.4, 0.55),
-                                   facecolors=color)
-            else:
-                for iv in ivs:
-                    ax.broken_barh([((offset + iv.start) * 1e3, (iv.end - iv.start) * 1e3)], (iv.unit + 0.2, 0.2),
-                                   facecolors=color, alpha=0.6)
-            seen.add(cat)
-        if mbi:
-            ax.axvline(offset * 1e3, color="k", lw=0.6, ls="--")
-        offset += mb.layer_period_s
-    ax.set_ylim(n - 0.5, -0.5)
-    ax.set_yticks(range(0, n, max(1, n // 32)))
-    ax.set_xlabel("ms (one transformer layer, forward + backward, per micro-batch)")
-    ax.set_ylabel("unit")
-    ax.set_title(f"{header.planner}: step {step.step}, simulated {result.step_time_s * 1e3:.1f} ms "
-                 f"({result.num_layers} layers + head + all-reduce)")
-    handles = [Patch(color=_COLORS.get(c, "#7f7f7f"), label=c) for c in sorted(seen)]
-    if handles:
-        ax.legend(handles=handles, loc="upper right", fontsize=7)
+    gantt(ax, result, f"{header.planner}: step {step.step}, simulated {result.step_time_s * 1e3:.1f} ms "
+                      f"({result.num_layers} layers + head + all-reduce)")
     # heat-map of unit loads: nodes x units per node, simulated busy time
     upn = max(1, len(result.units) // max(header.cluster.num_nodes, 1))
     rows = (n + upn - 1) // upn
@@ -192,6 +196,42 @@ def draw_png(header: PlanHeader, step: StepPlan, result: SimResult, path: str | 
     fig.colorbar(im, ax=ax2)
     fig.tight_layout()
     save_png(fig, path, dpi=110)
+
+
+def draw_demo_png(timelines: list[tuple[str, SimResult]], speedups: list[tuple[str, float]], reference: str,
+                  title: str, path: str | Path) -> None:
+    """The demo's picture: per-unit timelines of one step side by side (same time axis) and the
+    speedup of every planner over ``reference`` as bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = max(len(r.units) for _, r in timelines)
+    fig_h = min(max(3.2, 0.16 * n + 2.4), 12.0)
+    widths = [3] * len(timelines) + [2]
+    fig, axes = plt.subplots(1, len(timelines) + 1, figsize=(6 * len(timelines) + 4, fig_h),
+                             gridspec_kw={"width_ratios": widths})
+    xmax = max(sum(mb.layer_period_s for mb in (r.timeline or [])) for _, r in timelines) * 1e3
+    for ax, (label, r) in zip(axes, timelines):
+        gantt(ax, r, f"{label}: {r.step_time_s * 1e3:,.0f} ms step ({len(r.timeline or [])} micro-batch"
+                     f"{'es' if len(r.timeline or []) != 1 else ''})")
+        ax.set_xlim(0, xmax * 1.02)
+    ax = axes[-1]
+    names = [p for p, _ in speedups]
+    vals = [v for _, v in speedups]
+    colors = ["#d62728" if p.startswith("zeppelin") else "#1f77b4" for p in names]
+    ax.barh(range(len(names)), vals, color=colors)
+    ax.set_yticks(range(len(names)), names)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="k", lw=0.8)
+    for y, v in enumerate(vals):
+        ax.text(v, y, f" {v:.2f}x", va="center", fontsize=8)
+    ax.set_xlabel(f"speedup over {reference} (simulated mean step time)")
+    ax.set_xlim(0, max(vals + [1.0]) * 1.25)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    save_png(fig, path, dpi=90)
 
 
 def save_png(fig, path, dpi: int = 100) -> None:

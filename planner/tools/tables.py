@@ -1,0 +1,96 @@
+"""Tables every command prints, readable in an 80-column terminal.
+
+One helper builds them all (:func:`table`): light borders (a rule under the header, no vertical
+lines) so that the columns, not the frame, get the width; every column at least as wide as the
+longest word of its header, so a header wraps between words onto a second line but never loses
+letters ("toke…"); cell text that does not fit wraps instead of being cut. Headers are written as
+short words (``"mean ms"``), stacked by rich when the terminal is narrow. :func:`console` is the
+console commands print to (the terminal's width, ``COLUMNS`` honoured); :func:`render_text` renders
+a table at a given width (tests check every command's table at 80 columns with it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["console", "render_text", "simulate_step_tables", "simulate_summary_table", "table"]
+
+
+def table(title: str | None, columns: Sequence[str | tuple[str, str]], *, caption: str | None = None,
+          show_header: bool = True, styles: dict[str, str] | None = None):
+    """A rich ``Table`` with ``columns`` (a header, or ``(header, justify)``; the first column is
+    left-justified and the others right-justified unless given)."""
+    from rich import box
+    from rich.table import Table
+
+    t = Table(title=title, caption=caption, title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD,
+              show_header=show_header, pad_edge=False, padding=(0, 1), collapse_padding=True, show_edge=False)
+    for i, spec in enumerate(columns):
+        header, justify = (spec, "left" if i == 0 else "right") if isinstance(spec, str) else spec
+        longest_word = max((len(w) for w in header.split()), default=0)
+        t.add_column(header, justify=justify, min_width=longest_word, overflow="fold",
+                     style=(styles or {}).get(header))
+    return t
+
+
+def console(stderr: bool = False, **kw: Any):
+    """The console a command prints to: the terminal's width (``COLUMNS`` when set)."""
+    from rich.console import Console
+
+    return Console(stderr=stderr, **kw)
+
+
+def render_text(renderable, width: int = 80) -> str:
+    """``renderable`` as plain text at ``width`` columns (no colour)."""
+    import io
+
+    from rich.console import Console
+
+    con = Console(file=io.StringIO(), width=width, color_system=None, force_terminal=False, legacy_windows=False)
+    con.print(renderable)
+    return con.file.getvalue()
+
+
+# ------------------------------------------------------------------ the tables of `zeppelin simulate`
+def _np():
+    import numpy as np
+
+    return np
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.2f}"
+
+
+def simulate_summary_table(header, results):
+    """`zeppelin simulate`: one row per simulated step."""
+    t = table(f"simulated steps: planner {header.planner}, {header.cluster.name} "
+              f"({header.world_size} GPUs, tp={header.tp}), {header.model.name}",
+              [(c, "right") for c in ("step", "sim ms", "pred ms", "LB ms", "xLB", "busy %", "exposed ms", "idle ms",
+                                      "NIC busy %")],
+              caption="busy / exposed / idle: mean over units; NIC busy: the busiest NIC")
+    for r in results:
+        busy = _np().mean([u.busy_s for u in r.units]) / r.step_time_s * 100 if r.step_time_s else 0.0
+        t.add_row(
+            str(r.step), _ms(r.step_time_s), _ms(r.predicted_s) if r.predicted_s is not None else "-",
+            _ms(r.lower_bound_s), f"{r.step_time_s / r.lower_bound_s:.2f}" if r.lower_bound_s else "-",
+            f"{busy:.1f}", _ms(r.exposed_comm_s), _ms(float(_np().mean([u.idle_s for u in r.units]))),
+            f"{r.max_nic_busy_frac * 100:.1f}",
+        )
+    return t
+
+
+def simulate_step_tables(r):
+    """`zeppelin simulate --step K`: per unit, and per NIC."""
+    t = table(f"step {r.step}: {_ms(r.step_time_s)} ms simulated "
+              f"(compute until {_ms(r.compute_end_s)} ms, gradient all-reduce {_ms(r.allreduce_s)} ms)",
+              [(c, "right") for c in ("unit", "tokens", "attn ms", "linear ms", "busy ms", "exposed ms", "idle ms",
+                                      "busy %")])
+    for u, s in enumerate(r.units):
+        t.add_row(str(u), str(s.tokens), _ms(s.attention_s), _ms(s.linear_s), _ms(s.busy_s), _ms(s.exposed_comm_s),
+                  _ms(s.idle_s), f"{s.busy_s / r.step_time_s * 100:.1f}" if r.step_time_s else "-")
+    nt = table(f"step {r.step}: NICs", ["NIC", "GB moved", "busy ms", "busy %", "bandwidth use %"])
+    for k, v in r.nics.items():
+        nt.add_row(k, f"{v.bytes / 1e9:.3f}", _ms(v.busy_s), f"{v.busy_frac * 100:.1f}", f"{v.util * 100:.1f}")
+    return t, nt
