@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _train(rank: int, world: int, header_json: str, steps_json: list[str], dp: str = "fsdp", zero_stage: int = 3,
            dtype: str = "fp32", recompute: str = "none", hsdp: int | None = None, verify: bool = True,
-           tol: float = 1e-5, ckpt: str | None = None, save_after: int | None = None, resume: bool = False):
+           tol: float = 1e-5, ckpt: str | None = None, save_after: int | None = None, resume: bool = False,
+           hf: str | None = None):
     """Train the steps on this rank; returns losses, verify reports, memory figures and (rank 0)
     the whole final parameters."""
     from zeppelin.runtime.checkpoint import (
@@ -52,6 +53,13 @@ def _train(rank: int, world: int, header_json: str, steps_json: list[str], dp: s
     ex = Executor(header, model, TokenSource(header.model.vocab_size, header.seed), rank=rank, world_size=world,
                   device=torch.device("cpu"), groups=cache, dp=dp, zero_stage=zero_stage, dtype=dtype,
                   recompute=recompute, hsdp=hsdp, weight_decay=0.1)
+    if hf is not None:  # a transformers model from DIR instead of the runtime's own Llama
+        from zeppelin.runtime.hf import load_hf_model
+
+        model = load_hf_model(hf, seed=0, spec=header.model)
+        ex = Executor(header, model, TokenSource(header.model.vocab_size, header.seed), rank=rank,
+                      world_size=world, device=torch.device("cpu"), groups=cache, dp=dp, zero_stage=zero_stage,
+                      dtype=dtype, recompute=recompute, hsdp=hsdp, weight_decay=0.1)
     first = 0
     if resume:
         path = latest_checkpoint(ckpt)
@@ -266,3 +274,23 @@ def test_metrics_memory_record_and_report():
     assert row["rank"] == 2 and row["measured_bytes"] == int(cap) + 1
     summ = memory_summary([row, None])
     assert summ["steps_exceeding_capacity"] == [0] and summ["peak_measured_bytes"] == int(cap) + 1
+
+
+def test_transformers_model_sharded_with_full_recompute(pool, tmp_path):
+    """A transformers Llama (``--model hf:DIR``) sharded by FSDP2 at ZeRO-3 with every decoder
+    layer recomputed: two AdamW steps equal transformers' own single-process step within 1e-5."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from zeppelin.schemas.hf import hf_model_spec
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(str(tmp_path / "hf"))
+    ref = f"hf:{tmp_path / 'hf'}"
+    spec = hf_model_spec(ref)
+    header = make_header(cluster_preset("local-cpu:2x2"), spec, 2, planner="zeppelin")
+    steps = [planner_step("zeppelin", header, ls, k) for k, ls in enumerate(LENS[:2])]
+    outs = _run(pool, header, steps, zero_stage=3, recompute="full", hf=ref)
+    for rep in outs[0]["reports"]:
+        assert rep["ok"] and rep["loss_rel"] <= 1e-5 and rep["hidden_rel"] <= 1e-5, rep
