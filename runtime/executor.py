@@ -744,6 +744,10 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
     verify_worst = {"loss_rel": 0.0, "hidden_rel": 0.0, "grad_rel": 0.0}
     heartbeat = Heartbeat(os.environ.get("ZEPPELIN_ERROR_DIR"), rank)
     memory = StepMemory(device)
+    if cfg.verify and rank == 0 and device.type == "cpu":
+        from .memory import mmap_large_blocks
+
+        mmap_large_blocks()  # the reference's freed tiles go back to the OS (no heap high-water mark)
     try:
         for k in range(start, end):
             step = reader.step(k)

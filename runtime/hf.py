@@ -177,10 +177,16 @@ def load_hf_model(ref: str, seed: int = 0, device: torch.device | str = "cpu",
     name = register_attention()
     config = AutoConfig.from_pretrained(str(d), local_files_only=True)
     config._attn_implementation = name
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        causal = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     files = _safetensors_files(d)
+    if files:  # every weight comes from the files: skip the (slow, large-model) random initialisation
+        from transformers.initialization import no_init_weights
+
+        with no_init_weights():
+            causal = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            causal = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if files:
         state = load_safetensors_state(d)
         state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}

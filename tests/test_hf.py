@@ -151,6 +151,11 @@ def test_weights_load_like_from_pretrained(hf_dirs):
         assert set(mine) == {k for k in ref if not k.endswith("inv_freq")}
         for k, v in mine.items():
             assert torch.equal(v, ref[k]), k
+        # RoPE tables (non-persistent buffers) as transformers builds them: the weights-only path skips
+        # the random initialisation, not the buffers
+        mb = dict(load_hf_model(f"hf:{hf_dirs[kind]}").named_buffers())
+        rb = dict(AutoModelForCausalLM.from_pretrained(str(hf_dirs[kind])).named_buffers())
+        assert mb.keys() == rb.keys() and all(torch.equal(mb[k], rb[k]) for k in mb)
 
 
 def test_reference_copy_has_the_same_names_and_leaves_the_rng(hf_dirs):
