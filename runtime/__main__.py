@@ -49,6 +49,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads per rank")
     p.add_argument("--tp-overlap", choices=["none", "slicing", "commfuse"], default=None,
                    help="communication/GEMM overlap of the tensor-parallel linears (default: the plan's)")
+    p.add_argument("--dp", choices=["fsdp", "replicate"], default="fsdp",
+                   help="fsdp: FSDP2 at the plan's ZeRO stage; replicate: whole model, one gradient all-reduce")
+    p.add_argument("--zero-stage", type=int, default=None, help="ZeRO stage 0-3 (default: the plan's)")
+    p.add_argument("--hsdp", type=int, default=None,
+                   help="hybrid sharding: shard inside groups of this many ranks, replicate across them")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
+                   help="compute dtype (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--recompute", choices=["none", "selective", "full"], default=None,
+                   help="activation recomputation (default: the plan's)")
+    p.add_argument("--recompute-override", action="store_true",
+                   help="run a plan made for another --recompute setting")
     p.add_argument("--export", default=None, metavar="DIR",
                    help="after the run, write the model as a Hugging Face directory (safetensors + config.json)")
     return p
@@ -95,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
                     checkpoint_dir=args.checkpoint_dir, resume=args.resume, timeout_s=args.timeout,
                     verify_timeout_s=args.verify_timeout,
                     progress=args.progress, device=args.device, threads=args.threads,
-                    tp_overlap=args.tp_overlap, export=args.export)
+                    tp_overlap=args.tp_overlap, dp=args.dp, zero_stage=args.zero_stage, hsdp=args.hsdp,
+                    dtype=args.dtype, recompute=args.recompute, recompute_override=args.recompute_override,
+                    export=args.export)
     try:
         summary = run_job(cfg)
     except InputError as e:

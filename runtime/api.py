@@ -344,8 +344,8 @@ def open_plan(path: str | os.PathLike, *, rank: int, world_size: int,
     rank must call ``open_plan`` with the same plan: it creates the process groups the plan's
     attention groups need, collectively, once. ``data``: where token ids come from — None for the
     deterministic synthetic ids the plan's seed defines (what ``zeppelin run`` trains on without
-    ``--data``), a dataset manifest path (``zeppelin data``; its hash must match the plan's), or a
-    function ``sample_id -> token ids``. ``device``: where tensors go (default: the current CUDA
+    ``--data``; refused for a plan made from a manifest with token ids), a dataset manifest path
+    (``zeppelin data``; its hash must match the plan's), or a function ``sample_id -> token ids``. ``device``: where tensors go (default: the current CUDA
     device under NCCL, else the CPU).
 
     Raises :class:`InputError` with a one-line reason for a missing, malformed or incompatible
@@ -359,6 +359,9 @@ def open_plan(path: str | os.PathLike, *, rank: int, world_size: int,
         raise InputError(f"the plan is for {header.world_size} ranks but world_size is {world_size}")
     if not 0 <= rank < world_size:
         raise InputError(f"rank {rank} is outside the world of {world_size} ranks")
+    if data is None and header.manifest.token_ids:
+        raise InputError(f"the plan was made from a manifest with token ids ({header.manifest.path}); pass it as "
+                         "data= (without it the steps would get synthetic ids)")
     if callable(data):
         source = TokenSource(header.model.vocab_size, header.seed, tokens_fn=data)
     else:

@@ -15,8 +15,9 @@ Two entry points:
 Processes start from a forkserver that imported torch once (``spawn`` where forkserver does not
 exist), so a world of 8 ranks starts in seconds. Each rank runs with ``threads`` torch threads
 (default 1) and ``GLOO_SOCKET_IFNAME=lo`` unless set. ``fn`` must be picklable by reference (a
-module-level function); its arguments and return values are moved with ``torch.save``/``torch.load``
-(tensors are fine, they come back on the CPU).
+module-level function, passed by reference through the pool's own queue); its arguments and return
+values are moved with ``torch.save``/``torch.load(weights_only=True)``: tensors, numbers, strings and plain containers
+(tensors come back on the CPU), nothing that needs unpickling code.
 
 Failure handling: when a rank raises, its traceback is re-raised in the parent as
 :class:`DistributedError` (ranks in rank order, first line names the rank); when a rank dies
@@ -72,9 +73,10 @@ def _dumps(obj: Any) -> bytes:
 
 
 def _loads(data: bytes) -> Any:
+    """Tensors and plain containers only (``weights_only``: no code runs while reading)."""
     import torch
 
-    return torch.load(io.BytesIO(data), weights_only=False)
+    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 def _to_cpu(obj: Any) -> Any:
@@ -122,9 +124,9 @@ def _worker(
             task = tasks.get()
             if task is None:
                 break
-            task_id, payload = task
+            task_id, fn, payload = task
             try:
-                fn, args, kwargs = _loads(payload)
+                args, kwargs = _loads(payload)
                 out = fn(rank, world_size, *args, **kwargs)
                 results.put((rank, task_id, True, _dumps(_to_cpu(out))))
             except BaseException:  # noqa: BLE001 - reported to the parent
@@ -289,9 +291,9 @@ class DistributedPool:
             self.start()
         task_id = self._next_id
         self._next_id += 1
-        payload = _dumps((fn, args, kwargs))
+        payload = _dumps((args, kwargs))
         for q in self._tasks:
-            q.put((task_id, payload))
+            q.put((task_id, fn, payload))
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
         deadline = time.monotonic() + timeout

@@ -81,6 +81,12 @@ class RunConfig:
     threads: int | None = None
     tp_overlap: str | None = None    # none | slicing | commfuse (default: the plan header's)
     tp_chunks: int = 4               # slices of the slicing overlap mode
+    dp: str = "fsdp"                 # fsdp (FSDP2, the plan's ZeRO stage) | replicate (whole model, all-reduce)
+    zero_stage: int | None = None    # default: the plan header's
+    hsdp: int | None = None          # hybrid sharding: shard groups of this many ranks (None: shard over all)
+    dtype: str | None = None         # fp32 | bf16 (default: bf16 on CUDA, fp32 on CPU)
+    recompute: str | None = None     # none | selective | full (default: the plan header's)
+    recompute_override: bool = False  # run a plan made for another --recompute
     export: str | None = None        # write a Hugging Face directory (safetensors + config) at the end
 
 
@@ -132,6 +138,7 @@ class StepResult:
     bytes: dict[str, int]
     tokens: int
     hidden: list[tuple[list[list[int]], torch.Tensor]] = field(default_factory=list)
+    memory: dict[str, int] = field(default_factory=dict)
 
 
 class Executor:
@@ -143,8 +150,34 @@ class Executor:
     def __init__(self, header: PlanHeader, model: LlamaModel, source: TokenSource, *,
                  rank: int, world_size: int, device: torch.device, groups=None,
                  lr: float = 1e-3, weight_decay: float = 0.0, tp_overlap: str | None = None,
-                 tp_chunks: int = 4) -> None:
+                 tp_chunks: int = 4, dp: str = "fsdp", zero_stage: int | None = None,
+                 dtype: str | None = None, recompute: str = "none", hsdp: int | None = None) -> None:
+        from . import fsdp
         from .tp import OVERLAP_MODES
+
+        if dp not in fsdp.DP_MODES:
+            raise InputError(f"--dp {dp!r} is not one of {', '.join(fsdp.DP_MODES)}")
+        if recompute not in fsdp.RECOMPUTE_MODES:
+            raise InputError(f"--recompute {recompute!r} is not one of {', '.join(fsdp.RECOMPUTE_MODES)}")
+        if dtype is not None and dtype not in fsdp.DTYPES:
+            raise InputError(f"--dtype {dtype!r} is not one of {', '.join(fsdp.DTYPES)}")
+        self.zero_stage = header.zero_stage if zero_stage is None else zero_stage
+        if dp == "fsdp" and self.zero_stage == 0:
+            dp = "replicate"  # ZeRO-0: whole model and optimizer state on every rank
+        self.dp = dp
+        self.recompute = recompute
+        self.spec_dtype = model.dtype
+        if dtype is not None:
+            model.dtype = fsdp.DTYPES[dtype]
+        self.dtype = {v: k for k, v in fsdp.DTYPES.items()}.get(model.dtype, str(model.dtype))
+        if dp == "fsdp":
+            self.mesh = fsdp.dp_mesh(world_size, device.type, hsdp)
+            fsdp.shard_model(model, self.mesh, self.zero_stage,
+                             fsdp.mixed_precision(self.dtype if self.dtype in fsdp.DTYPES else "fp32"), recompute)
+        else:
+            self.mesh = None
+            fsdp.apply_recompute(model, recompute)
+        self.activations = fsdp.SavedActivations()
 
         self.tp_overlap = header.tp_overlap if tp_overlap is None else tp_overlap
         if self.tp_overlap not in OVERLAP_MODES:
@@ -184,16 +217,23 @@ class Executor:
         loss_local = torch.zeros((), dtype=torch.float64)
         tokens = 0
         hidden = []
+        n_mb = len(step.microbatches)
+        self.activations.peak = 0
+        act_peak = (0, 0)  # (bytes saved for the backward, tokens) of the micro-batch holding the most
         t0 = self._now()
         sc = build_step(self.header, step, rank=self.rank, source=self.source, device=self.device,
                         groups=self.groups, tp_group=tpg, tp_mode=self.tp_overlap, tp_chunks=self.tp_chunks)
         phases["data"] = self._now() - t0
         for mb in sc.microbatches:
             t1 = self._now()
-            loss_sum, h = self.model(mb.input_ids, mb.labels, PlanLayout(mb.context, mb.position_ids), timer)
+            with self.activations.hooks():
+                loss_sum, h = self.model(mb.input_ids, mb.labels, PlanLayout(mb.context, mb.position_ids), timer)
             loss = loss_sum / mb.loss_normaliser
             t2 = self._now()
             loss.backward()
+            held_mb = self.activations.release()
+            if held_mb >= act_peak[0]:
+                act_peak = (held_mb, mb.num_tokens)
             t3 = self._now()
             phases["forward"] += t2 - t1
             phases["backward"] += t3 - t2
@@ -203,7 +243,7 @@ class Executor:
             if keep_hidden:
                 hidden.append(([list(sg) for sg in mb.segments], h.detach().float().cpu()))
         t4 = self._now()
-        sent = self.allreduce_grads()
+        sent = self.allreduce_grads() if self.dp == "replicate" else self._fsdp_bytes(n_mb)
         t5 = self._now()
         phases["grad_allreduce"] = t5 - t4
         if self.world_size > 1:
@@ -212,7 +252,13 @@ class Executor:
         phases["remap"] = timer.totals.get("remap", 0.0)
         phases["linear"] = max(phases["forward"] + phases["backward"] - phases["attention"] - phases["remap"], 0.0)
         nbytes["allreduce"] = sent
-        return StepResult(loss=float(loss_local), phases=phases, bytes=nbytes, tokens=tokens, hidden=hidden)
+        from .fsdp import held_bytes
+
+        held = held_bytes(self.model)
+        memory = {"params": held["params"], "grads": held["grads"], "activations": act_peak[0],
+                  "activation_tokens": act_peak[1]}
+        return StepResult(loss=float(loss_local), phases=phases, bytes=nbytes, tokens=tokens, hidden=hidden,
+                          memory=memory)
 
     def _tp_group(self, step: StepPlan, unit: int):
         """The TP group of this rank's unit in ``step`` (None for a one-rank unit)."""
@@ -231,6 +277,15 @@ class Executor:
         self.used_tp = True
         pg = self.groups.get(rep.ranks) if self.groups is not None else None
         return TPGroup(ranks=list(rep.ranks), rank=self.rank, pg=pg)
+
+    def _fsdp_bytes(self, n_mb: int) -> int:
+        """Bytes this rank sent in FSDP's gradient reduce-scatters (ring estimate, fp32): one per
+        micro-batch."""
+        w = self.mesh.size() if self.mesh is not None else self.world_size
+        if w == 1:
+            return 0
+        numel = sum(p.numel() for p in self.params)
+        return int(n_mb * (w - 1) / w * numel * 4)
 
     def allreduce_grads(self) -> int:
         """SUM the gradients over all ranks in one flat buffer; returns bytes this rank sent."""
@@ -251,6 +306,19 @@ class Executor:
         w = self.world_size
         return int(2 * (w - 1) / w * flat.numel() * flat.element_size())
 
+    def measured_memory(self, result: StepResult) -> dict[str, int]:
+        """This rank's memory for the step (after the optimizer step): the shards of parameters,
+        gradients (as the backward left them) and AdamW state it holds, the peak bytes autograd
+        saved for a backward (``activations``), and ``measured``: the CUDA allocator's peak on a
+        GPU, on the CPU the sum of the four."""
+        from .fsdp import held_bytes
+
+        mem = dict(result.memory)
+        mem["optimizer"] = held_bytes(self.model, self.optimizer)["optimizer"]
+        mem["measured"] = (int(torch.cuda.max_memory_allocated(self.device)) if self.cuda else
+                           mem.get("params", 0) + mem.get("grads", 0) + mem["optimizer"] + mem.get("activations", 0))
+        return mem
+
     def optimizer_step(self) -> float:
         t0 = self._now()
         self.optimizer.step()
@@ -261,8 +329,9 @@ class Executor:
     # -- --verify ------------------------------------------------------------------------------
     def verify(self, step: StepPlan, result: StepResult, tol: float, *, group=None,
                timeout_s: float | None = None) -> dict[str, Any] | None:
-        """Rank 0 recomputes the step single-process and compares loss, final hidden states and
-        every parameter gradient (relative max-norm differences). Collective; returns the report
+        """Rank 0 recomputes the step single-process in fp32 and compares loss, final hidden states and
+        every parameter gradient (relative max-norm differences). Collective (FSDP
+        gathers the whole parameters and gradients); returns the report
         on every rank (or raises :class:`VerifyError` on every rank when beyond ``tol``).
 
         ``group``: the process group the hidden states and the verdict travel on — a group whose
@@ -274,28 +343,29 @@ class Executor:
             dist.gather_object(result.hidden, gathered, dst=0, group=group)
         else:
             gathered = [result.hidden]
+        ref_model = self._reference_model()
         report = None
         if self.rank == 0:
             from .lifecycle import maybe_fault
 
             maybe_fault(self.rank, step.step, "verify")
-            ref = reference_step(self.model, step.sequences, self.source, self.device,
+            ref = reference_step(ref_model, step.sequences, self.source, self.device,
                                  normaliser=max(predicted_tokens(step.sequences), 1))
-            report = compare_with_reference(self.model, step, result.loss, gathered, ref)
+            report = compare_with_reference(ref_model, step, result.loss, gathered, ref)
             report["tolerance"] = tol
             ok_grad = report["grad_rel"] <= tol
-            if not ok_grad and self.model.dtype == torch.float32:
+            if not ok_grad and self.dtype == "fp32":
                 # beyond tol of the fp32 reference: judge both against an fp64 oracle. A trained fp32
                 # model amplifies summation-order rounding; the distributed step passes when it is
                 # as exact as the single-process fp32 step (within 2x of that step's own error).
                 import copy
 
-                m64 = copy.deepcopy(self.model).double()
+                m64 = copy.deepcopy(ref_model).double()
                 m64.dtype = torch.float64
                 ref64 = reference_step(m64, step.sequences, self.source, self.device,
                                        normaliser=max(predicted_tokens(step.sequences), 1))
                 mine = {n: (p.grad if p.grad is not None else torch.zeros_like(p))
-                        for n, p in self.model.named_parameters()}
+                        for n, p in ref_model.named_parameters()}
                 report["grad_rel_vs_fp64"] = max(_rel(mine[n], g) for n, g in ref64["grads"].items())
                 report["fp32_reference_vs_fp64"] = max(_rel(ref["grads"][n], g) for n, g in ref64["grads"].items())
                 ok_grad = report["grad_rel_vs_fp64"] <= max(tol, 2 * report["fp32_reference_vs_fp64"])
@@ -320,6 +390,30 @@ class Executor:
                 + (f"; vs an fp64 reference: distributed {report['grad_rel_vs_fp64']:.3g}, single-process fp32 "
                    f"{report['fp32_reference_vs_fp64']:.3g}" if "grad_rel_vs_fp64" in report else ""))
         return report
+
+
+    def _reference_model(self) -> LlamaModel | None:
+        """An unsharded fp32 copy of the model holding this step's whole gradients, on rank 0
+        (None elsewhere); the model itself when it already is one. Collective under FSDP."""
+        from .fsdp import full_params_and_grads
+
+        if self.dp == "replicate" and self.model.dtype == torch.float32 and self.recompute == "none":
+            return self.model if self.rank == 0 else None
+        params, grads = full_params_and_grads(self.model)
+        if self.rank != 0:
+            return None
+        if isinstance(self.model, LlamaModel):
+            ref = LlamaModel(self.model.spec, seed=0)
+        else:  # a transformers model (zeppelin.runtime.hf): a fresh one from the same config, built
+            # without drawing from the global RNG (rank 0's RNG state stays what a resume restores)
+            ref = self.model.reference_copy()
+        ref = ref.to(self.device)
+        ref.dtype = torch.float32
+        with torch.no_grad():
+            for name, p in ref.named_parameters():
+                p.copy_(params[name])
+                p.grad = grads[name].to(p.dtype)
+        return ref
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -444,6 +538,24 @@ def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSo
         raise InputError("--checkpoint-every must be >= 0")
     if (cfg.checkpoint_every or cfg.resume) and not cfg.checkpoint_dir:
         raise InputError("--checkpoint-every/--resume need --checkpoint-dir")
+    from .fsdp import DP_MODES, DTYPES, RECOMPUTE_MODES
+
+    if cfg.dp not in DP_MODES:
+        raise InputError(f"--dp {cfg.dp!r} is not one of {', '.join(DP_MODES)}")
+    if cfg.dtype is not None and cfg.dtype not in DTYPES:
+        raise InputError(f"--dtype {cfg.dtype!r} is not one of {', '.join(DTYPES)}")
+    if cfg.zero_stage is not None and not 0 <= cfg.zero_stage <= 3:
+        raise InputError(f"--zero-stage must be 0, 1, 2 or 3 (got {cfg.zero_stage})")
+    if cfg.hsdp is not None and (cfg.hsdp < 1 or world_size % cfg.hsdp):
+        raise InputError(f"--hsdp {cfg.hsdp} must divide the world size {world_size}")
+    planned = getattr(header, "recompute", "none")
+    if cfg.recompute is not None:
+        if cfg.recompute not in RECOMPUTE_MODES:
+            raise InputError(f"--recompute {cfg.recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}")
+        if cfg.recompute != planned and not cfg.recompute_override:
+            raise InputError(f"the plan was made for --recompute {planned} (its activation memory per token), "
+                             f"not {cfg.recompute}; re-plan with `zeppelin plan --recompute {cfg.recompute}` "
+                             "or pass --recompute-override")
     metrics_path = Path(cfg.metrics) if cfg.metrics else Path(cfg.plan).with_suffix(".metrics.jsonl")
     check_output(metrics_path, [cfg.plan, cfg.data, cfg.model], what="metrics file")
     return reader, source, 0, end
@@ -554,7 +666,14 @@ def _agree(world: int, err: str | None) -> None:
 
 
 def _run_initialised(cfg, rank, world, device, local_err, reader, header, source, start, end):
-    from .checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+    from .checkpoint import (
+        latest_checkpoint,
+        load_checkpoint_tensors,
+        read_checkpoint_state,
+        rng_state,
+        save_checkpoint,
+        set_rng_state,
+    )
     from .groups import GroupCache, set_default_cache
     from .lifecycle import Heartbeat, check_resume_hyperparameters, maybe_fault, prepare_checkpoint_dir
     from .memory import StepMemory
@@ -570,11 +689,13 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
                "seed": header.seed if (header is not None and cfg.seed is None) else cfg.seed}
     # resume: find the checkpoint (rank 0's filesystem view is shared with every local rank)
     state = None
+    ckpt_path = None
     if local_err is None and cfg.resume:
         try:
             path = latest_checkpoint(cfg.checkpoint_dir)
             if path is not None:
-                state = load_checkpoint(path, plan_hash=plan_hash(header), world_size=world)
+                state = read_checkpoint_state(path, plan_hash=plan_hash(header), world_size=world)
+                ckpt_path = path
                 if not 0 <= state["next_step"] <= end:
                     raise InputError(f"checkpoint resumes at step {state['next_step']}, beyond --steps {end}",
                                      source=path)
@@ -600,14 +721,16 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
     set_default_cache(groups)
     seed = header.seed if cfg.seed is None else cfg.seed
     model = build_model(cfg.model, header, seed, device)
+    dtype = cfg.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    recompute = cfg.recompute if cfg.recompute is not None else getattr(header, "recompute", "none")
     ex = Executor(header, model, source, rank=rank, world_size=world, device=device, groups=groups,
-                  lr=cfg.lr, weight_decay=cfg.weight_decay, tp_overlap=cfg.tp_overlap, tp_chunks=cfg.tp_chunks)
+                  lr=cfg.lr, weight_decay=cfg.weight_decay, tp_overlap=cfg.tp_overlap, tp_chunks=cfg.tp_chunks,
+                  dp=cfg.dp, zero_stage=cfg.zero_stage, dtype=dtype, recompute=recompute, hsdp=cfg.hsdp)
     if state is not None:
-        model.load_state_dict(state["model"])
-        ex.optimizer.load_state_dict(state["optimizer"])
+        load_checkpoint_tensors(ckpt_path, model, ex.optimizer)
         if rank < len(state["rng"]):
             set_rng_state(state["rng"][rank])
-    tol = cfg.verify_tol if cfg.verify_tol is not None else (1e-5 if header.model.dtype == "fp32" else 2e-2)
+    tol = cfg.verify_tol if cfg.verify_tol is not None else (1e-5 if dtype == "fp32" else 2e-2)
     metrics_path = Path(cfg.metrics) if cfg.metrics else Path(cfg.plan).with_suffix(".metrics.jsonl")
     mfh = None
     progress = None
@@ -621,6 +744,10 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
     verify_worst = {"loss_rel": 0.0, "hidden_rel": 0.0, "grad_rel": 0.0}
     heartbeat = Heartbeat(os.environ.get("ZEPPELIN_ERROR_DIR"), rank)
     memory = StepMemory(device)
+    if cfg.verify and rank == 0 and device.type == "cpu":
+        from .memory import mmap_large_blocks
+
+        mmap_large_blocks()  # the reference's freed tiles go back to the OS (no heap high-water mark)
     try:
         for k in range(start, end):
             step = reader.step(k)
@@ -644,13 +771,20 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
                 for key in ("loss_rel", "hidden_rel", "grad_rel", "grad_rel_vs_fp64", "fp32_reference_vs_fp64"):
                     if key in report:
                         verify_worst[key] = max(verify_worst.get(key, 0.0), report[key])
-            res.phases["peak_memory_bytes"] = float(memory.peak())
+            mem = ex.measured_memory(res)
+            mem["process_peak"] = int(memory.peak())
+            res.phases["peak_memory_bytes"] = float(mem["process_peak"])
             res.phases["verify"] = t_verify
             per_rank = [None] * world
-            dist.all_gather_object(per_rank, (res.phases, res.bytes, res.tokens))
+            dist.all_gather_object(per_rank, (res.phases, res.bytes, res.tokens, mem))
             losses.append(res.loss)
             if rank == 0:
-                rec = _metrics_record(step, res.loss, per_rank, report)
+                rec = _metrics_record(step, res.loss, per_rank, report, header)
+                for r in rec["memory"]["exceeds_capacity"]:
+                    print(f"zeppelin run: warning: step {step.step}: rank {r} measured "
+                          f"{rec['memory']['measured_bytes'][r] / 1e9:.2f} GB, more than the "
+                          f"{header.cluster.gpu.memory_gb:g} GB of a {header.cluster.gpu.name} the plan assumes",
+                          file=sys.stderr, flush=True)
                 mfh.write(json.dumps(rec) + "\n")
                 mfh.flush()
                 progress.update(rec)
@@ -658,11 +792,9 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
                                        or k + 1 == end):
                 rngs = [None] * world
                 dist.all_gather_object(rngs, rng_state())
-                if rank == 0:
-                    save_checkpoint(cfg.checkpoint_dir, next_step=k + 1, model=model, optimizer=ex.optimizer,
-                                    rng_states=rngs, plan_hash=phash, world_size=world,
-                                    extra={"hyperparameters": hparams})
-                dist.barrier()
+                save_checkpoint(cfg.checkpoint_dir, next_step=k + 1, model=model, optimizer=ex.optimizer,
+                                rng_states=rngs, plan_hash=phash, world_size=world, rank=rank,
+                                extra={"hyperparameters": hparams})
     finally:
         heartbeat.close()
         if progress is not None:
@@ -694,7 +826,40 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
     return summary
 
 
-def _metrics_record(step: StepPlan, loss: float, per_rank: list, report: dict | None) -> dict[str, Any]:
+def _memory_record(step: StepPlan, per_rank: list, header: PlanHeader | None) -> dict[str, Any]:
+    """Measured memory of every rank next to the plan's prediction for that rank."""
+    mems = [pr[3] if len(pr) > 3 else {} for pr in per_rank]
+    measured = [int(m.get("measured", 0)) for m in mems]
+    out: dict[str, Any] = {
+        "measured_bytes": measured,
+        "params_bytes": [int(m.get("params", 0)) for m in mems],
+        "grads_bytes": [int(m.get("grads", 0)) for m in mems],
+        "optimizer_bytes": [int(m.get("optimizer", 0)) for m in mems],
+        "activation_bytes": [int(m.get("activations", 0)) for m in mems],
+        "process_peak_bytes": [int(m.get("process_peak", 0)) for m in mems],
+        "activation_bytes_per_token": [round(int(m.get("activations", 0)) / m["activation_tokens"], 3)
+                                       if m.get("activation_tokens") else 0.0 for m in mems],
+        "predicted_bytes": None,
+        "capacity_bytes": None,
+        "exceeds_capacity": [],
+    }
+    if header is not None:
+        cap = header.cluster.gpu.memory_gb * 1e9
+        out["capacity_bytes"] = cap
+        out["exceeds_capacity"] = [r for r, v in enumerate(measured) if v > cap]
+        if step.prediction is not None:
+            unit_of = {}
+            for u, rep in enumerate(header.replicas(step)):
+                for r in rep.ranks:
+                    unit_of[r] = u
+            gb = step.prediction.per_unit.memory_gb
+            out["predicted_bytes"] = [int(gb[unit_of[r]] * 1e9) if unit_of.get(r, len(gb)) < len(gb) else None
+                                      for r in range(len(per_rank))]
+    return out
+
+
+def _metrics_record(step: StepPlan, loss: float, per_rank: list, report: dict | None,
+                    header: PlanHeader | None = None) -> dict[str, Any]:
     phases_names = ["data", "forward", "backward", "attention", "remap", "linear", "grad_allreduce", "optimizer",
                     "step"]
     phases = {n: [round(pr[0].get(n, 0.0), 6) for pr in per_rank] for n in phases_names}
@@ -714,6 +879,7 @@ def _metrics_record(step: StepPlan, loss: float, per_rank: list, report: dict | 
         "bytes_sent": nbytes,
         "tokens_per_rank": [pr[2] for pr in per_rank],
         "peak_memory_bytes": [int(pr[0].get("peak_memory_bytes", 0)) for pr in per_rank],
+        "memory": _memory_record(step, per_rank, header),
     }
     if step.prediction is not None:
         p = step.prediction

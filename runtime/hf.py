@@ -137,8 +137,11 @@ class HFCausalLM(nn.Module):
         return F.cross_entropy(self.logits(h), labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
     def forward(self, tokens, labels, layout: Layout, timer: PhaseTimer | None = None):
+        """``(loss_sum, final hidden states)``; the hidden states are returned detached (for
+        inspection and --verify: a view of transformers' output that required grad would make
+        FSDP register its pre-backward hook on a view)."""
         h = self.hidden_states(tokens, layout, timer)
-        return self.loss_sum(h, labels), h
+        return self.loss_sum(h, labels), h.detach()
 
     def reference_copy(self, device: torch.device | str = "cpu") -> HFCausalLM:
         """A new unsharded fp32 model of the same config and spec (transformers' initialisation,
@@ -174,10 +177,16 @@ def load_hf_model(ref: str, seed: int = 0, device: torch.device | str = "cpu",
     name = register_attention()
     config = AutoConfig.from_pretrained(str(d), local_files_only=True)
     config._attn_implementation = name
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        causal = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     files = _safetensors_files(d)
+    if files:  # every weight comes from the files: skip the (slow, large-model) random initialisation
+        from transformers.initialization import no_init_weights
+
+        with no_init_weights():
+            causal = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            causal = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if files:
         state = load_safetensors_state(d)
         state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}

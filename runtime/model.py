@@ -255,7 +255,7 @@ class ReferenceLayout(Layout):
         self.linear_positions = self.attn_positions
 
     def attention(self, q, k, v):
-        return reference_attention(q, k, v, self.seq_lengths)
+        return reference_attention(q, k, v, self.seq_lengths, tile_scores=REFERENCE_TILE_SCORES)
 
 
 class _Mark(torch.autograd.Function):
@@ -481,7 +481,50 @@ class LlamaModel(nn.Module):
         return self.loss_sum(h, labels), h
 
 
-REFERENCE_LOSS_ROWS = 4096  # tokens per chunk of the reference's LM head + loss
+REFERENCE_LOSS_ROWS = 4096  # tokens per chunk of the reference's LM head + loss, and of its MLPs
+
+
+def _reference_block(blk: Block, x: torch.Tensor, cos, sin, layout: Layout) -> torch.Tensor:
+    """:meth:`Block.forward` on the reference layout (whole sequences, no remap), recomputed in the
+    backward pass: the step keeps only each layer's input; while one layer's backward runs, its
+    pieces are recomputed — everything that acts on each token alone (norms, Q/K/V with RoPE, O, the
+    MLP) in chunks of ``REFERENCE_LOSS_ROWS`` tokens keeping only each chunk's input, the attention
+    core over the whole step (tiled, :func:`reference_attention`). Same arithmetic as
+    :meth:`Attention.forward` / :meth:`Block.forward`."""
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(_reference_block_pieces, blk, x, cos, sin, layout, use_reentrant=False)
+
+
+def _reference_block_pieces(blk: Block, x: torch.Tensor, cos, sin, layout: Layout) -> torch.Tensor:
+    from torch.utils.checkpoint import checkpoint
+
+    att = blk.attn
+    T = x.shape[0]
+    spans = [(a, min(T, a + REFERENCE_LOSS_ROWS)) for a in range(0, T, REFERENCE_LOSS_ROWS)]
+
+    def qkv(xx, c, s):
+        h = blk.attn_norm(xx)
+        dt, n = h.dtype, h.shape[0]
+        q = F.linear(h, att.wq.to(dt)).view(n, att.hq, att.d)
+        k = F.linear(h, att.wk.to(dt)).view(n, att.hkv, att.d)
+        v = F.linear(h, att.wv.to(dt)).view(n, att.hkv, att.d)
+        return apply_rope(q, c, s), apply_rope(k, c, s), v
+
+    def out_proj(o):
+        return F.linear(o, att.wo.to(o.dtype))
+
+    def mlp(xx):
+        return blk.mlp(blk.mlp_norm(xx))
+
+    parts = [checkpoint(qkv, x[a:b], cos[a:b], sin[a:b], use_reentrant=False) for a, b in spans]
+    q, k, v = (torch.cat([p[i] for p in parts]) for i in range(3))
+    del parts
+    o = layout.attention(q, k, v).reshape(T, att.hq * att.d)
+    del q, k, v
+    x = x + torch.cat([checkpoint(out_proj, o[a:b], use_reentrant=False) for a, b in spans])
+    del o
+    return x + torch.cat([checkpoint(mlp, x[a:b], use_reentrant=False) for a, b in spans])
 
 
 def reference_step(model: LlamaModel, sequences, source, device: torch.device | str = "cpu",
@@ -492,10 +535,11 @@ def reference_step(model: LlamaModel, sequences, source, device: torch.device | 
     sequence (``hidden[seq] -> [L, hidden]``) and the gradient of every parameter (``grads``).
     The model's existing ``.grad`` fields are left untouched.
 
-    Memory is bounded like the runtime's: attention is tiled (:func:`reference_attention`), each
-    layer is recomputed in the backward pass from its input (only one layer's activations of the
-    step are alive at a time) and the LM head / loss run in chunks of ``REFERENCE_LOSS_ROWS``
-    tokens, recomputed too. The arithmetic is the same as an un-checkpointed pass.
+    Memory is bounded like the runtime's: attention is tiled (:func:`reference_attention`), and
+    everything else is recomputed in the backward pass in chunks of ``REFERENCE_LOSS_ROWS`` tokens
+    (norms, projections, MLPs, the LM head and the loss: :func:`_reference_block`), so besides the
+    attention core's Q/K/V/output only the chunks' inputs are kept. The arithmetic is the same as
+    an un-checkpointed pass.
     """
     from torch.utils.checkpoint import checkpoint
 
@@ -509,19 +553,24 @@ def reference_step(model: LlamaModel, sequences, source, device: torch.device | 
     layout = ReferenceLayout(lengths, device)
     n = normaliser if normaliser is not None else max(predicted_tokens(sequences), 1)
     params = [p for p in model.parameters()]
-    x = F.embedding(tokens, model.embed).to(model.dtype)
-    cos, sin = rope_tables(layout.attn_positions, model.spec.head_dim, model.spec.rope_theta)
-    for blk in model.layers:
-        x = checkpoint(blk, x, cos, sin, layout, None, use_reentrant=False)
-    h = model.norm(x)
-    del x
-    loss_sum = None
-    for a in range(0, h.shape[0], REFERENCE_LOSS_ROWS):
-        part = checkpoint(model.loss_sum, h[a:a + REFERENCE_LOSS_ROWS], labels[a:a + REFERENCE_LOSS_ROWS],
-                          use_reentrant=False)
-        loss_sum = part if loss_sum is None else loss_sum + part
-    if loss_sum is None:
-        loss_sum = h.sum() * 0.0
+    if not isinstance(model, LlamaModel):
+        # another model behind the same interface (zeppelin.runtime.hf: transformers' own attention,
+        # one whole sequence at a time, for a ReferenceLayout)
+        loss_sum, h = model(tokens, labels, layout)
+    else:
+        x = F.embedding(tokens, model.embed).to(model.dtype)
+        cos, sin = rope_tables(layout.attn_positions, model.spec.head_dim, model.spec.rope_theta)
+        for blk in model.layers:
+            x = _reference_block(blk, x, cos, sin, layout)
+        h = model.norm(x)
+        del x
+        loss_sum = None
+        for a in range(0, h.shape[0], REFERENCE_LOSS_ROWS):
+            part = checkpoint(model.loss_sum, h[a:a + REFERENCE_LOSS_ROWS], labels[a:a + REFERENCE_LOSS_ROWS],
+                              use_reentrant=False)
+            loss_sum = part if loss_sum is None else loss_sum + part
+        if loss_sum is None:
+            loss_sum = h.sum() * 0.0
     loss = loss_sum / n
     grads = torch.autograd.grad(loss, params, allow_unused=True)
     names = [name for name, _ in model.named_parameters()]

@@ -285,6 +285,17 @@ def _has_magic(s: str) -> bool:
     return any(c in s for c in "*?[")
 
 
+def _is_dir(p: Path) -> bool:
+    """``p.is_dir()``, with a path the system cannot even look up (name too long, a loop) as one line."""
+    try:
+        os.stat(p)
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        raise InputError(f"cannot read manifest: {e.strerror or e.__class__.__name__}", source=p) from None
+    return p.is_dir()
+
+
 def _expand(pattern: str, base: Path | None, forced: str | None) -> list[tuple[Path, str]]:
     """Files (with their format) named by one path / directory / glob."""
     p = Path(pattern).expanduser()
@@ -295,7 +306,7 @@ def _expand(pattern: str, base: Path | None, forced: str | None) -> list[tuple[P
         if not matches:
             raise InputError(f"no manifest shards match {pattern!r}")
         files = matches
-    elif p.is_dir():
+    elif _is_dir(p):
         files = sorted(f for f in p.rglob("*") if f.is_file() and not any(
             part.startswith(".") for part in f.relative_to(p).parts) and _ext_format(f) is not None
             and (forced is None or _ext_format(f) == forced))

@@ -39,7 +39,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Annotated, Any, Iterator, Literal
 
 from pydantic import Field, ValidationError, model_serializer, model_validator
 
@@ -201,23 +201,26 @@ class MicroBatch(Strict):
         return [list(s) for s in self.linear_layout[unit]]
 
 
+Seconds = Annotated[float, Field(ge=-1e9, le=1e9)]  # a predicted time: finite, at most ~30 years
+
+
 class RankLoads(Strict):
     """Per-unit predictions (struct of arrays, index = unit)."""
 
-    attention_s: list[float]
-    linear_s: list[float]
-    comm_s: list[float]
-    exposed_comm_s: list[float]
-    total_s: list[float]
-    tokens: list[int]
-    memory_gb: list[float]
+    attention_s: list[Seconds]
+    linear_s: list[Seconds]
+    comm_s: list[Seconds]
+    exposed_comm_s: list[Seconds]
+    total_s: list[Seconds]
+    tokens: list[Annotated[int, Field(ge=0, le=MAX_LENGTH)]]
+    memory_gb: list[Annotated[float, Field(ge=-1e9, le=1e9)]]
 
 
 class Prediction(Strict):
-    step_time_s: float = Field(ge=0)
-    lower_bound_s: float = Field(ge=0, description="max(work_bound, longest_bound)")
-    work_bound_s: float = Field(ge=0, description="total work / number of GPUs")
-    longest_bound_s: float = Field(ge=0, description="best possible time of the longest sequence")
+    step_time_s: float = Field(ge=0, le=1e9)
+    lower_bound_s: float = Field(ge=0, le=1e9, description="max(work_bound, longest_bound)")
+    work_bound_s: float = Field(ge=0, le=1e9, description="total work / number of GPUs")
+    longest_bound_s: float = Field(ge=0, le=1e9, description="best possible time of the longest sequence")
     per_unit: RankLoads
     nic_bytes: dict[str, float] = Field(default_factory=dict, description="bytes per NIC per step, with routing")
     nic_bytes_unrouted: dict[str, float] = Field(default_factory=dict, description="same, without routing")
@@ -297,12 +300,23 @@ class PlanHeader(Doc):
     tp: int = Field(default=1, ge=1, description="default tensor-parallel degree of a unit")
     tp_overlap: Literal["none", "slicing", "commfuse"] = "none"
     zero_stage: int = Field(default=1, ge=0, le=3)
+    recompute: Literal["none", "selective", "full"] = Field(
+        default="none", description="activation recomputation the memory model assumed (zeppelin run must match)")
     cluster: ClusterSpec
     model: ModelSpec
     profile: CostProfile
     hashes: InputHashes
     manifest: ManifestRef = ManifestRef()
     sampler: SamplerConfig = SamplerConfig()
+
+    @model_serializer(mode="wrap")
+    def _omit_default_recompute(self, handler):
+        # added after plans were first written: left out while "none", so plans (and their bytes
+        # and digests) without recomputation are unchanged
+        d = handler(self)
+        if isinstance(d, dict) and d.get("recompute", None) == "none":
+            d.pop("recompute")
+        return d
 
     @model_validator(mode="after")
     def _check(self) -> "PlanHeader":

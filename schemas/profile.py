@@ -24,13 +24,13 @@ PROFILE_SCHEMA = "zeppelin.profile/1"
 
 class KernelEfficiency(Strict):
     eff_max: float = Field(gt=0, le=1.0, description="fraction of peak reached by large problems")
-    n_half: float = Field(ge=0, description="size at which half of eff_max is reached")
-    overhead_s: float = Field(default=0.0, ge=0, description="fixed launch cost per call")
+    n_half: float = Field(ge=0, le=1e12, description="size at which half of eff_max is reached")
+    overhead_s: float = Field(default=0.0, ge=0, le=1e3, description="fixed launch cost per call")
 
 
 class LinkCost(Strict):
-    alpha_s: float = Field(ge=0, description="latency per message, seconds")
-    bandwidth_GBps: float = Field(gt=0, description="achieved bandwidth, GB/s per direction")
+    alpha_s: float = Field(ge=0, le=1e3, description="latency per message, seconds")
+    bandwidth_GBps: float = Field(ge=1e-3, le=1e6, description="achieved bandwidth, GB/s per direction")
 
 
 class PolyFit(Strict):
@@ -98,15 +98,15 @@ class CostProfile(Doc):
     schema_version: Literal["zeppelin.profile/1"] = PROFILE_SCHEMA
     source: ProfileSource = ProfileSource()
     cluster: str = Field(default="", description="cluster name this profile describes")
-    peak_tflops: float | None = Field(default=None, gt=0, description="overrides the cluster's GPU peak")
+    peak_tflops: float | None = Field(default=None, ge=1e-6, le=1e6, description="overrides the cluster's GPU peak")
     linear: KernelEfficiency = KernelEfficiency(eff_max=0.75, n_half=512.0, overhead_s=20e-6)
     attention: KernelEfficiency = KernelEfficiency(eff_max=0.55, n_half=1024.0, overhead_s=30e-6)
     attention_block: KernelEfficiency | None = Field(
         default=None,
         description="efficiency of an attention block with every key visible (a ring round's chunk pair), "
         "size = the block's geometric-mean side; None: the causal whole-sequence curve `attention`")
-    backward_linear_factor: float = Field(default=2.0, gt=0, description="linear backward / forward")
-    backward_attention_factor: float = Field(default=2.5, gt=0, description="attention backward / forward")
+    backward_linear_factor: float = Field(default=2.0, gt=0, le=1e3, description="linear backward / forward")
+    backward_attention_factor: float = Field(default=2.5, gt=0, le=1e3, description="attention backward / forward")
     intra: LinkCost | None = Field(default=None, description="GPU<->GPU inside a node; default from cluster")
     inter: LinkCost | None = Field(default=None, description="per NIC across nodes; default from cluster")
     alltoall_efficiency: dict[str, float] = Field(
@@ -114,11 +114,11 @@ class CostProfile(Doc):
     )
     nic_shared_by_concurrent_transfers: bool = True
     activation_bytes_per_token_layer: float | None = Field(
-        default=None, gt=0, description="activation memory per token per layer; default from the model"
+        default=None, gt=0, le=1e12, description="activation memory per token per layer; default from the model"
     )
-    memory_reserved_gb: float = Field(default=4.0, ge=0, description="framework/workspace reserve per GPU")
+    memory_reserved_gb: float = Field(default=4.0, ge=0, le=1e5, description="framework/workspace reserve per GPU")
     optimizer_s_per_param: float | None = Field(
-        default=None, ge=0,
+        default=None, ge=0, le=1.0,
         description="AdamW step time per parameter (measured); None: the optimizer step is not modelled")
     fits: list[ModelFits] = Field(default_factory=list)
 

@@ -122,11 +122,22 @@ def test_ulysses_and_allgather_by_hand():
 def test_memory_by_zero_stage():
     m = TINY
     P = m.num_params()
-    # fp32 training: weights 4, grads 4, Adam moments 8 bytes per parameter
-    for z, expect in ((0, 16 * P), (1, 8 * P + 8 * P / 4), (2, 4 * P + 12 * P / 4), (3, 16 * P / 4)):
+    block = m.params_per_layer()
+    root = P - m.num_layers * block
+    # what the runtime's FSDP2 holds (fp32: weights 4, grads 4, Adam moments 8 bytes per parameter);
+    # ZeRO-1 the classic split (the runtime holds ZeRO-2's figure for it, less)
+    for z, expect in ((0, 16 * P), (1, 8 * P + 8 * P / 4), (2, 4 * P + 16 * P / 4),
+                      (3, 16 * P / 4 + 4 * (root + 3 * block))):
         c = CostModel(round_cluster(), m, ideal_profile(), zero_stage=z)
         assert c.num_units == 4
         np.testing.assert_allclose(c.model_state_bytes(), expect)
+    bf = model_preset("llama-7b")
+    c = CostModel(cluster_preset("zeppelin-a"), bf, zero_stage=0)
+    np.testing.assert_allclose(c.model_state_bytes(), 16 * bf.num_params())
+    # recomputation lowers the activation bytes per token: none > selective > full
+    acts = [CostModel(round_cluster(), m, ideal_profile(), recompute=r).activation_bytes_per_token
+            for r in ("none", "selective", "full")]
+    assert acts[0] > acts[1] > acts[2]
     bf = model_preset("llama-7b")
     c = CostModel(cluster_preset("zeppelin-a"), bf, zero_stage=0)
     np.testing.assert_allclose(c.model_state_bytes(), 16 * bf.num_params())

@@ -109,6 +109,9 @@ def test_check_exact_fails_on_any_byte_difference(tmp_path, monkeypatch):
     (tmp_path / "c.json").write_text(json.dumps(case))
     assert run_check(tmp_path, update=True).failures == []
     assert run_check(tmp_path, exact=True).failures == []
+    # the golden names its dataset as the case does, not by this checkout's path: any clone matches it
+    header = json.loads((tmp_path / "c.plan").read_text().split("\n}\n")[0] + "\n}")
+    assert header["manifest"]["path"] == "sample" and header["created_at"] == ""
     real = TECPTuned.plan_step
 
     def relabelled(self, ctx, step, seqs):
@@ -120,5 +123,17 @@ def test_check_exact_fails_on_any_byte_difference(tmp_path, monkeypatch):
     monkeypatch.setattr(TECPTuned, "plan_step", relabelled)
     assert run_check(tmp_path).failures == []  # the same step times: within tolerance
     assert run_check(tmp_path, exact=True).failures == [
-        "c: the new plan is not byte-identical to the golden (steps 1 differ); plans are deterministic, so the "
-        "planner changed: review and run `zeppelin check --update`"]
+        ("c: the new plan is not byte-identical to the golden (steps 1 differ); plans are deterministic, so the "
+         "planner changed: review and run `zeppelin check --update`")]
+
+
+def test_solver_prints_nothing_on_stdout(tmp_path, zeppelin_bin):
+    """HiGHS' banner (printed when a process builds its first solver) never reaches stdout: `-q` plans
+    print nothing and `--json` output stays JSON."""
+    out = subprocess.run([zeppelin_bin, "plan", *SETTING, "--steps", "1", "--ilp", "always", "-q", "-o",
+                          str(tmp_path / "p.plan")], capture_output=True, text=True, check=False)
+    assert out.returncode == 0 and out.stdout == "", out.stdout + out.stderr
+    out = subprocess.run([zeppelin_bin, "compare", "-c", "local-cpu:2x2", "-m", "tiny", "-n", "1", "-j", "1",
+                          "--tokens-per-gpu", "4096", "--planners", "flexsp,zeppelin", "--json"],
+                         capture_output=True, text=True, check=False)
+    assert out.returncode == 0 and [p["planner"] for p in json.loads(out.stdout)["planners"]] == ["flexsp", "zeppelin"]

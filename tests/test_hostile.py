@@ -670,6 +670,10 @@ INPUT_CASES = [
     ("run-data-dev-zero", ["run", "p.jsonl", "--data", "zero.jsonl"],
      "zero.jsonl: manifest is a character device, not a regular file"),
     ("run-model-fifo", ["run", "p.jsonl", "--model", "fifo.json"], "fifo.json: input is a FIFO, not a regular file"),
+    ("manifest-name-too-long", ["data", "stats", "x" * 300 + ".jsonl"],
+     f"{'x' * 300}.jsonl: cannot read manifest: File name too long"),
+    ("plan-manifest-name-too-long", ["plan", "-m", "x" * 300 + ".jsonl", "-c", "local-cpu:2", "--model", "tiny",
+                                     "-o", "o.jsonl"], f"{'x' * 300}.jsonl: cannot read manifest: File name too long"),
     ("validate-manifest-fifo", ["validate", "p.jsonl", "--manifest", "fifo.jsonl"],
      "fifo.jsonl: manifest is a FIFO, not a regular file"),
     ("check-case-fifo", ["check", "cases"], "cases/a.json: check case is a FIFO, not a regular file"),
@@ -785,6 +789,7 @@ def test_every_file_write_goes_through_the_one_writer():
         ("runtime/__main__.py", 'with open(tmp, "w") as fh:'),  # per-rank error file, launcher's directory
         ("runtime/__main__.py", "json.dump(rec, fh)"),
         ("schemas/common.py", "fd = os.open(tmp, _TEMP_FLAGS, 0o600)"),  # the writer itself
+        ("planner/core/solver.py", 'with open(os.devnull, "wb") as null:'),  # silences the solver's banner
     }
     # whole modules whose writes are not outputs: checkpoint files (written inside atomic_write or by DCP),
     # the run's lock, heartbeat and writability probe files (lifecycle), /proc/self/clear_refs (memory)
@@ -842,7 +847,29 @@ RECORD_EDITS = [
      "microbatches.0.routes.0.bytes: Input should be less than or equal to 4611686018427387904"),
     ("unknown-field", lambda h, s: s.__setitem__("exec", "os.system"), "exec: Extra inputs are not permitted"),
     ("string-for-int", lambda h, s: s.__setitem__("step", "0"), "step: Input should be a valid integer"),
+    ("prediction-huge", lambda h, s: s["prediction"]["per_unit"]["attention_s"].__setitem__(2, 1e300),
+     "prediction.per_unit.attention_s.2: Input should be less than or equal to 1000000000"),
 ]
+
+HEADER_FIELD_EDITS = [
+    ("profile-reserve-huge", lambda h, s: h["profile"].__setitem__("memory_reserved_gb", 1e300),
+     "profile.memory_reserved_gb: Input should be less than or equal to 100000"),
+    ("model-head-dim-odd", lambda h, s: h["model"].update(hidden=4092, num_heads=124, num_kv_heads=124),
+     "model: head_dim = hidden / num_heads = 33 must be even (rotary embeddings rotate pairs of channels)"),
+    ("tp-not-dividing", lambda h, s: h.__setitem__("tp", 3), "(document): tp=3 does not divide the cluster's 8 GPUs "
+                                                            "per node"),
+    ("seed-huge", lambda h, s: h.__setitem__("seed", 2**70), "seed: Input should be less than or equal to "
+                                                            "9223372036854775807"),
+    ("cluster-nodes-huge", lambda h, s: h["cluster"].__setitem__("num_nodes", 10**8),
+     "cluster.num_nodes: Input should be less than or equal to 4096"),
+]
+
+
+@pytest.mark.parametrize("command", [["simulate"], ["show"], ["validate"], ["run"]], ids=lambda c: c[0])
+@pytest.mark.parametrize("edit,problem", [c[1:] for c in HEADER_FIELD_EDITS], ids=[c[0] for c in HEADER_FIELD_EDITS])
+def test_bad_plan_header(work, capsys, command, edit, problem):
+    _write_edited(work, edit)
+    assert_refused(work, capsys, [command[0], "bad.jsonl"], f"bad.jsonl: invalid plan header: {problem}")
 
 
 @pytest.mark.parametrize("reader", READERS[:3], ids=["-".join(r) for r in READERS[:3]])

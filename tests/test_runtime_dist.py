@@ -158,7 +158,9 @@ def _dist_step(rank: int, world: int, header_json: str, step_json: str, seed: in
     ex = Executor(header, model, TokenSource(header.model.vocab_size, header.seed), rank=rank, world_size=world,
                   device=torch.device("cpu"), groups=cache, tp_overlap=tp_overlap)
     res = ex.forward_backward(step, keep_hidden=True)
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    from zeppelin.runtime.fsdp import full_params_and_grads
+
+    grads = full_params_and_grads(model)[1]  # whole gradients (gathered from the FSDP shards)
     return {"loss": res.loss, "grads": grads if rank == 0 else None,
             "grad_sum": float(sum(g.double().abs().sum() for g in grads.values())),
             "hidden": res.hidden, "bytes": res.bytes, "tokens": res.tokens, "groups": cache.member_of}

@@ -9,7 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from zeppelin.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from zeppelin.runtime.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint_tensors,
+    read_checkpoint_state,
+    rng_state,
+    save_checkpoint,
+)
 from zeppelin.runtime.data import IGNORE_INDEX, TokenSource, predicted_tokens, synthetic_tokens
 from zeppelin.runtime.model import (
     LlamaModel,
@@ -156,23 +162,33 @@ def test_phase_timer_leaves_values_and_gradients_unchanged():
 
 
 def test_checkpoint_roundtrip_and_plan_mismatch(tmp_path):
+    """A single-process DCP checkpoint: written atomically, read back into a fresh model and
+    optimizer exactly; its JSON state is checked against the plan and the world size."""
     spec = model_preset("tiny")
     model = LlamaModel(spec, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model.embed.grad = torch.ones_like(model.embed)
+    for i, p in enumerate(model.parameters()):
+        p.grad = torch.full_like(p, 0.1 * (i + 1))
     opt.step()
     assert latest_checkpoint(tmp_path) is None
-    path = save_checkpoint(tmp_path, next_step=3, model=model, optimizer=opt, rng_states=[{"x": 1}],
-                           plan_hash="sha256:aaaa", world_size=2)
-    assert path.name == "ckpt-000003.pt" and latest_checkpoint(tmp_path) == path
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000003.pt", "latest"]  # no temp files left
-    st = load_checkpoint(path, plan_hash="sha256:aaaa", world_size=2)
-    assert st["next_step"] == 3 and torch.equal(st["model"]["embed"], model.embed.detach())
+    path = save_checkpoint(tmp_path, next_step=3, model=model, optimizer=opt, rng_states=[rng_state()],
+                           plan_hash="sha256:aaaa", world_size=2, rank=0)
+    assert path.name == "ckpt-000003" and latest_checkpoint(tmp_path) == path
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000003", "latest"]  # no temp directory left
+    st = read_checkpoint_state(path, plan_hash="sha256:aaaa", world_size=2)
+    assert st["next_step"] == 3
+    fresh = LlamaModel(spec, seed=1)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    load_checkpoint_tensors(path, fresh, fresh_opt)
+    for (n, a), b in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(a, b), n
+    assert torch.equal(fresh_opt.state[fresh.embed]["exp_avg"], opt.state[model.embed]["exp_avg"])
     with pytest.raises(InputError, match=r"checkpoint was written for another plan \(plan header sha256:aaaa, "
                                          r"this plan sha256:bbbb\)$"):
-        load_checkpoint(path, plan_hash="sha256:bbbb", world_size=2)
+        read_checkpoint_state(path, plan_hash="sha256:bbbb", world_size=2)
     with pytest.raises(InputError, match=r"checkpoint was written by 2 ranks, this job has 4$"):
-        load_checkpoint(path, plan_hash="sha256:aaaa", world_size=4)
-    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(InputError, match=r"junk\.pt: cannot read checkpoint"):
-        load_checkpoint(tmp_path / "junk.pt", plan_hash="x", world_size=1)
+        read_checkpoint_state(path, plan_hash="sha256:aaaa", world_size=4)
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "state.json").write_bytes(b"not a checkpoint")
+    with pytest.raises(InputError, match=r"state\.json: cannot read checkpoint state"):
+        read_checkpoint_state(tmp_path / "junk", plan_hash="x", world_size=1)

@@ -180,6 +180,12 @@ def test_run_feeds_exactly_the_manifest_tokens(text_manifest, tmp_path):
         startup_checks(RunConfig(plan=str(tmp_path / "p.jsonl")), 2)
     assert str(e.value) == (f"the plan was made from a manifest with token ids ({spec}); pass it with --data "
                             "(without it the run would train on synthetic ids)")
+    from zeppelin.runtime import open_plan
+
+    with pytest.raises(InputError) as e:
+        open_plan(tmp_path / "p.jsonl", rank=0, world_size=2)
+    assert str(e.value) == (f"the plan was made from a manifest with token ids ({spec}); pass it as data= "
+                            "(without it the steps would get synthetic ids)")
 
 
 def test_lengths_only_manifest_is_synthetic(tmp_path):

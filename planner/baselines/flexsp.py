@@ -17,7 +17,8 @@ Per step:
    time under the memory cap; on bucketed lengths for the warm start, on exact lengths as the
    fallback a static Ulysses size would give); the MILP is built as sparse arrays and solved by HiGHS directly
    (:class:`bl_milp.SparseMilp`) under deterministic work limits (``milp_nodes`` branch-and-bound
-   nodes and ``milp_iterations`` simplex iterations per solve, at most ``milp_solves`` solves per
+   nodes - by default 30, the root alone for MILPs of more than 1,000 columns (64+ units) - and
+   ``milp_iterations`` simplex iterations per solve, at most ``milp_solves`` solves per
    step; :mod:`zeppelin.planner.core.solver`), micro-batch counts with the best greedy objective
    first (greedy stands for the micro-batches past the solve budget); the step keeps the better of
    MILP and greedy for every micro-batch. ``time_limit`` is an optional wall-clock safety net per
@@ -37,6 +38,7 @@ meets a valid lower bound (least work over N units, the longest bucket's fastest
 
 from __future__ import annotations
 
+import dataclasses
 from functools import lru_cache
 
 import numpy as np
@@ -58,7 +60,8 @@ from zeppelin.planner.core.solver import merge_status, solve_limits
 from zeppelin.schemas.plan import Sequence, SolverInfo, StepPlan
 
 MILP_SOLVES = 2  # MILP solves per step (the rest of the micro-batches keep their greedy solution)
-MILP_NODES = 30  # branch-and-bound nodes per solve
+MILP_NODES = 30  # branch-and-bound nodes per solve (0 past MILP_BIG_COLS columns, unless milp_nodes is set)
+MILP_BIG_COLS = 1000
 DEFAULT_GAP = 0.01  # relative MILP gap: the bucketed cost model is coarser than this
 
 
@@ -190,7 +193,7 @@ def _homogeneous_step(model: _Model, lengths: list[int], s: int, n: int, cap: in
     return worst, per_group
 
 
-def _solve_microbatch(model, lengths, sizes, n, cap, Q, limits, use_milp):
+def _solve_microbatch(model, lengths, sizes, n, cap, Q, limits, use_milp, auto_nodes=True):
     """Groups of one micro-batch: (groups as (size, [indices into lengths]), C, record, MilpResult or None)."""
     bounds, bucket = bucketize(lengths, Q)
     Ub = [bounds[b] for b in bucket]
@@ -260,6 +263,10 @@ def _solve_microbatch(model, lengths, sizes, n, cap, Q, limits, use_milp):
         start[y[s, j]] = 1.0
         for i in members:
             start[x[bucket[i], s, j]] += 1.0
+    if auto_nodes and m.num_cols > MILP_BIG_COLS:
+        # a large MILP (64+ units): its root alone costs ~1 s of CPU and the searched nodes rarely
+        # beat the warm start; stop after the root (the solve budget this replaced was ~0.1 s)
+        limits = dataclasses.replace(limits, nodes=0)
     res, vals = m.solve(limits, start)
     if not res.has_solution or vals is None:
         return greedy_groups, Cg, rec, res
@@ -349,7 +356,8 @@ class FlexSP(Planner):
             for mb in mbs:
                 use_milp = mode == "milp" and budget > 0
                 skipped += mode == "milp" and not use_milp
-                out = _solve_microbatch(model, [lengths[i] for i in mb], sizes, n, cap, Q, limits, use_milp)
+                out = _solve_microbatch(model, [lengths[i] for i in mb], sizes, n, cap, Q, limits, use_milp,
+                                        auto_nodes="milp_nodes" not in self.options)
                 if out is None:
                     break
                 groups, Cm, rec, res = out

@@ -15,7 +15,14 @@ import time
 
 import numpy as np
 
-from zeppelin.planner.core.solver import MilpResult, SolveLimits, configure_highs, highs_result, solve_pulp
+from zeppelin.planner.core.solver import (
+    MilpResult,
+    SolveLimits,
+    configure_highs,
+    highs_result,
+    quiet_highs,
+    solve_pulp,
+)
 
 __all__ = ["MilpResult", "SolveLimits", "SparseMilp", "new_var", "solve", "value"]
 
@@ -86,6 +93,7 @@ class SparseMilp:
             import highspy
         except ImportError:  # pragma: no cover - highspy is a dependency; CBC through PuLP otherwise
             return self._solve_pulp(limits, start, t0)
+        quiet_highs()
         h = highspy.Highs()
         configure_highs(h, limits)
         inf = highspy.kHighsInf

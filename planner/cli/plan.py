@@ -45,6 +45,9 @@ def plan(
     overflow: str = typer.Option("truncate", "--overflow", help="longer samples: truncate, reject or skip"),
     tp: int = typer.Option(1, "--tp", help="tensor-parallel degree of a unit"),
     zero_stage: int = typer.Option(1, "--zero-stage", help="ZeRO stage (0-3) for the memory model"),
+    recompute: str = typer.Option("none", "--recompute",
+                                  help="none | selective | full: activation recomputation `zeppelin run` will use "
+                                       "(sets the activation memory per token)"),
     profile: str | None = typer.Option(None, "--profile", help="cost profile JSON (from `zeppelin profile`)"),
     ilp_nodes: int = typer.Option(10, "--ilp-nodes", help="branch-and-bound nodes per ILP solve (a deterministic "
                                                              "limit: the same plan on any machine, under any load)"),
@@ -90,6 +93,8 @@ def plan(
     check_float("--time-limit", time_limit, 0.0, 3600.0, lo_open=True)
     if not 0 <= zero_stage <= 3:
         raise InputError(f"--zero-stage must be 0, 1, 2 or 3 (got {zero_stage})")
+    if recompute not in ("none", "selective", "full"):
+        raise InputError(f"--recompute must be none, selective or full (got {recompute!r})")
     if output is None and not explain:
         raise InputError("missing -o/--output PLAN (or use --explain alone to see the tier thresholds)")
     if output is not None:
@@ -99,7 +104,7 @@ def plan(
     pf = resolve_profile(profile, cl)
     if cl.gpus_per_node % tp:
         raise PlanningError(f"--tp {tp} does not divide the {cl.gpus_per_node} GPUs per node of {cl.name}")
-    ctx = PlanContext(cl, md, pf, tp=tp, zero_stage=zero_stage, seed=seed)
+    ctx = PlanContext(cl, md, pf, tp=tp, zero_stage=zero_stage, seed=seed, recompute=recompute)
     if ilp_nodes < 0:
         raise InputError(f"--ilp-nodes must be >= 0 (got {ilp_nodes})")
     if time_limit is not None and not time_limit > 0:

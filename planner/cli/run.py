@@ -63,6 +63,15 @@ def run(
         None, "--report-json", help="also write that report as JSON (implies --report)"),
     tp_overlap: str | None = typer.Option(
         None, "--tp-overlap", help="none | slicing | commfuse: TP-SP overlap (default: the plan's)"),
+    dp: str = typer.Option("fsdp", "--dp", help="fsdp (FSDP2 at the plan's ZeRO stage) | replicate "
+                           "(whole model on every rank, one gradient all-reduce)"),
+    zero_stage: int | None = typer.Option(None, "--zero-stage", help="ZeRO stage 0-3 (default: the plan's)"),
+    hsdp: int | None = typer.Option(None, "--hsdp", help="hybrid sharding: shard inside groups of this many "
+                                    "ranks (a node), replicate across them"),
+    dtype: str | None = typer.Option(None, "--dtype", help="fp32 | bf16 compute (default: bf16 on CUDA, fp32 on CPU)"),
+    recompute: str | None = typer.Option(None, "--recompute", help="none | selective | full (default: the plan's)"),
+    recompute_override: bool = typer.Option(False, "--recompute-override",
+                                            help="run a plan made for another --recompute setting"),
     export: Path | None = typer.Option(
         None, "--export", help="after the run, write the model as a Hugging Face directory (config.json + "
                                "model.safetensors) that transformers' from_pretrained loads"),
@@ -111,6 +120,18 @@ def run(
         raise InputError("--checkpoint-every/--resume need --checkpoint-dir")
     if tp_overlap is not None and tp_overlap not in ("none", "slicing", "commfuse"):
         raise InputError(f"--tp-overlap must be none, slicing or commfuse (got {tp_overlap!r})")
+    if dp not in ("fsdp", "replicate"):
+        raise InputError(f"--dp must be fsdp or replicate (got {dp!r})")
+    if dtype is not None and dtype not in ("fp32", "bf16"):
+        raise InputError(f"--dtype must be fp32 or bf16 (got {dtype!r})")
+    if recompute is not None and recompute not in ("none", "selective", "full"):
+        raise InputError(f"--recompute must be none, selective or full (got {recompute!r})")
+    if zero_stage is not None and not 0 <= zero_stage <= 3:
+        raise InputError(f"--zero-stage must be 0, 1, 2 or 3 (got {zero_stage})")
+    if recompute is not None and recompute != header.recompute and not recompute_override:
+        raise InputError(f"the plan was made for --recompute {header.recompute} (its activation memory per "
+                         f"token), not {recompute}; re-plan with `zeppelin plan --recompute {recompute}` or pass "
+                         "--recompute-override")
     if export is not None and export.exists() and (not export.is_dir() or any(export.iterdir())):
         raise InputError("--export: the directory exists and is not empty", source=export)
     report = report or report_json is not None
@@ -127,7 +148,8 @@ def run(
             "--seed": seed, "--metrics": metrics, "--verify-tol": verify_tol,
             "--checkpoint-every": checkpoint_every or None, "--checkpoint-dir": checkpoint_dir,
             "--timeout": timeout, "--verify-timeout": verify_timeout, "--progress": progress, "--device": device,
-            "--threads": threads, "--tp-overlap": tp_overlap, "--export": export}
+            "--threads": threads, "--tp-overlap": tp_overlap, "--dp": dp, "--zero-stage": zero_stage, "--hsdp": hsdp,
+            "--dtype": dtype, "--recompute": recompute, "--export": export}
     for k, v in opts.items():
         if v is not None:
             worker += [k, str(v)]
@@ -135,6 +157,8 @@ def run(
         worker.append("--verify")
     if resume:
         worker.append("--resume")
+    if recompute_override:
+        worker.append("--recompute-override")
     trargs = torchrun_argv(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
                            master_addr=master_addr, master_port=master_port, rdzv_backend=rdzv_backend,
                            rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, extra=list(ctx.args))

@@ -64,6 +64,33 @@ class MilpResult:
         return self.status == WALL_CLOCK
 
 
+_BANNER_SHOWN = False
+
+
+def quiet_highs() -> None:
+    """HiGHS prints a copyright banner on stdout when the first ``Highs`` object of a process is
+    built, before any option can silence it (it broke ``--json`` output): build that first one with
+    the stdout file descriptor pointed at /dev/null."""
+    global _BANNER_SHOWN
+    if _BANNER_SHOWN:
+        return
+    import os
+    import sys
+
+    import highspy
+
+    _BANNER_SHOWN = True
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 1)
+            highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def configure_highs(h, limits: SolveLimits) -> None:
     """Quiet, one thread, fixed seed, the work limits and (only when set) the wall-clock net."""
     h.setOptionValue("output_flag", False)
@@ -108,10 +135,13 @@ def solve_pulp(prob, limits: SolveLimits, start: dict | None = None, solver: str
     variables to a feasible assignment (a warm start): HiGHS' initial MIP solution, CBC's
     ``warmStart``. Raises ``RuntimeError`` when no solver could run.
     """
-    import pulp
-
     names = [solver] + (["cbc"] if solver == "highs" else [])
     errors = []
+    if solver == "highs":
+        try:
+            quiet_highs()
+        except ImportError:  # pragma: no cover - highspy is a dependency
+            pass
     for name in names:
         t0 = time.perf_counter()
         try:
@@ -119,10 +149,7 @@ def solve_pulp(prob, limits: SolveLimits, start: dict | None = None, solver: str
                 return _solve_pulp_highs(prob, limits, start, t0)
             return _solve_pulp_cbc(prob, limits, start, t0)
         except Exception as e:  # noqa: BLE001  (solver missing or crashed: try the next one)
-            if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                raise
             errors.append(f"{name} failed ({e.__class__.__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})")
-    del pulp
     raise RuntimeError("; ".join(errors))
 
 

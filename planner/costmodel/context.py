@@ -31,6 +31,7 @@ class PlanContext:
     zero_stage: int = 1
     tp_overlap: str = "none"
     seed: int = 0
+    recompute: str = "none"
     options: dict[str, Any] = field(default_factory=dict)
     # the longest sequence the run trains on (``--max-seq-len``, else the data's longest sample):
     # a run-level fact that planners sizing one layout for the whole run (te-cp) read; None: unknown
@@ -38,7 +39,7 @@ class PlanContext:
 
     def __post_init__(self):
         self.cost = CostModel(self.cluster, self.model, self.profile, tp=self.tp, zero_stage=self.zero_stage,
-                              tp_overlap=self.tp_overlap)
+                              tp_overlap=self.tp_overlap, recompute=self.recompute)
 
     def cost_for(self, tp: int) -> CostModel:
         """The cost model of a unit of ``tp`` GPUs (replicas of mixed TP degree: Hydraulis plans),
@@ -48,7 +49,7 @@ class PlanContext:
         cache = self.__dict__.setdefault("_costs_by_tp", {})
         if tp not in cache:
             cache[tp] = CostModel(self.cluster, self.model, self.profile, tp=tp, zero_stage=self.zero_stage,
-                                  tp_overlap=self.tp_overlap)
+                                  tp_overlap=self.tp_overlap, recompute=self.recompute)
         return cache[tp]
 
     @property

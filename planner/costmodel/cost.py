@@ -28,6 +28,7 @@ ArrayLike = "np.ndarray | float | int"
 
 # bytes per parameter for mixed-precision AdamW: bf16 weights (2) + bf16 grads (2) +
 # fp32 master weights (4) + two fp32 Adam moments (8). fp32 training: 4 + 4 + 8.
+
 _STATE_BYTES = {"bf16": (2, 2, 12), "fp16": (2, 2, 12), "fp32": (4, 4, 8)}
 
 
@@ -64,6 +65,7 @@ class CostModel:
     tp: int = 1
     zero_stage: int = 1
     tp_overlap: str = "none"
+    recompute: str = "none"
 
     def __post_init__(self):
         if self.profile is None:
@@ -423,25 +425,62 @@ class CostModel:
         return self.TP_SITES * per_site
 
     # ---------------------------------------------------------------- memory
+    # fraction of a layer's activations kept when the MLP is recomputed (selective): of the
+    # 34 h bytes per token of a bf16 layer, the MLP's 19 h go and its 2 h input is kept
+    SELECTIVE_KEEP = 17.0 / 34.0
+
     @cached_property
     def activation_bytes_per_token(self) -> float:
-        """Activation memory per token held, all layers (flash attention: no L^2 term)."""
+        """Activation memory per token held, all layers (flash attention: no L^2 term), for the
+        runtime's recomputation setting: ``none`` keeps every layer's activations; ``selective``
+        (each block's MLP recomputed) keeps :attr:`SELECTIVE_KEEP` of them plus, during the
+        backward, one MLP's recomputed activations; ``full`` keeps each block's input and, during
+        the backward, one layer's recomputed activations."""
         m = self.model
         per_layer = self.profile.activation_bytes_per_token_layer or 34.0 * m.hidden * m.dtype_bytes / 2.0
-        return per_layer * m.num_layers / self.tp + m.vocab_size * 4.0 / self.tp
+        logits = m.vocab_size * 4.0 / self.tp
+        if self.recompute == "none":
+            return per_layer * m.num_layers / self.tp + logits
+        if self.recompute == "selective":  # kept part of every layer + one MLP being recomputed
+            keep = self.SELECTIVE_KEEP
+            return per_layer * (keep * m.num_layers + (1.0 - keep)) / self.tp + logits
+        if self.recompute == "full":
+            return (m.hidden * m.dtype_bytes * m.num_layers + per_layer) / self.tp + logits
+        raise ValueError(f"unknown recompute mode {self.recompute!r} (none, selective, full)")
 
     def model_state_bytes(self, dp: int | None = None) -> float:
+        """Parameter, gradient and optimizer bytes per GPU by ZeRO stage (``P`` parameters of
+        this GPU's TP share, ``N``-way data parallel, ``c`` bytes of a model-dtype element), as
+        the runtime's FSDP2 holds them (docs/RUNTIME.md, "ZeRO stages"):
+
+        * ZeRO-0 (``--dp replicate``): fp32 weights, gradients and Adam moments whole: ``16 P``;
+        * ZeRO-3: fp32 master weights, gradients and moments sharded, ``16 P / N``, plus the
+          unsharded compute copies FSDP holds while it runs: the root module (embedding, head,
+          final norm; FSDP does not re-shard the root after forward), two blocks (computing and
+          prefetched) and one block's unsharded gradient;
+        * ZeRO-2: ``16 P / N`` plus the whole compute-dtype weights kept between forward and
+          backward, ``c P``;
+        * ZeRO-1: the classic split, whole weights and gradients in the model dtype and sharded
+          fp32 master weights and moments (bf16: ``4 P + 12 P / N``; fp32: ``8 P + 8 P / N``). The
+          runtime holds ZeRO-2's ``c P + 16 P / N`` for it (FSDP shards gradients as they are
+          produced), no more than this for ``N >= 2``: the default plans keep their capacity.
+        """
         dp = dp or self.num_units
-        P = self.model.num_params() / self.tp
-        w, g, o = _STATE_BYTES[self.model.dtype]
+        m = self.model
+        P = m.num_params() / self.tp
         z = self.zero_stage
         if z == 0:
-            return P * (w + g + o)
+            return 16.0 * P
         if z == 1:
+            w, g, o = _STATE_BYTES[m.dtype]
             return P * (w + g) + P * o / dp
+        c = m.dtype_bytes
+        shards = 16.0 * P / dp
         if z == 2:
-            return P * w + P * (g + o) / dp
-        return P * (w + g + o) / dp
+            return shards + c * P
+        block = m.params_per_layer() / self.tp
+        root = (m.num_params() - m.num_layers * m.params_per_layer()) / self.tp
+        return shards + c * (root + 3 * block)
 
     @cached_property
     def gpu_capacity_bytes(self) -> float:

@@ -505,7 +505,8 @@ def predict_replicas(ctx: PlanContext, step: StepPlan) -> Prediction:
     lengths = np.array([s.length for s in step.sequences], dtype=np.float64)
     # bounds for the best TP degree used (a larger degree shortens the longest sequence)
     work_b, long_b = min((lower_bounds(PlanContext(ctx.cluster, ctx.model, ctx.profile, tp=d,
-                                                   zero_stage=ctx.zero_stage), lengths)
+                                                   zero_stage=ctx.zero_stage,
+                                                   recompute=ctx.recompute), lengths)
                           for d in sorted(cms)), key=lambda wb: max(wb))
     return Prediction(
         step_time_s=float(max((period + ar).max(), total.max()) if rings else total.max()),

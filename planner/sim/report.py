@@ -173,6 +173,7 @@ def build_report(header, steps: dict[int, Any], records: list[dict[str, Any]],
             "predicted_s": p,
             "rel_error": {ph: rel_error(p[ph], m[ph]) for ph in PHASES},
             "plan_prediction_s": (rec.get("predicted") or {}).get("step_time_s"),
+            "memory": memory_row(rec),
         })
     step_err = [r["rel_error"]["step"] for r in rows]
     out = {
@@ -186,9 +187,36 @@ def build_report(header, steps: dict[int, Any], records: list[dict[str, Any]],
             "step_after_first": error_summary(step_err[1:]),
             "phases": {ph: error_summary([r["rel_error"][ph] for r in rows])
                        for ph in PHASES if ph != "step"},
+            "memory": memory_summary([r["memory"] for r in rows]),
         },
     }
     return out
+
+
+def memory_row(rec: dict[str, Any]) -> dict[str, Any] | None:
+    """The rank measuring the most memory in a metrics record, with the plan's prediction for it."""
+    mem = rec.get("memory")
+    if not isinstance(mem, dict) or not mem.get("measured_bytes"):
+        return None
+    measured = mem["measured_bytes"]
+    r = max(range(len(measured)), key=lambda i: measured[i])
+    pred = (mem.get("predicted_bytes") or [None] * len(measured))[r]
+    return {"rank": r, "measured_bytes": measured[r], "predicted_bytes": pred,
+            "ratio": (measured[r] / pred) if pred else None,
+            "exceeds_capacity": list(mem.get("exceeds_capacity") or []),
+            "capacity_bytes": mem.get("capacity_bytes")}
+
+
+def memory_summary(rows: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    rows = [r for r in rows if r is not None]
+    if not rows:
+        return None
+    ratios = sorted(r["ratio"] for r in rows if r["ratio"] is not None)
+    return {"peak_measured_bytes": max(r["measured_bytes"] for r in rows),
+            "peak_predicted_bytes": max((r["predicted_bytes"] or 0) for r in rows) or None,
+            "median_ratio": ratios[len(ratios) // 2] if ratios else None,
+            "steps_exceeding_capacity": [i for i, r in enumerate(rows) if r["exceeds_capacity"]],
+            "capacity_bytes": rows[0]["capacity_bytes"]}
 
 
 def report_for_plan(plan_path: str | Path, metrics_path: str | Path, *, skip: int = 0,
@@ -263,3 +291,15 @@ def render(report: dict[str, Any], console=None) -> None:
             parts.append(f"{ph} {e['median_abs']:.0%}")
     if parts:
         con.print("per-phase median |error|: " + ", ".join(parts))
+    mem = report["summary"].get("memory")
+    if mem:
+        line = f"memory per GPU: measured peak {mem['peak_measured_bytes'] / 1e9:.3f} GB"
+        if mem["peak_predicted_bytes"]:
+            line += f", predicted {mem['peak_predicted_bytes'] / 1e9:.3f} GB"
+        if mem["median_ratio"] is not None:
+            line += f" (measured / predicted, median over steps: {mem['median_ratio']:.2f})"
+        con.print(line)
+        if mem["steps_exceeding_capacity"]:
+            steps = [report["steps"][i]["step"] for i in mem["steps_exceeding_capacity"]]
+            con.print(f"[bold red]steps exceeding the {mem['capacity_bytes'] / 1e9:g} GB per GPU of the plan's "
+                      f"cluster (measured): {', '.join(map(str, steps))}[/]")

@@ -493,7 +493,7 @@ class SimResult:
 
 def context_from_header(header: PlanHeader) -> PlanContext:
     return PlanContext(header.cluster, header.model, header.profile, tp=header.tp,
-                       zero_stage=header.zero_stage, tp_overlap=header.tp_overlap, seed=header.seed,
+                       zero_stage=header.zero_stage, recompute=header.recompute, tp_overlap=header.tp_overlap, seed=header.seed,
                        options=dict(header.planner_options))
 
 

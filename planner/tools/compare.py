@@ -33,7 +33,7 @@ MIXES: dict[str, list[tuple[float, float, float]]] = {
 }
 DEFAULT_PLANNERS = ["packed-dp", "te-cp", "te-cp-tuned", "llama3-cp", "ulysses", "hybrid-dp", "megatron-dcp", "flexsp", "hydraulis",
                     "zeppelin", "zeppelin-no-routing", "zeppelin-no-remap"]
-SOLVER_PLANNERS = ("flexsp", "hydraulis")  # planners whose MILP time limit --solver-time-limit sets
+SOLVER_PLANNERS = ("flexsp", "hydraulis")  # planners whose optional wall-clock safety net --solver-time-limit sets
 
 
 def mix_dataset(name: str, num_samples: int = 20000, seed: int = 0):
@@ -163,8 +163,8 @@ def _job(arg: tuple[str, int]) -> tuple[str, int, dict[str, Any]]:
                      "plan_cpu": plan_cpu, "sim_cpu": time.process_time() - c1}
 
 
-# Pool order, longest jobs first so that short ones fill the tail: planners that spend a MILP time
-# budget per step, then zeppelin and its ablations (tiering, routing, remap; their simulation models
+# Pool order, longest jobs first so that short ones fill the tail: planners that solve MILPs
+# every step, then zeppelin and its ablations (tiering, routing, remap; their simulation models
 # every routed transfer), then the static and greedy baselines.
 _HEAVY = (*SOLVER_PLANNERS, "zeppelin", "zeppelin-no-routing", "zeppelin-no-remap")
 
