@@ -89,6 +89,17 @@ def _on_stop_signal(signum, frame):  # the launcher stops the workers with SIGTE
     raise KeyboardInterrupt
 
 
+def _exit_at_once(signum, frame):
+    os._exit(128 + signum)
+
+
+def _finishing() -> None:
+    """The job is over on this rank (done, or its failure is being reported): a stop signal from
+    now on ends the process quietly instead of raising inside the report."""
+    for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(s, _exit_at_once)
+
+
 def main(argv: list[str] | None = None) -> int:
     from .lifecycle import PARENT_ENV, die_with_parent
 
@@ -111,18 +122,23 @@ def main(argv: list[str] | None = None) -> int:
                     export=args.export)
     try:
         summary = run_job(cfg)
+        _finishing()
     except InputError as e:
+        _finishing()
         _report(rank, str(e), 2)
         return 2
     except VerifyError as e:
+        _finishing()
         _report(rank, str(e), 1)
         return 1
     except KeyboardInterrupt:
+        _finishing()
         sig = _STOPPED_BY[0] if _STOPPED_BY else int(signal.SIGINT)
         if rank == 0 and not os.environ.get(PARENT_ENV):  # under a launcher, the launcher reports
             print(f"zeppelin: error: stopped by {signal.Signals(sig).name}", file=sys.stderr, flush=True)
         return 128 + sig
     except Exception as e:  # noqa: BLE001 - any failure: one line here, the traceback in the error file
+        _finishing()
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         _report(rank, f"{e.__class__.__name__}: {msg}" if msg else e.__class__.__name__, 1, traceback.format_exc())
         return 1
@@ -148,5 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _guarded_main() -> int:
+    try:
+        return main()
+    except KeyboardInterrupt:  # a stop signal before the job started (or between the handlers)
+        return 128 + (_STOPPED_BY[0] if _STOPPED_BY else int(signal.SIGINT))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_guarded_main())

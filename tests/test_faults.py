@@ -401,3 +401,14 @@ def test_classify_names_the_slow_rank_not_the_rank_that_timed_out(tmp_path):
     (tmp_path / "rank0.json").write_text(json.dumps(err | {"message": "ValueError: bad"}))
     assert launch.classify_failure(tmp_path, {0: SimpleNamespace(exitcode=1)}, alive=[1]) == ("rank 0: ValueError: bad",
                                                                                               1)
+
+
+@pytest.mark.parametrize("value, message", [
+    ("0", "--verify-timeout must be greater than 0 (got 0)"),
+    ("nan", "--verify-timeout must be a finite number (got nan)"),
+])
+def test_verify_timeout_is_bounded_before_any_process_starts(plans, value, message):
+    p = subprocess.run([ZEPPELIN, "run", str(plans[2]), "--verify", "--verify-timeout", value], capture_output=True,
+                       text=True, timeout=120, check=False)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == [f"zeppelin: error: {message}"]
