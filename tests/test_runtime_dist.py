@@ -225,7 +225,7 @@ def test_hand_plan_mha_model(pool):
     check_against_reference(pool, header, hand_step(model=model_preset("tiny-mha")), seed=7)
 
 
-@pytest.mark.parametrize("planner", ["zeppelin", "zeppelin-node", "te-cp", "packed-dp"])
+@pytest.mark.parametrize("planner", ["zeppelin", "zeppelin-families", "zeppelin-node", "te-cp", "packed-dp"])
 def test_planner_plans_match_reference(pool, planner):
     header = make_header(cluster_preset("local-cpu:2x2"), model_preset("tiny"), 1, planner=planner.split("-node")[0])
     # short-heavy step with one long sequence, lengths not divisible by 2G
@@ -233,11 +233,17 @@ def test_planner_plans_match_reference(pool, planner):
     if planner == "zeppelin-node":  # medium sequences: whole-node splits run as Ulysses (GQA 4:2 heads)
         lens = [1500, 1400, 300, 200, 100]
     # te-cp: a run whose max_seq_len needs CP=2 (this step alone would fit one rank)
-    step = planner_step(planner.split("-node")[0], header, lens, **({"cp": 2} if planner == "te-cp" else {}))
+    opts = {"cp": 2} if planner == "te-cp" else {}
+    if planner == "zeppelin":  # the tiered search alone (its routed rings); "zeppelin-families" runs the full planner
+        opts = {"families": "none"}
+    name = planner.split("-node")[0].split("-families")[0]
+    step = planner_step(name, header, lens, **opts)
     tiers = {(g.kind, g.tier) for mb in step.microbatches for g in mb.groups}
     if planner == "zeppelin":  # a routed inter-node ring and local sequences, remapped
         assert {("ring", "inter"), ("local", "local")} <= tiers
         assert any(mb.routes for mb in step.microbatches)
+    elif planner == "zeppelin-families":  # whatever the full planner picks must run exactly too
+        assert tiers
     elif planner == "zeppelin-node":  # one Ulysses group per node, several sequences in each
         assert tiers == {("ulysses", "intra")}
         assert all(sum(p.group == gi for p in mb.placements) >= 2
