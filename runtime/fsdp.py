@@ -16,8 +16,7 @@ ZeRO stage  parameters between forward and backward     gradients              A
 ==========  ===========================================================================
 
 FSDP reduce-scatters each block's gradient as soon as the backward has produced it, after every
-micro-batch, so ZeRO-1 plans run with ZeRO-2's holdings (sharded gradients: less memory than
-ZeRO-1 allows). The planner's memory model (``CostModel.model_state_bytes``) charges exactly these
+micro-batch, so ZeRO-1 plans run with ZeRO-2's holdings (sharded gradients). The planner's memory model (``CostModel.model_state_bytes``) charges exactly these
 holdings: fp32 master parameters, gradients and moments ``16 P / N``; whole compute-dtype
 parameters for ZeRO-1/2; for ZeRO-3 the unsharded root module (FSDP does not re-shard the root
 after forward), two blocks (computing and prefetched) and one block's gradient.

@@ -131,10 +131,10 @@ def test_packed_dp_local_and_token_balanced():
 def test_packed_dp_fails_honestly():
     ctx = make_ctx("zeppelin-a", "llama-7b")
     cap = ctx.cost.token_capacity
-    assert cap == 9596
+    assert cap == 12168  # (76 GB - 3P states, P = 6,738,415,616) / 4,584,448 B per token
     with pytest.raises(PlanningError) as e:
         get_planner("packed-dp").plan_step(ctx, 0, seqs([100, 200, 300, 250000]))
-    assert str(e.value) == ("sequence 3 (sample 33, 250000 tokens) does not fit one GPU (capacity 9596 tokens); "
+    assert str(e.value) == ("sequence 3 (sample 33, 250000 tokens) does not fit one GPU (capacity 12168 tokens); "
                             "packed-dp cannot split sequences")
 
 
@@ -214,10 +214,10 @@ def test_te_cp_one_size_for_the_run_from_max_seq_len():
     """The CP size comes from the run's max_seq_len, not from the step: a step of short sequences
     is still split over CP ranks, every sequence padded to a multiple of 2*CP, DP groups of
     contiguous ranks; te-cp-tuned picks its size per step."""
-    ctx = make_ctx("zeppelin-a", "llama-7b")  # 16 GPUs, capacity 9596 tokens per GPU
+    ctx = make_ctx("zeppelin-a", "llama-7b")  # 16 GPUs, capacity 12168 tokens per GPU
     cap = ctx.cost.token_capacity
-    assert cap == 9596
-    ctx.max_seq_len = 32768  # 32768 / 4 = 8192 <= 9596, / 2 = 16384 > 9596 -> CP = 4
+    assert cap == 12168  # (76 GB - 3P states, P = 6,738,415,616) / 4,584,448 B per token
+    ctx.max_seq_len = 32768  # 32768 / 4 = 8192 <= 12168, / 2 = 16384 > 12168 -> CP = 4
     lengths = [10, 100, 777, 2000, 5000, 300]
     plan = get_planner("te-cp").plan_step(ctx, 0, seqs(lengths))
     assert plan.notes["cp"] == 4 and plan.notes["dp"] == 4
@@ -252,7 +252,7 @@ def test_te_cp_max_seq_len_does_not_fit():
     with pytest.raises(PlanningError) as e:
         get_planner("te-cp").plan_step(ctx, 0, seqs([500]))
     assert str(e.value) == ("te-cp: --max-seq-len 200000 does not fit even with cp=16 "
-                            "(12500 tokens per GPU, capacity 9596)")
+                            "(12500 tokens per GPU, capacity 12168)")
 
 
 @pytest.mark.parametrize("name", ["te-cp", "te-cp-tuned"])
@@ -261,7 +261,7 @@ def test_te_cp_fails_when_longest_does_not_fit_all_units(name):
     with pytest.raises(PlanningError) as e:
         get_planner(name).plan_step(ctx, 0, seqs([500, 200000]))
     assert str(e.value) == (f"sequence 1 (sample 13, 200000 tokens) does not fit {name} even with cp=16 "
-                            "(12500 tokens per GPU, capacity 9596)")
+                            "(12500 tokens per GPU, capacity 12168)")
 
 
 def test_ulysses_degree_divides_heads_contiguous():

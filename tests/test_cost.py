@@ -125,8 +125,9 @@ def test_memory_by_zero_stage():
     block = m.params_per_layer()
     root = P - m.num_layers * block
     # what the runtime's FSDP2 holds (fp32: weights 4, grads 4, Adam moments 8 bytes per parameter);
-    # ZeRO-1 the classic split (the runtime holds ZeRO-2's figure for it, less)
-    for z, expect in ((0, 16 * P), (1, 8 * P + 8 * P / 4), (2, 4 * P + 16 * P / 4),
+    # ZeRO-1 runs with ZeRO-2's holdings (FSDP reduce-scatters gradients as they are produced)
+    # and is charged exactly those, not the classic split 8P + 8P/N
+    for z, expect in ((0, 16 * P), (1, 4 * P + 16 * P / 4), (2, 4 * P + 16 * P / 4),
                       (3, 16 * P / 4 + 4 * (root + 3 * block))):
         c = CostModel(round_cluster(), m, ideal_profile(), zero_stage=z)
         assert c.num_units == 4

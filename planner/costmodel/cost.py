@@ -26,12 +26,6 @@ from zeppelin.schemas.profile import CostProfile, KernelEfficiency, LinkCost, de
 
 ArrayLike = "np.ndarray | float | int"
 
-# bytes per parameter for mixed-precision AdamW: bf16 weights (2) + bf16 grads (2) +
-# fp32 master weights (4) + two fp32 Adam moments (8). fp32 training: 4 + 4 + 8.
-
-_STATE_BYTES = {"bf16": (2, 2, 12), "fp16": (2, 2, 12), "fp32": (4, 4, 8)}
-
-
 def _arr(x) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
 
@@ -458,12 +452,10 @@ class CostModel:
           unsharded compute copies FSDP holds while it runs: the root module (embedding, head,
           final norm; FSDP does not re-shard the root after forward), two blocks (computing and
           prefetched) and one block's unsharded gradient;
-        * ZeRO-2: ``16 P / N`` plus the whole compute-dtype weights kept between forward and
-          backward, ``c P``;
-        * ZeRO-1: the classic split, whole weights and gradients in the model dtype and sharded
-          fp32 master weights and moments (bf16: ``4 P + 12 P / N``; fp32: ``8 P + 8 P / N``). The
-          runtime holds ZeRO-2's ``c P + 16 P / N`` for it (FSDP shards gradients as they are
-          produced), no more than this for ``N >= 2``: the default plans keep their capacity.
+        * ZeRO-1 and ZeRO-2: ``16 P / N`` plus the whole compute-dtype weights kept between
+          forward and backward, ``c P``. FSDP reduce-scatters each block's gradient as soon as
+          the backward has produced it, so a ZeRO-1 plan runs with ZeRO-2's holdings, and the
+          planner charges it exactly those.
         """
         dp = dp or self.num_units
         m = self.model
@@ -471,12 +463,9 @@ class CostModel:
         z = self.zero_stage
         if z == 0:
             return 16.0 * P
-        if z == 1:
-            w, g, o = _STATE_BYTES[m.dtype]
-            return P * (w + g) + P * o / dp
         c = m.dtype_bytes
         shards = 16.0 * P / dp
-        if z == 2:
+        if z in (1, 2):
             return shards + c * P
         block = m.params_per_layer() / self.tp
         root = (m.num_params() - m.num_layers * m.params_per_layer()) / self.tp
