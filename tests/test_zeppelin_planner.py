@@ -255,7 +255,7 @@ def test_intra_node_ulysses_option():
     the Ulysses groups stay inside a node with head counts they divide."""
     from zeppelin.planner.sim.simulate import Simulator
 
-    for cluster, mix_seed in (("zeppelin-a", 3), ("zeppelin-c", 5)):
+    for cluster, mix_seed in (("zeppelin-a", 3), ("zeppelin-c", 6)):
         ctx = make_ctx(cluster)
         tg = Tiering(ctx)
         rng = np.random.default_rng(mix_seed)
@@ -728,15 +728,16 @@ def test_plan_steps_streams_with_bounded_memory():
 
 
 def test_sequence_longer_than_the_units_hold_runs_on_larger_tp_replicas():
-    """LLaMA-13B at tp=2 on 16 A800s: a 91,511-token sequence exceeds what the 8 units hold together,
-    but replicas of tp=8 (model states over 8 GPUs leave more room for activations) hold it as a
-    2-replica ring; without the family the step is rejected with the memory message."""
-    ctx, seqs = _grid_step("zeppelin-a", "llama-13b", 2, "mixed", 16, 2)
+    """LLaMA-13B at tp=2 on 16 A800s: a 131,072-token sequence exceeds what the 8 units hold together
+    (8 x 14,093 tokens), and what 4 replicas of tp=4 hold (4 x 31,857), but replicas of tp=8 (model
+    states over 8 GPUs leave more room for activations, 2 x 67,385) hold it as a 2-replica ring;
+    without the family the step is rejected with the memory message."""
+    ctx, seqs = _grid_step("zeppelin-a", "llama-13b", 2, "long", 16, 2)
     plan = ZeppelinPlanner().plan_step(ctx, 2, seqs)
     assert plan.notes["family"] == "tp-replicas" and max(r.tp for r in plan.replicas) == 8
     _valid(ctx, plan)
-    with pytest.raises(PlanningError, match=r"^sequence \d+ \(sample \d+\) has 91,511 tokens, more than the whole "
-                                            r"cluster can hold \(8 units x [\d,]+ tokens"):
+    with pytest.raises(PlanningError, match=r"^sequence \d+ \(sample \d+\) has 131,072 tokens, more than the whole "
+                                            r"cluster can hold \(8 units x 14,093 tokens"):
         ZeppelinPlanner(families="none").plan_step(ctx, 2, seqs)
 
 
