@@ -13,6 +13,15 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "custom_planner.py"
 
 
+@pytest.fixture(autouse=True)
+def _unregister_afterwards():
+    """The example registers a planner globally: take it out again so later tests see the stock registry."""
+    from zeppelin.planner.core.base import PLANNERS
+
+    yield
+    PLANNERS.pop("example-longest-first", None)
+
+
 def _load():
     spec = importlib.util.spec_from_file_location("custom_planner", EXAMPLE)
     mod = importlib.util.module_from_spec(spec)
