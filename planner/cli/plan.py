@@ -12,16 +12,11 @@ from zeppelin.schemas.common import MAX_SEED, MAX_STEPS, MAX_TOKENS, MAX_WORKERS
 
 
 def _planner(name: str, options: dict):
-    from zeppelin.planner.core.base import PLANNERS, get_planner
+    from zeppelin.planner.core.base import PLANNERS, construct_planner, get_planner
     from zeppelin.planner.zeppelin import planner as zeppelin_planner  # noqa: F401  (registers the zeppelin planners)
 
     if name in PLANNERS:  # the zeppelin planners: no need to import every baseline
-        try:
-            return PLANNERS[name](**options)
-        except InputError:
-            raise
-        except (ValueError, TypeError, OverflowError) as e:  # an option of the wrong type or out of range
-            raise InputError(f"planner {name!r}: bad option ({e})") from None
+        return construct_planner(name, **options)
     return get_planner(name, **options)
 
 

@@ -43,6 +43,11 @@ def get_planner(name: str, **options: Any) -> Planner:
 
     if name not in PLANNERS:
         raise InputError(f"unknown planner {name!r} (known: {', '.join(sorted(PLANNERS))})")
+    return construct_planner(name, **options)
+
+
+def construct_planner(name: str, **options: Any) -> Planner:
+    """Build the registered planner ``name``; an option of the wrong type or range is an InputError."""
     try:
         return PLANNERS[name](**options)
     except InputError:
