@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from zeppelin.planner.core.base import PlanContext, PlanningError
+from zeppelin.planner.core.base import PlanContext, PlanningError, pow2_sizes
 from zeppelin.planner.core.builder import StepBuilder, seq_label  # noqa: F401  (re-exported)
 
 # ---------------------------------------------------------------------------------------------
@@ -40,15 +40,6 @@ def pad_to(length: int, multiple: int) -> int:
 def cp_padded(length: int, G: int) -> int:
     """TransformerEngine THD layout: every sequence padded to a multiple of 2*CP (no padding at CP=1)."""
     return length if G <= 1 else pad_to(length, 2 * G)
-
-
-def pow2_sizes(limit: int) -> list[int]:
-    """Powers of two 1, 2, 4, ... <= limit."""
-    out, g = [], 1
-    while g <= limit:
-        out.append(g)
-        g *= 2
-    return out
 
 
 def unit_word(ctx: PlanContext) -> str:

@@ -54,3 +54,12 @@ def construct_planner(name: str, **options: Any) -> Planner:
         raise
     except (ValueError, TypeError, OverflowError) as e:  # an option of the wrong type or out of range
         raise InputError(f"planner {name!r}: bad option ({e})") from None
+
+
+def pow2_sizes(limit: int) -> list[int]:
+    """Powers of two 1, 2, 4, ... <= limit (group sizes every planner chooses among)."""
+    out, g = [], 1
+    while g <= limit:
+        out.append(g)
+        g *= 2
+    return out

@@ -30,21 +30,13 @@ import heapq
 
 import numpy as np
 
-from zeppelin.planner.core.base import PlanContext, PlanningError
+from zeppelin.planner.core.base import PlanContext, PlanningError, pow2_sizes
 from zeppelin.planner.core.builder import StepBuilder
 from zeppelin.planner.costmodel.predict import predict_replicas, predict_step
 from zeppelin.planner.zeppelin.routing import plan_routes
 from zeppelin.schemas.plan import Replica, Sequence, SolverInfo, StepPlan
 
 FAMILIES = ("ulysses-groups", "flop-share", "tp-replicas")
-
-
-def _pow2_upto(limit: int) -> list[int]:
-    out, g = [], 1
-    while g <= limit:
-        out.append(g)
-        g *= 2
-    return out
 
 
 def _ceil_div(a, b):
@@ -219,7 +211,7 @@ def ulysses_groups(ctx: PlanContext, step: int, sequences: list[Sequence], top: 
     cap = cm.token_capacity
     L = np.array([s.length for s in sequences], dtype=np.int64)
     Lf = L.astype(np.float64)
-    sizes = [s for s in _pow2_upto(n) if heads % s == 0 and n % s == 0]
+    sizes = [s for s in pow2_sizes(n) if heads % s == 0 and n % s == 0]
     cost, fits, need = {}, {}, {}
     T_avg = max(float(Lf.sum()) / n, 2.0)
     for s in sizes:
@@ -247,7 +239,7 @@ def ulysses_groups(ctx: PlanContext, step: int, sequences: list[Sequence], top: 
         near = [x for x in sizes if s_best // 2 <= x <= 4 * s_best]
         for big in near:
             for small in [x for x in near if x < big]:
-                for k in _pow2_upto(n // big):
+                for k in pow2_sizes(n // big):
                     if k * big + small <= n:
                         score({big: k, small: (n - k * big) // small})
     scored.sort(key=lambda x: (x[0], x[1]))
@@ -286,7 +278,7 @@ def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
     Lf = L.astype(np.float64)
     work = cm.work(Lf)
     share = float(work.sum()) / n
-    gmax = _pow2_upto(n)[-1]
+    gmax = pow2_sizes(n)[-1]
     sizes = np.ones(len(L), dtype=np.int64)
     for i in np.flatnonzero((L > cap) | (work > share)).tolist():
         g = 1
@@ -380,7 +372,7 @@ def tp_replicas(ctx: PlanContext, step: int, sequences: list[Sequence], top: int
     Lmax = int(L.max())
     cp = 1
     if caps[D] < Lmax:
-        cp = next((g for g in _pow2_upto(world // D) if g > 1 and _zigzag_share(L[L.argmax():][:1], g)[0] <= caps[D]), 0)
+        cp = next((g for g in pow2_sizes(world // D) if g > 1 and _zigzag_share(L[L.argmax():][:1], g)[0] <= caps[D]), 0)
         if not cp:
             return []
     types: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, int]] = {}  # (degree, cp): cost, tokens/unit, cap
@@ -407,7 +399,7 @@ def tp_replicas(ctx: PlanContext, step: int, sequences: list[Sequence], top: int
     for hi in his:
         gpus_hi = hi[0] * hi[1]
         for lo in [d for d in degrees if d <= hi[0]]:
-            for k in _pow2_upto(world // gpus_hi):
+            for k in pow2_sizes(world // gpus_hi):
                 rest = world - k * gpus_hi
                 if rest % lo:
                     continue
@@ -466,7 +458,7 @@ def tp_replicas(ctx: PlanContext, step: int, sequences: list[Sequence], top: int
 
 def _replica_degrees(ctx: PlanContext) -> list[int]:
     cl = ctx.cluster
-    return [d for d in _pow2_upto(cl.gpus_per_node) if d >= ctx.tp and d % ctx.tp == 0
+    return [d for d in pow2_sizes(cl.gpus_per_node) if d >= ctx.tp and d % ctx.tp == 0
             and cl.gpus_per_node % d == 0 and ctx.model.num_heads % d == 0]
 
 
@@ -478,7 +470,7 @@ def replicas_hold(ctx: PlanContext, length: int) -> bool:
         return False
     D = degrees[-1]
     cap = ctx.cost_for(D).token_capacity
-    return any(_zigzag_share(np.array([length]), g)[0] <= cap for g in _pow2_upto(ctx.cluster.world_size // D))
+    return any(_zigzag_share(np.array([length]), g)[0] <= cap for g in pow2_sizes(ctx.cluster.world_size // D))
 
 
 def family_plans(ctx: PlanContext, step: int, sequences: list[Sequence], families=FAMILIES,

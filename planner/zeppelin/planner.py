@@ -49,6 +49,7 @@ import numpy as np
 from zeppelin.planner.core.base import PlanContext, Planner, PlanningError, register
 from zeppelin.planner.core.solver import WALL_CLOCK, SolveLimits, merge_status
 from zeppelin.planner.costmodel.predict import coupled_components, microbatch_terms, predict_from_terms
+from zeppelin.planner.zeppelin import families as families_mod
 from zeppelin.planner.zeppelin.assign import PackInfeasible, PackResult, pack
 from zeppelin.planner.zeppelin.tiering import Tiering, zigzag_max_tokens_array
 from zeppelin.schemas.layout import contiguous_ranges, zigzag_ranges
@@ -77,7 +78,7 @@ def _optional(module: str):
 
 
 def _fam_list(spec: str) -> tuple[str, ...]:
-    known = ("ulysses-groups", "flop-share", "tp-replicas")
+    known = families_mod.FAMILIES
     if spec in ("all", ""):
         return known
     if spec == "none":
@@ -198,12 +199,11 @@ class ZeppelinPlanner(Planner):
     # ------------------------------------------------------------------ helpers
     def _family_plans(self, ctx: PlanContext, step: int, sequences: list[Sequence], bound=None,
                       only=None) -> list[StepPlan]:
-        families = _optional("families")
-        if families is None or not self.families:
+        if not self.families:
             return []
         fams = [f for f in self.families if not (f == "ulysses-groups" and self.intra == "ring")  # rings only
                 and (only is None or f in only)]
-        return families.family_plans(ctx, step, sequences, fams, bound, routing=self.routing)
+        return families_mod.family_plans(ctx, step, sequences, fams, bound, routing=self.routing)
 
     def tiering(self, ctx: PlanContext) -> Tiering:
         t = self._tiering.get(id(ctx))
@@ -253,10 +253,9 @@ class ZeppelinPlanner(Planner):
 
     def _replicas_hold(self, ctx: PlanContext, sequences: list[Sequence]) -> bool:
         """Whether the tp-replicas family (on) can hold every sequence of the step."""
-        families = _optional("families")
-        if families is None or "tp-replicas" not in self.families or ctx.num_units > self.families_max_units:
+        if "tp-replicas" not in self.families or ctx.num_units > self.families_max_units:
             return False
-        return families.replicas_hold(ctx, max(s.length for s in sequences))
+        return families_mod.replicas_hold(ctx, max(s.length for s in sequences))
 
     def _oversize_step(self, ctx: PlanContext, step: int, sequences: list[Sequence], t0: float) -> StepPlan:
         """A step with a sequence longer than the context's units can hold together, planned on
