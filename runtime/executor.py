@@ -155,12 +155,7 @@ class Executor:
         from . import fsdp
         from .tp import OVERLAP_MODES
 
-        if dp not in fsdp.DP_MODES:
-            raise InputError(f"--dp {dp!r} is not one of {', '.join(fsdp.DP_MODES)}")
-        if recompute not in fsdp.RECOMPUTE_MODES:
-            raise InputError(f"--recompute {recompute!r} is not one of {', '.join(fsdp.RECOMPUTE_MODES)}")
-        if dtype is not None and dtype not in fsdp.DTYPES:
-            raise InputError(f"--dtype {dtype!r} is not one of {', '.join(fsdp.DTYPES)}")
+        fsdp.check_modes(dp=dp, dtype=dtype, recompute=recompute)
         self.zero_stage = header.zero_stage if zero_stage is None else zero_stage
         if dp == "fsdp" and self.zero_stage == 0:
             dp = "replicate"  # ZeRO-0: whole model and optimizer state on every rank
@@ -465,12 +460,6 @@ def plan_hash(header: PlanHeader) -> str:
     return content_hash(header.model_dump(mode="json", exclude={"created_at"}))
 
 
-def _resolve_model_ref(ref: str):
-    from zeppelin.schemas.model import resolve_model_ref
-
-    return resolve_model_ref(ref)
-
-
 def build_model(ref: str | None, header: PlanHeader, seed: int, device: torch.device):
     """The model a job trains: the transformers model of ``hf:DIR`` (:mod:`zeppelin.runtime.hf`)
     or the runtime's own Llama built from the plan's ModelSpec."""
@@ -497,7 +486,9 @@ def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSo
         raise InputError(f"the plan is for {header.world_size} ranks but the job has {world_size} "
                          f"(launch with --nproc-per-node/--nnodes giving {header.world_size} processes)")
     if cfg.model is not None:
-        spec = _resolve_model_ref(cfg.model)
+        from zeppelin.schemas.model import resolve_model_ref
+
+        spec = resolve_model_ref(cfg.model)
         if content_hash(spec) != header.hashes.model:
             raise InputError(f"--model {cfg.model} does not match the plan: the plan was made for model "
                              f"{header.model.name!r} (hash {header.hashes.model}, given {content_hash(spec)})")
@@ -538,24 +529,18 @@ def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSo
         raise InputError("--checkpoint-every must be >= 0")
     if (cfg.checkpoint_every or cfg.resume) and not cfg.checkpoint_dir:
         raise InputError("--checkpoint-every/--resume need --checkpoint-dir")
-    from .fsdp import DP_MODES, DTYPES, RECOMPUTE_MODES
+    from .fsdp import check_modes
 
-    if cfg.dp not in DP_MODES:
-        raise InputError(f"--dp {cfg.dp!r} is not one of {', '.join(DP_MODES)}")
-    if cfg.dtype is not None and cfg.dtype not in DTYPES:
-        raise InputError(f"--dtype {cfg.dtype!r} is not one of {', '.join(DTYPES)}")
+    check_modes(dp=cfg.dp, dtype=cfg.dtype, recompute=cfg.recompute)
     if cfg.zero_stage is not None and not 0 <= cfg.zero_stage <= 3:
         raise InputError(f"--zero-stage must be 0, 1, 2 or 3 (got {cfg.zero_stage})")
     if cfg.hsdp is not None and (cfg.hsdp < 1 or world_size % cfg.hsdp):
         raise InputError(f"--hsdp {cfg.hsdp} must divide the world size {world_size}")
     planned = getattr(header, "recompute", "none")
-    if cfg.recompute is not None:
-        if cfg.recompute not in RECOMPUTE_MODES:
-            raise InputError(f"--recompute {cfg.recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}")
-        if cfg.recompute != planned and not cfg.recompute_override:
-            raise InputError(f"the plan was made for --recompute {planned} (its activation memory per token), "
-                             f"not {cfg.recompute}; re-plan with `zeppelin plan --recompute {cfg.recompute}` "
-                             "or pass --recompute-override")
+    if cfg.recompute is not None and cfg.recompute != planned and not cfg.recompute_override:
+        raise InputError(f"the plan was made for --recompute {planned} (its activation memory per token), "
+                         f"not {cfg.recompute}; re-plan with `zeppelin plan --recompute {cfg.recompute}` "
+                         "or pass --recompute-override")
     metrics_path = Path(cfg.metrics) if cfg.metrics else Path(cfg.plan).with_suffix(".metrics.jsonl")
     check_output(metrics_path, [cfg.plan, cfg.data, cfg.model], what="metrics file")
     return reader, source, 0, end

@@ -59,6 +59,17 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+def check_modes(*, dp: str | None = None, dtype: str | None = None, recompute: str | None = None) -> None:
+    """One-line InputError for a ``--dp`` / ``--dtype`` / ``--recompute`` value that is not known
+    (None: not given)."""
+    from zeppelin.schemas.common import InputError
+
+    for flag, value, known in (("--dp", dp, DP_MODES), ("--dtype", dtype, tuple(DTYPES)),
+                               ("--recompute", recompute, RECOMPUTE_MODES)):
+        if value is not None and value not in known:
+            raise InputError(f"{flag} {value!r} is not one of {', '.join(known)}")
+
+
 def decoder_blocks(model: nn.Module) -> nn.ModuleList:
     """The decoder blocks of a model: ``model.layers`` for the runtime's :class:`LlamaModel`,
     ``model.model.layers`` for a ``transformers`` causal LM (Llama, Mistral, Qwen2...)."""
