@@ -45,6 +45,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+from .lifecycle import signal_name
+
 SETTLE_S = 0.3          # after the first failure: collect the other ranks' exits/reports this long
 STOP_GRACE_S = 1.0      # SIGTERM -> SIGKILL for ranks being stopped
 POLL_S = 0.02
@@ -76,13 +78,6 @@ def torchrun_argv(*, nproc_per_node: int, nnodes: int = 1, node_rank: int | None
     return argv
 
 
-def _signal_name(code: int) -> str:
-    try:
-        return signal.Signals(-code).name
-    except ValueError:
-        return f"signal {-code}"
-
-
 def _read_errors(err_dir: Path) -> dict[int, dict]:
     errs = {}
     for f in err_dir.glob("rank*.json"):
@@ -96,7 +91,7 @@ def _read_errors(err_dir: Path) -> dict[int, dict]:
 
 def _death(code: int) -> str:
     if code < 0:
-        how = f"was killed by {_signal_name(code)}"
+        how = f"was killed by {signal_name(-code)}"
         if code == -int(signal.SIGKILL):
             how += " (e.g. by the out-of-memory killer)"
         return how
@@ -310,7 +305,7 @@ def run_local(nproc: int, module: str, wargs: list[str], err_dir: Path, timeout_
         return code
     except _Stop as s:
         _stop_all(procs)
-        print(f"zeppelin: error: job stopped: received {_signal_name(-s.signum)}; every rank ended",
+        print(f"zeppelin: error: job stopped: received {signal_name(s.signum)}; every rank ended",
               file=sys.stderr, flush=True)
         return 128 + s.signum
     finally:
@@ -358,7 +353,7 @@ def run_torchrun(opts: list[str], module: str, wargs: list[str], err_dir: Path, 
         return code
     except (KeyboardInterrupt, SignalException) as e:
         sig = getattr(e, "sigval", signal.SIGINT)
-        print(f"zeppelin: error: job stopped: received {_signal_name(-int(sig))}; every rank on this machine "
+        print(f"zeppelin: error: job stopped: received {signal_name(int(sig))}; every rank on this machine "
               f"ended", file=sys.stderr, flush=True)
         return 128 + int(sig)
     except Exception as e:  # noqa: BLE001 - rendezvous failures and the like: one line
