@@ -166,9 +166,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def _guarded_main() -> int:
     try:
-        return main()
+        code = main()
     except KeyboardInterrupt:  # a stop signal before the job started (or between the handlers)
-        return 128 + (_STOPPED_BY[0] if _STOPPED_BY else int(signal.SIGINT))
+        code = 128 + (_STOPPED_BY[0] if _STOPPED_BY else int(signal.SIGINT))
+    if code != 0:
+        # the failure is reported (error file, one line): leave without the interpreter's shutdown,
+        # whose process-group destructors can abort on a peer that is gone and print a C++
+        # "terminate ... what(): Traceback" after the report
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":
