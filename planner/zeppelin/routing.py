@@ -343,8 +343,15 @@ def plan_routes(ctx: PlanContext, mb: MicroBatch, enable: bool = True) -> list[R
                     nodes[k] = _Node(ctx, k, inter_members, busy, nic_of)
                 _spread(ctx, nodes[k], items, side, inter_members, busy, nic_of)
     nbytes = cost.kv_bytes(np.array([t.tokens for t in transfers], dtype=np.float64))
-    return [Route(group=t.group, src=t.src, dst=t.dst, tokens=t.tokens, bytes=int(b), paths=_pair(nic_of, t))
-            for t, b in zip(transfers, nbytes)]
+    routes = [Route(group=t.group, src=t.src, dst=t.dst, tokens=t.tokens, bytes=int(b), paths=_pair(nic_of, t))
+              for t, b in zip(transfers, nbytes)]
+    if enable:  # whole-token splits of tiny transfers can load a NIC more than the direct paths: never worse
+        direct = plan_routes(ctx, mb, enable=False)
+        ro = nic_load_table(ctx, mb.model_copy(update={"routes": routes}), routed=True)
+        un = nic_load_table(ctx, mb.model_copy(update={"routes": direct}), routed=False)
+        if max(ro.values(), default=0) > max(un.values(), default=0) * (1 + 1e-9):
+            return direct
+    return routes
 
 
 def _pair(nic_of: _NicOf, t: _Transfer) -> list[RoutePath]:
