@@ -699,7 +699,41 @@ def test_family_dispatch_local_search_never_worse():
             assert fits[t][i] and counts[t] > g
             loads[(t, g)] = loads.get((t, g), 0.0) + cost[t][i]
         assert max(loads.values()) == pytest.approx(best[0])
-        assert _dispatch(cost, fits, counts, improve=True) == best
+        assert _dispatch(cost, fits, counts, improve=True)[:2] == best[:2]
+
+
+def test_family_dispatch_bound_and_pruned_search_match_trying_every_configuration():
+    """_dispatch_bound never exceeds the dispatch's makespan, and the pruned search keeps exactly
+    the configurations (and order) that dispatching every one of them would keep."""
+    from zeppelin.planner.zeppelin.families import _best_dispatches, _dispatch, _dispatch_bound
+
+    rng = np.random.default_rng(11)
+    for trial in range(20):
+        n = int(rng.integers(5, 80))
+        sizes = [1, 2, 4, 8]
+        cost = {s: rng.lognormal(0, 1.0, n) / s ** rng.uniform(0.6, 1.0) for s in sizes}
+        fits = {s: rng.random(n) < (0.7 if s == 1 else 1.0) for s in sizes}
+        configs = [{s: int(rng.integers(1, 6))} for s in sizes] + [
+            {8: int(rng.integers(1, 3)), s: int(rng.integers(1, 5))} for s in (1, 2, 4)]
+
+        def run(cfg):
+            return _dispatch({t: cost[t] for t in cfg}, {t: fits[t] for t in cfg}, cfg)
+
+        def bound(cfg):
+            return _dispatch_bound(cost, fits, cfg, {t: t for t in cfg})
+
+        every = []
+        for a, cfg in enumerate(configs):
+            r = run(cfg)
+            if r is not None:
+                assert bound(cfg) <= r[0] * (1 + 1e-12)
+                every.append((r[0], a))
+            else:
+                assert bound(cfg) == float("inf")
+        every.sort()
+        for keep in (1, 3):
+            got = _best_dispatches(configs, run, bound, keep)
+            assert [(x[0], x[1]) for x in got] == every[:keep]
 
 
 def test_plan_steps_streams_with_bounded_memory():

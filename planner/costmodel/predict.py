@@ -163,7 +163,7 @@ class MBTerms:
 
 def coupled_components(n: int, pairs) -> np.ndarray:
     """Component label of each of ``n`` units, given iterables of units that exchange data."""
-    parent = np.arange(n)
+    parent = list(range(n))  # (a list: numpy scalar indexing costs more than the search)
 
     def find(x: int) -> int:
         root = x
@@ -183,7 +183,7 @@ def coupled_components(n: int, pairs) -> np.ndarray:
             rb = find(int(u))
             if rb != ra:
                 parent[rb] = ra
-    return np.array([find(u) for u in range(n)], dtype=np.int64)
+    return np.fromiter((find(u) for u in range(n)), dtype=np.int64, count=n)
 
 
 def component_max(labels: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -265,8 +265,13 @@ def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool
         Gr = G[is_ring]
         # per placement: round-0 and later-round compute of its zigzag blocks (as the simulator
         # prices them), summed per group: a round computes the blocks of every sequence of the group
-        g_t0 = _group_sum(pg, pL, G, is_ring, lambda x, g: cost.ring_round_compute(x, g)[0])[is_ring]
-        g_tr = _group_sum(pg, pL, G, is_ring, lambda x, g: cost.ring_round_compute(x, g)[1])[is_ring]
+        pG, on_ring = G[pg], is_ring[pg]
+        p_t0, p_tr = np.zeros(len(pL)), np.zeros(len(pL))
+        for Gv in np.unique(pG[on_ring]):  # (both rounds priced in one call per ring size)
+            sel = (pG == Gv) & on_ring
+            p_t0[sel], p_tr[sel] = cost.ring_round_compute(pL[sel], int(Gv))
+        g_t0 = np.bincount(pg, weights=p_t0, minlength=ng)[is_ring]
+        g_tr = np.bincount(pg, weights=p_tr, minlength=ng)[is_ring]
         comm_round = np.asarray(cost.p2p_time(cost.ring_round_bytes(g_len[is_ring] / Gr), "intra"), dtype=np.float64)
         comm_round = np.array(comm_round, dtype=np.float64, copy=True).reshape(-1)
         ring_ids = np.flatnonzero(is_ring)

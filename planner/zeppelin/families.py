@@ -94,7 +94,48 @@ def _dispatch(cost: dict[int, np.ndarray], fits: dict[int, np.ndarray], counts: 
     if improve:
         _improve(cost, fits, out, loads)
     span = max(float(loads[t].max()) for t in types)
-    return span, out
+    return span, out, loads
+
+
+def _dispatch_bound(cost: dict[int, np.ndarray], fits: dict[int, np.ndarray], counts: dict[int, int],
+                    width: dict[int, int]) -> float:
+    """A lower bound on :func:`_dispatch`'s makespan (inf where a sequence fits no type): no
+    sequence runs faster than on its cheapest type, and the groups' resource-time (``width[t]``
+    units per group of type ``t`` times its load) is at most the makespan times their total width."""
+    types = [t for t in counts if counts[t] > 0]
+    fastest = area = None
+    for t in types:
+        c = np.where(fits[t], cost[t], np.inf)
+        fastest = c if fastest is None else np.minimum(fastest, c)
+        area = width[t] * c if area is None else np.minimum(area, width[t] * c)
+    if fastest is None or not np.isfinite(fastest).all():
+        return float("inf")
+    return max(float(fastest.max()), float(area.sum()) / sum(width[t] * counts[t] for t in types))
+
+
+def _best_dispatches(configs: list, run, bound, keep: int) -> list:
+    """The ``keep`` best dispatches of ``configs`` (``run(cfg)``: :func:`_dispatch`'s result or
+    None; ``bound(cfg)``: a lower bound on it), as (makespan, index, cfg, owner, loads) sorted by
+    (makespan, index). Configurations are tried in order of their bound; one whose bound is above
+    the ``keep``-th best makespan found so far is skipped (it could not be among the best), so the
+    result is what trying them all gives."""
+    bounds = [bound(cfg) for cfg in configs]
+    best: list = []
+    for a in sorted(range(len(configs)), key=lambda a: (bounds[a], a)):
+        if len(best) >= keep and bounds[a] > best[keep - 1][0]:
+            break
+        r = run(configs[a])
+        if r is not None:
+            best.append((r[0], a, configs[a], r[1], r[2]))
+            best.sort(key=lambda x: (x[0], x[1]))
+    return best[:keep]
+
+
+def _refine(cost, fits, owner: list, loads: dict) -> tuple[float, list]:
+    """:func:`_improve` on a copy of a dispatch: (makespan, owner)."""
+    owner, loads = list(owner), {t: v.copy() for t, v in loads.items()}
+    _improve(cost, fits, owner, loads)
+    return max(float(v.max()) for v in loads.values()), owner
 
 
 def _improve(cost, fits, out, loads, rounds: int = 48, cold_groups: int = 3) -> None:
@@ -223,30 +264,28 @@ def ulysses_groups(ctx: PlanContext, step: int, sequences: list[Sequence], top: 
         cost[s] = ctx.model.num_layers * cm.ulysses_attn_time(Lf, s) + slope * Lf / s
         need[s] = _ceil_div(L, s)
         fits[s] = need[s] <= cap
-    scored = []
+    def run(cfg):
+        return _dispatch({t: cost[t] for t in cfg}, {t: fits[t] for t in cfg}, cfg)
 
-    def score(cfg):
-        r = _dispatch({t: cost[t] for t in cfg}, {t: fits[t] for t in cfg}, cfg)
-        if r is not None:
-            scored.append((r[0], len(scored), cfg, r[1]))
+    def bound(cfg):
+        return _dispatch_bound(cost, fits, cfg, {t: t for t in cfg})
 
-    for s in sizes:  # homogeneous
-        score({s: n // s})
+    homo = [{s: n // s} for s in sizes]
+    scored = _best_dispatches(homo, run, bound, top + 1)
     if scored:
         # heterogeneous around the best homogeneous size s*: k groups of a larger size (one or two
         # steps up) for the long sequences, the rest of size s* or s*/2
-        s_best = next(iter(min(scored, key=lambda x: (x[0], x[1]))[2]))
+        s_best = next(iter(scored[0][2]))
         near = [x for x in sizes if s_best // 2 <= x <= 4 * s_best]
-        for big in near:
-            for small in [x for x in near if x < big]:
-                for k in pow2_sizes(n // big):
-                    if k * big + small <= n:
-                        score({big: k, small: (n - k * big) // small})
-    scored.sort(key=lambda x: (x[0], x[1]))
+        het = [{big: k, small: (n - k * big) // small} for big in near for small in [x for x in near if x < big]
+               for k in pow2_sizes(n // big) if k * big + small <= n]
+        # (indices after the homogeneous ones: ties keep the homogeneous configuration)
+        more = _best_dispatches(het, run, bound, top + 1)
+        scored = sorted(scored + [(x[0], len(homo) + x[1], *x[2:]) for x in more], key=lambda x: (x[0], x[1]))
     # the best few dispatches refined by local search, then ranked again
-    scored = sorted([(r[0], a, cfg, r[1]) for _, a, cfg, _ in scored[:top + 1]
-                     if (r := _dispatch({t: cost[t] for t in cfg}, {t: fits[t] for t in cfg}, cfg, improve=True))],
-                    key=lambda x: (x[0], x[1]))
+    scored = sorted([(*_refine(cost, fits, owner, loads), a, cfg) for _, a, cfg, owner, loads in scored[:top + 1]],
+                    key=lambda x: (x[0], x[2]))
+    scored = [(span, a, cfg, owner) for span, owner, a, cfg in scored]
     def build(cfg, owner):
         # groups: aligned blocks, largest size first
         blocks: dict[tuple[int, int], list[int]] = {}
@@ -410,21 +449,24 @@ def tp_replicas(ctx: PlanContext, step: int, sequences: list[Sequence], top: int
                     continue  # the context's own units: the tiered search's space
                 if cfg not in configs:
                     configs.append(cfg)
-    scored = []
-    for a, cfg in enumerate(configs):
+    def keyed(cfg):
         keys = sorted(cfg, key=lambda t: (-t[0] * t[1], -t[1]))
-        idx = {t: x for x, t in enumerate(keys)}
-        r = _dispatch({idx[t]: types[t][0] for t in keys}, {idx[t]: types[t][1] <= types[t][2] for t in keys},
-                      {idx[t]: cfg[t] for t in keys})
-        if r is not None:
-            scored.append((r[0], a, keys, cfg, r[1]))
-    scored.sort(key=lambda x: (x[0], x[1]))
+        return (keys, {x: types[t][0] for x, t in enumerate(keys)},
+                {x: types[t][1] <= types[t][2] for x, t in enumerate(keys)}, {x: cfg[t] for x, t in enumerate(keys)})
+
+    def run(a):
+        _, c, f, cnt = keyed(configs[a])
+        return _dispatch(c, f, cnt)
+
+    def bound(a):
+        keys, c, f, cnt = keyed(configs[a])
+        return _dispatch_bound(c, f, cnt, {x: t[0] * t[1] for x, t in enumerate(keys)})
+
     refined = []
-    for _, a, keys, cfg, _ in scored[:top + 1]:
-        idx = {t: x for x, t in enumerate(keys)}
-        r = _dispatch({idx[t]: types[t][0] for t in keys}, {idx[t]: types[t][1] <= types[t][2] for t in keys},
-                      {idx[t]: cfg[t] for t in keys}, improve=True)
-        refined.append((r[0], a, keys, cfg, r[1]))
+    for _, a, _, owner, loads in _best_dispatches(list(range(len(configs))), run, bound, top + 1):
+        keys, c, f, _ = keyed(configs[a])
+        span, owner = _refine(c, f, owner, loads)
+        refined.append((span, a, keys, configs[a], owner))
     scored = sorted(refined, key=lambda x: (x[0], x[1]))
     def build(keys, cfg, owner):
         replicas: list[Replica] = []
