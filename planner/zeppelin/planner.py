@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from zeppelin.planner.core.base import PlanContext, Planner, PlanningError, register
+from zeppelin.planner.core.builder import record as _record
 from zeppelin.planner.core.solver import WALL_CLOCK, SolveLimits, merge_status
 from zeppelin.planner.costmodel.predict import coupled_components, microbatch_terms, predict_from_terms
 from zeppelin.planner.zeppelin import families as families_mod
@@ -110,18 +111,6 @@ def _lpt_with_room(items: list[int], bins: int, room: float, weight: list[float]
         for e in aside:
             heapq.heappush(heap, e)
     return out
-
-
-def _record(cls, **fields):
-    """``cls.model_construct(**fields)`` for records built from validated parts, with every field
-    given: pydantic's model_construct costs tens of microseconds per call, and a step at 1,024 GPUs
-    builds tens of thousands of groups and placements."""
-    m = cls.__new__(cls)
-    object.__setattr__(m, "__dict__", fields)
-    object.__setattr__(m, "__pydantic_fields_set__", set(fields))
-    object.__setattr__(m, "__pydantic_extra__", None)
-    object.__setattr__(m, "__pydantic_private__", None)
-    return m
 
 
 # Deterministic ILP work per step: at most ILP_SOLVES packing ILPs, each stopped after ILP_NODES

@@ -346,11 +346,12 @@ def plan_routes(ctx: PlanContext, mb: MicroBatch, enable: bool = True) -> list[R
     routes = [Route(group=t.group, src=t.src, dst=t.dst, tokens=t.tokens, bytes=int(b), paths=_pair(nic_of, t))
               for t, b in zip(transfers, nbytes)]
     if enable:  # whole-token splits of tiny transfers can load a NIC more than the direct paths: never worse
-        direct = plan_routes(ctx, mb, enable=False)
-        ro = nic_load_table(ctx, mb.model_copy(update={"routes": routes}), routed=True)
-        un = nic_load_table(ctx, mb.model_copy(update={"routes": direct}), routed=False)
+        from zeppelin.planner.costmodel.predict import nic_loads
+
+        routed = mb.model_copy(update={"routes": routes})
+        ro, un = nic_loads(ctx, routed, routed=True), nic_loads(ctx, routed, routed=False)
         if max(ro.values(), default=0) > max(un.values(), default=0) * (1 + 1e-9):
-            return direct
+            return plan_routes(ctx, mb, enable=False)
     return routes
 
 
