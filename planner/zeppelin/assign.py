@@ -76,7 +76,7 @@ def lower_bound(pre: np.ndarray, cost: np.ndarray, width: np.ndarray) -> float:
     lb = max(avg, float(pre.max()) if B else 0.0)
     if len(cost):
         srt = np.sort(pre)
-        lb = max(lb, max(float(c) + float(srt[w - 1]) for c, w in zip(cost, width)))
+        lb = max(lb, float((np.asarray(cost, dtype=np.float64) + srt[np.asarray(width, dtype=np.int64) - 1]).max()))
     return lb
 
 
@@ -158,7 +158,8 @@ def greedy_pack(pre: np.ndarray, pre_tok: np.ndarray, cost: np.ndarray, tokens: 
 
 
 def _local_search(out, loads, toks, cost, tokens, width, cap, max_iter: int | None = None) -> None:
-    """Move or swap width-1 items off the most loaded bin while the maximum drops."""
+    """Move or swap width-1 items off the most loaded bin while the maximum drops (``loads`` and
+    ``toks``, float arrays, updated in place)."""
     B = len(loads)
     if B < 2:
         return
@@ -166,37 +167,43 @@ def _local_search(out, loads, toks, cost, tokens, width, cap, max_iter: int | No
     for i, bs in enumerate(out):
         if int(width[i]) == 1:
             members[bs[0]].append(i)
+    # plain Python floats in the loops (numpy scalar indexing costs more than the arithmetic); the
+    # same IEEE operations in the same order, written back at the end
+    cost = np.asarray(cost, dtype=np.float64).tolist()
+    tokens = np.asarray(tokens, dtype=np.float64).tolist()
+    ld, tk = np.asarray(loads, dtype=np.float64).tolist(), np.asarray(toks, dtype=np.float64).tolist()
     max_iter = max_iter if max_iter is not None else 4 * B + 50
     for _ in range(max_iter):
-        hi = int(np.argmax(loads))
-        lo_order = np.argsort(loads)
-        top = float(loads[hi])
+        arr = np.array(ld)
+        hi = int(np.argmax(arr))
+        lo_order = np.argsort(arr)
+        top = ld[hi]
         improved = False
-        for lo in lo_order[: min(B, 8)]:
-            lo = int(lo)
+        for lo in lo_order[: min(B, 8)].tolist():
             if lo == hi:
                 continue
-            diff = top - float(loads[lo])
+            diff = top - ld[lo]
             if diff <= 1e-12:
                 break
             # best single move: item with cost closest to diff/2, not exceeding diff
             best, best_gain = None, 1e-12
+            t_lo = tk[lo]
             for i in members[hi]:
-                c = float(cost[i])
-                if c < diff and toks[lo] + tokens[i] <= cap:
+                c = cost[i]
+                if c < diff and t_lo + tokens[i] <= cap:
                     gain = min(c, diff - c)
                     if gain > best_gain:
                         best, best_gain = (i, None), gain
             # best swap: i from hi, j from lo with 0 < c_i - c_j < diff
             if len(members[hi]) * len(members[lo]) <= 4096:
                 for i in members[hi]:
-                    ci = float(cost[i])
+                    ci = cost[i]
                     for j in members[lo]:
-                        d = ci - float(cost[j])
+                        d = ci - cost[j]
                         if 0 < d < diff:
                             gain = min(d, diff - d)
-                            if gain > best_gain and toks[lo] - tokens[j] + tokens[i] <= cap \
-                                    and toks[hi] - tokens[i] + tokens[j] <= cap:
+                            if gain > best_gain and tk[lo] - tokens[j] + tokens[i] <= cap \
+                                    and tk[hi] - tokens[i] + tokens[j] <= cap:
                                 best, best_gain = (i, j), gain
             if best is None:
                 continue
@@ -204,22 +211,24 @@ def _local_search(out, loads, toks, cost, tokens, width, cap, max_iter: int | No
             members[hi].remove(i)
             members[lo].append(i)
             out[i] = [lo]
-            loads[hi] -= cost[i]
-            loads[lo] += cost[i]
-            toks[hi] -= tokens[i]
-            toks[lo] += tokens[i]
+            ld[hi] -= cost[i]
+            ld[lo] += cost[i]
+            tk[hi] -= tokens[i]
+            tk[lo] += tokens[i]
             if j is not None:
                 members[lo].remove(j)
                 members[hi].append(j)
                 out[j] = [hi]
-                loads[lo] -= cost[j]
-                loads[hi] += cost[j]
-                toks[lo] -= tokens[j]
-                toks[hi] += tokens[j]
+                ld[lo] -= cost[j]
+                ld[hi] += cost[j]
+                tk[lo] -= tokens[j]
+                tk[hi] += tokens[j]
             improved = True
             break
         if not improved:
-            return
+            break
+    loads[:] = ld
+    toks[:] = tk
 
 
 def ilp_pack(pre: np.ndarray, pre_tok: np.ndarray, cost: np.ndarray, tokens: np.ndarray, width: np.ndarray,
