@@ -120,6 +120,20 @@ def findings(cells: list[dict]) -> tuple[dict, list[str]]:
             exceptions.append(f"{label}: {b['planner']} {b['mean_s']:.3f} s vs zeppelin {z['mean_s']:.3f} s "
                               f"({(1 / r - 1) * 100:.1f}% slower by the simulator; predicted {b['predicted_mean_s']:.3f} "
                               f"vs {z['predicted_mean_s']:.3f} s)")
+    # headroom: how far zeppelin and the best other baseline are from the step's lower bound (perfect
+    # balance of each sequence's cheapest attention and of the linear work, DESIGN.md section 4; no plan
+    # reaches it where a few long sequences or coarse groups set the step), and the lead zeppelin would
+    # have if it reached the bound in every cell
+    hz, hb = [], []
+    for c in cells:
+        z = _stat(c, "zeppelin")
+        others = [s for s in c["planners"] if not s["planner"].startswith("zeppelin") and not s.get("error")]
+        if z and others and z.get("lower_bound_mean_s"):
+            b = min(others, key=lambda s: s["mean_s"])
+            hz.append(z["mean_s"] / z["lower_bound_mean_s"])
+            hb.append(b["mean_s"] / z["lower_bound_mean_s"])
+    summ["zeppelin_over_lower_bound_geomean"] = _gmean(hz)
+    summ["best_other_over_lower_bound_geomean"] = _gmean(hb)
     summ["zeppelin_fastest_or_tied_cells"] = fastest
     summ["zeppelin_exceptions"] = exceptions
     summ["zeppelin_within_2pct_of_best_other"] = close
@@ -289,6 +303,12 @@ def render_page(cells: list[dict], summ: dict, lines: list[str], args, wall: flo
             f"**{summ.get('zeppelin_fastest_or_tied_cells', '-')} of {summ['cells']}**. Best other baseline per cell: "
             + ", ".join(f"{k} {v}" for k, v in sorted(summ["best_baseline_counts"].items(), key=lambda kv: -kv[1]))
             + ".",
+            (f"- Headroom: zeppelin's step time is {summ.get('zeppelin_over_lower_bound_geomean', math.nan):.3f}x the "
+             "step's lower bound (geometric mean over cells; perfect balance, which a few long sequences or coarse "
+             "groups make unreachable), the best other baseline's "
+             f"{summ.get('best_other_over_lower_bound_geomean', math.nan):.3f}x: a plan at the bound in every cell "
+             f"would lead the best other baseline by {summ.get('best_other_over_lower_bound_geomean', math.nan):.3f}x "
+             "(geometric mean)."),
             "- Cells where zeppelin is neither fastest nor within 0.5%: "
             + ("; ".join(summ.get("zeppelin_exceptions", [])) or "none") + ".",
             "- Cells where zeppelin leads the best other baseline by less than 2% (its margin there is a tie, not "

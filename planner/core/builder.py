@@ -150,7 +150,7 @@ class StepBuilder:
                                                      tokens=tokens)]))
         return routes
 
-    def microbatches(self) -> list[MicroBatch]:
+    def microbatches(self, routes: bool = True) -> list[MicroBatch]:
         out = []
         for k, mb in enumerate(self.mbs):
             for u in range(self.n):
@@ -166,13 +166,16 @@ class StepBuilder:
                 for u in groups[g].units:
                     queues[u].append(g)
             out.append(MicroBatch(groups=groups, placements=mb["placements"], queues=queues,
-                                  routes=self._routes(mb, groups)))
+                                  routes=self._routes(mb, groups) if routes else []))
         if not out:
             out.append(MicroBatch(queues=[[] for _ in range(self.n)]))
         return out
 
     def finish(self, step: int, solver: SolverInfo, notes: dict[str, Any] | None = None,
-               predict: Callable[[PlanContext, StepPlan], Any] | None = None, replicas=None) -> StepPlan:
+               predict: Callable[[PlanContext, StepPlan], Any] | None = None, replicas=None,
+               routes: bool = True) -> StepPlan:
+        """The step plan (``routes=False``: without the direct routes, for a caller that routes the
+        micro-batches itself and predicts after)."""
         from zeppelin.planner.costmodel.predict import predict_step
 
         placed = {p.seq for mb in self.mbs for p in mb["placements"]}
@@ -181,6 +184,6 @@ class StepBuilder:
             i = missing[0]
             raise PlanningError(f"{self.planner}: internal error: {seq_label(i, self.sequences[i])} was not placed")
         plan = StepPlan(step=step, sequences=list(self.sequences), replicas=replicas,
-                        microbatches=self.microbatches(), solver=solver, notes=dict(notes or {}))
+                        microbatches=self.microbatches(routes), solver=solver, notes=dict(notes or {}))
         plan.prediction = (predict or predict_step)(self.ctx, plan)
         return plan

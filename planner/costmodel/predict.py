@@ -102,7 +102,23 @@ def _attention_device_time(ctx: PlanContext, lengths: np.ndarray) -> np.ndarray:
     return out
 
 
+_BOUNDS: list[tuple] = []  # the last few (context, its cost model, lengths) priced, with their bounds
+
+
 def lower_bounds(ctx: PlanContext, lengths: np.ndarray) -> tuple[float, float]:
+    """(work bound, longest-sequence bound) in seconds (remembered for the last few steps: every
+    candidate plan of a step is predicted against the same bounds)."""
+    key = np.asarray(lengths, dtype=np.float64).tobytes()
+    for c, cm, k, v in _BOUNDS:
+        if c is ctx and cm is ctx.cost and k == key:
+            return v
+    v = _lower_bounds(ctx, lengths)
+    _BOUNDS.insert(0, (ctx, ctx.cost, key, v))
+    del _BOUNDS[4:]
+    return v
+
+
+def _lower_bounds(ctx: PlanContext, lengths: np.ndarray) -> tuple[float, float]:
     """(work bound, longest-sequence bound) in seconds.
 
     The work bound prices attention per sequence and the linear modules on an even share of the

@@ -378,7 +378,7 @@ def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
                                 for w in where)
         # (with inter-node rings the prediction waits for their routes)
         plan = b.finish(step, SolverInfo(name="greedy"), notes={"family": "flop-share"},
-                        predict=(lambda c, p: None) if route else None)
+                        predict=(lambda c, p: None) if route else None, routes=not route)
         if route:
             # inter-node rings: their boundary hops routed over every NIC (routing.py), as in
             # the tiered plans
