@@ -136,7 +136,12 @@ def _improve(cost, fits, out, loads, rounds: int = 48, cold_groups: int = 3) -> 
                 if v[r, c] < best[0]:
                     best = (float(v[r, c]), "swap", int(mine[r]), int(theirs[c]), cold)
         if best is None or not best[0] < top * (1 - 1e-9):
-            return
+            # no single move or swap helps: deal the slowest group's and a fast group's sequences
+            # anew between the two, every split tried (pairs of few sequences: the coarse steps
+            # where one-for-one exchanges stall)
+            if not _repartition(cost, fits, out, members, loads, hot, top, keys, lv, cold_groups):
+                return
+            continue
         _, kind, i, j, cold = best
         loads[hot[0]][hot[1]] -= float(cost[hot[0]][i])
         loads[cold[0]][cold[1]] += float(cost[cold[0]][i])
@@ -149,6 +154,46 @@ def _improve(cost, fits, out, loads, rounds: int = 48, cold_groups: int = 3) -> 
             members[cold].remove(j)
             members[hot].append(j)
             out[j] = hot
+
+
+_SPLITS: dict[int, np.ndarray] = {}
+REPARTITION_MAX = 12  # sequences of a pair of groups split exhaustively (2^n splits)
+
+
+def _repartition(cost, fits, out, members, loads, hot, top, keys, lv, cold_groups) -> bool:
+    """The best split of the slowest group's and one fast group's sequences between the two (of
+    the ``cold_groups`` fastest, pairs of at most :data:`REPARTITION_MAX` sequences); applied (in
+    place) when it lowers the pair's larger time below ``top``. Returns whether it did."""
+    best = None  # (value, cold, union, mask)
+    for x in np.argsort(lv, kind="stable")[:cold_groups]:
+        cold = keys[int(x)]
+        if cold == hot:
+            continue
+        union = np.array(sorted(members.get(hot, []) + members.get(cold, [])), dtype=np.int64)
+        k = len(union)
+        if k < 2 or k > REPARTITION_MAX:
+            continue
+        if k not in _SPLITS:
+            _SPLITS[k] = ((np.arange(1 << k)[:, None] >> np.arange(k)[None, :]) & 1).astype(np.float64)
+        m = _SPLITS[k]  # 1: on the slow group's type
+        ch, cc = cost[hot[0]][union], cost[cold[0]][union]
+        bad = m @ (~fits[hot[0]][union]).astype(np.float64) + (1 - m) @ (~fits[cold[0]][union]).astype(np.float64)
+        val = np.where(bad > 0, np.inf, np.maximum(m @ ch, (1 - m) @ cc))
+        a = int(np.argmin(val))
+        if best is None or val[a] < best[0]:
+            best = (float(val[a]), cold, union, m[a] > 0)
+    if best is None or not best[0] < top * (1 - 1e-9):
+        return False
+    _, cold, union, on_hot = best
+    members[hot] = union[on_hot].tolist()
+    members[cold] = union[~on_hot].tolist()
+    for i in members[hot]:
+        out[i] = hot
+    for i in members[cold]:
+        out[i] = cold
+    loads[hot[0]][hot[1]] = float(cost[hot[0]][union[on_hot]].sum())
+    loads[cold[0]][cold[1]] = float(cost[cold[0]][union[~on_hot]].sum())
+    return True
 
 
 def _pack_bins(items: list[int], need: np.ndarray, w: np.ndarray, cap: int) -> list[list[int]]:
