@@ -279,12 +279,13 @@ def ulysses_groups(ctx: PlanContext, step: int, sequences: list[Sequence], top: 
         score({s: n // s})
     if scored:
         # heterogeneous around the best homogeneous size s*: k groups of a larger size (one or two
-        # steps up) for the long sequences, the rest of size s* or s*/2
+        # steps up) for the long sequences, the rest of size s* or s*/2; k a power of two or three
+        # times one (three large groups fit steps with three long sequences)
         s_best = next(iter(min(scored, key=lambda x: (x[0], x[1]))[2]))
         near = [x for x in sizes if s_best // 2 <= x <= 4 * s_best]
         for big in near:
             for small in [x for x in near if x < big]:
-                for k in pow2_sizes(n // big):
+                for k in sorted(set(pow2_sizes(n // big)) | {3 * q for q in pow2_sizes(n // big // 3)}):
                     if k * big + small <= n:
                         score({big: k, small: (n - k * big) // small})
     scored.sort(key=lambda x: (x[0], x[1]))
@@ -524,8 +525,8 @@ def family_plans(ctx: PlanContext, step: int, sequences: list[Sequence], familie
 
     Each family scores its configurations by its own estimate of the slowest unit's time (no
     gradient all-reduce); only the best-scored ones become plans: two per family on clusters of at
-    most 32 units, else the best two over all families. ``bound``: a configuration scored above
-    it is not built - it cannot beat the plan the caller already has."""
+    most 32 units, else the best of each of the two best-scored families. ``bound``: a
+    configuration scored above it is not built - it cannot beat the plan the caller already has."""
     small = ctx.num_units <= 32
     fns = {"ulysses-groups": ulysses_groups, "flop-share": flop_share, "tp-replicas": tp_replicas}
     cands = []
@@ -538,7 +539,12 @@ def family_plans(ctx: PlanContext, step: int, sequences: list[Sequence], familie
         cands += [(score, f, a, build) for score, a, build in got]
     cands.sort(key=lambda c: (c[0], c[1], c[2]))
     if not small:
-        cands = cands[:2]
+        # each family's best, the two best-scored families: the families' own scores do not
+        # compare across families (FLOP-share's is coarse), so the prediction judges between them
+        firsts: dict[int, tuple] = {}
+        for c in cands:
+            firsts.setdefault(c[1], c)
+        cands = sorted(firsts.values(), key=lambda c: (c[0], c[1], c[2]))[:2]
     out: list[StepPlan] = []
     for score, _, _, build in cands:
         if bound is not None and score > bound:
