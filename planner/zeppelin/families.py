@@ -52,6 +52,13 @@ def _zigzag_share(L: np.ndarray, G: int) -> np.ndarray:
     return 2 * q + (r > 0) + (r > G)
 
 
+def _group_counts(m: int) -> list[int]:
+    """How many groups of the larger kind a heterogeneous configuration tries (at most ``m``): every
+    count up to 8 (a step's few long sequences each get one), past it powers of two and three
+    times them (the number of configurations stays logarithmic on large clusters)."""
+    return sorted(set(range(1, min(m, 8) + 1)) | set(pow2_sizes(m)) | {3 * q for q in pow2_sizes(m // 3)})
+
+
 def _dispatch(cost: dict[int, np.ndarray], fits: dict[int, np.ndarray], counts: dict[int, int],
               fixed: dict[int, float] | None = None, improve: bool = False):
     """Whole-step dispatch over group types: ``counts[t]`` groups of type ``t``, ``cost[t][i]`` the
@@ -279,13 +286,12 @@ def ulysses_groups(ctx: PlanContext, step: int, sequences: list[Sequence], top: 
         score({s: n // s})
     if scored:
         # heterogeneous around the best homogeneous size s*: k groups of a larger size (one or two
-        # steps up) for the long sequences, the rest of size s* or s*/2; k a power of two or three
-        # times one (three large groups fit steps with three long sequences)
+        # steps up) for the long sequences, the rest of size s* or s*/2
         s_best = next(iter(min(scored, key=lambda x: (x[0], x[1]))[2]))
         near = [x for x in sizes if s_best // 2 <= x <= 4 * s_best]
         for big in near:
             for small in [x for x in near if x < big]:
-                for k in sorted(set(pow2_sizes(n // big)) | {3 * q for q in pow2_sizes(n // big // 3)}):
+                for k in _group_counts(n // big):
                     if k * big + small <= n:
                         score({big: k, small: (n - k * big) // small})
     scored.sort(key=lambda x: (x[0], x[1]))
@@ -445,7 +451,7 @@ def tp_replicas(ctx: PlanContext, step: int, sequences: list[Sequence], top: int
     for hi in his:
         gpus_hi = hi[0] * hi[1]
         for lo in [d for d in degrees if d <= hi[0]]:
-            for k in pow2_sizes(world // gpus_hi):
+            for k in _group_counts(world // gpus_hi):
                 rest = world - k * gpus_hi
                 if rest % lo:
                     continue
