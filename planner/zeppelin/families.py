@@ -52,6 +52,13 @@ def _zigzag_share(L: np.ndarray, G: int) -> np.ndarray:
     return 2 * q + (r > 0) + (r > G)
 
 
+def _group_counts(m: int) -> list[int]:
+    """How many groups of the larger kind a heterogeneous configuration tries (at most ``m``): every
+    count up to 8 (a step's few long sequences each get one), past it powers of two and three
+    times them (the number of configurations stays logarithmic on large clusters)."""
+    return sorted(set(range(1, min(m, 8) + 1)) | set(pow2_sizes(m)) | {3 * q for q in pow2_sizes(m // 3)})
+
+
 def _dispatch(cost: dict[int, np.ndarray], fits: dict[int, np.ndarray], counts: dict[int, int],
               fixed: dict[int, float] | None = None, improve: bool = False):
     """Whole-step dispatch over group types: ``counts[t]`` groups of type ``t``, ``cost[t][i]`` the
@@ -177,7 +184,12 @@ def _improve(cost, fits, out, loads, rounds: int = 48, cold_groups: int = 3) -> 
                 if v[r, c] < best[0]:
                     best = (float(v[r, c]), "swap", int(mine[r]), int(theirs[c]), cold)
         if best is None or not best[0] < top * (1 - 1e-9):
-            return
+            # no single move or swap helps: deal the slowest group's and a fast group's sequences
+            # anew between the two, every split tried (pairs of few sequences: the coarse steps
+            # where one-for-one exchanges stall)
+            if not _repartition(cost, fits, out, members, loads, hot, top, keys, lv, cold_groups):
+                return
+            continue
         _, kind, i, j, cold = best
         loads[hot[0]][hot[1]] -= float(cost[hot[0]][i])
         loads[cold[0]][cold[1]] += float(cost[cold[0]][i])
@@ -190,6 +202,46 @@ def _improve(cost, fits, out, loads, rounds: int = 48, cold_groups: int = 3) -> 
             members[cold].remove(j)
             members[hot].append(j)
             out[j] = hot
+
+
+_SPLITS: dict[int, np.ndarray] = {}
+REPARTITION_MAX = 12  # sequences of a pair of groups split exhaustively (2^n splits)
+
+
+def _repartition(cost, fits, out, members, loads, hot, top, keys, lv, cold_groups) -> bool:
+    """The best split of the slowest group's and one fast group's sequences between the two (of
+    the ``cold_groups`` fastest, pairs of at most :data:`REPARTITION_MAX` sequences); applied (in
+    place) when it lowers the pair's larger time below ``top``. Returns whether it did."""
+    best = None  # (value, cold, union, mask)
+    for x in np.argsort(lv, kind="stable")[:cold_groups]:
+        cold = keys[int(x)]
+        if cold == hot:
+            continue
+        union = np.array(sorted(members.get(hot, []) + members.get(cold, [])), dtype=np.int64)
+        k = len(union)
+        if k < 2 or k > REPARTITION_MAX:
+            continue
+        if k not in _SPLITS:
+            _SPLITS[k] = ((np.arange(1 << k)[:, None] >> np.arange(k)[None, :]) & 1).astype(np.float64)
+        m = _SPLITS[k]  # 1: on the slow group's type
+        ch, cc = cost[hot[0]][union], cost[cold[0]][union]
+        bad = m @ (~fits[hot[0]][union]).astype(np.float64) + (1 - m) @ (~fits[cold[0]][union]).astype(np.float64)
+        val = np.where(bad > 0, np.inf, np.maximum(m @ ch, (1 - m) @ cc))
+        a = int(np.argmin(val))
+        if best is None or val[a] < best[0]:
+            best = (float(val[a]), cold, union, m[a] > 0)
+    if best is None or not best[0] < top * (1 - 1e-9):
+        return False
+    _, cold, union, on_hot = best
+    members[hot] = union[on_hot].tolist()
+    members[cold] = union[~on_hot].tolist()
+    for i in members[hot]:
+        out[i] = hot
+    for i in members[cold]:
+        out[i] = cold
+    loads[hot[0]][hot[1]] = float(cost[hot[0]][union[on_hot]].sum())
+    loads[cold[0]][cold[1]] = float(cost[cold[0]][union[~on_hot]].sum())
+    return True
 
 
 def _pack_bins(items: list[int], need: np.ndarray, w: np.ndarray, cap: int) -> list[list[int]]:
@@ -278,7 +330,7 @@ def ulysses_groups(ctx: PlanContext, step: int, sequences: list[Sequence], top: 
         s_best = next(iter(scored[0][2]))
         near = [x for x in sizes if s_best // 2 <= x <= 4 * s_best]
         het = [{big: k, small: (n - k * big) // small} for big in near for small in [x for x in near if x < big]
-               for k in pow2_sizes(n // big) if k * big + small <= n]
+               for k in _group_counts(n // big) if k * big + small <= n]
         # (indices after the homogeneous ones: ties keep the homogeneous configuration)
         more = _best_dispatches(het, run, bound, top + 1)
         scored = sorted(scored + [(x[0], len(homo) + x[1], *x[2:]) for x in more], key=lambda x: (x[0], x[1]))
@@ -438,7 +490,7 @@ def tp_replicas(ctx: PlanContext, step: int, sequences: list[Sequence], top: int
     for hi in his:
         gpus_hi = hi[0] * hi[1]
         for lo in [d for d in degrees if d <= hi[0]]:
-            for k in pow2_sizes(world // gpus_hi):
+            for k in _group_counts(world // gpus_hi):
                 rest = world - k * gpus_hi
                 if rest % lo:
                     continue
@@ -521,8 +573,8 @@ def family_plans(ctx: PlanContext, step: int, sequences: list[Sequence], familie
 
     Each family scores its configurations by its own estimate of the slowest unit's time (no
     gradient all-reduce); only the best-scored ones become plans: two per family on clusters of at
-    most 32 units, else the best two over all families. ``bound``: a configuration scored above
-    it is not built - it cannot beat the plan the caller already has."""
+    most 32 units, else the best of each of the two best-scored families. ``bound``: a
+    configuration scored above it is not built - it cannot beat the plan the caller already has."""
     small = ctx.num_units <= 32
     fns = {"ulysses-groups": ulysses_groups, "flop-share": flop_share, "tp-replicas": tp_replicas}
     cands = []
@@ -535,7 +587,12 @@ def family_plans(ctx: PlanContext, step: int, sequences: list[Sequence], familie
         cands += [(score, f, a, build) for score, a, build in got]
     cands.sort(key=lambda c: (c[0], c[1], c[2]))
     if not small:
-        cands = cands[:2]
+        # each family's best, the two best-scored families: the families' own scores do not
+        # compare across families (FLOP-share's is coarse), so the prediction judges between them
+        firsts: dict[int, tuple] = {}
+        for c in cands:
+            firsts.setdefault(c[1], c)
+        cands = sorted(firsts.values(), key=lambda c: (c[0], c[1], c[2]))[:2]
     out: list[StepPlan] = []
     for score, _, _, build in cands:
         if bound is not None and score > bound:
