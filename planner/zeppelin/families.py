@@ -335,9 +335,11 @@ def ulysses_groups(ctx: PlanContext, step: int, sequences: list[Sequence], top: 
         more = _best_dispatches(het, run, bound, top + 1)
         scored = sorted(scored + [(x[0], len(homo) + x[1], *x[2:]) for x in more], key=lambda x: (x[0], x[1]))
     # the best few dispatches refined by local search, then ranked again
-    scored = sorted([(*_refine(cost, fits, owner, loads), a, cfg) for _, a, cfg, owner, loads in scored[:top + 1]],
-                    key=lambda x: (x[0], x[2]))
-    scored = [(span, a, cfg, owner) for span, owner, a, cfg in scored]
+    refined = []
+    for _, a, cfg, owner, loads in scored[:top + 1]:
+        span, owner = _refine(cost, fits, owner, loads)
+        refined.append((span, a, cfg, owner))
+    scored = sorted(refined, key=lambda x: (x[0], x[1]))
     def build(cfg, owner):
         # groups: aligned blocks, largest size first
         blocks: dict[tuple[int, int], list[int]] = {}
@@ -501,22 +503,23 @@ def tp_replicas(ctx: PlanContext, step: int, sequences: list[Sequence], top: int
                     continue  # the context's own units: the tiered search's space
                 if cfg not in configs:
                     configs.append(cfg)
-    def keyed(cfg):
+    def keyed(cfg):  # group types in build order, indexed: (keys, cost, fits, counts)
         keys = sorted(cfg, key=lambda t: (-t[0] * t[1], -t[1]))
         return (keys, {x: types[t][0] for x, t in enumerate(keys)},
                 {x: types[t][1] <= types[t][2] for x, t in enumerate(keys)}, {x: cfg[t] for x, t in enumerate(keys)})
 
+    kc = [keyed(cfg) for cfg in configs]
+
     def run(a):
-        _, c, f, cnt = keyed(configs[a])
-        return _dispatch(c, f, cnt)
+        return _dispatch(*kc[a][1:])
 
     def bound(a):
-        keys, c, f, cnt = keyed(configs[a])
+        keys, c, f, cnt = kc[a]
         return _dispatch_bound(c, f, cnt, {x: t[0] * t[1] for x, t in enumerate(keys)})
 
     refined = []
     for _, a, _, owner, loads in _best_dispatches(list(range(len(configs))), run, bound, top + 1):
-        keys, c, f, _ = keyed(configs[a])
+        keys, c, f, _ = kc[a]
         span, owner = _refine(c, f, owner, loads)
         refined.append((span, a, keys, configs[a], owner))
     scored = sorted(refined, key=lambda x: (x[0], x[1]))
