@@ -119,6 +119,29 @@ def test_ulysses_and_allgather_by_hand():
     assert float(c.ulysses_comm_time(T, 1)) == 0.0
 
 
+def test_inter_node_all_to_all_by_hand():
+    """A group over several nodes: the same-node shares go over the intra-node link, the rest
+    through the node's NIC, which every GPU of the node on that NIC uses at once."""
+    c = CostModel(round_cluster(nodes=3, gpn=2), TINY, ideal_profile())
+    b = 6000.0
+    # 4 units on 2 nodes: each unit sends 1/4 of b to its node mate (10 GB/s) and 2/4 through
+    # the NIC it shares with its mate (1 GB/s, 1 ms per message, 3 messages)
+    t_in = b * 1 / 4 / 10e9
+    t_x = b * 2 / 4 * 2 / 1e9
+    np.testing.assert_allclose(c.alltoall_time(b, 4, "inter"), 1e-3 * 3 + max(t_in, t_x))
+    # 3 units over 2 nodes (2 + 1): the lone unit sends 2/3 of b across, alone on its NIC
+    np.testing.assert_allclose(c.alltoall_time(b, 3, "inter"), 1e-3 * 2 + b * 2 / 3 / 1e9)
+    # inside one node, or on the intra-node link: every share over the one link
+    np.testing.assert_allclose(c.alltoall_time(b, 2, "inter"), 1e-3 + b / 2 / 1e9)
+    np.testing.assert_allclose(c.alltoall_time(b, 4, "intra"), b * 3 / 4 / 10e9)
+    # one NIC per GPU (cluster C): only the other node's shares cross, each GPU on its own NIC
+    cc = CostModel(cluster_preset("zeppelin-c"), model_preset("llama-7b"), ideal_profile())
+    lx, li = cc.inter_link, cc.intra_link
+    expect = max(lx.alpha_s, li.alpha_s) * 15 + max(b * 7 / 16 / (li.bandwidth_GBps * 1e9),
+                                                     b * 8 / 16 / (lx.bandwidth_GBps * 1e9))
+    np.testing.assert_allclose(cc.alltoall_time(b, 16, "inter"), expect)
+
+
 def test_memory_by_zero_stage():
     m = TINY
     P = m.num_params()

@@ -248,3 +248,25 @@ def test_random_layouts(data):
         assert kept == min(held[u], targets[u])
         # compact: no two consecutive segments that continue each other
         assert all(not (x[0] == y[0] and x[2] == y[1]) for x, y in zip(layout[u], layout[u][1:]))
+
+
+def test_prediction_prices_an_inter_node_remap_on_the_nics():
+    """A remap whose moves cross nodes is priced on the NICs by the step prediction, as the remap
+    decision prices it and as the simulator moves it (not at the intra-node link's speed)."""
+    from zeppelin.planner.costmodel.predict import predict_step
+    from zeppelin.planner.sim.simulate import Simulator
+
+    ctx = ctx_for()
+    held = [12000] * 8 + [4000] * 8  # node 0 ships 4000 tokens per unit to node 1
+    seqs, mb = local_mb(ctx, [[h] for h in held])
+    layout, info = plan_remap(ctx, seqs, mb)
+    assert info.enabled and info.tokens_moved_inter == 32000
+    step = StepPlan(step=0, sequences=seqs, microbatches=[mb.model_copy(update={"linear_layout": layout})])
+    pred = predict_step(ctx, step)
+    sim = Simulator(ctx).simulate_step(step)
+    no_remap = predict_step(ctx, StepPlan(step=0, sequences=seqs, microbatches=[mb]))
+    # units 0 and 1 share a NIC: 8000 tokens leave through it, each way of the all-to-alls
+    nic_remap = ctx.model.num_layers * float(ctx.cost.remap_time(8000, "inter"))
+    assert pred.per_unit.exposed_comm_s[0] == pytest.approx(nic_remap + ctx.cost.grad_allreduce_time(), rel=1e-9)
+    assert pred.step_time_s == pytest.approx(sim.step_time_s, rel=0.03)
+    assert pred.step_time_s > no_remap.step_time_s - info.predicted_saving_s + 0.9 * nic_remap

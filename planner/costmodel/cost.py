@@ -80,6 +80,12 @@ class CostModel:
     def units_per_node(self) -> int:
         return self.cluster.gpus_per_node // self.tp
 
+    @cached_property
+    def _gpus_per_nic(self) -> int:
+        """The most GPUs of a node that send through one NIC."""
+        nic = self.cluster.gpu_nic
+        return max(nic.count(n) for n in set(nic))
+
     def node_of_unit(self, unit: int) -> int:
         return unit // self.units_per_node
 
@@ -314,8 +320,20 @@ class CostModel:
             return np.zeros_like(_arr(bytes_per_rank))
         eff = self.profile.alltoall_efficiency.get(str(G), 1.0)
         lk = self.link(cls)
-        moved = _arr(bytes_per_rank) * (G - 1) / G
-        return lk.alpha_s * (G - 1) + moved / (lk.bandwidth_GBps * 1e9 * eff)
+        b = _arr(bytes_per_rank)
+        upn = self.units_per_node
+        if cls != "inter" or G <= upn:
+            return lk.alpha_s * (G - 1) + b * (G - 1) / G / (lk.bandwidth_GBps * 1e9 * eff)
+        # A group over several nodes: each rank's shares for ranks on its own node go over the
+        # intra-node link, the rest through its NIC, which the node's other GPUs in the group
+        # use at the same time. Node-contiguous groups: the unit in the smallest node share
+        # ``r`` sends the most across nodes.
+        r = G % upn or upn
+        li = self.intra_link
+        t_in = b * (min(G, upn) - 1) / G / (li.bandwidth_GBps * 1e9 * eff)
+        sharers = min(self._gpus_per_nic, r * self.tp) if self.profile.nic_shared_by_concurrent_transfers else 1
+        t_x = b * (G - r) * sharers / G / (lk.bandwidth_GBps * 1e9 * eff)
+        return max(li.alpha_s, lk.alpha_s) * (G - 1) + np.maximum(t_in, t_x)
 
     def ulysses_comm_time(self, tokens_per_rank, G: int, cls: str = "intra") -> np.ndarray:
         """Per-layer fwd+bwd: 4 all-to-alls (Q,K,V in, O out) forward and 4 backward."""

@@ -341,19 +341,12 @@ def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool
                 for s, e in rs:
                     if e > s:
                         att_sets[units[pos]][p.seq].append((s, e))
-        moved = np.zeros(n)
         seq_units: dict[int, set[int]] = defaultdict(set)
         for p in pls:
             for pos, rs in enumerate(p.ranges):
                 if any(e > s for s, e in rs):
                     seq_units[p.seq].add(groups[p.group].units[pos])
-        for u in range(n):
-            for seg in mb.linear_layout[u]:
-                out = _overlap_out(seg, att_sets[u])
-                if out > 0:
-                    moved[u] += out
-                    links.append([u, *seq_units.get(seg[0], ())])
-        t_remap = layers * cost.remap_time(moved)
+        t_remap = layers * _remap_times(ctx, mb.linear_layout, att_sets, seq_units, links)
         comm = comm + t_remap
         exposed = exposed + t_remap
     lin = np.asarray(lin, dtype=np.float64)
@@ -422,6 +415,47 @@ def predict_step(ctx: PlanContext, step: StepPlan, routed: bool = True) -> Predi
         return predict_replicas(ctx, step)
     lengths = [s.length for s in step.sequences]
     return predict_from_terms(ctx, lengths, [microbatch_terms(ctx, lengths, mb, routed) for mb in step.microbatches])
+
+
+def _remap_times(ctx: PlanContext, layout, att_sets, seq_units, links: list) -> np.ndarray:
+    """Per unit, per layer: the remap all-to-alls it takes part in, as the remap decision prices
+    them (:func:`zeppelin.planner.zeppelin.remap.plan_remap`): tokens a unit sends or receives
+    inside its node over the intra-node link, tokens crossing nodes at the load of the busiest
+    direction of its NIC (the units sharing a NIC share it). Adds each receiver's senders to
+    ``links`` (they meet every layer)."""
+    n = ctx.num_units
+    upn = ctx.units_per_node
+    intra = np.zeros(n)
+    inter_units: set[int] = set()
+    nic_io: dict[str, int] = defaultdict(int)
+    cl, tp = ctx.cluster, ctx.tp
+    for u in range(n):
+        for seg in layout[u]:
+            if _overlap_out(seg, att_sets[u]) <= 0:
+                continue
+            q, s, e = seg
+            srcs = seq_units.get(q, ())
+            links.append([u, *srcs])
+            for v in srcs:
+                if v == u:
+                    continue
+                x = sum(max(0, min(e, b) - max(s, a)) for a, b in att_sets[v].get(q, ()))
+                if x <= 0:
+                    continue
+                if v // upn == u // upn:
+                    intra[u] += x
+                    intra[v] += x
+                else:
+                    inter_units.update((u, v))
+                    nic_io["out:" + cl.nic_of(v * tp)] += x
+                    nic_io["in:" + cl.nic_of(u * tp)] += x
+    cost = ctx.cost
+    t = np.asarray(cost.remap_time(intra, "intra"), dtype=np.float64)
+    for u in inter_units:
+        nic = cl.nic_of(u * tp)
+        load = max(nic_io.get("out:" + nic, 0), nic_io.get("in:" + nic, 0))
+        t[u] = max(t[u], float(cost.remap_time(load, "inter")))
+    return t
 
 
 def _overlap_out(seg: list[int], have: dict[int, list[tuple[int, int]]]) -> int:
