@@ -792,3 +792,34 @@ def test_cli_families_option(tmp_path, capsys):
     r = PlanReader(tmp_path / "tiered.plan")
     steps = list(r)
     assert r.header.planner_options["families"] == "none" and "tiers" in steps[0].notes
+
+
+def test_node_cp_candidates_stop_at_node_cp_max_units(monkeypatch):
+    """Past ``node_cp_max_units`` units the whole-step search builds only the tiered layout (no
+    node-CP floors, no node-major micro-batches); up to it, both are built."""
+    import zeppelin.planner.zeppelin.planner as zp
+
+    calls = []
+    real = zp.ZeppelinPlanner._whole_step
+
+    def spy(self, ctx, tg, sequences, lengths, parts, floors, balances, fixed_nodes=None):
+        calls.append((tuple(floors), fixed_nodes is not None))
+        return real(self, ctx, tg, sequences, lengths, parts, floors, balances, fixed_nodes)
+
+    monkeypatch.setattr(zp.ZeppelinPlanner, "_whole_step", spy)
+    ctx = make_ctx("zeppelin-a:2x4")
+    cap = ctx.cost.token_capacity
+    lengths = [cap // 3] * (3 * ctx.num_units)  # a step of about 1.1 micro-batches: two are needed
+    ref = None
+    for limit, node_cp in ((ctx.num_units, True), (ctx.num_units - 1, False)):
+        calls.clear()
+        plan = ZeppelinPlanner(families="none", node_cp_max_units=limit).plan_step(ctx, 0, seqs_of(lengths))
+        _check_plan(ctx, plan, lengths)
+        assert len(plan.microbatches) >= 2
+        assert ((None,), False) in calls
+        assert any(nm for _, nm in calls) is node_cp
+        assert any(f != (None,) for f, _ in calls) is node_cp
+        if ref is None:
+            ref = plan.prediction.step_time_s
+        else:  # fewer candidates: never a faster plan
+            assert plan.prediction.step_time_s >= ref - 1e-12

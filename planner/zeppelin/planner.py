@@ -28,7 +28,10 @@ Per training step:
    (ties: the tiered plan). On clusters of at most ``simulate_max_units`` units the simulator
    judges instead. Option ``families`` (``all``, ``none`` or a comma list). Beyond
    ``families_max_units`` (256) units only ``large_families`` (FLOP-share) are built, and beyond
-   ``attention_max_units`` (256) the attention-balanced remap layout is not a candidate (latency).
+   ``attention_max_units`` (256) the attention-balanced remap layout is not a candidate; beyond
+   ``node_cp_max_units`` (2,048) neither are the node-CP layout nor node-major micro-batches
+   (latency: at 4,096 GPUs each costs as much as the tiered search, and FLOP-share takes their
+   place).
    A step with a sequence longer than the context's units hold together runs on replicas of a
    larger TP degree when they hold it.
 
@@ -181,6 +184,7 @@ class ZeppelinPlanner(Planner):
         self.family_margin = float(options.get("family_margin", 0.05))
         self.large_families = _fam_list(str(options.get("large_families", "flop-share")))
         self.attention_max_units = int(options.get("attention_max_units", 256))
+        self.node_cp_max_units = int(options.get("node_cp_max_units", 2048))
         self._sims: dict[int, object] = {}
         self._tiering: dict[int, Tiering] = {}
         self._tables: dict = {}
@@ -319,7 +323,8 @@ class ZeppelinPlanner(Planner):
                 found.append((built, t))
                 if t < best_t:
                     best_built, best_t, best_mode = built, t, mode
-            if len(parts) > 1 and ctx.cluster.num_nodes > 1 and ctx.units_per_node > 1:
+            if (len(parts) > 1 and ctx.cluster.num_nodes > 1 and ctx.units_per_node > 1
+                    and n <= self.node_cp_max_units):
                 # node-major micro-batches: with no barrier between micro-batches, what must balance
                 # is each node's whole step, not each micro-batch; assign sequences to nodes for the
                 # whole step, then cut each node's share into micro-batches that fit its memory
@@ -475,7 +480,7 @@ class ZeppelinPlanner(Planner):
         # units: beyond, for planning latency, the FLOP-share family takes its place)
         balances = ["total"] + (["attention"] if self.remap and _optional("remap") is not None
                                 and ctx.num_units <= self.attention_max_units else [])
-        if ctx.units_per_node <= 1:
+        if ctx.units_per_node <= 1 or ctx.num_units > self.node_cp_max_units:
             return [([None], balances)]
         node_cp = ctx.units_per_node - 1  # index of Span(units_per_node, "intra")
         return [([None], balances), ([node_cp], ["total"])]
