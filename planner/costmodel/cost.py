@@ -83,8 +83,7 @@ class CostModel:
     @cached_property
     def _gpus_per_nic(self) -> int:
         """The most GPUs of a node that send through one NIC."""
-        nic = self.cluster.gpu_nic
-        return max(nic.count(n) for n in set(nic))
+        return max(len(self.cluster.gpus_on_nic(n.id)) for n in self.cluster.nics)
 
     def node_of_unit(self, unit: int) -> int:
         return unit // self.units_per_node

@@ -417,19 +417,31 @@ def predict_step(ctx: PlanContext, step: StepPlan, routed: bool = True) -> Predi
     return predict_from_terms(ctx, lengths, [microbatch_terms(ctx, lengths, mb, routed) for mb in step.microbatches])
 
 
-def _remap_times(ctx: PlanContext, layout, att_sets, seq_units, links: list) -> np.ndarray:
-    """Per unit, per layer: the remap all-to-alls it takes part in, as the remap decision prices
-    them (:func:`zeppelin.planner.zeppelin.remap.plan_remap`): tokens a unit sends or receives
-    inside its node over the intra-node link, tokens crossing nodes at the load of the busiest
-    direction of its NIC (the units sharing a NIC share it). Adds each receiver's senders to
-    ``links`` (they meet every layer)."""
-    n = ctx.num_units
-    upn = ctx.units_per_node
-    intra = np.zeros(n)
-    inter_units: set[int] = set()
+def remap_link_loads(ctx: PlanContext, moves) -> tuple[np.ndarray, dict[str, int]]:
+    """Link loads of remap moves ``(src, dst, tokens)``: per unit, the tokens it sends or receives
+    inside its node; per NIC direction (``out:<nic>`` / ``in:<nic>``), the tokens crossing nodes
+    through it (the units sharing a NIC share it)."""
+    upn, tp, cl = ctx.units_per_node, ctx.tp, ctx.cluster
+    intra = np.zeros(ctx.num_units)
     nic_io: dict[str, int] = defaultdict(int)
-    cl, tp = ctx.cluster, ctx.tp
-    for u in range(n):
+    for a, b, x in moves:
+        if a // upn == b // upn:
+            intra[a] += x
+            intra[b] += x
+        else:
+            nic_io["out:" + cl.nic_of(a * tp)] += x
+            nic_io["in:" + cl.nic_of(b * tp)] += x
+    return intra, nic_io
+
+
+def _remap_times(ctx: PlanContext, layout, att_sets, seq_units, links: list) -> np.ndarray:
+    """Per unit, per layer: the remap all-to-alls it takes part in, priced as the remap decision
+    prices them (:func:`zeppelin.planner.zeppelin.remap.plan_remap`, over :func:`remap_link_loads`):
+    its tokens inside its node over the intra-node link, and, when it sends or receives across
+    nodes, the busier direction of its NIC. Adds each receiver's senders to ``links`` (they meet
+    every layer)."""
+    moves: list[tuple[int, int, int]] = []
+    for u in range(ctx.num_units):
         for seg in layout[u]:
             if _overlap_out(seg, att_sets[u]) <= 0:
                 continue
@@ -437,21 +449,13 @@ def _remap_times(ctx: PlanContext, layout, att_sets, seq_units, links: list) -> 
             srcs = seq_units.get(q, ())
             links.append([u, *srcs])
             for v in srcs:
-                if v == u:
-                    continue
-                x = sum(max(0, min(e, b) - max(s, a)) for a, b in att_sets[v].get(q, ()))
-                if x <= 0:
-                    continue
-                if v // upn == u // upn:
-                    intra[u] += x
-                    intra[v] += x
-                else:
-                    inter_units.update((u, v))
-                    nic_io["out:" + cl.nic_of(v * tp)] += x
-                    nic_io["in:" + cl.nic_of(u * tp)] += x
-    cost = ctx.cost
+                x = sum(max(0, min(e, b) - max(s, a)) for a, b in att_sets[v].get(q, ())) if v != u else 0
+                if x > 0:
+                    moves.append((v, u, x))
+    intra, nic_io = remap_link_loads(ctx, moves)
+    cost, upn, cl, tp = ctx.cost, ctx.units_per_node, ctx.cluster, ctx.tp
     t = np.asarray(cost.remap_time(intra, "intra"), dtype=np.float64)
-    for u in inter_units:
+    for u in sorted({w for a, b, _ in moves if a // upn != b // upn for w in (a, b)}):
         nic = cl.nic_of(u * tp)
         load = max(nic_io.get("out:" + nic, 0), nic_io.get("in:" + nic, 0))
         t[u] = max(t[u], float(cost.remap_time(load, "inter")))

@@ -45,6 +45,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from zeppelin.planner.core.base import PlanContext, PlanningError
+from zeppelin.planner.costmodel.predict import remap_link_loads
 from zeppelin.schemas.plan import MicroBatch, RemapInfo, Sequence
 
 __all__ = ["attention_layout", "balanced_targets", "merge_segments", "plan_remap", "transfer_matrix"]
@@ -198,19 +199,10 @@ def plan_remap(ctx: PlanContext, sequences: list[Sequence], mb: MicroBatch,
         return float(f.max())
 
     saving = lin(held) - lin(targets)
-    intra_u = [0] * n
-    inter_nic: dict[str, int] = defaultdict(int)
-    moved = moved_inter = 0
-    for a, b, x in moves:
-        moved += x
-        if a // upn == b // upn:
-            intra_u[a] += x
-            intra_u[b] += x
-        else:
-            moved_inter += x
-            inter_nic["out:" + ctx.cluster.nic_of(a * ctx.tp)] += x
-            inter_nic["in:" + ctx.cluster.nic_of(b * ctx.tp)] += x
-    m_intra = max(intra_u)
+    moved = sum(x for _, _, x in moves)
+    moved_inter = sum(x for a, b, x in moves if a // upn != b // upn)
+    intra_u, inter_nic = remap_link_loads(ctx, moves)
+    m_intra = int(intra_u.max())
     m_inter = max(inter_nic.values(), default=0)
     remap_s = layers * max(float(cost.remap_time(m_intra, "intra")), float(cost.remap_time(m_inter, "inter")))
     numbers = (f"saves {saving * 1e3:.3f} ms of linear-layer imbalance, costs {remap_s * 1e3:.3f} ms "
