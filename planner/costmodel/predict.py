@@ -259,9 +259,12 @@ def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool
     h_toks: list[int] = []
     for p in pls:
         units = groups[p.group].units
-        for pos, rs in enumerate(p.ranges):
-            h_units.append(units[pos])
-            h_toks.append(sum(e - s for s, e in rs))
+        h_units += units[:len(p.ranges)]
+        for rs in p.ranges:
+            tok = 0
+            for s, e in rs:
+                tok += e - s
+            h_toks.append(tok)
     if h_units:
         held += np.bincount(np.asarray(h_units, dtype=np.int64), weights=np.asarray(h_toks, dtype=np.float64),
                             minlength=n)

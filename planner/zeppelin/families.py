@@ -32,11 +32,14 @@ import numpy as np
 
 from zeppelin.planner.core.base import PlanContext, PlanningError, pow2_sizes
 from zeppelin.planner.core.builder import StepBuilder
-from zeppelin.planner.costmodel.predict import predict_replicas, predict_step
+from zeppelin.planner.costmodel.predict import component_max, coupled_components, predict_replicas, predict_step
 from zeppelin.planner.zeppelin.routing import plan_routes
 from zeppelin.schemas.plan import Replica, Sequence, SolverInfo, StepPlan
 
 FAMILIES = ("ulysses-groups", "flop-share", "tp-replicas")
+#: FLOP-share tries its token-aware placement and the local search of each placement up to this many
+#: units (beyond, for planning latency, its plain least-loaded placement alone)
+SEARCH_MAX_UNITS = 256
 
 
 def _ceil_div(a, b):
@@ -120,16 +123,17 @@ def _dispatch_bound(cost: dict[int, np.ndarray], fits: dict[int, np.ndarray], co
     return max(float(fastest.max()), float(area.sum()) / sum(width[t] * counts[t] for t in types))
 
 
-def _best_dispatches(configs: list, run, bound, keep: int) -> list:
+def _best_dispatches(configs: list, run, bound, keep: int, limit: float | None = None) -> list:
     """The ``keep`` best dispatches of ``configs`` (``run(cfg)``: :func:`_dispatch`'s result or
     None; ``bound(cfg)``: a lower bound on it), as (makespan, index, cfg, owner, loads) sorted by
     (makespan, index). Configurations are tried in order of their bound; one whose bound is above
     the ``keep``-th best makespan found so far is skipped (it could not be among the best), so the
-    result is what trying them all gives."""
+    result is what trying them all gives; so is one whose bound is above ``limit`` (the caller
+    would not build it)."""
     bounds = [bound(cfg) for cfg in configs]
     best: list = []
     for a in sorted(range(len(configs)), key=lambda a: (bounds[a], a)):
-        if len(best) >= keep and bounds[a] > best[keep - 1][0]:
+        if (len(best) >= keep and bounds[a] > best[keep - 1][0]) or (limit is not None and bounds[a] > limit):
             break
         r = run(configs[a])
         if r is not None:
@@ -298,7 +302,7 @@ def _token_slope(ctx: PlanContext, cm, T: float, s: int = 1, link: str = "intra"
 
 
 # ---------------------------------------------------------------------------------------------
-def ulysses_groups(ctx: PlanContext, step: int, sequences: list[Sequence], top: int = 2):
+def ulysses_groups(ctx: PlanContext, step: int, sequences: list[Sequence], top: int = 2, limit: float | None = None):
     n, upn, cm = ctx.num_units, ctx.units_per_node, ctx.cost
     heads = max(1, ctx.model.num_heads // ctx.tp)
     cap = cm.token_capacity
@@ -332,11 +336,13 @@ def ulysses_groups(ctx: PlanContext, step: int, sequences: list[Sequence], top: 
         het = [{big: k, small: (n - k * big) // small} for big in near for small in [x for x in near if x < big]
                for k in _group_counts(n // big) if k * big + small <= n]
         # (indices after the homogeneous ones: ties keep the homogeneous configuration)
-        more = _best_dispatches(het, run, bound, top + 1)
+        more = _best_dispatches(het, run, bound, top + 1, limit)
         scored = sorted(scored + [(x[0], len(homo) + x[1], *x[2:]) for x in more], key=lambda x: (x[0], x[1]))
     # the best few dispatches refined by local search, then ranked again
     refined = []
     for _, a, cfg, owner, loads in scored[:top + 1]:
+        if limit is not None and bound(cfg) > limit:
+            continue  # (no refinement brings it under the caller's limit)
         span, owner = _refine(cost, fits, owner, loads)
         refined.append((span, a, cfg, owner))
     scored = sorted(refined, key=lambda x: (x[0], x[1]))
@@ -364,7 +370,8 @@ def ulysses_groups(ctx: PlanContext, step: int, sequences: list[Sequence], top: 
 
 
 # ---------------------------------------------------------------------------------------------
-def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int = 1, routing: bool = True):
+def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int = 1, routing: bool = True,
+               settle_rounds: int | None = None):
     n, upn, cm = ctx.num_units, ctx.units_per_node, ctx.cost
     cap = cm.token_capacity
     L = np.array([s.length for s in sequences], dtype=np.int64)
@@ -402,20 +409,49 @@ def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
         blk = list(range(int(starts[int(np.argmin(bmax))]), int(starts[int(np.argmin(bmax))]) + G))
         where[i] = (blk, int(_zigzag_share(L[i:i + 1], G)[0]))
         load[blk] += t_unit[i]
+    ring_load, ring_tok = load.copy(), np.zeros(n)
     for i in order:
-        if sizes[i] != 1:
-            continue
-        u = int(np.argmin(load))
-        where[i] = ([u], int(L[i]))
-        load[u] += t_unit[i]
+        if sizes[i] > 1:
+            ring_tok[where[i][0]] += where[i][1]
+    layouts = []
+    if settle_rounds is None:
+        # (past SEARCH_MAX_UNITS units, for planning latency, the plain placement alone)
+        settle_rounds = min(4 * len(L), 256) if n <= SEARCH_MAX_UNITS else 0
+    for token_aware in ((False, True) if n <= SEARCH_MAX_UNITS else (False,)):
+        # local sequences to the least-loaded unit; token-aware: the least-loaded unit that still
+        # holds them in its first micro-batch (where any has room) - a unit whose sequences spill
+        # into a later micro-batch makes its ring partners wait in the first one
+        w, ld, tok = list(where), ring_load.copy(), ring_tok.copy()
+        for i in order:
+            if sizes[i] != 1:
+                continue
+            if token_aware:
+                room = tok + L[i] <= cap
+                u = int(np.argmin(np.where(room, ld, np.inf))) if room.any() else int(np.argmin(ld))
+            else:
+                u = int(np.argmin(ld))
+            w[i] = ([u], int(L[i]))
+            ld[u] += t_unit[i]
+            tok[u] += L[i]
+        layouts.append((w, sizes, float(ld.max()), "token-aware" if token_aware else "least-loaded", t_unit))
+        if settle_rounds > 0:
+            # each placement evened out by local search (the token-aware one within its tokens)
+            w2, s2, l2, t2 = list(w), sizes.copy(), ld.copy(), t_unit.copy()
+            if _settle_blocks(ctx, L, Lf, slope, s2, t2, w2, l2, gmax, settle_rounds,
+                              tok=tok.copy() if token_aware else None):
+                layouts.append((w2, s2, float(l2.max()), layouts[-1][3] + " + local search", t2))
 
-    def build():
-        b = StepBuilder(ctx, sequences, "zeppelin")
-        held: list[list[int]] = []
+    def mb_order(sz):
         # micro-batches: first fit, every ring before any local sequence (widest first), so that
         # rings sit in the earliest micro-batches, whose start their units reach together
         order_o = np.array(order, dtype=np.int64)
-        for i in order_o[np.lexsort((order_o, -work[order_o], -sizes[order_o]))].tolist():
+        return order_o[np.lexsort((order_o, -work[order_o], -sz[order_o]))].tolist()
+
+    def first_fit(where, sz):
+        """(micro-batch of each sequence in placement order, number of micro-batches)."""
+        held: list[list[int]] = []
+        out = []
+        for i in mb_order(sz):
             units, per = where[i]
             k = 0
             while True:
@@ -425,13 +461,42 @@ def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
                 if all(hk[u] + per <= cap for u in units):
                     break
                 k += 1
-            b.place(k, "ring" if len(units) > 1 else "local", units, i)
+            out.append((i, k))
             for u in units:
                 hk[u] += per
+        return out, len(held)
+
+    def coupled_time(where, sz, t):
+        """A placement's slowest unit once coupling is charged: per micro-batch, every unit of a
+        set joined by rings waits for the set's busiest member (as the prediction charges it)."""
+        fit, m = first_fit(where, sz)
+        busy = np.zeros((m, n))
+        rings: list[list[range]] = [[] for _ in range(m)]
+        for i, k in fit:
+            units = where[i][0]
+            busy[k, units[0]:units[-1] + 1] += t[i]
+            if len(units) > 1:
+                rings[k].append(range(units[0], units[-1] + 1))
+        total = np.zeros(n)
+        for k in range(m):
+            total += component_max(coupled_components(n, rings[k]), busy[k]) if rings[k] else busy[k]
+        return float(total.max())
+
+    def build():
+        # the placement whose coupled time is lowest (ties: the earlier) is built
+        est = [coupled_time(w, sz, t) for w, sz, _, _, t in layouts]
+        w, sz, _, how, _ = layouts[min(range(len(layouts)), key=lambda a: (est[a], a))]
+        return build_one(w, sz, how)
+
+    def build_one(where, sizes, how):
+        b = StepBuilder(ctx, sequences, "zeppelin")
+        for i, k in first_fit(where, sizes)[0]:
+            units = where[i][0]
+            b.place(k, "ring" if len(units) > 1 else "local", units, i)
         route = routing and any(len(w[0]) > 1 and ctx.cost.node_of_unit(w[0][0]) != ctx.cost.node_of_unit(w[0][-1])
                                 for w in where)
         # (with inter-node rings the prediction waits for their routes)
-        plan = b.finish(step, SolverInfo(name="greedy"), notes={"family": "flop-share"},
+        plan = b.finish(step, SolverInfo(name="greedy"), notes={"family": "flop-share", "placement": how},
                         predict=(lambda c, p: None) if route else None, routes=not route)
         if route:
             # inter-node rings: their boundary hops routed over every NIC (routing.py), as in
@@ -441,7 +506,115 @@ def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
             plan.prediction = predict_step(ctx, plan)
         return plan
 
-    return [(float(load.max()), 0, build)]
+    return [(min(x[2] for x in layouts), 0, build)]
+
+
+def _settle_blocks(ctx: PlanContext, L, Lf, slope, sizes, t_unit, where, load, gmax: int, rounds: int,
+                   tok: np.ndarray | None = None) -> bool:
+    """Local search on a FLOP-share placement (in place): take the most loaded unit and move one of
+    its sequences - a local one, or a ring with its aligned block - to the block of its size (or of
+    half / twice it, where memory allows) whose fullest unit ends lowest, or swap it with a
+    sequence of the same size elsewhere, whichever lowers the pair's larger load most, while that
+    lowers the top load. LPT on aligned power-of-two blocks leaves steps of long sequences lumpy
+    (every ring a large share of a unit's time); this evens them out. ``tok`` (per-unit tokens):
+    no move or swap takes a unit past the token capacity (the layout keeps its micro-batches).
+    Returns whether anything moved."""
+    n, upn, cm = len(load), ctx.units_per_node, ctx.cost
+    layers, cap = ctx.model.num_layers, cm.token_capacity
+    gsz = [1] + pow2_sizes(gmax)[1:]
+    t_of: dict[int, np.ndarray] = {}  # per-unit time of every sequence at each size
+
+    def t_at(G: int) -> np.ndarray:
+        if G not in t_of:
+            if G == 1:
+                t_of[G] = layers * cm.attn_time(Lf) + slope * Lf
+            else:
+                tier = "inter" if G > upn else "intra"
+                t_of[G] = layers * cm.ring_attention_time(Lf, G, tier) + slope * Lf / G
+        return t_of[G]
+
+    share_at: dict[int, np.ndarray] = {G: _zigzag_share(L, G) for G in gsz}
+    start = np.array([w[0][0] for w in where], dtype=np.int64)
+    size = sizes.astype(np.int64).copy()
+    t = t_unit.astype(np.float64).copy()
+    on: list[set[int]] = [set() for _ in range(n)]
+    for i in range(len(L)):
+        for u in range(start[i], start[i] + size[i]):
+            on[u].add(i)
+    moved = False
+    for _ in range(rounds):
+        hot = int(np.argmax(load))
+        top = float(load[hot])
+        best = None  # (value, kind, i, G, new start, j)
+        for i in sorted(on[hot]):
+            G0, s0, t0 = int(size[i]), int(start[i]), float(t[i])
+            base = load.copy()
+            base[s0:s0 + G0] -= t0
+            if tok is not None:
+                tbase = tok.copy()
+                tbase[s0:s0 + G0] -= share_at[G0][i]
+            for G in (G0 // 2, G0, 2 * G0):
+                if G < 1 or G > gmax or (G not in share_at) or share_at[G][i] > cap:
+                    continue
+                tG = float(t_at(G)[i])
+                nb = n // G
+                bm = base[:nb * G].reshape(nb, G).max(axis=1) + tG
+                if tok is not None:
+                    bm[tbase[:nb * G].reshape(nb, G).max(axis=1) + share_at[G][i] > cap] = np.inf
+                if G == G0:
+                    bm[s0 // G0] = np.inf  # staying put is no move
+                b = int(np.argmin(bm))
+                if best is None or bm[b] < best[0]:
+                    best = (float(bm[b]), "move", i, G, b * G, -1)
+            # swap with a sequence of the same size in another block
+            oj = np.flatnonzero((size == G0) & (start // G0 != s0 // G0) & (t < t0))
+            if len(oj):
+                nb = n // G0
+                bmax = load[:nb * G0].reshape(nb, G0).max(axis=1)
+                val = np.maximum(top - t0 + t[oj], bmax[start[oj] // G0] + t0 - t[oj])
+                if tok is not None:
+                    sh = share_at[G0]
+                    tmax = tok[:nb * G0].reshape(nb, G0).max(axis=1)
+                    bad = ((tmax[start[oj] // G0] + sh[i] - sh[oj] > cap)
+                           | (tmax[s0 // G0] - sh[i] + sh[oj] > cap))
+                    val = np.where(bad, np.inf, val)
+                a = int(np.argmin(val))
+                if best is None or val[a] < best[0]:
+                    best = (float(val[a]), "swap", i, G0, int(start[oj[a]]), int(oj[a]))
+        if best is None or not best[0] < top * (1 - 1e-9):
+            return moved
+        moved = True
+        _, kind, i, G, s_new, j = best
+        G0, s0 = int(size[i]), int(start[i])
+        load[s0:s0 + G0] -= t[i]
+        if tok is not None:
+            tok[s0:s0 + G0] -= share_at[G0][i]
+        for u in range(s0, s0 + G0):
+            on[u].discard(i)
+        if kind == "swap":
+            load[s_new:s_new + G] -= t[j]
+            if tok is not None:
+                tok[s_new:s_new + G] -= share_at[G][j]
+                tok[s0:s0 + G0] += share_at[G0][j]
+            for u in range(s_new, s_new + G):
+                on[u].discard(j)
+            load[s0:s0 + G0] += t[j]
+            for u in range(s0, s0 + G0):
+                on[u].add(j)
+            start[j] = s0
+            where[j] = (list(range(s0, s0 + G0)), int(share_at[G0][j]))
+        if G != G0:
+            size[i], t[i] = G, float(t_at(G)[i])
+            sizes[i] = G
+        start[i] = s_new
+        load[s_new:s_new + G] += t[i]
+        if tok is not None:
+            tok[s_new:s_new + G] += share_at[G][i]
+        for u in range(s_new, s_new + G):
+            on[u].add(i)
+        where[i] = (list(range(s_new, s_new + G)), int(share_at[G][i]))
+        t_unit[i] = t[i]
+    return moved
 
 
 # ---------------------------------------------------------------------------------------------
@@ -451,7 +624,7 @@ def _tp_comm(ctx: PlanContext, cm, tokens: np.ndarray) -> np.ndarray:
     return ctx.model.num_layers * cm.tp_exposed_comm(tokens)
 
 
-def tp_replicas(ctx: PlanContext, step: int, sequences: list[Sequence], top: int = 2):
+def tp_replicas(ctx: PlanContext, step: int, sequences: list[Sequence], top: int = 2, limit: float | None = None):
     cl = ctx.cluster
     degrees = _replica_degrees(ctx)
     if len(degrees) < 2:
@@ -518,7 +691,7 @@ def tp_replicas(ctx: PlanContext, step: int, sequences: list[Sequence], top: int
         return _dispatch_bound(c, f, cnt, {x: t[0] * t[1] for x, t in enumerate(keys)})
 
     refined = []
-    for _, a, _, owner, loads in _best_dispatches(list(range(len(configs))), run, bound, top + 1):
+    for _, a, _, owner, loads in _best_dispatches(list(range(len(configs))), run, bound, top + 1, limit):
         keys, c, f, _ = kc[a]
         span, owner = _refine(c, f, owner, loads)
         refined.append((span, a, keys, configs[a], owner))
@@ -583,7 +756,8 @@ def family_plans(ctx: PlanContext, step: int, sequences: list[Sequence], familie
     cands = []
     for f, name in enumerate(families):
         try:
-            kw = {"routing": routing} if name == "flop-share" else {}
+            # (a configuration whose lower bound is above ``bound`` is not even dispatched)
+            kw = {"routing": routing} if name == "flop-share" else {"limit": bound}
             got = fns[name](ctx, step, sequences, top=2, **kw)
         except PlanningError:
             continue
