@@ -40,6 +40,7 @@ FAMILIES = ("ulysses-groups", "flop-share", "tp-replicas")
 #: FLOP-share tries its token-aware placement and the local search of each placement up to this many
 #: units (beyond, for planning latency, its plain least-loaded placement alone)
 SEARCH_MAX_UNITS = 256
+SETTLE_ROUNDS = 32  # moves of the local search per placement (the first few do nearly all the good)
 
 
 def _ceil_div(a, b):
@@ -149,7 +150,7 @@ def _refine(cost, fits, owner: list, loads: dict) -> tuple[float, list]:
     return max(float(v.max()) for v in loads.values()), owner
 
 
-def _improve(cost, fits, out, loads, rounds: int = 48, cold_groups: int = 3) -> None:
+def _improve(cost, fits, out, loads, rounds: int = 16, cold_groups: int = 3) -> None:
     """Local search on a dispatch (in place): move a sequence off the slowest group, or swap one
     of its sequences with one of a fast group's, whichever lowers the pair's larger time most,
     while that lowers the slowest group's time (vectorised over the sequences of the pair)."""
@@ -416,7 +417,7 @@ def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
     layouts = []
     if settle_rounds is None:
         # (past SEARCH_MAX_UNITS units, for planning latency, the plain placement alone)
-        settle_rounds = min(4 * len(L), 256) if n <= SEARCH_MAX_UNITS else 0
+        settle_rounds = min(4 * len(L), SETTLE_ROUNDS) if n <= SEARCH_MAX_UNITS else 0
     for token_aware in ((False, True) if n <= SEARCH_MAX_UNITS else (False,)):
         # local sequences to the least-loaded unit; token-aware: the least-loaded unit that still
         # holds them in its first micro-batch (where any has room) - a unit whose sequences spill
@@ -545,27 +546,26 @@ def _settle_blocks(ctx: PlanContext, L, Lf, slope, sizes, t_unit, where, load, g
     for _ in range(rounds):
         hot = int(np.argmax(load))
         top = float(load[hot])
-        best = None  # (value, kind, i, G, new start, j)
-        for i in sorted(on[hot]):
+        mine = sorted(on[hot])
+        cands: list[tuple] = []  # (value, sequence, option, size, new start, swap partner or -1)
+        for i in (i for i in mine if size[i] > 1):  # rings (few): one block scan per size
             G0, s0, t0 = int(size[i]), int(start[i]), float(t[i])
             base = load.copy()
             base[s0:s0 + G0] -= t0
             if tok is not None:
                 tbase = tok.copy()
                 tbase[s0:s0 + G0] -= share_at[G0][i]
-            for G in (G0 // 2, G0, 2 * G0):
+            for opt, G in enumerate((G0 // 2, G0, 2 * G0)):
                 if G < 1 or G > gmax or (G not in share_at) or share_at[G][i] > cap:
                     continue
-                tG = float(t_at(G)[i])
                 nb = n // G
-                bm = base[:nb * G].reshape(nb, G).max(axis=1) + tG
+                bm = base[:nb * G].reshape(nb, G).max(axis=1) + float(t_at(G)[i])
                 if tok is not None:
                     bm[tbase[:nb * G].reshape(nb, G).max(axis=1) + share_at[G][i] > cap] = np.inf
                 if G == G0:
                     bm[s0 // G0] = np.inf  # staying put is no move
                 b = int(np.argmin(bm))
-                if best is None or bm[b] < best[0]:
-                    best = (float(bm[b]), "move", i, G, b * G, -1)
+                cands.append((float(bm[b]), i, opt, G, b * G, -1))
             # swap with a sequence of the same size in another block
             oj = np.flatnonzero((size == G0) & (start // G0 != s0 // G0) & (t < t0))
             if len(oj):
@@ -579,12 +579,51 @@ def _settle_blocks(ctx: PlanContext, L, Lf, slope, sizes, t_unit, where, load, g
                            | (tmax[s0 // G0] - sh[i] + sh[oj] > cap))
                     val = np.where(bad, np.inf, val)
                 a = int(np.argmin(val))
-                if best is None or val[a] < best[0]:
-                    best = (float(val[a]), "swap", i, G0, int(start[oj[a]]), int(oj[a]))
+                cands.append((float(val[a]), i, 3, G0, int(start[oj[a]]), int(oj[a])))
+        locs = np.array([i for i in mine if size[i] == 1], dtype=np.int64)
+        if len(locs):  # the hot unit's local sequences, all at once
+            k, rows = len(locs), np.arange(len(locs))
+            tl, Ll = t[locs], L[locs]
+            # alone on another unit
+            M = load[None, :] + tl[:, None]
+            M[:, hot] = np.inf
+            if tok is not None:
+                M[tok[None, :] + Ll[:, None] > cap] = np.inf
+            u = M.argmin(axis=1)
+            cands += [(float(M[r, u[r]]), int(locs[r]), 1, 1, int(u[r]), -1) for r in range(k)]
+            # as a ring of two on an aligned pair
+            nb = n // 2
+            if gmax >= 2 and nb:
+                P = np.repeat((load[:2 * nb].reshape(nb, 2).max(axis=1))[None, :], k, axis=0)
+                hb = hot // 2
+                if hb < nb:
+                    P[:, hb] = np.maximum(load[hot] - tl, load[hot ^ 1])
+                P += t_at(2)[locs][:, None]
+                P[share_at[2][locs] > cap] = np.inf
+                if tok is not None:
+                    TP = np.repeat((tok[:2 * nb].reshape(nb, 2).max(axis=1))[None, :], k, axis=0)
+                    if hb < nb:
+                        TP[:, hb] = np.maximum(tok[hot] - Ll, tok[hot ^ 1])
+                    P[TP + share_at[2][locs][:, None] > cap] = np.inf
+                b = P.argmin(axis=1)
+                cands += [(float(P[r, b[r]]), int(locs[r]), 2, 2, 2 * int(b[r]), -1) for r in range(k)]
+            # swapped with a lighter local sequence of another unit
+            oj = np.flatnonzero((size == 1) & (start != hot))
+            if len(oj):
+                tj, uj = t[oj], start[oj]
+                V = np.maximum(top - tl[:, None] + tj[None, :], load[uj][None, :] + tl[:, None] - tj[None, :])
+                V[tj[None, :] >= tl[:, None]] = np.inf
+                if tok is not None:
+                    V[(tok[uj][None, :] + Ll[:, None] - L[oj][None, :] > cap)
+                      | (tok[hot] - Ll[:, None] + L[oj][None, :] > cap)] = np.inf
+                c = V.argmin(axis=1)
+                cands += [(float(V[r, c[r]]), int(locs[r]), 3, 1, int(uj[c[r]]), int(oj[c[r]])) for r in range(k)]
+        best = min(cands, key=lambda c: (c[0], c[1], c[2])) if cands else None
         if best is None or not best[0] < top * (1 - 1e-9):
             return moved
         moved = True
-        _, kind, i, G, s_new, j = best
+        _, i, opt, G, s_new, j = best
+        kind = "swap" if opt == 3 else "move"
         G0, s0 = int(size[i]), int(start[i])
         load[s0:s0 + G0] -= t[i]
         if tok is not None:
