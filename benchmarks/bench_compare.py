@@ -134,6 +134,20 @@ def findings(cells: list[dict]) -> tuple[dict, list[str]]:
             hb.append(b["mean_s"] / z["lower_bound_mean_s"])
     summ["zeppelin_over_lower_bound_geomean"] = _gmean(hz)
     summ["best_other_over_lower_bound_geomean"] = _gmean(hb)
+    # what a 1.10x geometric-mean lead over the best other baseline takes: the cap c on zeppelin's
+    # step / bound (every cell above it brought down to it) that gives 1.10x, by bisection; and the
+    # cells where the best other baseline is itself within 1.10x of the bound (no plan leads it there
+    # by 1.10x)
+    if hz:
+        def lead(cap):
+            return _gmean([b / min(z, cap) for z, b in zip(hz, hb)])
+        if lead(1.0) >= 1.10:
+            lo, hi = 1.0, max(hz)
+            for _ in range(60):
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if lead(mid) >= 1.10 else (lo, mid)
+            summ["cap_for_1_10_lead"] = lo
+        summ["cells_best_other_within_1_10_of_bound"] = sum(1 for b in hb if b < 1.10)
     summ["zeppelin_fastest_or_tied_cells"] = fastest
     summ["zeppelin_exceptions"] = exceptions
     summ["zeppelin_within_2pct_of_best_other"] = close
@@ -308,7 +322,10 @@ def render_page(cells: list[dict], summ: dict, lines: list[str], args, wall: flo
              "groups make unreachable), the best other baseline's "
              f"{summ.get('best_other_over_lower_bound_geomean', math.nan):.3f}x: a plan at the bound in every cell "
              f"would lead the best other baseline by {summ.get('best_other_over_lower_bound_geomean', math.nan):.3f}x "
-             "(geometric mean)."),
+             "(geometric mean). A 1.10x geometric-mean lead needs zeppelin within "
+             f"{summ.get('cap_for_1_10_lead', math.nan):.3f}x of the bound in every cell (each cell above brought down "
+             f"to it); in {summ.get('cells_best_other_within_1_10_of_bound', '-')} of {summ['cells']} cells the best "
+             "other baseline is itself within 1.10x of the bound, so no plan leads it there by 1.10x."),
             "- Cells where zeppelin is neither fastest nor within 0.5%: "
             + ("; ".join(summ.get("zeppelin_exceptions", [])) or "none") + ".",
             "- Cells where zeppelin leads the best other baseline by less than 2% (its margin there is a tie, not "

@@ -368,6 +368,18 @@ def test_results_page_findings_from_cells():
     assert "**does not hold** as stated" in lines[2] and summ["flexsp_vs_ulysses"]["flexsp_not_slower"] == 0
     assert lines[1].endswith("-> **does not hold** in this run.")
     assert lines[3].endswith("where it spans nodes: **does not hold**.")
+    # what a 1.10x geometric-mean lead takes: zeppelin 1.3x the bound and the best other 1.43x in half
+    # the cells, 1.02x and 1.05x in the other half (there the best other is within 1.10x of the bound)
+    for a, c in enumerate(cells):
+        zb, bb = (1.3, 1.43) if a % 2 else (1.02, 1.05)
+        for s in c["planners"]:
+            s["lower_bound_mean_s"] = 2.0
+        c["planners"][1]["mean_s"], c["planners"][2]["mean_s"], c["planners"][3]["mean_s"] = 2 * zb, 2 * bb, 3 * bb
+    summ, _ = bc.findings(cells)
+    cap = summ["cap_for_1_10_lead"]
+    assert 1.02 < cap < 1.3
+    assert np.exp(np.mean([np.log(b / min(z, cap)) for z, b in ((1.3, 1.43), (1.02, 1.05))])) == pytest.approx(1.10)
+    assert summ["cells_best_other_within_1_10_of_bound"] == len(cells) // 2
 
 
 def test_run_compare_pool_order_and_first_failure():

@@ -150,7 +150,7 @@ def _refine(cost, fits, owner: list, loads: dict) -> tuple[float, list]:
     return max(float(v.max()) for v in loads.values()), owner
 
 
-def _improve(cost, fits, out, loads, rounds: int = 16, cold_groups: int = 3) -> None:
+def _improve(cost, fits, out, loads, rounds: int = 24, cold_groups: int = 3) -> None:
     """Local search on a dispatch (in place): move a sequence off the slowest group, or swap one
     of its sequences with one of a fast group's, whichever lowers the pair's larger time most,
     while that lowers the slowest group's time (vectorised over the sequences of the pair)."""
@@ -485,7 +485,7 @@ def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
 
     def build():
         # the placement whose coupled time is lowest (ties: the earlier) is built
-        est = [coupled_time(w, sz, t) for w, sz, _, _, t in layouts]
+        est = [coupled_time(w, sz, t) for w, sz, _, _, t in layouts] if len(layouts) > 1 else [0.0]
         w, sz, _, how, _ = layouts[min(range(len(layouts)), key=lambda a: (est[a], a))]
         return build_one(w, sz, how)
 
