@@ -12,7 +12,10 @@ whichever candidate the prediction (or, on small clusters, the simulator) rates 
   the step costs the slowest group's sum of micro-batch times.
 * ``flop-share`` - a sequence whose work exceeds a unit's share of the step (or whose tokens do
   not fit one unit) runs as a zigzag ring over an aligned block of the power-of-two size it needs,
-  the rest stay local; blocks and units are filled least-loaded first, micro-batches first fit.
+  the rest stay local; blocks and units are filled least-loaded first (local sequences also
+  token-aware: to the least-loaded unit that holds them in its first micro-batch), each placement
+  then evened out by a local search (moves, swaps, ring sizes halved or doubled), micro-batches
+  first fit; the placement whose time with ring partners' waits charged is lowest is built.
 * ``tp-replicas`` - replicas of a larger tensor-parallel degree than the context's (Hydraulis'
   freedom): replicas of degree ``hi`` (or context-parallel replicas of ``cp`` of them where the
   step's longest sequence fits no replica) for the long sequences and of degree ``lo`` for the

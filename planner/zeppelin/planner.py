@@ -185,9 +185,6 @@ class ZeppelinPlanner(Planner):
         self.large_families = _fam_list(str(options.get("large_families", "flop-share")))
         self.attention_max_units = int(options.get("attention_max_units", 256))
         self.node_cp_max_units = int(options.get("node_cp_max_units", 2048))
-        # past this many units the node-CP whole-step search runs only where the tiered plan loses
-        # more than ``tol`` of the step to waits for coupled partners (planning latency)
-        self.node_cp_prune_units = int(options.get("node_cp_prune_units", 256))
         self._sims: dict[int, object] = {}
         self._tiering: dict[int, Tiering] = {}
         self._tables: dict = {}
@@ -313,7 +310,7 @@ class ZeppelinPlanner(Planner):
             # another's cold one, and no unit waits on partners from rings of assorted widths
             best_built, best_t, best_mode = None, float("inf"), 0
             for mode, (floors, balances) in enumerate(self._modes(ctx)):
-                if (mode > 0 and best_built is not None and n > self.node_cp_prune_units
+                if (mode > 0 and best_built is not None and n > 256
                         and not self._coupling_waste(best_built, best_t)):
                     # large clusters, for planning latency: the tiered plan loses (almost) nothing
                     # to waits, so node-CP is unlikely to beat it
