@@ -776,7 +776,7 @@ def test_flop_share_local_search_lowers_the_top_load_and_keeps_blocks_aligned():
             if rng.random() < 0.2 and sizes[i] < n:
                 sizes[i] *= 2
 
-        def t_of(i, G):
+        def t_of(i, G, Lf=Lf, slope=slope):
             if G == 1:
                 return float(layers * cm.attn_time(Lf[i:i + 1])[0] + slope * Lf[i])
             tier = "inter" if G > ctx.units_per_node else "intra"

@@ -35,7 +35,12 @@ import numpy as np
 
 from zeppelin.planner.core.base import PlanContext, PlanningError, pow2_sizes
 from zeppelin.planner.core.builder import StepBuilder
-from zeppelin.planner.costmodel.predict import component_max, coupled_components, predict_replicas, predict_step
+from zeppelin.planner.costmodel.predict import (
+    component_max,
+    coupled_components,
+    predict_replicas,
+    predict_step,
+)
 from zeppelin.planner.zeppelin.routing import plan_routes
 from zeppelin.schemas.plan import Replica, Sequence, SolverInfo, StepPlan
 
@@ -585,7 +590,7 @@ def _settle_blocks(ctx: PlanContext, L, Lf, slope, sizes, t_unit, where, load, g
                 cands.append((float(val[a]), i, 3, G0, int(start[oj[a]]), int(oj[a])))
         locs = np.array([i for i in mine if size[i] == 1], dtype=np.int64)
         if len(locs):  # the hot unit's local sequences, all at once
-            k, rows = len(locs), np.arange(len(locs))
+            k = len(locs)
             tl, Ll = t[locs], L[locs]
             # alone on another unit
             M = load[None, :] + tl[:, None]
