@@ -475,10 +475,9 @@ def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
                 hk[u] += per
         return out, len(held)
 
-    def coupled_time(where, sz, t):
+    def coupled_time(where, t, fit, m):
         """A placement's slowest unit once coupling is charged: per micro-batch, every unit of a
         set joined by rings waits for the set's busiest member (as the prediction charges it)."""
-        fit, m = first_fit(where, sz)
         busy = np.zeros((m, n))
         rings: list[list[range]] = [[] for _ in range(m)]
         for i, k in fit:
@@ -493,13 +492,14 @@ def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
 
     def build():
         # the placement whose coupled time is lowest (ties: the earlier) is built
-        est = [coupled_time(w, sz, t) for w, sz, _, _, t in layouts] if len(layouts) > 1 else [0.0]
-        w, sz, _, how, _ = layouts[min(range(len(layouts)), key=lambda a: (est[a], a))]
-        return build_one(w, sz, how)
+        fits = [first_fit(w, sz) for w, sz, _, _, _ in layouts]
+        est = [coupled_time(lay[0], lay[4], *f) for lay, f in zip(layouts, fits)] if len(layouts) > 1 else [0.0]
+        a = min(range(len(layouts)), key=lambda a: (est[a], a))
+        return build_one(layouts[a][0], fits[a][0], layouts[a][3])
 
-    def build_one(where, sizes, how):
+    def build_one(where, fit, how):
         b = StepBuilder(ctx, sequences, "zeppelin")
-        for i, k in first_fit(where, sizes)[0]:
+        for i, k in fit:
             units = where[i][0]
             b.place(k, "ring" if len(units) > 1 else "local", units, i)
         route = routing and any(len(w[0]) > 1 and ctx.cost.node_of_unit(w[0][0]) != ctx.cost.node_of_unit(w[0][-1])
