@@ -702,6 +702,75 @@ def test_family_dispatch_local_search_never_worse():
         assert _dispatch(cost, fits, counts, improve=True)[:2] == best[:2]
 
 
+def test_family_dispatch_two_types_match_the_general_loop():
+    """The unrolled two-type dispatch gives what the general loop gives: a third type that fits no
+    sequence sends every configuration down the general loop without changing any choice."""
+    from zeppelin.planner.zeppelin.families import _dispatch
+
+    rng = np.random.default_rng(17)
+    for trial in range(30):
+        n = int(rng.integers(3, 200))
+        cost = {1: rng.lognormal(0, 1.0, n), 4: rng.lognormal(-1, 1.0, n), 9: rng.lognormal(0, 1.0, n)}
+        if trial % 3 == 0:
+            cost[4] = cost[1].copy()  # ties: the lower type, then the lower group
+        fits = {1: rng.random(n) < 0.8, 4: np.ones(n, dtype=bool), 9: np.zeros(n, dtype=bool)}
+        fixed = {1: 0.5, 4: 0.0} if trial % 2 else None
+        counts = {1: int(rng.integers(1, 9)), 4: int(rng.integers(1, 4))}
+        two = _dispatch({t: cost[t] for t in counts}, {t: fits[t] for t in counts}, counts, fixed)
+        three = _dispatch(cost, fits, {**counts, 9: 2}, fixed)
+        assert two[0] == three[0] and two[1] == three[1]
+        for t in counts:
+            np.testing.assert_array_equal(two[2][t], three[2][t])
+        assert not three[2][9].any()
+
+
+@pytest.mark.parametrize("cell", [("zeppelin-c", "llama-7b", 1, "mixed", 64, 0),
+                                  ("zeppelin-a", "llama-13b", 2, "long", 128, 0)])
+def test_family_search_pruned_by_the_second_best_family_builds_what_the_full_search_builds(cell):
+    """Beyond 32 units only the two best-scored families are built, so a family searched after two
+    others skips configurations scored above the second-best family's best: the plans built are
+    those of searching every family under the caller's bound alone."""
+    from zeppelin.planner.zeppelin import families as fam
+
+    ctx, seqs = _grid_step(*cell)
+    assert ctx.num_units > 32
+    bound = ZeppelinPlanner(families="none").plan_step(ctx, 0, seqs).prediction.step_time_s * 1.05
+    got = fam.family_plans(ctx, 0, seqs, fam.FAMILIES, bound)
+    firsts = []
+    for f, name in enumerate(fam.FAMILIES):
+        fn = getattr(fam, name.replace("-", "_"))
+        kw = {} if name == "flop-share" else {"limit": bound}
+        c = fn(ctx, 0, seqs, top=2, **kw)
+        if c:
+            firsts.append((c[0][0], f, c[0][1], c[0][2]))
+    want = [build() for score, _, _, build in sorted(firsts, key=lambda c: c[:3])[:2] if score <= bound]
+    assert got and len(got) == len(want)
+    for a, b in zip(got, want):
+        assert a.model_dump(exclude={"solver"}) == b.model_dump(exclude={"solver"})
+
+
+@pytest.mark.parametrize("units, bound, want", [(64, None, 3.0), (64, 2.5, 2.5), (64, 4.0, 3.0), (32, None, None)])
+def test_family_search_limit_is_the_second_best_family_score(monkeypatch, units, bound, want):
+    """The limit the third family searches under: the second-best family's best score (beyond 32
+    units, where two families are built), or the caller's bound where that is lower."""
+    from zeppelin.planner.zeppelin import families as fam
+
+    seen = {}
+
+    def fake(score):
+        def fn(ctx, step, seqs, top=2, limit=None, routing=True):
+            seen.setdefault("limits", []).append(limit)
+            return [(score, 0, lambda: None)]
+        return fn
+
+    monkeypatch.setattr(fam, "ulysses_groups", fake(3.0))
+    monkeypatch.setattr(fam, "flop_share", fake(1.0))
+    monkeypatch.setattr(fam, "tp_replicas", fake(3.5))
+    ctx = make_ctx(f"zeppelin-c:{units // 8}")
+    fam.family_plans(ctx, 0, seqs_of([100, 200]), fam.FAMILIES, bound)
+    assert seen["limits"] == [bound, None, want]
+
+
 def test_family_dispatch_bound_and_pruned_search_match_trying_every_configuration():
     """_dispatch_bound never exceeds the dispatch's makespan, and the pruned search keeps exactly
     the configurations (and order) that dispatching every one of them would keep."""

@@ -95,6 +95,22 @@ def _dispatch(cost: dict[int, np.ndarray], fits: dict[int, np.ndarray], counts: 
             load, g = h[0]
             heapq.heapreplace(h, (load + c[i], g))
             out[i] = (t, g)
+    elif len(types) == 2:  # (the heterogeneous configurations: the loop below, unrolled)
+        ta, tb = types
+        ha, hb = heaps[ta], heaps[tb]
+        ca = np.where(fits[ta], cost[ta], np.inf).tolist()
+        cb = np.where(fits[tb], cost[tb], np.inf).tolist()
+        replace = heapq.heapreplace
+        for i in order:
+            la, ga = ha[0]
+            lb, gb = hb[0]
+            fa, fb = la + ca[i], lb + cb[i]
+            if fa <= fb:
+                replace(ha, (fa, ga))
+                out[i] = (ta, ga)
+            else:
+                replace(hb, (fb, gb))
+                out[i] = (tb, gb)
     else:
         cl = {t: cost[t].tolist() for t in types}
         fl = {t: fits[t].tolist() for t in types}
@@ -801,14 +817,23 @@ def family_plans(ctx: PlanContext, step: int, sequences: list[Sequence], familie
     small = ctx.num_units <= 32
     fns = {"ulysses-groups": ulysses_groups, "flop-share": flop_share, "tp-replicas": tp_replicas}
     cands = []
+    firsts: dict[int, float] = {}  # each family's best score so far
     for f, name in enumerate(families):
+        limit = bound
+        if not small and len(firsts) >= 2:
+            # only the two best-scored families are built: a configuration scored above the
+            # second-best family's best cannot be among them
+            second = sorted(firsts.values())[1]
+            limit = second if limit is None else min(limit, second)
         try:
-            # (a configuration whose lower bound is above ``bound`` is not even dispatched)
-            kw = {"routing": routing} if name == "flop-share" else {"limit": bound}
+            # (a configuration whose lower bound is above ``limit`` is not even dispatched)
+            kw = {"routing": routing} if name == "flop-share" else {"limit": limit}
             got = fns[name](ctx, step, sequences, top=2, **kw)
         except PlanningError:
             continue
         cands += [(score, f, a, build) for score, a, build in got]
+        if got:
+            firsts[f] = min(score for score, _, _ in got)
     cands.sort(key=lambda c: (c[0], c[1], c[2]))
     if not small:
         # each family's best, the two best-scored families: the families' own scores do not
