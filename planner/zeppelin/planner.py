@@ -329,8 +329,10 @@ class ZeppelinPlanner(Planner):
                 # is each node's whole step, not each micro-batch; assign sequences to nodes for the
                 # whole step, then cut each node's share into micro-batches that fit its memory
                 nm = self._node_major(ctx, tg, lengths, len(parts))
-                # (large clusters, for planning latency: only the layout family that won above)
-                modes = self._modes(ctx) if n <= 32 else [self._modes(ctx)[best_mode]]
+                # (beyond 32 units, for planning latency: only the layout family that won above, its
+                # micro-batches balanced on total cost - on the RESULTS grid and the quality
+                # benchmark's 64 / 128-GPU steps the attention-balanced node-major layout never won)
+                modes = self._modes(ctx) if n <= 32 else [(self._modes(ctx)[best_mode][0], ["total"])]
                 for floors, balances in (modes if nm is not None else []):
                     try:
                         built, t = self._whole_step(ctx, tg, sequences, lengths, nm[0], floors, balances, nm[1])
