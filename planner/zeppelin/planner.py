@@ -330,8 +330,9 @@ class ZeppelinPlanner(Planner):
                 # whole step, then cut each node's share into micro-batches that fit its memory
                 nm = self._node_major(ctx, tg, lengths, len(parts))
                 # (beyond 32 units, for planning latency: only the layout family that won above, its
-                # micro-batches balanced on total cost - on the RESULTS grid and the quality
-                # benchmark's 64 / 128-GPU steps the attention-balanced node-major layout never won)
+                # micro-batches balanced on total cost: without the attention-balanced node-major
+                # layout no plan of the RESULTS grid changed, and none of 72 64 / 128-GPU quality
+                # benchmark steps got slower)
                 modes = self._modes(ctx) if n <= 32 else [(self._modes(ctx)[best_mode][0], ["total"])]
                 for floors, balances in (modes if nm is not None else []):
                     try:
