@@ -121,8 +121,9 @@ class StepBuilder:
         mb["placements"].append(record(Placement, seq=int(seq), group=gi, scheme=scheme,
                                        padded_length=int(padded_length) if padded_length not in (None, length)
                                        else None, ranges=ranges))
+        held = mb["held"]
         for pos, u in enumerate(units):
-            mb["held"][u] += ranges_tokens(ranges[pos])
+            held[u] += ranges_tokens(ranges[pos])
 
     # -- finishing --------------------------------------------------------------------------
     def _routes(self, mb: dict, groups: list[Group]) -> list[Route]:

@@ -479,6 +479,15 @@ def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
         for i in mb_order(sz):
             units, per = where[i]
             k = 0
+            if len(units) == 1:  # (the loop below, for one unit)
+                u = units[0]
+                while k < len(held) and held[k][u] + per > cap:
+                    k += 1
+                if k == len(held):
+                    held.append([0] * n)
+                held[k][u] += per
+                out.append((i, k))
+                continue
             while True:
                 if k == len(held):
                     held.append([0] * n)
@@ -494,13 +503,26 @@ def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
     def coupled_time(where, t, fit, m):
         """A placement's slowest unit once coupling is charged: per micro-batch, every unit of a
         set joined by rings waits for the set's busiest member (as the prediction charges it)."""
-        busy = np.zeros((m, n))
         rings: list[list[range]] = [[] for _ in range(m)]
+        rows: list[int] = []
+        cols: list[int] = []
+        vals: list[float] = []
+        tl = t.tolist()
         for i, k in fit:
             units = where[i][0]
-            busy[k, units[0]:units[-1] + 1] += t[i]
-            if len(units) > 1:
-                rings[k].append(range(units[0], units[-1] + 1))
+            if len(units) == 1:
+                rows.append(k)
+                cols.append(units[0])
+                vals.append(tl[i])
+            else:
+                span = range(units[0], units[-1] + 1)
+                rows += [k] * len(span)
+                cols += span
+                vals += [tl[i]] * len(span)
+                rings[k].append(span)
+        # (np.add.at adds in the order given: each unit's sum is the one a loop over ``fit`` makes)
+        busy = np.zeros((m, n))
+        np.add.at(busy, (np.array(rows, dtype=np.int64), np.array(cols, dtype=np.int64)), np.array(vals))
         total = np.zeros(n)
         for k in range(m):
             total += component_max(coupled_components(n, rings[k]), busy[k]) if rings[k] else busy[k]
