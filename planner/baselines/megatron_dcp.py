@@ -36,6 +36,7 @@ class _DCPGroup:
 @register
 class MegatronDCP(Planner):
     name = "megatron-dcp"
+    option_names = ("max_tokens_per_rank",)
     description = ("Megatron-Core dynamic context parallelism: each sample gets next_pow2(ceil(L / max tokens "
                    "per rank)) ranks, greedy placement into the least-loaded groups until loads are within 5%")
 

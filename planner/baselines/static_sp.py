@@ -36,6 +36,7 @@ class _StaticSP(Planner):
     kind = "ring"
     pad = True  # TE THD layout: pad every sequence to a multiple of 2*G
     option = "cp"
+    option_names = ("cp",)
 
     def sizes(self, ctx: PlanContext) -> list[int]:
         n = ctx.num_units
@@ -168,6 +169,7 @@ class Ulysses(_StaticSP):
     kind = "ulysses"
     pad = False
     option = "sp"
+    option_names = ("sp",)
     description = "DeepSpeed-Ulysses static all-to-all sequence parallelism (SP degree divides the head count)"
 
     def sizes(self, ctx: PlanContext) -> list[int]:

@@ -21,6 +21,9 @@ class Planner:
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
+    #: the options the planner reads; any other is refused (a misspelt option would otherwise be
+    #: silently ignored and plan with the default)
+    option_names: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, **options: Any):
         self.options = options
@@ -47,9 +50,15 @@ def get_planner(name: str, **options: Any) -> Planner:
 
 
 def construct_planner(name: str, **options: Any) -> Planner:
-    """Build the registered planner ``name``; an option of the wrong type or range is an InputError."""
+    """Build the registered planner ``name``; an unknown option, or one of the wrong type or range,
+    is an InputError."""
+    cls = PLANNERS[name]
+    unknown = sorted(k for k in options if k not in cls.option_names)
+    if unknown:
+        known = f"known: {', '.join(sorted(cls.option_names))}" if cls.option_names else "it takes none"
+        raise InputError(f"planner {name!r}: unknown option {unknown[0]!r} ({known})")
     try:
-        return PLANNERS[name](**options)
+        return cls(**options)
     except InputError:
         raise
     except (ValueError, TypeError, OverflowError) as e:  # an option of the wrong type or out of range

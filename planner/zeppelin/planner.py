@@ -136,6 +136,10 @@ class ZeppelinPlanner(Planner):
     description = "Zeppelin: hierarchical tiers, two-level ILP/greedy assignment, NIC routing, remapping"
     routing = True
     remap = True
+    option_names = ("ilp", "ilp_nodes", "ilp_iterations", "ilp_budget_calls", "time_limit", "solver", "tol",
+                    "max_ilp_vars_nodes", "max_ilp_vars_units", "select", "simulate_max_units", "intra",
+                    "families", "families_max_units", "family_margin", "large_families",
+                    "attention_max_units", "node_cp_max_units")
 
     def __init__(self, **options):
         super().__init__(**options)
