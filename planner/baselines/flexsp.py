@@ -307,7 +307,8 @@ def _solve_microbatch(model, lengths, sizes, n, cap, Q, limits, use_milp, auto_n
 @register
 class FlexSP(Planner):
     name = "flexsp"
-    option_names = ("solver", "milp_solves", "buckets", "mb_search", "gap", "candidates", "milp_nodes", "milp_iterations", "time_limit")
+    option_names = ("solver", "milp_solves", "buckets", "mb_search", "gap", "candidates", "milp_nodes",
+                    "milp_iterations", "time_limit")
     description = ("FlexSP: per micro-batch a MILP over heterogeneous power-of-two Ulysses groups with "
                    "bucketed lengths (Q=16), greedy warm start, micro-batch count search")
 

@@ -187,7 +187,8 @@ def _pack_ilp(items, c, L, cap, v, start, limits):
 @register
 class Hydraulis(Planner):
     name = "hydraulis"
-    option_names = ("tp_degrees", "milp_solves", "restarts", "mb_search", "cp", "milp_nodes", "milp_iterations", "time_limit")
+    option_names = ("tp_degrees", "milp_solves", "restarts", "mb_search", "cp", "milp_nodes", "milp_iterations",
+                    "time_limit")
     description = ("Hydraulis: heterogeneous model replicas (mixed TP degrees) with two-stage assignment: "
                    "randomised greedy dispatch to replicas, then ILP packing into micro-batches")
 
