@@ -335,8 +335,8 @@ class ZeppelinPlanner(Planner):
                 nm = self._node_major(ctx, tg, lengths, len(parts))
                 # (beyond 32 units, for planning latency: only the layout family that won above, its
                 # micro-batches balanced on total cost: without the attention-balanced node-major
-                # layout no plan of the RESULTS grid changed, and none of 72 64 / 128-GPU quality
-                # benchmark steps got slower)
+                # layout no plan of the RESULTS grid changed, and none of 72 steps at 64 / 128 GPUs
+                # drawn as the quality benchmark draws them got slower)
                 modes = self._modes(ctx) if n <= 32 else [(self._modes(ctx)[best_mode][0], ["total"])]
                 for floors, balances in (modes if nm is not None else []):
                     try:
