@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from zeppelin.planner.costmodel.context import PlanContext, PlanningError
+from zeppelin.schemas.layout import ranges_tokens
 from zeppelin.schemas.plan import MicroBatch, Prediction, RankLoads, StepPlan
 
 
@@ -260,11 +261,7 @@ def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool
     for p in pls:
         units = groups[p.group].units
         h_units += units[:len(p.ranges)]
-        for rs in p.ranges:
-            tok = 0
-            for s, e in rs:
-                tok += e - s
-            h_toks.append(tok)
+        h_toks += map(ranges_tokens, p.ranges)
     if h_units:
         held += np.bincount(np.asarray(h_units, dtype=np.int64), weights=np.asarray(h_toks, dtype=np.float64),
                             minlength=n)

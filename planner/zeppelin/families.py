@@ -394,10 +394,20 @@ def ulysses_groups(ctx: PlanContext, step: int, sequences: list[Sequence], top: 
     return [(span, a, (lambda cfg=cfg, owner=owner: build(cfg, owner))) for span, a, cfg, owner in scored[:top]]
 
 
+def _unit_time(ctx: PlanContext, Lf: np.ndarray, slope: float, G: int) -> np.ndarray:
+    """FLOP-share's per-unit time of sequences of lengths ``Lf`` alone (``G`` = 1) or on a zigzag
+    ring of ``G`` units: attention plus the linear modules at ``slope`` per token."""
+    cm, layers = ctx.cost, ctx.model.num_layers
+    if G == 1:
+        return layers * cm.attn_time(Lf) + slope * Lf
+    tier = "inter" if G > ctx.units_per_node else "intra"
+    return layers * cm.ring_attention_time(Lf, G, tier) + slope * Lf / G
+
+
 # ---------------------------------------------------------------------------------------------
 def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int = 1, routing: bool = True,
                settle_rounds: int | None = None):
-    n, upn, cm = ctx.num_units, ctx.units_per_node, ctx.cost
+    n, cm = ctx.num_units, ctx.cost
     cap = cm.token_capacity
     L = np.array([s.length for s in sequences], dtype=np.int64)
     Lf = L.astype(np.float64)
@@ -417,11 +427,10 @@ def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
         sizes[i] = min(max(g, g_flop), gmax)
     # per-unit time of each sequence on its ring / alone (the score; placement balances on it)
     slope = _token_slope(ctx, cm, max(float(Lf.sum()) / n, 2.0))
-    t_unit = ctx.model.num_layers * cm.attn_time(Lf) + slope * Lf
+    t_unit = _unit_time(ctx, Lf, slope, 1)
     for G in np.unique(sizes[sizes > 1]).tolist():
         sel = sizes == G
-        tier = "inter" if G > upn else "intra"
-        t_unit[sel] = ctx.model.num_layers * cm.ring_attention_time(Lf[sel], G, tier) + slope * Lf[sel] / G
+        t_unit[sel] = _unit_time(ctx, Lf[sel], slope, G)
     load = np.zeros(n)
     order = sorted(range(len(L)), key=lambda i: (-work[i], i))
     where: list[tuple[list[int], int]] = [([], 0)] * len(L)
@@ -479,25 +488,13 @@ def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
         for i in mb_order(sz):
             units, per = where[i]
             k = 0
-            if len(units) == 1:  # (the loop below, for one unit)
-                u = units[0]
-                while k < len(held) and held[k][u] + per > cap:
-                    k += 1
-                if k == len(held):
-                    held.append([0] * n)
-                held[k][u] += per
-                out.append((i, k))
-                continue
-            while True:
-                if k == len(held):
-                    held.append([0] * n)
-                hk = held[k]
-                if all(hk[u] + per <= cap for u in units):
-                    break
+            while k < len(held) and any(held[k][u] + per > cap for u in units):
                 k += 1
+            if k == len(held):
+                held.append([0] * n)
             out.append((i, k))
             for u in units:
-                hk[u] += per
+                held[k][u] += per
         return out, len(held)
 
     def coupled_time(where, t, fit, m):
@@ -566,18 +563,13 @@ def _settle_blocks(ctx: PlanContext, L, Lf, slope, sizes, t_unit, where, load, g
     (every ring a large share of a unit's time); this evens them out. ``tok`` (per-unit tokens):
     no move or swap takes a unit past the token capacity (the layout keeps its micro-batches).
     Returns whether anything moved."""
-    n, upn, cm = len(load), ctx.units_per_node, ctx.cost
-    layers, cap = ctx.model.num_layers, cm.token_capacity
+    n, cap = len(load), ctx.cost.token_capacity
     gsz = [1] + pow2_sizes(gmax)[1:]
     t_of: dict[int, np.ndarray] = {}  # per-unit time of every sequence at each size
 
     def t_at(G: int) -> np.ndarray:
         if G not in t_of:
-            if G == 1:
-                t_of[G] = layers * cm.attn_time(Lf) + slope * Lf
-            else:
-                tier = "inter" if G > upn else "intra"
-                t_of[G] = layers * cm.ring_attention_time(Lf, G, tier) + slope * Lf / G
+            t_of[G] = _unit_time(ctx, Lf, slope, G)
         return t_of[G]
 
     share_at: dict[int, np.ndarray] = {G: _zigzag_share(L, G) for G in gsz}
@@ -839,13 +831,13 @@ def family_plans(ctx: PlanContext, step: int, sequences: list[Sequence], familie
     small = ctx.num_units <= 32
     fns = {"ulysses-groups": ulysses_groups, "flop-share": flop_share, "tp-replicas": tp_replicas}
     cands = []
-    firsts: dict[int, float] = {}  # each family's best score so far
+    firsts: dict[int, tuple] = {}  # each family's best candidate
     for f, name in enumerate(families):
         limit = bound
         if not small and len(firsts) >= 2:
             # only the two best-scored families are built: a configuration scored above the
             # second-best family's best cannot be among them
-            second = sorted(firsts.values())[1]
+            second = sorted(c[0] for c in firsts.values())[1]
             limit = second if limit is None else min(limit, second)
         try:
             # (a configuration whose lower bound is above ``limit`` is not even dispatched)
@@ -853,16 +845,14 @@ def family_plans(ctx: PlanContext, step: int, sequences: list[Sequence], familie
             got = fns[name](ctx, step, sequences, top=2, **kw)
         except PlanningError:
             continue
-        cands += [(score, f, a, build) for score, a, build in got]
-        if got:
-            firsts[f] = min(score for score, _, _ in got)
+        mine = [(score, f, a, build) for score, a, build in got]
+        cands += mine
+        if mine:
+            firsts[f] = min(mine, key=lambda c: (c[0], c[2]))
     cands.sort(key=lambda c: (c[0], c[1], c[2]))
     if not small:
         # each family's best, the two best-scored families: the families' own scores do not
         # compare across families (FLOP-share's is coarse), so the prediction judges between them
-        firsts: dict[int, tuple] = {}
-        for c in cands:
-            firsts.setdefault(c[1], c)
         cands = sorted(firsts.values(), key=lambda c: (c[0], c[1], c[2]))[:2]
     out: list[StepPlan] = []
     for score, _, _, build in cands:
