@@ -45,8 +45,9 @@ from zeppelin.planner.zeppelin.routing import plan_routes
 from zeppelin.schemas.plan import Replica, Sequence, SolverInfo, StepPlan
 
 FAMILIES = ("ulysses-groups", "flop-share", "tp-replicas")
-#: FLOP-share tries its token-aware placement and the local search of each placement up to this many
-#: units (beyond, for planning latency, its plain least-loaded placement alone)
+#: FLOP-share tries its token-aware placement, the local search of each placement and micro-batches
+#: chosen for coupling up to this many units (beyond, for planning latency, its plain least-loaded
+#: placement, micro-batched by first fit, alone)
 SEARCH_MAX_UNITS = 256
 SETTLE_ROUNDS = 32  # moves of the local search per placement (the first few do nearly all the good)
 
@@ -481,56 +482,20 @@ def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
         order_o = np.array(order, dtype=np.int64)
         return order_o[np.lexsort((order_o, -work[order_o], -sz[order_o]))].tolist()
 
-    def first_fit(where, sz):
-        """(micro-batch of each sequence in placement order, number of micro-batches)."""
-        held: list[list[int]] = []
-        out = []
-        for i in mb_order(sz):
-            units, per = where[i]
-            k = 0
-            while k < len(held) and any(held[k][u] + per > cap for u in units):
-                k += 1
-            if k == len(held):
-                held.append([0] * n)
-            out.append((i, k))
-            for u in units:
-                held[k][u] += per
-        return out, len(held)
-
-    def coupled_time(where, t, fit, m):
-        """A placement's slowest unit once coupling is charged: per micro-batch, every unit of a
-        set joined by rings waits for the set's busiest member (as the prediction charges it)."""
-        rings: list[list[range]] = [[] for _ in range(m)]
-        rows: list[int] = []
-        cols: list[int] = []
-        vals: list[float] = []
-        tl = t.tolist()
-        for i, k in fit:
-            units = where[i][0]
-            if len(units) == 1:
-                rows.append(k)
-                cols.append(units[0])
-                vals.append(tl[i])
-            else:
-                span = range(units[0], units[-1] + 1)
-                rows += [k] * len(span)
-                cols += span
-                vals += [tl[i]] * len(span)
-                rings[k].append(span)
-        # (np.add.at adds in the order given: each unit's sum is the one a loop over ``fit`` makes)
-        busy = np.zeros((m, n))
-        np.add.at(busy, (np.array(rows, dtype=np.int64), np.array(cols, dtype=np.int64)), np.array(vals))
-        total = np.zeros(n)
-        for k in range(m):
-            total += component_max(coupled_components(n, rings[k]), busy[k]) if rings[k] else busy[k]
-        return float(total.max())
-
     def build():
-        # the placement whose coupled time is lowest (ties: the earlier) is built
-        fits = [first_fit(w, sz) for w, sz, _, _, _ in layouts]
-        est = [coupled_time(lay[0], lay[4], *f) for lay, f in zip(layouts, fits)] if len(layouts) > 1 else [0.0]
-        a = min(range(len(layouts)), key=lambda a: (est[a], a))
-        return build_one(layouts[a][0], fits[a][0], layouts[a][3])
+        # of every placement, micro-batched by first fit and (where that takes more than one, up
+        # to SEARCH_MAX_UNITS units) for coupling, the one whose coupled time is lowest (ties: the
+        # earlier) is built
+        cands = []
+        for w, sz, _, how, t in layouts:
+            seq_order = mb_order(sz)
+            f = _first_fit(n, cap, seq_order, w)
+            cands.append((w, t, f, how))
+            if f[1] > 1 and n <= SEARCH_MAX_UNITS:
+                cands.append((w, t, _coupled_fit(n, cap, seq_order, w, t.tolist(), f[1]), how))
+        est = [_coupled_time(n, w, t.tolist(), *f) for w, t, f, _ in cands] if len(cands) > 1 else [0.0]
+        a = min(range(len(cands)), key=lambda a: (est[a], a))
+        return build_one(cands[a][0], cands[a][2][0], cands[a][3])
 
     def build_one(where, fit, how):
         b = StepBuilder(ctx, sequences, "zeppelin")
@@ -551,6 +516,113 @@ def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
         return plan
 
     return [(min(x[2] for x in layouts), 0, build)]
+
+
+def _first_fit(n: int, cap: int, order: list[int], where: list) -> tuple[list, int]:
+    """Micro-batches by first fit: (micro-batch of each sequence, in ``order``; number of micro-
+    batches). ``where[i]``: (units of sequence i, tokens it puts on each)."""
+    held: list[list[int]] = []
+    out = []
+    for i in order:
+        units, per = where[i]
+        k = 0
+        while k < len(held) and any(held[k][u] + per > cap for u in units):
+            k += 1
+        if k == len(held):
+            held.append([0] * n)
+        out.append((i, k))
+        for u in units:
+            held[k][u] += per
+    return out, len(held)
+
+
+def _coupled_fit(n: int, cap: int, order: list[int], where: list, tl: list[float], m: int) -> tuple[list, int]:
+    """Micro-batches chosen for coupling (returned as ``_first_fit``'s; ``tl[i]``: sequence i's time
+    on each of its units; ``m``: micro-batches to start with). Each sequence goes to the micro-batch,
+    of those whose units have room for it, where the units it joins (its own and, in that
+    micro-batch, every unit a ring links them to) end lowest, then where they wait least in all; to
+    a new one only where none has room. First fit fills the first micro-batch with whatever fits:
+    a two-unit ring inside a four-unit one there makes the other two wait for it, while their own
+    sequences spill into the next micro-batch."""
+    busy = [[0.0] * n for _ in range(m)]
+    held = [[0] * n for _ in range(m)]
+    # per micro-batch and unit: the aligned block of units coupled with it (start, size) and
+    # that block's time; rings sit on aligned power-of-two blocks, so coupled sets nest
+    c_start = [list(range(n)) for _ in range(m)]
+    c_size = [[1] * n for _ in range(m)]
+    c_time = [[0.0] * n for _ in range(m)]
+    total = [0.0] * n  # per unit: its coupled time summed over the micro-batches
+    out = []
+    for i in order:
+        units, per = where[i]
+        s, G, ti = units[0], len(units), tl[i]
+        best = None
+        for k in range(m):
+            hk = held[k]
+            if max(hk[s:s + G]) + per > cap:
+                continue
+            if c_size[k][s] >= G:
+                a, z = c_start[k][s], c_size[k][s]
+            else:
+                a, z = s, G
+            bk, ck = busy[k], c_time[k]
+            new = max(max(bk[a:s], default=0.0), max(bk[s + G:a + z], default=0.0),
+                      max(bk[s:s + G]) + ti)
+            top = max(total[u] - ck[u] for u in range(a, a + z)) + new
+            wait = sum(new - ck[u] for u in range(a, a + z))
+            if best is None or (top, wait) < best[0]:
+                best = ((top, wait), k, a, z)
+        if best is None:  # no micro-batch has room: a new one
+            busy.append([0.0] * n)
+            held.append([0] * n)
+            c_start.append(list(range(n)))
+            c_size.append([1] * n)
+            c_time.append([0.0] * n)
+            k, a, z = m, s, G
+            m += 1
+        else:
+            _, k, a, z = best
+        bk, hk, ck = busy[k], held[k], c_time[k]
+        for u in range(s, s + G):
+            bk[u] += ti
+            hk[u] += per
+        new = max(bk[a:a + z])
+        for u in range(a, a + z):
+            total[u] += new - ck[u]
+            ck[u] = new
+        if G > 1:
+            c_start[k][a:a + z] = [a] * z
+            c_size[k][a:a + z] = [z] * z
+        out.append((i, k))
+    return out, m
+
+
+def _coupled_time(n: int, where: list, tl: list[float], fit: list, m: int) -> float:
+    """A micro-batched placement's slowest unit once coupling is charged: per micro-batch, every
+    unit of a set joined by rings waits for the set's busiest member (as the prediction charges it)."""
+    rings: list[list[range]] = [[] for _ in range(m)]
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    for i, k in fit:
+        units = where[i][0]
+        if len(units) == 1:
+            rows.append(k)
+            cols.append(units[0])
+            vals.append(tl[i])
+        else:
+            span = range(units[0], units[-1] + 1)
+            rows += [k] * len(span)
+            cols += span
+            vals += [tl[i]] * len(span)
+            rings[k].append(span)
+    # (np.add.at adds in the order given: each unit's sum is the one a loop over ``fit`` makes)
+    busy = np.zeros((m, n))
+    np.add.at(busy, (np.array(rows, dtype=np.int64), np.array(cols, dtype=np.int64)), np.array(vals))
+    total = np.zeros(n)
+    for k in range(m):
+        total += component_max(coupled_components(n, rings[k]), busy[k]) if rings[k] else busy[k]
+    return float(total.max())
 
 
 def _settle_blocks(ctx: PlanContext, L, Lf, slope, sizes, t_unit, where, load, gmax: int, rounds: int,
