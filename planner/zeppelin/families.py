@@ -12,10 +12,10 @@ whichever candidate the prediction (or, on small clusters, the simulator) rates 
   the step costs the slowest group's sum of micro-batch times.
 * ``flop-share`` - a sequence whose work exceeds a unit's share of the step (or whose tokens do
   not fit one unit) runs as a zigzag ring over an aligned block of the power-of-two size it needs,
-  the rest stay local; blocks and units are filled least-loaded first (local sequences also
-  token-aware: to the least-loaded unit that holds them in its first micro-batch), each placement
-  then evened out by a local search (moves, swaps, ring sizes halved or doubled), micro-batches
-  first fit; the placement whose time with ring partners' waits charged is lowest is built.
+  the rest stay local (and, as a second sizing, rings at most a quarter of a unit's share each);
+  blocks and units are filled least-loaded first, each placement then evened out by a local search
+  (moves, swaps, ring sizes halved or doubled), micro-batches by first fit and chosen for coupling;
+  the layout whose time with ring partners' waits charged is lowest is built.
 * ``tp-replicas`` - replicas of a larger tensor-parallel degree than the context's (Hydraulis'
   freedom): replicas of degree ``hi`` (or context-parallel replicas of ``cp`` of them where the
   step's longest sequence fits no replica) for the long sequences and of degree ``lo`` for the
@@ -45,11 +45,13 @@ from zeppelin.planner.zeppelin.routing import plan_routes
 from zeppelin.schemas.plan import Replica, Sequence, SolverInfo, StepPlan
 
 FAMILIES = ("ulysses-groups", "flop-share", "tp-replicas")
-#: FLOP-share tries its token-aware placement, the local search of each placement and micro-batches
+#: FLOP-share tries its finer ring sizes, the local search of each placement and micro-batches
 #: chosen for coupling up to this many units (beyond, for planning latency, its plain least-loaded
 #: placement, micro-batched by first fit, alone)
 SEARCH_MAX_UNITS = 256
 SETTLE_ROUNDS = 32  # moves of the local search per placement (the first few do nearly all the good)
+#: FLOP-share's finer ring sizes (up to SEARCH_MAX_UNITS units): per-unit work at most this share
+FINE_SHARE = 0.25
 
 
 def _ceil_div(a, b):
@@ -415,66 +417,72 @@ def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
     work = cm.work(Lf)
     share = float(work.sum()) / n
     gmax = pow2_sizes(n)[-1]
-    sizes = np.ones(len(L), dtype=np.int64)
-    for i in np.flatnonzero((L > cap) | (work > share)).tolist():
-        g = 1
-        while _zigzag_share(L[i:i + 1], g)[0] > cap:
-            g *= 2
-        if g > gmax:
-            return []
-        g_flop = 1
-        while work[i] > share * g_flop and g_flop < gmax:
-            g_flop *= 2
-        sizes[i] = min(max(g, g_flop), gmax)
+    upn = ctx.units_per_node
+
+    def ring_sizes(frac: float):
+        """Ring size of each sequence: the least power of two whose share of it fits a unit and
+        whose per-unit work is at most ``frac`` of a unit's share of the step (with ``frac`` < 1,
+        past a node only as far as a whole share asks); None: one does not fit the cluster."""
+        sz = np.ones(len(L), dtype=np.int64)
+        for i in np.flatnonzero((L > cap) | (work > share * frac)).tolist():
+            g = 1
+            while _zigzag_share(L[i:i + 1], g)[0] > cap:
+                g *= 2
+            if g > gmax:
+                return None
+            g_flop = 1
+            while work[i] > share * g_flop * frac and g_flop < gmax:
+                if g_flop >= upn and work[i] <= share * g_flop:
+                    break  # (an inter-node ring costs more than it evens out)
+                g_flop *= 2
+            sz[i] = min(max(g, g_flop), gmax)
+        return sz
+
+    sizings = [(ring_sizes(1.0), "")]
+    if sizings[0][0] is None:
+        return []
+    if n <= SEARCH_MAX_UNITS:
+        # finer rings (each at most a quarter of a unit's share): nearly free inside a node under
+        # the cost model, they pack far more evenly where a step's sequences are a large share each
+        fine = ring_sizes(FINE_SHARE)
+        if not np.array_equal(fine, sizings[0][0]):
+            sizings.append((fine, " (fine rings)"))
     # per-unit time of each sequence on its ring / alone (the score; placement balances on it)
     slope = _token_slope(ctx, cm, max(float(Lf.sum()) / n, 2.0))
-    t_unit = _unit_time(ctx, Lf, slope, 1)
-    for G in np.unique(sizes[sizes > 1]).tolist():
-        sel = sizes == G
-        t_unit[sel] = _unit_time(ctx, Lf[sel], slope, G)
-    load = np.zeros(n)
+    t_alone = _unit_time(ctx, Lf, slope, 1)
     order = sorted(range(len(L)), key=lambda i: (-work[i], i))
-    where: list[tuple[list[int], int]] = [([], 0)] * len(L)
-    for i in order:
-        G = int(sizes[i])
-        if G == 1:
-            continue
-        starts = np.arange(0, n - G + 1, G)
-        bmax = load[:len(starts) * G].reshape(-1, G).max(axis=1)
-        blk = list(range(int(starts[int(np.argmin(bmax))]), int(starts[int(np.argmin(bmax))]) + G))
-        where[i] = (blk, int(_zigzag_share(L[i:i + 1], G)[0]))
-        load[blk] += t_unit[i]
-    ring_load, ring_tok = load.copy(), np.zeros(n)
-    for i in order:
-        if sizes[i] > 1:
-            ring_tok[where[i][0]] += where[i][1]
-    layouts = []
     if settle_rounds is None:
         # (past SEARCH_MAX_UNITS units, for planning latency, the plain placement alone)
         settle_rounds = min(4 * len(L), SETTLE_ROUNDS) if n <= SEARCH_MAX_UNITS else 0
-    for token_aware in ((False, True) if n <= SEARCH_MAX_UNITS else (False,)):
-        # local sequences to the least-loaded unit; token-aware: the least-loaded unit that still
-        # holds them in its first micro-batch (where any has room) - a unit whose sequences spill
-        # into a later micro-batch makes its ring partners wait in the first one
-        w, ld, tok = list(where), ring_load.copy(), ring_tok.copy()
+    layouts = []
+    for sizes, label in sizings:
+        t_unit = t_alone.copy()
+        for G in np.unique(sizes[sizes > 1]).tolist():
+            sel = sizes == G
+            t_unit[sel] = _unit_time(ctx, Lf[sel], slope, G)
+        load = np.zeros(n)
+        where: list[tuple[list[int], int]] = [([], 0)] * len(L)
         for i in order:
-            if sizes[i] != 1:
+            G = int(sizes[i])
+            if G == 1:
                 continue
-            if token_aware:
-                room = tok + L[i] <= cap
-                u = int(np.argmin(np.where(room, ld, np.inf))) if room.any() else int(np.argmin(ld))
-            else:
-                u = int(np.argmin(ld))
-            w[i] = ([u], int(L[i]))
-            ld[u] += t_unit[i]
-            tok[u] += L[i]
-        layouts.append((w, sizes, float(ld.max()), "token-aware" if token_aware else "least-loaded", t_unit))
+            starts = np.arange(0, n - G + 1, G)
+            bmax = load[:len(starts) * G].reshape(-1, G).max(axis=1)
+            blk = list(range(int(starts[int(np.argmin(bmax))]), int(starts[int(np.argmin(bmax))]) + G))
+            where[i] = (blk, int(_zigzag_share(L[i:i + 1], G)[0]))
+            load[blk] += t_unit[i]
+        for i in order:  # local sequences to the least-loaded unit
+            if sizes[i] == 1:
+                u = int(np.argmin(load))
+                where[i] = ([u], int(L[i]))
+                load[u] += t_unit[i]
+        how = "least-loaded" + label
+        layouts.append((where, sizes, float(load.max()), how, t_unit))
         if settle_rounds > 0:
-            # each placement evened out by local search (the token-aware one within its tokens)
-            w2, s2, l2, t2 = list(w), sizes.copy(), ld.copy(), t_unit.copy()
-            if _settle_blocks(ctx, L, Lf, slope, s2, t2, w2, l2, gmax, settle_rounds,
-                              tok=tok.copy() if token_aware else None):
-                layouts.append((w2, s2, float(l2.max()), layouts[-1][3] + " + local search", t2))
+            # evened out by local search
+            w2, s2, l2, t2 = list(where), sizes.copy(), load.copy(), t_unit.copy()
+            if _settle_blocks(ctx, L, Lf, slope, s2, t2, w2, l2, gmax, settle_rounds):
+                layouts.append((w2, s2, float(l2.max()), how + " + local search", t2))
 
     def mb_order(sz):
         # micro-batches: first fit, every ring before any local sequence (widest first), so that
@@ -625,16 +633,14 @@ def _coupled_time(n: int, where: list, tl: list[float], fit: list, m: int) -> fl
     return float(total.max())
 
 
-def _settle_blocks(ctx: PlanContext, L, Lf, slope, sizes, t_unit, where, load, gmax: int, rounds: int,
-                   tok: np.ndarray | None = None) -> bool:
+def _settle_blocks(ctx: PlanContext, L, Lf, slope, sizes, t_unit, where, load, gmax: int, rounds: int) -> bool:
     """Local search on a FLOP-share placement (in place): take the most loaded unit and move one of
     its sequences - a local one, or a ring with its aligned block - to the block of its size (or of
     half / twice it, where memory allows) whose fullest unit ends lowest, or swap it with a
     sequence of the same size elsewhere, whichever lowers the pair's larger load most, while that
     lowers the top load. LPT on aligned power-of-two blocks leaves steps of long sequences lumpy
-    (every ring a large share of a unit's time); this evens them out. ``tok`` (per-unit tokens):
-    no move or swap takes a unit past the token capacity (the layout keeps its micro-batches).
-    Returns whether anything moved."""
+    (every ring a large share of a unit's time); this evens them out. Returns whether anything
+    moved."""
     n, cap = len(load), ctx.cost.token_capacity
     gsz = [1] + pow2_sizes(gmax)[1:]
     t_of: dict[int, np.ndarray] = {}  # per-unit time of every sequence at each size
@@ -662,16 +668,11 @@ def _settle_blocks(ctx: PlanContext, L, Lf, slope, sizes, t_unit, where, load, g
             G0, s0, t0 = int(size[i]), int(start[i]), float(t[i])
             base = load.copy()
             base[s0:s0 + G0] -= t0
-            if tok is not None:
-                tbase = tok.copy()
-                tbase[s0:s0 + G0] -= share_at[G0][i]
             for opt, G in enumerate((G0 // 2, G0, 2 * G0)):
                 if G < 1 or G > gmax or (G not in share_at) or share_at[G][i] > cap:
                     continue
                 nb = n // G
                 bm = base[:nb * G].reshape(nb, G).max(axis=1) + float(t_at(G)[i])
-                if tok is not None:
-                    bm[tbase[:nb * G].reshape(nb, G).max(axis=1) + share_at[G][i] > cap] = np.inf
                 if G == G0:
                     bm[s0 // G0] = np.inf  # staying put is no move
                 b = int(np.argmin(bm))
@@ -682,23 +683,15 @@ def _settle_blocks(ctx: PlanContext, L, Lf, slope, sizes, t_unit, where, load, g
                 nb = n // G0
                 bmax = load[:nb * G0].reshape(nb, G0).max(axis=1)
                 val = np.maximum(top - t0 + t[oj], bmax[start[oj] // G0] + t0 - t[oj])
-                if tok is not None:
-                    sh = share_at[G0]
-                    tmax = tok[:nb * G0].reshape(nb, G0).max(axis=1)
-                    bad = ((tmax[start[oj] // G0] + sh[i] - sh[oj] > cap)
-                           | (tmax[s0 // G0] - sh[i] + sh[oj] > cap))
-                    val = np.where(bad, np.inf, val)
                 a = int(np.argmin(val))
                 cands.append((float(val[a]), i, 3, G0, int(start[oj[a]]), int(oj[a])))
         locs = np.array([i for i in mine if size[i] == 1], dtype=np.int64)
         if len(locs):  # the hot unit's local sequences, all at once
             k = len(locs)
-            tl, Ll = t[locs], L[locs]
+            tl = t[locs]
             # alone on another unit
             M = load[None, :] + tl[:, None]
             M[:, hot] = np.inf
-            if tok is not None:
-                M[tok[None, :] + Ll[:, None] > cap] = np.inf
             u = M.argmin(axis=1)
             cands += [(float(M[r, u[r]]), int(locs[r]), 1, 1, int(u[r]), -1) for r in range(k)]
             # as a ring of two on an aligned pair
@@ -710,11 +703,6 @@ def _settle_blocks(ctx: PlanContext, L, Lf, slope, sizes, t_unit, where, load, g
                     P[:, hb] = np.maximum(load[hot] - tl, load[hot ^ 1])
                 P += t_at(2)[locs][:, None]
                 P[share_at[2][locs] > cap] = np.inf
-                if tok is not None:
-                    TP = np.repeat((tok[:2 * nb].reshape(nb, 2).max(axis=1))[None, :], k, axis=0)
-                    if hb < nb:
-                        TP[:, hb] = np.maximum(tok[hot] - Ll, tok[hot ^ 1])
-                    P[TP + share_at[2][locs][:, None] > cap] = np.inf
                 b = P.argmin(axis=1)
                 cands += [(float(P[r, b[r]]), int(locs[r]), 2, 2, 2 * int(b[r]), -1) for r in range(k)]
             # swapped with a lighter local sequence of another unit
@@ -723,9 +711,6 @@ def _settle_blocks(ctx: PlanContext, L, Lf, slope, sizes, t_unit, where, load, g
                 tj, uj = t[oj], start[oj]
                 V = np.maximum(top - tl[:, None] + tj[None, :], load[uj][None, :] + tl[:, None] - tj[None, :])
                 V[tj[None, :] >= tl[:, None]] = np.inf
-                if tok is not None:
-                    V[(tok[uj][None, :] + Ll[:, None] - L[oj][None, :] > cap)
-                      | (tok[hot] - Ll[:, None] + L[oj][None, :] > cap)] = np.inf
                 c = V.argmin(axis=1)
                 cands += [(float(V[r, c[r]]), int(locs[r]), 3, 1, int(uj[c[r]]), int(oj[c[r]])) for r in range(k)]
         best = min(cands, key=lambda c: (c[0], c[1], c[2])) if cands else None
@@ -736,15 +721,10 @@ def _settle_blocks(ctx: PlanContext, L, Lf, slope, sizes, t_unit, where, load, g
         kind = "swap" if opt == 3 else "move"
         G0, s0 = int(size[i]), int(start[i])
         load[s0:s0 + G0] -= t[i]
-        if tok is not None:
-            tok[s0:s0 + G0] -= share_at[G0][i]
         for u in range(s0, s0 + G0):
             on[u].discard(i)
         if kind == "swap":
             load[s_new:s_new + G] -= t[j]
-            if tok is not None:
-                tok[s_new:s_new + G] -= share_at[G][j]
-                tok[s0:s0 + G0] += share_at[G0][j]
             for u in range(s_new, s_new + G):
                 on[u].discard(j)
             load[s0:s0 + G0] += t[j]
@@ -757,8 +737,6 @@ def _settle_blocks(ctx: PlanContext, L, Lf, slope, sizes, t_unit, where, load, g
             sizes[i] = G
         start[i] = s_new
         load[s_new:s_new + G] += t[i]
-        if tok is not None:
-            tok[s_new:s_new + G] += share_at[G][i]
         for u in range(s_new, s_new + G):
             on[u].add(i)
         where[i] = (list(range(s_new, s_new + G)), int(share_at[G][i]))
