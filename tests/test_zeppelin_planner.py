@@ -857,41 +857,41 @@ def _first_fit_only(n, cap, order, where, tl, m):
     return F._first_fit(n, cap, order, where)
 
 
-@pytest.mark.parametrize("cell, with_fit, first_fit_only", [
-    # long step: first fit leaves two-unit rings beside four-unit ones in the first micro-batch,
-    # their blocks' other units waiting for them (so the unsearched placement was planned, 1.36x
-    # the bound); micro-batched for coupling the searched placement runs at its uncoupled load
-    (("zeppelin-c", "llama-13b", 2, "long", 128, 0), 5.77, 6.73),
-    # mixed step: first fit spills local sequences into a second micro-batch while their ring
-    # partners wait in the first; no FLOP-share layout then beats the tiered plan (5.32 s), which
-    # has the same trouble. Chosen for coupling: 4.11 s, ahead of hybrid-dp's 4.58 s (same rings)
-    (("zeppelin-c", "llama-13b", 2, "mixed", 128, 0), 4.12, 5.32),
+@pytest.mark.parametrize("cell, fine_share, with_fit, first_fit_only", [
+    # long step, whole-share rings alone: first fit leaves two-unit rings beside four-unit ones in
+    # the first micro-batch, their blocks' other units waiting for them; micro-batched for
+    # coupling, the searched placement runs at about its uncoupled load
+    (("zeppelin-c", "llama-13b", 2, "long", 128, 0), 1.0, 5.70, 7.39),
+    # mixed step, fine rings: first fit spills local sequences into a second micro-batch while
+    # their ring partners wait in the first
+    (("zeppelin-c", "llama-13b", 2, "mixed", 64, 0), 0.25, 4.29, 4.92),
 ])
-def test_flop_share_micro_batches_chosen_for_coupling(monkeypatch, cell, with_fit, first_fit_only):
-    """LLaMA-13B on 128 GPUs of cluster C (two micro-batches by memory), FLOP-share's whole-share
-    rings alone: with micro-batches chosen for coupling beside first fit, the plan is
-    ``with_fit`` s by the prediction; with first fit alone, ``first_fit_only`` s."""
+def test_flop_share_micro_batches_chosen_for_coupling(monkeypatch, cell, fine_share, with_fit, first_fit_only):
+    """LLaMA-13B on cluster C, steps that take two micro-batches by memory: with micro-batches
+    chosen for coupling beside first fit, FLOP-share's plan is ``with_fit`` s by the prediction;
+    with first fit alone, ``first_fit_only`` s."""
     from zeppelin.planner.zeppelin import families as F
 
-    monkeypatch.setattr(F, "FINE_SHARE", 1.0)  # (the finer sizing equals the first: not tried)
+    monkeypatch.setattr(F, "FINE_SHARE", fine_share)  # (1.0: the finer sizing is the first, not tried)
     ctx, seqs = _grid_step(*cell)
     plan = ZeppelinPlanner().plan_step(ctx, 0, seqs)
     _valid(ctx, plan)
     assert plan.notes["family"] == "flop-share" and len(plan.microbatches) == 2
     assert plan.prediction.step_time_s == pytest.approx(with_fit, abs=0.01)
     monkeypatch.setattr(F, "_coupled_fit", _first_fit_only)
-    again = ZeppelinPlanner().plan_step(ctx, 0, seqs)
-    assert again.prediction.step_time_s == pytest.approx(first_fit_only, abs=0.01)
+    fams = F.flop_share(ctx, 0, seqs)
+    assert fams[0][2]().prediction.step_time_s == pytest.approx(first_fit_only, abs=0.01)
 
 
 @pytest.mark.parametrize("cell, fine, whole", [
-    (("zeppelin-c", "llama-13b", 2, "long", 128, 0), 5.44, 5.77),
-    (("zeppelin-c", "llama-13b", 2, "mixed", 64, 0), 4.68, 5.23),
+    (("zeppelin-c", "llama-13b", 2, "long", 128, 0), 5.35, 5.70),
+    (("zeppelin-c", "llama-13b", 2, "mixed", 64, 0), 4.29, 5.31),
 ])
 def test_flop_share_fine_rings_pack_long_steps_evenly(monkeypatch, cell, fine, whole):
     """LLaMA-13B on cluster C: rings of up to a unit's whole share each leave long steps lumpy
     (the 65k-token sequences take two units at 4.7 s each, of a 5.0 s share); rings of at most a
-    quarter share, nearly free inside a node, pack evenly: ``fine`` s against ``whole`` s."""
+    quarter share, nearly free inside a node, pack evenly: ``fine`` s against ``whole`` s (on the
+    mixed step the tiered plan then wins)."""
     from zeppelin.planner.zeppelin import families as F
 
     ctx, seqs = _grid_step(*cell)
@@ -901,8 +901,29 @@ def test_flop_share_fine_rings_pack_long_steps_evenly(monkeypatch, cell, fine, w
     assert plan.prediction.step_time_s == pytest.approx(fine, abs=0.01)
     monkeypatch.setattr(F, "FINE_SHARE", 1.0)
     again = ZeppelinPlanner().plan_step(ctx, 0, seqs)
-    assert "(fine rings)" not in again.notes["placement"]
+    assert "(fine rings)" not in again.notes.get("placement", "")
     assert again.prediction.step_time_s == pytest.approx(whole, abs=0.01)
+
+
+def test_flop_share_prices_inter_node_rings_as_routed(monkeypatch):
+    """FLOP-share routes its inter-node rings' boundary hops over every NIC of their nodes, and
+    prices them so: LLaMA-13B on 128 GPUs of cluster C (8 NICs a node), mixed step 0, plans at 3.88 s
+    by the prediction; priced as if each hop had one NIC, the placement built runs at 4.03 s."""
+    from zeppelin.planner.zeppelin import families as F
+
+    ctx, seqs = _grid_step("zeppelin-c", "llama-13b", 2, "mixed", 128, 0)
+    t = F._unit_time(ctx, np.array([60000.0]), 1e-5, 8, 1 / 8)
+    assert t == pytest.approx(ctx.model.num_layers * ctx.cost.ring_attention_time(np.array([60000.0]), 8, "inter", 1 / 8)
+                              + 1e-5 * 60000 / 8)
+    plan = ZeppelinPlanner().plan_step(ctx, 0, seqs)
+    _valid(ctx, plan)
+    assert plan.notes["family"] == "flop-share"
+    assert any(g.tier == "inter" for mb in plan.microbatches for g in mb.groups)
+    assert plan.prediction.step_time_s == pytest.approx(3.88, abs=0.01)
+    one_nic = F._unit_time
+    monkeypatch.setattr(F, "_unit_time", lambda ctx, Lf, slope, G, nic_share=1.0: one_nic(ctx, Lf, slope, G))
+    again = ZeppelinPlanner().plan_step(ctx, 0, seqs)
+    assert again.prediction.step_time_s == pytest.approx(4.03, abs=0.01)
 
 
 def test_flop_share_local_search_lowers_the_top_load_and_keeps_blocks_aligned():

@@ -397,14 +397,17 @@ def ulysses_groups(ctx: PlanContext, step: int, sequences: list[Sequence], top: 
     return [(span, a, (lambda cfg=cfg, owner=owner: build(cfg, owner))) for span, a, cfg, owner in scored[:top]]
 
 
-def _unit_time(ctx: PlanContext, Lf: np.ndarray, slope: float, G: int) -> np.ndarray:
+def _unit_time(ctx: PlanContext, Lf: np.ndarray, slope: float, G: int, nic_share: float = 1.0) -> np.ndarray:
     """FLOP-share's per-unit time of sequences of lengths ``Lf`` alone (``G`` = 1) or on a zigzag
-    ring of ``G`` units: attention plus the linear modules at ``slope`` per token."""
+    ring of ``G`` units: attention plus the linear modules at ``slope`` per token. An inter-node
+    ring's hops between nodes get ``nic_share`` of a NIC's time each (routed: spread over every NIC
+    of the node)."""
     cm, layers = ctx.cost, ctx.model.num_layers
     if G == 1:
         return layers * cm.attn_time(Lf) + slope * Lf
-    tier = "inter" if G > ctx.units_per_node else "intra"
-    return layers * cm.ring_attention_time(Lf, G, tier) + slope * Lf / G
+    if G > ctx.units_per_node:
+        return layers * cm.ring_attention_time(Lf, G, "inter", nic_share) + slope * Lf / G
+    return layers * cm.ring_attention_time(Lf, G, "intra") + slope * Lf / G
 
 
 # ---------------------------------------------------------------------------------------------
@@ -450,6 +453,9 @@ def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
     # per-unit time of each sequence on its ring / alone (the score; placement balances on it)
     slope = _token_slope(ctx, cm, max(float(Lf.sum()) / n, 2.0))
     t_alone = _unit_time(ctx, Lf, slope, 1)
+    # an inter-node ring's boundary hops are routed over every NIC of its nodes (build_one); rings
+    # sit on aligned blocks, so two that share a node share units too and run one after the other
+    nic_share = 1.0 / max(len(ctx.cluster.nics), 1) if routing else 1.0
     order = sorted(range(len(L)), key=lambda i: (-work[i], i))
     if settle_rounds is None:
         # (past SEARCH_MAX_UNITS units, for planning latency, the plain placement alone)
@@ -459,7 +465,7 @@ def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
         t_unit = t_alone.copy()
         for G in np.unique(sizes[sizes > 1]).tolist():
             sel = sizes == G
-            t_unit[sel] = _unit_time(ctx, Lf[sel], slope, G)
+            t_unit[sel] = _unit_time(ctx, Lf[sel], slope, G, nic_share)
         load = np.zeros(n)
         where: list[tuple[list[int], int]] = [([], 0)] * len(L)
         for i in order:
@@ -481,7 +487,7 @@ def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
         if settle_rounds > 0:
             # evened out by local search
             w2, s2, l2, t2 = list(where), sizes.copy(), load.copy(), t_unit.copy()
-            if _settle_blocks(ctx, L, Lf, slope, s2, t2, w2, l2, gmax, settle_rounds):
+            if _settle_blocks(ctx, L, Lf, slope, s2, t2, w2, l2, gmax, settle_rounds, nic_share):
                 layouts.append((w2, s2, float(l2.max()), how + " + local search", t2))
 
     def mb_order(sz):
@@ -633,7 +639,8 @@ def _coupled_time(n: int, where: list, tl: list[float], fit: list, m: int) -> fl
     return float(total.max())
 
 
-def _settle_blocks(ctx: PlanContext, L, Lf, slope, sizes, t_unit, where, load, gmax: int, rounds: int) -> bool:
+def _settle_blocks(ctx: PlanContext, L, Lf, slope, sizes, t_unit, where, load, gmax: int, rounds: int,
+                   nic_share: float = 1.0) -> bool:
     """Local search on a FLOP-share placement (in place): take the most loaded unit and move one of
     its sequences - a local one, or a ring with its aligned block - to the block of its size (or of
     half / twice it, where memory allows) whose fullest unit ends lowest, or swap it with a
@@ -647,7 +654,7 @@ def _settle_blocks(ctx: PlanContext, L, Lf, slope, sizes, t_unit, where, load, g
 
     def t_at(G: int) -> np.ndarray:
         if G not in t_of:
-            t_of[G] = _unit_time(ctx, Lf, slope, G)
+            t_of[G] = _unit_time(ctx, Lf, slope, G, nic_share)
         return t_of[G]
 
     share_at: dict[int, np.ndarray] = {G: _zigzag_share(L, G) for G in gsz}
