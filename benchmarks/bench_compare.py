@@ -311,8 +311,8 @@ def render_page(cells: list[dict], summ: dict, lines: list[str], args, wall: flo
              f"(geometric mean {summ.get('zeppelin_vs_te_cp_tuned_geomean', math.nan):.2f}x, max "
              f"{summ.get('zeppelin_vs_te_cp_tuned_max', math.nan):.2f}x)."),
             f"- Mean speedup of zeppelin over the best other baseline of each cell: "
-            f"**{summ['zeppelin_vs_best_baseline_mean']:.2f}x** (geometric mean "
-            f"{summ['zeppelin_vs_best_baseline_geomean']:.2f}x); zeppelin is the fastest planner in "
+            f"**{summ['zeppelin_vs_best_baseline_mean']:.3f}x** (geometric mean "
+            f"**{summ['zeppelin_vs_best_baseline_geomean']:.3f}x**); zeppelin is the fastest planner in "
             f"{summ['zeppelin_wins_cells']} of {summ['cells']} cells, fastest or within 0.5% of the fastest in "
             f"**{summ.get('zeppelin_fastest_or_tied_cells', '-')} of {summ['cells']}**. Best other baseline per cell: "
             + ", ".join(f"{k} {v}" for k, v in sorted(summ["best_baseline_counts"].items(), key=lambda kv: -kv[1]))
