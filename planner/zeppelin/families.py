@@ -405,9 +405,8 @@ def _unit_time(ctx: PlanContext, Lf: np.ndarray, slope: float, G: int, nic_share
     cm, layers = ctx.cost, ctx.model.num_layers
     if G == 1:
         return layers * cm.attn_time(Lf) + slope * Lf
-    if G > ctx.units_per_node:
-        return layers * cm.ring_attention_time(Lf, G, "inter", nic_share) + slope * Lf / G
-    return layers * cm.ring_attention_time(Lf, G, "intra") + slope * Lf / G
+    tier, share = ("inter", nic_share) if G > ctx.units_per_node else ("intra", 1.0)
+    return layers * cm.ring_attention_time(Lf, G, tier, share) + slope * Lf / G
 
 
 # ---------------------------------------------------------------------------------------------
@@ -472,11 +471,10 @@ def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
             G = int(sizes[i])
             if G == 1:
                 continue
-            starts = np.arange(0, n - G + 1, G)
-            bmax = load[:len(starts) * G].reshape(-1, G).max(axis=1)
-            blk = list(range(int(starts[int(np.argmin(bmax))]), int(starts[int(np.argmin(bmax))]) + G))
-            where[i] = (blk, int(_zigzag_share(L[i:i + 1], G)[0]))
-            load[blk] += t_unit[i]
+            # the aligned block whose fullest unit is least loaded
+            s0 = G * int(np.argmin(load[:n // G * G].reshape(-1, G).max(axis=1)))
+            where[i] = (list(range(s0, s0 + G)), int(_zigzag_share(L[i:i + 1], G)[0]))
+            load[s0:s0 + G] += t_unit[i]
         for i in order:  # local sequences to the least-loaded unit
             if sizes[i] == 1:
                 u = int(np.argmin(load))
