@@ -857,22 +857,22 @@ def _first_fit_only(n, cap, order, where, tl, m):
     return F._first_fit(n, cap, order, where)
 
 
-@pytest.mark.parametrize("cell, fine_share, with_fit, first_fit_only", [
+@pytest.mark.parametrize("cell, fine_shares, with_fit, first_fit_only", [
     # long step, whole-share rings alone: first fit leaves two-unit rings beside four-unit ones in
     # the first micro-batch, their blocks' other units waiting for them; micro-batched for
     # coupling, the searched placement runs at about its uncoupled load
-    (("zeppelin-c", "llama-13b", 2, "long", 128, 0), 1.0, 5.70, 7.39),
-    # mixed step, fine rings: first fit spills local sequences into a second micro-batch while
-    # their ring partners wait in the first
-    (("zeppelin-c", "llama-13b", 2, "mixed", 64, 0), 0.25, 4.29, 4.92),
+    (("zeppelin-c", "llama-13b", 2, "long", 128, 0), (), 5.70, 7.39),
+    # mixed step, rings of at most a quarter share: first fit spills local sequences into a second
+    # micro-batch while their ring partners wait in the first
+    (("zeppelin-c", "llama-13b", 2, "mixed", 64, 0), (0.25,), 4.29, 4.92),
 ])
-def test_flop_share_micro_batches_chosen_for_coupling(monkeypatch, cell, fine_share, with_fit, first_fit_only):
+def test_flop_share_micro_batches_chosen_for_coupling(monkeypatch, cell, fine_shares, with_fit, first_fit_only):
     """LLaMA-13B on cluster C, steps that take two micro-batches by memory: with micro-batches
     chosen for coupling beside first fit, FLOP-share's plan is ``with_fit`` s by the prediction;
     with first fit alone, ``first_fit_only`` s."""
     from zeppelin.planner.zeppelin import families as F
 
-    monkeypatch.setattr(F, "FINE_SHARE", fine_share)  # (1.0: the finer sizing is the first, not tried)
+    monkeypatch.setattr(F, "FINE_SHARES", fine_shares)  # (): whole-share rings alone
     ctx, seqs = _grid_step(*cell)
     plan = ZeppelinPlanner().plan_step(ctx, 0, seqs)
     _valid(ctx, plan)
@@ -895,14 +895,40 @@ def test_flop_share_fine_rings_pack_long_steps_evenly(monkeypatch, cell, fine, w
     from zeppelin.planner.zeppelin import families as F
 
     ctx, seqs = _grid_step(*cell)
+    monkeypatch.setattr(F, "FINE_SHARES", (0.25,))
     plan = ZeppelinPlanner().plan_step(ctx, 0, seqs)
     _valid(ctx, plan)
-    assert plan.notes["family"] == "flop-share" and "(fine rings)" in plan.notes["placement"]
+    assert plan.notes["family"] == "flop-share" and "(rings <= 1/4 share)" in plan.notes["placement"]
     assert plan.prediction.step_time_s == pytest.approx(fine, abs=0.01)
-    monkeypatch.setattr(F, "FINE_SHARE", 1.0)
+    monkeypatch.setattr(F, "FINE_SHARES", ())
     again = ZeppelinPlanner().plan_step(ctx, 0, seqs)
-    assert "(fine rings)" not in again.notes.get("placement", "")
+    assert "share)" not in again.notes.get("placement", "")
     assert again.prediction.step_time_s == pytest.approx(whole, abs=0.01)
+
+
+@pytest.mark.parametrize("cell, frac, ladder, quarter", [
+    # long step: rings of at most 1/16 share (eight-unit rings of the 65k-token sequences) even it out
+    (("zeppelin-c", "llama-13b", 2, "long", 64, 0), 16, 4.755, 4.928),
+    # mixed step: rings of at most 1/8 share beat the quarter-share sizing and the Ulysses groups
+    (("zeppelin-c", "llama-7b", 1, "mixed", 64, 0), 8, 2.534, 2.621),
+    # short step on A's slow links: half-share rings (fewer, smaller rings) pack best
+    (("zeppelin-a", "llama-7b", 1, "short", 32, 1), 2, 4.726, 4.802),
+])
+def test_flop_share_places_every_ring_fraction(monkeypatch, cell, frac, ladder, quarter):
+    """Which ring sizing packs a step best depends on its mix: FLOP-share places rings of at most
+    1/2, 1/4, 1/8 and 1/16 of a unit's share beside whole-share ones and builds the best. Each cell
+    here is won by a different fraction (``ladder`` s by the prediction), against ``quarter`` s
+    with the quarter-share sizing alone."""
+    from zeppelin.planner.zeppelin import families as F
+
+    ctx, seqs = _grid_step(*cell)
+    plan = ZeppelinPlanner().plan_step(ctx, cell[-1], seqs)
+    _valid(ctx, plan)
+    assert plan.notes["family"] == "flop-share" and f"(rings <= 1/{frac} share)" in plan.notes["placement"]
+    assert plan.prediction.step_time_s == pytest.approx(ladder, abs=0.002)
+    monkeypatch.setattr(F, "FINE_SHARES", (0.25,))
+    again = ZeppelinPlanner().plan_step(ctx, cell[-1], seqs)
+    assert again.prediction.step_time_s == pytest.approx(quarter, abs=0.002)
 
 
 def test_flop_share_prices_inter_node_rings_as_routed(monkeypatch):

@@ -12,10 +12,11 @@ whichever candidate the prediction (or, on small clusters, the simulator) rates 
   the step costs the slowest group's sum of micro-batch times.
 * ``flop-share`` - a sequence whose work exceeds a unit's share of the step (or whose tokens do
   not fit one unit) runs as a zigzag ring over an aligned block of the power-of-two size it needs,
-  the rest stay local (and, as a second sizing, rings at most a quarter of a unit's share each);
-  blocks and units are filled least-loaded first, each placement then evened out by a local search
-  (moves, swaps, ring sizes halved or doubled), micro-batches by first fit and chosen for coupling;
-  the layout whose time with ring partners' waits charged is lowest is built.
+  the rest stay local (and, as further sizings, rings of at most 1/2, 1/4, 1/8 and 1/16 of a
+  unit's share each); blocks and units are filled least-loaded first, each placement then evened
+  out by a local search (moves, swaps, ring sizes halved or doubled), micro-batches by first fit
+  and chosen for coupling; the layout whose time with ring partners' waits charged is lowest is
+  built.
 * ``tp-replicas`` - replicas of a larger tensor-parallel degree than the context's (Hydraulis'
   freedom): replicas of degree ``hi`` (or context-parallel replicas of ``cp`` of them where the
   step's longest sequence fits no replica) for the long sequences and of degree ``lo`` for the
@@ -50,8 +51,9 @@ FAMILIES = ("ulysses-groups", "flop-share", "tp-replicas")
 #: placement, micro-batched by first fit, alone)
 SEARCH_MAX_UNITS = 256
 SETTLE_ROUNDS = 32  # moves of the local search per placement (the first few do nearly all the good)
-#: FLOP-share's finer ring sizes (up to SEARCH_MAX_UNITS units): per-unit work at most this share
-FINE_SHARE = 0.25
+#: FLOP-share's finer ring sizings (up to SEARCH_MAX_UNITS units): each one's rings put at most
+#: this fraction of a unit's share of the step on each of their units
+FINE_SHARES = (0.5, 0.25, 0.125, 0.0625)
 
 
 def _ceil_div(a, b):
@@ -444,11 +446,13 @@ def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
     if sizings[0][0] is None:
         return []
     if n <= SEARCH_MAX_UNITS:
-        # finer rings (each at most a quarter of a unit's share): nearly free inside a node under
-        # the cost model, they pack far more evenly where a step's sequences are a large share each
-        fine = ring_sizes(FINE_SHARE)
-        if not np.array_equal(fine, sizings[0][0]):
-            sizings.append((fine, " (fine rings)"))
+        # finer rings (each at most a half, a quarter, ... of a unit's share): nearly free inside a
+        # node under the cost model, they pack more evenly where a step's sequences are a large
+        # share each; which fraction packs best depends on the step's mix, so each is placed
+        for frac in FINE_SHARES:
+            fine = ring_sizes(frac)
+            if not any(np.array_equal(fine, sz) for sz, _ in sizings):
+                sizings.append((fine, f" (rings <= 1/{round(1 / frac)} share)"))
     # per-unit time of each sequence on its ring / alone (the score; placement balances on it)
     slope = _token_slope(ctx, cm, max(float(Lf.sum()) / n, 2.0))
     t_alone = _unit_time(ctx, Lf, slope, 1)
@@ -475,15 +479,22 @@ def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
             s0 = G * int(np.argmin(load[:n // G * G].reshape(-1, G).max(axis=1)))
             where[i] = (list(range(s0, s0 + G)), int(_zigzag_share(L[i:i + 1], G)[0]))
             load[s0:s0 + G] += t_unit[i]
-        for i in order:  # local sequences to the least-loaded unit
+        # local sequences to the least-loaded unit (ties: the lowest; a heap of (load, unit))
+        heap = [(float(x), u) for u, x in enumerate(load.tolist())]
+        heapq.heapify(heap)
+        for i in order:
             if sizes[i] == 1:
-                u = int(np.argmin(load))
+                _, u = heapq.heappop(heap)
                 where[i] = ([u], int(L[i]))
                 load[u] += t_unit[i]
+                heapq.heappush(heap, (float(load[u]), u))
         how = "least-loaded" + label
+        best_top = min((x[2] for x in layouts), default=np.inf)  # the best placement's so far
         layouts.append((where, sizes, float(load.max()), how, t_unit))
-        if settle_rounds > 0:
-            # evened out by local search
+        # evened out by local search, unless this sizing's mean load or its slowest sequence
+        # already reaches the best top load found (moves of whole sequences and rings halved or
+        # doubled seldom get below that: a finer sizing's rings cost more in all)
+        if settle_rounds > 0 and max(float(load.mean()), float(t_unit.max())) < best_top:
             w2, s2, l2, t2 = list(where), sizes.copy(), load.copy(), t_unit.copy()
             if _settle_blocks(ctx, L, Lf, slope, s2, t2, w2, l2, gmax, settle_rounds, nic_share):
                 layouts.append((w2, s2, float(l2.max()), how + " + local search", t2))
@@ -497,17 +508,25 @@ def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
     def build():
         # of every placement, micro-batched by first fit and (where that takes more than one, up
         # to SEARCH_MAX_UNITS units) for coupling, the one whose coupled time is lowest (ties: the
-        # earlier) is built
-        cands = []
-        for w, sz, _, how, t in layouts:
+        # earlier) is built. Coupling only adds waiting, so a placement's coupled time is at least
+        # its slowest unit's load: placements are visited by that load, and once it exceeds the
+        # best coupled time found the rest cannot win
+        best = None  # ((coupled time, candidate), where, fit, how)
+        for j in sorted(range(len(layouts)), key=lambda j: (layouts[j][2], j)):
+            w, sz, w_top, how, t = layouts[j]
+            if best is not None and w_top > best[0][0] * (1 + 1e-9):
+                break
             seq_order = mb_order(sz)
-            f = _first_fit(n, cap, seq_order, w)
-            cands.append((w, t, f, how))
-            if f[1] > 1 and n <= SEARCH_MAX_UNITS:
-                cands.append((w, t, _coupled_fit(n, cap, seq_order, w, t.tolist(), f[1]), how))
-        est = [_coupled_time(n, w, t.tolist(), *f) for w, t, f, _ in cands] if len(cands) > 1 else [0.0]
-        a = min(range(len(cands)), key=lambda a: (est[a], a))
-        return build_one(cands[a][0], cands[a][2][0], cands[a][3])
+            fits = [_first_fit(n, cap, seq_order, w)]
+            if fits[0][1] > 1 and n <= SEARCH_MAX_UNITS:
+                fits.append(_coupled_fit(n, cap, seq_order, w, t.tolist(), fits[0][1]))
+            if len(layouts) == 1 and len(fits) == 1:
+                return build_one(w, fits[0][0], how)
+            for c, f in enumerate(fits):
+                key = (_coupled_time(n, w, t.tolist(), *f), 2 * j + c)
+                if best is None or key < best[0]:
+                    best = (key, w, f[0], how)
+        return build_one(*best[1:])
 
     def build_one(where, fit, how):
         b = StepBuilder(ctx, sequences, "zeppelin")
@@ -637,6 +656,13 @@ def _coupled_time(n: int, where: list, tl: list[float], fit: list, m: int) -> fl
     return float(total.max())
 
 
+def _least(vals: np.ndarray, ids: np.ndarray) -> int:
+    """The row of the least value (ties: of the least id): of one kind of move, the one the local
+    search's order (value, sequence, kind) would take first."""
+    r = np.flatnonzero(vals == vals.min())
+    return int(r[np.argmin(ids[r])])
+
+
 def _settle_blocks(ctx: PlanContext, L, Lf, slope, sizes, t_unit, where, load, gmax: int, rounds: int,
                    nic_share: float = 1.0) -> bool:
     """Local search on a FLOP-share placement (in place): take the most loaded unit and move one of
@@ -693,12 +719,14 @@ def _settle_blocks(ctx: PlanContext, L, Lf, slope, sizes, t_unit, where, load, g
         locs = np.array([i for i in mine if size[i] == 1], dtype=np.int64)
         if len(locs):  # the hot unit's local sequences, all at once
             k = len(locs)
+            rows = np.arange(k)
             tl = t[locs]
             # alone on another unit
             M = load[None, :] + tl[:, None]
             M[:, hot] = np.inf
             u = M.argmin(axis=1)
-            cands += [(float(M[r, u[r]]), int(locs[r]), 1, 1, int(u[r]), -1) for r in range(k)]
+            r = _least(M[rows, u], locs)
+            cands.append((float(M[r, u[r]]), int(locs[r]), 1, 1, int(u[r]), -1))
             # as a ring of two on an aligned pair
             nb = n // 2
             if gmax >= 2 and nb:
@@ -709,7 +737,8 @@ def _settle_blocks(ctx: PlanContext, L, Lf, slope, sizes, t_unit, where, load, g
                 P += t_at(2)[locs][:, None]
                 P[share_at[2][locs] > cap] = np.inf
                 b = P.argmin(axis=1)
-                cands += [(float(P[r, b[r]]), int(locs[r]), 2, 2, 2 * int(b[r]), -1) for r in range(k)]
+                r = _least(P[rows, b], locs)
+                cands.append((float(P[r, b[r]]), int(locs[r]), 2, 2, 2 * int(b[r]), -1))
             # swapped with a lighter local sequence of another unit
             oj = np.flatnonzero((size == 1) & (start != hot))
             if len(oj):
@@ -717,7 +746,8 @@ def _settle_blocks(ctx: PlanContext, L, Lf, slope, sizes, t_unit, where, load, g
                 V = np.maximum(top - tl[:, None] + tj[None, :], load[uj][None, :] + tl[:, None] - tj[None, :])
                 V[tj[None, :] >= tl[:, None]] = np.inf
                 c = V.argmin(axis=1)
-                cands += [(float(V[r, c[r]]), int(locs[r]), 3, 1, int(uj[c[r]]), int(oj[c[r]])) for r in range(k)]
+                r = _least(V[rows, c], locs)
+                cands.append((float(V[r, c[r]]), int(locs[r]), 3, 1, int(uj[c[r]]), int(oj[c[r]])))
         best = min(cands, key=lambda c: (c[0], c[1], c[2])) if cands else None
         if best is None or not best[0] < top * (1 - 1e-9):
             return moved
