@@ -423,28 +423,31 @@ def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
     gmax = pow2_sizes(n)[-1]
     upn = ctx.units_per_node
 
-    def ring_sizes(frac: float):
+    # the least power-of-two ring whose zigzag share of each sequence fits a unit's memory
+    g_mem = np.ones(len(L), dtype=np.int64)
+    g = 1
+    while g <= gmax:
+        g_mem[(g_mem == g) & (_zigzag_share(L, g) > cap)] = 2 * g
+        g *= 2
+    if g_mem.max() > gmax:
+        return []  # a sequence fits no ring of the cluster
+
+    def ring_sizes(frac: float) -> np.ndarray:
         """Ring size of each sequence: the least power of two whose share of it fits a unit and
         whose per-unit work is at most ``frac`` of a unit's share of the step (with ``frac`` < 1,
-        past a node only as far as a whole share asks); None: one does not fit the cluster."""
-        sz = np.ones(len(L), dtype=np.int64)
-        for i in np.flatnonzero((L > cap) | (work > share * frac)).tolist():
-            g = 1
-            while _zigzag_share(L[i:i + 1], g)[0] > cap:
-                g *= 2
-            if g > gmax:
-                return None
-            g_flop = 1
-            while work[i] > share * g_flop * frac and g_flop < gmax:
-                if g_flop >= upn and work[i] <= share * g_flop:
-                    break  # (an inter-node ring costs more than it evens out)
-                g_flop *= 2
-            sz[i] = min(max(g, g_flop), gmax)
-        return sz
+        past a node only as far as a whole share asks)."""
+        g_flop = np.ones(len(L), dtype=np.int64)
+        grow = work > share * frac
+        g = 1
+        while g < gmax and grow.any():
+            # (past a node only while one share is not enough: an inter-node ring costs more than
+            # it evens out)
+            grow &= (work > share * g * frac) & ~((g >= upn) & (work <= share * g))
+            g_flop[grow] = 2 * g
+            g *= 2
+        return np.minimum(np.maximum(g_mem, g_flop), gmax)
 
     sizings = [(ring_sizes(1.0), "")]
-    if sizings[0][0] is None:
-        return []
     if n <= SEARCH_MAX_UNITS:
         # finer rings (each at most a half, a quarter, ... of a unit's share): nearly free inside a
         # node under the cost model, they pack more evenly where a step's sequences are a large
@@ -464,30 +467,36 @@ def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
         # (past SEARCH_MAX_UNITS units, for planning latency, the plain placement alone)
         settle_rounds = min(4 * len(L), SETTLE_ROUNDS) if n <= SEARCH_MAX_UNITS else 0
     layouts = []
+    L_l = L.tolist()
     for sizes, label in sizings:
         t_unit = t_alone.copy()
+        per = L.copy()  # tokens on each unit of its ring
         for G in np.unique(sizes[sizes > 1]).tolist():
             sel = sizes == G
             t_unit[sel] = _unit_time(ctx, Lf[sel], slope, G, nic_share)
+            per[sel] = _zigzag_share(L[sel], G)
         load = np.zeros(n)
         where: list[tuple[list[int], int]] = [([], 0)] * len(L)
+        sz_l, t_l, per_l = sizes.tolist(), t_unit.tolist(), per.tolist()
         for i in order:
-            G = int(sizes[i])
+            G = sz_l[i]
             if G == 1:
                 continue
             # the aligned block whose fullest unit is least loaded
             s0 = G * int(np.argmin(load[:n // G * G].reshape(-1, G).max(axis=1)))
-            where[i] = (list(range(s0, s0 + G)), int(_zigzag_share(L[i:i + 1], G)[0]))
-            load[s0:s0 + G] += t_unit[i]
+            where[i] = (list(range(s0, s0 + G)), per_l[i])
+            load[s0:s0 + G] += t_l[i]
         # local sequences to the least-loaded unit (ties: the lowest; a heap of (load, unit))
-        heap = [(float(x), u) for u, x in enumerate(load.tolist())]
+        ld = load.tolist()
+        heap = [(x, u) for u, x in enumerate(ld)]
         heapq.heapify(heap)
         for i in order:
-            if sizes[i] == 1:
+            if sz_l[i] == 1:
                 _, u = heapq.heappop(heap)
-                where[i] = ([u], int(L[i]))
-                load[u] += t_unit[i]
-                heapq.heappush(heap, (float(load[u]), u))
+                where[i] = ([u], L_l[i])
+                ld[u] += t_l[i]
+                heapq.heappush(heap, (ld[u], u))
+        load = np.array(ld)
         how = "least-loaded" + label
         best_top = min((x[2] for x in layouts), default=np.inf)  # the best placement's so far
         layouts.append((where, sizes, float(load.max()), how, t_unit))
@@ -517,14 +526,18 @@ def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
             if best is not None and w_top > best[0][0] * (1 + 1e-9):
                 break
             seq_order = mb_order(sz)
-            fits = [_first_fit(n, cap, seq_order, w)]
-            if fits[0][1] > 1 and n <= SEARCH_MAX_UNITS:
-                fits.append(_coupled_fit(n, cap, seq_order, w, t.tolist(), fits[0][1]))
-            if len(layouts) == 1 and len(fits) == 1:
-                return build_one(w, fits[0][0], how)
-            for c, f in enumerate(fits):
-                key = (_coupled_time(n, w, t.tolist(), *f), 2 * j + c)
-                if best is None or key < best[0]:
+            f = _first_fit(n, cap, seq_order, w)
+            coupled = f[1] > 1 and n <= SEARCH_MAX_UNITS
+            if len(layouts) == 1 and not coupled:
+                return build_one(w, f[0], how)
+            tl = t.tolist()
+            key = (_coupled_time(n, w, tl, *f), 2 * j)
+            if best is None or key < best[0]:
+                best = (key, w, f[0], how)
+            if coupled and key[0] > w_top:  # (at its top load already, first fit waits for nothing)
+                f = _coupled_fit(n, cap, seq_order, w, tl, f[1])
+                key = (_coupled_time(n, w, tl, *f), 2 * j + 1)
+                if key < best[0]:
                     best = (key, w, f[0], how)
         return build_one(*best[1:])
 
