@@ -468,12 +468,15 @@ def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
         settle_rounds = min(4 * len(L), SETTLE_ROUNDS) if n <= SEARCH_MAX_UNITS else 0
     layouts = []
     L_l = L.tolist()
+    t_of = {1: t_alone}  # per-unit time of every sequence at each ring size (the local search's too)
     for sizes, label in sizings:
         t_unit = t_alone.copy()
         per = L.copy()  # tokens on each unit of its ring
         for G in np.unique(sizes[sizes > 1]).tolist():
             sel = sizes == G
-            t_unit[sel] = _unit_time(ctx, Lf[sel], slope, G, nic_share)
+            if G not in t_of:
+                t_of[G] = _unit_time(ctx, Lf, slope, G, nic_share)
+            t_unit[sel] = t_of[G][sel]
             per[sel] = _zigzag_share(L[sel], G)
         load = np.zeros(n)
         where: list[tuple[list[int], int]] = [([], 0)] * len(L)
@@ -505,7 +508,7 @@ def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
         # doubled seldom get below that: a finer sizing's rings cost more in all)
         if settle_rounds > 0 and max(float(load.mean()), float(t_unit.max())) < best_top:
             w2, s2, l2, t2 = list(where), sizes.copy(), load.copy(), t_unit.copy()
-            if _settle_blocks(ctx, L, Lf, slope, s2, t2, w2, l2, gmax, settle_rounds, nic_share):
+            if _settle_blocks(ctx, L, Lf, slope, s2, t2, w2, l2, gmax, settle_rounds, nic_share, t_of):
                 layouts.append((w2, s2, float(l2.max()), how + " + local search", t2))
 
     def mb_order(sz):
@@ -677,7 +680,7 @@ def _least(vals: np.ndarray, ids: np.ndarray) -> int:
 
 
 def _settle_blocks(ctx: PlanContext, L, Lf, slope, sizes, t_unit, where, load, gmax: int, rounds: int,
-                   nic_share: float = 1.0) -> bool:
+                   nic_share: float = 1.0, t_of: dict[int, np.ndarray] | None = None) -> bool:
     """Local search on a FLOP-share placement (in place): take the most loaded unit and move one of
     its sequences - a local one, or a ring with its aligned block - to the block of its size (or of
     half / twice it, where memory allows) whose fullest unit ends lowest, or swap it with a
@@ -687,7 +690,8 @@ def _settle_blocks(ctx: PlanContext, L, Lf, slope, sizes, t_unit, where, load, g
     moved."""
     n, cap = len(load), ctx.cost.token_capacity
     gsz = [1] + pow2_sizes(gmax)[1:]
-    t_of: dict[int, np.ndarray] = {}  # per-unit time of every sequence at each size
+    # per-unit time of every sequence at each size (``t_of``: the caller's, filled as needed)
+    t_of = {} if t_of is None else t_of
 
     def t_at(G: int) -> np.ndarray:
         if G not in t_of:
