@@ -2,7 +2,7 @@
 
 ``DIR`` holds a transformers ``config.json`` (and optionally ``*.safetensors`` weights) of a
 Llama-family decoder. :func:`hf_model_spec` reads the config (plain JSON, no code, no network) into
-the :class:`~zeppelin.schemas.model.ModelSpec` the planner sizes, so ``zeppelin plan --model hf:DIR``
+the :class:`~zeppelin.schemas.model_spec.ModelSpec` the planner sizes, so ``zeppelin plan --model hf:DIR``
 and ``zeppelin run --model hf:DIR`` agree on one model. The spec's ``name`` carries the model type
 and a digest of the config's architecture fields, so a run with another DIR whose shape happens to
 match but whose config differs (biases, rope scaling, ...) is refused by the plan's model hash.
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import InputError, content_hash, parse_json, read_input_bytes
-from .model import ModelSpec
+from .model_spec import ModelSpec
 
 HF_PREFIX = "hf:"
 

@@ -1,87 +1,13 @@
-"""ModelSpec: transformer shape and dtype; presets (LLaMA, Llama-3, GPT, tiny test models)."""
+"""Model references: presets (LLaMA, Llama-3, GPT, tiny test models), ModelSpec JSON files and
+``hf:DIR`` Hugging Face directories, resolved to a :class:`ModelSpec` (defined in
+:mod:`zeppelin.schemas.model_spec`, re-exported here)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from .common import InputError
+from .model_spec import DTYPE_BYTES, MODEL_SCHEMA, ModelSpec
 
-from pydantic import Field, model_serializer, model_validator
-
-from .common import Doc, InputError
-
-MODEL_SCHEMA = "zeppelin.model/1"
-
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-
-
-class ModelSpec(Doc):
-    schema_version: Literal["zeppelin.model/1"] = MODEL_SCHEMA
-    name: str = Field(min_length=1)
-    family: Literal["llama", "gpt"] = "llama"
-    num_layers: int = Field(ge=1, le=1024)
-    hidden: int = Field(ge=1, le=131072)
-    num_heads: int = Field(ge=1, le=1024)
-    num_kv_heads: int = Field(ge=1, le=1024)
-    ffn_hidden: int = Field(ge=1, le=1 << 20)
-    vocab_size: int = Field(ge=2, le=1 << 24)
-    mlp: Literal["swiglu", "gelu"] = "swiglu"
-    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
-    rope_theta: float = Field(default=10000.0, gt=0, le=1e12)
-    norm_eps: float = Field(default=1e-5, gt=0, le=1.0)
-    tie_embeddings: bool = False
-    #: what the linear <-> attention remap carries per token: ``hidden`` (the runtime's own model
-    #: remaps the normed hidden states; the result of attention's O projection comes back) or ``qkv``
-    #: (Hugging Face models: Q, K and V go to the attention layout, the attention output comes back).
-    #: Written only when not ``hidden``, so existing specs keep their hashes.
-    remap_payload: Literal["hidden", "qkv"] = "hidden"
-
-    @model_serializer(mode="wrap")
-    def _drop_default_remap_payload(self, handler):
-        data = handler(self)
-        if self.remap_payload == "hidden":
-            data.pop("remap_payload", None)
-        return data
-
-    @model_validator(mode="after")
-    def _check(self) -> "ModelSpec":
-        if self.hidden % self.num_heads:
-            raise ValueError(f"hidden ({self.hidden}) must be divisible by num_heads ({self.num_heads})")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
-            )
-        if self.head_dim % 2:  # rotary embeddings rotate pairs of channels
-            raise ValueError(f"head_dim = hidden / num_heads = {self.head_dim} must be even (rotary embeddings "
-                             f"rotate pairs of channels)")
-        return self
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.num_heads
-
-    @property
-    def dtype_bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
-
-    @property
-    def kv_dim(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    def remap_widths(self) -> tuple[int, int]:
-        """Values per token the remap moves (to the attention layout, back to the linear layout)."""
-        if self.remap_payload == "qkv":
-            return self.hidden + 2 * self.kv_dim, self.hidden
-        return self.hidden, self.hidden
-
-    def params_per_layer(self) -> int:
-        h, f = self.hidden, self.ffn_hidden
-        attn = h * (h + 2 * self.kv_dim) + h * h
-        mlp = (3 if self.mlp == "swiglu" else 2) * h * f
-        return attn + mlp + 2 * h  # + two norms
-
-    def num_params(self) -> int:
-        emb = self.vocab_size * self.hidden
-        head = 0 if self.tie_embeddings else self.vocab_size * self.hidden
-        return self.num_layers * self.params_per_layer() + emb + head + self.hidden
+__all__ = ["DTYPE_BYTES", "MODEL_PRESETS", "MODEL_SCHEMA", "ModelSpec", "model_preset", "resolve_model_ref"]
 
 
 def _llama(name, h, layers, heads, kv, ffn, vocab=32000, theta=10000.0) -> ModelSpec:
