@@ -3,7 +3,7 @@
 Runs on N gloo ranks of this machine (default 4): zeppelin plans one short-heavy step for
 ``local-cpu:2x2``; the step (forward, backward, gradient reduction, AdamW) runs ``--repeats``
 times under each data-parallel mode — ``replicate`` (whole model and AdamW state on every rank,
-one SUM all-reduce: the runtime before FSDP), FSDP2 ZeRO-2 and FSDP2 ZeRO-3 — the modes
+one SUM all-reduce of the gradients: ZeRO-0), FSDP2 ZeRO-2 and FSDP2 ZeRO-3 — the modes
 interleaved (A B C A B C ...) so that machine noise hits all of them alike. Prints one JSON
 document: per mode the median step time (slowest rank), per-round times, the bytes of parameters,
 gradients and AdamW state each rank holds and the activation bytes autograd saved; the FSDP /

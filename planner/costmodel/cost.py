@@ -150,8 +150,8 @@ class CostModel:
             return np.where(lq * lk > 0, eval_fit(self._fits.attention_block, n), 0.0)
         if self._fits is not None and self._fits.attention is not None:
             # scale the whole-sequence fit by the block's share of a causal L x L square
-            eq = np.sqrt(np.maximum(lq * lk * (1.0 if causal else 2.0), 0.0))
-            return np.where(lq * lk > 0, self.attn_time(eq), 0.0)
+            equiv_len = np.sqrt(np.maximum(lq * lk * (1.0 if causal else 2.0), 0.0))
+            return np.where(lq * lk > 0, self.attn_time(equiv_len), 0.0)
         k = self.profile.attention
         if not causal and self.profile.attention_block is not None:
             k = self.profile.attention_block
@@ -248,17 +248,17 @@ class CostModel:
         efficiency of small kernels — and the pieces of one round are one call (one overhead),
         exactly as the simulator prices them."""
         L = _arr(L)
-        c = L / (2.0 * G)
-        diag = self.attn_block_time(c, c, causal=True)
-        full = self.attn_block_time(c, c, causal=False)
-        ov = np.where(c > 0, self.attn_call_overhead, 0.0)
-        t0, tr = 2.0 * diag + full - 2.0 * ov, 2.0 * full - ov
-        meas = self.ring_compute_measured(L, G)
-        if meas is not None:  # the runtime's ring as measured; the block model only splits it into rounds
-            model = t0 + (G - 1) * tr
-            s = np.where(model > 0, meas / np.maximum(model, 1e-30), 1.0)
-            t0, tr = t0 * s, tr * s
-        return t0, tr
+        chunk = L / (2.0 * G)
+        diag = self.attn_block_time(chunk, chunk, causal=True)
+        full = self.attn_block_time(chunk, chunk, causal=False)
+        overhead = np.where(chunk > 0, self.attn_call_overhead, 0.0)
+        first, later = 2.0 * diag + full - 2.0 * overhead, 2.0 * full - overhead
+        measured = self.ring_compute_measured(L, G)
+        if measured is not None:  # the runtime's ring as profiled; the block model only splits it into rounds
+            modelled = first + (G - 1) * later
+            scale = np.where(modelled > 0, measured / np.maximum(modelled, 1e-30), 1.0)
+            first, later = first * scale, later * scale
+        return first, later
 
     def ring_compute_measured(self, L, G: int):
         """The profile's measured compute of the runtime's zigzag ring of G units (fits.ring_compute,
@@ -309,7 +309,7 @@ class CostModel:
         0 / later rounds compute ``t0`` / ``tr``: the G-1 transfers hide behind rounds 0 .. G-2.
         A measured profile's per-round exchange cost (``ring_sync``) replaces the transfer model."""
         sync = self.ring_sync(G)
-        if sync is not None:  # measured: what the runtime's exchanges cost beyond compute, per round
+        if sync is not None:  # profiled: what the runtime's exchanges cost beyond compute, per round
             return np.broadcast_to(np.float64((G - 1) * sync), np.shape(comm)).copy()
         return np.maximum(comm - t0, 0.0) + (G - 2) * np.maximum(comm - tr, 0.0)
 
@@ -319,20 +319,21 @@ class CostModel:
             return np.zeros_like(_arr(bytes_per_rank))
         eff = self.profile.alltoall_efficiency.get(str(G), 1.0)
         lk = self.link(cls)
-        b = _arr(bytes_per_rank)
-        upn = self.units_per_node
-        if cls != "inter" or G <= upn:
-            return lk.alpha_s * (G - 1) + b * (G - 1) / G / (lk.bandwidth_GBps * 1e9 * eff)
+        nbytes = _arr(bytes_per_rank)
+        per_node = self.units_per_node
+        if cls != "inter" or G <= per_node:
+            return lk.alpha_s * (G - 1) + nbytes * (G - 1) / G / (lk.bandwidth_GBps * 1e9 * eff)
         # A group over several nodes: each rank's shares for ranks on its own node go over the
         # intra-node link, the rest through its NIC, which the node's other GPUs in the group
         # use at the same time. Node-contiguous groups: the unit in the smallest node share
-        # ``r`` sends the most across nodes.
-        r = G % upn or upn
+        # sends the most across nodes.
+        smallest_share = G % per_node or per_node
         li = self.intra_link
-        t_in = b * (min(G, upn) - 1) / G / (li.bandwidth_GBps * 1e9 * eff)
-        sharers = min(self._gpus_per_nic, r * self.tp) if self.profile.nic_shared_by_concurrent_transfers else 1
-        t_x = b * (G - r) * sharers / G / (lk.bandwidth_GBps * 1e9 * eff)
-        return max(li.alpha_s, lk.alpha_s) * (G - 1) + np.maximum(t_in, t_x)
+        t_intra = nbytes * (min(G, per_node) - 1) / G / (li.bandwidth_GBps * 1e9 * eff)
+        sharers = (min(self._gpus_per_nic, smallest_share * self.tp)
+                   if self.profile.nic_shared_by_concurrent_transfers else 1)
+        t_inter = nbytes * (G - smallest_share) * sharers / G / (lk.bandwidth_GBps * 1e9 * eff)
+        return max(li.alpha_s, lk.alpha_s) * (G - 1) + np.maximum(t_intra, t_inter)
 
     def ulysses_comm_time(self, tokens_per_rank, G: int, cls: str = "intra") -> np.ndarray:
         """Per-layer fwd+bwd: 4 all-to-alls (Q,K,V in, O out) forward and 4 backward."""
@@ -375,8 +376,9 @@ class CostModel:
         shard = self.model.num_params() / self.tp * self.act_bytes   # one GPU's gradient bytes
         intra = self.intra_link
         nodes = self.cluster.num_nodes if n > self.units_per_node else 1
-        u = min(n, self.units_per_node) if nodes > 1 else n
-        t = 2.0 * (u - 1) / u * shard / (intra.bandwidth_GBps * 1e9) + 2 * (u - 1) * intra.alpha_s
+        in_node = min(n, self.units_per_node) if nodes > 1 else n     # units of one intra-node ring
+        t = (2.0 * (in_node - 1) / in_node * shard / (intra.bandwidth_GBps * 1e9)
+             + 2 * (in_node - 1) * intra.alpha_s)
         if nodes > 1:
             replica = shard * self.tp                                # a full replica's gradient
             t += (2.0 * (nodes - 1) / nodes * replica / (self.cluster.node_nic_bandwidth_GBps * 1e9)

@@ -695,15 +695,16 @@ class _Layer:
                     qs[pi, i, k], qe[pi, i, k] = s, e
         tok = (qe - qs).sum(axis=2)  # (P, G)
         j = (np.arange(G)[:, None] - np.arange(G)[None, :]) % G  # [i, r] -> source position
-        Qs = qs[:, :, None, :, None]
-        Qe = qe[:, :, None, :, None]
-        Ks = qs[:, j][:, :, :, None, :]
-        Ke = qe[:, j][:, :, :, None, :]
-        pairs = _prefix_pairs(Qe, Ks, Ke) - _prefix_pairs(Qs, Ks, Ke)
-        lq = np.broadcast_to(Qe - Qs, pairs.shape)
-        lk = np.broadcast_to(Ke - Ks, pairs.shape)
+        q_start = qs[:, :, None, :, None]
+        q_end = qe[:, :, None, :, None]
+        k_start = qs[:, j][:, :, :, None, :]
+        k_end = qe[:, j][:, :, :, None, :]
+        pairs = _prefix_pairs(q_end, k_start, k_end) - _prefix_pairs(q_start, k_start, k_end)
+        lq = np.broadcast_to(q_end - q_start, pairs.shape)
+        lk = np.broadcast_to(k_end - k_start, pairs.shape)
         nz = (pairs > 0) & (lq > 0) & (lk > 0)
-        diag = nz & (np.broadcast_to(Qs, pairs.shape) == np.broadcast_to(Ks, pairs.shape)) & (lq == lk)
+        same_start = np.broadcast_to(q_start, pairs.shape) == np.broadcast_to(k_start, pairs.shape)
+        diag = nz & same_start & (lq == lk)
         full = nz & ~diag & (pairs >= lq * lk)
         part = nz & ~diag & ~full
         t = np.zeros(pairs.shape)
