@@ -36,7 +36,7 @@ class ModelSpec(Doc):
     #: what the linear <-> attention remap carries per token: ``hidden`` (the runtime's own model
     #: remaps the normed hidden states; the result of attention's O projection comes back) or ``qkv``
     #: (Hugging Face models: Q, K and V go to the attention layout, the attention output comes back).
-    #: Written only when not ``hidden``, so existing specs keep their hashes.
+    #: Written only when not ``hidden``, so that a spec without it keeps its content hash.
     remap_payload: Literal["hidden", "qkv"] = "hidden"
 
     @model_serializer(mode="wrap")

@@ -78,8 +78,8 @@ class ModelFits(Strict):
 
     @model_serializer(mode="wrap")
     def _omit_empty_ring_fits(self, handler):
-        # fields added after profiles were first written: left out while empty, so that the content
-        # hash of a profile without them (recorded in plans) does not change
+        # optional fits: left out while empty, so that a profile without them keeps its content
+        # hash (plans record it)
         d = handler(self)
         for key in ("ring_attention", "ring_compute", "ring_sync_s"):
             if not d.get(key):
@@ -124,8 +124,8 @@ class CostProfile(Doc):
 
     @model_serializer(mode="wrap")
     def _omit_unset_block_curve(self, handler):
-        # added after profiles were first written: left out while unset, so the content hash of a
-        # profile without it (recorded in plans) does not change
+        # optional curve: left out while unset, so that a profile without it keeps its content hash
+        # (plans record it)
         d = handler(self)
         if d.get("attention_block", 0) is None:
             d.pop("attention_block")

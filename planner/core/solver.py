@@ -69,7 +69,7 @@ _BANNER_SHOWN = False
 
 def quiet_highs() -> None:
     """HiGHS prints a copyright banner on stdout when the first ``Highs`` object of a process is
-    built, before any option can silence it (it broke ``--json`` output): build that first one with
+    built, before any option can silence it (it would corrupt ``--json`` output): build that first one with
     the stdout file descriptor pointed at /dev/null."""
     global _BANNER_SHOWN
     if _BANNER_SHOWN:
