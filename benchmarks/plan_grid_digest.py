@@ -38,6 +38,7 @@ def _cell(arg) -> dict[str, str]:
     from zeppelin.planner.core.inputs import resolve_cluster, resolve_model, resolve_profile
     from zeppelin.planner.core.sampler import run_max_seq_len, sample_steps
     from zeppelin.planner.tools.compare import mix_dataset
+    from zeppelin.schemas.common import InputError
     from zeppelin.schemas.plan import SamplerConfig
 
     cl = resolve_cluster(f"{cluster}:{gpus // 8}")
@@ -52,7 +53,11 @@ def _cell(arg) -> dict[str, str]:
         planner = get_planner(name)
         h = hashlib.sha256()
         for k, seqs in enumerate(sampled):
-            sp = planner.plan_step(ctx, k, seqs)
+            try:
+                sp = planner.plan_step(ctx, k, seqs)
+            except InputError as e:  # a baseline that cannot plan the step: its message is the result
+                h.update(f"step {k}: {e}".encode())
+                break
             doc = json.loads(sp.model_dump_json())
             if doc.get("solver"):
                 doc["solver"].pop("time_s", None)
