@@ -129,7 +129,7 @@ def route_reference_problems(header: PlanHeader, mb: MicroBatch, n_units: int, w
         members = mb.groups[r.group].units
         bad_end = False
         for end, u in (("source", r.src), ("destination", r.dst)):
-            if u not in members:
+            if not 0 <= u < n_units:  # (a unit outside the group: the ring-transfer check below)
                 probs.append(f"{where}: route {ri} {end} {u} is not a unit of group {r.group}")
                 bad_end = True
         if not bad_end and (r.src, r.dst) not in ring_edges(members):

@@ -6,7 +6,7 @@ any disjoint cover works), sequences in placement order. Attention runs *head-sh
 
 1. one all-to-all scatters Q, K and V by heads and gathers the sequence — afterwards position ``j``
    holds every token of every sequence of the group for its heads;
-2. local causal varlen attention over those whole sequences (``runtime.attention_impl.local_attention``);
+2. local causal varlen attention over those whole sequences (:func:`.local.local_attention`);
 3. one all-to-all sends O back to the sequence shards.
 
 Head split: query heads are split near-evenly and contiguously over the positions (``Hq`` need not
@@ -28,6 +28,8 @@ import torch
 from zeppelin.schemas.common import InputError
 from zeppelin.schemas.layout import split_even
 from zeppelin.schemas.plan import PlanHeader, StepPlan
+
+from .local import local_attention
 
 __all__ = ["UlyssesSpec", "ulysses_attention", "head_split"]
 
@@ -272,8 +274,6 @@ def ulysses_attention(q, k, v, spec: UlyssesSpec, group=None, scale: float | Non
     ``k, v [T, Hkv, D]`` (``T = spec.rows(spec.pos)``, sequences in ``spec.seqs`` order, ranges in
     listed order); returns ``[T, Hq, D]``. Differentiable; ``group``: the process group of
     ``spec.ranks`` (looked up in the default GroupCache when omitted)."""
-    from .attention_impl import local_attention
-
     G = spec.size
     T = spec.rows(spec.pos)
     if q.shape[0] != T or k.shape[0] != T or v.shape[0] != T:
@@ -285,7 +285,7 @@ def ulysses_attention(q, k, v, spec: UlyssesSpec, group=None, scale: float | Non
         o = local_attention(q[perm], k[perm], v[perm], spec.cu_seqlens(), scale)
         return o[inv]
     if group is None:
-        from .groups import get_group
+        from ..groups import get_group
 
         group = get_group(spec.ranks)
     ctx = _Ctx(spec, hq, hkv, D, group)
