@@ -111,20 +111,15 @@ class UlyssesSpec:
     def from_plan(cls, header: PlanHeader, step: StepPlan, mb_index: int, group_index: int,
                   rank: int) -> UlyssesSpec:
         """The spec of ``group_index`` of a micro-batch for GPU ``rank`` (its TP index picks, in
-        every unit of the group, the rank with the same TP index)."""
-        mb = step.microbatches[mb_index]
-        g = mb.groups[group_index]
-        reps = header.replicas(step)
-        unit = next((u for u, rp in enumerate(reps) if rank in rp.ranks), None)
-        if unit is None or unit not in g.units:
+        every unit of the group, the rank with the same TP index), as the rank's schedule has it."""
+        from .schedule import compile_schedule
+
+        tasks = compile_schedule(header, step, mb_index, rank).tasks
+        spec = next((t.spec for t in tasks if t.group == group_index and t.kind == "ulysses"), None)
+        if spec is None:
             raise InputError(f"step {step.step} microbatch {mb_index}: rank {rank} is not in "
                              f"group {group_index}")
-        t = reps[unit].ranks.index(rank)
-        if any(reps[u].tp != reps[unit].tp for u in g.units):
-            raise InputError(f"step {step.step} microbatch {mb_index}: Ulysses group {group_index} mixes "
-                             "units of different tensor-parallel degree")
-        seqs = [p.ranges for p in mb.placements if p.group == group_index]
-        return cls(ranks=[reps[u].ranks[t] for u in g.units], pos=g.units.index(unit), seqs=seqs)
+        return spec
 
 
 def _perms(spec: UlyssesSpec, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
