@@ -45,6 +45,7 @@ from .attn.transport import Transport
 
 __all__ = ["PHASES", "AttentionEngine", "local_sequences"]
 
+
 @dataclass
 class _Item:
     group: int
@@ -100,7 +101,7 @@ class AttentionEngine:
         if not uly_items:
             return _EngineFunction.apply(q, k, v, self, ring_items)
         # Ulysses groups (collectives on their own process groups, autograd through ulysses.py);
-        # a unit never mixes them with ring groups (checked at construction), so the only other
+        # a unit never mixes them with ring groups (the ``kinds`` invariant, checked at construction), so the only other
         # work is communication-free local attention and relays are impossible.
         from .attn.ulysses import ulysses_attention
 
