@@ -63,7 +63,7 @@ def _tensors(L, hq, hkv, d, dtype, dev, seed=0):
 def bench_local(L, hq, hkv, d, dtype_name, repeats, threads):
     import torch
 
-    from zeppelin.runtime.attention_impl import flash_attn_available, local_attention
+    from zeppelin.runtime.attn.local import flash_attn_available, local_attention
 
     if threads > 0:
         torch.set_num_threads(threads)
@@ -100,7 +100,8 @@ def _ring_rank(rank, world, L, hq, hkv, d, dtype_name, repeats):
     import torch
     import torch.distributed as dist
 
-    from zeppelin.runtime.attention_impl import RingSpec, Transport, ring_attention
+    from zeppelin.runtime.attn.ring import RingSpec, ring_attention
+    from zeppelin.runtime.attn.transport import Transport
     from zeppelin.schemas.layout import zigzag_ranges
 
     dev = (

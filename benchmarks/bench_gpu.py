@@ -6,7 +6,7 @@ Measures, on one CUDA GPU (CUDA events, median of ``--repeats`` after a warm-up;
 runs the same flow on CPU to test the script, its figures mean nothing):
 
 * ``local``: causal varlen attention forward+backward of whole packs through the runtime
-  (:func:`zeppelin.runtime.attention_impl.local_attention`, kernel picked by runtime/kernels.py) and
+  (:func:`zeppelin.runtime.attn.local.local_attention`, kernel picked by runtime/kernels.py) and
   through ``flash_attn_varlen_func`` on the same pack when flash-attn is installed; TFLOP/s of
   each and their ratio. Packs: ``short-heavy`` (many 128-1K sequences, some up to 8K) and
   ``long`` (16K sequences), ``--pack-tokens`` tokens each.
@@ -120,12 +120,9 @@ def main(argv=None) -> int:
         _die("bench_gpu.py needs a CUDA GPU (torch.cuda.is_available() is False)")
 
     from zeppelin.runtime import kernels
-    from zeppelin.runtime.attention_impl import (
-        attention_block,
-        attention_block_backward,
-        local_attention,
-        merge_partial,
-    )
+    from zeppelin.runtime.attn.blocks import attention_block, attention_block_backward
+    from zeppelin.runtime.attn.local import local_attention
+    from zeppelin.runtime.attn.merge import merge_partial
     from zeppelin.schemas.layout import zigzag_ranges
 
     cuda = torch.cuda.is_available()

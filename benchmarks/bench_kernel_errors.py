@@ -32,7 +32,8 @@ import time
 import torch
 
 from zeppelin.runtime import kernels
-from zeppelin.runtime.attention_impl import merge_partial, reference_attention
+from zeppelin.runtime.attn.merge import merge_partial
+from zeppelin.runtime.attn.reference import reference_attention
 from zeppelin.schemas.layout import zigzag_ranges
 
 RUNTIME_GQA_EXPAND = kernels.gqa_expand  # the runtime's choice (the context below overrides it)

@@ -1,33 +1,30 @@
 """The per-layer attention engine: runs one rank's attention queue of a plan's micro-batch.
 
-``AttentionEngine(header, step, mb_index, rank, groups=None)`` reads the micro-batch once;
-``engine(q, k, v) -> out`` then runs, on the rows of this rank's attention buffer
-(``MicroBatch.attention_segments(unit)``: the unit's groups in queue order, each group's
-sequences in placement order, each sequence's ranges in listed order):
+``AttentionEngine(header, step, mb_index, rank, groups=None)`` compiles the rank's schedule once
+(:func:`zeppelin.runtime.attn.schedule.compile_schedule`: tasks in the global order every rank
+derives from the plan, which keeps the P2P schedule free of deadlocks); ``engine(q, k, v) -> out``
+then runs it on the rows of this rank's attention buffer (``MicroBatch.attention_segments(unit)``:
+the unit's groups in queue order, each group's sequences in placement order, each sequence's
+ranges in listed order):
 
 * ``ring`` groups (and ``allgather`` groups, which are executed with the same exact ring
   schedule — K/V blocks pass around the group, partial results merge by log-sum-exp) through
-  :func:`zeppelin.runtime.attention_impl.ring_forward` / ``ring_backward``;
+  :func:`zeppelin.runtime.attn.ring.ring_forward` / ``ring_backward``;
 * ``local`` groups: one-rank rings (whole sequences, no communication);
-* ``ulysses`` groups: delegated to :func:`zeppelin.runtime.ulysses.ulysses_attention`.
+* ``ulysses`` groups: delegated to :func:`zeppelin.runtime.attn.ulysses.ulysses_attention`.
 
-Order. Work runs in phases inter -> intra -> local (the slowest communication starts first);
-inside a phase, groups in increasing group index. Communication-free work (sequences of one-rank
-groups) fills the waits: while a ring exchange is still in flight, the engine runs queued local
-sequences — all of them as ONE varlen kernel call where the device has a varlen kernel
-(:class:`zeppelin.runtime.attention_impl.LocalPack`), else one task per sequence — and whatever is left runs after the rings (``engine.filled`` counts the fills). Every rank derives the
-same order from the plan, which makes the P2P schedule deadlock-free: a rank waiting inside group
-g only waits on ranks that have finished every group ordered before g. The ring/local/allgather
-work of a call is ONE autograd node (:class:`_EngineFunction`), so backward runs the same global
-order (not whatever order autograd would pick for separate nodes).
+Communication-free work (sequences of one-rank groups) fills the waits: while a ring exchange is
+still in flight, the engine runs queued local sequences — all of them as ONE varlen kernel call
+where the device has a varlen kernel (:class:`zeppelin.runtime.attn.local.LocalPack`), else
+one task per sequence — and whatever is left runs after the rings (``engine.filled`` counts the
+fills). The ring/local/allgather work of a call is ONE autograd node (:class:`_EngineFunction`), so
+backward runs the same global order (not whatever order autograd would pick for separate nodes).
 
 Routing. ``MicroBatch.routes`` split an inter-node ring transfer over NIC paths: the K/V block (and,
 in backward, the dK/dV accumulators) is cut by rows in proportion to the paths' tokens; each part
-goes src -> via_src (dispatch) -> via_dst (transfer) -> dst (combine). A proxy that is not a member
-of the ring relays inside its own engine call, at the ring's place in the global order.
-
-Units and tensor parallelism: plans name units; this rank is TP index ``t`` of its unit, and its
-rings use TP index ``t`` of every unit (each TP rank attends over its own head shard).
+goes src -> via_src (dispatch) -> via_dst (transfer) -> dst (combine)
+(:mod:`zeppelin.runtime.attn.transport`). A proxy that is not a member of the ring relays
+inside its own engine call, at the ring's place in the global order.
 
 ``engine.stats``: bytes this rank sent, ``{"intra": ..., "inter": ..., "messages": ...}``,
 accumulated over all calls (forward and backward).
@@ -39,22 +36,14 @@ from dataclasses import dataclass
 
 import torch
 
-from zeppelin.schemas.common import InputError
 from zeppelin.schemas.plan import PlanHeader, StepPlan
 
-from .attention_impl import (
-    LocalPack,
-    RingSpec,
-    Transport,
-    ring_backward,
-    ring_forward,
-    ring_relay_backward,
-    ring_relay_forward,
-)
+from .attn.local import LocalPack
+from .attn.ring import RingSpec, ring_backward, ring_forward, ring_relay_backward, ring_relay_forward
+from .attn.schedule import PHASES, Schedule, compile_schedule
+from .attn.transport import Transport
 
 __all__ = ["PHASES", "AttentionEngine", "local_sequences"]
-
-PHASES = ("inter", "intra", "local")
 
 
 @dataclass
@@ -79,115 +68,27 @@ class AttentionEngine:
         groups=None,
         scale: float | None = None,
     ) -> None:
-        if not 0 <= mb_index < len(step.microbatches):
-            raise InputError(
-                f"step {step.step} has {len(step.microbatches)} micro-batches, asked for {mb_index}"
-            )
+        compiled = compile_schedule(header, step, mb_index, rank)
         self.header, self.step, self.mb_index, self.rank = header, step, mb_index, rank
         self.groups = groups
         self.scale = scale
+        self.compiled: Schedule = compiled
+        self.unit, self.rows = compiled.unit, compiled.rows
         self.stats: dict[str, int] = {"intra": 0, "inter": 0, "messages": 0}
         # local sequences run while a ring exchange was in flight (forward / backward)
         self.filled: dict[str, int] = {"forward": 0, "backward": 0}
-        mb = step.microbatches[mb_index]
-        where = f"step {step.step} microbatch {mb_index}"
-        reps = header.replicas(step)
-        unit = next((u for u, rp in enumerate(reps) if rank in rp.ranks), None)
-        if unit is None:
-            raise InputError(f"{where}: rank {rank} belongs to no unit of the plan")
-        self.unit = unit
-        t = reps[unit].ranks.index(rank)
-
-        def grank(u: int) -> int:
-            if not 0 <= u < len(reps):
-                raise InputError(f"{where}: names unit {u}, the step has {len(reps)} units")
-            rp = reps[u]
-            if rp.tp != reps[unit].tp:
-                raise InputError(
-                    f"{where}: unit {u} has tp={rp.tp} but unit {unit} has tp={reps[unit].tp}; "
-                    "an attention group needs units of one tensor-parallel degree"
-                )
-            return rp.ranks[t]
-
-        cluster = header.cluster
-        node_of = cluster.node_of
-        by_group: dict[int, list[list[list[list[int]]]]] = {}
-        for p in mb.placements:
-            by_group.setdefault(p.group, []).append(p.ranges)
-        my_tp = reps[unit].tp
-
-        def foreign(g) -> bool:
-            """A group of other units of another TP degree: none of this rank's business (Hydraulis
-            replicas of different degrees never share attention work)."""
-            return unit not in g.units and any(0 <= u < len(reps) and reps[u].tp != my_tp for u in g.units)
-
-        routes: dict[int, dict[tuple[int, int], list[tuple[int, int, int]]]] = {}
-        for r in mb.routes:
-            if not 0 <= r.group < len(mb.groups):
-                raise InputError(f"{where}: a route names group {r.group} (micro-batch has {len(mb.groups)})")
-            g = mb.groups[r.group]
-            if foreign(g):
-                if any(unit in (pth.via_src, pth.via_dst) for pth in r.paths):
-                    raise InputError(f"{where}: unit {unit} (tp={my_tp}) relays a transfer of group {r.group}, "
-                                     "whose units have another tensor-parallel degree")
-                continue
-            n = len(g.units)
-            edges = {(g.units[i], g.units[(i + 1) % n]) for i in range(n)}
-            if (r.src, r.dst) not in edges:
-                raise InputError(
-                    f"{where}: route {r.src}->{r.dst} is not a ring transfer of group {r.group} "
-                    f"(ring {g.units})"
-                )
-            routes.setdefault(r.group, {})[(grank(r.src), grank(r.dst))] = [
-                (grank(pth.via_src), grank(pth.via_dst), pth.tokens) for pth in r.paths
-            ]
-        # rows of each of my groups in the attention buffer (queue order)
-        offsets: dict[int, tuple[int, int]] = {}
-        off = 0
-        for gi in mb.queues[unit]:
-            g = mb.groups[gi]
-            pos = g.units.index(unit)
-            n = sum(max(0, e - s) for rngs in by_group.get(gi, ()) for s, e in rngs[pos])
-            offsets[gi] = (off, off + n)
-            off += n
-        self.rows = off
-        my_groups = set(mb.queues[unit])
-        kinds = {mb.groups[gi].kind for gi in my_groups}
-        if "ulysses" in kinds and kinds & {"ring", "allgather"}:
-            raise InputError(
-                f"{where}: unit {unit} queues Ulysses and ring groups together; "
-                "the runtime runs a unit's groups of one kind family (ulysses or ring/local)"
-            )
-        items: list[tuple[tuple[int, int], _Item]] = []
-        for gi, g in enumerate(mb.groups):
-            if gi not in my_groups and gi not in routes:
-                continue
-            seqs = by_group.get(gi, [])
-            ranks = [grank(u) for u in g.units]
-            phase = PHASES.index(g.tier)
-            if gi in my_groups:
-                r0, r1 = offsets[gi]
-                pos = g.units.index(unit)
-                if g.kind == "ulysses":
-                    from .ulysses import UlyssesSpec
-
-                    spec = UlyssesSpec(ranks=ranks, pos=pos, seqs=seqs)
-                    items.append(((phase, gi), _Item(gi, "ulysses", spec, r0, r1)))
-                else:
-                    spec = RingSpec(ranks=ranks, pos=pos, seqs=seqs)
-                    tr = Transport(rank=rank, node_of=node_of, routes=routes.get(gi), stats=self.stats)
-                    items.append(((phase, gi), _Item(gi, "ring", spec, r0, r1, tr)))
-            elif gi in routes and any(rank in (a, b) for paths in routes[gi].values() for a, b, _ in paths):
-                spec = RingSpec(ranks=ranks, pos=None, seqs=seqs)
-                tr = Transport(rank=rank, node_of=node_of, routes=routes[gi], stats=self.stats)
-                items.append(((phase, gi), _Item(gi, "relay", spec, 0, 0, tr)))
-        items.sort(key=lambda x: x[0])
-        self.items = [it for _, it in items]
+        node_of = header.cluster.node_of
+        self.items = [
+            _Item(t.group, t.kind, t.spec, t.row0, t.row1,
+                  None if t.kind == "ulysses" else Transport(rank=rank, node_of=node_of, routes=t.routes,
+                                                             stats=self.stats))
+            for t in compiled.tasks
+        ]
 
     # ------------------------------------------------------------------------------------------
     def schedule(self) -> list[tuple[str, int]]:
         """``(kind, group)`` in execution order (``kind``: ring | relay | ulysses)."""
-        return [(it.kind, it.group) for it in self.items]
+        return self.compiled.order()
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if q.shape[0] != self.rows or k.shape[0] != self.rows or v.shape[0] != self.rows:
@@ -200,9 +101,9 @@ class AttentionEngine:
         if not uly_items:
             return _EngineFunction.apply(q, k, v, self, ring_items)
         # Ulysses groups (collectives on their own process groups, autograd through ulysses.py);
-        # a unit never mixes them with ring groups (checked at construction), so the only other
+        # a unit never mixes them with ring groups (the ``kinds`` invariant, checked at construction), so the only other
         # work is communication-free local attention and relays are impossible.
-        from .ulysses import ulysses_attention
+        from .attn.ulysses import ulysses_attention
 
         pieces: list[tuple[int, torch.Tensor]] = []
         if ring_items:

@@ -1,6 +1,6 @@
 """Attention kernel dispatch: which kernel computes a block, by device, dtype and block kind.
 
-Every kernel honours one contract (layouts of :mod:`zeppelin.runtime.attention_impl`): ``q [Tq, Hq, D]``,
+Every kernel honours one contract (layouts of :mod:`zeppelin.runtime.attn`): ``q [Tq, Hq, D]``,
 ``k, v [Tk, Hkv, D]``; the forward returns ``(out [Tq, Hq, D], lse [Hq, Tq] float32)``; the backward
 takes ``dout``, ``q``, ``k``, ``v`` and the FINAL ``out``/``lse`` of the query rows (merged over
 every block of a ring) and returns ``(dq, dk, dv)`` — the block's exact share of the gradients,

@@ -182,7 +182,7 @@ class TPContext:
     ``rows[t]`` consecutive tokens). The projections are column-parallel (all-gather + GEMM:
     Q/K/V, SwiGLU gate/up) and row-parallel (GEMM + reduce-scatter: O, down) over slices of the
     full parameters, with the ``mode`` overlap of :mod:`zeppelin.runtime.tp`; attention heads are
-    split over the TP ranks (:func:`zeppelin.runtime.ulysses.head_split`: query heads near-evenly,
+    split over the TP ranks (:func:`zeppelin.runtime.attn.ulysses.head_split`: query heads near-evenly,
     each rank with the KV heads its query heads use — KV heads are replicated when ``Hkv < tp``).
 
     Parameters stay whole on every rank (the canonical layout): a TP rank's gradient is non-zero
@@ -212,7 +212,7 @@ class TPContext:
 
     def heads(self, hq: int, hkv: int) -> tuple[int, int, int, int]:
         """``(q0, q1, kv0, kv1)``: the query heads of this TP rank and the KV heads they use."""
-        from .ulysses import head_split
+        from .attn.ulysses import head_split
 
         return head_split(hq, hkv, self.size)[self.pos]
 

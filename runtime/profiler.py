@@ -88,7 +88,7 @@ def _dtype(model: ModelSpec) -> torch.dtype:
 
 def _attention_fn(q, k, v):
     try:
-        from zeppelin.runtime.attention_impl import local_attention  # the runtime's own kernel
+        from zeppelin.runtime.attn.local import local_attention  # the runtime's own kernel
     except ImportError:  # pragma: no cover - attention engine not installed
         local_attention = None
     L = q.shape[0]
@@ -146,7 +146,7 @@ def measure_attention(model: ModelSpec, lengths, dev, timer, reps, warmup):
 def measure_attention_block(model: ModelSpec, sizes, dev, timer, reps, warmup):
     """Forward+backward of an n x n block whose keys all precede its queries (a ring round's
     off-diagonal chunk pair) through the runtime's block kernels, for each n."""
-    from zeppelin.runtime.attention_impl import attention_block, attention_block_backward
+    from zeppelin.runtime.attn.blocks import attention_block, attention_block_backward
 
     dt = _dtype(model)
 
@@ -436,14 +436,15 @@ def ring_group_sizes(world: int, gpn: int) -> list[int]:
 
 
 def measure_ring_attention(model: ModelSpec, lengths, gpn: int, dev, timer, reps, warmup) -> dict[str, dict[str, list]]:
-    """The runtime's ring attention (:func:`zeppelin.runtime.attention_impl.ring_forward` +
+    """The runtime's ring attention (:func:`zeppelin.runtime.attn.ring.ring_forward` +
     ``ring_backward``) of one zigzag-split sequence of each length, forward+backward, for each
     group size G of :func:`ring_group_sizes`: every rank takes part, in rings of G consecutive
     ranks (all rings at once, so the machine is loaded as in training; ranks left over idle). ``total``: with the real exchanges (what a ring costs the
     runtime, waits included); ``compute``: the same ring with its exchanges short-circuited
     (:class:`_Loopback`), i.e. the compute alone. Per G: ``{"total": [[L, s]...], "compute": ...}``,
     seconds of the slowest rank."""
-    from zeppelin.runtime.attention_impl import RingSpec, Transport, ring_backward, ring_forward
+    from zeppelin.runtime.attn.ring import RingSpec, ring_backward, ring_forward
+    from zeppelin.runtime.attn.transport import Transport
     from zeppelin.schemas.layout import zigzag_ranges
 
     world, rank = dist.get_world_size(), dist.get_rank()

@@ -54,6 +54,7 @@ from .common import (
     format_validation_error,
     parse_json,
 )
+from .invariants import structural_problems  # the checks every read runs (also imported from here)
 from .model import ModelSpec
 from .profile import CostProfile
 
@@ -340,160 +341,6 @@ class PlanHeader(Doc):
 
 
 # ---------------------------------------------------------------------------------------------
-# Structural invariants (cheap, no cost model): run on every load.
-# ---------------------------------------------------------------------------------------------
-
-
-def structural_problems(header: PlanHeader, step: StepPlan, limit: int = 20) -> list[str]:
-    """Invariants every plan must satisfy; returns human-readable problems (empty = valid)."""
-    probs: list[str] = []
-    reps = header.replicas(step)
-    n_units = len(reps)
-    ranks_seen = sorted(r for rep in reps for r in rep.ranks)
-    if ranks_seen != list(range(header.world_size)):
-        probs.append(f"replicas do not cover GPU ranks 0..{header.world_size - 1} exactly once")
-    nseq = len(step.sequences)
-    for mbi, mb in enumerate(step.microbatches):
-        where = f"step {step.step} microbatch {mbi}"
-        if len(mb.queues) != n_units:
-            probs.append(f"{where}: {len(mb.queues)} queues for {n_units} units")
-            continue
-        bad_unit = False
-        for gi, g in enumerate(mb.groups):
-            for u in g.units:
-                if not 0 <= u < n_units:
-                    probs.append(f"{where}: group {gi} names unit {u} (have {n_units})")
-                    bad_unit = True
-        if bad_unit:
-            continue
-        probs += _route_problems(header, mb, n_units, where)
-        for u, q in enumerate(mb.queues):
-            for g in q:
-                if not 0 <= g < len(mb.groups) or u not in mb.groups[g].units:
-                    probs.append(f"{where}: unit {u} queues group {g} it is not a member of")
-        for gi, g in enumerate(mb.groups):
-            for u in g.units:
-                if gi not in mb.queues[u]:
-                    probs.append(f"{where}: unit {u} is in group {gi} but does not queue it (ring order broken)")
-        for p in mb.placements:
-            if not 0 <= p.seq < nseq:
-                probs.append(f"{where}: placement names sequence {p.seq} (step has {nseq})")
-            if not 0 <= p.group < len(mb.groups):
-                probs.append(f"{where}: sequence {p.seq} placed in missing group {p.group}")
-            elif len(p.ranges) != len(mb.groups[p.group].units):
-                probs.append(
-                    f"{where}: sequence {p.seq} has ranges for {len(p.ranges)} ring positions, "
-                    f"group {p.group} has {len(mb.groups[p.group].units)}"
-                )
-        if len(probs) >= limit:
-            return probs[:limit]
-    if probs:
-        return probs[:limit]
-    probs += _prediction_problems(header, step, n_units)
-    # coverage: every token of every sequence exactly once, in attention and in linear layout
-    att: dict[int, list[tuple[int, int]]] = {}
-    lin: dict[int, list[tuple[int, int]]] = {}
-    placed_in: dict[int, int] = {}
-    for mbi, mb in enumerate(step.microbatches):
-        if len(mb.queues) != n_units:
-            continue
-        for p in mb.placements:
-            if p.seq in placed_in:
-                probs.append(f"step {step.step}: sequence {p.seq} placed twice")
-            placed_in[p.seq] = mbi
-            for rs in p.ranges:
-                for r in rs:
-                    if len(r) != 2 or r[0] < 0 or r[1] < r[0]:
-                        probs.append(f"step {step.step}: sequence {p.seq} has a bad range {r}")
-                    else:
-                        att.setdefault(p.seq, []).append((r[0], r[1]))
-        if mb.linear_layout is not None:
-            if len(mb.linear_layout) != n_units:
-                probs.append(f"step {step.step} microbatch {mbi}: linear layout has {len(mb.linear_layout)} units")
-            for segs in mb.linear_layout:
-                for sg in segs:
-                    if len(sg) != 3:
-                        probs.append(f"step {step.step}: bad linear segment {sg}")
-                        continue
-                    lin.setdefault(sg[0], []).append((sg[1], sg[2]))
-                    if placed_in.get(sg[0], mbi) != mbi:
-                        probs.append(f"step {step.step}: sequence {sg[0]} remapped across micro-batches")
-    pad = {p.seq: p.padded_length for mb in step.microbatches for p in mb.placements}
-    remapped = {i for i, mbi in placed_in.items() if step.microbatches[mbi].linear_layout is not None}
-    for name, cover, wanted in (("attention", att, range(nseq)), ("linear", lin, sorted(remapped))):
-        for k in cover:
-            if not 0 <= k < nseq:
-                probs.append(f"step {step.step}: {name} layout names sequence {k} (step has {nseq})")
-        for i in wanted:
-            seq = step.sequences[i]
-            if i not in cover:
-                probs.append(f"step {step.step}: sequence {i} (sample {seq.sample_id}) has no {name} placement")
-                continue
-            end = pad.get(i) or seq.length
-            if pad.get(i) is not None and pad[i] < seq.length:
-                probs.append(f"step {step.step}: sequence {i} padded_length {pad[i]} < length {seq.length}")
-            pos = 0
-            for s, e in sorted(x for x in cover[i] if x[1] > x[0]):
-                if s < pos:
-                    probs.append(f"step {step.step}: {name} layout covers tokens {s}..{min(e, pos) - 1} "
-                                 f"of sequence {i} twice")
-                    break
-                if s > pos:
-                    probs.append(f"step {step.step}: {name} layout misses tokens {pos}..{s - 1} of sequence {i}")
-                    break
-                pos = e
-            else:
-                if pos != end:
-                    what = "misses" if pos < end else "runs past"
-                    probs.append(f"step {step.step}: {name} layout {what} the end of sequence {i} "
-                                 f"(covers {pos} of {end} tokens)")
-        if len(probs) >= limit:
-            break
-    return probs[:limit]
-
-
-def _route_problems(header: PlanHeader, mb: MicroBatch, n_units: int, where: str) -> list[str]:
-    """Every index and name a route uses exists: its group, its endpoints (members of the group), its
-    proxies (units) and its NICs (of the plan's cluster)."""
-    probs = []
-    nics = {f"node{k}/{n.id}" for k in range(header.cluster.num_nodes) for n in header.cluster.nics}
-    for ri, r in enumerate(mb.routes):
-        if not 0 <= r.group < len(mb.groups):
-            probs.append(f"{where}: route {ri} names missing group {r.group}")
-            continue
-        members = mb.groups[r.group].units
-        for end, u in (("source", r.src), ("destination", r.dst)):
-            if u not in members:
-                probs.append(f"{where}: route {ri} {end} {u} is not a unit of group {r.group}")
-        for path in r.paths:
-            for end, u in (("source", path.via_src), ("destination", path.via_dst)):
-                if not 0 <= u < n_units:
-                    probs.append(f"{where}: route {ri} {end} proxy {u} is not a unit (have {n_units})")
-            for nic in (path.nic_src, path.nic_dst):
-                if nic not in nics:
-                    probs.append(f"{where}: route {ri} uses NIC {nic!r}, which the cluster does not have")
-    return probs
-
-
-def _prediction_problems(header: PlanHeader, step: StepPlan, n_units: int) -> list[str]:
-    """A prediction has one entry per unit and names only the cluster's NICs."""
-    pred = step.prediction
-    if pred is None:
-        return []
-    probs = []
-    for name in RankLoads.model_fields:
-        got = len(getattr(pred.per_unit, name))
-        if got != n_units:
-            probs.append(f"step {step.step}: prediction per_unit.{name} has {got} entries for {n_units} units")
-    nics = {f"node{k}/{n.id}" for k in range(header.cluster.num_nodes) for n in header.cluster.nics}
-    for field in ("nic_bytes", "nic_bytes_unrouted"):
-        for k in getattr(pred, field):
-            if k not in nics:
-                probs.append(f"step {step.step}: prediction {field} names NIC {k!r}, which the cluster does not have")
-    return probs
-
-
-# ---------------------------------------------------------------------------------------------
 # Streaming reader / atomic writer
 # ---------------------------------------------------------------------------------------------
 
@@ -590,7 +437,7 @@ class PlanReader:
     """Stream a plan file: the header is read on open, steps one at a time.
 
     ``reader.step(k)`` seeks to step ``k`` through an offset index built by one scan of the file
-    (bounded memory). Every step is checked against the structural invariants when read
+    (bounded memory). Every step is checked against the ``coverage`` invariant (:mod:`.invariants`) when read
     (``check=False`` skips that); a malformed or truncated record is reported with its step number.
     """
 

@@ -277,6 +277,7 @@ def test_zeppelin_run_reaches_attention_remap_and_data_only_through_the_api():
             imported.add(node.module)
             if node.module == "api":
                 api_names = {a.name for a in node.names}
-    assert imported.isdisjoint({"engine", "remap", "attention_impl", "ulysses", "kernels"}), imported
+    assert imported.isdisjoint({"engine", "remap", "kernels"}), imported
+    assert not [m for m in imported if m and (m == "attn" or m.startswith("attn."))], imported
     assert {"build_step", "attention", "to_attention_layout", "to_linear_layout"} <= api_names
     assert ".segments(" not in src  # micro-batch tensors come from build_step

@@ -9,16 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zeppelin.runtime.attention_impl import (
-    RingSpec,
-    Transport,
-    attention_block,
-    attention_block_backward,
-    local_attention,
-    merge_partial,
-    reference_attention,
-    ring_attention,
-)
+from zeppelin.runtime.attn.blocks import attention_block, attention_block_backward
+from zeppelin.runtime.attn.local import local_attention
+from zeppelin.runtime.attn.merge import merge_partial
+from zeppelin.runtime.attn.reference import reference_attention
+from zeppelin.runtime.attn.ring import RingSpec, ring_attention
+from zeppelin.runtime.attn.transport import Transport
 from zeppelin.runtime.dist_utils import DistributedError, DistributedPool, run_distributed
 from zeppelin.schemas.layout import contiguous_ranges, zigzag_ranges
 
@@ -312,17 +308,16 @@ def test_pool_reports_dead_rank_and_timeout_then_recovers():
 def test_math_path_tiles_exactly(monkeypatch):
     # the float32 math kernel (the reference; partial masks; CUDA float32) computes in
     # query tiles; a tiny tile budget must give the same results as one tile
-    import zeppelin.runtime.attention_impl as att
     import zeppelin.runtime.kernels as kern
 
     q, k, v, do = (x.float() for x in _inputs([29], seed=4))
     mask = torch.ones(29, 29, dtype=torch.bool).tril()
-    whole = att._math_fwd(q, k, v, mask, 0.25)
-    gwhole = att._math_bwd(do, q, k, v, whole[0], whole[1], mask, 0.25)
+    whole = kern.math_forward(q, k, v, mask, 0.25)
+    gwhole = kern.math_backward(do, q, k, v, whole[0], whole[1], mask, 0.25)
     monkeypatch.setattr(kern, "MATH_TILE_ELEMENTS", 29 * HQ * 3)  # 3 query rows per tile
     assert len(list(kern._q_tiles(29, 29, HQ))) == 10
-    tiled = att._math_fwd(q, k, v, mask, 0.25)
-    gtiled = att._math_bwd(do, q, k, v, tiled[0], tiled[1], mask, 0.25)
+    tiled = kern.math_forward(q, k, v, mask, 0.25)
+    gtiled = kern.math_backward(do, q, k, v, tiled[0], tiled[1], mask, 0.25)
     for a, b in zip((*whole, *gwhole), (*tiled, *gtiled)):
         assert torch.allclose(a, b, atol=1e-6, rtol=0)
     ref = _reference([29], *(x.double() for x in (q, k, v, do)))

@@ -24,8 +24,8 @@ from zeppelin.schemas.plan import (
     write_plan,
 )
 
-# Every registered planner gets the structural and memory checks below: registering a planner is
-# enough to be covered. LONGEST: the longest sequence of the random steps, in units' capacities, for
+# Every registered planner gets the full validator below (every plan invariant: coverage, zigzag ring
+# order, acyclic queues, kind families, routes, memory): registering a planner is enough to be covered. LONGEST: the longest sequence of the random steps, in units' capacities, for
 # planners that cannot split a sequence over that many units (default 2.5).
 PLANNERS = sorted(REGISTERED)
 LONGEST = {"packed-dp": 1.0, "hydraulis": 1.8}
@@ -100,7 +100,10 @@ def test_plans_are_valid(name, cluster, model, tmp_path):
 
 
 def check_valid_plans(name: str, cluster: str, model: str, tmp_path, longest: float) -> None:
-    """Two random long-tailed steps planned by ``name``: structure, memory, file round trip."""
+    """Two random long-tailed steps planned by ``name``: every invariant ``zeppelin validate`` checks,
+    memory by hand as well, file round trip."""
+    from zeppelin.planner.tools.validate import step_problems
+
     ctx = make_ctx(cluster, model)
     cap = ctx.cost.token_capacity
     rng = np.random.default_rng(7)
@@ -108,7 +111,7 @@ def check_valid_plans(name: str, cluster: str, model: str, tmp_path, longest: fl
     for k in range(2):
         lengths = random_lengths(rng, cap, 24, longest)
         plan = get_planner(name, **fast(name)).plan_step(ctx, k, seqs(lengths))
-        assert structural_problems(header(ctx, name), plan) == []
+        assert step_problems(ctx, header(ctx, name), plan) == []
         assert_memory_ok(ctx, plan)
         assert plan.prediction.step_time_s > 0 and plan.solver is not None
         assert sorted(p.seq for mb in plan.microbatches for p in mb.placements) == list(range(len(lengths)))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zeppelin.runtime.attention_impl import reference_attention
+from zeppelin.runtime.attn.reference import reference_attention
 from zeppelin.runtime.dist_utils import DistributedPool
 from zeppelin.runtime.engine import AttentionEngine
 from zeppelin.schemas.cluster import cluster_preset

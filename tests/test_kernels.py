@@ -17,19 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import zeppelin.runtime.attention_impl as att
 import zeppelin.runtime.kernels as kern
-from zeppelin.runtime.attention_impl import (
-    LocalPack,
-    RingSpec,
-    Transport,
-    attention_block,
-    attention_block_backward,
-    local_attention,
-    reference_attention,
-    ring_backward,
-    ring_forward,
-)
+from zeppelin.runtime.attn.blocks import attention_block, attention_block_backward
+from zeppelin.runtime.attn.local import LocalPack, local_attention
+from zeppelin.runtime.attn.merge import merge_partial
+from zeppelin.runtime.attn.reference import reference_attention
+from zeppelin.runtime.attn.ring import RingSpec, ring_backward, ring_forward
+from zeppelin.runtime.attn.transport import Transport
 from zeppelin.runtime.engine import local_sequences
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -653,6 +647,6 @@ def test_cuda_kernels_match_float64(dtype):
         o2, l2 = kern.block_forward(kernel, qa, ka[512:], va[512:], True, 0.125)
         acc = torch.zeros(qa.shape, dtype=torch.float32, device=dev)
         lse = torch.full((8, 512), float("-inf"), device=dev)
-        att.merge_partial(acc, lse, o1, l1)
-        att.merge_partial(acc, lse, o2, l2)
+        merge_partial(acc, lse, o1, l1)
+        merge_partial(acc, lse, o2, l2)
         assert (acc.cpu().double() - ref[0][s:s + 512]).abs().max().item() <= 2e-2, kernel

@@ -248,14 +248,14 @@ def test_profiler_times_packs_of_sequences_through_the_engine_path(one_rank_grou
     two calls' worth, whatever the pack size."""
     import torch
 
-    import zeppelin.runtime.attention_impl as att
+    from zeppelin.runtime.attn import blocks
     from zeppelin.runtime.profiler import measure_attention, pack_count
     from zeppelin.schemas.model import model_preset
 
     seen: list[tuple[str, int]] = []
-    fwd, bwd = att._kernel_fwd, att._kernel_bwd
-    monkeypatch.setattr(att, "_kernel_fwd", lambda q, *a: seen.append(("f", q.shape[0])) or fwd(q, *a))
-    monkeypatch.setattr(att, "_kernel_bwd", lambda d, q, *a: seen.append(("b", q.shape[0])) or bwd(d, q, *a))
+    fwd, bwd = blocks._kernel_fwd, blocks._kernel_bwd
+    monkeypatch.setattr(blocks, "_kernel_fwd", lambda q, *a: seen.append(("f", q.shape[0])) or fwd(q, *a))
+    monkeypatch.setattr(blocks, "_kernel_bwd", lambda d, q, *a: seen.append(("b", q.shape[0])) or bwd(d, q, *a))
     per_call = 1e-3
 
     class CallClock:  # "time" = kernel calls x per_call

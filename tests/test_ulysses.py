@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zeppelin.runtime.attention_impl import reference_attention
+from zeppelin.runtime.attn.reference import reference_attention
+from zeppelin.runtime.attn.ulysses import UlyssesSpec, head_split
 from zeppelin.runtime.dist_utils import DistributedPool
-from zeppelin.runtime.ulysses import UlyssesSpec, head_split
 from zeppelin.schemas.cluster import cluster_preset
 from zeppelin.schemas.common import InputError, content_hash
 from zeppelin.schemas.layout import contiguous_ranges
@@ -79,8 +79,8 @@ def _local_rows(spec: UlyssesSpec, seq_ids, t, name):
 
 
 def _ulysses_worker(rank, world, header_json, step_json):
+    from zeppelin.runtime.attn.ulysses import ulysses_attention
     from zeppelin.runtime.groups import GroupCache
-    from zeppelin.runtime.ulysses import ulysses_attention
 
     header = PlanHeader.model_validate_json(header_json)
     step = StepPlan.model_validate_json(step_json)

@@ -278,9 +278,9 @@ def test_intra_node_ulysses_option():
                     assert p.scheme == "contiguous"
                     assert p.ranges == contiguous_ranges(lengths[p.seq], len(mb.groups[p.group].units))
         # one kind family per unit and micro-batch (what the runtime runs)
-        from zeppelin.planner.tools.validate import kind_family_problems
+        from zeppelin.schemas.invariants import kind_family_problems
 
-        assert not [q for k, mb in enumerate(auto.microbatches) for q in kind_family_problems(auto, k, mb)]
+        assert kind_family_problems(header_for(ctx), auto) == []
         # the prediction is the simulator's verdict, within a few percent
         sim = Simulator(ctx).simulate_step(auto)
         assert sim.step_time_s == pytest.approx(auto.prediction.step_time_s, rel=0.05)

@@ -2,30 +2,24 @@
 
 Invariants, each reported with its name so a person can tell which one broke:
 
-* ``coverage``   every token of every sequence exactly once in the attention layout and, where a
-                 micro-batch remaps, exactly once in the linear layout; groups, queues and
-                 placements consistent (:func:`zeppelin.schemas.plan.structural_problems`);
-* ``ring-order`` ring groups cut as zigzag chunks follow the 2G layout for their ring order, and
-                 the units' queues order shared groups the same way (no two units wait on each
-                 other in opposite orders);
-* ``memory``     no unit holds more tokens than its activation memory allows, in either layout;
-* ``routes``     every inter-node ring transfer has a route over existing links and NICs
-                 (:func:`zeppelin.planner.zeppelin.routing.route_problems`);
+* ``coverage``, ``ring-order``, ``kinds``, ``tp``, ``routes``: the invariants that need no cost
+  model, one list shared with the plan reader and the runtime (:mod:`zeppelin.schemas.invariants`);
+* ``memory``     no unit holds more tokens than its activation memory allows, in either layout
+                 (the cost model's token capacity);
 * ``inputs``     the header's hashes match the inputs embedded in it and the inputs given on
                  the command line (cluster, model, profile, manifest).
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections import defaultdict
 from typing import Any
 
 from zeppelin.planner.core.base import PlanContext
 from zeppelin.schemas.common import InputError, content_hash
-from zeppelin.schemas.layout import zigzag_ranges
-from zeppelin.schemas.plan import MicroBatch, PlanHeader, PlanReader, StepPlan, sample_problems, structural_problems
+from zeppelin.schemas.invariants import plan_problems
+from zeppelin.schemas.plan import MicroBatch, PlanHeader, PlanReader, StepPlan, sample_problems
 
 
 def header_context(header: PlanHeader) -> PlanContext:
@@ -61,57 +55,6 @@ def input_problems(header: PlanHeader, cluster=None, model=None, profile=None, m
     return probs
 
 
-def ring_problems(step: StepPlan, mbi: int, mb: MicroBatch) -> list[str]:
-    probs: list[str] = []
-    where = f"step {step.step} microbatch {mbi}"
-    for p in mb.placements:
-        if p.scheme != "zigzag" or not 0 <= p.group < len(mb.groups) or not 0 <= p.seq < len(step.sequences):
-            continue
-        G = len(mb.groups[p.group].units)
-        L = p.padded_length or step.sequences[p.seq].length
-        want = zigzag_ranges(L, G)
-        got = [[list(r) for r in rs] for rs in p.ranges]
-        if got != want:
-            probs.append(f"ring-order: {where}: sequence {p.seq} is not cut into 2G={2 * G} zigzag chunks in ring "
-                         f"order of group {p.group} (position i must hold chunks i and 2G-1-i)")
-    # queue order: the union of every unit's queue order must be acyclic
-    succ: dict[int, set[int]] = defaultdict(set)
-    indeg: dict[int, int] = defaultdict(int)
-    nodes: set[int] = set()
-    for q in mb.queues:
-        nodes.update(q)
-        for a, b in itertools.pairwise(q):
-            if b not in succ[a]:
-                succ[a].add(b)
-                indeg[b] += 1
-    ready = [g for g in nodes if indeg[g] == 0]
-    seen = 0
-    while ready:
-        g = ready.pop()
-        seen += 1
-        for h in succ[g]:
-            indeg[h] -= 1
-            if indeg[h] == 0:
-                ready.append(h)
-    if seen != len(nodes):
-        stuck = sorted(g for g in nodes if indeg[g] > 0)[:6]
-        probs.append(f"ring-order: {where}: units queue groups {stuck} in conflicting orders "
-                     f"(their rings would wait on each other)")
-    return probs
-
-
-def kind_family_problems(step: StepPlan, mbi: int, mb: MicroBatch) -> list[str]:
-    """The runtime runs one family of attention groups per unit and micro-batch: Ulysses (all-to-all)
-    groups, or rings / all-gathers; local work goes with either."""
-    probs = []
-    for u, q in enumerate(mb.queues):
-        kinds = {mb.groups[g].kind for g in q if 0 <= g < len(mb.groups)}
-        if "ulysses" in kinds and kinds & {"ring", "allgather"}:
-            probs.append(f"kinds: step {step.step} microbatch {mbi}: unit {u} runs Ulysses and ring groups in one "
-                         "micro-batch (the runtime runs one family per unit: Ulysses, or rings/all-gathers)")
-    return probs
-
-
 def memory_problems(ctx: PlanContext, step: StepPlan, mbi: int, mb: MicroBatch) -> list[str]:
     # units are uniform replicas of header.tp GPUs, or the step's own replicas (mixed TP degrees)
     reps = step.replicas
@@ -140,20 +83,15 @@ def memory_problems(ctx: PlanContext, step: StepPlan, mbi: int, mb: MicroBatch) 
 
 
 def step_problems(ctx: PlanContext, header: PlanHeader, step: StepPlan, limit: int = 20) -> list[str]:
-    probs = [f"coverage: {p}" for p in structural_problems(header, step, limit=limit)]
-    if probs:
-        return probs[:limit]
-    from zeppelin.planner.zeppelin.routing import route_problems
-
+    """Every invariant of one step: the shared list (:func:`zeppelin.schemas.invariants.plan_problems`),
+    then memory (only when ``coverage`` holds: the memory check indexes freely)."""
+    probs = plan_problems(header, step, limit=limit)
+    if any(p.startswith("coverage: ") for p in probs):
+        return probs
     for mbi, mb in enumerate(step.microbatches):
-        probs += ring_problems(step, mbi, mb)
-        probs += memory_problems(ctx, step, mbi, mb)
-        probs += kind_family_problems(step, mbi, mb)
-        # replicas of mixed TP degree (Hydraulis) run ring transfers direct, one flow per TP rank
-        if step.replicas is None or mb.routes:
-            probs += [f"routes: step {step.step} microbatch {mbi}: {p}" for p in route_problems(ctx, mb)]
         if len(probs) >= limit:
             break
+        probs += memory_problems(ctx, step, mbi, mb)
     return probs[:limit]
 
 

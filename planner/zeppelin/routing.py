@@ -45,13 +45,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from zeppelin.planner.core.base import PlanContext
 from zeppelin.schemas.cluster import ClusterSpec
+from zeppelin.schemas.invariants import route_problems as invariant_route_problems
 from zeppelin.schemas.layout import ranges_tokens
 from zeppelin.schemas.plan import MicroBatch, Route, RoutePath
 
@@ -120,29 +120,6 @@ def build_topology(cluster: ClusterSpec, tp: int = 1) -> nx.Graph:
             g.add_edge(gn, hub, kind=link.kind, bandwidth_GBps=link.bandwidth_GBps)
             g.add_edge(gn, f"pcie:{k}:{gpu_sw[i]}", kind="pcie", bandwidth_GBps=nic_bw[cluster.gpu_nic[i]])
     return g
-
-
-@lru_cache(maxsize=16)
-def _topology_cached(cluster_json: str, tp: int) -> nx.Graph:
-    return build_topology(ClusterSpec.model_validate_json(cluster_json), tp)
-
-
-def _pcie_path(g: nx.Graph, gpu: str, nic: str) -> list[str] | None:
-    """The PCIe hops from a GPU to a NIC on its node (same switch, or through the host)."""
-    if gpu not in g or nic not in g:
-        return None
-    sws = [n for n in g.neighbors(gpu) if g.nodes[n]["kind"] == "pcie"]
-    for s in sws:
-        if g.has_edge(s, nic):
-            return [gpu, s, nic]
-    for s in sws:
-        for h in g.neighbors(s):
-            if g.nodes[h]["kind"] != "host":
-                continue
-            for s2 in g.neighbors(h):
-                if g.nodes[s2]["kind"] == "pcie" and g.has_edge(s2, nic):
-                    return [gpu, s, h, s2, nic]
-    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,86 +380,6 @@ def nic_load_table(ctx: PlanContext, mb: MicroBatch, routed: bool) -> dict[str, 
 
 
 def route_problems(ctx: PlanContext, mb: MicroBatch) -> list[str]:
-    """Problems with a micro-batch's routes (empty = valid).
-
-    Every route is a node-crossing ring-neighbour pair of an inter-node ring group carrying the
-    tokens its source holds; every inter pair has exactly one route; each path's proxies are units
-    on the source / destination node, its NICs exist and are the proxies' own NICs, the hops exist
-    in the topology graph, and the path tokens add up.
-    """
-    probs: list[str] = []
-    n_units = ctx.num_units
-    upn = ctx.units_per_node
-    topo = _topology_cached(ctx.cluster.model_dump_json(), ctx.tp)
-    expected = {(t.group, t.src, t.dst): t.tokens for t in _transfers(ctx, mb)}
-    seen: set[tuple[int, int, int]] = set()
-    for r in mb.routes:
-        where = f"route {r.src}->{r.dst} of group {r.group}"
-        if not 0 <= r.group < len(mb.groups):
-            probs.append(f"{where}: no such group (micro-batch has {len(mb.groups)})")
-            continue
-        g = mb.groups[r.group]
-        if g.kind != "ring" or g.tier != "inter":
-            probs.append(f"{where}: group is a {g.tier} {g.kind} group, not an inter-node ring")
-            continue
-        G = len(g.units)
-        pairs = {(g.units[i], g.units[(i + 1) % G]) for i in range(G)} if G > 1 else set()
-        if (r.src, r.dst) not in pairs:
-            probs.append(f"{where}: {r.dst} is not the ring successor of {r.src}")
-            continue
-        if r.src // upn == r.dst // upn:
-            probs.append(f"{where}: both units are on node {r.src // upn} (not an inter-node transfer)")
-            continue
-        key = (r.group, r.src, r.dst)
-        if key in seen:
-            probs.append(f"{where}: routed twice")
-        seen.add(key)
-        want = expected.get(key, 0)
-        if r.tokens != want:
-            probs.append(f"{where}: carries {r.tokens} tokens but unit {r.src} holds {want} in the group")
-        if sum(p.tokens for p in r.paths) != r.tokens:
-            probs.append(f"{where}: path tokens add up to {sum(p.tokens for p in r.paths)}, not {r.tokens}")
-        for p in r.paths:
-            probs.extend(_path_problems(ctx, topo, where, r, p, n_units, upn))
-    for key in sorted(set(expected) - seen):
-        probs.append(f"group {key[0]}: inter-node transfer {key[1]}->{key[2]} has no route")
-    return probs
-
-
-def _path_problems(ctx, topo, where, r: Route, p: RoutePath, n_units: int, upn: int) -> list[str]:
-    out: list[str] = []
-    ends = (("source", r.src, p.via_src, p.nic_src), ("destination", r.dst, p.via_dst, p.nic_dst))
-    hops: list[list[str]] = []
-    for side, end, via, nic in ends:
-        if not 0 <= via < n_units:
-            out.append(f"{where}: {side} proxy {via} is not a unit (have {n_units})")
-            return out
-        if via // upn != end // upn:
-            out.append(f"{where}: {side} proxy {via} is on node {via // upn}, not on node {end // upn}")
-            return out
-        if f"nic:{nic}" not in topo:
-            out.append(f"{where}: NIC {nic!r} does not exist")
-            return out
-        if topo.nodes[f"nic:{nic}"]["node"] != via // upn:
-            out.append(f"{where}: NIC {nic} is not on node {via // upn} of {side} proxy {via}")
-            return out
-        own = unit_nic(ctx, via)
-        if nic != own:
-            out.append(f"{where}: {side} proxy {via} uses NIC {own}, not {nic}")
-            return out
-        gpu_end, gpu_via = f"gpu:{end * ctx.tp}", f"gpu:{via * ctx.tp}"
-        seg: list[str] = []
-        if via != end:
-            hub = f"nvswitch:{end // upn}"
-            if not (topo.has_edge(gpu_end, hub) and topo.has_edge(hub, gpu_via)):
-                out.append(f"{where}: no NVLink hop between units {end} and {via}")
-                return out
-            seg = [gpu_end, hub]
-        pcie = _pcie_path(topo, gpu_via, f"nic:{nic}")
-        if pcie is None:
-            out.append(f"{where}: no PCIe path from unit {via} to NIC {nic}")
-            return out
-        hops.append(seg + pcie)
-    if not (topo.has_edge(f"nic:{p.nic_src}", "fabric") and topo.has_edge("fabric", f"nic:{p.nic_dst}")):
-        out.append(f"{where}: NICs {p.nic_src} and {p.nic_dst} are not connected by the fabric")
-    return out
+    """Problems with a micro-batch's routes (empty = valid): the plan invariant
+    :func:`zeppelin.schemas.invariants.route_problems`, for units of ``ctx.tp`` GPUs."""
+    return invariant_route_problems(ctx.cluster, [u * ctx.tp for u in range(ctx.num_units)], mb)

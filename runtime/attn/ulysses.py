@@ -6,7 +6,7 @@ any disjoint cover works), sequences in placement order. Attention runs *head-sh
 
 1. one all-to-all scatters Q, K and V by heads and gathers the sequence — afterwards position ``j``
    holds every token of every sequence of the group for its heads;
-2. local causal varlen attention over those whole sequences (``runtime.attention_impl.local_attention``);
+2. local causal varlen attention over those whole sequences (:func:`.local.local_attention`);
 3. one all-to-all sends O back to the sequence shards.
 
 Head split: query heads are split near-evenly and contiguously over the positions (``Hq`` need not
@@ -28,6 +28,8 @@ import torch
 from zeppelin.schemas.common import InputError
 from zeppelin.schemas.layout import split_even
 from zeppelin.schemas.plan import PlanHeader, StepPlan
+
+from .local import local_attention
 
 __all__ = ["UlyssesSpec", "ulysses_attention", "head_split"]
 
@@ -109,20 +111,15 @@ class UlyssesSpec:
     def from_plan(cls, header: PlanHeader, step: StepPlan, mb_index: int, group_index: int,
                   rank: int) -> UlyssesSpec:
         """The spec of ``group_index`` of a micro-batch for GPU ``rank`` (its TP index picks, in
-        every unit of the group, the rank with the same TP index)."""
-        mb = step.microbatches[mb_index]
-        g = mb.groups[group_index]
-        reps = header.replicas(step)
-        unit = next((u for u, rp in enumerate(reps) if rank in rp.ranks), None)
-        if unit is None or unit not in g.units:
+        every unit of the group, the rank with the same TP index), as the rank's schedule has it."""
+        from .schedule import compile_schedule
+
+        tasks = compile_schedule(header, step, mb_index, rank).tasks
+        spec = next((t.spec for t in tasks if t.group == group_index and t.kind == "ulysses"), None)
+        if spec is None:
             raise InputError(f"step {step.step} microbatch {mb_index}: rank {rank} is not in "
                              f"group {group_index}")
-        t = reps[unit].ranks.index(rank)
-        if any(reps[u].tp != reps[unit].tp for u in g.units):
-            raise InputError(f"step {step.step} microbatch {mb_index}: Ulysses group {group_index} mixes "
-                             "units of different tensor-parallel degree")
-        seqs = [p.ranges for p in mb.placements if p.group == group_index]
-        return cls(ranks=[reps[u].ranks[t] for u in g.units], pos=g.units.index(unit), seqs=seqs)
+        return spec
 
 
 def _perms(spec: UlyssesSpec, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -272,8 +269,6 @@ def ulysses_attention(q, k, v, spec: UlyssesSpec, group=None, scale: float | Non
     ``k, v [T, Hkv, D]`` (``T = spec.rows(spec.pos)``, sequences in ``spec.seqs`` order, ranges in
     listed order); returns ``[T, Hq, D]``. Differentiable; ``group``: the process group of
     ``spec.ranks`` (looked up in the default GroupCache when omitted)."""
-    from .attention_impl import local_attention
-
     G = spec.size
     T = spec.rows(spec.pos)
     if q.shape[0] != T or k.shape[0] != T or v.shape[0] != T:
@@ -285,7 +280,7 @@ def ulysses_attention(q, k, v, spec: UlyssesSpec, group=None, scale: float | Non
         o = local_attention(q[perm], k[perm], v[perm], spec.cu_seqlens(), scale)
         return o[inv]
     if group is None:
-        from .groups import get_group
+        from ..groups import get_group
 
         group = get_group(spec.ranks)
     ctx = _Ctx(spec, hq, hkv, D, group)

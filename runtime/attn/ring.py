@@ -1,0 +1,209 @@
+"""Ring attention: exact causal attention over a group of ranks that each hold part of the same
+sequences (zigzag chunks, or any disjoint ranges), forward and backward.
+
+K/V blocks travel around the ring (position p sends to p+1), the next exchange is posted before
+the current block is computed (so communication overlaps compute), and partial results are merged
+by log-sum-exp (:func:`.merge.merge_partial`) in float32 accumulators whatever the input dtype. In
+backward dQ accumulates locally in float32 and the dK/dV accumulators travel with their K/V block,
+in float32, returning to their owner after the last round. Transfers go through a
+:class:`.transport.Transport` (inter-node routes, byte counters). A one-rank ring is local
+attention of the rank's own sequences through the same code.
+
+Nothing on this path reads a device value on the host (``.item()``, ``.tolist()``,
+``int(tensor)``); see tests/test_kernels.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import kernels as _k
+from .blocks import attention_block, attention_block_backward, block_kind
+from .merge import merge_partial, new_accumulators
+from .transport import Transport
+
+__all__ = ["RingSpec", "ring_attention", "ring_backward", "ring_forward", "ring_relay_backward",
+           "ring_relay_forward"]
+
+
+@dataclass
+class RingSpec:
+    """A ring group as seen by one rank.
+
+    ``ranks``: global ranks in ring order; ``pos``: my position (None for a relay-only proxy);
+    ``seqs``: per sequence of the group, its ``[start, end)`` ranges per ring position
+    (``Placement.ranges``). A position's rows are its ranges of each sequence, sequences in the
+    listed order, ranges in listed order."""
+
+    ranks: list[int]
+    pos: int | None
+    seqs: list[list[list[list[int]]]]
+    _rows: list[int] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        g = len(self.ranks)
+        for i, s in enumerate(self.seqs):
+            if len(s) != g:
+                raise ValueError(f"sequence {i} of the ring has ranges for {len(s)} positions, ring has {g}")
+        self._rows = [sum(max(0, e - b) for s in self.seqs for b, e in s[j]) for j in range(g)]
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def rows(self, j: int) -> int:
+        return self._rows[j]
+
+    def segments(self, j: int) -> list[tuple[int, int, int, int]]:
+        """``(seq_index, row_offset, start, end)`` of position j's rows."""
+        out, off = [], 0
+        for si, s in enumerate(self.seqs):
+            for b, e in s[j]:
+                if e > b:
+                    out.append((si, off, b, e))
+                    off += e - b
+        return out
+
+    def pairs(self, p: int, j: int) -> list[tuple[int, int, int, int, tuple[int, int], tuple[int, int]]]:
+        """Chunk pairs (q rows of position p) x (k rows of position j) with visible keys:
+        ``(q0, q1, k0, k1, q_range, k_range)``."""
+        ks_by_seq: dict[int, list[tuple[int, int, int, int]]] = {}
+        for seg in self.segments(j):
+            ks_by_seq.setdefault(seg[0], []).append(seg)
+        out = []
+        for si, qo, qs, qe in self.segments(p):
+            for _, ko, ks, ke in ks_by_seq.get(si, ()):
+                if block_kind((qs, qe), (ks, ke)) != "skip":
+                    out.append((qo, qo + qe - qs, ko, ko + ke - ks, (qs, qe), (ks, ke)))
+        return out
+
+    def transfers(self, r: int) -> list[tuple[int, int, int]]:
+        """Round r: position i sends the block it holds (owner (i - r) mod G) to position i+1."""
+        g = self.size
+        return [(self.ranks[i], self.ranks[(i + 1) % g], self._rows[(i - r) % g]) for i in range(g)]
+
+
+def _pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.stack([k, v], 1).contiguous()  # [T, 2, Hkv, D]
+
+
+def ring_forward(q, k, v, spec: RingSpec, transport: Transport, scale: float | None = None, idle=None):
+    """No-autograd ring attention forward: ``(out in q.dtype, lse [Hq, T] fp32)``.
+
+    ``idle``: optional filler called while a K/V exchange is still in flight (see
+    :meth:`.transport.Exchange.finish`)."""
+    sc = _k.default_scale(q, scale)
+    g, p = spec.size, spec.pos
+    if q.shape[0] != spec.rows(p) or k.shape[0] != spec.rows(p):
+        raise ValueError(f"ring position {p} holds {spec.rows(p)} rows, got q {q.shape[0]} / k {k.shape[0]}")
+    out, lse = new_accumulators(q)
+    kv = _pack_kv(k, v)
+    row_shape = kv.shape[1:]
+    for r in range(g):
+        j = (p - r) % g
+        ex = (
+            transport.exchange(spec.transfers(r), kv, row_shape, kv.dtype, kv.device).start()
+            if r < g - 1
+            else None
+        )
+        for q0, q1, k0, k1, qr, kr in spec.pairs(p, j):
+            o_b, l_b = attention_block(q[q0:q1], kv[k0:k1, 0], kv[k0:k1, 1], qr, kr, sc)
+            merge_partial(out[q0:q1], lse[:, q0:q1], o_b, l_b)
+        if ex is not None:
+            nxt = ex.finish(idle)
+            kv = nxt if nxt is not None else kv.new_zeros((0, *row_shape))
+    return out.to(q.dtype), lse
+
+
+def ring_backward(
+    dout, q, k, v, out, lse, spec: RingSpec, transport: Transport, scale: float | None = None, idle=None
+):
+    """No-autograd ring attention backward from the merged ``out``/``lse``: ``(dq, dk, dv)``
+    in the input dtype; accumulation in float32, dK/dV accumulators travel in float32."""
+    sc = _k.default_scale(q, scale)
+    g, p = spec.size, spec.pos
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    kv = _pack_kv(k, v)
+    row_shape = kv.shape[1:]
+    exd = None
+    dkv = None
+    for r in range(g):
+        j = (p - r) % g
+        exkv = (
+            transport.exchange(spec.transfers(r), kv, row_shape, kv.dtype, kv.device).start()
+            if r < g - 1
+            else None
+        )
+        dkv = torch.zeros((spec.rows(j), *row_shape), dtype=torch.float32, device=q.device)
+        for q0, q1, k0, k1, qr, kr in spec.pairs(p, j):
+            a, b, c = attention_block_backward(
+                dout[q0:q1], q[q0:q1], kv[k0:k1, 0], kv[k0:k1, 1], out[q0:q1], lse[:, q0:q1], qr, kr, sc
+            )
+            dq[q0:q1] += a.float()
+            dkv[k0:k1, 0] += b.float()
+            dkv[k0:k1, 1] += c.float()
+        if exd is not None:
+            got = exd.finish(idle)
+            if got is not None:
+                dkv += got
+        if g > 1:
+            exd = transport.exchange(spec.transfers(r), dkv, row_shape, torch.float32, q.device).start()
+        if exkv is not None:
+            nxt = exkv.finish(idle)
+            kv = nxt if nxt is not None else kv.new_zeros((0, *row_shape))
+    if exd is not None:
+        got = exd.finish(idle)
+        dkv = got if got is not None else torch.zeros((0, *row_shape), dtype=torch.float32, device=q.device)
+    return dq.to(q.dtype), dkv[:, 0].to(k.dtype), dkv[:, 1].to(v.dtype)
+
+
+def ring_relay_forward(spec: RingSpec, transport: Transport, row_shape, dtype, device, idle=None) -> None:
+    """A proxy that is not a ring member: take part in the forward exchanges of the ring (same
+    call sequence as :func:`ring_forward`, no compute)."""
+    for r in range(spec.size - 1):
+        transport.exchange(spec.transfers(r), None, row_shape, dtype, device).start().finish(idle)
+
+
+def ring_relay_backward(spec: RingSpec, transport: Transport, row_shape, dtype, device, idle=None) -> None:
+    """Relay-only counterpart of :func:`ring_backward` (same exchange call sequence)."""
+    g = spec.size
+    exd = None
+    for r in range(g):
+        exkv = (
+            transport.exchange(spec.transfers(r), None, row_shape, dtype, device).start()
+            if r < g - 1
+            else None
+        )
+        if exd is not None:
+            exd.finish(idle)
+        if g > 1:
+            exd = transport.exchange(spec.transfers(r), None, row_shape, torch.float32, device).start()
+        if exkv is not None:
+            exkv.finish(idle)
+    if exd is not None:
+        exd.finish(idle)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, spec, transport, scale):
+        out, lse = ring_forward(q, k, v, spec, transport, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.spec, ctx.transport, ctx.scale = spec, transport, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.spec, ctx.transport, ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+def ring_attention(q, k, v, ring: RingSpec, transport: Transport | None = None, scale: float | None = None):
+    """Exact ring attention over ``ring`` (autograd-capable). ``q/k/v`` are this rank's rows
+    (see :class:`RingSpec`). All ring members must call it together."""
+    if ring.pos is None:
+        raise ValueError("ring_attention needs a ring member (pos is None)")
+    return _RingAttention.apply(q, k, v, ring, transport or Transport(), scale)
