@@ -16,7 +16,7 @@ This module imports nothing heavy (no torch): the command line imports it before
 from __future__ import annotations
 
 import argparse
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -205,9 +205,6 @@ class RunConfig:
                 continue
             argv += [spec.flag] if spec.kind is bool else [spec.flag, str(value)]
         return argv
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def build_parser() -> argparse.ArgumentParser:
