@@ -111,7 +111,8 @@ class OptionSpec:
         if kind is str:
             return str(raw)
         if isinstance(raw, bool):  # True is an int to Python, never a count or a size here
-            raise _bad(planner, f"{self.name}={raw!r} is not a {self.type_name}")
+            what = {int: "an integer", float: "a number", INTS: "a list of integers"}[kind]
+            raise _bad(planner, f"{self.name}={raw!r} is not {what}")
         try:
             if kind is int:
                 if isinstance(raw, float) and not raw.is_integer():
