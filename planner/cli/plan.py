@@ -144,7 +144,7 @@ def plan(
         raise InputError(f"--ilp-nodes must be >= 0 (got {ilp_nodes})")
     options = ({"ilp": ilp, "ilp_nodes": ilp_nodes, "solver": solver, "intra": intra}
                if planner.startswith("zeppelin") else {})
-    if families != "all" and planner.startswith("zeppelin"):  # (the default leaves the header as it was)
+    if families != "all" and planner.startswith("zeppelin"):  # (only a value other than the default is recorded)
         options["families"] = families
     if time_limit is not None and (planner.startswith("zeppelin") or planner in ("flexsp", "hydraulis")):
         options["time_limit"] = time_limit
