@@ -13,7 +13,6 @@ Under the launcher (``ZEPPELIN_PARENT_PID`` set) a rank dies with its launcher
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -23,46 +22,7 @@ import traceback
 
 from zeppelin.schemas.common import InputError
 
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m zeppelin.runtime",
-                                description="Run a zeppelin plan on this rank (start it with torchrun).")
-    p.add_argument("plan", help="plan file written by `zeppelin plan`")
-    p.add_argument("--model", default=None, help="model preset or JSON; must match the plan's model hash")
-    p.add_argument("--data", default=None, help="dataset manifest; must match the plan's manifest hash")
-    p.add_argument("--steps", type=int, default=None, help="run the first N steps of the plan (default: all)")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None, help="model init seed (default: the plan's seed)")
-    p.add_argument("--metrics", default=None, help="JSON Lines metrics file (default: PLAN.metrics.jsonl)")
-    p.add_argument("--verify", action="store_true", help="compare every step with a single-process reference")
-    p.add_argument("--verify-tol", type=float, default=None, help="relative tolerance (fp32 1e-5, bf16 2e-2)")
-    p.add_argument("--checkpoint-every", type=int, default=0)
-    p.add_argument("--checkpoint-dir", default=None)
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
-    p.add_argument("--timeout", type=float, default=300.0, help="collective / P2P timeout in seconds")
-    p.add_argument("--verify-timeout", type=float, default=None,
-                   help="with --verify: how long the ranks wait for rank 0's verdict on a step, seconds "
-                        "(default: max(600, 4 x --timeout))")
-    p.add_argument("--progress", choices=["auto", "rich", "plain", "none"], default="auto")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads per rank")
-    p.add_argument("--tp-overlap", choices=["none", "slicing", "commfuse"], default=None,
-                   help="communication/GEMM overlap of the tensor-parallel linears (default: the plan's)")
-    p.add_argument("--dp", choices=["fsdp", "replicate"], default="fsdp",
-                   help="fsdp: FSDP2 at the plan's ZeRO stage; replicate: whole model, one gradient all-reduce")
-    p.add_argument("--zero-stage", type=int, default=None, help="ZeRO stage 0-3 (default: the plan's)")
-    p.add_argument("--hsdp", type=int, default=None,
-                   help="hybrid sharding: shard inside groups of this many ranks, replicate across them")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
-                   help="compute dtype (default: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--recompute", choices=["none", "selective", "full"], default=None,
-                   help="activation recomputation (default: the plan's)")
-    p.add_argument("--recompute-override", action="store_true",
-                   help="run a plan made for another --recompute setting")
-    p.add_argument("--export", default=None, metavar="DIR",
-                   help="after the run, write the model as a Hugging Face directory (safetensors + config.json)")
-    return p
+from .config import RunConfig, build_parser
 
 
 def _report(rank: int, message: str, code: int, tb: str | None = None) -> None:
@@ -107,20 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         die_with_parent(signal.SIGKILL)
     for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(s, _on_stop_signal)
-    args = build_parser().parse_args(argv)
+    args = vars(build_parser().parse_args(argv))  # the options of RunConfig (zeppelin.runtime.config)
     rank = int(os.environ.get("RANK", "0"))
-    from .executor import RunConfig, VerifyError, run_job
+    from .executor import VerifyError, run_job
 
-    cfg = RunConfig(plan=args.plan, model=args.model, data=args.data, steps=args.steps, lr=args.lr,
-                    weight_decay=args.weight_decay, seed=args.seed, metrics=args.metrics, verify=args.verify,
-                    verify_tol=args.verify_tol, checkpoint_every=args.checkpoint_every,
-                    checkpoint_dir=args.checkpoint_dir, resume=args.resume, timeout_s=args.timeout,
-                    verify_timeout_s=args.verify_timeout,
-                    progress=args.progress, device=args.device, threads=args.threads,
-                    tp_overlap=args.tp_overlap, dp=args.dp, zero_stage=args.zero_stage, hsdp=args.hsdp,
-                    dtype=args.dtype, recompute=args.recompute, recompute_override=args.recompute_override,
-                    export=args.export)
     try:
+        cfg = RunConfig(**args)  # checks every option
         summary = run_job(cfg)
         _finishing()
     except InputError as e:

@@ -41,53 +41,20 @@ import torch
 import torch.distributed as dist
 
 from zeppelin.schemas.common import (
-    MAX_TIMEOUT_S,
     InputError,
-    check_float,
     check_output,
-    check_training_options,
     content_hash,
 )
 from zeppelin.schemas.plan import PlanHeader, PlanReader, StepPlan, check_embedded_specs, sample_problems
 
 from .api import AttentionContext, attention, build_step, to_attention_layout, to_linear_layout
+from .config import RunConfig
 from .data import TokenSource, load_token_source, predicted_tokens
 from .model import Layout, LlamaModel, PhaseTimer, reference_step
 
 
 class VerifyError(RuntimeError):
     """``--verify`` found the distributed step differing from the reference beyond tolerance."""
-
-
-@dataclass
-class RunConfig:
-    plan: str
-    model: str | None = None
-    data: str | None = None
-    steps: int | None = None
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    seed: int | None = None
-    metrics: str | None = None
-    verify: bool = False
-    verify_tol: float | None = None
-    checkpoint_every: int = 0
-    checkpoint_dir: str | None = None
-    resume: bool = False
-    timeout_s: float = 300.0
-    verify_timeout_s: float | None = None  # how long ranks wait for rank 0's verdict (default: max(600, 4 x timeout))
-    progress: str = "auto"           # auto | rich | plain | none
-    device: str = "auto"             # auto | cpu | cuda
-    threads: int | None = None
-    tp_overlap: str | None = None    # none | slicing | commfuse (default: the plan header's)
-    tp_chunks: int = 4               # slices of the slicing overlap mode
-    dp: str = "fsdp"                 # fsdp (FSDP2, the plan's ZeRO stage) | replicate (whole model, all-reduce)
-    zero_stage: int | None = None    # default: the plan header's
-    hsdp: int | None = None          # hybrid sharding: shard groups of this many ranks (None: shard over all)
-    dtype: str | None = None         # fp32 | bf16 (default: bf16 on CUDA, fp32 on CPU)
-    recompute: str | None = None     # none | selective | full (default: the plan header's)
-    recompute_override: bool = False  # run a plan made for another --recompute
-    export: str | None = None        # write a Hugging Face directory (safetensors + config) at the end
 
 
 # ---------------------------------------------------------------------------------------------
@@ -475,9 +442,7 @@ def build_model(ref: str | None, header: PlanHeader, seed: int, device: torch.de
 def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSource, int, int]:
     """Everything a rank can decide alone, before any collective. Returns
     (reader, token source, first step, end step). Raises InputError."""
-    check_training_options(lr=cfg.lr, weight_decay=cfg.weight_decay, seed=cfg.seed, timeout=cfg.timeout_s,
-                           verify_tol=cfg.verify_tol, checkpoint_every=cfg.checkpoint_every, threads=cfg.threads)
-    check_float("--verify-timeout", cfg.verify_timeout_s, 0.0, MAX_TIMEOUT_S, lo_open=True)
+    cfg.check()  # the options' own bounds (a config may have been changed since it was made)
     reader = PlanReader(cfg.plan)
     header = reader.header
     reader.verify()
@@ -498,17 +463,13 @@ def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSo
     if header.tp > header.model.num_heads:
         raise InputError(f"the plan's tensor-parallel degree tp={header.tp} exceeds the model's "
                          f"{header.model.num_heads} attention heads")
-    if cfg.tp_overlap is not None and cfg.tp_overlap not in ("none", "slicing", "commfuse"):
-        raise InputError(f"--tp-overlap {cfg.tp_overlap!r} is not one of none, slicing, commfuse")
     if cfg.export:
         from zeppelin.runtime.hf import export_problem
 
         why = export_problem(cfg.model, header.model)
         if why:
             raise InputError(why)
-        ex_dir = Path(cfg.export)
-        if ex_dir.exists() and (not ex_dir.is_dir() or any(ex_dir.iterdir())):
-            raise InputError("--export: the directory exists and is not empty", source=ex_dir)
+        cfg.check_export_dir()
     if cfg.data is None and header.manifest.token_ids:
         raise InputError(f"the plan was made from a manifest with token ids ({header.manifest.path}); pass it "
                          "with --data (without it the run would train on synthetic ids)")
@@ -516,32 +477,17 @@ def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSo
     if cfg.data is not None and mhash is not None and mhash != header.hashes.manifest:
         raise InputError(f"--data {cfg.data} does not match the plan: the plan was made for manifest hash "
                          f"{header.hashes.manifest}, this one hashes to {mhash}")
+    cfg.check_plan(header)  # --steps within the plan, --recompute as planned
     end = header.num_steps if cfg.steps is None else cfg.steps
-    if cfg.steps is not None and not 1 <= cfg.steps <= header.num_steps:
-        raise InputError(f"--steps {cfg.steps} is out of range (the plan has {header.num_steps} steps)")
     lengths = getattr(getattr(source, "manifest", None), "lengths", None)
     if lengths is not None:  # every sample the steps name is in the manifest, never synthetic tokens instead
         for k in range(end):
             probs = sample_problems(reader.step(k), lengths)
             if probs:
                 raise InputError(f"--data {cfg.data}: {probs[0]}")
-    if cfg.checkpoint_every < 0:
-        raise InputError("--checkpoint-every must be >= 0")
-    if (cfg.checkpoint_every or cfg.resume) and not cfg.checkpoint_dir:
-        raise InputError("--checkpoint-every/--resume need --checkpoint-dir")
-    from .fsdp import check_modes
-
-    check_modes(dp=cfg.dp, dtype=cfg.dtype, recompute=cfg.recompute)
-    if cfg.zero_stage is not None and not 0 <= cfg.zero_stage <= 3:
-        raise InputError(f"--zero-stage must be 0, 1, 2 or 3 (got {cfg.zero_stage})")
-    if cfg.hsdp is not None and (cfg.hsdp < 1 or world_size % cfg.hsdp):
+    if cfg.hsdp is not None and world_size % cfg.hsdp:
         raise InputError(f"--hsdp {cfg.hsdp} must divide the world size {world_size}")
-    planned = getattr(header, "recompute", "none")
-    if cfg.recompute is not None and cfg.recompute != planned and not cfg.recompute_override:
-        raise InputError(f"the plan was made for --recompute {planned} (its activation memory per token), "
-                         f"not {cfg.recompute}; re-plan with `zeppelin plan --recompute {cfg.recompute}` "
-                         "or pass --recompute-override")
-    metrics_path = Path(cfg.metrics) if cfg.metrics else Path(cfg.plan).with_suffix(".metrics.jsonl")
+    metrics_path = cfg.metrics_path
     check_output(metrics_path, [cfg.plan, cfg.data, cfg.model], what="metrics file")
     return reader, source, 0, end
 

@@ -12,7 +12,6 @@ import heapq
 import math
 import time
 from collections.abc import Iterable
-from typing import Any
 
 from zeppelin.planner.core.base import PlanContext, PlanningError, pow2_sizes
 from zeppelin.planner.core.builder import StepBuilder, seq_label  # noqa: F401  (re-exported)
@@ -56,26 +55,6 @@ def check_capacity(ctx: PlanContext, planner: str) -> int:
             f"{ctx.cluster.gpu.memory_gb:g} GB GPU holds after the reserve; no tokens fit"
         )
     return cap
-
-
-def opt(options: dict[str, Any], key: str, kind: type, default, planner: str, minimum=None):
-    """A planner option converted to ``kind`` (options may arrive as strings from the CLI)."""
-    if key not in options or options[key] is None:
-        return default
-    raw = options[key]
-    try:
-        if kind is bool and isinstance(raw, str):
-            low = raw.strip().lower()
-            if low not in ("1", "0", "true", "false", "yes", "no"):
-                raise ValueError(raw)
-            val = low in ("1", "true", "yes")
-        else:
-            val = kind(raw)
-    except (TypeError, ValueError):
-        raise PlanningError(f"{planner}: option {key}={raw!r} is not a valid {kind.__name__}") from None
-    if minimum is not None and val < minimum:
-        raise PlanningError(f"{planner}: option {key}={raw!r} must be at least {minimum}")
-    return val
 
 
 def lpt(weights: Iterable[float], n_bins: int, base: list[float] | None = None) -> list[int]:

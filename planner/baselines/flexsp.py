@@ -39,6 +39,7 @@ meets a valid lower bound (least work over N units, the longest bucket's fastest
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -51,12 +52,12 @@ from zeppelin.planner.baselines.common import (
     check_capacity,
     ffd,
     lpt,
-    opt,
     pow2_sizes,
     seq_label,
 )
 from zeppelin.planner.core.base import PlanContext, Planner, PlanningError, register
-from zeppelin.planner.core.solver import merge_status, solve_limits
+from zeppelin.planner.core.options import PlannerOptions, option
+from zeppelin.planner.core.solver import SolveLimits, merge_status
 from zeppelin.schemas.plan import Sequence, SolverInfo, StepPlan
 
 MILP_SOLVES = 2  # MILP solves per step (the rest of the micro-batches keep their greedy solution)
@@ -304,25 +305,38 @@ def _solve_microbatch(model, lengths, sizes, n, cap, Q, limits, use_milp, auto_n
 
 
 
+@dataclass(frozen=True)
+class FlexSPOptions(PlannerOptions):
+    solver: str = option(str, "milp", "milp (the MILP per micro-batch, greedy warm start) or greedy (the warm "
+                         "start only)", choices=("milp", "greedy"))
+    milp_solves: int = option(int, MILP_SOLVES, "MILP solves per step; the other micro-batches keep their greedy "
+                              "solution", minimum=0)
+    buckets: int = option(int, 16, "sequence-length buckets of the MILP (Q)", minimum=1)
+    mb_search: int = option(int, 5, "micro-batch counts searched, from the fewest that fit memory", minimum=1)
+    gap: float = option(float, DEFAULT_GAP, "relative MILP gap", minimum=0.0)
+    candidates: int = option(int, 1, "best solutions of each kind (MILP, homogeneous) priced by the step "
+                             "prediction", minimum=1)
+    milp_nodes: int | None = option(int, None, f"branch-and-bound nodes per solve (default: {MILP_NODES}, none "
+                                    f"past {MILP_BIG_COLS} columns)", minimum=0)
+    milp_iterations: int = option(int, 20000, "simplex iterations per solve", minimum=0)
+    time_limit: float | None = option(float, None, "optional wall-clock safety net per solve, seconds (off by "
+                                      "default; a step that hits it is not reproducible)", above=0.0)
+
+
 @register
 class FlexSP(Planner):
     name = "flexsp"
-    option_names = ("solver", "milp_solves", "buckets", "mb_search", "gap", "candidates", "milp_nodes",
-                    "milp_iterations", "time_limit")
+    Options = FlexSPOptions
     description = ("FlexSP: per micro-batch a MILP over heterogeneous power-of-two Ulysses groups with "
                    "bucketed lengths (Q=16), greedy warm start, micro-batch count search")
 
     def plan_step(self, ctx: PlanContext, step: int, sequences: list[Sequence]) -> StepPlan:
         t = Timer()
         cap = check_capacity(ctx, self.name)
-        budget = opt(self.options, "milp_solves", int, MILP_SOLVES, self.name, minimum=0)
-        Q = opt(self.options, "buckets", int, 16, self.name, minimum=1)
-        span = opt(self.options, "mb_search", int, 5, self.name, minimum=1)
-        gap = opt(self.options, "gap", float, DEFAULT_GAP, self.name, minimum=0.0)
-        limits = solve_limits(self.options, self.name, nodes=MILP_NODES, gap_rel=gap)
-        mode = str(self.options.get("solver", "milp"))
-        if mode not in ("milp", "greedy"):
-            raise PlanningError(f"flexsp: option solver={mode!r} must be 'milp' or 'greedy'")
+        o = self.opts
+        budget, Q, span, mode = o.milp_solves, o.buckets, o.mb_search, o.solver
+        limits = SolveLimits(nodes=MILP_NODES if o.milp_nodes is None else o.milp_nodes,
+                             iterations=o.milp_iterations, gap_rel=o.gap, wall_s=o.time_limit)
         n = ctx.num_units
         heads = ctx.model.num_heads // ctx.tp
         sizes = [s for s in pow2_sizes(n) if heads % s == 0]
@@ -359,7 +373,7 @@ class FlexSP(Planner):
                 use_milp = mode == "milp" and budget > 0
                 skipped += mode == "milp" and not use_milp
                 out = _solve_microbatch(model, [lengths[i] for i in mb], sizes, n, cap, Q, limits, use_milp,
-                                        auto_nodes="milp_nodes" not in self.options)
+                                        auto_nodes=o.milp_nodes is None)
                 if out is None:
                     break
                 groups, Cm, rec, res = out
@@ -386,7 +400,7 @@ class FlexSP(Planner):
                 if h is not None:
                     homog.append((h[0], s, balance, h[1]))
         homog.sort(key=lambda h: (h[0], -h[1]))
-        top = opt(self.options, "candidates", int, 1, self.name, minimum=1)
+        top = o.candidates
         plans: list[tuple[float, str, StepPlan]] = []
         for d in done[:top]:
             layout = [_aligned(groups) for groups in d[2]]
@@ -413,7 +427,7 @@ class FlexSP(Planner):
                 fallback = "no MILP solution within the solver limits for some micro-batches: greedy kept"
             if skipped:
                 fallback = (fallback + "; " if fallback else "") + (
-                    f"MILP budget ({self.options.get('milp_solves', MILP_SOLVES)} solves) spent: greedy for "
+                    f"MILP budget ({o.milp_solves} solves) spent: greedy for "
                     f"{skipped} micro-batch(es) of other micro-batch counts")
         else:
             solver_name, status, gap, fallback = "greedy", "ok", None, None

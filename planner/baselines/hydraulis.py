@@ -35,6 +35,8 @@ The prediction uses one cost model per TP degree (:func:`predict_replicas`), sin
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from zeppelin.planner.baselines import milp as bl_milp
@@ -43,12 +45,12 @@ from zeppelin.planner.baselines.common import (
     Timer,
     ceil_div,
     check_capacity,
-    opt,
     pow2_sizes,
     seq_label,
 )
 from zeppelin.planner.core.base import PlanContext, Planner, PlanningError, register
-from zeppelin.planner.core.solver import merge_status, solve_limits
+from zeppelin.planner.core.options import INTS, PlannerOptions, option
+from zeppelin.planner.core.solver import SolveLimits, merge_status
 
 MILP_SOLVES = 4  # packing ILPs per step (deterministic budget; LPT packing for the rest)
 MILP_NODES = 50  # branch-and-bound nodes per ILP
@@ -184,20 +186,30 @@ def _pack_ilp(items, c, L, cap, v, start, limits):
     return bins, res
 
 
+@dataclass(frozen=True)
+class HydraulisOptions(PlannerOptions):
+    tp_degrees: tuple[int, ...] = option(INTS, (1, 2, 4, 8), "TP degrees of the replicas (those dividing the GPUs "
+                                         "per node and the heads are used)", minimum=1)
+    milp_solves: int = option(int, MILP_SOLVES, "packing ILPs per step; LPT packing for the rest", minimum=0)
+    restarts: int = option(int, 8, "randomised restarts of the dispatch to replicas", minimum=1)
+    mb_search: int = option(int, 3, "micro-batch counts searched per replica", minimum=1)
+    cp: bool = option(bool, True, "ring a sequence no replica holds over several replicas of the largest degree")
+    milp_nodes: int = option(int, MILP_NODES, "branch-and-bound nodes per ILP", minimum=0)
+    milp_iterations: int = option(int, 20000, "simplex iterations per ILP", minimum=0)
+    time_limit: float | None = option(float, None, "optional wall-clock safety net per ILP, seconds (off by "
+                                      "default; a step that hits it is not reproducible)", above=0.0)
+
+
 @register
 class Hydraulis(Planner):
     name = "hydraulis"
-    option_names = ("tp_degrees", "milp_solves", "restarts", "mb_search", "cp", "milp_nodes", "milp_iterations",
-                    "time_limit")
+    Options = HydraulisOptions
     description = ("Hydraulis: heterogeneous model replicas (mixed TP degrees) with two-stage assignment: "
                    "randomised greedy dispatch to replicas, then ILP packing into micro-batches")
 
     def _degrees(self, ctx: PlanContext) -> list[int]:
-        raw = self.options.get("tp_degrees", "1,2,4,8")
-        try:
-            want = sorted({int(x) for x in (raw.split(",") if isinstance(raw, str) else raw)})
-        except (TypeError, ValueError):
-            raise PlanningError(f"hydraulis: option tp_degrees={raw!r} is not a list of integers") from None
+        want = sorted(set(self.opts.tp_degrees))
+        raw = ",".join(map(str, want))
         heads = ctx.model.num_heads
         out = [t for t in want if t >= 1 and ctx.cluster.gpus_per_node % t == 0 and heads % t == 0]
         if not out:
@@ -208,12 +220,11 @@ class Hydraulis(Planner):
     def plan_step(self, ctx: PlanContext, step: int, sequences: list[Sequence]) -> StepPlan:
         t = Timer()
         check_capacity(ctx, self.name)
-        limits = solve_limits(self.options, self.name, nodes=MILP_NODES)
-        budget = opt(self.options, "milp_solves", int, MILP_SOLVES, self.name, minimum=0)
+        o = self.opts
+        limits = SolveLimits(nodes=o.milp_nodes, iterations=o.milp_iterations, wall_s=o.time_limit)
+        budget = o.milp_solves
         skipped = 0
-        restarts = opt(self.options, "restarts", int, 8, self.name, minimum=1)
-        v_span = opt(self.options, "mb_search", int, 3, self.name, minimum=1)
-        use_cp = opt(self.options, "cp", bool, True, self.name)
+        restarts, v_span, use_cp = o.restarts, o.mb_search, o.cp
         degrees = self._degrees(ctx)
         cms = _cost_models(ctx, degrees)
         cap = {d: cms[d].token_capacity for d in degrees}
@@ -341,7 +352,7 @@ class Hydraulis(Planner):
             gaps = [x.gap for x in results]
             if skipped:
                 fallback = (fallback + "; " if fallback else "") + (
-                    f"ILP budget ({self.options.get('milp_solves', MILP_SOLVES)} solves) spent: LPT packing for "
+                    f"ILP budget ({o.milp_solves} solves) spent: LPT packing for "
                     f"{skipped} more (replica, micro-batch count) pair(s)")
             solver = SolverInfo(name=results[0].solver, status=status,
                                 gap=None if any(g is None for g in gaps) else max(gaps), time_s=t.elapsed,

@@ -5,6 +5,8 @@ least-loaded groups until the loads are within 5%."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from zeppelin.planner.baselines.common import (
@@ -15,10 +17,10 @@ from zeppelin.planner.baselines.common import (
     cp_padded,
     fitting_cp,
     largest_pow2_block,
-    opt,
     seq_label,
 )
 from zeppelin.planner.core.base import PlanContext, Planner, PlanningError, register
+from zeppelin.planner.core.options import PlannerOptions, option
 from zeppelin.schemas.plan import Sequence, SolverInfo, StepPlan
 
 
@@ -33,10 +35,16 @@ class _DCPGroup:
         return list(range(self.start, self.start + self.size))
 
 
+@dataclass(frozen=True)
+class MegatronDCPOptions(PlannerOptions):
+    max_tokens_per_rank: int | None = option(int, None, "tokens a rank holds at most, which sizes each sample's "
+                                             "CP group (default: the memory capacity)", minimum=1)
+
+
 @register
 class MegatronDCP(Planner):
     name = "megatron-dcp"
-    option_names = ("max_tokens_per_rank",)
+    Options = MegatronDCPOptions
     description = ("Megatron-Core dynamic context parallelism: each sample gets next_pow2(ceil(L / max tokens "
                    "per rank)) ranks, greedy placement into the least-loaded groups until loads are within 5%")
 
@@ -45,7 +53,7 @@ class MegatronDCP(Planner):
     def plan_step(self, ctx: PlanContext, step: int, sequences: list[Sequence]) -> StepPlan:
         t = Timer()
         cap = check_capacity(ctx, self.name)
-        maxtok = opt(self.options, "max_tokens_per_rank", int, cap, self.name, minimum=1)
+        maxtok = cap if self.opts.max_tokens_per_rank is None else self.opts.max_tokens_per_rank
         if maxtok > cap:
             raise PlanningError(f"megatron-dcp: max_tokens_per_rank={maxtok} exceeds the memory capacity of "
                                 f"{cap} tokens per GPU")

@@ -14,6 +14,8 @@ The ``cp``/``sp`` option forces the size."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from zeppelin.planner.baselines.common import (
     StepBuilder,
     Timer,
@@ -22,12 +24,24 @@ from zeppelin.planner.baselines.common import (
     cp_padded,
     ffd,
     lpt,
-    opt,
     pow2_sizes,
     seq_label,
 )
 from zeppelin.planner.core.base import PlanContext, Planner, PlanningError, register
+from zeppelin.planner.core.options import PlannerOptions, option
 from zeppelin.schemas.plan import Sequence, SolverInfo, StepPlan
+
+
+@dataclass(frozen=True)
+class CPOptions(PlannerOptions):
+    cp: int | None = option(int, None, "force this CP size (a power of two dividing the units; default: "
+                            "the planner chooses)", minimum=1)
+
+
+@dataclass(frozen=True)
+class SPOptions(PlannerOptions):
+    sp: int | None = option(int, None, "force this SP degree (a power of two dividing the units and the "
+                            "heads per unit; default: the best per step)", minimum=1)
 
 
 class _StaticSP(Planner):
@@ -35,8 +49,8 @@ class _StaticSP(Planner):
 
     kind = "ring"
     pad = True  # TE THD layout: pad every sequence to a multiple of 2*G
-    option = "cp"
-    option_names = ("cp",)
+    option = "cp"  # the Options field that forces the size
+    Options = CPOptions
 
     def sizes(self, ctx: PlanContext) -> list[int]:
         n = ctx.num_units
@@ -67,7 +81,7 @@ class _StaticSP(Planner):
         t = Timer()
         cap = check_capacity(ctx, self.name)
         sizes = self.sizes(ctx)
-        forced = opt(self.options, self.option, int, None, self.name, minimum=1)
+        forced = getattr(self.opts, self.option)
         if forced is not None:
             if forced not in sizes:
                 raise PlanningError(f"{self.name}: {self.option}={forced} is not usable here (choose one of "
@@ -117,7 +131,7 @@ class TECP(_StaticSP):
         t = Timer()
         cap = check_capacity(ctx, self.name)
         sizes = self.sizes(ctx)
-        forced = opt(self.options, self.option, int, None, self.name, minimum=1)
+        forced = getattr(self.opts, self.option)
         longest = max(s.length for s in sequences)
         if ctx.max_seq_len is not None:
             basis, L = "max_seq_len", max(int(ctx.max_seq_len), longest)
@@ -169,7 +183,7 @@ class Ulysses(_StaticSP):
     kind = "ulysses"
     pad = False
     option = "sp"
-    option_names = ("sp",)
+    Options = SPOptions
     description = "DeepSpeed-Ulysses static all-to-all sequence parallelism (SP degree divides the head count)"
 
     def sizes(self, ctx: PlanContext) -> list[int]:

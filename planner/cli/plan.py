@@ -8,7 +8,16 @@ from pathlib import Path
 
 import typer
 
-from zeppelin.schemas.common import MAX_SEED, MAX_STEPS, MAX_TOKENS, MAX_WORKERS, InputError, check_float, check_int
+from zeppelin.planner.zeppelin.options import ZeppelinOptions
+from zeppelin.schemas.common import (
+    MAX_SEED,
+    MAX_STEPS,
+    MAX_TOKENS,
+    MAX_WORKERS,
+    InputError,
+    check_float,
+    check_int,
+)
 
 
 def _planner(name: str, options: dict):
@@ -18,6 +27,40 @@ def _planner(name: str, options: dict):
     if name in PLANNERS:  # the zeppelin planners: no need to import every baseline
         return construct_planner(name, **options)
     return get_planner(name, **options)
+
+
+def _zeppelin_flag(name: str, *flags: str):
+    """A ``zeppelin plan`` flag that sets a Zeppelin option: its default and help from
+    :class:`ZeppelinOptions`."""
+    spec = ZeppelinOptions.spec(name)
+    return typer.Option(spec.default, *flags, help=f"zeppelin: {spec.help}")
+
+
+def _list_options(value: bool) -> None:
+    if not value:
+        return
+    from zeppelin.planner.core import registry  # noqa: F401 (imports every planner module: they register)
+    from zeppelin.planner.core.base import PLANNERS
+
+    typer.echo(options_listing(PLANNERS), nl=False)
+    raise typer.Exit()
+
+
+def options_listing(planners: dict) -> str:
+    """Every planner's options (from its ``Options`` dataclass), planners sharing them together."""
+    groups: dict[type, list[str]] = {}
+    for name in sorted(planners):
+        groups.setdefault(planners[name].Options, []).append(name)
+    out = []
+    for opts, names in sorted(groups.items(), key=lambda g: g[1][0]):
+        specs = opts.specs()
+        out.append(f"{', '.join(names)}:" + ("" if specs else " no options") + "\n")
+        for s in specs:
+            allowed = f" {s.allowed};" if s.allowed else ""
+            out.append(f"  {s.name} ({s.type_name};{allowed} default {s.default_text}): {s.help}\n")
+    out.append("Set them in a check case's \"options\", with `zeppelin plan --option NAME=VALUE`, or as keyword "
+               "arguments of get_planner(NAME, ...).\n")
+    return "".join(out)
 
 
 def plan(
@@ -44,19 +87,16 @@ def plan(
                                   help="none | selective | full: activation recomputation `zeppelin run` will use "
                                        "(sets the activation memory per token)"),
     profile: str | None = typer.Option(None, "--profile", help="cost profile JSON (from `zeppelin profile`)"),
-    ilp_nodes: int = typer.Option(10, "--ilp-nodes", help="branch-and-bound nodes per ILP solve (a deterministic "
-                                                             "limit: the same plan on any machine, under any load)"),
-    time_limit: float | None = typer.Option(None, "--time-limit",
-                                            help="optional wall-clock safety net per ILP solve, seconds (off by "
-                                                 "default; a step that hits it is marked non-reproducible)"),
-    ilp: str = typer.Option("auto", "--ilp", help="auto (where it pays), always, never"),
-    solver: str = typer.Option("highs", "--solver", help="ILP solver: highs (CBC as fallback) or cbc"),
-    intra: str = typer.Option("auto", "--intra",
-                              help="zeppelin: how a sequence split inside a node runs - auto (zigzag ring or "
-                                   "Ulysses all-to-all, whichever the cost model prices lower) or ring (rings only, "
-                                   "as published)"),
-    families: str = typer.Option("all", "--families", help="zeppelin: whole-step candidate families beside the "
-                                 "tiered search - all, none, or a comma list of ulysses-groups, flop-share, tp-replicas"),
+    ilp_nodes: int = _zeppelin_flag("ilp_nodes", "--ilp-nodes"),
+    time_limit: float | None = typer.Option(None, "--time-limit", help=ZeppelinOptions.spec("time_limit").help),
+    ilp: str = _zeppelin_flag("ilp", "--ilp"),
+    solver: str = _zeppelin_flag("solver", "--solver"),
+    intra: str = _zeppelin_flag("intra", "--intra"),
+    families: str = _zeppelin_flag("families", "--families"),
+    option: list[str] = typer.Option([], "--option", "-O", metavar="NAME=VALUE",
+                                     help="a planner option (repeatable; `--list-options` lists them)"),
+    list_options: bool = typer.Option(False, "--list-options", is_eager=True, expose_value=False,
+                                      callback=_list_options, help="list every planner's options and exit"),
     workers: int = typer.Option(1, "--workers", "-j", help="plan steps in this many processes"),
     fmt: str = typer.Option("jsonl", "--format", help="jsonl (compact) or pretty (readable, diffable)"),
     explain: bool = typer.Option(False, "--explain", help="print the tier thresholds and how they were derived"),
@@ -102,14 +142,13 @@ def plan(
     ctx = PlanContext(cl, md, pf, tp=tp, zero_stage=zero_stage, seed=seed, recompute=recompute)
     if ilp_nodes < 0:
         raise InputError(f"--ilp-nodes must be >= 0 (got {ilp_nodes})")
-    if time_limit is not None and not time_limit > 0:
-        raise InputError(f"--time-limit must be positive (got {time_limit:g})")
     options = ({"ilp": ilp, "ilp_nodes": ilp_nodes, "solver": solver, "intra": intra}
                if planner.startswith("zeppelin") else {})
-    if families != "all" and planner.startswith("zeppelin"):  # (the default leaves the header as it was)
+    if families != "all" and planner.startswith("zeppelin"):  # (only a value other than the default is recorded)
         options["families"] = families
     if time_limit is not None and (planner.startswith("zeppelin") or planner in ("flexsp", "hydraulis")):
         options["time_limit"] = time_limit
+    options.update(_named_options(planner, option))
     pl = _planner(planner, options)
     if explain:
         from zeppelin.planner.zeppelin.tiering import Tiering
@@ -168,6 +207,33 @@ def plan(
         typer.echo("sequences by tier: " + ", ".join(f"{k} {v}" for k, v in tiers.items()))
     if solvers:
         typer.echo("solver: " + ", ".join(f"{k} x{v}" for k, v in sorted(solvers.items())))
+
+
+# the Zeppelin options ``zeppelin plan`` sets with flags of their own (--time-limit also for flexsp, hydraulis)
+_FLAGS = {"ilp": "--ilp", "ilp_nodes": "--ilp-nodes", "solver": "--solver", "intra": "--intra",
+          "families": "--families", "time_limit": "--time-limit"}
+
+
+def _named_options(planner: str, given: list[str]) -> dict:
+    """``--option NAME=VALUE`` pairs as the planner's typed values (checked by its ``Options``)."""
+    from zeppelin.planner.core import registry  # noqa: F401 (imports every planner module: they register)
+    from zeppelin.planner.core.base import PLANNERS
+
+    flagged = set(_FLAGS) if planner.startswith("zeppelin") else {"time_limit"} if planner in (
+        "flexsp", "hydraulis") else set()
+    out = {}
+    for item in given:
+        name, eq, value = item.partition("=")
+        name = name.strip()
+        if not eq or not name:
+            raise InputError(f"--option must be NAME=VALUE (got {item!r})")
+        if name in flagged:
+            raise InputError(f"--option {name}: use {_FLAGS[name]}")
+        out[name] = value
+    if not out or planner not in PLANNERS:
+        return out  # (an unknown planner is refused with the list of known ones)
+    typed = PLANNERS[planner].Options.parse(planner, out)
+    return {k: getattr(typed, k) for k in out}
 
 
 def validate(

@@ -7,26 +7,38 @@ A planner turns the sequences of one training step into a :class:`StepPlan`. The
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
+from zeppelin.planner.core.options import NoOptions, PlannerOptions
 from zeppelin.planner.costmodel.context import PlanContext, PlanningError
 from zeppelin.schemas.common import InputError
 from zeppelin.schemas.plan import Sequence, StepPlan
 
-__all__ = ["PLANNERS", "PlanContext", "Planner", "PlanningError", "get_planner", "register"]
+__all__ = ["PLANNERS", "PlanContext", "Planner", "PlannerOptions", "PlanningError", "get_planner", "register"]
 
 
 class Planner:
-    """Base class. Subclasses set ``name`` and implement :meth:`plan_step`."""
+    """Base class. Subclasses set ``name``, declare their options as ``Options`` (a
+    :class:`~zeppelin.planner.core.options.PlannerOptions` dataclass) and implement :meth:`plan_step`."""
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
-    #: the options the planner reads; any other is refused (a misspelt option would otherwise be
+    #: the planner's options: names, types, ranges, defaults and help (:mod:`.options`)
+    Options: ClassVar[type[PlannerOptions]] = NoOptions
+    #: the names of ``Options``; any other option is refused (a misspelt option would otherwise be
     #: silently ignored and plan with the default)
     option_names: ClassVar[tuple[str, ...]] = ()
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.option_names = cls.Options.names()
+
     def __init__(self, **options: Any):
+        #: the options as given (the plan header records them so)
         self.options = options
+        #: the same, checked and typed: an ``Options`` instance
+        self.opts = self.Options.parse(self.name, options)
 
     def plan_step(self, ctx: PlanContext, step: int, sequences: list[Sequence]) -> StepPlan:
         raise NotImplementedError
@@ -53,12 +65,8 @@ def construct_planner(name: str, **options: Any) -> Planner:
     """Build the registered planner ``name``; an unknown option, or one of the wrong type or range,
     is an InputError."""
     cls = PLANNERS[name]
-    unknown = sorted(k for k in options if k not in cls.option_names)
-    if unknown:
-        known = f"known: {', '.join(sorted(cls.option_names))}" if cls.option_names else "it takes none"
-        raise InputError(f"planner {name!r}: unknown option {unknown[0]!r} ({known})")
     try:
-        return cls(**options)
+        return cls(**options)  # Planner.__init__ checks the options against cls.Options
     except InputError:
         raise
     except (ValueError, TypeError, OverflowError) as e:  # an option of the wrong type or out of range

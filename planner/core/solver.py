@@ -236,29 +236,3 @@ def merge_status(statuses: list[str]) -> str:
     if statuses and all(s == OPTIMAL for s in statuses):
         return OPTIMAL
     return LIMIT if statuses else "ok"
-
-
-def solve_limits(options: dict, planner: str, *, nodes: int = 200, iterations: int = 20000,
-                 gap_rel: float = 1e-4) -> SolveLimits:
-    """A planner's per-solve limits from its options: ``milp_nodes``, ``milp_iterations``,
-    ``time_limit`` (the optional wall-clock safety net, seconds; absent or None: off)."""
-    from zeppelin.planner.costmodel.context import PlanningError
-
-    def num(key, kind, default, minimum):
-        raw = options.get(key)
-        if raw is None:
-            return default
-        try:
-            val = kind(raw)
-        except (TypeError, ValueError):
-            raise PlanningError(f"{planner}: option {key}={raw!r} is not a valid {kind.__name__}") from None
-        if not val >= minimum:
-            raise PlanningError(f"{planner}: option {key}={raw!r} must be at least {minimum:g}")
-        return val
-
-    wall = num("time_limit", float, None, 0.0)
-    if wall is not None and wall <= 0:
-        raise PlanningError(f"{planner}: option time_limit={options.get('time_limit')!r} (the wall-clock safety net) "
-                            f"must be positive; leave it out to plan without one")
-    return SolveLimits(nodes=num("milp_nodes", int, nodes, 0), iterations=num("milp_iterations", int, iterations, 0),
-                       gap_rel=gap_rel, wall_s=wall)

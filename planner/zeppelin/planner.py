@@ -55,6 +55,7 @@ from zeppelin.planner.core.solver import WALL_CLOCK, SolveLimits, merge_status
 from zeppelin.planner.costmodel.predict import coupled_components, microbatch_terms, predict_from_terms
 from zeppelin.planner.zeppelin import families as families_mod
 from zeppelin.planner.zeppelin.assign import PackInfeasible, PackResult, pack
+from zeppelin.planner.zeppelin.options import ZeppelinOptions
 from zeppelin.planner.zeppelin.tiering import Tiering, zigzag_max_tokens_array
 from zeppelin.schemas.layout import contiguous_ranges, zigzag_ranges
 from zeppelin.schemas.plan import (
@@ -136,59 +137,42 @@ class ZeppelinPlanner(Planner):
     description = "Zeppelin: hierarchical tiers, two-level ILP/greedy assignment, NIC routing, remapping"
     routing = True
     remap = True
-    option_names = ("ilp", "ilp_nodes", "ilp_iterations", "ilp_budget_calls", "time_limit", "solver", "tol",
-                    "max_ilp_vars_nodes", "max_ilp_vars_units", "select", "simulate_max_units", "intra",
-                    "families", "families_max_units", "family_margin", "large_families",
-                    "attention_max_units", "node_cp_max_units")
+    Options = ZeppelinOptions
 
     def __init__(self, **options):
-        super().__init__(**options)
-        self.ilp = str(options.get("ilp", "auto"))
-        if self.ilp not in ("auto", "always", "never"):
-            raise PlanningError(f"ilp option must be auto, always or never (got {self.ilp!r})")
+        super().__init__(**options)  # checks and types the options: self.opts
+        o = self.opts
+        self.ilp = o.ilp
         # the packing ILP runs under deterministic work limits (same plan on any machine, under any
         # load); ``time_limit`` is only an optional wall-clock safety net per solve (None: off)
-        wall = options.get("time_limit")
-        wall = None if wall is None else float(wall)
-        if wall is not None and not wall > 0:
-            raise PlanningError(f"--time-limit must be positive (got {wall:g})")
-        self.limits = SolveLimits(nodes=int(options.get("ilp_nodes", ILP_NODES)),
-                                  iterations=int(options.get("ilp_iterations", 20000)), wall_s=wall)
-        self.solver = str(options.get("solver", "highs"))
-        if self.solver not in ("highs", "cbc"):
-            raise PlanningError(f"solver must be highs or cbc (got {self.solver!r})")
-        self.tol = float(options.get("tol", 0.01))
+        self.limits = SolveLimits(nodes=o.ilp_nodes, iterations=o.ilp_iterations, wall_s=o.time_limit)
+        self.solver = o.solver
+        self.tol = o.tol
         # the ILP runs where it pays: small instances whose greedy solution is not provably close
-        self.max_ilp_vars_nodes = int(options.get("max_ilp_vars_nodes", 600))
-        self.max_ilp_vars_units = int(options.get("max_ilp_vars_units", 400))
+        self.max_ilp_vars_nodes = o.max_ilp_vars_nodes
+        self.max_ilp_vars_units = o.max_ilp_vars_units
         # how the whole-step candidates are chosen: "predict" (the analytic prediction), "simulate"
         # (the event-driven simulator of planner/sim/simulate.py, which sees ring pipeline waits and
-        # NIC contention the prediction approximates; ~0.1-0.2 s per candidate at 64 GPUs), or
-        # "auto": simulate when the step is small (at most ``simulate_max_units`` units; at 64 GPUs
-        # the pass costs ~1 s per step, past the 0.1 s planning-latency target)
-        self.select = str(options.get("select", "auto"))
-        if self.select not in ("auto", "predict", "simulate"):
-            raise PlanningError(f"select option must be auto, predict or simulate (got {self.select!r})")
-        self.simulate_max_units = int(options.get("simulate_max_units", 16))
+        # NIC contention the prediction approximates), or "auto": simulate when the step is small
+        # (at most ``simulate_max_units`` units), where the simulator's cost per candidate is small
+        self.select = o.select
+        self.simulate_max_units = o.simulate_max_units
         # ILP solves per step shared by every candidate layout (``ilp=always``: no budget)
-        self.ilp_budget_calls = int(options.get("ilp_budget_calls", ILP_SOLVES))
+        self.ilp_budget_calls = o.ilp_budget_calls
         self._ilp_left = 0
         self._wall_hit = False
         # how a sequence split inside a node runs: "auto" - a zigzag ring or Ulysses (all-to-all to
         # head shards), whichever the cost model prices lower for that sequence; "ring" - always a
         # ring (the published design)
-        self.intra = str(options.get("intra", "auto"))
-        if self.intra not in ("auto", "ring"):
-            raise PlanningError(f"intra option must be auto or ring (got {self.intra!r})")
+        self.intra = o.intra
         # the whole-step candidate families of families.py (comma list, or "none"), tried on clusters
         # of at most ``families_max_units`` units; beyond, for planning latency, ``large_families``
-        fam = str(options.get("families", "all"))
-        self.families = _fam_list(fam)
-        self.families_max_units = int(options.get("families_max_units", 256))
-        self.family_margin = float(options.get("family_margin", 0.05))
-        self.large_families = _fam_list(str(options.get("large_families", "flop-share")))
-        self.attention_max_units = int(options.get("attention_max_units", 256))
-        self.node_cp_max_units = int(options.get("node_cp_max_units", 2048))
+        self.families = _fam_list(o.families)
+        self.families_max_units = o.families_max_units
+        self.family_margin = o.family_margin
+        self.large_families = _fam_list(o.large_families)
+        self.attention_max_units = o.attention_max_units
+        self.node_cp_max_units = o.node_cp_max_units
         self._sims: dict[int, object] = {}
         self._tiering: dict[int, Tiering] = {}
         self._tables: dict = {}

@@ -1,0 +1,67 @@
+"""The options of the Zeppelin planner and its ablations (:class:`ZeppelinOptions`).
+
+The single source of their names, types, ranges, defaults and help: the planner, ``zeppelin plan
+--list-options`` and the ``zeppelin plan`` flags that set them (``--ilp``, ``--ilp-nodes``,
+``--time-limit``, ``--solver``, ``--intra``, ``--families``) read them from here. The families
+named by ``families`` / ``large_families`` are checked against ``families.py`` by the planner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zeppelin.planner.core.options import PlannerOptions, option
+
+# Deterministic ILP work per step: at most ILP_SOLVES packing ILPs, each stopped after ILP_NODES
+# branch-and-bound nodes (the same plan on any machine, under any load)
+ILP_SOLVES = 1
+ILP_NODES = 10
+
+_LIMITS = "solver node and iteration limits must be >= 0"
+
+
+def _time_limit_error(value: float) -> Exception:
+    from zeppelin.planner.costmodel.context import PlanningError
+
+    return PlanningError(f"--time-limit must be positive (got {value:g})")
+
+
+@dataclass(frozen=True)
+class ZeppelinOptions(PlannerOptions):
+    ilp: str = option(str, "auto", "where the packing ILP runs: auto (where it pays), always, never",
+                      choices=("auto", "always", "never"))
+    ilp_nodes: int = option(int, ILP_NODES, "branch-and-bound nodes per ILP solve (a deterministic limit: the "
+                            "same plan on any machine, under any load)", minimum=0, error=_LIMITS)
+    ilp_iterations: int = option(int, 20000, "simplex iterations per ILP solve (a deterministic limit)",
+                                 minimum=0, error=_LIMITS)
+    ilp_budget_calls: int = option(int, ILP_SOLVES, "ILP solves per step, shared by every candidate layout "
+                                   "(ilp=always: no budget)", minimum=0)
+    time_limit: float | None = option(float, None, "optional wall-clock safety net per ILP solve, seconds (off by "
+                                      "default; a step that hits it is marked non-reproducible)", above=0.0,
+                                      error=_time_limit_error)
+    solver: str = option(str, "highs", "ILP solver: highs (CBC as fallback) or cbc", choices=("highs", "cbc"))
+    tol: float = option(float, 0.01, "relative tolerance of the packing: a greedy solution this close to its "
+                        "lower bound needs no ILP, and units may lose this share of a step waiting for partners", minimum=0.0)
+    max_ilp_vars_nodes: int = option(int, 600, "largest node-level packing (variables) the ILP is tried on",
+                                     minimum=0)
+    max_ilp_vars_units: int = option(int, 400, "largest unit-level packing (variables) the ILP is tried on",
+                                     minimum=0)
+    select: str = option(str, "auto", "how whole-step candidates are chosen: predict (the analytic prediction), "
+                         "simulate (the event-driven simulator), auto (simulate on at most simulate_max_units "
+                         "units)", choices=("auto", "predict", "simulate"))
+    simulate_max_units: int = option(int, 16, "select=auto: the largest cluster (units) the simulator judges",
+                                     minimum=0)
+    intra: str = option(str, "auto", "how a sequence split inside a node runs: auto (zigzag ring or Ulysses "
+                        "all-to-all, whichever the cost model prices lower) or ring (rings only, as published)",
+                        choices=("auto", "ring"))
+    families: str = option(str, "all", "whole-step candidate families beside the tiered search: all, none, or a "
+                           "comma list of ulysses-groups, flop-share, tp-replicas")
+    families_max_units: int = option(int, 256, "beyond this many units only large_families are built", minimum=0)
+    family_margin: float = option(float, 0.05, "a family configuration whose own score is more than this share above "
+                                  "the best tiered candidate is not built", minimum=0.0)
+    large_families: str = option(str, "flop-share", "the families built beyond families_max_units units (same "
+                                 "values as families)")
+    attention_max_units: int = option(int, 256, "beyond this many units the attention-balanced remap layout is "
+                                      "not a candidate", minimum=0)
+    node_cp_max_units: int = option(int, 2048, "beyond this many units neither the node-CP layout nor node-major "
+                                    "micro-batches are candidates", minimum=0)

@@ -1,0 +1,256 @@
+"""The options of ``zeppelin run``, each declared once.
+
+:class:`RunConfig` holds what every rank needs (``python -m zeppelin.runtime PLAN [options]``) and
+:class:`LaunchConfig` what only ``zeppelin run`` itself uses (torchrun's process layout and
+rendezvous, the report after the job). Each field is made with :func:`flag`: its command-line
+flag, type, default, help and check. From these fields come
+
+* the checks, with one-line messages (:meth:`RunConfig.check`, run when a config is made),
+* the parameters of the ``zeppelin run`` command (``zeppelin.planner.cli.run``),
+* the worker's command line: :meth:`RunConfig.to_argv` (what the launcher passes to the ranks)
+  and :func:`build_parser` (what a rank parses; torchrun can also start ranks by hand).
+
+This module imports nothing heavy (no torch): the command line imports it before any process starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from zeppelin.schemas.common import MAX_SEED, MAX_STEPS, MAX_TIMEOUT_S, InputError, check_float, check_int
+
+__all__ = [
+    "DEVICES",
+    "DP_MODES",
+    "DTYPES",
+    "PROGRESS_MODES",
+    "RECOMPUTE_MODES",
+    "TP_OVERLAP_MODES",
+    "FlagSpec",
+    "LaunchConfig",
+    "RunConfig",
+    "build_parser",
+    "flag",
+    "flag_specs",
+]
+
+PROGRESS_MODES = ("auto", "rich", "plain", "none")
+DEVICES = ("auto", "cpu", "cuda")
+TP_OVERLAP_MODES = ("none", "slicing", "commfuse")
+DP_MODES = ("fsdp", "replicate")
+DTYPES = ("fp32", "bf16")
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def _or(values) -> str:
+    values = list(values)
+    return values[0] if len(values) == 1 else f"{', '.join(values[:-1])} or {values[-1]}"
+
+
+@dataclass(frozen=True)
+class FlagSpec:
+    """One option: the field's name and what :func:`flag` declared."""
+
+    name: str
+    flags: tuple[str, ...]       # the first is the long name; empty: the positional argument
+    kind: type                   # str, int, float or bool (bool: a switch, off by default)
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None = None
+    lo: float | None = None      # the range (ints: check_int, floats: check_float)
+    hi: float | None = None
+    lo_open: bool = False
+    path: bool = False           # a file or directory (a Path on the command line, a str here)
+    metavar: str | None = None
+
+    @property
+    def flag(self) -> str:
+        return self.flags[0] if self.flags else self.name.upper()
+
+    def check(self, value: Any) -> None:
+        """One-line InputError for a value out of range or not among the choices (None: not given)."""
+        if value is None:
+            return
+        if self.choices is not None and value not in self.choices:
+            raise InputError(f"{self.flag} must be {_or(self.choices)} (got {value!r})")
+        if self.kind is int and self.lo is not None:
+            check_int(self.flag, value, int(self.lo), None if self.hi is None else int(self.hi))
+        elif self.kind is float and self.lo is not None:
+            check_float(self.flag, value, self.lo, self.hi, lo_open=self.lo_open)
+
+
+def flag(default: Any, *flags: str, kind: type, help: str, choices: tuple[str, ...] | None = None,
+         lo: float | None = None, hi: float | None = None, lo_open: bool = False, path: bool = False,
+         metavar: str | None = None):
+    """A field of :class:`RunConfig` / :class:`LaunchConfig` with its command-line declaration.
+    ``default`` ``...``: required (the positional plan)."""
+    meta = {"flags": flags, "kind": kind, "help": help, "choices": choices, "lo": lo, "hi": hi,
+            "lo_open": lo_open, "path": path, "metavar": metavar}
+    if default is ...:
+        return field(metadata={"flag": meta})
+    return field(default=default, metadata={"flag": meta})
+
+
+def flag_specs(cls) -> tuple[FlagSpec, ...]:
+    """The options of a config class, in declaration order (fields without :func:`flag` are internal)."""
+    out = []
+    for f in fields(cls):
+        meta = f.metadata.get("flag")
+        if meta is not None:
+            out.append(FlagSpec(name=f.name, default=... if f.default is MISSING else f.default, **meta))
+    return tuple(out)
+
+
+@dataclass
+class RunConfig:
+    """What a rank runs: the plan and the training, checking and output options."""
+
+    plan: str = flag(..., kind=str, help="plan file written by `zeppelin plan`", path=True)
+    model: str | None = flag(None, "--model", kind=str,
+                             help="model preset, JSON file or hf:DIR (Hugging Face); must match the plan")
+    data: str | None = flag(None, "--data", kind=str, help="dataset manifest (token ids); must match the plan")
+    steps: int | None = flag(None, "--steps", kind=int, help="run the first N steps (default: all)")
+    lr: float = flag(1e-3, "--lr", kind=float, help="AdamW learning rate", lo=0.0, hi=10.0, lo_open=True)
+    weight_decay: float = flag(0.0, "--weight-decay", kind=float, help="AdamW weight decay", lo=0.0, hi=10.0)
+    seed: int | None = flag(None, "--seed", kind=int, help="model init seed (default: the plan's seed)",
+                            lo=0, hi=MAX_SEED)
+    metrics: str | None = flag(None, "--metrics", kind=str, path=True,
+                               help="JSON Lines metrics (default: PLAN.metrics.jsonl)")
+    verify: bool = flag(False, "--verify", kind=bool, help="compare every step with a single-process reference")
+    verify_tol: float | None = flag(None, "--verify-tol", kind=float,
+                                    help="relative tolerance (fp32 1e-5, bf16 2e-2)", lo=0.0, hi=1.0, lo_open=True)
+    checkpoint_every: int = flag(0, "--checkpoint-every", kind=int, help="checkpoint every N steps (and at the end)",
+                                 lo=0, hi=MAX_STEPS)
+    checkpoint_dir: str | None = flag(None, "--checkpoint-dir", kind=str, path=True,
+                                      help="directory of the checkpoints")
+    resume: bool = flag(False, "--resume", kind=bool, help="continue from the latest checkpoint in --checkpoint-dir")
+    timeout_s: float = flag(300.0, "--timeout", kind=float, help="collective / P2P timeout per operation, seconds",
+                            lo=0.0, hi=MAX_TIMEOUT_S, lo_open=True)
+    verify_timeout_s: float | None = flag(
+        None, "--verify-timeout", kind=float, lo=0.0, hi=MAX_TIMEOUT_S, lo_open=True,
+        help="with --verify: how long the ranks wait for rank 0's single-process verdict on a step, seconds "
+             "(default: max(600, 4 x --timeout))")
+    progress: str = flag("auto", "--progress", kind=str, choices=PROGRESS_MODES, help="auto | rich | plain | none")
+    device: str = flag("auto", "--device", kind=str, choices=DEVICES, help="auto | cpu | cuda")
+    threads: int | None = flag(None, "--threads", kind=int, help="torch threads per rank (default: cores / ranks)",
+                               lo=1, hi=1024)
+    tp_overlap: str | None = flag(None, "--tp-overlap", kind=str, choices=TP_OVERLAP_MODES,
+                                  help="none | slicing | commfuse: TP-SP overlap (default: the plan's)")
+    tp_chunks: int = 4  # slices of the slicing overlap mode (not an option)
+    dp: str = flag("fsdp", "--dp", kind=str, choices=DP_MODES,
+                   help="fsdp (FSDP2 at the plan's ZeRO stage) | replicate (whole model on every rank, one gradient "
+                        "all-reduce)")
+    zero_stage: int | None = flag(None, "--zero-stage", kind=int,
+                                  help="ZeRO stage 0-3 (default: the plan's)")
+    hsdp: int | None = flag(None, "--hsdp", kind=int,
+                            help="hybrid sharding: shard inside groups of this many ranks (a node), replicate across "
+                                 "them")
+    dtype: str | None = flag(None, "--dtype", kind=str, choices=DTYPES,
+                             help="fp32 | bf16 compute (default: bf16 on CUDA, fp32 on CPU)")
+    recompute: str | None = flag(None, "--recompute", kind=str, choices=RECOMPUTE_MODES,
+                                 help="none | selective | full (default: the plan's)")
+    recompute_override: bool = flag(False, "--recompute-override", kind=bool,
+                                    help="run a plan made for another --recompute setting")
+    export: str | None = flag(None, "--export", kind=str, path=True, metavar="DIR",
+                              help="after the run, write the model as a Hugging Face directory (config.json + "
+                                   "model.safetensors) that transformers' from_pretrained loads")
+
+    def __post_init__(self) -> None:
+        for name in ("plan", "metrics", "checkpoint_dir", "export"):  # paths are kept as text
+            v = getattr(self, name)
+            if isinstance(v, Path):
+                setattr(self, name, str(v))
+        self.check()
+
+    def check(self) -> None:
+        """The options' own checks (no plan needed): one-line InputError."""
+        for spec in flag_specs(RunConfig):
+            spec.check(getattr(self, spec.name))
+        if self.zero_stage is not None and not 0 <= self.zero_stage <= 3:
+            raise InputError(f"--zero-stage must be 0, 1, 2 or 3 (got {self.zero_stage})")
+        if self.hsdp is not None and self.hsdp < 1:
+            raise InputError(f"--hsdp must be at least 1 (got {self.hsdp})")
+        if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
+            raise InputError("--checkpoint-every/--resume need --checkpoint-dir")
+
+    def check_plan(self, header: Any) -> None:
+        """The checks against the plan's header (the steps it has, its recompute setting)."""
+        if self.steps is not None and not 1 <= self.steps <= header.num_steps:
+            raise InputError(f"--steps {self.steps} is out of range (the plan has {header.num_steps} steps)")
+        planned = getattr(header, "recompute", "none")
+        if self.recompute is not None and self.recompute != planned and not self.recompute_override:
+            raise InputError(f"the plan was made for --recompute {planned} (its activation memory per token), "
+                             f"not {self.recompute}; re-plan with `zeppelin plan --recompute {self.recompute}` "
+                             "or pass --recompute-override")
+
+    def check_export_dir(self) -> None:
+        if self.export is not None:
+            ex_dir = Path(self.export)
+            if ex_dir.exists() and (not ex_dir.is_dir() or any(ex_dir.iterdir())):
+                raise InputError("--export: the directory exists and is not empty", source=ex_dir)
+
+    @property
+    def metrics_path(self) -> Path:
+        return Path(self.metrics) if self.metrics else Path(self.plan).with_suffix(".metrics.jsonl")
+
+    def to_argv(self) -> list[str]:
+        """The worker's command line for this config (options at their default are left out)."""
+        argv = [str(self.plan)]
+        for spec in flag_specs(RunConfig):
+            value = getattr(self, spec.name)
+            if not spec.flags or value is None or value == spec.default:
+                continue
+            argv += [spec.flag] if spec.kind is bool else [spec.flag, str(value)]
+        return argv
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The worker's argument parser, from :class:`RunConfig`'s fields. Values are checked by
+    :meth:`RunConfig.check` (the same messages as ``zeppelin run``), not by argparse."""
+    p = argparse.ArgumentParser(prog="python -m zeppelin.runtime",
+                                description="Run a zeppelin plan on this rank (start it with torchrun).")
+    for spec in flag_specs(RunConfig):
+        if not spec.flags:
+            p.add_argument(spec.name, help=spec.help)
+        elif spec.kind is bool:
+            p.add_argument(*spec.flags, dest=spec.name, action="store_true", help=spec.help)
+        else:
+            p.add_argument(*spec.flags, dest=spec.name, type=spec.kind, default=spec.default, help=spec.help,
+                           metavar=spec.metavar or (spec.name.upper() if spec.choices is None else
+                                                    "{" + ",".join(spec.choices) + "}"))
+    return p
+
+
+@dataclass
+class LaunchConfig:
+    """What ``zeppelin run`` itself uses: torchrun's process layout and rendezvous, and the report
+    after the job. Never passed to the ranks."""
+
+    nproc_per_node: int | None = flag(None, "--nproc-per-node", kind=int, help="processes on this machine",
+                                      lo=1, hi=1024)
+    nnodes: int | None = flag(None, "--nnodes", kind=int, help="machines in the job", lo=1, hi=4096)
+    node_rank: int | None = flag(None, "--node-rank", kind=int, help="this machine's rank in the job")
+    master_addr: str | None = flag(None, "--master-addr", kind=str, help="address of the machine of rank 0")
+    master_port: int | None = flag(None, "--master-port", kind=int, help="port of rank 0's rendezvous",
+                                   lo=1, hi=65535)
+    rdzv_backend: str | None = flag(None, "--rdzv-backend", kind=str, help="torchrun rendezvous backend")
+    rdzv_endpoint: str | None = flag(None, "--rdzv-endpoint", kind=str, help="torchrun rendezvous endpoint")
+    rdzv_id: str | None = flag(None, "--rdzv-id", kind=str, help="torchrun rendezvous id")
+    report: bool = flag(False, "--report", kind=bool,
+                        help="after the job: measured vs predicted time per step and phase, and the prediction error")
+    report_json: str | None = flag(None, "--report-json", kind=str, path=True,
+                                   help="also write that report as JSON (implies --report)")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.report_json, Path):
+            self.report_json = str(self.report_json)
+        for spec in flag_specs(LaunchConfig):
+            spec.check(getattr(self, spec.name))
+        if self.node_rank is not None:
+            check_int("--node-rank", self.node_rank, 0, (self.nnodes or 1) - 1)
+        if self.report_json is not None:
+            self.report = True
+
