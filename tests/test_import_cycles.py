@@ -5,6 +5,7 @@ module, function bodies included), so a cycle closed by an import inside a funct
 still means neither module can be understood, tested or moved without the other. An import names
 the module it loads: ``from pkg import mod`` depends on ``pkg.mod``, ``from pkg.mod import name``
 on ``pkg.mod``, ``from pkg import name`` (a name the package re-exports) on ``pkg``'s ``__init__``.
+Imports under ``if TYPE_CHECKING:`` are for annotations only (never executed): not dependencies.
 """
 
 from __future__ import annotations
@@ -24,13 +25,21 @@ def _resolve(names: list[str], modules: set[str]) -> list[str]:
     return [names[0]] if names and names[0] in modules else []
 
 
+def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` except the bodies of ``if TYPE_CHECKING:`` blocks."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            node.body = []
+    yield from ast.walk(tree)
+
+
 def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
     """module -> the package modules it imports; ``sources``: module -> (source text, is package)."""
     modules = set(sources)
     graph: dict[str, set[str]] = {}
     for module, (source, is_pkg) in sources.items():
         deps: set[str] = set()
-        for node in ast.walk(ast.parse(source)):
+        for node in _runtime_nodes(ast.parse(source)):
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     names = imports_of(f"import {alias.name}", module, is_pkg)
@@ -135,6 +144,14 @@ def test_no_import_cycles():
           "zeppelin.schemas.common": ("", False),
           "zeppelin.schemas": ("", True)},
          []),
+        # annotation-only imports close no cycle; the same import executed does
+        ({"zeppelin.schemas.plan": ("from .invariants import check\n", False),
+          "zeppelin.schemas.invariants": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                          "    from .plan import Step\n", False)},
+         []),
+        ({"zeppelin.schemas.plan": ("from .invariants import check\n", False),
+          "zeppelin.schemas.invariants": ("def f():\n    from .plan import Step\n", False)},
+         [["zeppelin.schemas.invariants", "zeppelin.schemas.plan", "zeppelin.schemas.invariants"]]),
     ],
 )
 def test_a_cycle_is_named(sources, expected):

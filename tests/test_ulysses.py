@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from zeppelin.runtime.attn.reference import reference_attention
+from zeppelin.runtime.attn.schedule import ulysses_spec
 from zeppelin.runtime.attn.ulysses import UlyssesSpec, head_split
 from zeppelin.runtime.dist_utils import DistributedPool
 from zeppelin.schemas.cluster import cluster_preset
@@ -88,7 +89,7 @@ def _ulysses_worker(rank, world, header_json, step_json):
     res = {}
     for m, mb in enumerate(step.microbatches):
         gi = mb.queues[rank][0]
-        spec = UlyssesSpec.from_plan(header, step, m, gi, rank)
+        spec = ulysses_spec(header, step, m, gi, rank)
         seq_ids = [p.seq for p in mb.placements if p.group == gi]
         for hq, hkv in HEADS:
             t = _tensors(hq, hkv)
@@ -144,12 +145,12 @@ def test_head_split_covers_uneven_and_gqa():
 
 def test_spec_from_plan_and_errors():
     header, step = make_header(), mixed_step()
-    s = UlyssesSpec.from_plan(header, step, 1, 0, 0)
+    s = ulysses_spec(header, step, 1, 0, 0)
     assert s.ranks == [1, 0] and s.pos == 1 and s.lengths == [9, 4]
     assert s.rows(0) == 5 + 2 and s.rows(1) == 4 + 2
     # gathered rows (position 0 then 1) reordered to whole sequences
     assert s.gather_perm().tolist() == [0, 1, 2, 3, 4, 7, 8, 9, 10, 5, 6, 11, 12]
     with pytest.raises(InputError, match=r"^step 0 microbatch 1: rank 3 is not in group 0$"):
-        UlyssesSpec.from_plan(header, step, 1, 0, 3)
+        ulysses_spec(header, step, 1, 0, 3)
     with pytest.raises(ValueError, match=r"^sequence 0 of the Ulysses group is not covered contiguously"):
         UlyssesSpec(ranks=[0, 1], pos=0, seqs=[[[[0, 3]], [[4, 6]]]])

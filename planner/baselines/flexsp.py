@@ -265,8 +265,8 @@ def _solve_microbatch(model, lengths, sizes, n, cap, Q, limits, use_milp, auto_n
         for i in members:
             start[x[bucket[i], s, j]] += 1.0
     if auto_nodes and m.num_cols > MILP_BIG_COLS:
-        # a large MILP (64+ units): its root alone costs ~1 s of CPU and the searched nodes rarely
-        # beat the warm start; stop after the root (the solve budget this replaced was ~0.1 s)
+        # a large MILP (64+ units): its root relaxation already dominates the planning time and the
+        # searched nodes rarely beat the warm start, so the search stops after the root
         limits = dataclasses.replace(limits, nodes=0)
     res, vals = m.solve(limits, start)
     if not res.has_solution or vals is None:

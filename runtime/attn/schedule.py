@@ -151,3 +151,13 @@ def compile_schedule(header: PlanHeader, step: StepPlan, mb_index: int, rank: in
     tasks.sort(key=lambda x: x[0])
     return Schedule(step=step.step, microbatch=mb_index, rank=rank, unit=unit, rows=off,
                     tasks=tuple(task for _, task in tasks))
+
+
+def ulysses_spec(header: PlanHeader, step: StepPlan, mb_index: int, group_index: int, rank: int) -> UlyssesSpec:
+    """The spec of Ulysses group ``group_index`` of a micro-batch for GPU ``rank`` (its TP index
+    picks, in every unit of the group, the rank with the same TP index), as the rank's schedule has it."""
+    tasks = compile_schedule(header, step, mb_index, rank).tasks
+    spec = next((t.spec for t in tasks if t.group == group_index and t.kind == "ulysses"), None)
+    if spec is None:
+        raise InputError(f"step {step.step} microbatch {mb_index}: rank {rank} is not in group {group_index}")
+    return spec

@@ -25,9 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zeppelin.schemas.common import InputError
 from zeppelin.schemas.layout import split_even
-from zeppelin.schemas.plan import PlanHeader, StepPlan
 
 from .local import local_attention
 
@@ -106,20 +104,6 @@ class UlyssesSpec:
         perm = torch.empty_like(dest_t)
         perm[dest_t] = torch.arange(dest_t.numel())
         return perm
-
-    @classmethod
-    def from_plan(cls, header: PlanHeader, step: StepPlan, mb_index: int, group_index: int,
-                  rank: int) -> UlyssesSpec:
-        """The spec of ``group_index`` of a micro-batch for GPU ``rank`` (its TP index picks, in
-        every unit of the group, the rank with the same TP index), as the rank's schedule has it."""
-        from .schedule import compile_schedule
-
-        tasks = compile_schedule(header, step, mb_index, rank).tasks
-        spec = next((t.spec for t in tasks if t.group == group_index and t.kind == "ulysses"), None)
-        if spec is None:
-            raise InputError(f"step {step.step} microbatch {mb_index}: rank {rank} is not in "
-                             f"group {group_index}")
-        return spec
 
 
 def _perms(spec: UlyssesSpec, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
