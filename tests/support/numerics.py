@@ -10,9 +10,8 @@ float64). It is scale-aware (a tensor of values around 1e3 is allowed difference
 only avoids a division by zero: an all-zero reference is matched only by (almost) exact zeros.
 
 A caller that knows a better scale than the tensor's own largest value passes ``scale=``: for
-example the magnitude of the whole quantity when comparing one slice of it, so that a slice whose
-reference is exactly zero (a one-token sequence's query gradient) is judged against the size of
-the gradient it is part of rather than against zero.
+example a reference that is exactly zero (a one-token sequence's dq and dk) judged against the
+inputs' unit scale, where any rounding noise would otherwise count as an infinite error.
 
 :func:`max_abs_errs` is the absolute counterpart, for checks stated in absolute terms (inputs of
 unit scale: "every output and gradient within 1e-5") and for comparing errors with each other (a
