@@ -1,6 +1,7 @@
-"""The test suite's own helpers: the reference comparison behaves as documented, and each shared
-helper (the ``pool`` fixture, ``rel_err``, ``assert_matches_reference``, ``max_abs_errs``) is
-defined in exactly one place, so "within 1e-5" means the same in every test file."""
+"""The test suite's own helpers: the process pool reports failures and recovers, the reference
+comparison behaves as documented, and each shared helper (the ``pool`` fixture, ``rel_err``,
+``assert_matches_reference``, ``max_abs_errs``) is defined in exactly one place, so "within 1e-5"
+means the same in every test file."""
 
 from __future__ import annotations
 
@@ -11,9 +12,54 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.dist_pool import DistributedError, DistributedPool, DistributedTimeout, run_distributed
 from tests.support.numerics import TINY, assert_matches_reference, max_abs_errs, rel_err
 
 TESTS = Path(__file__).resolve().parent
+
+
+# ------------------------------------------------------------------------------- the process pool
+def _raise_on_rank(rank, world):
+    if rank == 2:
+        raise ValueError("boom on two")
+    return rank
+
+
+@pytest.mark.timeout(120)
+def test_run_distributed_results_and_errors():
+    assert run_distributed(_raise_on_rank, 2) == [0, 1]
+    with pytest.raises(DistributedError, match=r"failed on rank \[2\]"):
+        run_distributed(_raise_on_rank, 3, timeout=30)
+
+
+def _die_on_rank_one(rank, world):
+    import os
+
+    import torch.distributed as dist
+
+    if rank == 1:
+        os._exit(3)
+    dist.barrier()  # rank 0 would wait forever for the dead rank
+
+
+def _sleep_forever(rank, world):
+    import time
+
+    time.sleep(600)
+
+
+@pytest.mark.timeout(120)
+def test_pool_reports_dead_rank_and_timeout_then_recovers():
+    with DistributedPool(2) as pool:
+        # the dead rank is reported as such, not as the 60 s timeout running out
+        with pytest.raises(DistributedError, match=r"rank 1 died \(exit code 3\)") as died:
+            pool.run(_die_on_rank_one, timeout=60)
+        assert not isinstance(died.value, DistributedTimeout)
+        with pytest.raises(
+            DistributedTimeout, match=r"_sleep_forever did not finish within 2 s on ranks \[0, 1\]"
+        ):
+            pool.run(_sleep_forever, timeout=2)
+        assert pool.run(_raise_on_rank) == [0, 1]  # the pool restarted itself
 
 
 # ------------------------------------------------------------------------------- rel_err, as documented

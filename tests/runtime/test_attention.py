@@ -21,7 +21,6 @@ from zeppelin.runtime.attention_impl import (
 )
 from zeppelin.schemas.layout import contiguous_ranges, zigzag_ranges
 
-from tests.support.dist_pool import DistributedError, DistributedPool, run_distributed
 from tests.support.numerics import max_abs_errs
 
 HQ, HKV, D = 4, 2, 16
@@ -254,53 +253,6 @@ def test_routed_ring_equals_direct_and_counts_bytes(pool):
     assert res_d[1]["stats"]["inter"] > res_r[1]["stats"]["inter"] > 0  # rank 1 offloads 5/8 to proxy 0
     assert res_d[0]["stats"]["inter"] == 0 < res_r[0]["stats"]["inter"]  # proxy 0 carries 1->2 traffic
     assert res_r[3]["stats"]["inter"] == 0 and res_r[2]["stats"]["inter"] > 0  # 3->0 leaves via proxy 2
-
-
-def _raise_on_rank(rank, world):
-    if rank == 2:
-        raise ValueError("boom on two")
-    return rank
-
-
-@pytest.mark.timeout(120)
-def test_run_distributed_results_and_errors():
-    assert run_distributed(_raise_on_rank, 2) == [0, 1]
-    with pytest.raises(DistributedError, match=r"failed on rank \[2\]"):
-        run_distributed(_raise_on_rank, 3, timeout=30)
-
-
-def _die_on_rank_one(rank, world):
-    import os
-
-    import torch.distributed as dist
-
-    if rank == 1:
-        os._exit(3)
-    dist.barrier()  # rank 0 would wait forever for the dead rank
-
-
-def _sleep_forever(rank, world):
-    import time
-
-    time.sleep(600)
-
-
-@pytest.mark.timeout(120)
-def test_pool_reports_dead_rank_and_timeout_then_recovers():
-    import time
-
-    from tests.support.dist_pool import DistributedTimeout
-
-    with DistributedPool(2) as pool:
-        t = time.monotonic()
-        with pytest.raises(DistributedError, match=r"rank 1 died \(exit code 3\)"):
-            pool.run(_die_on_rank_one, timeout=60)
-        with pytest.raises(
-            DistributedTimeout, match=r"_sleep_forever did not finish within 2 s on ranks \[0, 1\]"
-        ):
-            pool.run(_sleep_forever, timeout=2)
-        assert time.monotonic() - t < 60
-        assert pool.run(_raise_on_rank) == [0, 1]  # the pool restarted itself
 
 
 def test_math_path_tiles_exactly(monkeypatch):
