@@ -22,6 +22,10 @@ import platform
 import statistics
 import sys
 import time
+from pathlib import Path
+
+# the repository root, for the test process pool (tests/support/dist_pool.py, not part of the package)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def attn_flops(L: int, hq: int, d: int, backward: bool) -> float:
@@ -173,7 +177,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from zeppelin.runtime.dist_utils import DistributedPool
+    from tests.support.dist_pool import DistributedPool
 
     cuda = torch.cuda.is_available()
     dtype = a.dtype or ("bfloat16" if cuda else "float32")

@@ -18,6 +18,10 @@ import argparse
 import json
 import statistics
 import sys
+from pathlib import Path
+
+# the repository root, for the test process pool (tests/support/dist_pool.py, not part of the package)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 MODES = {"replicate": {"dp": "replicate"}, "fsdp-zero2": {"dp": "fsdp", "zero_stage": 2},
          "fsdp-zero3": {"dp": "fsdp", "zero_stage": 3}}
@@ -67,7 +71,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     from zeppelin.planner.core.base import PlanContext, get_planner
-    from zeppelin.runtime.dist_utils import DistributedPool
+    from tests.support.dist_pool import DistributedPool
     from zeppelin.schemas.cluster import cluster_preset
     from zeppelin.schemas.common import content_hash
     from zeppelin.schemas.model import model_preset

@@ -16,6 +16,10 @@ import argparse
 import json
 import statistics
 import sys
+from pathlib import Path
+
+# the repository root, for the test process pool (tests/support/dist_pool.py, not part of the package)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def _worker(rank, world, header_json, steps_json, repeats, seed):
@@ -63,7 +67,7 @@ def main(argv=None) -> int:
 
     from zeppelin.planner.core.base import PlanContext, get_planner
     from zeppelin.planner.costmodel.predict import predict_step
-    from zeppelin.runtime.dist_utils import DistributedPool
+    from tests.support.dist_pool import DistributedPool
     from zeppelin.schemas.cluster import cluster_preset
     from zeppelin.schemas.common import content_hash
     from zeppelin.schemas.model import model_preset

@@ -186,7 +186,7 @@ def main(argv=None) -> int:
     ap.add_argument("--chunks", type=int, default=4)
     a = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from zeppelin.runtime.dist_utils import run_distributed
+    from tests.support.dist_pool import run_distributed
 
     N = 2
     res = run_distributed(_worker, N, a.sizes, a.hidden, a.ffn, a.rounds, a.chunks, a.warmup, timeout=1200)[0]

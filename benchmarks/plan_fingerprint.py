@@ -12,7 +12,7 @@ manifest's ``path``; ``created_at`` and solver ``time_s``, which older plans car
 too). Plans are deterministic - every solver stops at node / iteration limits, never at a clock - so
 every planner is fingerprinted, FlexSP and Hydraulis with their MILPs and zeppelin with its ILP
 (``--ilp auto``, the default).
-``tests/test_plan_fingerprint.py`` compares the output with the values recorded in
+``tests/project/test_plan_fingerprint.py`` compares the output with the values recorded in
 ``tests/data/plan_fingerprints.json``; a change that alters plans on purpose re-records them with
 
     python benchmarks/plan_fingerprint.py -o tests/data/plan_fingerprints.json

@@ -1,7 +1,7 @@
 """Digest of every plan the Zeppelin planners make on the docs/RESULTS.md grid.
 
 A reorganisation of the planner must leave its plans byte-identical. ``zeppelin check plans/
---exact`` and ``tests/test_plan_fingerprint.py`` cover a few settings; this script covers the
+--exact`` and ``tests/project/test_plan_fingerprint.py`` cover a few settings; this script covers the
 48 cells of ``benchmarks/bench_compare.py`` (same contexts, same sampled steps) and prints one
 JSON object ``{"cells": {"<cluster>-<model>-<mix>-<gpus>/<planner>": "<sha256>", ...}}`` over each
 step plan's canonical JSON (solver ``time_s`` left out: it is the only wall-clock field)::

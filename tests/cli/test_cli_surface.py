@@ -1,0 +1,188 @@
+"""The command line's surface is what was recorded, and every option is declared in one place.
+
+* Every command of the ``zeppelin`` app, its arguments and flags (names, short aliases, switch or
+  value, default) are compared with ``tests/data/cli_surface.json``, so that no flag appears,
+  disappears or changes its default by accident. A change made on purpose re-records the file::
+
+      .venv/bin/python tests/cli/test_cli_surface.py --record
+
+* Planner options are declared only by each planner's ``Options`` dataclass
+  (``planner/core/options.py``), and ``zeppelin run``'s flags only by the fields of
+  ``RunConfig`` / ``LaunchConfig`` (``runtime/config.py``): no module reads options with
+  ``options.get(...)`` or lists ``option_names`` by hand, and the run command and the worker
+  declare no flag of their own.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RECORD = ROOT / "tests" / "data" / "cli_surface.json"
+HOW = "if the change is on purpose, re-record with: .venv/bin/python tests/cli/test_cli_surface.py --record"
+
+
+def _default(value):
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_default(v) for v in value]
+    return repr(value)
+
+
+def surface() -> dict[str, list[dict]]:
+    """``{"zeppelin CMD [SUB]": [param, ...]}`` for every command of the app (groups included)."""
+    import typer.main
+
+    from zeppelin.planner.cli import app
+
+    out: dict[str, list[dict]] = {}
+
+    def walk(cmd, path: str) -> None:
+        params = []
+        for p in cmd.params:
+            if p.name == "help":
+                continue
+            rec = {"name": p.name, "kind": "argument" if not p.opts[0].startswith("-") else "option",
+                   "names": sorted(p.opts) + sorted(p.secondary_opts)}
+            if rec["kind"] == "option":
+                rec.update(flag=bool(getattr(p, "is_flag", False)), multiple=bool(p.multiple),
+                           required=bool(p.required), default=_default(p.default))
+            params.append(rec)
+        out[path] = params
+        for name, sub in sorted(getattr(cmd, "commands", {}).items()):
+            walk(sub, f"{path} {name}")
+
+    walk(typer.main.get_command(app), "zeppelin")
+    return out
+
+
+def _describe(p: dict) -> str:
+    return f"{'/'.join(p['names'])} " + json.dumps({k: v for k, v in p.items() if k not in ("names", "name")})
+
+
+def test_cli_surface_matches_the_record():
+    recorded = json.loads(RECORD.read_text())
+    now = surface()
+    problems = []
+    for cmd in sorted(set(recorded) | set(now)):
+        if cmd not in now:
+            problems.append(f"command {cmd!r} is gone")
+            continue
+        if cmd not in recorded:
+            problems.append(f"command {cmd!r} is new")
+            continue
+        was = {p["name"]: p for p in recorded[cmd]}
+        new = {p["name"]: p for p in now[cmd]}
+        for name in sorted(set(was) | set(new)):
+            if name not in new:
+                problems.append(f"{cmd}: {_describe(was[name])} is gone")
+            elif name not in was:
+                problems.append(f"{cmd}: {_describe(new[name])} is new")
+            elif was[name] != new[name]:
+                problems.append(f"{cmd}: {_describe(was[name])} is now {_describe(new[name])}")
+    assert not problems, "the command line changed:\n  " + "\n  ".join(problems) + f"\n{HOW}"
+
+
+def _calls(path: Path) -> list[tuple[str, str, int]]:
+    """(enclosing function or '', dotted callee, line) of every call in a module."""
+    tree = ast.parse(path.read_text())
+    out = []
+
+    def visit(node, func: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            name = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else func
+            if isinstance(child, ast.Call):
+                out.append((func, ast.unparse(child.func), child.lineno))
+            visit(child, name)
+
+    visit(tree, "")
+    return out
+
+
+def test_planner_options_are_declared_only_by_their_dataclass():
+    found = []
+    for f in sorted((ROOT / "planner").rglob("*.py")):
+        rel = str(f.relative_to(ROOT))
+        tree = ast.parse(f.read_text())
+        for node in ast.walk(tree):
+            # reading an option from the raw mapping instead of the typed ``self.opts``
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                    and ast.unparse(node.func.value).endswith("options")):
+                found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+            if isinstance(node, ast.Subscript) and ast.unparse(node.value) in ("self.options", "options") \
+                    and "planner/cli/" not in rel:
+                found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+            # option names listed by hand (base.py derives them from Options)
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and rel != "planner/core/base.py":
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if any(ast.unparse(t).endswith("option_names") for t in targets):
+                    found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "planner options read or listed outside their Options dataclass:\n  " + "\n  ".join(found)
+
+    from zeppelin.planner.core import registry  # noqa: F401 (every planner registers)
+    from zeppelin.planner.core.base import PLANNERS
+    from zeppelin.planner.core.options import PlannerOptions
+
+    for name, cls in PLANNERS.items():
+        assert issubclass(cls.Options, PlannerOptions), name
+        assert cls.option_names == cls.Options.names(), name
+        for spec in cls.Options.specs():
+            assert spec.help, f"{name}: option {spec.name} has no help"
+            assert spec.convert(name, None) == spec.default
+
+
+def test_zeppelin_plan_flags_come_from_zeppelin_options():
+    from zeppelin.planner.zeppelin.options import ZeppelinOptions
+
+    plan = {p["name"]: p for p in surface()["zeppelin plan"]}
+    for flag, name in (("--ilp", "ilp"), ("--ilp-nodes", "ilp_nodes"), ("--solver", "solver"),
+                       ("--intra", "intra"), ("--families", "families"), ("--time-limit", "time_limit")):
+        assert flag in plan[name]["names"]
+        assert plan[name]["default"] == ZeppelinOptions.spec(name).default, flag
+
+
+def test_run_flags_are_declared_only_by_the_config_dataclasses():
+    # no flag declared by hand in the command or the worker: only the generator in cli/run.py
+    # turns RunConfig / LaunchConfig fields into typer parameters, only config.py builds the parser
+    declared = {"typer.Option", "typer.Argument", "Option", "Argument", "add_argument", "p.add_argument",
+                "parser.add_argument"}
+    found = []
+    for rel, allowed in (("planner/cli/run.py", {"_parameter"}), ("runtime/__main__.py", set()),
+                         ("runtime/executor.py", set()), ("runtime/launch.py", set())):
+        for func, callee, line in _calls(ROOT / rel):
+            if (callee in declared or callee.endswith(".add_argument")) and func not in allowed:
+                found.append(f"{rel}:{line}: {callee}(...) in {func or 'the module'}")
+    assert not found, "run flags declared outside runtime/config.py:\n  " + "\n  ".join(found)
+
+    from zeppelin.runtime.config import LaunchConfig, RunConfig, build_parser, flag_specs
+
+    run = {p["name"]: p for p in surface()["zeppelin run"]}
+    specs = [*flag_specs(RunConfig), *flag_specs(LaunchConfig)]
+    assert sorted(run) == sorted(s.name for s in specs)
+    for s in specs:
+        if s.flags:
+            assert run[s.name]["names"] == sorted(s.flags) and run[s.name]["default"] == _default(s.default), s.name
+            assert run[s.name]["flag"] == (s.kind is bool), s.name
+    # the worker's parser has exactly RunConfig's options, and a config survives the trip through argv
+    worker = {a.dest for a in build_parser()._actions if a.dest != "help"}
+    assert worker == {s.name for s in flag_specs(RunConfig)}
+    cfg = RunConfig(plan="p.jsonl", model="tiny", steps=3, lr=2e-4, seed=7, verify=True, verify_tol=1e-4,
+                    checkpoint_every=2, checkpoint_dir="ck", resume=True, timeout_s=12.5, progress="plain",
+                    device="cpu", threads=2, tp_overlap="slicing", dp="replicate", zero_stage=2, hsdp=2,
+                    dtype="fp32", recompute="full", recompute_override=True, export="out")
+    assert RunConfig(**vars(build_parser().parse_args(cfg.to_argv()))) == cfg
+    assert RunConfig(plan="p.jsonl").to_argv() == ["p.jsonl"]
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--record"]:
+        sys.exit(f"usage: {sys.argv[0]} --record   (writes {RECORD.relative_to(ROOT)})")
+    cmds = surface()
+    RECORD.write_text("{\n" + ",\n".join(
+        f" {json.dumps(cmd)}: [" + ",".join(f"\n  {json.dumps(p)}" for p in params) + ("\n ]" if params else "]")
+        for cmd, params in cmds.items()) + "\n}\n")
+    print(f"wrote {RECORD.relative_to(ROOT)}")
