@@ -178,7 +178,12 @@ def plan(
     header = make_header(ctx, pl, ds, cfg, steps)
     show = not quiet and sys.stderr.isatty()
     t0 = time.perf_counter()
-    ratios, solvers, tiers, wall_hit = [], {}, {"local": 0, "intra": 0, "inter": 0}, []
+    from zeppelin.planner.sim.simulate import Simulator, context_from_header
+    from zeppelin.planner.sim.summary import PlanSummary, step_summary, summary_lines
+
+    ratios, solvers, wall_hit = [], {}, []
+    counts, t_counts = PlanSummary(), 0.0
+    sim = None if quiet else Simulator(context_from_header(header))
     with PlanWriter(output, header, fmt) as w:
         for st in plan_steps(ctx, pl, step_seqs(), workers=workers, progress=show, total=steps):
             w.write(st)
@@ -188,8 +193,10 @@ def plan(
                 solvers[st.solver.name] = solvers.get(st.solver.name, 0) + 1
                 if st.solver.status == "wall_clock_limit":
                     wall_hit.append(st.step)
-            for k, v in (st.notes.get("tiers") or {}).items():
-                tiers[k] = tiers.get(k, 0) + v
+            if sim is not None:  # (the planning time reported below leaves this counting out)
+                t1 = time.perf_counter()
+                counts.add(step_summary(sim.ctx, st, sim))
+                t_counts += time.perf_counter() - t1
     if wall_hit:
         typer.echo(f"warning: step(s) {', '.join(map(str, wall_hit))} hit the --time-limit wall-clock safety net: "
                    f"their plans depend on this machine's load and are not reproducible", err=True)
@@ -197,14 +204,14 @@ def plan(
         return
     import numpy as np
 
-    el = time.perf_counter() - t0
+    el = time.perf_counter() - t0 - t_counts
     typer.echo(f"wrote {output}: {steps} steps planned by {pl.name} for {md.name} on {cl.name} "
                f"({cl.world_size} GPUs) in {el:.2f} s ({el / steps * 1e3:.0f} ms/step)")
     if ratios:
         r = np.array(ratios)
         typer.echo(f"predicted step / lower bound: median {np.median(r):.3f}, worst {r.max():.3f}")
-    if any(tiers.values()):
-        typer.echo("sequences by tier: " + ", ".join(f"{k} {v}" for k, v in tiers.items()))
+    for line in summary_lines(counts):
+        typer.echo(line)
     if solvers:
         typer.echo("solver: " + ", ".join(f"{k} x{v}" for k, v in sorted(solvers.items())))
 

@@ -41,7 +41,8 @@ def simulate(
     Per step: simulated step time, the plan's analytic prediction and lower bound, per-unit
     busy / exposed-communication / idle time, NIC utilisation. `--step K` shows one step per unit.
     """
-    from zeppelin.planner.sim.simulate import simulate_plan, summary
+    from zeppelin.planner.sim.simulate import Simulator, context_from_header, summary
+    from zeppelin.planner.sim.summary import PlanSummary, step_summary, summary_lines
     from zeppelin.planner.tools.tables import console as make_console
     from zeppelin.planner.tools.tables import simulate_step_tables, simulate_summary_table
 
@@ -50,13 +51,25 @@ def simulate(
         from zeppelin.planner.core.inputs import check_path_writable
 
         check_path_writable(output, [plan])
-    header, results = simulate_plan(plan, steps=None if step is None else [step], timeline=timeline)
+    from zeppelin.schemas.plan import PlanReader
+
+    reader = PlanReader(plan)
+    header = reader.header
+    sim = Simulator(context_from_header(header))
+    results, counts = [], []
+    for st in (reader if step is None else [reader.step(step)]):
+        results.append(sim.simulate_step(st, timeline=timeline))
+        counts.append(step_summary(sim.ctx, st, traffic=results[-1].nic_traffic))
+    total = PlanSummary()
+    for c in counts:
+        total.add(c)
     if json_out or output is not None:
         doc = {
             "plan": str(plan), "planner": header.planner, "cluster": header.cluster.name,
             "world_size": header.world_size, "tp": header.tp, "model": header.model.name,
             "summary": summary(results),
-            "steps": [r.to_dict(timeline=timeline) for r in results],
+            "counts": total.to_dict(),
+            "steps": [{**r.to_dict(timeline=timeline), "counts": c.to_dict()} for r, c in zip(results, counts)],
         }
         _emit_json(doc, output)
         if output is not None:
@@ -70,6 +83,8 @@ def simulate(
             con.print(nt)
     else:
         con.print(simulate_summary_table(header, results))
+    for line in summary_lines(total):
+        con.print(line, highlight=False)
     s = summary(results)
     con.print(f"mean step {s['mean_step_time_s'] * 1e3:.2f} ms, p50 {s['p50_step_time_s'] * 1e3:.2f} ms, "
               f"p90 {s['p90_step_time_s'] * 1e3:.2f} ms over {s['steps']} step(s); "
@@ -102,13 +117,20 @@ def show(
     con = make_console()
     con.print(f"plan [bold]{plan}[/bold]: planner {h.planner}, {h.cluster.name} ({h.cluster.num_nodes} nodes x "
               f"{h.cluster.gpus_per_node} GPUs, tp={h.tp}), {h.model.name}, {h.num_steps} step(s)")
-    steps = list(reader) if all_steps else [reader.step(step)]
-    for st in steps:
-        render_step(h, st, con)
-    if png is not None:
-        from zeppelin.planner.sim.simulate import Simulator, context_from_header
+    from zeppelin.planner.sim.simulate import Simulator, context_from_header
+    from zeppelin.planner.sim.summary import PlanSummary, summary_lines
 
-        res = Simulator(context_from_header(h)).simulate_step(steps[0], timeline=True)
+    sim = Simulator(context_from_header(h))
+    steps = list(reader) if all_steps else [reader.step(step)]
+    total = PlanSummary()
+    for st in steps:
+        total.add(render_step(h, st, con, sim))
+    if all_steps:
+        con.print(f"[bold]all {len(steps)} steps[/bold]:")
+        for line in summary_lines(total):
+            con.print(line, highlight=False)
+    if png is not None:
+        res = sim.simulate_step(steps[0], timeline=True)
         draw_png(h, steps[0], res, png)
         con.print(f"wrote {png}")
 

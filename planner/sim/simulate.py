@@ -446,6 +446,8 @@ class SimResult:
     nics: dict[str, NICStats]
     layer_periods_s: list[float]  # per micro-batch, max over units
     timeline: list[MicroBatchTimeline] | None = None
+    #: bytes per step through each NIC by transfer kind (ring, ulysses, allgather, remap): {kind: {nic: bytes}}
+    nic_traffic: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def to_dict(self, timeline: bool = False) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -467,6 +469,7 @@ class SimResult:
             },
             "nics": {k: {"bytes": v.bytes, "busy_s": v.busy_s, "busy_frac": v.busy_frac, "util": v.util}
                      for k, v in sorted(self.nics.items())},
+            "nic_traffic": {k: dict(sorted(v.items())) for k, v in sorted(self.nic_traffic.items())},
         }
         if timeline and self.timeline is not None:
             d["timeline"] = [
@@ -549,6 +552,7 @@ class Simulator:
         units = [UnitStats() for _ in range(n)]
         nic_bytes: dict[str, float] = defaultdict(float)
         nic_busy: dict[str, float] = defaultdict(float)
+        traffic: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         finish = np.zeros(n)
         periods: list[float] = []
         tl: list[MicroBatchTimeline] = []
@@ -577,6 +581,8 @@ class Simulator:
                 nic_bytes[nic] += L * b
             for nic, b in lay.nic_busy().items():
                 nic_busy[nic] += L * b
+            for (kind, nic), b in lay.nic_traffic().items():
+                traffic[kind][nic] += L * b
             if timeline:
                 tl.append(MicroBatchTimeline(layer_period_s=float(f.max()), intervals=lay.intervals()))
         # each replica all-reduces its own shards (replicas of another TP degree: their cost model)
@@ -604,14 +610,32 @@ class Simulator:
             step=step.step, step_time_s=step_time, compute_end_s=compute_end, allreduce_s=ar, lower_bound_s=lb,
             predicted_s=step.prediction.step_time_s if step.prediction is not None else None,
             num_layers=L, units=units, nics=nics, layer_periods_s=periods, timeline=tl if timeline else None,
+            nic_traffic={k: dict(v) for k, v in traffic.items()},
         )
+
+    def nic_traffic(self, step: StepPlan) -> dict[str, dict[str, float]]:
+        """The bytes per step through each NIC by transfer kind, ``{kind: {nic: bytes}}``: the flows
+        :meth:`simulate_step` would move (the same task graph, built without kernel times and not run),
+        so that a summary of a plan counts exactly the traffic its simulation puts on the NICs."""
+        reps = self.replicas(step)
+        L = self.ctx.model.num_layers
+        out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        for mb in step.microbatches:
+            lay = _Layer(self, step, mb, reps, compute=False)
+            lay.build()
+            for (kind, nic), b in lay.nic_traffic().items():
+                out[kind][nic] += L * b
+        return {k: dict(v) for k, v in out.items()}
 
 
 class _Layer:
     """The task graph of one transformer layer (fwd + bwd) of one micro-batch."""
 
-    def __init__(self, sim: Simulator, step: StepPlan, mb: MicroBatch, reps: list[Replica]):
+    def __init__(self, sim: Simulator, step: StepPlan, mb: MicroBatch, reps: list[Replica], compute: bool = True):
         self.sim, self.step, self.mb, self.reps = sim, step, mb, reps
+        #: False: kernel times are not priced (every compute task takes no time): the graph is built
+        #: for its transfers only (:meth:`Simulator.nic_traffic`)
+        self.compute = compute
         self.n = len(reps)
         self.engine = Engine(sim.capacity)
         self.node = [sim.cluster.node_of(r.ranks[0]) for r in reps]
@@ -694,6 +718,8 @@ class _Layer:
                 for k, (s, e) in enumerate(rs):
                     qs[pi, i, k], qe[pi, i, k] = s, e
         tok = (qe - qs).sum(axis=2)  # (P, G)
+        if not self.compute:
+            return np.zeros((P, G, G)), tok, np.zeros((P, G, G), dtype=np.int64)
         j = (np.arange(G)[:, None] - np.arange(G)[None, :]) % G  # [i, r] -> source position
         q_start = qs[:, :, None, :, None]
         q_end = qe[:, :, None, :, None]
@@ -788,14 +814,14 @@ class _Layer:
         tt, tok, _ = self._block_times(pls, G, costs[0])
         c0 = costs[0]
         Lp = np.array([sum(e - s for rs in p.ranges for s, e in rs) for p in pls], dtype=float)
-        meas = c0.ring_compute_measured(Lp, G)
+        meas = c0.ring_compute_measured(Lp, G) if self.compute else None
         if meas is not None:  # each sequence's blocks scaled so that its slowest position takes as measured
             per_pos = tt.sum(axis=2).max(axis=1)
             tt = tt * np.where(per_pos > 0, meas / np.maximum(per_pos, 1e-30), 1.0)[:, None, None]
         sync = c0.ring_sync(G)
         if sync:  # the exchanges' cost beyond compute, once per round of the group, rounds 1..G-1
             tt[:, :, 1:] += sync / len(pls)
-        if len({c.tp for c in costs}) > 1:  # mixed TP degrees: time each position with its own model
+        if len({c.tp for c in costs}) > 1 and self.compute:  # mixed TP degrees: time each position with its own model
             tts = [self._block_times(pls, G, c)[0] for c in costs]
             comp = np.stack([tts[i].sum(axis=0)[i] for i in range(G)])
         else:
@@ -852,7 +878,7 @@ class _Layer:
         m = self.sim.ctx.model
         cost = self.sim.cost_for(self.reps[U[0]].tp)
         lengths = np.array([float(p.padded_length or self.step.sequences[p.seq].length) for p in pls])
-        t_att = float(np.sum(cost.ulysses_attn_time(lengths, G)))  # head shards: 1/G of the heads
+        t_att = float(np.sum(cost.ulysses_attn_time(lengths, G))) if self.compute else 0.0  # 1/G of the heads
         held = [sum(ranges_tokens(p.ranges[i]) for p in pls) for i in range(G)]
         eff = cost.profile.alltoall_efficiency.get(str(G), 1.0)
         per_tok = (2 * m.hidden + 2 * m.kv_dim) * m.dtype_bytes / cost.tp
@@ -950,6 +976,15 @@ class _Layer:
         for t in self._nic_flows():
             out[t.nics[0]] += t.nbytes
             out[t.nics[1]] += t.nbytes
+        return dict(out)
+
+    def nic_traffic(self) -> dict[tuple[str, str], float]:
+        """Bytes through each NIC by transfer kind: ``{(kind, nic): bytes}`` (sent + received)."""
+        out: dict[tuple[str, str], float] = defaultdict(float)
+        for t in self._nic_flows():
+            kind = t.cat.removesuffix("-inter")
+            out[(kind, t.nics[0])] += t.nbytes
+            out[(kind, t.nics[1])] += t.nbytes
         return dict(out)
 
     def nic_busy(self) -> dict[str, float]:

@@ -67,11 +67,21 @@ def _seqs_text(seqs: list[tuple[int, int]], limit: int = 8) -> str:
     return txt
 
 
-def render_step(header: PlanHeader, step: StepPlan, console) -> None:
-    """Print the step: groups by tier, per-unit load bars, NIC loads with/without routing, remap volume."""
+def render_step(header: PlanHeader, step: StepPlan, console, sim=None):
+    """Print the step: groups by tier, the step's counts (:mod:`zeppelin.planner.sim.summary`), per-unit
+    load bars, NIC loads with and without routing (the simulator's flows), remap volume.
+    ``sim``: a :class:`Simulator` for the plan (reused across steps). Returns the step's
+    :class:`~zeppelin.planner.sim.summary.PlanSummary`."""
     from rich.text import Text
 
+    from zeppelin.planner.sim.summary import step_summary, summary_lines
     from zeppelin.planner.tools.tables import table
+
+    if sim is None:
+        from zeppelin.planner.sim.simulate import Simulator, context_from_header
+
+        sim = Simulator(context_from_header(header))
+    counts = step_summary(sim.ctx, step, sim)
 
     pred = step_prediction(header, step)
     lengths = [s.length for s in step.sequences]
@@ -84,13 +94,12 @@ def render_step(header: PlanHeader, step: StepPlan, console) -> None:
 
     t = table("groups by tier", [(c, "left" if c.startswith("seq") else "right")
                                  for c in ("mb", "tier", "kind", "units", "seqs", "tokens", "sequences (#index:length)")])
-    tiers: dict[str, int] = defaultdict(int)
     for r in group_rows(step):
-        tiers[r["tier"]] += len(r["sequences"])
         t.add_row(str(r["microbatch"]), r["tier"], r["kind"], _units_text(r["units"]), str(len(r["sequences"])),
                   str(r["tokens"]), _seqs_text(r["sequences"]))
     console.print(t)
-    console.print("sequences per tier: " + ", ".join(f"{k} {v}" for k, v in sorted(tiers.items())))
+    for line in summary_lines(counts):
+        console.print(line, highlight=False)
 
     rows = load_rows(pred)
     tmax = max((r[4] for r in rows), default=0.0) or 1.0
@@ -107,18 +116,25 @@ def render_step(header: PlanHeader, step: StepPlan, console) -> None:
         lt.add_row(str(u), str(tok), f"{tot * 1e3:.2f}", bar)
     console.print(lt)
 
-    nics = sorted(set(pred.nic_bytes) | set(pred.nic_bytes_unrouted))
-    if nics:
+    routed = counts.nic_bytes()
+    if routed:
+        # the same step with every transfer on its ranks' own NICs: what routing saves
+        direct = step.model_copy(update={"microbatches": [mb.model_copy(update={"routes": []})
+                                                           for mb in step.microbatches]})
+        unrouted: dict[str, float] = defaultdict(float)
+        for per in sim.nic_traffic(direct).values():
+            for k, b in per.items():
+                unrouted[k] += b
         nt = table("NIC load per step (GB sent + received)",
                    [(c, "right") for c in ("NIC", "with routing", "without routing")])
-        for k in nics:
-            nt.add_row(k, f"{pred.nic_bytes.get(k, 0.0) / 1e9:.3f}", f"{pred.nic_bytes_unrouted.get(k, 0.0) / 1e9:.3f}")
-        r_max = max(pred.nic_bytes.values(), default=0.0)
-        u_max = max(pred.nic_bytes_unrouted.values(), default=0.0)
-        nt.caption = (f"busiest NIC: {r_max / 1e9:.3f} GB routed vs {u_max / 1e9:.3f} GB unrouted")
+        for k in sorted(set(routed) | set(unrouted)):
+            nt.add_row(k, f"{routed.get(k, 0.0) / 1e9:.3f}", f"{unrouted.get(k, 0.0) / 1e9:.3f}")
+        r_max = max(routed.values(), default=0.0)
+        u_max = max(unrouted.values(), default=0.0)
+        nt.caption = f"busiest NIC: {r_max / 1e9:.3f} GB routed, {u_max / 1e9:.3f} GB unrouted"
         console.print(nt)
     else:
-        console.print("NIC load: no inter-node ring traffic in this step")
+        console.print("NIC load: no inter-node traffic in this step")
     for mbi, mb in enumerate(step.microbatches):
         rm = mb.remap
         if rm.enabled or mb.linear_layout is not None:
@@ -127,6 +143,7 @@ def render_step(header: PlanHeader, step: StepPlan, console) -> None:
                           f"across nodes{extra}" + (f" - {rm.reason}" if rm.reason else ""))
         else:
             console.print(f"remap (micro-batch {mbi}): off" + (f" - {rm.reason}" if rm.reason else ""))
+    return counts
 
 
 _COLORS = {"attention": "#1f77b4", "linear": "#2ca02c", "ring-intra": "#ff7f0e", "ring-inter": "#d62728",

@@ -59,7 +59,7 @@ def test_cli_show_text(routed_plan, zeppelin_bin):
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "groups by tier" in text and "#0:4096" in text
-    assert "sequences per tier: inter 1, local 3" in text
+    assert "sequences by tier: local 3, intra 0, inter 1" in text
     # each NIC carries half a round each way routed (B), the two direct NICs carry 2B unrouted
     gb, gb2 = f"{B / 1e9:.3f}", f"{2 * B / 1e9:.3f}"
     rows = [ln.replace("│", " ").split() for ln in text.splitlines() if "node" in ln and "/nic" in ln]
