@@ -151,9 +151,9 @@ def plan(
     options.update(_named_options(planner, option))
     pl = _planner(planner, options)
     if explain:
-        from zeppelin.planner.zeppelin.tiering import Tiering
+        from zeppelin.planner.tools.explain import explain_text
 
-        typer.echo(Tiering(ctx).explain())
+        typer.echo(explain_text(ctx))
         if output is None:
             return
     from zeppelin.planner.core.sampler import StepSampler, run_max_seq_len
@@ -183,7 +183,7 @@ def plan(
 
     ratios, solvers, wall_hit = [], {}, []
     counts, t_counts = PlanSummary(), 0.0
-    sim = None if quiet else Simulator(context_from_header(header))
+    sim = None if quiet and not explain else Simulator(context_from_header(header))
     with PlanWriter(output, header, fmt) as w:
         for st in plan_steps(ctx, pl, step_seqs(), workers=workers, progress=show, total=steps):
             w.write(st)
@@ -200,6 +200,11 @@ def plan(
     if wall_hit:
         typer.echo(f"warning: step(s) {', '.join(map(str, wall_hit))} hit the --time-limit wall-clock safety net: "
                    f"their plans depend on this machine's load and are not reproducible", err=True)
+    if explain:
+        from zeppelin.planner.tools.explain import plan_against_thresholds
+
+        for line in plan_against_thresholds(ctx, counts):
+            typer.echo(line)
     if quiet:
         return
     import numpy as np
