@@ -1,0 +1,186 @@
+"""One count of a plan: `zeppelin plan`'s summary, `show --all` and `simulate` print the same
+sequences by tier, groups by kind and span, and inter-node traffic (planner/sim/summary.py), for
+plans of every shape; tiers follow the units a group spans, and traffic is what the simulator
+puts on the NICs."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+from typer.testing import CliRunner
+
+from zeppelin.planner.cli import app
+from zeppelin.planner.sim.simulate import Simulator, context_from_header
+from zeppelin.planner.sim.summary import PlanSummary, step_summary, summary_lines
+from zeppelin.planner.tools.compare import mix_dataset
+from zeppelin.schemas.plan import Group, MicroBatch, Placement, Sequence, StepPlan, read_plan
+
+# (cluster, tp, planner, extra flags): multi-node rings (routed), FLOP-share and Ulysses-group
+# family plans (groups spanning nodes), and baselines of every group kind
+CASES = [
+    ("zeppelin-a:2", 1, "zeppelin", []),
+    ("zeppelin-c:4", 2, "zeppelin", ["--families", "none"]),
+    ("zeppelin-c:4", 2, "zeppelin", ["--families", "ulysses-groups"]),
+    ("zeppelin-c:4", 2, "zeppelin", ["--families", "flop-share"]),
+    ("zeppelin-a:2", 1, "te-cp", []),
+    ("zeppelin-c:4", 2, "ulysses", []),
+    ("zeppelin-c:4", 2, "flexsp", []),
+    ("zeppelin-c:4", 2, "hydraulis", []),
+    ("zeppelin-a:2", 1, "llama3-cp", []),
+]
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def manifest(tmp_path_factory):
+    path = tmp_path_factory.mktemp("summary") / "mixed.jsonl"
+    path.write_text("".join(f'{{"length": {int(n)}}}\n' for n in mix_dataset("mixed", 4000).lengths))
+    return path
+
+
+def _run(args: list[str]) -> str:
+    r = CliRunner().invoke(app, args, env={"COLUMNS": "240"})
+    assert r.exit_code == 0, (args, r.output, r.exception)
+    return r.output
+
+
+def _block(text: str, after: str | None = None) -> list[str]:
+    """The summary lines (from "sequences by tier" to the traffic lines) after the line ``after``."""
+    lines = text.splitlines()
+    if after is not None:
+        lines = lines[next(i for i, ln in enumerate(lines) if ln.startswith(after)) + 1:]
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("sequences by tier: "))
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith("inter-node traffic: "))
+    if end + 1 < len(lines) and lines[end + 1].startswith("  NICs: "):
+        end += 1
+    return [ln.rstrip() for ln in lines[start:end + 1]]
+
+
+def _span(cluster, reps, units) -> str:
+    """Where a group's attention runs, worked out here from first principles (GPU ranks -> nodes)."""
+    nodes = {cluster.node_of(r) for u in units for r in reps[u]}
+    return "inter" if len(nodes) > 1 else "intra" if len(units) > 1 else "local"
+
+
+@pytest.mark.parametrize("cluster,tp,planner,extra", CASES, ids=[f"{c[2]}-{c[0]}-{'-'.join(c[3]) or 'default'}"
+                                                                 for c in CASES])
+def test_plan_show_and_simulate_report_the_same_counts(manifest, tmp_path, cluster, tp, planner, extra):
+    from zeppelin.schemas.cluster import cluster_preset
+
+    world = cluster_preset(cluster).world_size
+    out = tmp_path / "p.jsonl"
+    planned = _run(["plan", "--manifest", str(manifest), "-c", cluster, "--model", "llama-7b", "--tp", str(tp),
+                    "--planner", planner, "--steps", str(STEPS), "--tokens-per-step", str(16384 * world),
+                    "--max-seq-len", "131072", *extra, "-o", str(out)])
+    shown = _run(["show", str(out), "--all"])
+    simulated = _run(["simulate", str(out)])
+    a, b, c = _block(planned), _block(shown, after="all 2 steps"), _block(simulated)
+    assert a == b == c
+
+    # independently: tiers from the units' GPU ranks, traffic from the simulation itself
+    header, steps = read_plan(out)
+    sim = Simulator(context_from_header(header))
+    tiers: Counter = Counter()
+    nic_total: Counter = Counter()
+    for st in steps:
+        reps = ([r.ranks for r in st.replicas] if st.replicas is not None else
+                [list(range(u * tp, (u + 1) * tp)) for u in range(world // tp)])
+        for mb in st.microbatches:
+            for p in mb.placements:
+                tiers[_span(header.cluster, reps, mb.groups[p.group].units)] += 1
+        res = sim.simulate_step(st)
+        loaded = {k: v.bytes for k, v in res.nics.items() if v.bytes > 0}
+        for k, v in loaded.items():
+            nic_total[k] += v
+        counts = step_summary(sim.ctx, st, sim)
+        assert counts.nic_bytes() == pytest.approx(loaded)
+        step_text = "\n".join(summary_lines(counts))
+        if loaded:  # a step whose simulation loads a NIC is never reported without inter-node traffic
+            assert "inter-node traffic: none" not in step_text
+        else:
+            assert "inter-node traffic: none" in step_text
+    assert a[0] == (f"sequences by tier: local {tiers['local']:,}, intra {tiers['intra']:,}, "
+                    f"inter {tiers['inter']:,}")
+    doc = json.loads(_run(["simulate", str(out), "--json"]))
+    assert doc["counts"]["sequences_by_tier"] == {t: tiers[t] for t in ("local", "intra", "inter")}
+    assert doc["counts"]["nic_bytes_per_step"] == pytest.approx({k: v / STEPS for k, v in nic_total.items()})
+    # the per-step show output: a step with NIC traffic has its table, never "no inter-node traffic"
+    for k, st in enumerate(steps):
+        one = _run(["show", str(out), "--step", str(k)])
+        busy = any(v.bytes > 0 for v in sim.simulate_step(st).nics.values())
+        assert ("no inter-node traffic" in one) == (not busy)
+
+
+def test_cases_cover_groups_across_nodes_of_every_kind(manifest, tmp_path):
+    """The cases above do exercise what the summary must not miss: rings, Ulysses groups and
+    routed rings spanning nodes."""
+    kinds = set()
+    for cluster, tp, planner, extra in CASES:
+        if planner not in ("ulysses", "te-cp") and "none" not in extra:
+            continue
+        from zeppelin.schemas.cluster import cluster_preset
+
+        world = cluster_preset(cluster).world_size
+        out = tmp_path / f"{planner}.jsonl"
+        _run(["plan", "--manifest", str(manifest), "-c", cluster, "--model", "llama-7b", "--tp", str(tp),
+              "--planner", planner, "--steps", str(STEPS), "--tokens-per-step", str(16384 * world),
+              "--max-seq-len", "131072", *extra, "-o", str(out), "-q"])
+        header, steps = read_plan(out)
+        ctx = context_from_header(header)
+        total = PlanSummary()
+        for st in steps:
+            total.add(step_summary(ctx, st))
+        kinds |= {k for (k, span), n in total.groups.items() if span == "inter" and n}
+        if any(mb.routes for st in steps for mb in st.microbatches):
+            kinds.add("routed")
+    assert {"ring", "ulysses", "routed"} <= kinds
+
+
+def _hand_step(tier_label: str) -> tuple:
+    """A Ulysses group over units of two nodes whose label says ``tier_label``, plus a local group."""
+    from zeppelin.planner.core.base import PlanContext
+    from zeppelin.schemas.cluster import cluster_preset
+    from zeppelin.schemas.model import model_preset
+    from zeppelin.schemas.profile import default_profile
+
+    ctx = PlanContext(cluster_preset("zeppelin-a:2"), model_preset("llama-7b"), default_profile())
+    n = ctx.num_units
+    units = [6, 7, 8, 9]  # 8 GPUs per node: two units on each node
+    groups = [Group(kind="ulysses", tier=tier_label, units=units), Group(kind="local", tier="local", units=[0])]
+    pls = [Placement(seq=0, group=0, scheme="contiguous", ranges=[[[i * 1024, (i + 1) * 1024]] for i in range(4)]),
+           Placement(seq=1, group=1, ranges=[[[0, 500]]])]
+    queues = [[] for _ in range(n)]
+    for gi, g in enumerate(groups):
+        for u in g.units:
+            queues[u].append(gi)
+    st = StepPlan(step=0, sequences=[Sequence(sample_id=0, length=4096), Sequence(sample_id=1, length=500)],
+                  microbatches=[MicroBatch(groups=groups, placements=pls, queues=queues)])
+    return ctx, st
+
+
+def test_tier_follows_the_units_not_the_label():
+    ctx, st = _hand_step("intra")
+    s = step_summary(ctx, st)
+    assert s.sequences == {"local": 1, "intra": 0, "inter": 1}
+    assert s.groups == {("ulysses", "inter"): 1, ("local", "local"): 1}
+    assert s.mislabeled == 1
+    res = Simulator(ctx).simulate_step(st)
+    assert s.nic_bytes() == pytest.approx({k: v.bytes for k, v in res.nics.items()})
+    assert set(s.traffic) == {"ulysses"} and s.inter_node_bytes > 0
+    text = "\n".join(summary_lines(s))
+    assert "ulysses inter 1" in text and "labelled with another tier" in text
+    assert "inter-node traffic: none" not in text
+
+
+def test_summaries_merge_over_steps():
+    ctx, st = _hand_step("inter")
+    one = step_summary(ctx, st)
+    two = PlanSummary().add(one).add(step_summary(ctx, st))
+    assert two.steps == 2 and two.sequences == {"local": 2, "intra": 0, "inter": 2}
+    assert two.inter_node_bytes == pytest.approx(2 * one.inter_node_bytes)
+    d = two.to_dict()
+    assert d["inter_node_bytes_per_step"] == pytest.approx(one.inter_node_bytes)
+    assert d["length_range_by_tier"] == {"inter": [4096, 4096], "local": [500, 500]}
+    assert two.mislabeled == 0
