@@ -108,6 +108,7 @@ class DemoContext:
     planners: list = field(default_factory=list)
     workers: int = 0
     png: Any = None  # where the picture goes (None: no picture)
+    profile_given: bool = False  # the profile came from --profile (else the preset curves)
     results: dict = field(default_factory=dict)
     _steps: list | None = None
 
@@ -279,7 +280,15 @@ def _stage_plan(ctx: DemoContext) -> None:
     from zeppelin.planner.core.base import PlanContext
     from zeppelin.planner.core.sampler import run_max_seq_len
     from zeppelin.planner.sim.simulate import Simulator
-    from zeppelin.planner.tools.compare import comparison, default_workers, render_table, run_compare
+    from zeppelin.planner.tools.compare import (
+        comparison,
+        default_workers,
+        prediction_error,
+        prediction_error_text,
+        render_table,
+        run_compare,
+        speedup_text,
+    )
     from zeppelin.planner.tools.show import draw_demo_png
 
     con = ctx.console
@@ -292,18 +301,19 @@ def _stage_plan(ctx: DemoContext) -> None:
     runs = run_compare(pctx, steps, ctx.planners, workers=ctx.workers or default_workers(), keep=keep)
     wall = time.perf_counter() - t0
     doc = comparison(runs)
+    doc["prediction_error"] = prediction_error(ctx.profile, given=ctx.profile_given)
     ctx.results["comparison"] = doc
     title = (f"{len(steps)} step(s) of the sample planned by every planner and simulated "
              f"({ctx.cluster.name}, {ctx.cluster.world_size} GPUs, {ctx.model.name}; {wall:.1f} s)")
     con.print(render_table(doc, title))
     if "zeppelin_speedup_vs_te_cp" in doc:
-        tuned = (f", {doc['zeppelin_speedup_vs_te_cp_tuned']:.2f}x over te-cp-tuned"
-                 if "zeppelin_speedup_vs_te_cp_tuned" in doc else "")
-        con.print(f"zeppelin: {doc['zeppelin_speedup_vs_te_cp']:.2f}x over te-cp (CP sized for the longest allowed "
-                  f"sequence, {pctx.max_seq_len:,} tokens, as TransformerEngine jobs run){tuned}; "
+        tuned = (f", {speedup_text(doc, 'te-cp-tuned')}" if "zeppelin_speedup_vs_te_cp_tuned" in doc else "")
+        con.print(f"zeppelin: {speedup_text(doc, 'te-cp')}; te-cp's CP is sized for the longest allowed "
+                  f"sequence, {pctx.max_seq_len:,} tokens, as TransformerEngine jobs run{tuned}; "
                   f"{doc.get('zeppelin_speedup_vs_best_baseline', float('nan')):.2f}x over the best other baseline "
-                  f"({doc.get('best_baseline', '-')}). x LB: step time over the step's lower bound; plan ms: "
-                  f"planning time per step.")
+                  f"({doc.get('best_baseline', '-')}). x LB: step time over the step's lower bound.", highlight=False)
+    if ctx.profile_given:
+        con.print(prediction_error_text(doc["prediction_error"]), highlight=False)
     if ctx.png is None:
         return
     by = {r.planner: r for r in runs}
@@ -392,7 +402,7 @@ def demo(
     cfg = SamplerConfig(tokens_per_step=tokens_per_step or DEMO_TOKENS_PER_GPU * cm.num_units, seed=seed,
                         max_seq_len=max_seq_len)
     ctx = DemoContext(console=console(), cluster=cl, model=mo, profile=pr, cost=cm, dataset=ds, sampler=cfg,
-                      num_steps=steps, planners=names, workers=workers, png=png)
+                      num_steps=steps, planners=names, workers=workers, png=png, profile_given=profile is not None)
     for name in DEMO_STAGES:
         if name in wanted:
             DEMO_STAGES[name](ctx)

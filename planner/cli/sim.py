@@ -172,9 +172,12 @@ def compare(
         comparison,
         default_workers,
         draw_png,
+        prediction_error,
+        prediction_error_text,
         render_table,
         resolve_dataset,
         run_compare,
+        speedup_text,
     )
     from zeppelin.planner.tools.tables import console as make_console
     from zeppelin.schemas.plan import SamplerConfig
@@ -213,7 +216,8 @@ def compare(
     title = (f"{cl.name} ({cl.world_size} GPUs), {md.name}, tp={tp}, dataset {dataset}, {steps} steps of "
              f"{cfg.tokens_per_step} tokens")
     doc.update({"cluster": cl.name, "world_size": cl.world_size, "model": md.name, "tp": tp, "dataset": dataset,
-                "steps": steps, "tokens_per_step": cfg.tokens_per_step, "seed": seed, "wall_s": wall})
+                "steps": steps, "tokens_per_step": cfg.tokens_per_step, "seed": seed, "wall_s": wall,
+                "prediction_error": prediction_error(prof, given=profile is not None)})
     if png is not None:
         draw_png(doc, title, png)
     if json_out or output is not None:
@@ -222,11 +226,12 @@ def compare(
         con = make_console()
         con.print(render_table(doc, title))
         if "zeppelin_speedup_vs_te_cp" in doc:
-            tuned = (f"{doc['zeppelin_speedup_vs_te_cp_tuned']:.2f}x over te-cp-tuned, "
-                     if "zeppelin_speedup_vs_te_cp_tuned" in doc else "")
-            con.print(f"zeppelin: {doc['zeppelin_speedup_vs_te_cp']:.2f}x over te-cp, {tuned}"
+            tuned = (f"{speedup_text(doc, 'te-cp-tuned')}, " if "zeppelin_speedup_vs_te_cp_tuned" in doc else "")
+            con.print(f"zeppelin: {speedup_text(doc, 'te-cp')}, {tuned}"
                       f"{doc['zeppelin_speedup_vs_best_baseline']:.2f}x over the best other baseline "
-                      f"({doc['best_baseline']}); {wall:.1f} s")
+                      f"({doc['best_baseline']}); {wall:.1f} s", highlight=False)
+        if profile is not None:
+            con.print(prediction_error_text(doc["prediction_error"]), highlight=False)
         for p in (output, png):
             if p is not None:
                 con.print(f"wrote {p}")

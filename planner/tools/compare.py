@@ -243,10 +243,26 @@ def run_compare(ctx: PlanContext, steps: list[list], planners: list[str],
     return [runs[p] for p in planners]
 
 
+#: the spread of a speedup over the sampled steps: these percentiles of the per-step ratios
+SPREAD = (10, 90)
+
+
+def step_ratios(ref_times: list[float], times: list[float]) -> list[float]:
+    """Per step, the reference's step time over the planner's (the same sampled steps)."""
+    return [float(r) / float(t) for r, t in zip(ref_times, times)]
+
+
+def spread(ratios: list[float]) -> tuple[float, float]:
+    """The :data:`SPREAD` percentiles of per-step ratios (linear interpolation between steps)."""
+    lo, hi = np.percentile(np.asarray(ratios, dtype=np.float64), SPREAD)
+    return float(lo), float(hi)
+
+
 def comparison(runs: list[PlannerRun], reference: str = "te-cp",
                also: tuple[str, ...] = ("te-cp-tuned",)) -> dict[str, Any]:
     """Per-planner statistics plus speedups over ``reference``, over each planner of ``also``
-    (when it ran) and over the best other baseline."""
+    (when it ran) and over the best other baseline. A speedup is the ratio of mean step times; beside
+    it, the per-step ratios over the same sampled steps and their p10 / p90 (``..._p10``, ``..._p90``)."""
     stats = [r.stats() for r in runs]
     by = {s["planner"]: s for s in stats}
     doc: dict[str, Any] = {"planners": stats, "reference": reference,
@@ -261,8 +277,13 @@ def comparison(runs: list[PlannerRun], reference: str = "te-cp",
         for s in stats:
             if s.get("error") is None:
                 s["speedup_vs_" + key] = ref_mean / s["mean_s"]
+                per = step_ratios(ref["step_times_s"], s["step_times_s"])
+                s[f"speedup_vs_{key}_per_step"] = per
+                s[f"speedup_vs_{key}_p{SPREAD[0]}"], s[f"speedup_vs_{key}_p{SPREAD[1]}"] = spread(per)
         if z and z.get("error") is None:
             doc["zeppelin_speedup_vs_" + key] = ref_mean / z["mean_s"]
+            for q in SPREAD:
+                doc[f"zeppelin_speedup_vs_{key}_p{q}"] = z[f"speedup_vs_{key}_p{q}"]
     if z and z.get("error") is None:
         others = [s for s in stats if s.get("error") is None and not s["planner"].startswith("zeppelin")]
         if others:
@@ -275,31 +296,92 @@ def comparison(runs: list[PlannerRun], reference: str = "te-cp",
 def render_table(doc: dict[str, Any], title: str):
     """The side-by-side table of ``zeppelin compare`` (and of the demo), 80 columns wide: per planner
     the mean and p90 simulated step time, speedups over each reference (te-cp; te-cp-tuned as
-    "tuned"), ratio to the lower bound, exposed communication and planning time per step (the p50
-    is in the JSON)."""
+    "tuned") with their spread over the steps (p10-p90 of the per-step ratios), ratio to the lower
+    bound, exposed communication and planning time per step (the p50 is in the JSON)."""
     from zeppelin.planner.tools.tables import table
 
     refs = doc.get("references", [doc["reference"]])
     keys = ["speedup_vs_" + r.replace("-", "_") for r in refs]
     labels = ["vs tuned" if r == "te-cp-tuned" else f"vs {r}" for r in refs]
-    t = table(title, ["planner", "mean ms", "p90 ms", *labels, "x LB", "exposed ms", "plan ms"])
+    t = table(title, ["planner", "mean", "p90", *labels, "x LB", "exposed", "plan"])
     t.columns[0].min_width = max((len(s["planner"]) for s in doc["planners"]), default=7)
     t.columns[0].no_wrap = True
+    for c in t.columns[3:3 + len(keys)]:  # a spread "2.12-2.81" is never folded mid-number
+        c.no_wrap = True
     failed = []
     for s in doc["planners"]:
         if s.get("error"):
             t.add_row(s["planner"], "[red]failed[/red]", *[""] * (len(refs) + 4))
             failed.append(f"{s['planner']}: {s['error']}")
             continue
-        t.add_row(s["planner"], f"{s['mean_s'] * 1e3:.1f}", f"{s['p90_s'] * 1e3:.1f}",
-                  *(f"{s[k]:.2f}x" if k in s else "-" for k in keys), f"{s['ratio_to_lower_bound']:.2f}",
+        t.add_row(s["planner"], _ms(s["mean_s"]), _ms(s["p90_s"]),
+                  *(_speedup_cell(s, k) for k in keys), f"{s['ratio_to_lower_bound']:.2f}",
                   f"{s['exposed_comm_s'] * 1e3:.1f}", f"{s['plan_latency_mean_s'] * 1e3:.0f}")
-    notes = ["tuned: te-cp-tuned"] if "te-cp-tuned" in refs else []
+    lo, hi = SPREAD
+    notes = ["mean, p90: simulated step time, ms; exposed: exposed communication, ms; plan: planning time per "
+             f"step, ms; vs: ratio of mean step times, below it p{lo}-p{hi} of the per-step ratios"]
+    if "te-cp-tuned" in refs:
+        notes.append("tuned: te-cp-tuned")
     if failed:
         notes.append("failed: " + "; ".join(failed))
     if notes:
         t.caption = "; ".join(notes)
     return t
+
+
+def _ms(seconds: float) -> str:
+    # a tenth of a millisecond only where it is a visible part of the time (it keeps the table in 80 columns)
+    ms = seconds * 1e3
+    return f"{ms:.1f}" if ms < 1000 else f"{ms:.0f}"
+
+
+def _speedup_cell(s: dict[str, Any], key: str) -> str:
+    if key not in s:
+        return "-"
+    lo, hi = (s.get(f"{key}_p{q}") for q in SPREAD)
+    if lo is None or hi is None:
+        return f"{s[key]:.2f}x"
+    return f"{s[key]:.2f}x\n{lo:.2f}-{hi:.2f}"
+
+
+def speedup_text(doc: dict[str, Any], reference: str, planner: str = "zeppelin") -> str:
+    """``2.43x over te-cp (p10-p90 per step 2.10-2.80x)`` from a :func:`comparison` document."""
+    key = reference.replace("-", "_")
+    if planner == "zeppelin":
+        mean = doc.get(f"zeppelin_speedup_vs_{key}")
+        lo, hi = (doc.get(f"zeppelin_speedup_vs_{key}_p{q}") for q in SPREAD)
+    else:
+        s = next((x for x in doc["planners"] if x["planner"] == planner), {})
+        mean = s.get(f"speedup_vs_{key}")
+        lo, hi = (s.get(f"speedup_vs_{key}_p{q}") for q in SPREAD)
+    if mean is None:
+        return f"no speedup over {reference}"
+    rng = f" (p{SPREAD[0]}-p{SPREAD[1]} per step {lo:.2f}-{hi:.2f}x)" if lo is not None and hi is not None else ""
+    return f"{mean:.2f}x over {reference}{rng}"
+
+
+def prediction_error(profile, given: bool) -> dict[str, Any]:
+    """What is known of the error of the simulated step times under ``profile``: a profile records
+    how well its kernel curves fit their own measurements, never how far a predicted step time is
+    from a measured one, so the step-time error is unknown here (``zeppelin run --report`` measures
+    it for a plan). ``given``: the profile came from ``--profile`` (else the preset curves)."""
+    fit_errors = [f.rel_error_median for mf in profile.fits
+                  for f in (mf.attention, mf.linear, mf.attention_block, mf.head, *mf.ring_attention.values())
+                  if f is not None and f.rel_error_median is not None]
+    src = profile.source
+    label = (f"measured on {src.machine or 'an unnamed machine'}" + (f" at {src.created_at}" if src.created_at else "")
+             if src.kind == "measured" else "preset curves")
+    return {"profile": label, "given": given, "measured": src.kind == "measured", "step_time_error": None,
+            "kernel_fit_rel_error_median_worst": max(fit_errors) if fit_errors else None}
+
+
+def prediction_error_text(err: dict[str, Any]) -> str:
+    """One line for :func:`prediction_error`."""
+    fit = err["kernel_fit_rel_error_median_worst"]
+    fits = (f"; its kernel curves fit their measurements within {fit:.1%} (median, worst curve)"
+            if fit is not None else "")
+    return (f"prediction error of these step times: unknown for this profile ({err['profile']}): it records "
+            f"no measured step-time error{fits}; `zeppelin run --report` measures it")
 
 
 def draw_png(doc: dict[str, Any], title: str, path) -> None:

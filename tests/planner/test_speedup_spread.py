@@ -1,0 +1,114 @@
+"""`zeppelin compare` and `demo`: every speedup with its spread over the sampled steps (p10-p90 of
+the per-step ratios against the reference), and what is known of the prediction's error."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from zeppelin.planner.cli import app
+from zeppelin.planner.tools.compare import PlannerRun, comparison, prediction_error, prediction_error_text
+from zeppelin.schemas.profile import CostProfile, ModelFits, PolyFit, ProfileSource, default_profile
+
+SMALL = ["-c", "local-cpu:2x2", "--model", "tiny", "-d", "mixed", "-n", "5", "--tokens-per-gpu", "4096",
+         "--max-seq-len", "4096", "-j", "1"]
+PLANNERS = "te-cp,te-cp-tuned,ulysses,zeppelin"
+
+
+def _run(args: list[str]) -> str:
+    r = CliRunner().invoke(app, args, env={"COLUMNS": "80"})
+    assert r.exit_code == 0, (args, r.output, r.exception)
+    return r.output
+
+
+def _independent(doc: dict, planner: str, reference: str) -> tuple[float, float, float]:
+    """Mean-time speedup and p10 / p90 of the per-step ratios, from the JSON's step times alone."""
+    by = {s["planner"]: s for s in doc["planners"]}
+    ref, mine = np.array(by[reference]["step_times_s"]), np.array(by[planner]["step_times_s"])
+    per = ref / mine
+    return float(ref.mean() / mine.mean()), float(np.percentile(per, 10)), float(np.percentile(per, 90))
+
+
+def test_compare_prints_each_speedup_with_the_spread_of_its_steps(tmp_path):
+    out = tmp_path / "cmp.json"
+    text = _run(["compare", *SMALL, "--planners", PLANNERS, "-o", str(out)])
+    doc = json.loads(out.read_text())
+    lines = text.splitlines()
+    for name in PLANNERS.split(","):
+        row = next(i for i, ln in enumerate(lines) if ln.split()[:1] == [name])
+        cells = lines[row].split()
+        spreads = lines[row + 1].split()  # the second line of the row: p10-p90 under each speedup
+        for col, ref in enumerate(("te-cp", "te-cp-tuned")):
+            mean, lo, hi = _independent(doc, name, ref)
+            assert cells[3 + col] == f"{mean:.2f}x"
+            assert spreads[col] == f"{lo:.2f}-{hi:.2f}"
+            key = "speedup_vs_" + ref.replace("-", "_")
+            s = next(x for x in doc["planners"] if x["planner"] == name)
+            assert s[key + "_p10"] == pytest.approx(lo) and s[key + "_p90"] == pytest.approx(hi)
+            assert s[key + "_per_step"] == pytest.approx(
+                [r / t for r, t in zip(next(x for x in doc["planners"] if x["planner"] == ref)["step_times_s"],
+                                       s["step_times_s"])])
+    mean, lo, hi = _independent(doc, "zeppelin", "te-cp")
+    flat = " ".join(text.split())
+    assert f"zeppelin: {mean:.2f}x over te-cp (p10-p90 per step {lo:.2f}-{hi:.2f}x)" in flat
+    assert doc["zeppelin_speedup_vs_te_cp_p10"] == pytest.approx(lo)
+    assert doc["zeppelin_speedup_vs_te_cp_p90"] == pytest.approx(hi)
+    assert lo <= hi
+    # no --profile: the preset curves, and nothing is claimed about an error
+    assert doc["prediction_error"] == {"profile": "preset curves", "given": False, "measured": False,
+                                       "step_time_error": None, "kernel_fit_rel_error_median_worst": None}
+    assert "prediction error" not in text
+
+
+def test_compare_states_that_a_measured_profiles_error_is_unknown(tmp_path):
+    prof = default_profile("local-cpu", "cpu").model_copy(update={
+        "source": ProfileSource(kind="measured", machine="box", created_at="2026-01-01"),
+        "fits": [ModelFits(model="tiny", dtype="bfloat16",
+                           attention=PolyFit(coeffs=[0.0, 1e-6], rel_error_median=0.04, rel_error_max=0.2),
+                           linear=PolyFit(coeffs=[0.0, 1e-7], rel_error_median=0.07, rel_error_max=0.1))]})
+    path = tmp_path / "measured.json"
+    path.write_text(prof.model_dump_json())
+    text = _run(["compare", *SMALL, "--planners", "te-cp,zeppelin", "--profile", str(path), "-o",
+                 str(tmp_path / "c.json")])
+    doc = json.loads((tmp_path / "c.json").read_text())
+    err = doc["prediction_error"]
+    assert err["step_time_error"] is None and err["measured"] and err["given"]
+    assert err["kernel_fit_rel_error_median_worst"] == pytest.approx(0.07)
+    flat = " ".join(text.split())
+    assert ("prediction error of these step times: unknown for this profile (measured on box at 2026-01-01): it "
+            "records no measured step-time error; its kernel curves fit their measurements within 7.0%") in flat
+    assert "run --report" in flat
+
+
+def test_prediction_error_of_a_profile_without_fits():
+    err = prediction_error(CostProfile(source=ProfileSource(kind="measured", machine="m")), given=True)
+    assert err["kernel_fit_rel_error_median_worst"] is None
+    assert prediction_error_text(err) == ("prediction error of these step times: unknown for this profile (measured "
+                                          "on m): it records no measured step-time error; `zeppelin run --report` "
+                                          "measures it")
+
+
+def test_comparison_spread_is_over_the_same_steps():
+    runs = [PlannerRun("te-cp", step_times=[4.0, 2.0, 6.0, 8.0], lower_bounds=[1.0] * 4),
+            PlannerRun("zeppelin", step_times=[2.0, 2.0, 2.0, 2.0], lower_bounds=[1.0] * 4)]
+    for r in runs:
+        r.exposed = r.span_nodes = r.latencies = r.predicted = [0.0] * 4
+    doc = comparison(runs)
+    z = doc["planners"][1]
+    assert z["speedup_vs_te_cp_per_step"] == [2.0, 1.0, 3.0, 4.0]
+    assert z["speedup_vs_te_cp"] == pytest.approx(5.0 / 2.0)
+    assert z["speedup_vs_te_cp_p10"] == pytest.approx(np.percentile([2, 1, 3, 4], 10))
+    assert z["speedup_vs_te_cp_p90"] == pytest.approx(np.percentile([2, 1, 3, 4], 90))
+
+
+@pytest.mark.timeout(180)
+def test_demo_prints_the_spread(tmp_path):
+    text = _run(["demo", "--cluster", "local-cpu:2x2", "--model", "tiny", "--steps", "3", "--planners",
+                 "zeppelin,te-cp", "--stages", "plan", "--png", str(tmp_path / "d.png"), "-j", "1"])
+    flat = " ".join(text.split())
+    assert re.search(r"zeppelin: \d+\.\d\dx over te-cp \(p10-p90 per step \d+\.\d\d-\d+\.\d\dx\)", flat), flat
+    assert "prediction error" not in flat
