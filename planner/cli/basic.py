@@ -324,12 +324,14 @@ def _stage_plan(ctx: DemoContext) -> None:
         if r is not None and 0 in r.plans:
             timelines.append((name, sim.simulate_step(r.plans[0], timeline=True)))
     speedups = [(s["planner"], s["speedup_vs_te_cp"]) for s in doc["planners"] if "speedup_vs_te_cp" in s]
+    spreads = {s["planner"]: (s["speedup_vs_te_cp_p10"], s["speedup_vs_te_cp_p90"]) for s in doc["planners"]
+               if "speedup_vs_te_cp_p10" in s}
     if not timelines or not speedups:
         con.print("no picture: zeppelin or te-cp could not plan these steps")
         return
     draw_demo_png(timelines, speedups, "te-cp",
                   f"step 0 per GPU (one layer per micro-batch), and the speedup over te-cp of every planner - "
-                  f"{ctx.cluster.name}, {ctx.cluster.world_size} GPUs, {ctx.model.name}", ctx.png)
+                  f"{ctx.cluster.name}, {ctx.cluster.world_size} GPUs, {ctx.model.name}", ctx.png, spreads=spreads)
     ctx.results["png"] = str(ctx.png)
     con.print(f"wrote {ctx.png} (per-GPU timeline of step 0: zeppelin vs te-cp; speedup bars)")
 

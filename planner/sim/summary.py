@@ -66,7 +66,7 @@ class PlanSummary:
     #: NICs of the cluster (for "N of M NICs used")
     nics_in_cluster: int = 0
 
-    def add(self, other: "PlanSummary") -> "PlanSummary":
+    def add(self, other: PlanSummary) -> PlanSummary:
         self.steps += other.steps
         for k, v in other.sequences.items():
             self.sequences[k] = self.sequences.get(k, 0) + v

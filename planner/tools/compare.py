@@ -318,8 +318,8 @@ def render_table(doc: dict[str, Any], title: str):
                   *(_speedup_cell(s, k) for k in keys), f"{s['ratio_to_lower_bound']:.2f}",
                   f"{s['exposed_comm_s'] * 1e3:.1f}", f"{s['plan_latency_mean_s'] * 1e3:.0f}")
     lo, hi = SPREAD
-    notes = ["mean, p90: simulated step time, ms; exposed: exposed communication, ms; plan: planning time per "
-             f"step, ms; vs: ratio of mean step times, below it p{lo}-p{hi} of the per-step ratios"]
+    notes = [("mean, p90: simulated step time, ms; exposed: exposed communication, ms; plan: planning time per "
+              f"step, ms; vs: ratio of mean step times, below it p{lo}-p{hi} of the per-step ratios")]
     if "te-cp-tuned" in refs:
         notes.append("tuned: te-cp-tuned")
     if failed:
@@ -385,7 +385,8 @@ def prediction_error_text(err: dict[str, Any]) -> str:
 
 
 def draw_png(doc: dict[str, Any], title: str, path) -> None:
-    """Bar charts: mean step time (p50-p90 whiskers) and speedup over the reference."""
+    """Bar charts: mean step time (p50-p90 whiskers) and speedup over the reference (whiskers: the
+    p10-p90 of the per-step ratios)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -403,9 +404,13 @@ def draw_png(doc: dict[str, Any], title: str, path) -> None:
     a1.bar(names, mean, color=colors, yerr=[np.maximum(lo, 0), np.maximum(hi, 0)], capsize=3)
     a1.set_ylabel("simulated step time, ms (bars: mean; whiskers: p50..p90)")
     key = "speedup_vs_" + doc["reference"].replace("-", "_")
-    a2.bar(names, [s.get(key, 0.0) for s in ok], color=colors)
+    sp = np.array([s.get(key, 0.0) for s in ok])
+    lo_q, hi_q = SPREAD
+    lo = sp - np.array([s.get(f"{key}_p{lo_q}", v) for s, v in zip(ok, sp)])
+    hi = np.array([s.get(f"{key}_p{hi_q}", v) for s, v in zip(ok, sp)]) - sp
+    a2.bar(names, sp, color=colors, yerr=[np.maximum(lo, 0), np.maximum(hi, 0)], capsize=3)
     a2.axhline(1.0, color="k", lw=0.8)
-    a2.set_ylabel(f"speedup over {doc['reference']}")
+    a2.set_ylabel(f"speedup over {doc['reference']} (whiskers: p{lo_q}..p{hi_q} per step)")
     for ax in (a1, a2):
         ax.tick_params(axis="x", rotation=45)
         for lab in ax.get_xticklabels():

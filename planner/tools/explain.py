@@ -38,8 +38,8 @@ def explain_text(ctx: PlanContext) -> str:
         f"Tier thresholds for {m.name} on {cl.name} ({cl.num_nodes} nodes x {cl.gpus_per_node} GPUs,",
         f"tp={ctx.tp}: {tg.n} units, {tg.upn} per node), in tokens per sequence",
         "",
-        f"Memory (activations after model states, ZeRO stage {ctx.zero_stage}: "
-        f"{c.model_state_bytes() / 1e9:.1f} GB states,",
+        (f"Memory (activations after model states, ZeRO stage {ctx.zero_stage}: "
+         f"{c.model_state_bytes() / 1e9:.1f} GB states,"),
         f"{c.activation_bytes_per_token / 1e6:.3f} MB per token):",
         f"  one unit holds    {mem['unit']:>11,} tokens: longer sequences are split over units",
         f"  one node holds    {mem['node']:>11,} tokens: longer sequences are split across nodes",

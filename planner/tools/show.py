@@ -216,7 +216,7 @@ def draw_png(header: PlanHeader, step: StepPlan, result: SimResult, path: str | 
 
 
 def draw_demo_png(timelines: list[tuple[str, SimResult]], speedups: list[tuple[str, float]], reference: str,
-                  title: str, path: str | Path) -> None:
+                  title: str, path: str | Path, spreads: dict[str, tuple[float, float]] | None = None) -> None:
     """The demo's picture: per-unit timelines of one step side by side (same time axis) and the
     speedup of every planner over ``reference`` as bars."""
     import matplotlib
@@ -238,13 +238,17 @@ def draw_demo_png(timelines: list[tuple[str, SimResult]], speedups: list[tuple[s
     names = [p for p, _ in speedups]
     vals = [v for _, v in speedups]
     colors = ["#d62728" if p.startswith("zeppelin") else "#1f77b4" for p in names]
-    ax.barh(range(len(names)), vals, color=colors)
+    xerr = None
+    if spreads:  # whiskers: the spread of the per-step ratios around the ratio of the means
+        xerr = [[max(v - spreads.get(p, (v, v))[0], 0.0) for p, v in speedups],
+                [max(spreads.get(p, (v, v))[1] - v, 0.0) for p, v in speedups]]
+    ax.barh(range(len(names)), vals, color=colors, xerr=xerr, capsize=3 if xerr else 0)
     ax.set_yticks(range(len(names)), names)
     ax.invert_yaxis()
     ax.axvline(1.0, color="k", lw=0.8)
     for y, v in enumerate(vals):
         ax.text(v, y, f" {v:.2f}x", va="center", fontsize=8)
-    ax.set_xlabel(f"speedup over {reference} (simulated mean step time)")
+    ax.set_xlabel(f"speedup over {reference} (simulated mean step time" + ("; whiskers: p10..p90 per step)" if xerr else ")"))
     ax.set_xlim(0, max(vals + [1.0]) * 1.25)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
