@@ -24,13 +24,13 @@ from typing import Any
 from zeppelin.planner.costmodel.context import PlanContext
 from zeppelin.schemas.plan import StepPlan
 
-__all__ = ["TIERS", "PlanSummary", "span_of_units", "step_summary", "summary_lines"]
+__all__ = ["TIERS", "PlanSummary", "span_of_units", "step_summary", "summary_lines", "unit_nodes"]
 
 TIERS = ("local", "intra", "inter")
 KINDS = ("ring", "allgather", "ulysses", "local")
 
 
-def _unit_nodes(ctx: PlanContext, step: StepPlan) -> list[frozenset[int]]:
+def unit_nodes(ctx: PlanContext, step: StepPlan) -> list[frozenset[int]]:
     """Per unit, the nodes its GPU ranks sit on."""
     cl = ctx.cluster
     if step.replicas is not None:
@@ -125,7 +125,7 @@ def step_summary(ctx: PlanContext, step: StepPlan, sim=None,
     """The counts of one step of a plan made for ``ctx``. ``traffic``: the step's
     :attr:`SimResult.nic_traffic <zeppelin.planner.sim.simulate.SimResult.nic_traffic>` when it was
     simulated already; otherwise ``sim`` (a :class:`Simulator` for ``ctx``, built when None) counts it."""
-    nodes = _unit_nodes(ctx, step)
+    nodes = unit_nodes(ctx, step)
     s = PlanSummary(steps=1, nics_in_cluster=ctx.cluster.num_nodes * len(ctx.cluster.nics))
     tier_of_seq: dict[int, str] = {}
     rank = {t: i for i, t in enumerate(TIERS)}

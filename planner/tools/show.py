@@ -26,8 +26,12 @@ def step_prediction(header: PlanHeader, step: StepPlan) -> Prediction:
     return predict_step(context_from_header(header), step)
 
 
-def group_rows(step: StepPlan) -> list[dict]:
-    """One row per group with placements: micro-batch, tier, kind, units, sequences (index:length)."""
+def group_rows(step: StepPlan, nodes: list | None = None) -> list[dict]:
+    """One row per group with placements: micro-batch, tier, kind, units, sequences (index:length).
+    ``nodes``: per unit, the nodes its ranks sit on (:func:`~zeppelin.planner.sim.summary.unit_nodes`):
+    the tier is then the span of the group's units, as every summary counts it; without, the label."""
+    from zeppelin.planner.sim.summary import span_of_units
+
     rows = []
     for mbi, mb in enumerate(step.microbatches):
         seqs: dict[int, list[int]] = defaultdict(list)
@@ -37,7 +41,8 @@ def group_rows(step: StepPlan) -> list[dict]:
             if gi not in seqs:
                 continue
             ss = sorted(seqs[gi], key=lambda i: -step.sequences[i].length)
-            rows.append({"microbatch": mbi, "group": gi, "tier": g.tier, "kind": g.kind, "units": list(g.units),
+            tier = span_of_units(nodes, g.units) if nodes is not None else g.tier
+            rows.append({"microbatch": mbi, "group": gi, "tier": tier, "kind": g.kind, "units": list(g.units),
                          "sequences": [(i, step.sequences[i].length) for i in ss],
                          "tokens": sum(step.sequences[i].length for i in ss)})
     order = {"inter": 0, "intra": 1, "local": 2}
@@ -74,7 +79,7 @@ def render_step(header: PlanHeader, step: StepPlan, console, sim=None):
     :class:`~zeppelin.planner.sim.summary.PlanSummary`."""
     from rich.text import Text
 
-    from zeppelin.planner.sim.summary import step_summary, summary_lines
+    from zeppelin.planner.sim.summary import step_summary, summary_lines, unit_nodes
     from zeppelin.planner.tools.tables import table
 
     if sim is None:
@@ -94,7 +99,7 @@ def render_step(header: PlanHeader, step: StepPlan, console, sim=None):
 
     t = table("groups by tier", [(c, "left" if c.startswith("seq") else "right")
                                  for c in ("mb", "tier", "kind", "units", "seqs", "tokens", "sequences (#index:length)")])
-    for r in group_rows(step):
+    for r in group_rows(step, unit_nodes(sim.ctx, step)):
         t.add_row(str(r["microbatch"]), r["tier"], r["kind"], _units_text(r["units"]), str(len(r["sequences"])),
                   str(r["tokens"]), _seqs_text(r["sequences"]))
     console.print(t)

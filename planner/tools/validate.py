@@ -13,7 +13,6 @@ Invariants, each reported with its name so a person can tell which one broke:
 from __future__ import annotations
 
 import os
-from collections import defaultdict
 from typing import Any
 
 from zeppelin.planner.core.base import PlanContext
@@ -116,21 +115,19 @@ def validate_plan(path: str | os.PathLike, cluster=None, model=None, profile=Non
 
 def validate_summary(path: str | os.PathLike) -> dict[str, Any]:
     """Totals of a valid plan for the CLI's report."""
+    from zeppelin.planner.sim.summary import PlanSummary, step_summary
+
     reader = PlanReader(path, check=False)
+    ctx = header_context(reader.header)
     steps = seqs = tokens = 0
-    tiers: dict[str, int] = defaultdict(int)
+    counts = PlanSummary()
     ratios = []
     for st in reader:
         steps += 1
         seqs += len(st.sequences)
         tokens += st.tokens
-        for mb in st.microbatches:
-            per_group = defaultdict(int)
-            for p in mb.placements:
-                per_group[p.group] += 1
-            for gi, g in enumerate(mb.groups):
-                tiers[g.tier] += per_group.get(gi, 0)
+        counts.add(step_summary(ctx, st, traffic={}))  # tiers by the units' span; traffic is not needed here
         if st.prediction is not None and st.prediction.lower_bound_s > 0:
             ratios.append(st.prediction.step_time_s / st.prediction.lower_bound_s)
     return {"planner": reader.header.planner, "steps": steps, "sequences": seqs, "tokens": tokens,
-            "tiers": dict(tiers), "ratios": ratios, "world_size": reader.header.world_size}
+            "tiers": dict(counts.sequences), "ratios": ratios, "world_size": reader.header.world_size}

@@ -184,3 +184,25 @@ def test_summaries_merge_over_steps():
     assert d["inter_node_bytes_per_step"] == pytest.approx(one.inter_node_bytes)
     assert d["length_range_by_tier"] == {"inter": [4096, 4096], "local": [500, 500]}
     assert two.mislabeled == 0
+
+
+def test_a_ring_across_nodes_labelled_intra_is_counted_and_shown_as_inter(tmp_path):
+    """A ring over units of two nodes whose label says "intra" (so no route is asked of it): show and
+    simulate count it where it runs, and its NIC traffic is reported, not "no inter-node traffic"."""
+    from tests.planner.test_simulate import _header, cluster, ring_step
+
+    from zeppelin.schemas.plan import write_plan
+
+    cl = cluster(nodes=2, gpn=2, nics=1, nic=10.0)
+    st = ring_step(4096, [0, 2], tier="intra", n=4, extra_groups=[(1, 1000), (3, 3000)])
+    path = tmp_path / "mislabelled.plan"
+    write_plan(path, _header(cl), [st])
+    shown, simulated = _run(["show", str(path)]), _run(["simulate", str(path)])
+    assert _block(shown) == _block(simulated)
+    block = "\n".join(_block(shown))
+    assert "sequences by tier: local 2, intra 0, inter 1" in block and "ring inter 1" in block
+    assert "inter-node traffic: none" not in block and "no inter-node traffic" not in shown
+    row = next(ln.split() for ln in shown.splitlines() if "#0:4096" in ln)
+    assert row[1:3] == ["inter", "ring"]
+    res = Simulator(context_from_header(_header(cl))).simulate_step(st)
+    assert sum(n.bytes for n in res.nics.values()) > 0
