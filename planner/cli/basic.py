@@ -310,8 +310,8 @@ def _stage_plan(ctx: DemoContext) -> None:
         tuned = (f", {speedup_text(doc, 'te-cp-tuned')}" if "zeppelin_speedup_vs_te_cp_tuned" in doc else "")
         con.print(f"zeppelin: {speedup_text(doc, 'te-cp')}; te-cp's CP is sized for the longest allowed "
                   f"sequence, {pctx.max_seq_len:,} tokens, as TransformerEngine jobs run{tuned}; "
-                  f"{doc.get('zeppelin_speedup_vs_best_baseline', float('nan')):.2f}x over the best other baseline "
-                  f"({doc.get('best_baseline', '-')}). x LB: step time over the step's lower bound.", highlight=False)
+                  f"{speedup_text(doc, 'best-baseline', label='the best other baseline ' + doc.get('best_baseline', '-'))}. "
+                  f"x LB: step time over the step's lower bound.", highlight=False)
     if ctx.profile_given:
         con.print(prediction_error_text(doc["prediction_error"]), highlight=False)
     if ctx.png is None:

@@ -227,9 +227,9 @@ def compare(
         con.print(render_table(doc, title))
         if "zeppelin_speedup_vs_te_cp" in doc:
             tuned = (f"{speedup_text(doc, 'te-cp-tuned')}, " if "zeppelin_speedup_vs_te_cp_tuned" in doc else "")
-            con.print(f"zeppelin: {speedup_text(doc, 'te-cp')}, {tuned}"
-                      f"{doc['zeppelin_speedup_vs_best_baseline']:.2f}x over the best other baseline "
-                      f"({doc['best_baseline']}); {wall:.1f} s", highlight=False)
+            best = (f"{speedup_text(doc, 'best-baseline', label='the best other baseline ' + doc['best_baseline'])}; "
+                    if "best_baseline" in doc else "")
+            con.print(f"zeppelin: {speedup_text(doc, 'te-cp')}, {tuned}{best}{wall:.1f} s", highlight=False)
         if profile is not None:
             con.print(prediction_error_text(doc["prediction_error"]), highlight=False)
         for p in (output, png):

@@ -290,6 +290,9 @@ def comparison(runs: list[PlannerRun], reference: str = "te-cp",
             best = min(others, key=lambda s: s["mean_s"])
             doc["best_baseline"] = best["planner"]
             doc["zeppelin_speedup_vs_best_baseline"] = best["mean_s"] / z["mean_s"]
+            per = step_ratios(best["step_times_s"], z["step_times_s"])
+            doc["zeppelin_speedup_vs_best_baseline_per_step"] = per
+            doc["zeppelin_speedup_vs_best_baseline_p10"], doc["zeppelin_speedup_vs_best_baseline_p90"] = spread(per)
     return doc
 
 
@@ -344,9 +347,11 @@ def _speedup_cell(s: dict[str, Any], key: str) -> str:
     return f"{s[key]:.2f}x\n{lo:.2f}-{hi:.2f}"
 
 
-def speedup_text(doc: dict[str, Any], reference: str, planner: str = "zeppelin") -> str:
-    """``2.43x over te-cp (p10-p90 per step 2.10-2.80x)`` from a :func:`comparison` document."""
+def speedup_text(doc: dict[str, Any], reference: str, planner: str = "zeppelin", label: str | None = None) -> str:
+    """``2.43x over te-cp (p10-p90 per step 2.10-2.80x)`` from a :func:`comparison` document
+    (``reference="best-baseline"``: zeppelin over the best other baseline; ``label`` names it)."""
     key = reference.replace("-", "_")
+    label = label or reference
     if planner == "zeppelin":
         mean = doc.get(f"zeppelin_speedup_vs_{key}")
         lo, hi = (doc.get(f"zeppelin_speedup_vs_{key}_p{q}") for q in SPREAD)
@@ -355,9 +360,9 @@ def speedup_text(doc: dict[str, Any], reference: str, planner: str = "zeppelin")
         mean = s.get(f"speedup_vs_{key}")
         lo, hi = (s.get(f"speedup_vs_{key}_p{q}") for q in SPREAD)
     if mean is None:
-        return f"no speedup over {reference}"
+        return f"no speedup over {label}"
     rng = f" (p{SPREAD[0]}-p{SPREAD[1]} per step {lo:.2f}-{hi:.2f}x)" if lo is not None and hi is not None else ""
-    return f"{mean:.2f}x over {reference}{rng}"
+    return f"{mean:.2f}x over {label}{rng}"
 
 
 def prediction_error(profile, given: bool) -> dict[str, Any]:

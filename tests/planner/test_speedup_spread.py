@@ -58,6 +58,11 @@ def test_compare_prints_each_speedup_with_the_spread_of_its_steps(tmp_path):
     assert doc["zeppelin_speedup_vs_te_cp_p10"] == pytest.approx(lo)
     assert doc["zeppelin_speedup_vs_te_cp_p90"] == pytest.approx(hi)
     assert lo <= hi
+    best = doc["best_baseline"]
+    mean, lo, hi = _independent(doc, "zeppelin", best)
+    assert doc["zeppelin_speedup_vs_best_baseline_p10"] == pytest.approx(lo)
+    assert doc["zeppelin_speedup_vs_best_baseline_p90"] == pytest.approx(hi)
+    assert f"{mean:.2f}x over the best other baseline {best} (p10-p90 per step {lo:.2f}-{hi:.2f}x)" in flat
     # no --profile: the preset curves, and nothing is claimed about an error
     assert doc["prediction_error"] == {"profile": "preset curves", "given": False, "measured": False,
                                        "step_time_error": None, "kernel_fit_rel_error_median_worst": None}
