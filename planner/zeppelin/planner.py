@@ -55,6 +55,7 @@ from zeppelin.planner.core.solver import WALL_CLOCK, SolveLimits, merge_status
 from zeppelin.planner.costmodel.predict import coupled_components, microbatch_terms, predict_from_terms
 from zeppelin.planner.zeppelin import families as families_mod
 from zeppelin.planner.zeppelin.assign import PackInfeasible, PackResult, pack
+from zeppelin.planner.zeppelin.select import select
 from zeppelin.planner.zeppelin.tiering import Tiering, zigzag_max_tokens_array
 from zeppelin.schemas.layout import contiguous_ranges, zigzag_ranges
 from zeppelin.schemas.plan import (
@@ -194,13 +195,10 @@ class ZeppelinPlanner(Planner):
         self._tables: dict = {}
 
     # ------------------------------------------------------------------ helpers
-    def _family_plans(self, ctx: PlanContext, step: int, sequences: list[Sequence], bound=None,
-                      only=None) -> list[StepPlan]:
-        if not self.families:
-            return []
-        fams = [f for f in self.families if not (f == "ulysses-groups" and self.intra == "ring")  # rings only
+    def _family_names(self, only=None) -> list[str]:
+        """The families tried for a step (``only``: of these alone); Ulysses groups need ``intra=auto``."""
+        return [f for f in self.families if not (f == "ulysses-groups" and self.intra == "ring")  # rings only
                 and (only is None or f in only)]
-        return families_mod.family_plans(ctx, step, sequences, fams, bound, routing=self.routing)
 
     def tiering(self, ctx: PlanContext) -> Tiering:
         t = self._tiering.get(id(ctx))
@@ -252,22 +250,23 @@ class ZeppelinPlanner(Planner):
         """Whether the tp-replicas family (on) can hold every sequence of the step."""
         if "tp-replicas" not in self.families or ctx.num_units > self.families_max_units:
             return False
-        return families_mod.replicas_hold(ctx, max(s.length for s in sequences))
+        return families_mod.tp_replicas.replicas_hold(ctx, max(s.length for s in sequences))
 
     def _oversize_step(self, ctx: PlanContext, step: int, sequences: list[Sequence], t0: float) -> StepPlan:
         """A step with a sequence longer than the context's units can hold together, planned on
         replicas of a larger tensor-parallel degree (whose model states take less of each GPU)."""
-        plans = self._family_plans(ctx, step, sequences, None, only=("tp-replicas",))
-        if not plans:
+        plan = select(ctx, step, sequences, [], self._family_names(only=("tp-replicas",)), bound=None,
+                      routing=self.routing, simulator=self._judge(ctx), t0=t0)
+        if plan is None:
             raise PlanningError(f"step {step}: no replica layout of a larger tensor-parallel degree holds its "
                                 f"longest sequence ({max(s.length for s in sequences):,} tokens)")
-        if self.select == "simulate" or (self.select == "auto" and ctx.num_units <= self.simulate_max_units):
-            sim = self._simulator(ctx)
-            plan = min(enumerate(plans), key=lambda ap: (sim.simulate_step(ap[1]).step_time_s, ap[0]))[1]
-        else:
-            plan = min(enumerate(plans), key=lambda ap: (ap[1].prediction.step_time_s, ap[0]))[1]
-        plan.solver = SolverInfo(name="greedy", status="ok", gap=None, time_s=time.perf_counter() - t0)
         return plan
+
+    def _judge(self, ctx: PlanContext):
+        """The simulator where it judges the candidates (``select``), else None (the prediction)."""
+        if self.select == "simulate" or (self.select == "auto" and ctx.num_units <= self.simulate_max_units):
+            return self._simulator(ctx)
+        return None
 
     # ------------------------------------------------------------------ main entry
     def plan_step(self, ctx: PlanContext, step: int, sequences: list[Sequence]) -> StepPlan:
@@ -356,43 +355,34 @@ class ZeppelinPlanner(Planner):
             break
         if not found:  # every sequence fits alone (checked above), so this means a packing failure
             raise PlanningError(f"step {step}: no feasible assignment found ({last_err})")
-        plans = []
+        own = []
         for built, _ in (found if simulate else [min(found, key=lambda c: c[1])]):
             plan = StepPlan(step=step, sequences=list(sequences), microbatches=[b[0] for b in built])
             # the prediction from the candidate's terms: the same as predict_step(ctx, plan)
             plan.prediction = predict_from_terms(ctx, lengths, [b[2] for b in built])
-            plans.append((plan, built))
-        # the other whole-step families (families.py), priced the same way; ties keep the tiered plan
+            own.append((plan, self._finisher([b[1] for b in built])))
+        # the candidate families, judged the same way; ties keep the tiered plan
         if n <= self.families_max_units:
             # a family configuration whose own score is this far above the best tiered candidate
             # (without the all-reduce) is not built: it would not win
             bound = min(t for _, t in found) * (1 + self.family_margin)
-            fams = self._family_plans(ctx, step, sequences, bound)
+            fams = self._family_names()
         else:
             # large clusters: the cheap families only, always built (FLOP-share's own score is coarse
             # where rings span many nodes, so it does not prune)
-            fams = self._family_plans(ctx, step, sequences, None, only=self.large_families)
-        if len(plans) + len(fams) > 1 and simulate:
-            sim = self._simulator(ctx)
-            scored = [(sim.simulate_step(pb[0]).step_time_s, a, pb) for a, pb in enumerate(plans + [(f, None) for f in fams])]
-        else:
-            scored = [(pb[0].prediction.step_time_s, a, pb) for a, pb in enumerate(plans + [(f, None) for f in fams])]
-        plan, built = min(scored, key=lambda x: (x[0], x[1]))[2]
-        if built is None:  # a family's plan won
-            plan.solver = SolverInfo(name="greedy", status="ok", gap=None, time_s=time.perf_counter() - t0)
-            if self._wall_hit:  # it won against candidates shaped by a load-dependent ILP
-                plan.solver.status = WALL_CLOCK
-                plan.solver.fallback_reason = "a packing ILP of a losing candidate hit the wall-clock safety net"
-            return plan
-        mbs = plan.microbatches
-        stats = [b[1] for b in built]
-        plan.solver = self._solver_info(stats, time.perf_counter() - t0)
-        tiers = {"local": 0, "intra": 0, "inter": 0}
-        for st in stats:
-            for k, v in st.tiers.items():
-                tiers[k] += v
-        plan.notes = {"tiers": tiers, "microbatches": len(mbs)}
-        return plan
+            bound, fams = None, self._family_names(only=self.large_families)
+        return select(ctx, step, sequences, own, fams, bound=bound, routing=self.routing,
+                      simulator=self._judge(ctx) if simulate else None, t0=t0, wall_hit=self._wall_hit)
+
+    def _finisher(self, stats: list[_MBStats]):
+        def finish(plan: StepPlan, elapsed: float) -> None:
+            plan.solver = self._solver_info(stats, elapsed)
+            tiers = {"local": 0, "intra": 0, "inter": 0}
+            for st in stats:
+                for k, v in st.tiers.items():
+                    tiers[k] += v
+            plan.notes = {"tiers": tiers, "microbatches": len(plan.microbatches)}
+        return finish
 
     # ------------------------------------------------------------------ micro-batches
     def _split_microbatches(self, ctx: PlanContext, lengths: np.ndarray, M: int, budget: int) -> list[list[int]] | None:
