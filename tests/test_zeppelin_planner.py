@@ -343,7 +343,7 @@ def test_model_that_does_not_fit_is_rejected():
 
 
 def test_ilp_never_worse_than_greedy_inside_planner(monkeypatch):
-    import zeppelin.planner.zeppelin.planner as zp
+    import zeppelin.planner.zeppelin.tiered as zp
 
     seen = []
     real = zp.pack
@@ -1025,8 +1025,13 @@ def test_plan_steps_streams_with_bounded_memory():
     assert [p.step for p in out] == list(range(8))
     assert ZeppelinPlanner().plan_step(ctx, 3, out[3].sequences).model_dump(exclude={"solver"}) == \
         out[3].model_dump(exclude={"solver"})
+    import gc
+
+    from zeppelin.planner.zeppelin.step_state import StepState
+
     pl.plan_step(ctx, 0, out[0].sequences)
-    assert pl._tables == {}
+    gc.collect()
+    assert not [o for o in gc.get_objects() if isinstance(o, StepState)]  # the step's tables went with it
 
 
 def test_sequence_longer_than_the_units_hold_runs_on_larger_tp_replicas():
@@ -1065,16 +1070,17 @@ def test_cli_families_option(tmp_path, capsys):
 def test_node_cp_candidates_stop_at_node_cp_max_units(monkeypatch):
     """Past ``node_cp_max_units`` units the whole-step search builds only the tiered layout (no
     node-CP floors, no node-major micro-batches); up to it, both are built."""
-    import zeppelin.planner.zeppelin.planner as zp
+    from zeppelin.planner.zeppelin import step_searches
 
     calls = []
-    real = zp.ZeppelinPlanner._whole_step
+    real = step_searches.common.whole_step
 
-    def spy(self, ctx, tg, sequences, lengths, parts, floors, balances, fixed_nodes=None):
+    def spy(state, parts, floors, balances, fixed_nodes=None):
         calls.append((tuple(floors), fixed_nodes is not None))
-        return real(self, ctx, tg, sequences, lengths, parts, floors, balances, fixed_nodes)
+        return real(state, parts, floors, balances, fixed_nodes)
 
-    monkeypatch.setattr(zp.ZeppelinPlanner, "_whole_step", spy)
+    for search in step_searches.REGISTRY:
+        monkeypatch.setattr(search, "whole_step", spy)
     ctx = make_ctx("zeppelin-a:2x4")
     cap = ctx.cost.token_capacity
     lengths = [cap // 3] * (3 * ctx.num_units)  # a step of about 1.1 micro-batches: two are needed
