@@ -11,6 +11,7 @@ layout whose time with ring partners' waits charged is lowest is built.
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -52,66 +53,82 @@ def _unit_time(ctx: PlanContext, Lf: np.ndarray, slope: float, G: int, nic_share
     return layers * cm.ring_attention_time(Lf, G, tier, share) + slope * Lf / G
 
 
-# ---------------------------------------------------------------------------------------------
 def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int = 1, routing: bool = True,
                settle_rounds: int | None = None):
     n, cm = ctx.num_units, ctx.cost
-    cap = cm.token_capacity
     L = np.array([s.length for s in sequences], dtype=np.int64)
     Lf = L.astype(np.float64)
     work = cm.work(Lf)
-    share = float(work.sum()) / n
     gmax = pow2_sizes(n)[-1]
-    upn = ctx.units_per_node
-
-    # the least power-of-two ring whose zigzag share of each sequence fits a unit's memory
-    g_mem = np.ones(len(L), dtype=np.int64)
-    g = 1
-    while g <= gmax:
-        g_mem[(g_mem == g) & (zigzag_share(L, g) > cap)] = 2 * g
-        g *= 2
+    g_mem = _memory_ring_sizes(L, cm.token_capacity, gmax)
     if g_mem.max() > gmax:
         return []  # a sequence fits no ring of the cluster
-
-    def ring_sizes(frac: float) -> np.ndarray:
-        """Ring size of each sequence: the least power of two whose share of it fits a unit and
-        whose per-unit work is at most ``frac`` of a unit's share of the step (with ``frac`` < 1,
-        past a node only as far as a whole share asks)."""
-        g_flop = np.ones(len(L), dtype=np.int64)
-        grow = work > share * frac
-        g = 1
-        while g < gmax and grow.any():
-            # (past a node only while one share is not enough: an inter-node ring costs more than
-            # it evens out)
-            grow &= (work > share * g * frac) & ~((g >= upn) & (work <= share * g))
-            g_flop[grow] = 2 * g
-            g *= 2
-        return np.minimum(np.maximum(g_mem, g_flop), gmax)
-
-    sizings = [(ring_sizes(1.0), "")]
-    if n <= SEARCH_MAX_UNITS:
-        # finer rings (each at most a half, a quarter, ... of a unit's share): nearly free inside a
-        # node under the cost model, they pack more evenly where a step's sequences are a large
-        # share each; which fraction packs best depends on the step's mix, so each is placed
-        for frac in FINE_SHARES:
-            fine = ring_sizes(frac)
-            if not any(np.array_equal(fine, sz) for sz, _ in sizings):
-                sizings.append((fine, f" (rings <= 1/{round(1 / frac)} share)"))
+    sizings = _sizings(ctx, work, g_mem, gmax)
     # per-unit time of each sequence on its ring / alone (the score; placement balances on it)
     slope = token_slope(ctx, cm, max(float(Lf.sum()) / n, 2.0))
-    t_alone = _unit_time(ctx, Lf, slope, 1)
-    # an inter-node ring's boundary hops are routed over every NIC of its nodes (build_one); rings
+    # an inter-node ring's boundary hops are routed over every NIC of its nodes (_build_one); rings
     # sit on aligned blocks, so two that share a node share units too and run one after the other
     nic_share = 1.0 / max(len(ctx.cluster.nics), 1) if routing else 1.0
     order = sorted(range(len(L)), key=lambda i: (-work[i], i))
     if settle_rounds is None:
         # (past SEARCH_MAX_UNITS units, for planning latency, the plain placement alone)
         settle_rounds = min(4 * len(L), SETTLE_ROUNDS) if n <= SEARCH_MAX_UNITS else 0
+    layouts = _placements(ctx, L, Lf, slope, sizings, order, gmax, settle_rounds, nic_share)
+    return [Candidate(min(x[2] for x in layouts), 0,
+                      lambda: _build(ctx, step, sequences, layouts, order, work, routing))]
+
+
+def _memory_ring_sizes(L: np.ndarray, cap: int, gmax: int) -> np.ndarray:
+    """The least power-of-two ring whose zigzag share of each sequence fits a unit's memory
+    (above ``gmax`` where none of the cluster does)."""
+    g_mem = np.ones(len(L), dtype=np.int64)
+    g = 1
+    while g <= gmax:
+        g_mem[(g_mem == g) & (zigzag_share(L, g) > cap)] = 2 * g
+        g *= 2
+    return g_mem
+
+
+def _ring_sizes(ctx: PlanContext, work: np.ndarray, g_mem: np.ndarray, gmax: int, frac: float) -> np.ndarray:
+    """Ring size of each sequence: the least power of two whose share of it fits a unit and whose
+    per-unit work is at most ``frac`` of a unit's share of the step (with ``frac`` < 1, past a
+    node only as far as a whole share asks)."""
+    share = float(work.sum()) / ctx.num_units
+    per_node = ctx.units_per_node
+    g_flop = np.ones(len(work), dtype=np.int64)
+    grow = work > share * frac
+    g = 1
+    while g < gmax and grow.any():
+        # (past a node only while one share is not enough: an inter-node ring costs more than
+        # it evens out)
+        grow &= (work > share * g * frac) & ~((g >= per_node) & (work <= share * g))
+        g_flop[grow] = 2 * g
+        g *= 2
+    return np.minimum(np.maximum(g_mem, g_flop), gmax)
+
+
+def _sizings(ctx: PlanContext, work: np.ndarray, g_mem: np.ndarray, gmax: int) -> list[tuple[np.ndarray, str]]:
+    """The ring sizings placed: whole-share rings, and (up to SEARCH_MAX_UNITS units) finer rings,
+    each at most a half, a quarter, ... of a unit's share - nearly free inside a node under the
+    cost model, they pack more evenly where a step's sequences are a large share each; which
+    fraction packs best depends on the step's mix, so each is placed."""
+    sizings = [(_ring_sizes(ctx, work, g_mem, gmax, 1.0), "")]
+    if ctx.num_units <= SEARCH_MAX_UNITS:
+        for frac in FINE_SHARES:
+            fine = _ring_sizes(ctx, work, g_mem, gmax, frac)
+            if not any(np.array_equal(fine, sz) for sz, _ in sizings):
+                sizings.append((fine, f" (rings <= 1/{round(1 / frac)} share)"))
+    return sizings
+
+
+def _placements(ctx: PlanContext, L, Lf, slope, sizings, order, gmax: int, settle_rounds: int, nic_share: float):
+    """Each sizing placed least-loaded (and, where it may pay, evened out by the local search):
+    [(where, sizes, top load, how, per-unit time)]."""
+    n = ctx.num_units
     layouts = []
-    L_l = L.tolist()
-    t_of = {1: t_alone}  # per-unit time of every sequence at each ring size (the local search's too)
+    t_of = {1: _unit_time(ctx, Lf, slope, 1)}  # per-unit time of every sequence at each ring size
     for sizes, label in sizings:
-        t_unit = t_alone.copy()
+        t_unit = t_of[1].copy()
         per = L.copy()  # tokens on each unit of its ring
         for G in np.unique(sizes[sizes > 1]).tolist():
             sel = sizes == G
@@ -119,28 +136,7 @@ def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
                 t_of[G] = _unit_time(ctx, Lf, slope, G, nic_share)
             t_unit[sel] = t_of[G][sel]
             per[sel] = zigzag_share(L[sel], G)
-        load = np.zeros(n)
-        where: list[tuple[list[int], int]] = [([], 0)] * len(L)
-        sz_l, t_l, per_l = sizes.tolist(), t_unit.tolist(), per.tolist()
-        for i in order:
-            G = sz_l[i]
-            if G == 1:
-                continue
-            # the aligned block whose fullest unit is least loaded
-            s0 = G * int(np.argmin(load[:n // G * G].reshape(-1, G).max(axis=1)))
-            where[i] = (list(range(s0, s0 + G)), per_l[i])
-            load[s0:s0 + G] += t_l[i]
-        # local sequences to the least-loaded unit (ties: the lowest; a heap of (load, unit))
-        ld = load.tolist()
-        heap = [(x, u) for u, x in enumerate(ld)]
-        heapq.heapify(heap)
-        for i in order:
-            if sz_l[i] == 1:
-                _, u = heapq.heappop(heap)
-                where[i] = ([u], L_l[i])
-                ld[u] += t_l[i]
-                heapq.heappush(heap, (ld[u], u))
-        load = np.array(ld)
+        where, load = _least_loaded(n, L, sizes, t_unit, per, order)
         how = "least-loaded" + label
         best_top = min((x[2] for x in layouts), default=np.inf)  # the best placement's so far
         layouts.append((where, sizes, float(load.max()), how, t_unit))
@@ -151,59 +147,87 @@ def flop_share(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
             w2, s2, l2, t2 = list(where), sizes.copy(), load.copy(), t_unit.copy()
             if _settle_blocks(ctx, L, Lf, slope, s2, t2, w2, l2, gmax, settle_rounds, nic_share, t_of):
                 layouts.append((w2, s2, float(l2.max()), how + " + local search", t2))
+    return layouts
 
-    def mb_order(sz):
-        # micro-batches: first fit, every ring before any local sequence (widest first), so that
-        # rings sit in the earliest micro-batches, whose start their units reach together
-        order_o = np.array(order, dtype=np.int64)
-        return order_o[np.lexsort((order_o, -work[order_o], -sz[order_o]))].tolist()
 
-    def build():
-        # of every placement, micro-batched by first fit and (where that takes more than one, up
-        # to SEARCH_MAX_UNITS units) for coupling, the one whose coupled time is lowest (ties: the
-        # earlier) is built. Coupling only adds waiting, so a placement's coupled time is at least
-        # its slowest unit's load: placements are visited by that load, and once it exceeds the
-        # best coupled time found the rest cannot win
-        best = None  # ((coupled time, candidate), where, fit, how)
-        for j in sorted(range(len(layouts)), key=lambda j: (layouts[j][2], j)):
-            w, sz, w_top, how, t = layouts[j]
-            if best is not None and w_top > best[0][0] * (1 + 1e-9):
-                break
-            seq_order = mb_order(sz)
-            f = _first_fit(n, cap, seq_order, w)
-            coupled = f[1] > 1 and n <= SEARCH_MAX_UNITS
-            if len(layouts) == 1 and not coupled:
-                return build_one(w, f[0], how)
-            tl = t.tolist()
-            key = (_coupled_time(n, w, tl, *f), 2 * j)
-            if best is None or key < best[0]:
+def _least_loaded(n: int, L, sizes, t_unit, per, order):
+    """Rings (in ``order``) to the aligned block whose fullest unit is least loaded, then local
+    sequences to the least-loaded unit (ties: the lowest). Returns (where, per-unit load)."""
+    load = np.zeros(n)
+    where: list[tuple[list[int], int]] = [([], 0)] * len(L)
+    sz_l, t_l, per_l, L_l = sizes.tolist(), t_unit.tolist(), per.tolist(), L.tolist()
+    for i in order:
+        G = sz_l[i]
+        if G == 1:
+            continue
+        s0 = G * int(np.argmin(load[:n // G * G].reshape(-1, G).max(axis=1)))
+        where[i] = (list(range(s0, s0 + G)), per_l[i])
+        load[s0:s0 + G] += t_l[i]
+    ld = load.tolist()
+    heap = [(x, u) for u, x in enumerate(ld)]  # (load, unit)
+    heapq.heapify(heap)
+    for i in order:
+        if sz_l[i] == 1:
+            _, u = heapq.heappop(heap)
+            where[i] = ([u], L_l[i])
+            ld[u] += t_l[i]
+            heapq.heappush(heap, (ld[u], u))
+    return where, np.array(ld)
+
+
+def _micro_batch_order(order: list[int], work: np.ndarray, sizes: np.ndarray) -> list[int]:
+    """Micro-batches are filled with every ring before any local sequence (widest first), so that
+    rings sit in the earliest micro-batches, whose start their units reach together."""
+    order_o = np.array(order, dtype=np.int64)
+    return order_o[np.lexsort((order_o, -work[order_o], -sizes[order_o]))].tolist()
+
+
+def _build(ctx: PlanContext, step: int, sequences: list[Sequence], layouts, order, work, routing: bool):
+    """Of every placement, micro-batched by first fit and (where that takes more than one, up to
+    SEARCH_MAX_UNITS units) for coupling, the one whose coupled time is lowest (ties: the earlier)
+    is built. Coupling only adds waiting, so a placement's coupled time is at least its slowest
+    unit's load: placements are visited by that load, and once it exceeds the best coupled time
+    found the rest cannot win."""
+    n, cap = ctx.num_units, ctx.cost.token_capacity
+    best = None  # ((coupled time, candidate), where, fit, how)
+    for j in sorted(range(len(layouts)), key=lambda j: (layouts[j][2], j)):
+        w, sz, w_top, how, t = layouts[j]
+        if best is not None and w_top > best[0][0] * (1 + 1e-9):
+            break
+        seq_order = _micro_batch_order(order, work, sz)
+        f = _first_fit(n, cap, seq_order, w)
+        coupled = f[1] > 1 and n <= SEARCH_MAX_UNITS
+        if len(layouts) == 1 and not coupled:
+            return _build_one(ctx, step, sequences, routing, w, f[0], how)
+        tl = t.tolist()
+        key = (_coupled_time(n, w, tl, *f), 2 * j)
+        if best is None or key < best[0]:
+            best = (key, w, f[0], how)
+        if coupled and key[0] > w_top:  # (at its top load already, first fit waits for nothing)
+            f = _coupled_fit(n, cap, seq_order, w, tl, f[1])
+            key = (_coupled_time(n, w, tl, *f), 2 * j + 1)
+            if key < best[0]:
                 best = (key, w, f[0], how)
-            if coupled and key[0] > w_top:  # (at its top load already, first fit waits for nothing)
-                f = _coupled_fit(n, cap, seq_order, w, tl, f[1])
-                key = (_coupled_time(n, w, tl, *f), 2 * j + 1)
-                if key < best[0]:
-                    best = (key, w, f[0], how)
-        return build_one(*best[1:])
+    return _build_one(ctx, step, sequences, routing, *best[1:])
 
-    def build_one(where, fit, how):
-        b = StepBuilder(ctx, sequences, "zeppelin")
-        for i, k in fit:
-            units = where[i][0]
-            b.place(k, "ring" if len(units) > 1 else "local", units, i)
-        route = routing and any(len(w[0]) > 1 and ctx.cost.node_of_unit(w[0][0]) != ctx.cost.node_of_unit(w[0][-1])
-                                for w in where)
-        # (with inter-node rings the prediction waits for their routes)
-        plan = b.finish(step, SolverInfo(name="greedy"), notes={"family": "flop-share", "placement": how},
-                        predict=(lambda c, p: None) if route else None, routes=not route)
-        if route:
-            # inter-node rings: their boundary hops routed over every NIC (routing.py), as in
-            # the tiered plans
-            for mb in plan.microbatches:
-                mb.routes = plan_routes(ctx, mb, enable=True)
-            plan.prediction = predict_step(ctx, plan)
-        return plan
 
-    return [Candidate(min(x[2] for x in layouts), 0, build)]
+def _build_one(ctx: PlanContext, step: int, sequences: list[Sequence], routing: bool, where, fit, how):
+    b = StepBuilder(ctx, sequences, "zeppelin")
+    for i, k in fit:
+        units = where[i][0]
+        b.place(k, "ring" if len(units) > 1 else "local", units, i)
+    route = routing and any(len(w[0]) > 1 and ctx.cost.node_of_unit(w[0][0]) != ctx.cost.node_of_unit(w[0][-1])
+                            for w in where)
+    # (with inter-node rings the prediction waits for their routes)
+    plan = b.finish(step, SolverInfo(name="greedy"), notes={"family": "flop-share", "placement": how},
+                    predict=(lambda c, p: None) if route else None, routes=not route)
+    if route:
+        # inter-node rings: their boundary hops routed over every NIC (routing.py), as in the
+        # tiered plans
+        for mb in plan.microbatches:
+            mb.routes = plan_routes(ctx, mb, enable=True)
+        plan.prediction = predict_step(ctx, plan)
+    return plan
 
 
 def _first_fit(n: int, cap: int, order: list[int], where: list) -> tuple[list, int]:
@@ -329,7 +353,7 @@ def _settle_blocks(ctx: PlanContext, L, Lf, slope, sizes, t_unit, where, load, g
     lowers the top load. LPT on aligned power-of-two blocks leaves steps of long sequences lumpy
     (every ring a large share of a unit's time); this evens them out. Returns whether anything
     moved."""
-    n, cap = len(load), ctx.cost.token_capacity
+    n = len(load)
     gsz = [1] + pow2_sizes(gmax)[1:]
     # per-unit time of every sequence at each size (``t_of``: the caller's, filled as needed)
     t_of = {} if t_of is None else t_of
@@ -339,99 +363,134 @@ def _settle_blocks(ctx: PlanContext, L, Lf, slope, sizes, t_unit, where, load, g
             t_of[G] = _unit_time(ctx, Lf, slope, G, nic_share)
         return t_of[G]
 
-    share_at: dict[int, np.ndarray] = {G: zigzag_share(L, G) for G in gsz}
-    start = np.array([w[0][0] for w in where], dtype=np.int64)
-    size = sizes.astype(np.int64).copy()
-    t = t_unit.astype(np.float64).copy()
-    on: list[set[int]] = [set() for _ in range(n)]
+    pl = _Placement(cap=ctx.cost.token_capacity, gmax=gmax, t_at=t_at,
+                    share_at={G: zigzag_share(L, G) for G in gsz},
+                    start=np.array([w[0][0] for w in where], dtype=np.int64),
+                    size=sizes.astype(np.int64).copy(), t=t_unit.astype(np.float64).copy(),
+                    on=[set() for _ in range(n)], load=load)
     for i in range(len(L)):
-        for u in range(start[i], start[i] + size[i]):
-            on[u].add(i)
+        for u in range(pl.start[i], pl.start[i] + pl.size[i]):
+            pl.on[u].add(i)
     moved = False
     for _ in range(rounds):
         hot = int(np.argmax(load))
         top = float(load[hot])
-        mine = sorted(on[hot])
-        cands: list[tuple] = []  # (value, sequence, option, size, new start, swap partner or -1)
-        for i in (i for i in mine if size[i] > 1):  # rings (few): one block scan per size
-            G0, s0, t0 = int(size[i]), int(start[i]), float(t[i])
-            base = load.copy()
-            base[s0:s0 + G0] -= t0
-            for opt, G in enumerate((G0 // 2, G0, 2 * G0)):
-                if G < 1 or G > gmax or (G not in share_at) or share_at[G][i] > cap:
-                    continue
-                nb = n // G
-                bm = base[:nb * G].reshape(nb, G).max(axis=1) + float(t_at(G)[i])
-                if G == G0:
-                    bm[s0 // G0] = np.inf  # staying put is no move
-                b = int(np.argmin(bm))
-                cands.append((float(bm[b]), i, opt, G, b * G, -1))
-            # swap with a sequence of the same size in another block
-            oj = np.flatnonzero((size == G0) & (start // G0 != s0 // G0) & (t < t0))
-            if len(oj):
-                nb = n // G0
-                bmax = load[:nb * G0].reshape(nb, G0).max(axis=1)
-                val = np.maximum(top - t0 + t[oj], bmax[start[oj] // G0] + t0 - t[oj])
-                a = int(np.argmin(val))
-                cands.append((float(val[a]), i, 3, G0, int(start[oj[a]]), int(oj[a])))
-        locs = np.array([i for i in mine if size[i] == 1], dtype=np.int64)
-        if len(locs):  # the hot unit's local sequences, all at once
-            k = len(locs)
-            rows = np.arange(k)
-            tl = t[locs]
-            # alone on another unit
-            M = load[None, :] + tl[:, None]
-            M[:, hot] = np.inf
-            u = M.argmin(axis=1)
-            r = _least(M[rows, u], locs)
-            cands.append((float(M[r, u[r]]), int(locs[r]), 1, 1, int(u[r]), -1))
-            # as a ring of two on an aligned pair
-            nb = n // 2
-            if gmax >= 2 and nb:
-                P = np.repeat((load[:2 * nb].reshape(nb, 2).max(axis=1))[None, :], k, axis=0)
-                hb = hot // 2
-                if hb < nb:
-                    P[:, hb] = np.maximum(load[hot] - tl, load[hot ^ 1])
-                P += t_at(2)[locs][:, None]
-                P[share_at[2][locs] > cap] = np.inf
-                b = P.argmin(axis=1)
-                r = _least(P[rows, b], locs)
-                cands.append((float(P[r, b[r]]), int(locs[r]), 2, 2, 2 * int(b[r]), -1))
-            # swapped with a lighter local sequence of another unit
-            oj = np.flatnonzero((size == 1) & (start != hot))
-            if len(oj):
-                tj, uj = t[oj], start[oj]
-                V = np.maximum(top - tl[:, None] + tj[None, :], load[uj][None, :] + tl[:, None] - tj[None, :])
-                V[tj[None, :] >= tl[:, None]] = np.inf
-                c = V.argmin(axis=1)
-                r = _least(V[rows, c], locs)
-                cands.append((float(V[r, c[r]]), int(locs[r]), 3, 1, int(uj[c[r]]), int(oj[c[r]])))
+        mine = sorted(pl.on[hot])
+        cands = _ring_moves(pl, mine, top) + _local_moves(pl, mine, hot, top)
         best = min(cands, key=lambda c: (c[0], c[1], c[2])) if cands else None
         if best is None or not best[0] < top * (1 - 1e-9):
             return moved
         moved = True
-        _, i, opt, G, s_new, j = best
-        kind = "swap" if opt == 3 else "move"
-        G0, s0 = int(size[i]), int(start[i])
-        load[s0:s0 + G0] -= t[i]
-        for u in range(s0, s0 + G0):
-            on[u].discard(i)
-        if kind == "swap":
-            load[s_new:s_new + G] -= t[j]
-            for u in range(s_new, s_new + G):
-                on[u].discard(j)
-            load[s0:s0 + G0] += t[j]
-            for u in range(s0, s0 + G0):
-                on[u].add(j)
-            start[j] = s0
-            where[j] = (list(range(s0, s0 + G0)), int(share_at[G0][j]))
-        if G != G0:
-            size[i], t[i] = G, float(t_at(G)[i])
-            sizes[i] = G
-        start[i] = s_new
-        load[s_new:s_new + G] += t[i]
-        for u in range(s_new, s_new + G):
-            on[u].add(i)
-        where[i] = (list(range(s_new, s_new + G)), int(share_at[G][i]))
-        t_unit[i] = t[i]
+        _apply_move(pl, best, sizes, t_unit, where)
     return moved
+
+
+@dataclass
+class _Placement:
+    """The local search's view of a placement: each sequence's block (start, size) and per-unit
+    time, the sequences on each unit, and the per-unit load (the caller's array, updated)."""
+
+    cap: int
+    gmax: int
+    t_at: object  # ring size -> per-unit time of every sequence at that size
+    share_at: dict  # ring size -> tokens of every sequence on each unit of such a ring
+    start: np.ndarray
+    size: np.ndarray
+    t: np.ndarray
+    on: list
+    load: np.ndarray
+
+
+def _ring_moves(pl: _Placement, mine: list[int], top: float) -> list[tuple]:
+    """Moves of the hot unit's rings (few: one block scan per size): to the best block of half,
+    the same or twice its size, or swapped with a cheaper ring of its size in another block.
+    Each (value, sequence, option, size, new start, swap partner or -1)."""
+    n, load, size, start, t = len(pl.load), pl.load, pl.size, pl.start, pl.t
+    cands: list[tuple] = []
+    for i in (i for i in mine if size[i] > 1):
+        G0, s0, t0 = int(size[i]), int(start[i]), float(t[i])
+        base = load.copy()
+        base[s0:s0 + G0] -= t0
+        for opt, G in enumerate((G0 // 2, G0, 2 * G0)):
+            if G < 1 or G > pl.gmax or (G not in pl.share_at) or pl.share_at[G][i] > pl.cap:
+                continue
+            nb = n // G
+            bm = base[:nb * G].reshape(nb, G).max(axis=1) + float(pl.t_at(G)[i])
+            if G == G0:
+                bm[s0 // G0] = np.inf  # staying put is no move
+            b = int(np.argmin(bm))
+            cands.append((float(bm[b]), i, opt, G, b * G, -1))
+        oj = np.flatnonzero((size == G0) & (start // G0 != s0 // G0) & (t < t0))
+        if len(oj):
+            nb = n // G0
+            bmax = load[:nb * G0].reshape(nb, G0).max(axis=1)
+            val = np.maximum(top - t0 + t[oj], bmax[start[oj] // G0] + t0 - t[oj])
+            a = int(np.argmin(val))
+            cands.append((float(val[a]), i, 3, G0, int(start[oj[a]]), int(oj[a])))
+    return cands
+
+
+def _local_moves(pl: _Placement, mine: list[int], hot: int, top: float) -> list[tuple]:
+    """Moves of the hot unit's local sequences, all at once: alone to another unit, as a ring of
+    two on an aligned pair, or swapped with a lighter local sequence of another unit."""
+    n, load, size, start, t = len(pl.load), pl.load, pl.size, pl.start, pl.t
+    locs = np.array([i for i in mine if size[i] == 1], dtype=np.int64)
+    if not len(locs):
+        return []
+    cands: list[tuple] = []
+    k = len(locs)
+    rows = np.arange(k)
+    tl = t[locs]
+    M = load[None, :] + tl[:, None]
+    M[:, hot] = np.inf
+    u = M.argmin(axis=1)
+    r = _least(M[rows, u], locs)
+    cands.append((float(M[r, u[r]]), int(locs[r]), 1, 1, int(u[r]), -1))
+    nb = n // 2
+    if pl.gmax >= 2 and nb:
+        P = np.repeat((load[:2 * nb].reshape(nb, 2).max(axis=1))[None, :], k, axis=0)
+        hb = hot // 2
+        if hb < nb:
+            P[:, hb] = np.maximum(load[hot] - tl, load[hot ^ 1])
+        P += pl.t_at(2)[locs][:, None]
+        P[pl.share_at[2][locs] > pl.cap] = np.inf
+        b = P.argmin(axis=1)
+        r = _least(P[rows, b], locs)
+        cands.append((float(P[r, b[r]]), int(locs[r]), 2, 2, 2 * int(b[r]), -1))
+    oj = np.flatnonzero((size == 1) & (start != hot))
+    if len(oj):
+        tj, uj = t[oj], start[oj]
+        V = np.maximum(top - tl[:, None] + tj[None, :], load[uj][None, :] + tl[:, None] - tj[None, :])
+        V[tj[None, :] >= tl[:, None]] = np.inf
+        c = V.argmin(axis=1)
+        r = _least(V[rows, c], locs)
+        cands.append((float(V[r, c[r]]), int(locs[r]), 3, 1, int(uj[c[r]]), int(oj[c[r]])))
+    return cands
+
+
+def _apply_move(pl: _Placement, move: tuple, sizes, t_unit, where) -> None:
+    """Applies a move or swap to the placement (and to the caller's ``sizes``, ``t_unit``, ``where``)."""
+    load, size, start, t, on = pl.load, pl.size, pl.start, pl.t, pl.on
+    _, i, opt, G, s_new, j = move
+    G0, s0 = int(size[i]), int(start[i])
+    load[s0:s0 + G0] -= t[i]
+    for u in range(s0, s0 + G0):
+        on[u].discard(i)
+    if opt == 3:  # a swap
+        load[s_new:s_new + G] -= t[j]
+        for u in range(s_new, s_new + G):
+            on[u].discard(j)
+        load[s0:s0 + G0] += t[j]
+        for u in range(s0, s0 + G0):
+            on[u].add(j)
+        start[j] = s0
+        where[j] = (list(range(s0, s0 + G0)), int(pl.share_at[G0][j]))
+    if G != G0:
+        size[i], t[i] = G, float(pl.t_at(G)[i])
+        sizes[i] = G
+    start[i] = s_new
+    load[s_new:s_new + G] += t[i]
+    for u in range(s_new, s_new + G):
+        on[u].add(i)
+    where[i] = (list(range(s_new, s_new + G)), int(pl.share_at[G][i]))
+    t_unit[i] = t[i]
