@@ -89,9 +89,9 @@ class ZeppelinPlanner(Planner):
         self.max_ilp_vars_units = int(options.get("max_ilp_vars_units", 400))
         # how the whole-step candidates are chosen: "predict" (the analytic prediction), "simulate"
         # (the event-driven simulator of planner/sim/simulate.py, which sees ring pipeline waits and
-        # NIC contention the prediction approximates; ~0.1-0.2 s per candidate at 64 GPUs), or
-        # "auto": simulate when the step is small (at most ``simulate_max_units`` units; at 64 GPUs
-        # the pass costs ~1 s per step, past the 0.1 s planning-latency target)
+        # NIC contention the prediction approximates, at a far higher cost per candidate), or
+        # "auto": simulate when the step is small (at most ``simulate_max_units`` units; beyond, the
+        # simulation pass would exceed the planning-latency target)
         self.select = str(options.get("select", "auto"))
         if self.select not in ("auto", "predict", "simulate"):
             raise PlanningError(f"select option must be auto, predict or simulate (got {self.select!r})")
@@ -104,7 +104,7 @@ class ZeppelinPlanner(Planner):
         self.intra = str(options.get("intra", "auto"))
         if self.intra not in ("auto", "ring"):
             raise PlanningError(f"intra option must be auto or ring (got {self.intra!r})")
-        # the whole-step candidate families of families.py (comma list, or "none"), tried on clusters
+        # the whole-step candidate families of families/ (comma list, or "none"), tried on clusters
         # of at most ``families_max_units`` units; beyond, for planning latency, ``large_families``
         fam = str(options.get("families", "all"))
         self.families = _fam_list(fam)
@@ -168,8 +168,9 @@ class ZeppelinPlanner(Planner):
 
     # ------------------------------------------------------------------ main entry
     def plan_step(self, ctx: PlanContext, step: int, sequences: list[Sequence]) -> StepPlan:
-        # a step at 1,024 GPUs allocates ~10^5 small containers (groups, placements, ranges) and
-        # frees none until it returns: the cyclic collector's passes over them are pure overhead
+        # a step on a large cluster allocates very many small containers (groups, placements,
+        # ranges) and frees none until it returns: the cyclic collector's passes over them are pure
+        # overhead
         gc_was_on = gc.isenabled()
         gc.disable()
         try:

@@ -201,7 +201,7 @@ def _held_tokens(mb: MicroBatch) -> dict[int, list[int]]:
 
 
 def _transfers(ctx: PlanContext, mb: MicroBatch) -> list[_Transfer]:
-    upn = ctx.units_per_node
+    per_node = ctx.units_per_node
     held = _held_tokens(mb)
     out: list[_Transfer] = []
     for gi, g in enumerate(mb.groups):
@@ -211,7 +211,7 @@ def _transfers(ctx: PlanContext, mb: MicroBatch) -> list[_Transfer]:
         row = held.get(gi, [0] * G)
         for i in range(G):
             s, d = g.units[i], g.units[(i + 1) % G]
-            if s // upn == d // upn or row[i] <= 0:
+            if s // per_node == d // per_node or row[i] <= 0:
                 continue
             out.append(_Transfer(gi, s, d, row[i], G - 1))
     return out
@@ -226,9 +226,9 @@ class _Node:
     """Per-node facts used by the router: the NICs units use and the proxy candidates on each."""
 
     def __init__(self, ctx: PlanContext, k: int, inter_members: set[int], busy: set[int], nic_of: _NicOf):
-        upn = ctx.units_per_node
+        per_node = ctx.units_per_node
         self.units_on: dict[str, list[int]] = defaultdict(list)
-        for u in range(k * upn, (k + 1) * upn):
+        for u in range(k * per_node, (k + 1) * per_node):
             self.units_on[nic_of[u]].append(u)
         self.nics = sorted(self.units_on)
         bw = {n.id: n.bandwidth_GBps for n in ctx.cluster.nics}
@@ -323,7 +323,7 @@ def plan_routes(ctx: PlanContext, mb: MicroBatch, enable: bool = True) -> list[R
     transfers = _transfers(ctx, mb)
     if not transfers:
         return []
-    upn = ctx.units_per_node
+    per_node = ctx.units_per_node
     nic_of = _NicOf(ctx)
     for t in transfers:
         t.send = {t.src: t.tokens}
@@ -334,8 +334,8 @@ def plan_routes(ctx: PlanContext, mb: MicroBatch, enable: bool = True) -> list[R
         sends: dict[int, list[tuple[_Transfer, int]]] = defaultdict(list)
         recvs: dict[int, list[tuple[_Transfer, int]]] = defaultdict(list)
         for t in transfers:
-            sends[t.src // upn].append((t, t.src))
-            recvs[t.dst // upn].append((t, t.dst))
+            sends[t.src // per_node].append((t, t.src))
+            recvs[t.dst // per_node].append((t, t.dst))
         nodes: dict[int, _Node] = {}
         for side, table in (("send", sends), ("recv", recvs)):
             for k, items in table.items():
@@ -412,7 +412,7 @@ def route_problems(ctx: PlanContext, mb: MicroBatch) -> list[str]:
     """
     probs: list[str] = []
     n_units = ctx.num_units
-    upn = ctx.units_per_node
+    per_node = ctx.units_per_node
     topo = _topology_cached(ctx.cluster.model_dump_json(), ctx.tp)
     expected = {(t.group, t.src, t.dst): t.tokens for t in _transfers(ctx, mb)}
     seen: set[tuple[int, int, int]] = set()
@@ -430,8 +430,8 @@ def route_problems(ctx: PlanContext, mb: MicroBatch) -> list[str]:
         if (r.src, r.dst) not in pairs:
             probs.append(f"{where}: {r.dst} is not the ring successor of {r.src}")
             continue
-        if r.src // upn == r.dst // upn:
-            probs.append(f"{where}: both units are on node {r.src // upn} (not an inter-node transfer)")
+        if r.src // per_node == r.dst // per_node:
+            probs.append(f"{where}: both units are on node {r.src // per_node} (not an inter-node transfer)")
             continue
         key = (r.group, r.src, r.dst)
         if key in seen:
@@ -443,13 +443,13 @@ def route_problems(ctx: PlanContext, mb: MicroBatch) -> list[str]:
         if sum(p.tokens for p in r.paths) != r.tokens:
             probs.append(f"{where}: path tokens add up to {sum(p.tokens for p in r.paths)}, not {r.tokens}")
         for p in r.paths:
-            probs.extend(_path_problems(ctx, topo, where, r, p, n_units, upn))
+            probs.extend(_path_problems(ctx, topo, where, r, p, n_units, per_node))
     for key in sorted(set(expected) - seen):
         probs.append(f"group {key[0]}: inter-node transfer {key[1]}->{key[2]} has no route")
     return probs
 
 
-def _path_problems(ctx, topo, where, r: Route, p: RoutePath, n_units: int, upn: int) -> list[str]:
+def _path_problems(ctx, topo, where, r: Route, p: RoutePath, n_units: int, per_node: int) -> list[str]:
     out: list[str] = []
     ends = (("source", r.src, p.via_src, p.nic_src), ("destination", r.dst, p.via_dst, p.nic_dst))
     hops: list[list[str]] = []
@@ -457,14 +457,14 @@ def _path_problems(ctx, topo, where, r: Route, p: RoutePath, n_units: int, upn: 
         if not 0 <= via < n_units:
             out.append(f"{where}: {side} proxy {via} is not a unit (have {n_units})")
             return out
-        if via // upn != end // upn:
-            out.append(f"{where}: {side} proxy {via} is on node {via // upn}, not on node {end // upn}")
+        if via // per_node != end // per_node:
+            out.append(f"{where}: {side} proxy {via} is on node {via // per_node}, not on node {end // per_node}")
             return out
         if f"nic:{nic}" not in topo:
             out.append(f"{where}: NIC {nic!r} does not exist")
             return out
-        if topo.nodes[f"nic:{nic}"]["node"] != via // upn:
-            out.append(f"{where}: NIC {nic} is not on node {via // upn} of {side} proxy {via}")
+        if topo.nodes[f"nic:{nic}"]["node"] != via // per_node:
+            out.append(f"{where}: NIC {nic} is not on node {via // per_node} of {side} proxy {via}")
             return out
         own = unit_nic(ctx, via)
         if nic != own:
@@ -473,7 +473,7 @@ def _path_problems(ctx, topo, where, r: Route, p: RoutePath, n_units: int, upn: 
         gpu_end, gpu_via = f"gpu:{end * ctx.tp}", f"gpu:{via * ctx.tp}"
         seg: list[str] = []
         if via != end:
-            hub = f"nvswitch:{end // upn}"
+            hub = f"nvswitch:{end // per_node}"
             if not (topo.has_edge(gpu_end, hub) and topo.has_edge(hub, gpu_via)):
                 out.append(f"{where}: no NVLink hop between units {end} and {via}")
                 return out

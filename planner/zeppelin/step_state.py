@@ -17,7 +17,7 @@ from zeppelin.planner.core.solver import WALL_CLOCK
 from zeppelin.planner.zeppelin.tiering import SpanTable, Tiering
 from zeppelin.schemas.plan import Sequence
 
-#: span tables kept per step: one micro-batch's candidate layouts (tens of MB each at 4,096 GPUs)
+#: span tables kept per step: one micro-batch's candidate layouts (each large on big clusters)
 SPAN_TABLES_KEPT = 4
 
 

@@ -56,10 +56,10 @@ def dispatch(cost: dict[int, np.ndarray], fits: dict[int, np.ndarray], counts: d
             heapq.heapreplace(h, (load + c[i], g))
             out[i] = (t, g)
     elif len(types) == 2:  # (the heterogeneous configurations: the loop below, unrolled)
-        ta, tb = types
-        ha, hb = heaps[ta], heaps[tb]
-        ca = np.where(fits[ta], cost[ta], np.inf).tolist()
-        cb = np.where(fits[tb], cost[tb], np.inf).tolist()
+        type_a, type_b = types
+        ha, hb = heaps[type_a], heaps[type_b]
+        ca = np.where(fits[type_a], cost[type_a], np.inf).tolist()
+        cb = np.where(fits[type_b], cost[type_b], np.inf).tolist()
         replace = heapq.heapreplace
         for i in order:
             la, ga = ha[0]
@@ -67,10 +67,10 @@ def dispatch(cost: dict[int, np.ndarray], fits: dict[int, np.ndarray], counts: d
             fa, fb = la + ca[i], lb + cb[i]
             if fa <= fb:
                 replace(ha, (fa, ga))
-                out[i] = (ta, ga)
+                out[i] = (type_a, ga)
             else:
                 replace(hb, (fb, gb))
-                out[i] = (tb, gb)
+                out[i] = (type_b, gb)
     else:
         cl = {t: cost[t].tolist() for t in types}
         fl = {t: fits[t].tolist() for t in types}

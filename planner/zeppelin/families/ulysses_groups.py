@@ -37,7 +37,7 @@ def candidates(ctx: PlanContext, step: int, sequences: list[Sequence], limit: fl
 
 
 def ulysses_groups(ctx: PlanContext, step: int, sequences: list[Sequence], top: int = 2, limit: float | None = None):
-    n, upn, cm = ctx.num_units, ctx.units_per_node, ctx.cost
+    n, per_node, cm = ctx.num_units, ctx.units_per_node, ctx.cost
     heads = max(1, ctx.model.num_heads // ctx.tp)
     cap = cm.token_capacity
     L = np.array([s.length for s in sequences], dtype=np.int64)
@@ -46,7 +46,7 @@ def ulysses_groups(ctx: PlanContext, step: int, sequences: list[Sequence], top: 
     cost, fits, need = {}, {}, {}
     T_avg = max(float(Lf.sum()) / n, 2.0)
     for s in sizes:
-        link = "inter" if s > upn else "intra"
+        link = "inter" if s > per_node else "intra"
         # a group's linear modules, LM head and all-to-alls run once per micro-batch on all its
         # tokens: priced per token by their slope around a unit's average share of the step (a
         # per-sequence price would charge every short sequence the fixed costs again)
