@@ -51,6 +51,6 @@ def test_the_documented_example_family_is_offered_and_can_win(tmp_path, monkeypa
     assert offered and offered[0][0].score > 0
     assert sorted(p.seq for mb in plan.microbatches for p in mb.placements) == list(range(len(seqs)))
     # judged alone, the example's plan is the step's plan, recorded by select
-    alone = select(ctx, 0, seqs, [], [example.name], bound=None, routing=True, t0=time.perf_counter())
+    alone = select(ctx, 0, seqs, [], [example.name], margin=None, routing=True, t0=time.perf_counter())
     assert alone.notes["family"] == "example-local" and alone.solver.name == "greedy"
     assert all(g.kind == "local" for mb in alone.microbatches for g in mb.groups)

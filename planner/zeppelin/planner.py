@@ -22,16 +22,16 @@ from __future__ import annotations
 
 import gc
 import time
+from functools import partial
 
 import numpy as np
 
 from zeppelin.planner.core.base import PlanContext, Planner, PlanningError, register
 from zeppelin.planner.core.solver import SolveLimits
-from zeppelin.planner.costmodel.predict import predict_from_terms
 from zeppelin.planner.zeppelin import families as families_mod
 from zeppelin.planner.zeppelin.record import tiered_finisher
-from zeppelin.planner.zeppelin.select import select
-from zeppelin.planner.zeppelin.step_searches import search_step
+from zeppelin.planner.zeppelin.select import Own, select
+from zeppelin.planner.zeppelin.step_searches import as_plan, search_step
 from zeppelin.planner.zeppelin.step_state import StepState
 from zeppelin.planner.zeppelin.tiering import Tiering
 from zeppelin.schemas.plan import Sequence, StepPlan
@@ -192,27 +192,21 @@ class ZeppelinPlanner(Planner):
                           ilp_left=self.ilp_budget_calls)
         judge = self._judge(ctx)
         found = search_step(state, step, simulate=judge is not None)
-        own = []
-        for built, _ in (found if judge is not None else [min(found, key=lambda c: c[1])]):
-            plan = StepPlan(step=step, sequences=list(sequences), microbatches=[b[0] for b in built])
-            # the prediction from the candidate's terms: the same as predict_step(ctx, plan)
-            plan.prediction = predict_from_terms(ctx, lengths, [b[2] for b in built])
-            own.append((plan, tiered_finisher(state, [b[1] for b in built])))
+        own = [Own(t, partial(as_plan, ctx, step, sequences, lengths, built), tiered_finisher(state, [b[1] for b in built]))
+               for built, t in found]
         if ctx.num_units <= self.families_max_units:
-            # a family configuration whose own score is this far above the best tiered candidate
-            # (without the all-reduce) is not built: it would not win
-            bound, names = min(t for _, t in found) * (1 + self.family_margin), self._family_names()
+            margin, names = self.family_margin, self._family_names()
         else:
             # large clusters: the cheap families only, always built (FLOP-share's own score is coarse
             # where rings span many nodes, so it does not prune)
-            bound, names = None, self._family_names(only=self.large_families)
-        return select(ctx, step, sequences, own, names, bound=bound, routing=self.routing, simulator=judge,
+            margin, names = None, self._family_names(only=self.large_families)
+        return select(ctx, step, sequences, own, names, margin=margin, routing=self.routing, simulator=judge,
                       t0=t0, wall_hit=state.wall_hit)
 
     def _oversize_step(self, ctx: PlanContext, step: int, sequences: list[Sequence], t0: float) -> StepPlan:
         """A step with a sequence longer than the context's units can hold together, planned on
         replicas of a larger tensor-parallel degree (whose model states take less of each GPU)."""
-        plan = select(ctx, step, sequences, [], self._family_names(only=("tp-replicas",)), bound=None,
+        plan = select(ctx, step, sequences, [], self._family_names(only=("tp-replicas",)), margin=None,
                       routing=self.routing, simulator=self._judge(ctx), t0=t0)
         if plan is None:
             raise PlanningError(f"step {step}: no replica layout of a larger tensor-parallel degree holds its "

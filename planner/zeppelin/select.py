@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from zeppelin.planner.core.base import PlanContext, PlanningError
 from zeppelin.planner.core.solver import WALL_CLOCK
@@ -22,9 +23,16 @@ from zeppelin.schemas.plan import Sequence, SolverInfo, StepPlan
 #: of each of the two best-scored families is built
 BUILD_ALL_MAX_UNITS = 32
 
-#: a plan of the planner's own search and the function recording, once it has won, how it was
-#: found (its :class:`SolverInfo` from the time spent on the step, and its notes)
-Own = tuple[StepPlan, Callable[[StepPlan, float], None]]
+
+
+class Own(NamedTuple):
+    """A whole-step candidate of the planner's own searches: its predicted step time (no gradient
+    all-reduce), the function making its plan, and the function recording, once it has won, how
+    it was found (its :class:`SolverInfo` from the time spent on the step, and its notes)."""
+
+    time: float
+    build: Callable[[], StepPlan]
+    finish: Callable[[StepPlan, float], None]
 
 
 def family_plans(ctx: PlanContext, step: int, sequences: list[Sequence], families, bound: float | None = None,
@@ -70,15 +78,24 @@ def family_plans(ctx: PlanContext, step: int, sequences: list[Sequence], familie
 
 
 def select(ctx: PlanContext, step: int, sequences: list[Sequence], own: list[Own], families, *,
-           bound: float | None, routing: bool, simulator=None, t0: float, wall_hit: bool = False) -> StepPlan | None:
-    """The step's plan: the fastest of the planner's ``own`` plans and the plans of ``families``
-    (names, pruned by ``bound`` as :func:`family_plans` does), judged by ``simulator`` where one
-    is given and more than one plan competes, else by the prediction; ties keep the earlier.
-    Records the winner's :class:`SolverInfo` (``t0``: when the step's planning began;
-    ``wall_hit``: whether a packing ILP of the step stopped at the wall-clock safety net).
-    None when there is no plan at all."""
+           margin: float | None, routing: bool, simulator=None, t0: float, wall_hit: bool = False) -> StepPlan | None:
+    """The step's plan: the fastest of the planner's ``own`` candidates and the plans of
+    ``families`` (names), judged by ``simulator``
+    where one is given and more than one plan competes, else by the prediction; ties keep the
+    earlier. Judged by the prediction, only the first of the fastest own candidates is built (their
+    times are the prediction's already). Records the winner's :class:`SolverInfo` (``t0``: when
+    the step's planning began; ``wall_hit``: whether a packing ILP of the step stopped at the
+    wall-clock safety net). None when there is no plan at all.
+
+    ``margin``: a family configuration whose own score is more than this share above the fastest
+    own candidate is not built - it would not win (None: every family's best are built, as
+    :func:`family_plans` prunes them)."""
+    bound = min(c.time for c in own) * (1 + margin) if margin is not None and own else None
+    if simulator is None and own:
+        own = [min(own, key=lambda c: c.time)]
+    entries = [(c.build(), c.finish) for c in own]
     fams = family_plans(ctx, step, sequences, families, bound, routing=routing) if families else []
-    entries: list[Own | tuple[StepPlan, None]] = list(own) + [(f, None) for f in fams]
+    entries += [(f, None) for f in fams]
     if not entries:
         return None
     if len(entries) > 1 and simulator is not None:

@@ -13,10 +13,12 @@ import math
 
 import numpy as np
 
-from zeppelin.planner.core.base import PlanningError
+from zeppelin.planner.core.base import PlanContext, PlanningError
+from zeppelin.planner.costmodel.predict import predict_from_terms
 from zeppelin.planner.zeppelin.step_searches import node_cp, node_major, tiered
 from zeppelin.planner.zeppelin.step_searches.common import Round
 from zeppelin.planner.zeppelin.step_state import StepState
+from zeppelin.schemas.plan import Sequence, StepPlan
 
 #: the whole-step searches, in the order they run per micro-batch count
 REGISTRY = (tiered, node_cp, node_major)
@@ -79,3 +81,11 @@ def split_microbatches(ctx, lengths: np.ndarray, M: int, budget: int) -> list[li
     if any(not p for p in parts):
         return None
     return [sorted(p) for p in parts]
+
+
+def as_plan(ctx: PlanContext, step: int, sequences: list[Sequence], lengths: np.ndarray, built) -> StepPlan:
+    """A whole-step candidate (built micro-batches) as a plan, priced from its prediction terms
+    (the same as ``predict_step(ctx, plan)``)."""
+    plan = StepPlan(step=step, sequences=list(sequences), microbatches=[b[0] for b in built])
+    plan.prediction = predict_from_terms(ctx, lengths, [b[2] for b in built])
+    return plan
