@@ -10,8 +10,6 @@ local group - in one global group order, so no two units wait on each other in o
 
 from __future__ import annotations
 
-import importlib
-
 import numpy as np
 
 from zeppelin.planner.core.base import PlanContext
@@ -19,16 +17,6 @@ from zeppelin.planner.core.builder import record as _record
 from zeppelin.planner.costmodel.predict import coupled_components
 from zeppelin.schemas.layout import contiguous_ranges, zigzag_ranges
 from zeppelin.schemas.plan import Group, MicroBatch, Placement, RemapInfo, Route, RoutePath
-
-
-def optional_layer(module: str):
-    """A layer of this package that a build may leave out (routing, remap), or None."""
-    try:
-        return importlib.import_module(f"zeppelin.planner.zeppelin.{module}")
-    except ModuleNotFoundError as e:
-        if e.name == f"zeppelin.planner.zeppelin.{module}":
-            return None
-        raise
 
 
 def build_microbatch(search, idx: list[int], Ls: np.ndarray, spans, span_index, table, node_of, unit_of,
@@ -50,8 +38,9 @@ def build_microbatch(search, idx: list[int], Ls: np.ndarray, spans, span_index, 
     # built from validated parts; model_construct skips re-validating thousands of records
     mb = MicroBatch.model_construct(groups=groups, placements=placements, queues=queues, linear_layout=None,
                                     remap=RemapInfo(), routes=[])
-    mb.routes = _routes(ctx, mb, search.options.routing)
-    mb.linear_layout, mb.remap = _remap(ctx, search.sequences, mb, search.options.remap, enable=remap)
+    mb.routes = _routes(ctx, mb, search.routing_layer, search.options.routing)
+    mb.linear_layout, mb.remap = _remap(ctx, search.sequences, mb, search.remap_layer, search.options.remap,
+                                        enable=remap)
     return mb
 
 
@@ -135,15 +124,13 @@ def _ulysses_choice(ctx: PlanContext, spans, span_index, table, unit_of, node_of
     return out
 
 
-def _routes(ctx: PlanContext, mb: MicroBatch, routing_on: bool) -> list[Route]:
-    routing = optional_layer("routing")
+def _routes(ctx: PlanContext, mb: MicroBatch, routing, routing_on: bool) -> list[Route]:
     if routing is not None:
         return routing.plan_routes(ctx, mb, enable=routing_on)
     return direct_routes(ctx, mb)
 
 
-def _remap(ctx: PlanContext, sequences, mb: MicroBatch, remap_on: bool, enable: bool):
-    remap = optional_layer("remap")
+def _remap(ctx: PlanContext, sequences, mb: MicroBatch, remap, remap_on: bool, enable: bool):
     if remap is None:
         return None, RemapInfo(enabled=False, reason="remap layer not available in this build")
     if remap_on and not enable:

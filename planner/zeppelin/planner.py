@@ -37,6 +37,18 @@ from zeppelin.planner.zeppelin.tiering import Tiering
 from zeppelin.schemas.plan import Sequence, StepPlan
 
 
+def _optional(module: str):
+    """A layer of this package that a build may leave out (routing, remap), or None."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"zeppelin.planner.zeppelin.{module}")
+    except ModuleNotFoundError as e:
+        if e.name == f"zeppelin.planner.zeppelin.{module}":
+            return None
+        raise
+
+
 def _fam_list(spec: str) -> tuple[str, ...]:
     known = families_mod.FAMILIES
     if spec in ("all", ""):
@@ -189,7 +201,8 @@ class ZeppelinPlanner(Planner):
             return self._oversize_step(ctx, step, sequences, t0)
         lengths = np.array([s.length for s in sequences], dtype=np.int64)
         state = StepState(options=self, ctx=ctx, tiering=tiering, sequences=sequences, lengths=lengths,
-                          ilp_left=self.ilp_budget_calls)
+                          ilp_left=self.ilp_budget_calls, routing_layer=_optional("routing"),
+                          remap_layer=_optional("remap"))
         judge = self._judge(ctx)
         found = search_step(state, step, simulate=judge is not None)
         own = [Own(t, partial(as_plan, ctx, step, sequences, lengths, built), tiered_finisher(state, [b[1] for b in built]))

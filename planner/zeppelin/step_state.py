@@ -35,6 +35,9 @@ class StepState:
     wall_hit: bool = False  # did a packing ILP of this step stop at the wall-clock safety net?
     span_tables: dict = field(default_factory=dict)
     last_error: Exception | None = None  # the last packing failure (for the error when nothing fits)
+    # the routing and remap layers of this package (None: left out of this build)
+    routing_layer: object | None = None
+    remap_layer: object | None = None
 
     # ILP work per step: every candidate layout may call the packing ILP; together they share a
     # budget of ``ilp_budget_calls`` solves, each under the planner's limits (``ilp=always``: no

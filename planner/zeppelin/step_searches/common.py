@@ -34,10 +34,8 @@ def balances(search: StepState) -> list[str]:
     """The objectives the tiered layouts balance: total per-unit cost, and (remap layer on, up to
     ``attention_max_units`` units: beyond, for planning latency, the FLOP-share family takes its
     place) attention alone with a remap evening out the linear tokens."""
-    from zeppelin.planner.zeppelin.groups import optional_layer
-
     opts = search.options
-    return ["total"] + (["attention"] if opts.remap and optional_layer("remap") is not None
+    return ["total"] + (["attention"] if opts.remap and search.remap_layer is not None
                         and search.ctx.num_units <= opts.attention_max_units else [])
 
 
