@@ -1,6 +1,6 @@
 """Choosing a step's plan: the one place where candidates are pruned, judged and recorded.
 
-The planner's own whole-step searches hand in their built plans; the candidate families
+The planner's own whole-step searches hand in their candidates (priced already); the families
 (:mod:`.families`) hand in scored configurations, of which only those that could win are built.
 Every built plan is then judged the same way - by the analytic prediction, or on small clusters by
 the event-driven simulator, which sees ring pipeline waits and NIC contention the prediction
@@ -22,7 +22,6 @@ from zeppelin.schemas.plan import Sequence, SolverInfo, StepPlan
 #: up to this many units every family builds its two best configurations; beyond, only the best
 #: of each of the two best-scored families is built
 BUILD_ALL_MAX_UNITS = 32
-
 
 
 class Own(NamedTuple):
@@ -80,12 +79,12 @@ def family_plans(ctx: PlanContext, step: int, sequences: list[Sequence], familie
 def select(ctx: PlanContext, step: int, sequences: list[Sequence], own: list[Own], families, *,
            margin: float | None, routing: bool, simulator=None, t0: float, wall_hit: bool = False) -> StepPlan | None:
     """The step's plan: the fastest of the planner's ``own`` candidates and the plans of
-    ``families`` (names), judged by ``simulator``
-    where one is given and more than one plan competes, else by the prediction; ties keep the
-    earlier. Judged by the prediction, only the first of the fastest own candidates is built (their
-    times are the prediction's already). Records the winner's :class:`SolverInfo` (``t0``: when
-    the step's planning began; ``wall_hit``: whether a packing ILP of the step stopped at the
-    wall-clock safety net). None when there is no plan at all.
+    ``families`` (names), judged by ``simulator`` where one is given and more than one plan
+    competes, else by the prediction; ties keep the earlier. Judged by the prediction, only the
+    first of the fastest own candidates is built (their times are the prediction's already).
+    Records the winner's :class:`SolverInfo` (``t0``: when the step's planning began;
+    ``wall_hit``: whether a packing ILP of the step stopped at the wall-clock safety net). None
+    when there is no plan at all.
 
     ``margin``: a family configuration whose own score is more than this share above the fastest
     own candidate is not built - it would not win (None: every family's best are built, as
