@@ -37,23 +37,10 @@ def candidates(ctx: PlanContext, step: int, sequences: list[Sequence], limit: fl
 
 
 def ulysses_groups(ctx: PlanContext, step: int, sequences: list[Sequence], top: int = 2, limit: float | None = None):
-    n, per_node, cm = ctx.num_units, ctx.units_per_node, ctx.cost
-    heads = max(1, ctx.model.num_heads // ctx.tp)
-    cap = cm.token_capacity
+    n = ctx.num_units
     L = np.array([s.length for s in sequences], dtype=np.int64)
-    Lf = L.astype(np.float64)
-    sizes = [s for s in pow2_sizes(n) if heads % s == 0 and n % s == 0]
-    cost, fits, need = {}, {}, {}
-    T_avg = max(float(Lf.sum()) / n, 2.0)
-    for s in sizes:
-        link = "inter" if s > per_node else "intra"
-        # a group's linear modules, LM head and all-to-alls run once per micro-batch on all its
-        # tokens: priced per token by their slope around a unit's average share of the step (a
-        # per-sequence price would charge every short sequence the fixed costs again)
-        slope = token_slope(ctx, cm, T_avg, s, link)
-        cost[s] = ctx.model.num_layers * cm.ulysses_attn_time(Lf, s) + slope * Lf / s
-        need[s] = ceil_div(L, s)
-        fits[s] = need[s] <= cap
+    sizes, cost, fits, need = _group_prices(ctx, L)
+
     def run(cfg):
         return dispatch({t: cost[t] for t in cfg}, {t: fits[t] for t in cfg}, cfg)
 
@@ -80,24 +67,48 @@ def ulysses_groups(ctx: PlanContext, step: int, sequences: list[Sequence], top: 
         span, owner = refine(cost, fits, owner, loads)
         refined.append((span, a, cfg, owner))
     scored = sorted(refined, key=lambda x: (x[0], x[1]))
-    def build(cfg, owner):
-        # groups: aligned blocks, largest size first
-        blocks: dict[tuple[int, int], list[int]] = {}
-        u0 = 0
-        for t in sorted(cfg, reverse=True):
-            for g in range(cfg[t]):
-                blocks[(t, g)] = list(range(u0, u0 + t))
-                u0 += t
-        b = StepBuilder(ctx, sequences, "zeppelin")
-        members: dict[tuple[int, int], list[int]] = {}
-        for i, key in enumerate(owner):
-            members.setdefault(key, []).append(i)
-        for key in sorted(members):
-            t = key[0]
-            for k, bin_ in enumerate(pack_bins(members[key], need[t], cost[t], cap)):
-                for i in sorted(bin_, key=lambda i: (-L[i], i)):
-                    b.place(k, "ulysses" if t > 1 else "local", blocks[key], i)
-        desc = " + ".join(f"{cfg[t]} x sp={t}" for t in sorted(cfg, reverse=True))
-        return b.finish(step, SolverInfo(name="greedy"), notes={"family": "ulysses-groups", "groups": desc})
+    return [Candidate(span, a, (lambda cfg=cfg, owner=owner: _build(ctx, step, sequences, cost, need, cfg, owner)))
+            for span, a, cfg, owner in scored[:top]]
 
-    return [Candidate(span, a, (lambda cfg=cfg, owner=owner: build(cfg, owner))) for span, a, cfg, owner in scored[:top]]
+
+def _group_prices(ctx: PlanContext, L: np.ndarray):
+    """The group sizes a step can use (powers of two dividing the heads and the units) and, per
+    size, each sequence's time on one group, whether it fits, and its tokens per unit."""
+    n, per_node, cm = ctx.num_units, ctx.units_per_node, ctx.cost
+    heads = max(1, ctx.model.num_heads // ctx.tp)
+    Lf = L.astype(np.float64)
+    sizes = [s for s in pow2_sizes(n) if heads % s == 0 and n % s == 0]
+    cost, fits, need = {}, {}, {}
+    T_avg = max(float(Lf.sum()) / n, 2.0)
+    for s in sizes:
+        link = "inter" if s > per_node else "intra"
+        # a group's linear modules, LM head and all-to-alls run once per micro-batch on all its
+        # tokens: priced per token by their slope around a unit's average share of the step (a
+        # per-sequence price would charge every short sequence the fixed costs again)
+        slope = token_slope(ctx, cm, T_avg, s, link)
+        cost[s] = ctx.model.num_layers * cm.ulysses_attn_time(Lf, s) + slope * Lf / s
+        need[s] = ceil_div(L, s)
+        fits[s] = need[s] <= cm.token_capacity
+    return sizes, cost, fits, need
+
+
+def _build(ctx: PlanContext, step: int, sequences: list[Sequence], cost, need, cfg, owner):
+    """The plan of a dispatch: groups on aligned blocks (largest size first), each group's
+    sequences cut into micro-batches under the memory cap."""
+    blocks: dict[tuple[int, int], list[int]] = {}
+    u0 = 0
+    for t in sorted(cfg, reverse=True):
+        for g in range(cfg[t]):
+            blocks[(t, g)] = list(range(u0, u0 + t))
+            u0 += t
+    b = StepBuilder(ctx, sequences, "zeppelin")
+    members: dict[tuple[int, int], list[int]] = {}
+    for i, key in enumerate(owner):
+        members.setdefault(key, []).append(i)
+    for key in sorted(members):
+        t = key[0]
+        for k, bin_ in enumerate(pack_bins(members[key], need[t], cost[t], ctx.cost.token_capacity)):
+            for i in sorted(bin_, key=lambda i: (-sequences[i].length, i)):
+                b.place(k, "ulysses" if t > 1 else "local", blocks[key], i)
+    desc = " + ".join(f"{cfg[t]} x sp={t}" for t in sorted(cfg, reverse=True))
+    return b.finish(step, SolverInfo(name="greedy"), notes={"family": "ulysses-groups", "groups": desc})
