@@ -34,7 +34,9 @@ class StepState:
     ilp_left: int
     wall_hit: bool = False  # did a packing ILP of this step stop at the wall-clock safety net?
     span_tables: dict = field(default_factory=dict)
-    last_error: Exception | None = None  # the last packing failure (for the error when nothing fits)
+    # the last packing failure, for the error when nothing fits (its text: the exception itself would
+    # keep the failed search's frames, and with them this state, alive)
+    last_error: str | None = None
     # the routing and remap layers of this package (None: left out of this build)
     routing_layer: object | None = None
     remap_layer: object | None = None

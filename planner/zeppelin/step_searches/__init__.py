@@ -30,6 +30,15 @@ def search_step(state: StepState, step: int, simulate: bool) -> list:
     """Every whole-step candidate of the step, as (built micro-batches, predicted time): those of
     the fewest micro-batches any search can plan (``simulate``: and of one more, which the
     simulator may find runs rings more smoothly). Raises :class:`PlanningError` when none fits."""
+    try:
+        return _search_counts(state, step, simulate)
+    finally:
+        # span tables serve the step's candidate layouts (large on big clusters): none outlives the
+        # search, so a long plan file streams with one step's memory
+        state.span_tables.clear()
+
+
+def _search_counts(state: StepState, step: int, simulate: bool) -> list:
     ctx, lengths, n_seq = state.ctx, state.lengths, len(state.sequences)
     budget = ctx.num_units * state.tiering.cap
     M = max(1, min(n_seq, math.ceil(int(lengths.sum()) / (FILL * budget))))

@@ -25,6 +25,6 @@ def search(state: StepState, parts: list[list[int]], found: Round) -> None:
     try:
         built, t = whole_step(state, parts, [floor], ["total"])
     except PackInfeasible as e:
-        state.last_error = e
+        state.last_error = str(e)
         return
     found.offer(built, t, [floor])

@@ -37,7 +37,8 @@ def search(state: StepState, parts: list[list[int]], found: Round) -> None:
         try:
             built, t = whole_step(state, assigned[0], floors, objectives, assigned[1])
         except PackInfeasible as e:
-            state.last_error = state.last_error or e
+            if state.last_error is None:
+                state.last_error = str(e)
             continue
         found.offer(built, t)
 
