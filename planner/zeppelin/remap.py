@@ -183,8 +183,8 @@ def plan_remap(ctx: PlanContext, sequences: list[Sequence], mb: MicroBatch,
     if sum(held) == 0:
         return None, RemapInfo(enabled=False, reason="the micro-batch holds no tokens")
     targets = balanced_targets(held)
-    upn = ctx.units_per_node
-    moves = transfer_matrix(held, targets, upn)
+    per_node = ctx.units_per_node
+    moves = transfer_matrix(held, targets, per_node)
     if not moves:
         return None, RemapInfo(
             enabled=False,
@@ -200,7 +200,7 @@ def plan_remap(ctx: PlanContext, sequences: list[Sequence], mb: MicroBatch,
 
     saving = lin(held) - lin(targets)
     moved = sum(x for _, _, x in moves)
-    moved_inter = sum(x for a, b, x in moves if a // upn != b // upn)
+    moved_inter = sum(x for a, b, x in moves if a // per_node != b // per_node)
     intra_u, inter_nic = remap_link_loads(ctx, moves)
     m_intra = int(intra_u.max())
     m_inter = max(inter_nic.values(), default=0)

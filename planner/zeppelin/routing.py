@@ -178,7 +178,7 @@ def _held_tokens(mb: MicroBatch) -> dict[int, list[int]]:
 
 
 def _transfers(ctx: PlanContext, mb: MicroBatch) -> list[_Transfer]:
-    upn = ctx.units_per_node
+    per_node = ctx.units_per_node
     held = _held_tokens(mb)
     out: list[_Transfer] = []
     for gi, g in enumerate(mb.groups):
@@ -188,7 +188,7 @@ def _transfers(ctx: PlanContext, mb: MicroBatch) -> list[_Transfer]:
         row = held.get(gi, [0] * G)
         for i in range(G):
             s, d = g.units[i], g.units[(i + 1) % G]
-            if s // upn == d // upn or row[i] <= 0:
+            if s // per_node == d // per_node or row[i] <= 0:
                 continue
             out.append(_Transfer(gi, s, d, row[i], G - 1))
     return out
@@ -203,9 +203,9 @@ class _Node:
     """Per-node facts used by the router: the NICs units use and the proxy candidates on each."""
 
     def __init__(self, ctx: PlanContext, k: int, inter_members: set[int], busy: set[int], nic_of: _NicOf):
-        upn = ctx.units_per_node
+        per_node = ctx.units_per_node
         self.units_on: dict[str, list[int]] = defaultdict(list)
-        for u in range(k * upn, (k + 1) * upn):
+        for u in range(k * per_node, (k + 1) * per_node):
             self.units_on[nic_of[u]].append(u)
         self.nics = sorted(self.units_on)
         bw = {n.id: n.bandwidth_GBps for n in ctx.cluster.nics}
@@ -300,7 +300,7 @@ def plan_routes(ctx: PlanContext, mb: MicroBatch, enable: bool = True) -> list[R
     transfers = _transfers(ctx, mb)
     if not transfers:
         return []
-    upn = ctx.units_per_node
+    per_node = ctx.units_per_node
     nic_of = _NicOf(ctx)
     for t in transfers:
         t.send = {t.src: t.tokens}
@@ -311,8 +311,8 @@ def plan_routes(ctx: PlanContext, mb: MicroBatch, enable: bool = True) -> list[R
         sends: dict[int, list[tuple[_Transfer, int]]] = defaultdict(list)
         recvs: dict[int, list[tuple[_Transfer, int]]] = defaultdict(list)
         for t in transfers:
-            sends[t.src // upn].append((t, t.src))
-            recvs[t.dst // upn].append((t, t.dst))
+            sends[t.src // per_node].append((t, t.src))
+            recvs[t.dst // per_node].append((t, t.dst))
         nodes: dict[int, _Node] = {}
         for side, table in (("send", sends), ("recv", recvs)):
             for k, items in table.items():

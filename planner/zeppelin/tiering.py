@@ -276,16 +276,16 @@ class Tiering:
     def choose_spans(self, L, target: float, lin_rate: float, routed_nics: int = 1,
                      table: SpanTable | None = None) -> list[Span]:
         """Vectorised :meth:`choose_span` over an array of lengths (same rule)."""
-        tb = table if table is not None else self.span_table(L, routed_nics)
-        return [self.spans[k] for k in self.choose_span_index(tb, target, lin_rate)]
+        table = table if table is not None else self.span_table(L, routed_nics)
+        return [self.spans[k] for k in self.choose_span_index(table, target, lin_rate)]
 
-    def choose_span_index(self, tb: SpanTable, target: float, lin_rate: float) -> np.ndarray:
-        m = len(tb.L)
+    def choose_span_index(self, table: SpanTable, target: float, lin_rate: float) -> np.ndarray:
+        m = len(table.L)
         S = len(self.spans)
         if m == 0:
             return np.zeros(0, dtype=np.int64)
-        F, E = tb.F, tb.E
-        T = tb.times(lin_rate)
+        F, E = table.F, table.E
+        T = table.times(lin_rate)
         if not F.any(axis=0).all():
             raise ValueError("does not fit")
         ok = F & (T <= target)

@@ -681,7 +681,7 @@ def test_families_option_validated():
 
 
 def test_family_dispatch_local_search_never_worse():
-    from zeppelin.planner.zeppelin.families import _dispatch
+    from zeppelin.planner.zeppelin.families.common import dispatch as _dispatch
 
     rng = np.random.default_rng(5)
     for trial in range(20):
@@ -705,7 +705,7 @@ def test_family_dispatch_local_search_never_worse():
 def test_family_dispatch_two_types_match_the_general_loop():
     """The unrolled two-type dispatch gives what the general loop gives: a third type that fits no
     sequence sends every configuration down the general loop without changing any choice."""
-    from zeppelin.planner.zeppelin.families import _dispatch
+    from zeppelin.planner.zeppelin.families.common import dispatch as _dispatch
 
     rng = np.random.default_rng(17)
     for trial in range(30):
@@ -731,16 +731,15 @@ def test_family_search_pruned_by_the_second_best_family_builds_what_the_full_sea
     others skips configurations scored above the second-best family's best: the plans built are
     those of searching every family under the caller's bound alone."""
     from zeppelin.planner.zeppelin import families as fam
+    from zeppelin.planner.zeppelin.select import family_plans
 
     ctx, seqs = _grid_step(*cell)
     assert ctx.num_units > 32
     bound = ZeppelinPlanner(families="none").plan_step(ctx, 0, seqs).prediction.step_time_s * 1.05
-    got = fam.family_plans(ctx, 0, seqs, fam.FAMILIES, bound)
+    got = family_plans(ctx, 0, seqs, fam.FAMILIES, bound)
     firsts = []
     for f, name in enumerate(fam.FAMILIES):
-        fn = getattr(fam, name.replace("-", "_"))
-        kw = {} if name == "flop-share" else {"limit": bound}
-        c = fn(ctx, 0, seqs, top=2, **kw)
+        c = fam.REGISTRY[name].candidates(ctx, 0, seqs, limit=bound, top=2)
         if c:
             firsts.append((c[0][0], f, c[0][1], c[0][2]))
     want = [build() for score, _, _, build in sorted(firsts, key=lambda c: c[:3])[:2] if score <= bound]
@@ -754,27 +753,30 @@ def test_family_search_limit_is_the_second_best_family_score(monkeypatch, units,
     """The limit the third family searches under: the second-best family's best score (beyond 32
     units, where two families are built), or the caller's bound where that is lower."""
     from zeppelin.planner.zeppelin import families as fam
+    from zeppelin.planner.zeppelin.select import family_plans
 
     seen = {}
 
     def fake(score):
-        def fn(ctx, step, seqs, top=2, limit=None, routing=True):
+        def fn(ctx, step, seqs, limit=None, routing=True, top=2):
             seen.setdefault("limits", []).append(limit)
             return [(score, 0, lambda: None)]
         return fn
 
-    monkeypatch.setattr(fam, "ulysses_groups", fake(3.0))
-    monkeypatch.setattr(fam, "flop_share", fake(1.0))
-    monkeypatch.setattr(fam, "tp_replicas", fake(3.5))
+    monkeypatch.setattr(fam.REGISTRY["ulysses-groups"], "candidates", fake(3.0))
+    monkeypatch.setattr(fam.REGISTRY["flop-share"], "candidates", fake(1.0))
+    monkeypatch.setattr(fam.REGISTRY["tp-replicas"], "candidates", fake(3.5))
     ctx = make_ctx(f"zeppelin-c:{units // 8}")
-    fam.family_plans(ctx, 0, seqs_of([100, 200]), fam.FAMILIES, bound)
-    assert seen["limits"] == [bound, None, want]
+    family_plans(ctx, 0, seqs_of([100, 200]), fam.FAMILIES, bound)
+    assert seen["limits"] == [bound, bound, want]  # (every family is offered the limit; FLOP-share ignores it)
 
 
 def test_family_dispatch_bound_and_pruned_search_match_trying_every_configuration():
     """_dispatch_bound never exceeds the dispatch's makespan, and the pruned search keeps exactly
     the configurations (and order) that dispatching every one of them would keep."""
-    from zeppelin.planner.zeppelin.families import _best_dispatches, _dispatch, _dispatch_bound
+    from zeppelin.planner.zeppelin.families.common import best_dispatches as _best_dispatches
+    from zeppelin.planner.zeppelin.families.common import dispatch as _dispatch
+    from zeppelin.planner.zeppelin.families.common import dispatch_bound as _dispatch_bound
 
     rng = np.random.default_rng(11)
     for trial in range(20):
@@ -811,7 +813,7 @@ def test_coupled_fit_keeps_a_narrow_ring_off_the_micro_batch_its_wider_block_wai
     on unit 3 (1.8 s, 22,000). First fit puts B beside A (it fits), so units 2-3 wait for it there
     (4.8 s) and then run C and D in the second micro-batch: 6.8 s. Chosen for coupling, B goes to the
     second micro-batch with C and D: 3.6 + 2.0 = 5.6 s."""
-    from zeppelin.planner.zeppelin import families as F
+    from zeppelin.planner.zeppelin.families import flop_share as F
 
     where = [([0, 1, 2, 3], 21000), ([0, 1], 12000), ([2], 23000), ([3], 22000)]
     tl = [3.6, 1.2, 2.0, 1.8]
@@ -829,7 +831,7 @@ def test_coupled_fit_keeps_a_narrow_ring_off_the_micro_batch_its_wider_block_wai
 def test_coupled_fit_respects_token_capacity_on_random_placements():
     """On random aligned placements: every sequence placed once, no unit past the capacity in any
     micro-batch, no more micro-batches than first fit's unless one had no room."""
-    from zeppelin.planner.zeppelin import families as F
+    from zeppelin.planner.zeppelin.families import flop_share as F
 
     rng = np.random.default_rng(5)
     n, cap = 16, 1000
@@ -852,7 +854,7 @@ def test_coupled_fit_respects_token_capacity_on_random_placements():
 
 
 def _first_fit_only(n, cap, order, where, tl, m):
-    from zeppelin.planner.zeppelin import families as F
+    from zeppelin.planner.zeppelin.families import flop_share as F
 
     return F._first_fit(n, cap, order, where)
 
@@ -870,7 +872,7 @@ def test_flop_share_micro_batches_chosen_for_coupling(monkeypatch, cell, fine_sh
     """LLaMA-13B on cluster C, steps that take two micro-batches by memory: with micro-batches
     chosen for coupling beside first fit, FLOP-share's plan is ``with_fit`` s by the prediction;
     with first fit alone, ``first_fit_only`` s."""
-    from zeppelin.planner.zeppelin import families as F
+    from zeppelin.planner.zeppelin.families import flop_share as F
 
     monkeypatch.setattr(F, "FINE_SHARES", fine_shares)  # (): whole-share rings alone
     ctx, seqs = _grid_step(*cell)
@@ -892,7 +894,7 @@ def test_flop_share_fine_rings_pack_long_steps_evenly(monkeypatch, cell, fine, w
     (the 65k-token sequences take two units at 4.7 s each, of a 5.0 s share); rings of at most a
     quarter share, nearly free inside a node, pack evenly: ``fine`` s against ``whole`` s (on the
     mixed step the tiered plan then wins)."""
-    from zeppelin.planner.zeppelin import families as F
+    from zeppelin.planner.zeppelin.families import flop_share as F
 
     ctx, seqs = _grid_step(*cell)
     monkeypatch.setattr(F, "FINE_SHARES", (0.25,))
@@ -919,7 +921,7 @@ def test_flop_share_places_every_ring_fraction(monkeypatch, cell, frac, ladder, 
     1/2, 1/4, 1/8 and 1/16 of a unit's share beside whole-share ones and builds the best. Each cell
     here is won by a different fraction (``ladder`` s by the prediction), against ``quarter`` s
     with the quarter-share sizing alone."""
-    from zeppelin.planner.zeppelin import families as F
+    from zeppelin.planner.zeppelin.families import flop_share as F
 
     ctx, seqs = _grid_step(*cell)
     plan = ZeppelinPlanner().plan_step(ctx, cell[-1], seqs)
@@ -935,7 +937,7 @@ def test_flop_share_prices_inter_node_rings_as_routed(monkeypatch):
     """FLOP-share routes its inter-node rings' boundary hops over every NIC of their nodes, and
     prices them so: LLaMA-13B on 128 GPUs of cluster C (8 NICs a node), mixed step 0, plans at 3.88 s
     by the prediction; priced as if each hop had one NIC, the placement built runs at 4.03 s."""
-    from zeppelin.planner.zeppelin import families as F
+    from zeppelin.planner.zeppelin.families import flop_share as F
 
     ctx, seqs = _grid_step("zeppelin-c", "llama-13b", 2, "mixed", 128, 0)
     t = F._unit_time(ctx, np.array([60000.0]), 1e-5, 8, 1 / 8)
@@ -956,7 +958,7 @@ def test_flop_share_local_search_lowers_the_top_load_and_keeps_blocks_aligned():
     """_settle_blocks on random FLOP-share placements: the top load never rises, the loads it leaves
     are those of the placement it returns, and every ring sits on an aligned block of its size
     holding its zigzag share."""
-    from zeppelin.planner.zeppelin import families as F
+    from zeppelin.planner.zeppelin.families import flop_share as F
 
     ctx = make_ctx("zeppelin-c:4", "llama-7b")
     cm, n, cap = ctx.cost, ctx.num_units, ctx.cost.token_capacity
@@ -965,10 +967,10 @@ def test_flop_share_local_search_lowers_the_top_load_and_keeps_blocks_aligned():
     for trial in range(12):
         L = np.minimum(rng.lognormal(8.5, 1.4, int(rng.integers(20, 120))).astype(np.int64) + 64, 4 * cap)
         Lf = L.astype(np.float64)
-        slope = F._token_slope(ctx, cm, max(float(Lf.sum()) / n, 2.0))
+        slope = F.token_slope(ctx, cm, max(float(Lf.sum()) / n, 2.0))
         sizes = np.ones(len(L), dtype=np.int64)
         for i in range(len(L)):
-            while F._zigzag_share(L[i:i + 1], int(sizes[i]))[0] > cap:
+            while F.zigzag_share(L[i:i + 1], int(sizes[i]))[0] > cap:
                 sizes[i] *= 2
             if rng.random() < 0.2 and sizes[i] < n:
                 sizes[i] *= 2
@@ -985,7 +987,7 @@ def test_flop_share_local_search_lowers_the_top_load_and_keeps_blocks_aligned():
         for i in range(len(L)):
             G = int(sizes[i])
             s0 = G * int(rng.integers(0, n // G))
-            share = int(F._zigzag_share(L[i:i + 1], G)[0])
+            share = int(F.zigzag_share(L[i:i + 1], G)[0])
             where.append((list(range(s0, s0 + G)), share))
             load[s0:s0 + G] += t_unit[i]
         w, sz, ld, t = list(where), sizes.copy(), load.copy(), t_unit.copy()
@@ -996,7 +998,7 @@ def test_flop_share_local_search_lowers_the_top_load_and_keeps_blocks_aligned():
         for i, (units, share) in enumerate(w):
             G = len(units)
             assert G == sz[i] and units == list(range(units[0], units[0] + G)) and units[0] % G == 0
-            assert share == F._zigzag_share(L[i:i + 1], G)[0] <= cap
+            assert share == F.zigzag_share(L[i:i + 1], G)[0] <= cap
             assert t[i] == pytest.approx(t_of(i, G))
             again[units] += t[i]
         assert again == pytest.approx(ld)
@@ -1023,8 +1025,14 @@ def test_plan_steps_streams_with_bounded_memory():
     assert [p.step for p in out] == list(range(8))
     assert ZeppelinPlanner().plan_step(ctx, 3, out[3].sequences).model_dump(exclude={"solver"}) == \
         out[3].model_dump(exclude={"solver"})
+    import gc
+
+    from zeppelin.planner.zeppelin.step_state import StepState
+
     pl.plan_step(ctx, 0, out[0].sequences)
-    assert pl._tables == {}
+    gc.collect()
+    # no span table of the step outlives it
+    assert not [o for o in gc.get_objects() if isinstance(o, StepState) and o.options is pl and o.span_tables]
 
 
 def test_sequence_longer_than_the_units_hold_runs_on_larger_tp_replicas():

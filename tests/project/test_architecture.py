@@ -139,3 +139,20 @@ def test_readme_and_architecture_page_match_the_tree():
                 assert f"`{mod.stem}" in page, f"docs/ARCHITECTURE.md does not name planner/{name}/{mod.name}"
     for folder in ("schemas", "planner", "runtime", "examples", "tests", "plans", "benchmarks", "docs"):
         assert f"\n{folder}/" in readme, f"README layout misses {folder}/"
+
+
+#: the longest function or method (lines, decorators excluded) allowed in planner/zeppelin/
+MAX_FUNCTION_LINES = 80
+
+
+def test_zeppelin_planner_functions_are_short():
+    """Every function and method of planner/zeppelin/ (nested ones included) fits on a screen, so
+    each does one job (docs/ARCHITECTURE.md: stages, candidate families and the one selector)."""
+    long = []
+    for path in sorted((ROOT / "planner" / "zeppelin").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, "\n".join(long)

@@ -1,0 +1,286 @@
+"""Helpers the candidate families share: whole-step dispatch of sequences over groups (with its
+lower bound, pruned search and local search), micro-batching a group's share, token shares of a
+zigzag ring and per-token prices."""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from zeppelin.planner.core.base import PlanContext, pow2_sizes
+
+
+def ceil_div(a, b):
+    return -(-np.asarray(a) // b)
+
+
+def zigzag_share(L: np.ndarray, G: int) -> np.ndarray:
+    """Tokens the fullest unit of a zigzag ring of ``G`` holds (schemas.layout.zigzag_ranges' cut)."""
+    L = np.asarray(L, dtype=np.int64)
+    if G <= 1:
+        return L
+    q, r = np.divmod(L, 2 * G)
+    return 2 * q + (r > 0) + (r > G)
+
+
+def group_counts(m: int) -> list[int]:
+    """How many groups of the larger kind a heterogeneous configuration tries (at most ``m``): every
+    count up to 8 (a step's few long sequences each get one), past it powers of two and three
+    times them (the number of configurations stays logarithmic on large clusters)."""
+    return sorted(set(range(1, min(m, 8) + 1)) | set(pow2_sizes(m)) | {3 * q for q in pow2_sizes(m // 3)})
+
+
+def dispatch(cost: dict[int, np.ndarray], fits: dict[int, np.ndarray], counts: dict[int, int],
+              fixed: dict[int, float] | None = None, improve: bool = False):
+    """Whole-step dispatch over group types: ``counts[t]`` groups of type ``t``, ``cost[t][i]`` the
+    time of sequence ``i`` on one group of type ``t``. Most expensive sequence first (its cheapest
+    type's time), each to the group where it finishes earliest (ties: lower type, lower group);
+    ``improve``: then the local search of :func:`improve_dispatch`. Returns (makespan, [(type, group
+    index)] per sequence) or None when a sequence fits no type."""
+    types = sorted(t for t in counts if counts[t] > 0)
+    n_seq = len(next(iter(cost.values())))
+    base = np.full(n_seq, np.inf)
+    for t in types:
+        base = np.minimum(base, np.where(fits[t], cost[t], np.inf))
+    if not np.isfinite(base).all():
+        return None
+    heaps = {t: [((fixed or {}).get(t, 0.0), g) for g in range(counts[t])] for t in types}
+    order = np.lexsort((np.arange(n_seq), -base)).tolist()
+    out: list[tuple[int, int]] = [(0, 0)] * n_seq
+    if len(types) == 1:
+        t = types[0]
+        h, c = heaps[t], cost[t].tolist()
+        for i in order:
+            load, g = h[0]
+            heapq.heapreplace(h, (load + c[i], g))
+            out[i] = (t, g)
+    elif len(types) == 2:  # (the heterogeneous configurations: the loop below, unrolled)
+        type_a, type_b = types
+        ha, hb = heaps[type_a], heaps[type_b]
+        ca = np.where(fits[type_a], cost[type_a], np.inf).tolist()
+        cb = np.where(fits[type_b], cost[type_b], np.inf).tolist()
+        replace = heapq.heapreplace
+        for i in order:
+            la, ga = ha[0]
+            lb, gb = hb[0]
+            fa, fb = la + ca[i], lb + cb[i]
+            if fa <= fb:
+                replace(ha, (fa, ga))
+                out[i] = (type_a, ga)
+            else:
+                replace(hb, (fb, gb))
+                out[i] = (type_b, gb)
+    else:
+        cl = {t: cost[t].tolist() for t in types}
+        fl = {t: fits[t].tolist() for t in types}
+        for i in order:
+            best = None
+            for t in types:
+                if fl[t][i]:
+                    fin = heaps[t][0][0] + cl[t][i]
+                    if best is None or fin < best[0]:
+                        best = (fin, t)
+            fin, t = best
+            g = heaps[t][0][1]
+            heapq.heapreplace(heaps[t], (fin, g))
+            out[i] = (t, g)
+    loads = {t: np.array(sorted((g, load) for load, g in heaps[t]))[:, 1].astype(np.float64) for t in types}
+    if improve:
+        improve_dispatch(cost, fits, out, loads)
+    span = max(float(loads[t].max()) for t in types)
+    return span, out, loads
+
+
+def dispatch_bound(cost: dict[int, np.ndarray], fits: dict[int, np.ndarray], counts: dict[int, int],
+                    width: dict[int, int]) -> float:
+    """A lower bound on :func:`dispatch`'s makespan (inf where a sequence fits no type): no
+    sequence runs faster than on its cheapest type, and the groups' resource-time (``width[t]``
+    units per group of type ``t`` times its load) is at most the makespan times their total width."""
+    types = [t for t in counts if counts[t] > 0]
+    fastest = area = None
+    for t in types:
+        c = np.where(fits[t], cost[t], np.inf)
+        fastest = c if fastest is None else np.minimum(fastest, c)
+        area = width[t] * c if area is None else np.minimum(area, width[t] * c)
+    if fastest is None or not np.isfinite(fastest).all():
+        return float("inf")
+    return max(float(fastest.max()), float(area.sum()) / sum(width[t] * counts[t] for t in types))
+
+
+def best_dispatches(configs: list, run, bound, keep: int, limit: float | None = None) -> list:
+    """The ``keep`` best dispatches of ``configs`` (``run(cfg)``: :func:`dispatch`'s result or
+    None; ``bound(cfg)``: a lower bound on it), as (makespan, index, cfg, owner, loads) sorted by
+    (makespan, index). Configurations are tried in order of their bound; one whose bound is above
+    the ``keep``-th best makespan found so far is skipped (it could not be among the best), so the
+    result is what trying them all gives; so is one whose bound is above ``limit`` (the caller
+    would not build it)."""
+    bounds = [bound(cfg) for cfg in configs]
+    best: list = []
+    for a in sorted(range(len(configs)), key=lambda a: (bounds[a], a)):
+        if (len(best) >= keep and bounds[a] > best[keep - 1][0]) or (limit is not None and bounds[a] > limit):
+            break
+        r = run(configs[a])
+        if r is not None:
+            best.append((r[0], a, configs[a], r[1], r[2]))
+            best.sort(key=lambda x: (x[0], x[1]))
+    return best[:keep]
+
+
+def refine(cost, fits, owner: list, loads: dict) -> tuple[float, list]:
+    """:func:`improve_dispatch` on a copy of a dispatch: (makespan, owner)."""
+    owner, loads = list(owner), {t: v.copy() for t, v in loads.items()}
+    improve_dispatch(cost, fits, owner, loads)
+    return max(float(v.max()) for v in loads.values()), owner
+
+
+def improve_dispatch(cost, fits, out, loads, rounds: int = 24, cold_groups: int = 3) -> None:
+    """Local search on a dispatch (in place): move a sequence off the slowest group, or swap one
+    of its sequences with one of a fast group's, whichever lowers the pair's larger time most,
+    while that lowers the slowest group's time (vectorised over the sequences of the pair)."""
+    members: dict[tuple[int, int], list[int]] = {}
+    for i, key in enumerate(out):
+        members.setdefault(key, []).append(i)
+    keys = [(t, g) for t in sorted(loads) for g in range(len(loads[t]))]
+    for _ in range(rounds):
+        lv = np.array([loads[t][g] for t, g in keys])
+        hot = keys[int(np.argmax(lv))]
+        top = float(lv.max())
+        mine = np.array(sorted(members.get(hot, [])), dtype=np.int64)
+        if len(mine) == 0:
+            return
+        c_out = cost[hot[0]][mine]
+        best = None  # (value, kind, i, j, cold)
+        for x in np.argsort(lv, kind="stable")[:cold_groups]:
+            cold = keys[int(x)]
+            if cold == hot:
+                continue
+            lc = loads[cold[0]][cold[1]]
+            c_in = cost[cold[0]][mine]
+            ok = fits[cold[0]][mine]
+            val = np.where(ok, np.maximum(top - c_out, lc + c_in), np.inf)
+            a = int(np.argmin(val))
+            if best is None or val[a] < best[0]:
+                best = (float(val[a]), "move", int(mine[a]), -1, cold)
+            theirs = np.array(sorted(members.get(cold, [])), dtype=np.int64)
+            if len(theirs):
+                nh = top - c_out[:, None] + cost[hot[0]][theirs][None, :]
+                nc = lc - cost[cold[0]][theirs][None, :] + c_in[:, None]
+                okm = ok[:, None] & fits[hot[0]][theirs][None, :]
+                v = np.where(okm, np.maximum(nh, nc), np.inf)
+                f = int(np.argmin(v))
+                r, c = divmod(f, len(theirs))
+                if v[r, c] < best[0]:
+                    best = (float(v[r, c]), "swap", int(mine[r]), int(theirs[c]), cold)
+        if best is None or not best[0] < top * (1 - 1e-9):
+            # no single move or swap helps: deal the slowest group's and a fast group's sequences
+            # anew between the two, every split tried (pairs of few sequences: the coarse steps
+            # where one-for-one exchanges stall)
+            if not repartition(cost, fits, out, members, loads, hot, top, keys, lv, cold_groups):
+                return
+            continue
+        _, kind, i, j, cold = best
+        loads[hot[0]][hot[1]] -= float(cost[hot[0]][i])
+        loads[cold[0]][cold[1]] += float(cost[cold[0]][i])
+        members[hot].remove(i)
+        members.setdefault(cold, []).append(i)
+        out[i] = cold
+        if kind == "swap":
+            loads[cold[0]][cold[1]] -= float(cost[cold[0]][j])
+            loads[hot[0]][hot[1]] += float(cost[hot[0]][j])
+            members[cold].remove(j)
+            members[hot].append(j)
+            out[j] = hot
+
+
+_SPLITS: dict[int, np.ndarray] = {}
+REPARTITION_MAX = 12  # sequences of a pair of groups split exhaustively (2^n splits)
+
+
+def repartition(cost, fits, out, members, loads, hot, top, keys, lv, cold_groups) -> bool:
+    """The best split of the slowest group's and one fast group's sequences between the two (of
+    the ``cold_groups`` fastest, pairs of at most :data:`REPARTITION_MAX` sequences); applied (in
+    place) when it lowers the pair's larger time below ``top``. Returns whether it did."""
+    best = None  # (value, cold, union, mask)
+    for x in np.argsort(lv, kind="stable")[:cold_groups]:
+        cold = keys[int(x)]
+        if cold == hot:
+            continue
+        union = np.array(sorted(members.get(hot, []) + members.get(cold, [])), dtype=np.int64)
+        k = len(union)
+        if k < 2 or k > REPARTITION_MAX:
+            continue
+        if k not in _SPLITS:
+            _SPLITS[k] = ((np.arange(1 << k)[:, None] >> np.arange(k)[None, :]) & 1).astype(np.float64)
+        m = _SPLITS[k]  # 1: on the slow group's type
+        ch, cc = cost[hot[0]][union], cost[cold[0]][union]
+        bad = m @ (~fits[hot[0]][union]).astype(np.float64) + (1 - m) @ (~fits[cold[0]][union]).astype(np.float64)
+        val = np.where(bad > 0, np.inf, np.maximum(m @ ch, (1 - m) @ cc))
+        a = int(np.argmin(val))
+        if best is None or val[a] < best[0]:
+            best = (float(val[a]), cold, union, m[a] > 0)
+    if best is None or not best[0] < top * (1 - 1e-9):
+        return False
+    _, cold, union, on_hot = best
+    members[hot] = union[on_hot].tolist()
+    members[cold] = union[~on_hot].tolist()
+    for i in members[hot]:
+        out[i] = hot
+    for i in members[cold]:
+        out[i] = cold
+    loads[hot[0]][hot[1]] = float(cost[hot[0]][union[on_hot]].sum())
+    loads[cold[0]][cold[1]] = float(cost[cold[0]][union[~on_hot]].sum())
+    return True
+
+
+def pack_bins(items: list[int], need: np.ndarray, w: np.ndarray, cap: int) -> list[list[int]]:
+    """A group's sequences into micro-batches: the fewest bins by first-fit decreasing on tokens,
+    then work-balanced (heaviest first to the lightest bin with room)."""
+    order = sorted(items, key=lambda i: (-int(need[i]), i))
+    room: list[int] = []
+    for i in order:  # first fit decreasing: how many bins
+        for b in range(len(room)):
+            if need[i] <= room[b]:
+                room[b] -= int(need[i])
+                break
+        else:
+            room.append(cap - int(need[i]))
+    v = max(1, len(room))
+    bins: list[list[int]] = [[] for _ in range(v)]
+    load, held = [0.0] * v, [0] * v
+    for i in sorted(items, key=lambda i: (-float(w[i]), i)):
+        ok = [b for b in range(v) if held[b] + need[i] <= cap]
+        if not ok:  # the balanced pass failed to fit: keep first fit
+            return ffd(items, need, cap)
+        b = min(ok, key=lambda b: (load[b], b))
+        bins[b].append(i)
+        load[b] += float(w[i])
+        held[b] += int(need[i])
+    return [b for b in bins if b]
+
+
+def ffd(items, need, cap):
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(items, key=lambda i: (-int(need[i]), i)):
+        for b in range(len(room)):
+            if need[i] <= room[b]:
+                bins[b].append(i)
+                room[b] -= int(need[i])
+                break
+        else:
+            bins.append([i])
+            room.append(cap - int(need[i]))
+    return bins
+
+
+def token_slope(ctx: PlanContext, cm, T: float, s: int = 1, link: str = "intra") -> float:
+    """Marginal time per token (linear modules, LM head, TP and - for ``s`` > 1 - Ulysses
+    all-to-alls) of a unit holding about ``T`` tokens: the secant between T/2 and T."""
+
+    def f(x):
+        comm = cm.ulysses_comm_time(x, s, link) if s > 1 else 0.0
+        tp = cm.tp_exposed_comm(x) if cm.tp > 1 else 0.0
+        return float(ctx.model.num_layers * (cm.linear_time(x) + comm + tp) + cm.head_time(x))
+
+    return (f(T) - f(T / 2)) / (T / 2)

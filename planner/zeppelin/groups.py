@@ -1,0 +1,166 @@
+"""The last stages of the tiered search for one micro-batch: groups and queues, then routes and
+the remap.
+
+One ring group per split sequence, cut into 2G zigzag chunks (:func:`zigzag_ranges`); ring order
+follows the topology (units of a node contiguous, each node entered once, so a ring crosses the
+network only ``k`` times; successive inter-node rings enter each node at a different unit so
+their boundary hops use different NICs). Each unit's queue: inter groups, then intra, then its
+local group - in one global group order, so no two units wait on each other in opposite orders.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from zeppelin.planner.core.base import PlanContext
+from zeppelin.planner.core.builder import record as _record
+from zeppelin.planner.costmodel.predict import coupled_components
+from zeppelin.schemas.layout import contiguous_ranges, zigzag_ranges
+from zeppelin.schemas.plan import Group, MicroBatch, Placement, RemapInfo, Route, RoutePath
+
+
+def build_microbatch(search, idx: list[int], Ls: np.ndarray, spans, span_index, table, node_of, unit_of,
+                     remap: bool) -> MicroBatch:
+    """Groups, placements and queues of the micro-batch of sequences ``idx`` (lengths ``Ls``, spans,
+    nodes and units as the earlier stages chose), then its routes and (``remap``) its remap."""
+    ctx = search.ctx
+    inter_js = [j for j, s in enumerate(spans) if s.tier == "inter"]
+    groups: list[Group] = []
+    placements: list[Placement] = []
+    _inter_groups(ctx, idx, Ls, inter_js, node_of, groups, placements)
+    ulysses = _ulysses_choice(ctx, spans, span_index, table, unit_of, node_of, inter_js)
+    _intra_groups(idx, Ls, spans, unit_of, ulysses, groups, placements)
+    _local_groups(idx, Ls, spans, unit_of, groups, placements)
+    queues: list[list[int]] = [[] for _ in range(ctx.num_units)]
+    for gi, g in enumerate(groups):  # global order: inter, intra, local
+        for u in g.units:
+            queues[u].append(gi)
+    # built from validated parts; model_construct skips re-validating thousands of records
+    mb = MicroBatch.model_construct(groups=groups, placements=placements, queues=queues, linear_layout=None,
+                                    remap=RemapInfo(), routes=[])
+    mb.routes = _routes(ctx, mb, search.routing_layer, search.options.routing)
+    mb.linear_layout, mb.remap = _remap(ctx, search.sequences, mb, search.remap_layer, search.options.remap,
+                                        enable=remap)
+    return mb
+
+
+def _inter_groups(ctx: PlanContext, idx, Ls, inter_js, node_of, groups, placements) -> None:
+    """One ring per inter-node sequence (longest first); each enters its nodes at a different unit
+    than the ring before it there, spreading the boundary hops over the NICs."""
+    per_node = ctx.units_per_node
+    entered = np.zeros(ctx.cluster.num_nodes, dtype=np.int64)
+    gpus_per_nic = max(1, ctx.cluster.gpus_per_node // len(ctx.cluster.nics))
+    for j in sorted(inter_js, key=lambda j: -Ls[j]):
+        units: list[int] = []
+        for nd in sorted(node_of[j]):
+            rot = int(entered[nd]) * max(1, gpus_per_nic // ctx.tp) % per_node
+            entered[nd] += 1
+            base = list(range(nd * per_node, (nd + 1) * per_node))
+            units += base[rot:] + base[:rot]
+        groups.append(_record(Group, kind="ring", tier="inter", units=units))
+        placements.append(_record(Placement, seq=idx[j], group=len(groups) - 1, scheme="zigzag",
+                                  ranges=zigzag_ranges(int(Ls[j]), len(units)), padded_length=None))
+
+
+def _intra_groups(idx, Ls, spans, unit_of, ulysses: dict[int, bool], groups, placements) -> None:
+    """Intra-node splits on the same units share one group (one ring / one all-to-all per round for
+    all of them: fewer, larger transfers, one latency); inter rings stay one per sequence."""
+    shared: dict[tuple, int] = {}
+    for j in sorted((j for j, s in enumerate(spans) if s.tier == "intra"), key=lambda j: -Ls[j]):
+        units = sorted(unit_of[j])
+        uly = ulysses.get(j, False)
+        key = ("ulysses" if uly else "ring", tuple(units))
+        gi = shared.get(key)
+        if gi is None:
+            groups.append(_record(Group, kind=key[0], tier="intra", units=units))
+            gi = shared[key] = len(groups) - 1
+        if uly:
+            placements.append(_record(Placement, seq=idx[j], group=gi, scheme="contiguous",
+                                      ranges=contiguous_ranges(int(Ls[j]), len(units)), padded_length=None))
+        else:
+            placements.append(_record(Placement, seq=idx[j], group=gi, scheme="zigzag",
+                                      ranges=zigzag_ranges(int(Ls[j]), len(units)), padded_length=None))
+
+
+def _local_groups(idx, Ls, spans, unit_of, groups, placements) -> None:
+    """One local group per unit with local sequences (longest first)."""
+    local_by_unit: dict[int, list[int]] = {}
+    for j, s in enumerate(spans):
+        if s.tier == "local":
+            local_by_unit.setdefault(unit_of[j][0], []).append(j)
+    for u in sorted(local_by_unit):
+        groups.append(_record(Group, kind="local", tier="local", units=[u]))
+        for j in sorted(local_by_unit[u], key=lambda j: -Ls[j]):
+            placements.append(_record(Placement, seq=idx[j], group=len(groups) - 1, scheme="whole",
+                                      ranges=[[[0, int(Ls[j])]]], padded_length=None))
+
+
+def _ulysses_choice(ctx: PlanContext, spans, span_index, table, unit_of, node_of, inter_js) -> dict[int, bool]:
+    """Which intra-node splits run as Ulysses. The runtime runs one kind family per unit and
+    micro-batch (Ulysses, or rings and local work), so units linked by split groups decide
+    together: all their splits as Ulysses (only where every one can be, and no inter-node ring
+    touches them) or all as rings, whichever the span table prices lower in sum."""
+    if table.U is None:
+        return {}
+    per_node = ctx.units_per_node
+    intra_js = [j for j, s in enumerate(spans) if s.tier == "intra"]
+    members: dict[int, list[int]] = {}
+    for j in inter_js:
+        members[j] = [nd * per_node + b for nd in node_of[j] for b in range(per_node)]
+    for j in intra_js:
+        members[j] = list(unit_of[j])
+    label = coupled_components(ctx.num_units, members.values())
+    comp: dict[int, list[int]] = {}
+    for j in intra_js:
+        comp.setdefault(int(label[members[j][0]]), []).append(j)
+    blocked = {int(label[members[j][0]]) for j in inter_js}
+    out: dict[int, bool] = {}
+    for root, js in comp.items():
+        ring = sum(float(table.R[span_index[j], j]) for j in js)
+        uly = sum(float(table.Q[span_index[j], j]) for j in js)
+        choose = root not in blocked and np.isfinite(uly) and uly < ring
+        for j in js:
+            out[j] = bool(choose)
+    return out
+
+
+def _routes(ctx: PlanContext, mb: MicroBatch, routing, routing_on: bool) -> list[Route]:
+    if routing is not None:
+        return routing.plan_routes(ctx, mb, enable=routing_on)
+    return direct_routes(ctx, mb)
+
+
+def _remap(ctx: PlanContext, sequences, mb: MicroBatch, remap, remap_on: bool, enable: bool):
+    if remap is None:
+        return None, RemapInfo(enabled=False, reason="remap layer not available in this build")
+    if remap_on and not enable:
+        return None, RemapInfo(enabled=False, reason="layout balanced on attention + linear cost; "
+                                                     "a remap would not pay")
+    return remap.plan_remap(ctx, sequences, mb, enable=enable)
+
+
+def direct_routes(ctx: PlanContext, mb: MicroBatch) -> list[Route]:
+    """Single-path routes for every inter-node hop of the inter-tier ring groups (no proxies)."""
+    per_node = ctx.units_per_node
+    held: dict[tuple[int, int], int] = {}
+    for p in mb.placements:
+        g = mb.groups[p.group]
+        if g.tier != "inter" or len(g.units) < 2:
+            continue
+        for pos, u in enumerate(g.units):
+            held[(p.group, u)] = held.get((p.group, u), 0) + sum(e - s for s, e in p.ranges[pos])
+    routes = []
+    for gi, g in enumerate(mb.groups):
+        if g.tier != "inter" or len(g.units) < 2:
+            continue
+        for pos, src in enumerate(g.units):
+            dst = g.units[(pos + 1) % len(g.units)]
+            if src // per_node == dst // per_node:
+                continue
+            tok = held.get((gi, src), 0)
+            nic_s = ctx.cluster.nic_of(src * ctx.tp)
+            nic_d = ctx.cluster.nic_of(dst * ctx.tp)
+            routes.append(Route(group=gi, src=src, dst=dst, tokens=tok, bytes=int(ctx.cost.kv_bytes(tok)),
+                                paths=[RoutePath(via_src=src, via_dst=dst, nic_src=nic_s, nic_dst=nic_d,
+                                                 tokens=tok)]))
+    return routes

@@ -1,0 +1,113 @@
+"""Choosing a step's plan: the one place where candidates are pruned, judged and recorded.
+
+The planner's own whole-step searches hand in their candidates (priced already); the families
+(:mod:`.families`) hand in scored configurations, of which only those that could win are built.
+Every built plan is then judged the same way - by the analytic prediction, or on small clusters by
+the event-driven simulator, which sees ring pipeline waits and NIC contention the prediction
+approximates - and the fastest wins; ties keep the earlier candidate (the planner's own plans come
+first, then the families in registry order).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+from zeppelin.planner.core.base import PlanContext, PlanningError
+from zeppelin.planner.core.solver import WALL_CLOCK
+from zeppelin.planner.zeppelin.families import REGISTRY
+from zeppelin.schemas.plan import Sequence, SolverInfo, StepPlan
+
+#: up to this many units every family builds its two best configurations; beyond, only the best
+#: of each of the two best-scored families is built
+BUILD_ALL_MAX_UNITS = 32
+
+
+class Own(NamedTuple):
+    """A whole-step candidate of the planner's own searches: its predicted step time (no gradient
+    all-reduce), the function making its plan, and the function recording, once it has won, how
+    it was found (its :class:`SolverInfo` from the time spent on the step, and its notes)."""
+
+    time: float
+    build: Callable[[], StepPlan]
+    finish: Callable[[StepPlan, float], None]
+
+
+def family_plans(ctx: PlanContext, step: int, sequences: list[Sequence], families, bound: float | None = None,
+                 routing: bool = True) -> list[StepPlan]:
+    """The families' plans worth judging (a family that cannot plan the step contributes none).
+
+    Each family scores its configurations by its own estimate of the slowest unit's time (no
+    gradient all-reduce); only the best-scored ones become plans: two per family on clusters of at
+    most :data:`BUILD_ALL_MAX_UNITS` units, else the best of each of the two best-scored families
+    (their own scores do not compare across families, so the judge decides between them).
+    ``bound``: a configuration scored above it is not built - it cannot beat the plan the caller
+    already has."""
+    small = ctx.num_units <= BUILD_ALL_MAX_UNITS
+    cands = []
+    firsts: dict[int, tuple] = {}  # each family's best candidate
+    for f, name in enumerate(families):
+        limit = bound
+        if not small and len(firsts) >= 2:
+            # only the two best-scored families are built: a configuration scored above the
+            # second-best family's best cannot be among them
+            second = sorted(c[0] for c in firsts.values())[1]
+            limit = second if limit is None else min(limit, second)
+        try:
+            got = REGISTRY[name].candidates(ctx, step, sequences, limit=limit, routing=routing, top=2)
+        except PlanningError:
+            continue
+        mine = [(score, f, index, build) for score, index, build in got]
+        cands += mine
+        if mine:
+            firsts[f] = min(mine, key=lambda c: (c[0], c[2]))
+    cands.sort(key=lambda c: (c[0], c[1], c[2]))
+    if not small:
+        cands = sorted(firsts.values(), key=lambda c: (c[0], c[1], c[2]))[:2]
+    out: list[StepPlan] = []
+    for score, _, _, build in cands:
+        if bound is not None and score > bound:
+            continue
+        try:
+            out.append(build())
+        except PlanningError:
+            continue
+    return out
+
+
+def select(ctx: PlanContext, step: int, sequences: list[Sequence], own: list[Own], families, *,
+           margin: float | None, routing: bool, simulator=None, t0: float, wall_hit: bool = False) -> StepPlan | None:
+    """The step's plan: the fastest of the planner's ``own`` candidates and the plans of
+    ``families`` (names), judged by ``simulator`` where one is given and more than one plan
+    competes, else by the prediction; ties keep the earlier. Judged by the prediction, only the
+    first of the fastest own candidates is built (their times are the prediction's already).
+    Records the winner's :class:`SolverInfo` (``t0``: when the step's planning began;
+    ``wall_hit``: whether a packing ILP of the step stopped at the wall-clock safety net). None
+    when there is no plan at all.
+
+    ``margin``: a family configuration whose own score is more than this share above the fastest
+    own candidate is not built - it would not win (None: every family's best are built, as
+    :func:`family_plans` prunes them)."""
+    bound = min(c.time for c in own) * (1 + margin) if margin is not None and own else None
+    if simulator is None and own:
+        own = [min(own, key=lambda c: c.time)]
+    entries = [(c.build(), c.finish) for c in own]
+    fams = family_plans(ctx, step, sequences, families, bound, routing=routing) if families else []
+    entries += [(f, None) for f in fams]
+    if not entries:
+        return None
+    if len(entries) > 1 and simulator is not None:
+        scored = [(simulator.simulate_step(e[0]).step_time_s, a, e) for a, e in enumerate(entries)]
+    else:
+        scored = [(e[0].prediction.step_time_s, a, e) for a, e in enumerate(entries)]
+    plan, finish = min(scored, key=lambda x: (x[0], x[1]))[2]
+    elapsed = time.perf_counter() - t0
+    if finish is not None:
+        finish(plan, elapsed)
+        return plan
+    plan.solver = SolverInfo(name="greedy", status="ok", gap=None, time_s=elapsed)
+    if wall_hit:  # it won against candidates shaped by a load-dependent ILP
+        plan.solver.status = WALL_CLOCK
+        plan.solver.fallback_reason = "a packing ILP of a losing candidate hit the wall-clock safety net"
+    return plan

@@ -1,0 +1,100 @@
+"""The planner's own whole-step searches, one module each (``name`` and ``search(state, parts,
+found)``), and the loop over micro-batch counts that runs them.
+
+Per micro-batch count (the fewest that fit first, :func:`split_microbatches`), every search in
+:data:`REGISTRY` adds its whole-step candidates to the count's :class:`.common.Round`, in order (a
+later search may read what the earlier ones found).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+import numpy as np
+
+from zeppelin.planner.core.base import PlanContext, PlanningError
+from zeppelin.planner.costmodel.predict import predict_from_terms
+from zeppelin.planner.zeppelin.step_searches import node_cp, node_major, tiered
+from zeppelin.planner.zeppelin.step_searches.common import Round
+from zeppelin.planner.zeppelin.step_state import StepState
+from zeppelin.schemas.plan import Sequence, StepPlan
+
+#: the whole-step searches, in the order they run per micro-batch count
+REGISTRY = (tiered, node_cp, node_major)
+#: micro-batches are first counted for this share of the units' token capacity (slack for rings)
+FILL = 0.9
+
+
+def search_step(state: StepState, step: int, simulate: bool) -> list:
+    """Every whole-step candidate of the step, as (built micro-batches, predicted time): those of
+    the fewest micro-batches any search can plan (``simulate``: and of one more, which the
+    simulator may find runs rings more smoothly). Raises :class:`PlanningError` when none fits."""
+    try:
+        return _search_counts(state, step, simulate)
+    finally:
+        # span tables serve the step's candidate layouts (large on big clusters): none outlives the
+        # search, so a long plan file streams with one step's memory
+        state.span_tables.clear()
+
+
+def _search_counts(state: StepState, step: int, simulate: bool) -> list:
+    ctx, lengths, n_seq = state.ctx, state.lengths, len(state.sequences)
+    budget = ctx.num_units * state.tiering.cap
+    M = max(1, min(n_seq, math.ceil(int(lengths.sum()) / (FILL * budget))))
+    found = Round()
+    while M <= n_seq:
+        parts = split_microbatches(ctx, lengths, M, budget)
+        if parts is None:
+            M += 1
+            continue
+        found = Round(found=found.found)
+        for strategy in REGISTRY:
+            strategy.search(state, parts, found)
+        if found.best_built is None:
+            M += 1
+            continue
+        if simulate and M < n_seq and min(len(b) for b, _ in found.found) == M:
+            M += 1
+            continue
+        break
+    if not found.found:  # every sequence fits alone (checked before), so this means a packing failure
+        raise PlanningError(f"step {step}: no feasible assignment found ({state.last_error})")
+    return found.found
+
+
+def split_microbatches(ctx, lengths: np.ndarray, M: int, budget: int) -> list[list[int]] | None:
+    """The step's sequences into ``M`` micro-batches of at most ``budget`` tokens, balancing work:
+    heaviest first to the micro-batch with the least work among those with room (ties: fewest
+    tokens, lowest index). None when one stays empty or a sequence fits none."""
+    if M == 1:
+        return [list(range(len(lengths)))] if lengths.sum() <= budget else None
+    work = ctx.cost.work(lengths)
+    order = np.argsort(-work, kind="stable").tolist()
+    wl, Ll = work.tolist(), lengths.tolist()
+    parts: list[list[int]] = [[] for _ in range(M)]
+    # a heap of (work, tokens, index); entries without room are set aside and put back
+    heap = [(0.0, 0, j) for j in range(M)]
+    for i in order:
+        L = Ll[i]
+        aside = []
+        while heap and heap[0][1] + L > budget:
+            aside.append(heapq.heappop(heap))
+        if not heap:
+            return None
+        w, t, j = heapq.heappop(heap)
+        parts[j].append(int(i))
+        heapq.heappush(heap, (w + wl[i], t + L, j))
+        for e in aside:
+            heapq.heappush(heap, e)
+    if any(not p for p in parts):
+        return None
+    return [sorted(p) for p in parts]
+
+
+def as_plan(ctx: PlanContext, step: int, sequences: list[Sequence], lengths: np.ndarray, built) -> StepPlan:
+    """A whole-step candidate (built micro-batches) as a plan, priced from its prediction terms
+    (the same as ``predict_step(ctx, plan)``)."""
+    plan = StepPlan(step=step, sequences=list(sequences), microbatches=[b[0] for b in built])
+    plan.prediction = predict_from_terms(ctx, lengths, [b[2] for b in built])
+    return plan

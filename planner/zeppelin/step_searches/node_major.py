@@ -1,0 +1,104 @@
+"""Whole-step search ``node-major``: with no barrier between micro-batches, what must balance is
+each node's whole step, not each micro-batch - so sequences are assigned to nodes for the whole
+step, then each node's share is cut into micro-batches that fit its memory, each laid out by the
+tiered pipeline with those nodes fixed."""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from zeppelin.planner.zeppelin.assign import PackInfeasible
+from zeppelin.planner.zeppelin.step_searches.common import Round, balances, node_cp_floor, whole_step
+from zeppelin.planner.zeppelin.step_state import StepState
+from zeppelin.planner.zeppelin.tiering import zigzag_max_tokens_array
+
+name = "node-major"
+#: up to this many units every layout (tiered and node-CP, each objective) is tried node-major;
+#: beyond, for planning latency, only the one that won the micro-batch count, balanced on total cost
+ALL_LAYOUTS_MAX_UNITS = 32
+
+
+def search(state: StepState, parts: list[list[int]], found: Round) -> None:
+    ctx = state.ctx
+    if not (len(parts) > 1 and ctx.cluster.num_nodes > 1 and ctx.units_per_node > 1
+            and ctx.num_units <= state.options.node_cp_max_units):
+        return
+    assigned = node_major(state, len(parts))
+    if assigned is None:
+        return
+    if ctx.num_units <= ALL_LAYOUTS_MAX_UNITS:
+        floor = node_cp_floor(state)
+        layouts = [([None], balances(state))] + ([([floor], ["total"])] if floor is not None else [])
+    else:
+        layouts = [(found.best_floors, ["total"])]
+    for floors, objectives in layouts:
+        try:
+            built, t = whole_step(state, assigned[0], floors, objectives, assigned[1])
+        except PackInfeasible as e:
+            if state.last_error is None:
+                state.last_error = str(e)
+            continue
+        found.offer(built, t)
+
+
+def node_major(state: StepState, M: int):
+    """Whole-step node assignment: sequences to nodes by work (LPT, each node holding at most
+    ``M`` micro-batches of tokens), then each node's share cut into ``M`` micro-batches that fit
+    its units' memory (work-balanced). Returns (micro-batches, node of each sequence), or None
+    where a sequence needs more than one node or nothing fits."""
+    ctx, lengths = state.ctx, state.lengths
+    nodes, per_node, cap = ctx.cluster.num_nodes, ctx.units_per_node, state.tiering.cap
+    per_tok = zigzag_max_tokens_array(lengths, per_node).astype(np.float64)  # tokens per unit, node-wide split
+    if per_tok.max() > cap:
+        return None
+    # weight: a sequence's per-unit time on a node when split over all of it (the span table's
+    # ring / Ulysses price: small blocks and all-to-alls included) - what node loads add up to
+    Ls = np.asarray(lengths, dtype=np.float64)
+    c, layers = ctx.cost, ctx.model.num_layers
+    ring, exp, uly = state.tiering.split_prices(Ls, per_node, "intra", ulysses=state.options.intra == "auto")
+    att = ring + exp if uly is None else np.minimum(ring + exp, uly[0] + uly[1])
+    T_avg = max(float(Ls.sum()) / ctx.num_units, 1.0)
+    lin_rate = float(layers * c.linear_time(T_avg) + c.head_time(T_avg)) / T_avg
+    w = layers * att + lin_rate * Ls / per_node
+    wl, pt = w.tolist(), per_tok.tolist()
+    order = np.argsort(-w, kind="stable").tolist()
+    node = lpt_with_room(order, nodes, M * cap, wl, pt)
+    if node is None:
+        return None
+    by_node: list[list[int]] = [[] for _ in range(nodes)]
+    for i, nd in zip(order, node):  # heaviest first within each node
+        by_node[nd].append(i)
+    parts: list[list[int]] = [[] for _ in range(M)]
+    for nd in range(nodes):
+        mbs = lpt_with_room(by_node[nd], M, cap, wl, pt)
+        if mbs is None:
+            return None
+        for i, k in zip(by_node[nd], mbs):
+            parts[k].append(i)
+    node_of = dict(zip(order, node))
+    parts = [sorted(p) for p in parts if p]
+    return parts, {i: node_of[i] for i in range(len(lengths))}
+
+
+def lpt_with_room(items: list[int], bins: int, room: float, weight: list[float], size: list[float]):
+    """Each item in the given order to the least-loaded bin (by ``weight``) whose ``size`` total
+    stays within ``room`` (ties: lowest bin). Returns the bin of each item (in ``items`` order), or
+    None when an item fits no bin."""
+    heap = [(0.0, b) for b in range(bins)]
+    tok = [0.0] * bins
+    out = []
+    for i in items:
+        aside = []
+        while heap and tok[heap[0][1]] + size[i] > room:
+            aside.append(heapq.heappop(heap))
+        if not heap:
+            return None
+        ld, b = heapq.heappop(heap)
+        out.append(b)
+        tok[b] += size[i]
+        heapq.heappush(heap, (ld + weight[i], b))
+        for e in aside:
+            heapq.heappush(heap, e)
+    return out

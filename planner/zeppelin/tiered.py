@@ -1,0 +1,250 @@
+"""The tiered search for one micro-batch, as a pipeline of stages (DESIGN.md section 5):
+
+1. :func:`choose_spans` - each sequence's span (1 = local, 2..U = ring inside a node, whole nodes
+   = ring across nodes) from memory and the cost crossovers;
+2. :func:`assign_nodes` (level 1) - inter-node sequences take the least-loaded nodes, intra-node
+   groups and local sequences fill node buckets so nodes carry equal cost within their tokens;
+3. :func:`assign_units` (level 2) - inside each node, with the inter-node work as preload,
+   intra-node groups take G units and local sequences fill the rest;
+4. :func:`.groups.build_microbatch` - groups, placements, queues, then routes and the remap.
+
+A unit's cost = ring attention incl. exposed communication (or L^2 attention when local) + linear
+work per token - the same model :func:`.predict.predict_step` evaluates. The stages share one
+:class:`.step_state.StepState` (the step's ILP budget and span tables); nothing is kept on the
+planner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from zeppelin.planner.costmodel.predict import microbatch_terms
+from zeppelin.planner.zeppelin.assign import PackInfeasible, PackResult, pack
+from zeppelin.planner.zeppelin.groups import build_microbatch
+from zeppelin.planner.zeppelin.step_state import StepState
+from zeppelin.planner.zeppelin.tiering import Span, SpanTable, zigzag_max_tokens_array
+
+
+@dataclass
+class MicroBatchStats:
+    """How a micro-batch's layout was found (for the step's :class:`SolverInfo` and notes)."""
+
+    results: list[PackResult] = field(default_factory=list)
+    tiers: dict[str, int] = field(default_factory=lambda: {"local": 0, "intra": 0, "inter": 0})
+    unit_loads: np.ndarray | None = None
+    level2_lb: float = 0.0
+
+
+@dataclass
+class Spans:
+    """Stage 1's choice per sequence of the micro-batch (level 2 may widen a span to a whole node)."""
+
+    lengths: np.ndarray  # tokens (float)
+    table: SpanTable
+    times: np.ndarray  # (spans, sequences): per-unit time of each sequence on each span
+    spans: list[Span]
+    span_index: np.ndarray  # index into the tiering's spans
+    unit_time: np.ndarray  # per-unit time on its span
+    tokens_per_unit: np.ndarray  # tokens on the fullest unit of its span
+    span_units: np.ndarray  # units of its span as first chosen
+    is_inter: np.ndarray  # its span crosses nodes
+
+
+def choose_spans(search: StepState, idx: list[int], balance: str, floor: int | None) -> Spans:
+    """Stage 1: spans for a balanced per-unit load (target refined once with the chosen spans'
+    costs). ``floor`` (node-CP): every sequence long enough to split spans at least that span."""
+    ctx, tiering = search.ctx, search.tiering
+    cost, layers, units = ctx.cost, ctx.model.num_layers, ctx.num_units
+    Ls = np.array([search.sequences[i].length for i in idx], dtype=np.float64)
+    T_avg = max(float(Ls.sum()) / units, 1.0)
+    lin_rate = float(layers * cost.linear_time(T_avg) + cost.head_time(T_avg)) / T_avg
+    if balance == "attention":
+        lin_rate = 0.0
+    # Ulysses is offered to the node-CP layout (whole-node splits, where its all-to-all replaces a
+    # ring of small blocks); the tiered layout keeps rings, whose transfers local work can fill
+    ulysses = search.options.intra == "auto" and floor is not None
+    table = search.span_table(Ls, search.routed_nics(), ulysses)
+    times = table.times(lin_rate)
+    target = float(times[0].sum()) / units
+    cols = np.arange(len(Ls))
+    for _ in range(2):
+        k = tiering.choose_span_index(table, target, lin_rate)
+        unit_time = times[k, cols]
+        target = float((unit_time * table.G[k]).sum()) / units
+    if floor is not None:
+        splittable = Ls >= 2 * table.G[floor]
+        k = np.where(table.F[floor] & splittable, floor, np.maximum(k, floor * splittable))
+        unit_time = times[k, cols]
+    span_units = np.array([sp.G for sp in tiering.spans], dtype=np.int64)[k]
+    return Spans(lengths=Ls, table=table, times=times, spans=[tiering.spans[x] for x in k],
+                 span_index=np.array(k, dtype=np.int64), unit_time=unit_time,
+                 tokens_per_unit=zigzag_max_tokens_array(Ls, span_units).astype(np.float64),
+                 span_units=span_units,
+                 is_inter=np.array([s.tier == "inter" for s in tiering.spans], dtype=bool)[k])
+
+
+def assign_nodes(search: StepState, idx: list[int], sp: Spans, carry: np.ndarray, node_fill: float,
+                 fixed_nodes: dict[int, int] | None, stats: MicroBatchStats) -> list[list[int]]:
+    """Stage 2 (level 1): the nodes of each sequence. ``fixed_nodes``: the whole step's node
+    assignment, made up front (node-major micro-batches)."""
+    ctx, opts = search.ctx, search.options
+    per_node, nodes = ctx.units_per_node, ctx.cluster.num_nodes
+    if nodes > 1 and fixed_nodes is not None and not sp.is_inter.any():
+        return [[fixed_nodes[i]] for i in idx]
+    if nodes <= 1:
+        return [[0] for _ in idx]
+    inter = sp.is_inter
+    width = np.where(inter, np.array([s.nodes for s in search.tiering.spans], dtype=np.int64)[sp.span_index], 1)
+    on_node = np.where(inter, per_node, sp.span_units)
+    result = pack(carry.reshape(nodes, per_node).sum(axis=1), np.zeros(nodes), sp.unit_time * on_node,
+                  sp.tokens_per_unit * on_node, width, float(search.tiering.cap * per_node) * node_fill,
+                  ilp=search.ilp_mode(), limits=opts.limits, tol=opts.tol, solver=opts.solver,
+                  max_ilp_vars=opts.max_ilp_vars_nodes)
+    search.ilp_spent(result)
+    stats.results.append(result)
+    return result.bins
+
+
+def _pack_node(search: StepState, sp: Spans, js: list[int], pre, pre_tok, **ilp) -> PackResult:
+    return pack(pre, pre_tok, sp.unit_time[js], sp.tokens_per_unit[js],
+                np.array([sp.spans[j].G for j in js], dtype=np.int64), float(search.tiering.cap), **ilp)
+
+
+def _pack_node_widening(search: StepState, sp: Spans, js: list[int], pre, pre_tok) -> PackResult:
+    """A node's units packed greedily. When the node's tokens fit (level 1 checked) but its rings
+    of assorted widths leave no G units with room together, they are widened to the whole node
+    (equal shares on every unit, like static CP inside the node) - first the rings, then every
+    sequence long enough to split - before the caller falls back to more micro-batches."""
+    try:
+        return _pack_node(search, sp, js, pre, pre_tok, ilp="never")
+    except PackInfeasible:
+        pass
+    per_node = search.ctx.units_per_node
+    whole = per_node - 1  # index of Span(units_per_node, "intra") in the tiering's spans
+    for min_len in (None, 2 * per_node):
+        for j in js:
+            if (sp.spans[j].G > 1 if min_len is None else sp.lengths[j] >= min_len) and per_node > 1:
+                sp.spans[j] = search.tiering.spans[whole]
+                sp.span_index[j] = whole
+                sp.unit_time[j] = sp.times[whole, j]
+                sp.tokens_per_unit[j] = float(zigzag_max_tokens_array(sp.lengths[j:j + 1], [per_node])[0])
+        try:
+            return _pack_node(search, sp, js, pre, pre_tok, ilp="never")
+        except PackInfeasible:
+            if min_len is not None:
+                raise
+    raise AssertionError("unreachable")
+
+
+def assign_units(search: StepState, sp: Spans, node_of: list[list[int]], carry: np.ndarray,
+                 polish: bool, stats: MicroBatchStats) -> list[list[int]]:
+    """Stage 3 (level 2): the units of each sequence, node by node, on top of ``carry`` and the
+    inter-node rings' work; ``polish``: the nodes that set the micro-batch's maximum are packed
+    again by the ILP. Records the unit loads in ``stats``."""
+    ctx = search.ctx
+    units, per_node, nodes = ctx.num_units, ctx.units_per_node, ctx.cluster.num_nodes
+    pre = np.array(carry, dtype=np.float64)
+    pre_tok = np.zeros(units)
+    for j, s in enumerate(sp.spans):
+        if s.tier == "inter":
+            for nd in node_of[j]:
+                pre[nd * per_node:(nd + 1) * per_node] += sp.unit_time[j]
+                pre_tok[nd * per_node:(nd + 1) * per_node] += sp.tokens_per_unit[j]
+    by_node: dict[int, list[int]] = {}
+    for j, s in enumerate(sp.spans):
+        if s.tier != "inter":
+            by_node.setdefault(node_of[j][0], []).append(j)
+    results: dict[int, PackResult] = {}
+    for nd in range(nodes):
+        sl = slice(nd * per_node, (nd + 1) * per_node)
+        results[nd] = _pack_node_widening(search, sp, by_node.get(nd, []), pre[sl], pre_tok[sl])
+    if polish and results:
+        _polish_hot_nodes(search, sp, by_node, results, pre, pre_tok)
+    unit_of: list[list[int]] = [[] for _ in sp.spans]
+    loads = np.zeros(units)
+    for nd, r in results.items():
+        loads[nd * per_node:(nd + 1) * per_node] = r.loads
+        for jj, j in enumerate(by_node.get(nd, [])):
+            unit_of[j] = [nd * per_node + b for b in r.bins[jj]]
+        stats.results.append(r)
+    stats.unit_loads = loads
+    for s in sp.spans:
+        stats.tiers[s.tier] += 1
+    stats.level2_lb = max((r.lower_bound for r in results.values()), default=0.0)
+    return unit_of
+
+
+def _polish_hot_nodes(search: StepState, sp: Spans, by_node, results: dict[int, PackResult], pre, pre_tok):
+    """The ILP on the nodes that set the micro-batch's maximum and whose greedy packing is not
+    provably close (within the step's ILP budget)."""
+    opts, per_node = search.options, search.ctx.units_per_node
+    lb = max(r.lower_bound for r in results.values())
+    top = max(r.makespan for r in results.values())
+    for nd, r in results.items():
+        hot = r.makespan > (1 + opts.tol) * lb and r.makespan >= top * (1 - opts.tol)
+        if search.ilp_mode() != "never" and (opts.ilp == "always" or (hot and r.gap > opts.tol)):
+            sl = slice(nd * per_node, (nd + 1) * per_node)
+            results[nd] = _pack_node(search, sp, by_node.get(nd, []), pre[sl], pre_tok[sl],
+                                     ilp="always" if opts.ilp == "always" else "auto", limits=opts.limits,
+                                     tol=opts.tol, solver=opts.solver, max_ilp_vars=opts.max_ilp_vars_units)
+            search.ilp_spent(results[nd])
+
+
+def plan_microbatch(search: StepState, idx: list[int], carry: np.ndarray, balance: str = "total",
+                    floor: int | None = None, node_fill: float = 1.0, fixed_nodes: dict[int, int] | None = None):
+    """One candidate layout of the micro-batch of sequences ``idx``: the stages in order.
+    ``node_fill``: the share of a node's token capacity level 1 may fill (below 1 when a node
+    filled to the last token left its units no room for its rings). Returns (micro-batch, stats);
+    raises :class:`PackInfeasible`."""
+    stats = MicroBatchStats()
+    sp = choose_spans(search, idx, balance, floor)
+    node_of = assign_nodes(search, idx, sp, carry, node_fill, fixed_nodes, stats)
+    # (node-CP: rings take whole nodes, so the units of a node carry near-equal loads already)
+    unit_of = assign_units(search, sp, node_of, carry, search.options.ilp != "never" and floor is None, stats)
+    mb = build_microbatch(search, idx, sp.lengths, sp.spans, sp.span_index, sp.table, node_of, unit_of,
+                          remap=search.options.remap and balance == "attention")
+    return mb, stats
+
+
+def best_microbatch(search: StepState, idx: list[int], carry: np.ndarray, floors: list | None = None,
+                    balances: list[str] | None = None, fixed_nodes: dict[int, int] | None = None):
+    """Candidate layouts, the faster by the prediction (``carry`` + the period) wins:
+
+    * spans from the tiers (``floor`` None) or node-CP (``floor``: every splittable sequence
+      that fits on one node takes a ring over the whole node, sequences balanced over nodes);
+    * balance the total per-unit cost (attention + linear work in the attention layout), no
+      remap - the linear modules run where attention ran;
+    * (remap layer on) balance attention alone and let the remap even out the linear tokens
+      (the remap layer itself drops the remap when it does not pay).
+
+    Returns the micro-batch, its stats and its prediction terms (:func:`.predict.microbatch_terms`;
+    their ``period`` is the predicted per-unit time without the step's gradient all-reduce,
+    waits for coupled units included)."""
+    ctx = search.ctx
+    cands = []
+    err = None
+    # nodes filled to the last token can leave their units no room for rings of assorted
+    # widths: then level 1 keeps some token slack per node (before the caller falls back to
+    # one more micro-batch, which costs far more)
+    for fill in (1.0, 0.95, 0.9) if ctx.cluster.num_nodes > 1 else (1.0,):
+        for floor in floors if floors is not None else [None]:
+            for bal in balances if balances is not None else ["total"]:
+                try:
+                    cands.append(plan_microbatch(search, idx, carry, balance=bal, floor=floor,
+                                                 node_fill=fill, fixed_nodes=fixed_nodes))
+                except PackInfeasible as e:
+                    err = err or e
+        if cands:
+            break
+    if not cands:
+        raise err
+    best = None
+    lengths = [s.length for s in search.sequences]
+    for mb, st in cands:
+        terms = microbatch_terms(ctx, lengths, mb)
+        t = float((carry + terms.period).max())
+        if best is None or t < best[0]:
+            best = (t, mb, st, terms)
+    return best[1], best[2], best[3]
