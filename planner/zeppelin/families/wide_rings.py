@@ -52,8 +52,8 @@ def wide_rings(ctx: PlanContext, step: int, sequences: list[Sequence], limit: fl
     L = np.array([s.length for s in sequences], dtype=np.int64)
     Lf = L.astype(np.float64)
     bound = max(lower_bounds(ctx, Lf))
-    if limit is not None and limit <= GAP * bound:
-        return []  # the plan the caller has is near the bound already: no wider search
+    if not far_from_bound(limit, bound):
+        return []
     gmax = pow2_sizes(n)[-1]
     g_mem = fs._memory_ring_sizes(L, cm.token_capacity, gmax)
     if g_mem.max() > gmax:
@@ -85,6 +85,13 @@ def wide_rings(ctx: PlanContext, step: int, sequences: list[Sequence], limit: fl
         if limit is None or score <= limit:
             out.append(Candidate(score, len(out), partial(_build, ctx, step, sequences, layouts, order, work, routing)))
     return sorted(out, key=lambda c: (c.score, c.index))[:top]
+
+
+def far_from_bound(limit: float | None, bound: float) -> bool:
+    """Whether the wide search runs: the caller would build a plan up to ``limit`` (its own plan's
+    time with a margin; None: it has none), and where that is within GAP of the step's lower
+    bound no wider ring can gain enough to pay for its search."""
+    return limit is None or limit > GAP * bound
 
 
 def _build(ctx, step, sequences, layouts, order, work, routing):
