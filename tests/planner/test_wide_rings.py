@@ -85,9 +85,14 @@ def test_a_step_near_its_bound_does_not_start_the_wide_search(monkeypatch):
     ctx = _ctx()
     seqs = _step(1024 * 1024, long=0)  # no maximum-length sequence: the tiered plan is near the bound
     searched = []
-    real = wide_rings._long
-    monkeypatch.setattr(wide_rings, "_long", lambda *a, **k: searched.append(1) or real(*a, **k))
+    real = wide_rings._search
+    monkeypatch.setattr(wide_rings, "_search", lambda *a, **k: searched.append(1) or real(*a, **k))
     plan = ZeppelinPlanner().plan_step(ctx, 0, seqs)
     assert plan.prediction.step_time_s <= 1.1 * _bound(ctx, seqs)
     assert not searched
-    assert not wide_rings.far_from_bound(1.09 * 10.0, 10.0) and wide_rings.far_from_bound(None, 10.0)
+    # the gate: some sequence on its narrowest ring more than 1/1.1 of the bound
+    assert not wide_rings.far_from_bound(np.array([1.0, 9.0]), 10.0)
+    assert wide_rings.far_from_bound(np.array([1.0, 9.2]), 10.0)
+    # while the repro step searches
+    ZeppelinPlanner().plan_step(ctx, 0, _step(576 * 1024))
+    assert searched

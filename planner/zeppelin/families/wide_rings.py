@@ -6,14 +6,18 @@ FLOP-share sizes their rings by the step's work (past a node only as far as a wh
 so the width that the bound needs - each long sequence on an aligned block of 2, 4, ... whole
 nodes, its hops between nodes routed over every NIC of the nodes it spans - is never built. This
 family tries those widths: for each, every long sequence gets a ring of that many units (or more,
-where its memory asks) while they all fit side by side, the rest are sized and placed as FLOP-share places them (least-loaded on
-aligned blocks, evened out by its local search, micro-batched by first fit or for coupling), and
-the placement whose slowest unit is lowest is built.
+where its memory asks) while they all fit side by side, and the rest are sized and placed as
+FLOP-share places them (least-loaded on aligned blocks, evened out by its local search,
+micro-batched by first fit or for coupling). Each width is one candidate, judged by select.
 
-The search is driven by the gap to the bound: it runs only where the plan the caller already has
-is more than :data:`GAP` times the step's lower bound (:func:`predict.lower_bounds`) and some
-sequence alone takes at least :data:`LONG_SHARE` of the bound on one node, so planning steps that
-are already near their bound costs nothing more.
+The search is driven by the gap to the bound (:func:`predict.lower_bounds`): it runs only where
+some sequence on the narrowest ring that holds it, at least a node, takes more than 1/:data:`GAP`
+of the step's lower bound by itself - that ring's units have no room left for the rest of the
+step, so every plan that keeps it there ends more than GAP times above the bound as soon as
+anything shares them - so planning a step without such a sequence costs one pass over its
+lengths. (The gate is
+the step's, not the caller's ``limit``: beyond 32 units that is lowered to other families'
+scores, and a search skipped on it would build other plans than the full search.)
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from zeppelin.planner.zeppelin.protocols import Candidate
 from zeppelin.schemas.plan import Sequence
 
 name = "wide-rings"
-#: the family searches only where the caller's plan is above this multiple of the step's lower bound
+#: the family searches only where a sequence on its narrowest ring (at least a node) takes more than
+#: 1/GAP of the step's lower bound: plans that keep it there leave no room to come within GAP of it
 GAP = 1.1
 #: a sequence is long when on one node (or on the fewest units holding it) it alone takes at least
 #: this share of the step's lower bound: such a sequence sets the step unless its ring is widened
@@ -39,8 +44,8 @@ LONG_SHARE = 0.5
 
 def candidates(ctx: PlanContext, step: int, sequences: list[Sequence], limit: float | None = None,
                routing: bool = True, top: int = 2) -> list[Candidate]:
-    """The family's best ``top`` widths, or none where the step is near its bound, has
-    no long sequence, or the cluster is a single node."""
+    """The family's best ``top`` widths (none scored above ``limit``), or none where no sequence
+    keeps the step far from its bound or the cluster is a single node."""
     return wide_rings(ctx, step, sequences, limit=limit, routing=routing, top=top)
 
 
@@ -51,18 +56,28 @@ def wide_rings(ctx: PlanContext, step: int, sequences: list[Sequence], limit: fl
         return []
     L = np.array([s.length for s in sequences], dtype=np.int64)
     Lf = L.astype(np.float64)
-    bound = max(lower_bounds(ctx, Lf))
-    if not far_from_bound(limit, bound):
-        return []
     gmax = pow2_sizes(n)[-1]
     g_mem = fs._memory_ring_sizes(L, cm.token_capacity, gmax)
     if g_mem.max() > gmax:
         return []
     slope = token_slope(ctx, cm, max(float(Lf.sum()) / n, 2.0))
     nic_share = 1.0 / max(len(ctx.cluster.nics), 1) if routing else 1.0
-    long = _long(ctx, Lf, slope, g_mem, bound, nic_share)
-    if not long.any():
+    t_narrow = _narrow_times(ctx, Lf, slope, g_mem, nic_share)
+    bound = max(lower_bounds(ctx, Lf))
+    if not far_from_bound(t_narrow, bound):
         return []
+    return _search(ctx, step, sequences, L, slope, g_mem, t_narrow >= LONG_SHARE * bound, limit, routing, top,
+                   settle_rounds, nic_share)
+
+
+def _search(ctx: PlanContext, step: int, sequences: list[Sequence], L: np.ndarray, slope: float, g_mem: np.ndarray,
+            long: np.ndarray, limit: float | None, routing: bool, top: int, settle_rounds: int | None,
+            nic_share: float) -> list[Candidate]:
+    """One candidate per width of 2, 4, ... nodes for the ``long`` sequences (side by side), the
+    rest sized by FLOP-share's whole shares; the ``top`` best-scored."""
+    n, upn, cm = ctx.num_units, ctx.units_per_node, ctx.cost
+    Lf = L.astype(np.float64)
+    gmax = pow2_sizes(n)[-1]
     work = cm.work(Lf)
     base = fs._ring_sizes(ctx, work, g_mem, gmax, 1.0)
     order = sorted(range(len(L)), key=lambda i: (-work[i], i))
@@ -87,11 +102,10 @@ def wide_rings(ctx: PlanContext, step: int, sequences: list[Sequence], limit: fl
     return sorted(out, key=lambda c: (c.score, c.index))[:top]
 
 
-def far_from_bound(limit: float | None, bound: float) -> bool:
-    """Whether the wide search runs: the caller would build a plan up to ``limit`` (its own plan's
-    time with a margin; None: it has none), and where that is within GAP of the step's lower
-    bound no wider ring can gain enough to pay for its search."""
-    return limit is None or limit > GAP * bound
+def far_from_bound(t_narrow: np.ndarray, bound: float) -> bool:
+    """Whether the wide search runs: some sequence on its narrowest ring (``t_narrow``, at least a
+    node) takes more than 1/GAP of the step's lower bound."""
+    return bool(len(t_narrow)) and float(t_narrow.max()) * GAP > bound
 
 
 def _build(ctx, step, sequences, layouts, order, work, routing):
@@ -102,8 +116,8 @@ def _build(ctx, step, sequences, layouts, order, work, routing):
 
 def _coupled(ctx: PlanContext, layout, order: list[int], work: np.ndarray) -> float:
     """A placement's slowest unit once ring partners' waits are charged, micro-batched by first
-    fit (FLOP-share's own measure when it chooses among its placements): rings of several nodes
-    often share units, and their top load alone misses the waits."""
+    fit (FLOP-share's own measure when it chooses among its placements): the long rings share
+    their units with shorter sequences, and a top load alone misses the waits."""
     where, sizes, _, _, t = layout
     fit = fs._first_fit(ctx.num_units, ctx.cost.token_capacity, fs._micro_batch_order(order, work, sizes), where)
     return fs._coupled_time(ctx.num_units, where, t.tolist(), *fit)
@@ -114,14 +128,12 @@ def _widths(upn: int, gmax: int) -> list[int]:
     return [G for G in pow2_sizes(gmax) if G >= 2 * upn]
 
 
-def _long(ctx: PlanContext, Lf: np.ndarray, slope: float, g_mem: np.ndarray, bound: float,
-          nic_share: float) -> np.ndarray:
-    """The sequences that alone take at least LONG_SHARE of the bound on one node (on a ring of
-    the node's units, or of the fewest units that hold them where a node does not)."""
-    upn = ctx.units_per_node
-    out = np.zeros(len(Lf), dtype=bool)
-    for G in sorted(set(np.maximum(g_mem, upn).tolist())):
-        sel = np.maximum(g_mem, upn) == G
-        t = fs._unit_time(ctx, Lf[sel], slope, G, nic_share)
-        out[sel] = t >= LONG_SHARE * bound
+def _narrow_times(ctx: PlanContext, Lf: np.ndarray, slope: float, g_mem: np.ndarray, nic_share: float) -> np.ndarray:
+    """Per sequence, its per-unit time on its narrowest ring of at least a node: the node's units,
+    or the fewest units that hold it where a node does not (FLOP-share's pricing)."""
+    sizes = np.maximum(g_mem, ctx.units_per_node)
+    out = np.zeros(len(Lf))
+    for G in np.unique(sizes).tolist():
+        sel = sizes == G
+        out[sel] = fs._unit_time(ctx, Lf[sel], slope, G, nic_share)
     return out
