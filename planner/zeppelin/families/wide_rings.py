@@ -7,8 +7,8 @@ so the width that the bound needs - each long sequence on an aligned block of 2,
 nodes, its hops between nodes routed over every NIC of the nodes it spans - is never built. This
 family tries those widths: for each, every long sequence gets a ring of that many units (or more,
 where its memory asks) while they all fit side by side, and the rest are sized and placed as
-FLOP-share places them (least-loaded on aligned blocks, evened out by its local search,
-micro-batched by first fit or for coupling). Each width is one candidate, judged by select.
+FLOP-share places them (least-loaded on aligned blocks, micro-batched by first fit or for
+coupling). Each width is one candidate, judged by select.
 
 The search is driven by the gap to the bound (:func:`predict.lower_bounds`): it runs only where
 some sequence on the narrowest ring that holds it, at least a node, takes more than 1/:data:`GAP`
@@ -82,7 +82,9 @@ def _search(ctx: PlanContext, step: int, sequences: list[Sequence], L: np.ndarra
     base = fs._ring_sizes(ctx, work, g_mem, gmax, 1.0)
     order = sorted(range(len(L)), key=lambda i: (-work[i], i))
     if settle_rounds is None:
-        settle_rounds = min(4 * len(L), fs.SETTLE_ROUNDS) if n <= fs.SEARCH_MAX_UNITS else 0
+        # (FLOP-share's local search, off by default: it moves the long rings off their widths
+        # for little gain, and the search runs on many steps that are near their bound)
+        settle_rounds = 0
     out, seen = [], []
     for G in _widths(upn, gmax):
         sizes = base.copy()
