@@ -357,11 +357,13 @@ def render_page(cells: list[dict], summ: dict, lines: list[str], args, wall: flo
             "balance is each unit's (each node's) whole step. FlexSP's MILP minimises a sum of per-micro-batch "
             "maxima; our FlexSP therefore also considers whole-step homogeneous configurations (static Ulysses' "
             "among them) and keeps whichever candidate `predict_step` rates fastest. Zeppelin builds, beside its "
-            "tiered plans and node-major micro-batches (sequences assigned to nodes for the whole step), three "
+            "tiered plans and node-major micro-batches (sequences assigned to nodes for the whole step), four "
             "whole-step candidate families (`zeppelin.planner.zeppelin.families`): Ulysses groups that keep their "
             "units for the whole step (homogeneous or of two sizes, FlexSP's freedom), FLOP-share rings beside "
-            "local units, and replicas of a larger tensor-parallel degree (Hydraulis' freedom, up to a whole node, "
-            "which also holds sequences longer than the cell's tp=2 units hold together); it keeps whichever "
+            "local units, replicas of a larger tensor-parallel degree (Hydraulis' freedom, up to a whole node, "
+            "which also holds sequences longer than the cell's tp=2 units hold together), and, where a step's "
+            "longest sequences keep it far above its bound, those sequences on side-by-side rings of 2, 4, ... "
+            "whole nodes routed over every NIC; it keeps whichever "
             "candidate the prediction (on 16 units or fewer: the simulator) rates fastest. Where a family's layout "
             "is the cell's best, zeppelin ties the baseline that runs it rather than beating it.", ""]
     for cl_key, cl in CLUSTERS.items():
