@@ -12,12 +12,12 @@ coupling). Each width is one candidate, judged by select.
 
 The search is driven by the gap to the bound (:func:`predict.lower_bounds`): it runs only where
 some sequence on the narrowest ring that holds it, at least a node, takes more than 1/:data:`GAP`
-of the step's lower bound by itself - that ring's units have no room left for the rest of the
-step, so every plan that keeps it there ends more than GAP times above the bound as soon as
-anything shares them - so planning a step without such a sequence costs one pass over its
-lengths. (The gate is
-the step's, not the caller's ``limit``: beyond 32 units that is lowered to other families'
-scores, and a search skipped on it would build other plans than the full search.)
+of the step's lower bound by itself - that ring's units have almost no room left for the rest of
+the step, so plans that keep it there tend to end well above the bound - and planning a step
+without such a sequence costs one pass over its lengths. The gate is the step's, not the caller's
+``limit``: beyond 32 units that is lowered to other families' scores, and a search skipped on it
+would build other plans than the full search. The placement and pricing are FLOP-share's own
+(:mod:`.flop_share`), so the two families' scores and plans stay alike.
 """
 
 from __future__ import annotations
