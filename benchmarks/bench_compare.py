@@ -5,7 +5,8 @@
 
 Grid: clusters A and C (``zeppelin-a``, ``zeppelin-c``) x LLaMA-7B (tp=1) and LLaMA-13B (tp=2, as
 the Zeppelin paper runs 13B with tensor parallelism) x the synthetic length mixes short / mixed /
-long (:data:`zeppelin.planner.tools.compare.MIXES`) x 16 / 32 / 64 / 128 GPUs. Every cell plans the same
+long (:data:`zeppelin.planner.tools.compare.MIXES`) x 16 / 32 / 64 / 128 GPUs, and beside it the
+long-tail cells of :data:`LONG_TAIL_CELLS`. Every cell plans the same
 sampled steps with every planner and simulates them (:func:`zeppelin.planner.tools.compare.run_compare`).
 The page states the speedups and checks the papers' qualitative findings from the numbers of this
 run; nothing on it is typed by hand.
@@ -29,6 +30,11 @@ CLUSTERS = {"A": "zeppelin-a", "C": "zeppelin-c"}
 MODELS = {"llama-7b": 1, "llama-13b": 2}  # model -> tensor-parallel degree
 MIXES = ["short", "mixed", "long"]
 GPUS = [16, 32, 64, 128]
+#: beside the grid: slow-network long-tail cells (cluster A's 4 NICs per node, LLaMA-13B, the
+#: ``longtail`` mix - steps set by a few maximum-length sequences among short ones), as
+#: (cluster key, model, mix, GPUs)
+LONG_TAIL_CELLS = [("A", "llama-13b", "longtail", 64), ("A", "llama-13b", "longtail", 128)]
+TABLE_MIXES = MIXES + sorted({c[2] for c in LONG_TAIL_CELLS})
 PLANNERS = ["te-cp", "te-cp-tuned", "llama3-cp", "ulysses", "hybrid-dp", "megatron-dcp", "flexsp", "hydraulis", "packed-dp",
             "zeppelin", "zeppelin-no-routing", "zeppelin-no-remap"]
 
@@ -287,7 +293,9 @@ def render_page(cells: list[dict], summ: dict, lines: list[str], args, wall: flo
     out += [("**Method.** Each cell samples the same steps (seed "
             f"{args.seed}, {args.tokens_per_gpu:,} tokens per GPU per step, sequences longer than "
             f"{args.max_seq_len:,} tokens truncated) from a synthetic length mix — `short` (ArXiv-like, short-heavy), "
-            "`mixed` (GitHub-like), `long` (ProLong64k-like), see `zeppelin.planner.tools.compare.MIXES` — plans them with "
+            "`mixed` (GitHub-like), `long` (ProLong64k-like), and on cluster A with LLaMA-13B at 64 and 128 GPUs "
+            "`longtail` (short sequences with a few of the maximum length in every step), see "
+            "`zeppelin.planner.tools.compare.MIXES` — plans them with "
             "every planner and simulates every plan with the event-driven simulator (`zeppelin simulate`), "
             "which uses the preset cost profiles (DESIGN.md section 4), not measurements on these clusters. "
             f"LLaMA-13B runs with tensor parallelism 2 (units of 2 GPUs), as in the Zeppelin paper; 7B with tp=1. "
@@ -349,11 +357,13 @@ def render_page(cells: list[dict], summ: dict, lines: list[str], args, wall: flo
             "balance is each unit's (each node's) whole step. FlexSP's MILP minimises a sum of per-micro-batch "
             "maxima; our FlexSP therefore also considers whole-step homogeneous configurations (static Ulysses' "
             "among them) and keeps whichever candidate `predict_step` rates fastest. Zeppelin builds, beside its "
-            "tiered plans and node-major micro-batches (sequences assigned to nodes for the whole step), three "
+            "tiered plans and node-major micro-batches (sequences assigned to nodes for the whole step), four "
             "whole-step candidate families (`zeppelin.planner.zeppelin.families`): Ulysses groups that keep their "
             "units for the whole step (homogeneous or of two sizes, FlexSP's freedom), FLOP-share rings beside "
-            "local units, and replicas of a larger tensor-parallel degree (Hydraulis' freedom, up to a whole node, "
-            "which also holds sequences longer than the cell's tp=2 units hold together); it keeps whichever "
+            "local units, replicas of a larger tensor-parallel degree (Hydraulis' freedom, up to a whole node, "
+            "which also holds sequences longer than the cell's tp=2 units hold together), and, where a step's "
+            "longest sequences keep it far above its bound, those sequences on side-by-side rings of 2, 4, ... "
+            "whole nodes routed over every NIC; it keeps whichever "
             "candidate the prediction (on 16 units or fewer: the simulator) rates fastest. Where a family's layout "
             "is the cell's best, zeppelin ties the baseline that runs it rather than beating it.", ""]
     for cl_key, cl in CLUSTERS.items():
@@ -369,7 +379,7 @@ def render_page(cells: list[dict], summ: dict, lines: list[str], args, wall: flo
             names = [p for p in args.planners if p != "te-cp"]
             out += ["| mix | GPUs | te-cp s | zeppelin s | " + " | ".join(names) + " | best other |",
                     "|---|---:|---:|---:|" + "---:|" * len(names) + "---|"]
-            for c in sorted(sub, key=lambda c: (MIXES.index(c["mix"]), c["gpus"])):
+            for c in sorted(sub, key=lambda c: (TABLE_MIXES.index(c["mix"]), c["gpus"])):
                 te, z = _stat(c, "te-cp"), _stat(c, "zeppelin")
                 row = [c["mix"], str(c["gpus"]), f"{te['mean_s']:.2f}" if te else "fail",
                        f"{z['mean_s']:.2f}" if z else "fail"]
@@ -447,7 +457,9 @@ def main(argv=None) -> None:
     ap.add_argument("--planners", default=",".join(PLANNERS))
     ap.add_argument("--clusters", default=",".join(CLUSTERS), help="subset of A,C")
     ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--mixes", default=",".join(MIXES))
+    ap.add_argument("--mixes", default=",".join(TABLE_MIXES),
+                    help="of the grid's mixes and the long-tail cells' (those run only where their cluster, model "
+                         "and GPU count are asked too)")
     ap.add_argument("--gpus", default=",".join(map(str, GPUS)))
     ap.add_argument("--out-dir", type=Path, default=ROOT / "docs", help="RESULTS.md, results.json and img/ go here")
     ap.add_argument("--from-json", type=Path, default=None,
@@ -471,22 +483,22 @@ def main(argv=None) -> None:
     gpus = [int(g) for g in args.gpus.split(",")]
     cells = []
     t0 = time.perf_counter()
+    todo = [(cl, model, mix, g) for cl in cls for model in models for mix in mixes if mix in MIXES for g in gpus]
+    todo += [(CLUSTERS[k], model, mix, g) for k, model, mix, g in LONG_TAIL_CELLS
+             if CLUSTERS[k] in cls and model in models and mix in mixes and g in gpus]
     if args.from_json is not None:
         prev = json.loads(args.from_json.read_text())
         cells, wall, command = prev["cells"], prev["wall_s"], prev["command"]
         for k, v in prev.get("args", {}).items():
             setattr(args, k, v)
-        cls = []
-    for cl in cls:
-        for model in models:
-            for mix in mixes:
-                for g in gpus:
-                    c = run_cell(cl, model, MODELS[model], mix, g, args)
-                    cells.append(c)
-                    z = c.get("zeppelin_speedup_vs_te_cp", math.nan)
-                    print(f"[{time.perf_counter() - t0:6.0f} s] {cl} {model} {mix} {g} GPUs: zeppelin {z:.2f}x te-cp, "
-                          f"{c.get('zeppelin_speedup_vs_best_baseline', math.nan):.2f}x best ({c.get('best_baseline')})"
-                          f" [{c['wall_s']:.0f} s]", file=sys.stderr, flush=True)
+        todo = []
+    for cl, model, mix, g in todo:
+        c = run_cell(cl, model, MODELS[model], mix, g, args)
+        cells.append(c)
+        z = c.get("zeppelin_speedup_vs_te_cp", math.nan)
+        print(f"[{time.perf_counter() - t0:6.0f} s] {cl} {model} {mix} {g} GPUs: zeppelin {z:.2f}x te-cp, "
+              f"{c.get('zeppelin_speedup_vs_best_baseline', math.nan):.2f}x best ({c.get('best_baseline')})"
+              f" [{c['wall_s']:.0f} s]", file=sys.stderr, flush=True)
     if args.from_json is None:
         wall = time.perf_counter() - t0
         argv_s = " ".join(sys.argv[1:] if argv is None else argv)

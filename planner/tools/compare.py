@@ -8,8 +8,9 @@ tuned per step),
 ratio to the lower bound, mean exposed communication and planner latency.
 
 Datasets: a manifest (anything ``zeppelin data stats`` reads) or one of the built-in synthetic
-length mixes below (``short``, ``mixed``, ``long``), stand-ins for the short-heavy (ArXiv-like),
-mixed (GitHub-like) and long-heavy (ProLong64k-like) corpora of the papers.
+length mixes below (``short``, ``mixed``, ``long``, ``longtail``), stand-ins for the short-heavy
+(ArXiv-like), mixed (GitHub-like) and long-heavy (ProLong64k-like) corpora of the papers, and a
+long tail of maximum-length sequences among short ones.
 """
 
 from __future__ import annotations
@@ -26,10 +27,14 @@ from zeppelin.planner.core.base import PlanContext
 from zeppelin.schemas.common import InputError
 
 # Synthetic length mixes: (fraction, log-normal median, sigma) components, clipped to [16, 131072].
+# ``longtail``: short sequences with 1.5% at the maximum length (a component whose median is far
+# past the clip), so a step of a million tokens carries two to four 131,072-token sequences among
+# about two hundred short ones - the steps a few maximum-length sequences set.
 MIXES: dict[str, list[tuple[float, float, float]]] = {
     "short": [(0.85, 900.0, 0.9), (0.13, 6000.0, 0.7), (0.02, 40000.0, 0.5)],
     "mixed": [(0.55, 1500.0, 1.0), (0.35, 9000.0, 0.7), (0.10, 45000.0, 0.5)],
     "long": [(0.25, 2000.0, 1.0), (0.35, 16000.0, 0.6), (0.40, 60000.0, 0.35)],
+    "longtail": [(0.985, 2000.0, 1.1), (0.015, 1e6, 0.1)],
 }
 DEFAULT_PLANNERS = ["packed-dp", "te-cp", "te-cp-tuned", "llama3-cp", "ulysses", "hybrid-dp", "megatron-dcp", "flexsp", "hydraulis",
                     "zeppelin", "zeppelin-no-routing", "zeppelin-no-remap"]

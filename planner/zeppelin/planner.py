@@ -4,9 +4,10 @@ Per training step, the planner's own whole-step searches (:mod:`.step_searches`:
 ``node-cp``, ``node-major``) plan the fewest micro-batches that fit, each micro-batch laid out by
 the tiered pipeline (:mod:`.tiered`: spans, node assignment, unit assignment; :mod:`.groups`:
 groups, queues, routes, remap). The candidate families (:mod:`.families`: Ulysses groups,
-FLOP-share rings, replicas of a larger tensor-parallel degree) propose layouts of their own
-shapes, and :func:`.select.select` picks the step's plan among all of them, by the prediction or
-(on clusters of at most ``simulate_max_units`` units) the simulator; ties keep the tiered plan.
+FLOP-share rings, replicas of a larger tensor-parallel degree, whole-node rings for a step's longest
+sequences) propose layouts of their own shapes, and :func:`.select.select` picks the step's plan
+among all of them, by the prediction or (on clusters of at most ``simulate_max_units`` units) the
+simulator; ties keep the tiered plan.
 Option ``families`` (``all``, ``none`` or a comma list). Beyond ``families_max_units`` units only
 ``large_families`` are built, beyond ``attention_max_units`` the attention-balanced remap layout
 is not a candidate, and beyond ``node_cp_max_units`` neither are the node-CP layout nor

@@ -676,7 +676,7 @@ def test_family_chosen_where_it_wins_by_the_cost_model(cell, family):
 
 def test_families_option_validated():
     with pytest.raises(PlanningError, match=r"^families option: unknown family 'megatron' \(known: ulysses-groups, "
-                                            r"flop-share, tp-replicas, all, none\)$"):
+                                            r"flop-share, tp-replicas, wide-rings, all, none\)$"):
         ZeppelinPlanner(families="ulysses-groups,megatron")
 
 

@@ -7,11 +7,11 @@ module with ``name`` and ``candidates``, and one line in :data:`REGISTRY`.
 
 from __future__ import annotations
 
-from zeppelin.planner.zeppelin.families import flop_share, tp_replicas, ulysses_groups
+from zeppelin.planner.zeppelin.families import flop_share, tp_replicas, ulysses_groups, wide_rings
 from zeppelin.planner.zeppelin.protocols import Family
 
 #: every family by name, in the order the planner tries them (earlier wins ties)
-REGISTRY: dict[str, Family] = {f.name: f for f in (ulysses_groups, flop_share, tp_replicas)}
+REGISTRY: dict[str, Family] = {f.name: f for f in (ulysses_groups, flop_share, tp_replicas, wide_rings)}
 
 
 def names() -> tuple[str, ...]:
