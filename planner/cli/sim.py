@@ -140,7 +140,7 @@ def compare(
     model: str = typer.Option("llama-7b", "--model", "-m", help="model preset or JSON file"),
     profile: Path | None = typer.Option(None, "--profile", help="cost profile JSON (default: preset curves)"),
     dataset: str = typer.Option("mixed", "--dataset", "-d",
-                                help="length mix (short, mixed, long) or a manifest path"),
+                                help="length mix (short, mixed, long, longtail) or a manifest path"),
     steps: int = typer.Option(10, "--steps", "-n", help="number of steps to plan"),
     planners: str | None = typer.Option(None, "--planners", help="comma-separated planners (default: all)"),
     tokens_per_gpu: int = typer.Option(16384, "--tokens-per-gpu", help="tokens per step per GPU"),

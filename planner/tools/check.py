@@ -55,7 +55,7 @@ class CheckCase(Strict):
     schema_version: str = CASE_SCHEMA
     cluster: str = Field(description="cluster preset (NAME, NAME:N, NAME:NxG) or JSON file")
     model: str = Field(description="model preset or JSON file")
-    dataset: str = Field(description="sample, short, mixed, long or a manifest path")
+    dataset: str = Field(description="sample, short, mixed, long, longtail or a manifest path")
     planner: str
     options: dict[str, Any] = Field(default_factory=dict, description="planner options")
     steps: int = Field(ge=1, le=64)
