@@ -16,10 +16,12 @@ ZeRO stage  parameters between forward and backward     gradients              A
 ==========  ===========================================================================
 
 FSDP reduce-scatters each block's gradient as soon as the backward has produced it, after every
-micro-batch, so ZeRO-1 plans run with ZeRO-2's holdings (sharded gradients). The planner's memory model (``CostModel.model_state_bytes``) charges exactly these
-holdings: fp32 master parameters, gradients and moments ``16 P / N``; whole compute-dtype
-parameters for ZeRO-1/2; for ZeRO-3 the unsharded root module (FSDP does not re-shard the root
-after forward), two blocks (computing and prefetched) and one block's gradient.
+micro-batch, so ZeRO-1 plans run with ZeRO-2's holdings (sharded gradients). The planner's memory
+model (``CostModel.model_state_components``) charges exactly these holdings: fp32 master
+parameters, gradients and moments ``16 P / N``; whole compute-dtype parameters for ZeRO-1/2; for
+ZeRO-3 the unsharded root module (FSDP does not re-shard the root after forward) and two blocks
+(computing and prefetched); both: the whole gradients not yet reduce-scattered (the LM head's and
+one block's). :class:`SavedActivations` measures them on the CPU.
 
 The gradient reduction is a SUM (the runtime's loss is already divided by the step's global
 number of predicted tokens): FSDP's divide factor is set to 1 and its collectives to SUM only.

@@ -141,10 +141,17 @@ def test_packed_dp_local_and_token_balanced():
 def test_packed_dp_fails_honestly():
     ctx = make_ctx("zeppelin-a", "llama-7b")
     cap = ctx.cost.token_capacity
-    assert cap == 12168  # (76 GB - 3P states, P = 6,738,415,616) / 4,584,448 B per token
+    # (76 GB - model states) / activation bytes per token; ZeRO-1 over 16 GPUs, bf16: states
+    # 16P/16 + 2P whole weights + 2 (LM head + final norm + one block) pending gradients
+    m = ctx.model
+    P, h, f, L, V = m.num_params(), m.hidden, m.ffn_hidden, m.num_layers, m.vocab_size
+    states = P + 2 * P + 2 * (V * h + h + m.params_per_layer())
+    norm = 10 * h + 4
+    per_token = L * (2 * norm + 2 * (2 * h + 2 * h) + 4 * m.num_heads + 8 * f) + norm + 4 * V + 16 + 4 * m.head_dim
+    assert cap == int((76e9 - states) / per_token) == 8273
     with pytest.raises(PlanningError) as e:
         get_planner("packed-dp").plan_step(ctx, 0, seqs([100, 200, 300, 250000]))
-    assert str(e.value) == ("sequence 3 (sample 33, 250000 tokens) does not fit one GPU (capacity 12168 tokens); "
+    assert str(e.value) == ("sequence 3 (sample 33, 250000 tokens) does not fit one GPU (capacity 8273 tokens); "
                             "packed-dp cannot split sequences")
 
 
@@ -226,7 +233,14 @@ def test_te_cp_one_size_for_the_run_from_max_seq_len():
     contiguous ranks; te-cp-tuned picks its size per step."""
     ctx = make_ctx("zeppelin-a", "llama-7b")  # 16 GPUs, capacity 12168 tokens per GPU
     cap = ctx.cost.token_capacity
-    assert cap == 12168  # (76 GB - 3P states, P = 6,738,415,616) / 4,584,448 B per token
+    # (76 GB - model states) / activation bytes per token; ZeRO-1 over 16 GPUs, bf16: states
+    # 16P/16 + 2P whole weights + 2 (LM head + final norm + one block) pending gradients
+    m = ctx.model
+    P, h, f, L, V = m.num_params(), m.hidden, m.ffn_hidden, m.num_layers, m.vocab_size
+    states = P + 2 * P + 2 * (V * h + h + m.params_per_layer())
+    norm = 10 * h + 4
+    per_token = L * (2 * norm + 2 * (2 * h + 2 * h) + 4 * m.num_heads + 8 * f) + norm + 4 * V + 16 + 4 * m.head_dim
+    assert cap == int((76e9 - states) / per_token) == 8273
     ctx.max_seq_len = 32768  # 32768 / 4 = 8192 <= 12168, / 2 = 16384 > 12168 -> CP = 4
     lengths = [10, 100, 777, 2000, 5000, 300]
     plan = get_planner("te-cp").plan_step(ctx, 0, seqs(lengths))
