@@ -97,3 +97,16 @@ def test_predicted_memory_matches_measured(pool, hf_llama, model, dtype, zero, r
             assert abs(want - got) <= TOL * max(got, 1e-3 * mem["measured"]), (rank, name, want, got)
         # activations are a sizeable part of the peak in every case
         assert mem["activations"] + mem["recompute"] >= 0.15 * mem["measured"], mem
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_profiled_activation_memory_equals_the_formulas(dtype):
+    """`zeppelin profile`'s measurement (one process, one and two layers, two lengths) gives the
+    cost model's per-token figures for every recompute mode."""
+    from zeppelin.runtime.profiler import measure_activation_memory
+
+    spec = model_preset("tiny").model_copy(update={"dtype": dtype})
+    got = measure_activation_memory(spec, torch.device("cpu"))
+    for mode, v in got.items():
+        want = CostModel(cluster_preset("local-cpu:1x4"), spec, recompute=mode).activation_split
+        assert v["activations"] == pytest.approx(want[0], rel=1e-3) and v["recompute"] == pytest.approx(want[1], rel=1e-3)
