@@ -110,3 +110,23 @@ def test_profiled_activation_memory_equals_the_formulas(dtype):
     for mode, v in got.items():
         want = CostModel(cluster_preset("local-cpu:1x4"), spec, recompute=mode).activation_split
         assert v["activations"] == pytest.approx(want[0], rel=1e-3) and v["recompute"] == pytest.approx(want[1], rel=1e-3)
+
+
+def test_ring_attention_holds_what_the_model_charges(pool):
+    """Sequences split over rings of two ranks (te-cp, cp=2) hold the same per token as local ones:
+    each rank keeps its chunk's Q, K, V, output and log-sum-exp (the received K/V blocks are not
+    kept for the backward)."""
+    from tests.runtime.test_runtime_dist import planner_step
+
+    spec = model_preset("small")
+    header = make_header(cluster_preset("local-cpu:1x4"), spec, 1, planner="te-cp")
+    header = header.model_copy(update={"zero_stage": 2})
+    step = planner_step("te-cp", header, [512] * 4, 0, cp=2)
+    assert all(g.kind == "ring" for mb in step.microbatches for g in mb.groups)
+    outs = pool.run(_measure, header.model_dump_json(), step.model_dump_json(), 2, "none", "fp32", None,
+                    timeout=240)
+    cost = CostModel(header.cluster, spec, header.profile, zero_stage=2)
+    for mem in outs:
+        assert mem["activation_tokens"] == 512
+        want = float(sum(cost.memory_components(512).values()))
+        assert abs(want - mem["measured"]) <= TOL * mem["measured"], (want, mem)
