@@ -80,7 +80,6 @@ def main() -> int:
     args = ap.parse_args()
 
     from tests.support.dist_pool import DistributedPool
-
     from zeppelin.planner.core.base import PlanContext, get_planner
     from zeppelin.planner.costmodel.cost import CostModel
     from zeppelin.schemas.cluster import cluster_preset

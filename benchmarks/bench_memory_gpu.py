@@ -54,7 +54,7 @@ print("kernels: flash_attn importable:", end=" ")
 try:
     import flash_attn  # noqa: F401
     print(True)
-except Exception:
+except ImportError:
     print(False)
 for zero in (0, 2, 3):
     for rc in ("none", "selective", "full"):

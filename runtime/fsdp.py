@@ -95,7 +95,7 @@ def _set_blocks(model: nn.Module, blocks: nn.ModuleList) -> None:
         model.model.layers = blocks
 
 
-def apply_recompute(model: nn.Module, mode: str, tracker: "SavedActivations | None" = None) -> None:
+def apply_recompute(model: nn.Module, mode: str, tracker: SavedActivations | None = None) -> None:
     """Wrap the decoder blocks (``full``) or their MLPs (``selective``) with non-reentrant
     activation checkpointing. ``none`` leaves the model as it is. ``tracker``: counts what each
     recomputation holds (the backward's transient working set)."""
@@ -146,7 +146,7 @@ def mixed_precision(dtype: str):
 
 
 def shard_model(model: nn.Module, mesh, zero_stage: int, mp_policy=None, recompute: str = "none",
-                tracker: "SavedActivations | None" = None) -> nn.Module:
+                tracker: SavedActivations | None = None) -> nn.Module:
     """Apply ``recompute`` then FSDP2 to every decoder block and to the root (in place)."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.runtime.test_runtime_dist import make_header
 
+from tests.runtime.test_runtime_dist import make_header
 from zeppelin.planner.core.base import PlanContext, get_planner
 from zeppelin.planner.costmodel.cost import CostModel
 from zeppelin.schemas.cluster import cluster_preset
