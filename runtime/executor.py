@@ -108,6 +108,11 @@ class StepResult:
     memory: dict[str, int] = field(default_factory=dict)
 
 
+#: the components of a step's memory the runtime measures (bytes, per rank), in the order the
+#: planner's memory model charges them (``CostModel.memory_components``)
+MEMORY_COMPONENTS = ("params", "grads", "optimizer", "unsharded", "activations", "recompute")
+
+
 class Executor:
     """Per-rank state of a job: model, optimizer, token source, process groups.
 
@@ -132,14 +137,19 @@ class Executor:
         if dtype is not None:
             model.dtype = fsdp.DTYPES[dtype]
         self.dtype = {v: k for k, v in fsdp.DTYPES.items()}.get(model.dtype, str(model.dtype))
+        # on a GPU the allocator's peak is the measurement; on the CPU the step's saves and
+        # FSDP's whole parameters are counted as they happen (the scan is CPU-only: it walks the
+        # parameters at every save)
+        self.activations = fsdp.SavedActivations(model if dp == "fsdp" and device.type != "cuda" else None)
         if dp == "fsdp":
             self.mesh = fsdp.dp_mesh(world_size, device.type, hsdp)
             fsdp.shard_model(model, self.mesh, self.zero_stage,
-                             fsdp.mixed_precision(self.dtype if self.dtype in fsdp.DTYPES else "fp32"), recompute)
+                             fsdp.mixed_precision(self.dtype if self.dtype in fsdp.DTYPES else "fp32"), recompute,
+                             tracker=self.activations)
         else:
             self.mesh = None
-            fsdp.apply_recompute(model, recompute)
-        self.activations = fsdp.SavedActivations()
+            fsdp.apply_recompute(model, recompute, self.activations)
+        self.activations.watch_blocks(model)
 
         self.tp_overlap = header.tp_overlap if tp_overlap is None else tp_overlap
         if self.tp_overlap not in OVERLAP_MODES:
@@ -180,7 +190,7 @@ class Executor:
         tokens = 0
         hidden = []
         n_mb = len(step.microbatches)
-        self.activations.peak = 0
+        self.activations.reset()
         act_peak = (0, 0)  # (bytes saved for the backward, tokens) of the micro-batch holding the most
         t0 = self._now()
         sc = build_step(self.header, step, rank=self.rank, source=self.source, device=self.device,
@@ -218,7 +228,8 @@ class Executor:
 
         held = held_bytes(self.model)
         memory = {"params": held["params"], "grads": held["grads"], "activations": act_peak[0],
-                  "activation_tokens": act_peak[1]}
+                  "activation_tokens": act_peak[1], "unsharded": self.activations.unsharded_peak,
+                  "recompute": self.activations.recompute_peak}
         return StepResult(loss=float(loss_local), phases=phases, bytes=nbytes, tokens=tokens, hidden=hidden,
                           memory=memory)
 
@@ -269,16 +280,20 @@ class Executor:
         return int(2 * (w - 1) / w * flat.numel() * flat.element_size())
 
     def measured_memory(self, result: StepResult) -> dict[str, int]:
-        """This rank's memory for the step (after the optimizer step): the shards of parameters,
-        gradients (as the backward left them) and AdamW state it holds, the peak bytes autograd
-        saved for a backward (``activations``), and ``measured``: the CUDA allocator's peak on a
-        GPU, on the CPU the sum of the four."""
+        """This rank's memory for the step (after the optimizer step), by component: the shards
+        of parameters, gradients (as the backward left them) and AdamW state it holds; FSDP's
+        whole parameters and their pending gradients (``unsharded``, the most seen at once; CPU
+        only); the peak bytes autograd saved for a backward, weights excluded
+        (``activations``); the most one recomputation held (``recompute``). ``measured``: the
+        CUDA allocator's peak on a GPU; on the CPU the sum of the components' peaks - the
+        tensors the step holds, without the process's own footprint (interpreter, libraries,
+        malloc's free lists) that the resident set also counts (``process_peak``)."""
         from .fsdp import held_bytes
 
         mem = dict(result.memory)
         mem["optimizer"] = held_bytes(self.model, self.optimizer)["optimizer"]
         mem["measured"] = (int(torch.cuda.max_memory_allocated(self.device)) if self.cuda else
-                           mem.get("params", 0) + mem.get("grads", 0) + mem["optimizer"] + mem.get("activations", 0))
+                           sum(mem.get(k, 0) for k in MEMORY_COMPONENTS))
         return mem
 
     def optimizer_step(self) -> float:
@@ -767,6 +782,8 @@ def _memory_record(step: StepPlan, per_rank: list, header: PlanHeader | None) ->
         "grads_bytes": [int(m.get("grads", 0)) for m in mems],
         "optimizer_bytes": [int(m.get("optimizer", 0)) for m in mems],
         "activation_bytes": [int(m.get("activations", 0)) for m in mems],
+        "unsharded_bytes": [int(m.get("unsharded", 0)) for m in mems],
+        "recompute_bytes": [int(m.get("recompute", 0)) for m in mems],
         "process_peak_bytes": [int(m.get("process_peak", 0)) for m in mems],
         "activation_bytes_per_token": [round(int(m.get("activations", 0)) / m["activation_tokens"], 3)
                                        if m.get("activation_tokens") else 0.0 for m in mems],

@@ -16,10 +16,12 @@ ZeRO stage  parameters between forward and backward     gradients              A
 ==========  ===========================================================================
 
 FSDP reduce-scatters each block's gradient as soon as the backward has produced it, after every
-micro-batch, so ZeRO-1 plans run with ZeRO-2's holdings (sharded gradients). The planner's memory model (``CostModel.model_state_bytes``) charges exactly these
-holdings: fp32 master parameters, gradients and moments ``16 P / N``; whole compute-dtype
-parameters for ZeRO-1/2; for ZeRO-3 the unsharded root module (FSDP does not re-shard the root
-after forward), two blocks (computing and prefetched) and one block's gradient.
+micro-batch, so ZeRO-1 plans run with ZeRO-2's holdings (sharded gradients). The planner's memory
+model (``CostModel.model_state_components``) charges exactly these holdings: fp32 master
+parameters, gradients and moments ``16 P / N``; whole compute-dtype parameters for ZeRO-1/2; for
+ZeRO-3 the unsharded root module (FSDP does not re-shard the root after forward) and two blocks
+(computing and prefetched); both: the whole gradients not yet reduce-scattered (the LM head's and
+one block's). :class:`SavedActivations` measures them on the CPU.
 
 The gradient reduction is a SUM (the runtime's loss is already divided by the step's global
 number of predicted tokens): FSDP's divide factor is set to 1 and its collectives to SUM only.
@@ -49,6 +51,8 @@ Recomputation (``torch.utils.checkpoint`` through ``checkpoint_wrapper``, non-re
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from typing import Any
 
 import torch
@@ -91,17 +95,20 @@ def _set_blocks(model: nn.Module, blocks: nn.ModuleList) -> None:
         model.model.layers = blocks
 
 
-def apply_recompute(model: nn.Module, mode: str) -> None:
+def apply_recompute(model: nn.Module, mode: str, tracker: SavedActivations | None = None) -> None:
     """Wrap the decoder blocks (``full``) or their MLPs (``selective``) with non-reentrant
-    activation checkpointing. ``none`` leaves the model as it is."""
+    activation checkpointing. ``none`` leaves the model as it is. ``tracker``: counts what each
+    recomputation holds (the backward's transient working set)."""
     if mode not in RECOMPUTE_MODES:
         raise ValueError(f"recompute mode {mode!r} is not one of {', '.join(RECOMPUTE_MODES)}")
     if mode == "none":
         return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
+    extra = {} if tracker is None else {"context_fn": tracker.checkpoint_contexts}
+
     def wrap(m: nn.Module) -> nn.Module:
-        return checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=False)
+        return checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=False, **extra)
 
     blocks = decoder_blocks(model)
     if mode == "full":
@@ -138,13 +145,14 @@ def mixed_precision(dtype: str):
     return MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32, cast_forward_inputs=False)
 
 
-def shard_model(model: nn.Module, mesh, zero_stage: int, mp_policy=None, recompute: str = "none") -> nn.Module:
+def shard_model(model: nn.Module, mesh, zero_stage: int, mp_policy=None, recompute: str = "none",
+                tracker: SavedActivations | None = None) -> nn.Module:
     """Apply ``recompute`` then FSDP2 to every decoder block and to the root (in place)."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     if zero_stage not in (1, 2, 3):
         raise ValueError(f"FSDP runs ZeRO stages 1, 2 and 3 (got {zero_stage}; stage 0 is --dp replicate)")
-    apply_recompute(model, recompute)
+    apply_recompute(model, recompute, tracker)
     mp = mp_policy if mp_policy is not None else MixedPrecisionPolicy(cast_forward_inputs=False)
     reshard = zero_stage >= 3
     for blk in decoder_blocks(model):
@@ -208,41 +216,216 @@ def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None)
     return {"params": p_bytes, "grads": g_bytes, "optimizer": o_bytes}
 
 
-class SavedActivations:
-    """Bytes autograd holds for the backward (tensors saved by the forward), measured with
-    ``torch.autograd.graph.saved_tensors_hooks``; storages are counted once. ``peak`` is the
-    most held at any point of the step."""
+def _storage(t: torch.Tensor):
+    """(key, bytes) of the storage under ``t``; None for tensors without one (fakes)."""
+    try:
+        st = t.untyped_storage()
+        return (st.data_ptr(), t.device.type), st.nbytes()
+    except (RuntimeError, NotImplementedError):
+        return None
 
-    def __init__(self) -> None:
+
+def _pending_all_gathers(model: nn.Module):
+    """The output buffers of FSDP all-gathers issued but not yet copied out into parameters (a
+    prefetched block). FSDP2 keeps them in a private attribute: none found, none counted."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        try:
+            groups = m._get_fsdp_state()._fsdp_param_groups
+        except AttributeError:
+            return
+        for g in groups:
+            res = getattr(g, "_all_gather_result", None)
+            out = getattr(res, "all_gather_output", None)
+            if isinstance(out, torch.Tensor):
+                yield out
+
+
+def unsharded_bytes(model: nn.Module) -> int:
+    """Bytes of the whole (all-gathered) parameters an FSDP-sharded model holds right now, with
+    their gradients not yet reduce-scattered and any all-gather still pending. FSDP registers a
+    parameter as a sharded DTensor while resharded and as a plain tensor while unsharded;
+    storages are counted once."""
+    seen: dict[Any, int] = {}
+    tensors = [t for p in model.parameters() if not hasattr(p, "to_local")
+               for t in (p, p.grad) if t is not None and not hasattr(t, "to_local")]
+    for t in (*tensors, *_pending_all_gathers(model)):
+        s = _storage(t)
+        if s is not None:
+            seen[s[0]] = s[1]
+    return sum(seen.values())
+
+
+def _weight_kind(t: torch.Tensor) -> str | None:
+    """``"weight"`` for a parameter or a view of one (a linear saves its weight's transpose),
+    ``"copy"`` for a cast of a parameter to the compute dtype (or a view of such a cast), else
+    None: an activation."""
+    base = t._base if t._base is not None else t
+    if isinstance(base, nn.Parameter):
+        return "weight"
+    fn = base.grad_fn
+    if fn is not None and type(fn).__name__.startswith("ToCopyBackward"):
+        nxt = fn.next_functions[0][0] if fn.next_functions else None
+        if isinstance(getattr(nxt, "variable", None), nn.Parameter):
+            return "copy"
+    return None
+
+
+class SavedActivations:
+    """Bytes autograd holds for the backward, measured with ``saved_tensors_hooks``; storages
+    are counted once.
+
+    * ``peak`` / :meth:`release`: the tensors the forward saved (checkpointed modules' inputs
+      included), parameters excluded - they are the model's weights, counted apart;
+    * ``recompute_peak``: the most one recomputation of a checkpointed module held in the
+      backward (counted through the ``context_fn`` of :func:`apply_recompute`);
+    * ``unsharded_peak``: with ``model`` given (an FSDP-sharded model), the most whole
+      parameters and their pending gradients seen at any save or unpack of the step
+      (:func:`unsharded_bytes`)."""
+
+    def __init__(self, model: nn.Module | None = None) -> None:
+        self.model = model
         self.live: dict[Any, int] = {}
         self.held = 0
         self.peak = 0
         self.mb_peak = 0
+        self.recompute_peak = 0
+        self.unsharded_peak = 0
+        self.copies: dict[Any, int] = {}
+        self.copies_held = 0
+        self._recomputing: dict[Any, int] | None = None
+        self._active = False
+
+    def reset(self) -> None:
+        """At the start of a step."""
+        self.peak = self.recompute_peak = self.unsharded_peak = 0
+
+    def _scan(self) -> None:
+        whole = unsharded_bytes(self.model) if self.model is not None else 0
+        self.unsharded_peak = max(self.unsharded_peak, whole + self.copies_held)
+
+    def watch_blocks(self, model: nn.Module) -> None:
+        """Hooks on each decoder block. A checkpointed block holds its tensor arguments until
+        its backward, keyword ones too (Hugging Face passes the rotary tables so), which
+        checkpoint does not save through the saved-tensor hooks: count them as saved. With
+        ``model`` to scan, also scan when the backward reaches the block's input: its weight
+        gradients are complete then and not yet reduce-scattered (FSDP's post-backward runs
+        after)."""
+
+        def scan_at_input(grad):
+            self._scan()
+
+        def pre(module, args, kwargs):
+            if not torch.is_grad_enabled():
+                return
+            if self._active and hasattr(module, "_checkpoint_wrapped_module"):
+                for a in (*args, *kwargs.values()):
+                    for t in (a if isinstance(a, (tuple, list)) else (a,)):
+                        if isinstance(t, torch.Tensor):
+                            self._pack(t)
+            if self.model is not None:
+                for a in args:
+                    if isinstance(a, torch.Tensor) and a.requires_grad:
+                        a.register_hook(scan_at_input)
+
+        for blk in decoder_blocks(model):
+            blk.register_forward_pre_hook(pre, with_kwargs=True)
 
     def _pack(self, t: torch.Tensor):
-        try:
-            st = t.untyped_storage()
-            key = (st.data_ptr(), t.device.type)
-            n = st.nbytes()
-        except (RuntimeError, NotImplementedError):  # tensors without storage (fakes)
+        kind = _weight_kind(t)
+        if kind == "weight":
+            self._scan()
             return t
+        s = _storage(t)
+        if s is None:
+            return t
+        key, n = s
+        if kind == "copy":  # a compute-dtype copy of a weight: the unsharded component
+            if key not in self.copies and n:
+                self.copies[key] = n
+                self.copies_held += n
+            self._scan()
+            return t
+        self._scan()
         if key not in self.live and n:
-            self.live[key] = n
+            # the tensor, weakly: a storage the backward has freed no longer counts as held
+            # when a recomputation reuses its address
+            self.live[key] = weakref.ref(t)
             self.held += n
             self.peak = max(self.peak, self.held)
             self.mb_peak = max(self.mb_peak, self.held)
         return t
 
     def _unpack(self, t):
+        self._scan()
         return t
 
+    def _count_recomputed(self, t: torch.Tensor) -> None:
+        self._scan()
+        rec = self._recomputing
+        if rec is None or _weight_kind(t) is not None:
+            return
+        s = _storage(t)
+        alive = self.live.get(s[0]) if s is not None else None
+        if s is not None and (alive is None or alive() is None):
+            rec[s[0]] = s[1]
+            self.recompute_peak = max(self.recompute_peak, sum(rec.values()))
+
+    def checkpoint_contexts(self):
+        """``context_fn`` of ``torch.utils.checkpoint``: nothing in the forward; in the
+        recomputation, count what it saves, then hand each tensor to checkpoint's own hook."""
+        return contextlib.nullcontext(), _CountRecomputation(self)
+
+    @contextlib.contextmanager
     def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        """Count what the forward inside saves."""
+        self._active = True
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._active = False
 
     def release(self) -> int:
         """After a micro-batch's backward: its saved tensors are gone. Returns the most that
         micro-batch held."""
         self.live.clear()
-        self.held = 0
+        self.copies.clear()
+        self.held = self.copies_held = 0
         mb, self.mb_peak = self.mb_peak, 0
         return mb
+
+
+class _CountRecomputation:
+    """Entered inside checkpoint's recomputation, whose saved-tensor hook is then the innermost:
+    push a hook that counts each saved tensor and delegates to it (same pack, same unpack)."""
+
+    def __init__(self, tracker: SavedActivations) -> None:
+        self.tracker = tracker
+        self.ctx = None
+
+    def __enter__(self):
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is None:
+            return self
+        pack, unpack = top
+        tracker = self.tracker
+        tracker._recomputing = {}
+
+        def counting_pack(t):
+            tracker._count_recomputed(t)
+            return pack(t)
+
+        self.ctx = torch.autograd.graph.saved_tensors_hooks(counting_pack, unpack)
+        self.ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)
+            self.ctx = None
+        self.tracker._recomputing = None
+        return False

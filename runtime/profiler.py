@@ -11,6 +11,8 @@ at once so that shared resources (CPU cores, memory bandwidth, NICs) are loaded 
   compute) for each group size;
 * the runtime's decoder layer without its attention (linear modules, norms, RoPE, residuals) and
   the embedding + LM head + loss, forward+backward, over a grid of token counts;
+* the activation memory per token of the runtime's model for each recompute mode (what the
+  forward keeps for the backward, what one recomputation holds), counted as the executor does;
 * the AdamW step and the gradient all-reduce over the model's parameters (as the executor does);
 * point-to-point latency/bandwidth for each pair class (same node, other node), all-to-all and
   all-gather by group size, and whether two concurrent transfers out of one node share a NIC;
@@ -212,6 +214,51 @@ def measure_model_parts(model: ModelSpec, tokens, dev, timer, reps, warmup):
     fns = [f for T in tokens for f in make(T)]
     t = timer.sweep(fns, reps, warmup, sync=dist.barrier)
     return t[0::2], t[1::2]
+
+
+MEMORY_TOKENS = (128, 256)  # two lengths: the slope is per token, free of per-step constants
+
+
+def measure_activation_memory(model: ModelSpec, dev, tokens=MEMORY_TOKENS) -> dict[str, dict[str, float]]:
+    """Activation bytes per token of the runtime's model for each recompute mode: one forward and
+    backward of one sequence (local attention) at two lengths, counted as the executor counts
+    them (:class:`zeppelin.runtime.fsdp.SavedActivations`: what the forward keeps, what one
+    recomputation holds). Measured with one and two layers - layers are identical, so the whole
+    model is ``layers x (two - one) + the rest`` without building it; the recomputation is per
+    layer. Returns ``{mode: {"activations": bytes per token, "recompute": bytes per token}}``."""
+    from zeppelin.runtime.attn.local import local_attention
+    from zeppelin.runtime.fsdp import RECOMPUTE_MODES, SavedActivations, apply_recompute
+    from zeppelin.runtime.model import Layout, LlamaModel
+
+    class _Local(Layout):
+        def __init__(self, T):
+            self.attn_positions = torch.arange(T, device=dev)
+
+        def attention(self, q, k, v):
+            return local_attention(q, k, v, [0, q.shape[0]])
+
+    def held(layers: int, mode: str, T: int) -> tuple[int, int]:
+        lm = LlamaModel(model.model_copy(update={"num_layers": layers})).to(dev)
+        tracker = SavedActivations()
+        apply_recompute(lm, mode, tracker)
+        tracker.watch_blocks(lm)
+        toks = torch.randint(model.vocab_size, (T,), device=dev)
+        with tracker.hooks():  # labels apart from the inputs, as the executor has them
+            loss, _ = lm(toks, toks.roll(-1), _Local(T))
+        loss.backward()
+        return tracker.release(), tracker.recompute_peak
+
+    out = {}
+    t1, t2 = tokens
+    for mode in RECOMPUTE_MODES:
+        per = {}
+        for layers in (1, 2):
+            (a1, r1), (a2, r2) = held(layers, mode, t1), held(layers, mode, t2)
+            per[layers] = ((a2 - a1) / (t2 - t1), (r2 - r1) / (t2 - t1))
+        layer = per[2][0] - per[1][0]
+        out[mode] = {"activations": max(model.num_layers * layer + per[1][0] - layer, 0.0),
+                     "recompute": max(per[2][1], 0.0)}
+    return out
 
 
 def _model_grads(model: ModelSpec, dev):
@@ -543,6 +590,8 @@ def main(argv=None) -> int:
     att_block = measure_attention_block(model, blocks, dev, timer, reps, warm)
     say("decoder layer without attention, and embedding + LM head + loss, forward+backward ...")
     lin, head = measure_model_parts(model, grid["lin"], dev, timer, reps, warm)
+    say("activation memory per token by recompute mode ...")
+    act_mem = measure_activation_memory(model, dev)
     say("optimizer step and gradient all-reduce ...")
     opt_s, nparams = measure_optimizer(model, dev, timer, reps, warm)
     ar = measure_grad_allreduce(model, dev, reps, warm) if world > 1 else {}
@@ -571,7 +620,7 @@ def main(argv=None) -> int:
                    linear_tokens=grid["lin"], linear_s=lin, head_s=head, optimizer_s=opt_s,
                    num_params=nparams, grad_allreduce_s=ar, p2p_bytes=grid["p2p"], p2p_s=p2p,
                    collectives_s=coll, collective_bytes=grid["p2p"][-1], ring_round_s=ring,
-                   ring_attention_s=ring_att,
+                   ring_attention_s=ring_att, activation_memory=act_mem,
                    concurrent_inter_ratio=share, topology=topo,
                    elapsed_s=time.perf_counter() - t_start)
         prof, report = build_profile(raw, model, cluster_name=a.cluster_name)

@@ -46,6 +46,15 @@ class PolyFit(Strict):
         "interpolates them (piecewise log-log) and uses the polynomial's shape only outside their range")
 
 
+class ActivationMemory(Strict):
+    """Measured activation memory of one recompute mode, bytes per token of the whole model (all
+    layers and the head) on one rank: the slope over the measured lengths."""
+
+    activations: float = Field(ge=0, le=1e12, description="what the forward keeps for the backward")
+    recompute: float = Field(default=0.0, ge=0, le=1e12,
+                             description="what one recomputation holds in the backward (selective/full)")
+
+
 class ModelFits(Strict):
     model: str = Field(description="model name the fits were measured for")
     dtype: str
@@ -75,13 +84,17 @@ class ModelFits(Strict):
         description="per ring round of G ranks (keys: '2','4',...), the time the runtime's exchanges add to the "
         "ring beyond its compute (forward and backward exchanges of the round, waits included), seconds: the "
         "median over the measured lengths of (ring_attention - ring_compute) / (G - 1)")
+    activation_memory: dict[str, ActivationMemory] = Field(
+        default_factory=dict,
+        description="measured activation bytes per token by recompute mode (keys: 'none', 'selective', 'full'); "
+        "the cost model uses them instead of its analytic figures")
 
     @model_serializer(mode="wrap")
     def _omit_empty_ring_fits(self, handler):
         # optional fits: left out while empty, so that a profile without them keeps its content
         # hash (plans record it)
         d = handler(self)
-        for key in ("ring_attention", "ring_compute", "ring_sync_s"):
+        for key in ("ring_attention", "ring_compute", "ring_sync_s", "activation_memory"):
             if not d.get(key):
                 d.pop(key, None)
         return d

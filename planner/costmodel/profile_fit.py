@@ -289,6 +289,7 @@ def build_profile(raw: dict, model, cluster_name: str = "") -> tuple["CostProfil
         fits=[ModelFits(model=raw["model"], dtype=raw["dtype"], attention=att_fit, linear=lin_fit,
                         attention_block=block_fit, head=head_fit, optimizer_s=opt_s, grad_allreduce_s=ar,
                         ring_attention=ring_fits["total"], ring_compute=ring_fits["compute"],
-                        ring_sync_s=ring_sync)],
+                        ring_sync_s=ring_sync,
+                        activation_memory=dict(raw.get("activation_memory") or {}))],
     )
     return prof, report

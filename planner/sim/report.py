@@ -107,6 +107,19 @@ class Predictor:
         self.sim = Simulator(self.ctx)
         self.cost = self.ctx.cost
 
+    def memory_model(self, step, rec: dict[str, Any]):
+        """The cost model of the unit of the rank measuring the most memory in ``rec`` (its TP
+        degree), or None when the record has no memory."""
+        mem = rec.get("memory")
+        if not isinstance(mem, dict) or not mem.get("measured_bytes"):
+            return None
+        measured = mem["measured_bytes"]
+        r = max(range(len(measured)), key=lambda i: measured[i])
+        for rep in self.header.replicas(step):
+            if r in rep.ranks:
+                return self.ctx.cost_for(rep.tp)
+        return self.cost
+
     def phases(self, step) -> dict[str, float]:
         r = self.sim.simulate_step(step, timeline=True)
         n = len(r.units)
@@ -173,7 +186,7 @@ def build_report(header, steps: dict[int, Any], records: list[dict[str, Any]],
             "predicted_s": p,
             "rel_error": {ph: rel_error(p[ph], m[ph]) for ph in PHASES},
             "plan_prediction_s": (rec.get("predicted") or {}).get("step_time_s"),
-            "memory": memory_row(rec),
+            "memory": memory_row(rec, pred.memory_model(steps[k], rec)),
         })
     step_err = [r["rel_error"]["step"] for r in rows]
     out = {
@@ -193,8 +206,30 @@ def build_report(header, steps: dict[int, Any], records: list[dict[str, Any]],
     return out
 
 
-def memory_row(rec: dict[str, Any]) -> dict[str, Any] | None:
-    """The rank measuring the most memory in a metrics record, with the plan's prediction for it."""
+#: memory components: (name in the metrics record, name in the cost model, label)
+MEMORY_ROWS = (("params_bytes", "params", "weights (fp32)"), ("grads_bytes", "grads", "gradients"),
+               ("optimizer_bytes", "optimizer", "AdamW moments"), ("unsharded_bytes", "unsharded", "whole weights"),
+               ("activation_bytes", "activations", "activations"), ("recompute_bytes", "recompute", "recompute"))
+
+
+def memory_components(mem: dict[str, Any], r: int, predicted: float | None, cost) -> dict[str, Any] | None:
+    """Rank ``r``'s measured memory by component beside the cost model's: the plan's predicted
+    total fixes the tokens the rank's unit holds, the cost model splits it."""
+    if cost is None or predicted is None:
+        return None
+    measured = {}
+    for key, name, _ in MEMORY_ROWS:
+        vals = mem.get(key)
+        measured[name] = int(vals[r]) if isinstance(vals, list) and r < len(vals) else None
+    per_token = cost.activation_bytes_per_token
+    tokens = max((predicted - cost.model_state_bytes()) / per_token, 0.0) if per_token > 0 else 0.0
+    pred = {k: float(v) for k, v in cost.memory_components(tokens).items()}
+    return {"measured": measured, "predicted": pred, "tokens": tokens}
+
+
+def memory_row(rec: dict[str, Any], cost=None) -> dict[str, Any] | None:
+    """The rank measuring the most memory in a metrics record, with the plan's prediction for it
+    (and, given the unit's cost model, both by component)."""
     mem = rec.get("memory")
     if not isinstance(mem, dict) or not mem.get("measured_bytes"):
         return None
@@ -203,6 +238,7 @@ def memory_row(rec: dict[str, Any]) -> dict[str, Any] | None:
     pred = (mem.get("predicted_bytes") or [None] * len(measured))[r]
     return {"rank": r, "measured_bytes": measured[r], "predicted_bytes": pred,
             "ratio": (measured[r] / pred) if pred else None,
+            "components": memory_components(mem, r, pred, cost),
             "exceeds_capacity": list(mem.get("exceeds_capacity") or []),
             "capacity_bytes": mem.get("capacity_bytes")}
 
@@ -212,11 +248,35 @@ def memory_summary(rows: list[dict[str, Any] | None]) -> dict[str, Any] | None:
     if not rows:
         return None
     ratios = sorted(r["ratio"] for r in rows if r["ratio"] is not None)
-    return {"peak_measured_bytes": max(r["measured_bytes"] for r in rows),
+    top = max(range(len(rows)), key=lambda i: rows[i]["measured_bytes"])
+    return {"peak_measured_bytes": rows[top]["measured_bytes"],
+            "peak_step_components": rows[top].get("components"),
             "peak_predicted_bytes": max((r["predicted_bytes"] or 0) for r in rows) or None,
             "median_ratio": ratios[len(ratios) // 2] if ratios else None,
             "steps_exceeding_capacity": [i for i, r in enumerate(rows) if r["exceeds_capacity"]],
             "capacity_bytes": rows[0]["capacity_bytes"]}
+
+
+def memory_table(comp: dict[str, Any]) -> list[str]:
+    """The step measuring the most memory, predicted vs measured by component (MB), as lines of
+    at most 80 columns."""
+    def mb(x):
+        return "-" if x is None else f"{x / 1e6:,.1f}"
+
+    def err(p, m):
+        return "-" if not m else f"{(p - m) / m:+.1%}"
+
+    lines = ["memory of the rank measuring the most, by component (MB):",
+             f"  {'component':<16}{'predicted':>12}{'measured':>12}{'error':>9}"]
+    tot_p = tot_m = 0.0
+    for _, name, label in MEMORY_ROWS:
+        p, m = comp["predicted"].get(name, 0.0), comp["measured"].get(name)
+        tot_p += p
+        tot_m += m or 0
+        lines.append(f"  {label:<16}{mb(p):>12}{mb(m):>12}{err(p, m):>9}")
+    lines.append(f"  {'sum (peak)':<16}{mb(tot_p):>12}{mb(tot_m):>12}{err(tot_p, tot_m):>9}")
+    lines.append("  error = (predicted - measured) / measured: + over-predicts, - under (OOM risk)")
+    return lines
 
 
 def report_for_plan(plan_path: str | Path, metrics_path: str | Path, *, skip: int = 0,
@@ -299,6 +359,9 @@ def render(report: dict[str, Any], console=None) -> None:
         if mem["median_ratio"] is not None:
             line += f" (measured / predicted, median over steps: {mem['median_ratio']:.2f})"
         con.print(line)
+        if mem.get("peak_step_components"):
+            for line in memory_table(mem["peak_step_components"]):
+                con.print(line, highlight=False)
         if mem["steps_exceeding_capacity"]:
             steps = [report["steps"][i]["step"] for i in mem["steps_exceeding_capacity"]]
             con.print(f"[bold red]steps exceeding the {mem['capacity_bytes'] / 1e9:g} GB per GPU of the plan's "

@@ -141,10 +141,17 @@ def test_packed_dp_local_and_token_balanced():
 def test_packed_dp_fails_honestly():
     ctx = make_ctx("zeppelin-a", "llama-7b")
     cap = ctx.cost.token_capacity
-    assert cap == 12168  # (76 GB - 3P states, P = 6,738,415,616) / 4,584,448 B per token
+    # (76 GB - model states) / activation bytes per token; ZeRO-1 over 16 GPUs, bf16: states
+    # 16P/16 + 2P whole weights + 2 (LM head + final norm + one block) pending gradients
+    m = ctx.model
+    P, h, f, L, V = m.num_params(), m.hidden, m.ffn_hidden, m.num_layers, m.vocab_size
+    states = P + 2 * P + 2 * (V * h + h + m.params_per_layer())
+    norm = 10 * h + 4
+    per_token = L * (2 * norm + 2 * (2 * h + 2 * h) + 4 * m.num_heads + 8 * f) + norm + 4 * V + 16 + 4 * m.head_dim
+    assert cap == int((76e9 - states) / per_token) == 8273
     with pytest.raises(PlanningError) as e:
         get_planner("packed-dp").plan_step(ctx, 0, seqs([100, 200, 300, 250000]))
-    assert str(e.value) == ("sequence 3 (sample 33, 250000 tokens) does not fit one GPU (capacity 12168 tokens); "
+    assert str(e.value) == ("sequence 3 (sample 33, 250000 tokens) does not fit one GPU (capacity 8273 tokens); "
                             "packed-dp cannot split sequences")
 
 
@@ -224,10 +231,17 @@ def test_te_cp_one_size_for_the_run_from_max_seq_len():
     """The CP size comes from the run's max_seq_len, not from the step: a step of short sequences
     is still split over CP ranks, every sequence padded to a multiple of 2*CP, DP groups of
     contiguous ranks; te-cp-tuned picks its size per step."""
-    ctx = make_ctx("zeppelin-a", "llama-7b")  # 16 GPUs, capacity 12168 tokens per GPU
+    ctx = make_ctx("zeppelin-a", "llama-7b")  # 16 GPUs, capacity 8273 tokens per GPU
     cap = ctx.cost.token_capacity
-    assert cap == 12168  # (76 GB - 3P states, P = 6,738,415,616) / 4,584,448 B per token
-    ctx.max_seq_len = 32768  # 32768 / 4 = 8192 <= 12168, / 2 = 16384 > 12168 -> CP = 4
+    # (76 GB - model states) / activation bytes per token; ZeRO-1 over 16 GPUs, bf16: states
+    # 16P/16 + 2P whole weights + 2 (LM head + final norm + one block) pending gradients
+    m = ctx.model
+    P, h, f, L, V = m.num_params(), m.hidden, m.ffn_hidden, m.num_layers, m.vocab_size
+    states = P + 2 * P + 2 * (V * h + h + m.params_per_layer())
+    norm = 10 * h + 4
+    per_token = L * (2 * norm + 2 * (2 * h + 2 * h) + 4 * m.num_heads + 8 * f) + norm + 4 * V + 16 + 4 * m.head_dim
+    assert cap == int((76e9 - states) / per_token) == 8273
+    ctx.max_seq_len = 32768  # 32768 / 4 = 8192 <= 8273, / 2 = 16384 > 8273 -> CP = 4
     lengths = [10, 100, 777, 2000, 5000, 300]
     plan = get_planner("te-cp").plan_step(ctx, 0, seqs(lengths))
     assert plan.notes["cp"] == 4 and plan.notes["dp"] == 4
@@ -262,7 +276,7 @@ def test_te_cp_max_seq_len_does_not_fit():
     with pytest.raises(PlanningError) as e:
         get_planner("te-cp").plan_step(ctx, 0, seqs([500]))
     assert str(e.value) == ("te-cp: --max-seq-len 200000 does not fit even with cp=16 "
-                            "(12500 tokens per GPU, capacity 12168)")
+                            "(12500 tokens per GPU, capacity 8273)")
 
 
 @pytest.mark.parametrize("name", ["te-cp", "te-cp-tuned"])
@@ -271,7 +285,7 @@ def test_te_cp_fails_when_longest_does_not_fit_all_units(name):
     with pytest.raises(PlanningError) as e:
         get_planner(name).plan_step(ctx, 0, seqs([500, 200000]))
     assert str(e.value) == (f"sequence 1 (sample 13, 200000 tokens) does not fit {name} even with cp=16 "
-                            "(12500 tokens per GPU, capacity 12168)")
+                            "(12500 tokens per GPU, capacity 8273)")
 
 
 def test_ulysses_degree_divides_heads_contiguous():
@@ -637,16 +651,16 @@ def test_hydraulis_cp_replica_stage1_cost_by_hand():
 
 
 def test_hydraulis_without_long_sequence_unchanged():
-    """No sequence needs CP: the same replicas, dispatch and makespan as before CP replicas existed
-    (values recorded from the planner before the change; stage 1 is deterministic)."""
+    """No sequence needs CP: replicas, dispatch and makespan as recorded from the planner (stage 1
+    is deterministic). Sequences up to 9,000 tokens exceed a TP=1 replica's capacity (8,273), so
+    the short ones share a second TP=8 replica; the makespan is the 60,000-token sequence's."""
     ctx = make_ctx("zeppelin-a", "llama-7b")
     rng = np.random.default_rng(11)
     lengths = [int(x) for x in rng.integers(300, 9000, 24)] + [60000]
     plan = get_planner("hydraulis", **FAST).plan_step(ctx, 0, seqs(lengths))
-    assert plan.notes["replica_tp"] == [8, 1, 1, 1, 1, 1, 1, 1, 1]
+    assert plan.notes["replica_tp"] == [8, 8]
     assert plan.notes["configs_scored"] == 4 and "cp_replicas" not in plan.notes
     assert plan.notes["dispatch_makespan_s"] == pytest.approx(4.284245660589054, rel=1e-12)
     own = _owner(plan)
-    assert [own[i][1].units for i in range(len(lengths))] == [[u] for u in [
-        5, 1, 5, 3, 7, 8, 7, 2, 2, 7, 1, 3, 6, 3, 5, 4, 6, 2, 1, 8, 4, 8, 6, 4, 0]]
+    assert [own[i][1].units for i in range(len(lengths))] == [[1]] * 24 + [[0]]
     assert all(g.kind == "local" for mb in plan.microbatches for g in mb.groups)

@@ -27,7 +27,7 @@ def test_mixes_are_deterministic_and_ordered():
     med = {m: float(np.median(mix_dataset(m, 5000).lengths)) for m in ("short", "mixed", "long")}
     assert med["short"] < med["mixed"] < med["long"]
     assert resolve_dataset("mix:long").source == "mix:long"
-    with pytest.raises(InputError, match=r"^unknown length mix 'huge' \(known: short, mixed, long\)$"):
+    with pytest.raises(InputError, match=r"^unknown length mix 'huge' \(known: short, mixed, long, longtail\)$"):
         resolve_dataset("mix:huge")
 
 

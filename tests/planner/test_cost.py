@@ -143,37 +143,95 @@ def test_inter_node_all_to_all_by_hand():
 
 
 def test_memory_by_zero_stage():
-    m = TINY
+    m = TINY  # fp32: c = 4
     P = m.num_params()
     block = m.params_per_layer()
     root = P - m.num_layers * block
+    out = m.vocab_size * m.hidden + m.hidden   # LM head + final norm: gradients from the start of the backward
     # what the runtime's FSDP2 holds (fp32: weights 4, grads 4, Adam moments 8 bytes per parameter);
     # ZeRO-1 runs with ZeRO-2's holdings (FSDP reduce-scatters gradients as they are produced)
     # and is charged exactly those, not the classic split 8P + 8P/N
-    for z, expect in ((0, 16 * P), (1, 4 * P + 16 * P / 4), (2, 4 * P + 16 * P / 4),
-                      (3, 16 * P / 4 + 4 * (root + 3 * block))):
+    shards = {"params": 4 * P / 4, "grads": 4 * P / 4, "optimizer": 8 * P / 4}
+    for z, unsharded in ((1, 4 * P + 4 * (out + block)), (2, 4 * P + 4 * (out + block)),
+                         (3, 4 * (root + 2 * block) + 4 * (out + block))):
         c = CostModel(round_cluster(), m, ideal_profile(), zero_stage=z)
         assert c.num_units == 4
-        np.testing.assert_allclose(c.model_state_bytes(), expect)
+        got = c.model_state_components()
+        for k, v in shards.items():
+            np.testing.assert_allclose(got[k], v)
+        np.testing.assert_allclose(got["unsharded"], unsharded)
+        np.testing.assert_allclose(c.model_state_bytes(), 16 * P / 4 + unsharded)
+    c = CostModel(round_cluster(), m, ideal_profile(), zero_stage=0)
+    np.testing.assert_allclose(c.model_state_bytes(), 16 * P)  # fp32 compute: no weight casts
+    # bf16 compute, replicated: the bf16 casts of the weight matrices and the LM head the forward keeps
     bf = model_preset("llama-7b")
+    h, f, L, V = bf.hidden, bf.ffn_hidden, bf.num_layers, bf.vocab_size
     c = CostModel(cluster_preset("zeppelin-a"), bf, zero_stage=0)
-    np.testing.assert_allclose(c.model_state_bytes(), 16 * bf.num_params())
+    np.testing.assert_allclose(c.model_state_bytes(), 16 * bf.num_params() + 2 * (L * (4 * h * h + 3 * h * f) + V * h))
+    c = CostModel(cluster_preset("zeppelin-a"), bf, zero_stage=0, recompute="full")
+    np.testing.assert_allclose(c.model_state_bytes(), 16 * bf.num_params() + 2 * V * h)
     # recomputation lowers the activation bytes per token: none > selective > full
     acts = [CostModel(round_cluster(), m, ideal_profile(), recompute=r).activation_bytes_per_token
             for r in ("none", "selective", "full")]
     assert acts[0] > acts[1] > acts[2]
-    bf = model_preset("llama-7b")
-    c = CostModel(cluster_preset("zeppelin-a"), bf, zero_stage=0)
-    np.testing.assert_allclose(c.model_state_bytes(), 16 * bf.num_params())
+
+
+def test_activation_memory_by_hand():
+    """The per-token formulas, hand-computed for TINY (fp32, h 64, 4 heads of 16, 2 KV heads, FFN
+    176, vocab 256, 2 layers) and its bf16 twin."""
+    h, kv, f, V, heads, d, L = 64, 32, 176, 256, 4, 16, 2
+    for dtype, c in (("fp32", 4), ("bf16", 2)):
+        m = TINY.model_copy(update={"dtype": dtype})
+        norm = (8 + c) * h + 4                       # fp32 input and normalised rows, c output, 1/rms
+        attn = c * (2 * h + 2 * kv) + 4 * heads      # rotated Q, K, V, output; fp32 log-sum-exp
+        mlp = 4 * c * f                              # gate, SiLU(gate), up, product
+        layer = 2 * norm + attn + mlp
+        head = norm + 4 * V + 16 + 4 * d             # final norm, fp32 log-softmax, ids+labels, cos/sin
+        cm = {r: CostModel(round_cluster(), m, ideal_profile(), recompute=r) for r in ("none", "selective", "full")}
+        assert cm["none"].layer_activation_parts() == {"norms": 2 * norm, "attention": attn, "mlp": mlp}
+        np.testing.assert_allclose(cm["none"].activation_split, (L * layer + head, 0.0))
+        np.testing.assert_allclose(cm["selective"].activation_split, (L * (layer - mlp) + head, mlp))
+        # full: block inputs; one layer recomputed, less its input where the norm keeps it as is (fp32)
+        np.testing.assert_allclose(cm["full"].activation_split,
+                                   (L * c * h + head, layer - (4 * h if c == 4 else 0)))
+    # a Hugging Face decoder: its norm keeps the normalised rows cast back (4 + 2c) h, cos/sin of d in c
+    hf = TINY.model_copy(update={"dtype": "bf16", "remap_payload": "qkv"})
+    c = CostModel(round_cluster(), hf, ideal_profile())
+    norm = (4 + 4) * h + 4
+    layer = 2 * norm + 2 * (2 * h + 2 * kv) + 4 * heads + 8 * f
+    np.testing.assert_allclose(c.activation_split[0], L * layer + norm + 4 * V + 16 + 2 * 2 * d)
 
 
 def test_activation_memory_and_capacity():
     c = CostModel(round_cluster(), TINY, ideal_profile())
-    per_tok = 34 * 64 * 4 / 2 * 2 + 256 * 4           # 34*h*bytes/2 per layer x 2 layers + fp32 logits
+    act, rec = c.activation_split
+    per_tok = act + rec
     np.testing.assert_allclose(c.activation_bytes_per_token, per_tok)
     cap = int((10e9 - c.model_state_bytes()) / per_tok)
     assert c.token_capacity == cap
     np.testing.assert_allclose(c.memory_bytes(100), c.model_state_bytes() + 100 * per_tok)
+    comp = c.memory_components(100)
+    assert tuple(comp) == CostModel.MEMORY_COMPONENTS
+    np.testing.assert_allclose(sum(comp.values()), c.memory_bytes(100))
+
+
+def test_measured_activation_memory_replaces_the_formula():
+    """A profile's measured figures for the model (``fits.activation_memory``) are used as they are;
+    without them the profile's JSON (and content hash) is what it was."""
+    from zeppelin.schemas.common import content_hash
+    from zeppelin.schemas.profile import ActivationMemory, ModelFits
+
+    prof = ideal_profile()
+    plain = ModelFits(model=TINY.name, dtype=TINY.dtype)
+    before = content_hash(prof.model_copy(update={"fits": [plain]}))
+    assert "activation_memory" not in plain.model_dump_json()
+    fits = plain.model_copy(update={"activation_memory": {"full": ActivationMemory(activations=1000.0, recompute=500.0)}})
+    prof2 = prof.model_copy(update={"fits": [fits]})
+    assert content_hash(prof2) != before
+    c = CostModel(round_cluster(), TINY, prof2, recompute="full")
+    assert c.activation_split == (1000.0, 500.0) and c.activation_bytes_per_token == 1500.0
+    # another recompute mode keeps the formula
+    assert CostModel(round_cluster(), TINY, prof2).activation_split == CostModel(round_cluster(), TINY, prof).activation_split
 
 
 def test_tensor_parallel_splits_work():

@@ -234,3 +234,25 @@ def test_ring_blocks_use_the_measured_block_fit():
     assert float(cm.attn_block_time(100, 400, causal=False)) == pytest.approx(2e-4 + 3e-7 * 100 * 400)
     assert float(cm.attn_block_time(100, 100, causal=True)) == pytest.approx(1e-3 + 1e-6 * 100 * 100)
     assert float(cm.attn_block_time(0, 400, causal=False)) == 0.0
+
+
+def test_memory_table_by_component_fits_80_columns():
+    """The report's memory table: predicted vs measured per component (the plan's predicted total
+    fixes the tokens held, the cost model splits it), the error's sign explained, 80 columns."""
+    from zeppelin.planner.costmodel.cost import CostModel
+    from zeppelin.planner.sim.report import memory_components, memory_table
+
+    cost = CostModel(cluster_preset("local-cpu:1x4"), model_preset("small"), zero_stage=3, recompute="full")
+    pred = {k: float(v) for k, v in cost.memory_components(1000).items()}
+    total = sum(pred.values())
+    mem = {"params_bytes": [int(pred["params"])], "grads_bytes": [int(pred["grads"])],
+           "optimizer_bytes": [int(pred["optimizer"])], "unsharded_bytes": [int(pred["unsharded"])],
+           "activation_bytes": [int(pred["activations"] * 1.25)], "recompute_bytes": [int(pred["recompute"])]}
+    comp = memory_components(mem, 0, total, cost)
+    assert comp["tokens"] == pytest.approx(1000)
+    lines = memory_table(comp)
+    assert all(len(line) <= 80 for line in lines)
+    act = next(line for line in lines if line.strip().startswith("activations"))
+    assert act.split()[-1] == "-20.0%"           # (p - m) / m with m = 1.25 p
+    assert "+ over-predicts, - under" in lines[-1]
+    assert memory_components(mem, 0, None, cost) is None

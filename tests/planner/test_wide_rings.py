@@ -22,8 +22,12 @@ MAX_LEN = 131072
 
 
 def _ctx(tp: int = 2) -> PlanContext:
-    cl = resolve_cluster("zeppelin-a:8")  # 64 A800, 4 NICs per node
-    ctx = PlanContext(cl, resolve_model("llama-13b"), resolve_profile(None, cl), tp=tp, seed=0)
+    """64 A800 (4 NICs per node), LLaMA-13B at tp 2 with selective recompute: a 131,072-token
+    sequence then fits a ring of two whole nodes (without recompute it needs four, and three such
+    rings do not fit side by side on eight nodes)."""
+    cl = resolve_cluster("zeppelin-a:8")
+    ctx = PlanContext(cl, resolve_model("llama-13b"), resolve_profile(None, cl), tp=tp, seed=0,
+                      recompute="selective")
     ctx.max_seq_len = MAX_LEN
     return ctx
 

@@ -57,7 +57,7 @@ def seed_header(cluster, model, num_steps: int, planner: str, tp: int = 1, tp_ov
                                          profile=content_hash(profile), manifest="synthetic"))
 
 
-def tight_cluster(memory_gb: float = 0.504):
+def tight_cluster(memory_gb: float = 0.505):
     """local-cpu:1x4 whose processes hold a few hundred tokens (FlexSP then needs micro-batches)."""
     base = cluster_preset("local-cpu:1x4")
     return base.model_copy(update={"gpu": base.gpu.model_copy(update={"memory_gb": memory_gb})})
@@ -65,7 +65,7 @@ def tight_cluster(memory_gb: float = 0.504):
 
 # FlexSP's memory: about 180 tokens per process (model states charged as FSDP holds them), so its MILP
 # needs Ulysses groups of 2 and 4 processes and two micro-batches for the step below
-FLEXSP_GB = 0.5028
+FLEXSP_GB = 0.5035
 
 
 def planned_step(name: str, header: PlanHeader, lens: list[int], k: int = 0, **options) -> StepPlan:
