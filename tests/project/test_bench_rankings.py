@@ -35,6 +35,7 @@ def test_ratios_winner_and_target(bench):
     assert z["ratios"]["te-cp"]["measured"] == pytest.approx(1.25)
     assert z["ratios"]["te-cp"]["predicted"] == pytest.approx(1.2)
     assert z["ratios"]["te-cp"]["agreement"] == pytest.approx(1.25 / 1.2 - 1)
+    assert z["fastest_round_s"] == 1.0 and z["ratios"]["te-cp"]["measured_of_fastest_rounds"] == pytest.approx(1.25)
     assert z["ratios"]["packed-dp"]["measured"] == pytest.approx(1.05)
     assert z["ratios"]["packed-dp"]["agreement"] == pytest.approx(1.05 / 1.1 - 1)
     assert "te-cp" not in s["plans"]["te-cp"]["ratios"]
