@@ -118,7 +118,7 @@ def summarize(names: list[str], best_other: str, predicted_s: dict[str, list[flo
     meas = {n: statistics.median(r[n] for r in per_round) for n in names}
     plans: dict[str, Any] = {}
     for n in names:
-        row = {"measured_step_s": meas[n], "predicted_step_s": pred[n],
+        row = {"measured_step_s": meas[n], "predicted_step_s": pred[n], "predicted_steps_s": list(predicted_s[n]),
                "measured_rounds_s": [r[n] for r in per_round], "fastest_round_s": min(r[n] for r in per_round),
                # run-to-run spread of this plan: (slowest round - fastest round) / median
                "round_spread": (max(r[n] for r in per_round) - min(r[n] for r in per_round)) / meas[n],
@@ -164,6 +164,28 @@ def render(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def render_markdown(doc: dict[str, Any]) -> str:
+    """The table of docs/BENCHMARKS.md, "Rankings when run", from a result document."""
+    s = doc["summary"]
+    best = doc["best_other"]
+    lines = [f"| ranks | plan | measured step (median s) | per-round median s | spread | predicted step s "
+             f"| vs te-cp measured / fastest rounds / predicted | vs {best} measured / fastest rounds / predicted "
+             f"| load avg (1 min) during runs |",
+             "|---|---|---:|---|---:|---:|---|---|---|"]
+    for n, row in s["plans"].items():
+        cells = []
+        for ref in (REFERENCE, best):
+            r = row["ratios"].get(ref)
+            cells.append(f"{r['measured']:.3f} / {r['measured_of_fastest_rounds']:.3f} / {r['predicted']:.3f}"
+                         if r else "-")
+        loads = [x["load_avg_before"][0] for x in doc["runs"] if x["plan"] == n and x["load_avg_before"]]
+        lines.append(f"| {doc['ranks']} | {n} | {row['measured_step_s']:.3f} | "
+                     f"{' / '.join(f'{x:.2f}' for x in row['measured_rounds_s'])} | {row['round_spread']:.0%} | "
+                     f"{row['predicted_step_s']:.3f} | {cells[0]} | {cells[1]} | "
+                     f"{min(loads, default=0):.1f}-{max(loads, default=0):.1f} |")
+    return "\n".join(lines)
+
+
 def _cluster_name(profile, given: str | None, ranks: int) -> str:
     if given:
         return given
@@ -190,7 +212,12 @@ def main(argv=None) -> int:
     ap.add_argument("--planners", nargs="+", default=None, help="planners to choose the best other from")
     ap.add_argument("--workdir", type=Path, default=None, help="keep profile, plans, reports here")
     ap.add_argument("-o", "--output", type=Path, default=None, help="write the JSON here (default: stdout)")
+    ap.add_argument("--markdown", type=Path, default=None,
+                    help="print the docs/BENCHMARKS.md table of this earlier result JSON and exit")
     args = ap.parse_args(argv)
+    if args.markdown is not None:
+        print(render_markdown(json.loads(args.markdown.read_text())))
+        return 0
     if args.ranks < 2 or args.ranks % args.nodes:
         raise SystemExit("bench_rankings: --ranks must be >= 2 and a multiple of --nodes")
 

@@ -104,3 +104,6 @@ def test_main_plans_picks_runs_interleaved_and_reports(bench, tmp_path, monkeypa
     assert s["predicted_winner"] == min(s["plans"], key=lambda n: s["plans"][n]["predicted_step_s"])
     assert statistics.median(doc["step_lengths"][0]) > 0
     assert "predicted winner" in capsys.readouterr().err
+    assert bench.main(["--markdown", str(out)]) == 0
+    table = capsys.readouterr().out.strip().splitlines()
+    assert len(table) == 2 + 3 and all(line.startswith("| 4 | ") for line in table[2:])
