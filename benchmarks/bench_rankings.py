@@ -36,7 +36,7 @@ from typing import Any
 
 # the helpers of bench_accuracy (running commands, load average, the length-mix manifest)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_accuracy import _load, _run, _zeppelin_cmd, write_manifest  # noqa: E402
+from bench_accuracy import _load, _run, _zeppelin_cmd, write_manifest
 
 REFERENCE = "te-cp"
 # the ratios a plan's agreement is judged on: measured / predicted - 1 within this
@@ -146,10 +146,10 @@ def summarize(names: list[str], best_other: str, predicted_s: dict[str, list[flo
 def render(doc: dict[str, Any]) -> str:
     s = doc["summary"]
     best = doc["best_other"]
-    lines = [f"rankings when run: {doc['ranks']} ranks ({doc['cluster']}), model {doc['model']}, {doc['rounds']} "
-             f"rounds x {doc['steps']} steps, load {doc['load_avg_start']} -> {doc['load_avg_end']}",
-             f"{'plan':<14}{'measured s':>11}{'predicted s':>12}{'spread':>8}"
-             f"{'vs te-cp meas/fastest/pred':>28}{'vs ' + best + ' meas/fastest/pred':>32}"]
+    lines = [(f"rankings when run: {doc['ranks']} ranks ({doc['cluster']}), model {doc['model']}, {doc['rounds']} "
+              f"rounds x {doc['steps']} steps, load {doc['load_avg_start']} -> {doc['load_avg_end']}"),
+             (f"{'plan':<14}{'measured s':>11}{'predicted s':>12}{'spread':>8}"
+              f"{'vs te-cp meas/fastest/pred':>28}{'vs ' + best + ' meas/fastest/pred':>32}")]
     for n, row in s["plans"].items():
         cells = []
         for ref in (REFERENCE, best):
@@ -168,9 +168,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
     """The table of docs/BENCHMARKS.md, "Rankings when run", from a result document."""
     s = doc["summary"]
     best = doc["best_other"]
-    lines = [f"| ranks | plan | measured step (median s) | per-round median s | spread | predicted step s "
-             f"| vs te-cp measured / fastest rounds / predicted | vs {best} measured / fastest rounds / predicted "
-             f"| load avg (1 min) during runs |",
+    lines = [(f"| ranks | plan | measured step (median s) | per-round median s | spread | predicted step s "
+              f"| vs te-cp measured / fastest rounds / predicted | vs {best} measured / fastest rounds / predicted "
+              f"| load avg (1 min) during runs |"),
              "|---|---|---:|---|---:|---:|---|---|---|"]
     for n, row in s["plans"].items():
         cells = []

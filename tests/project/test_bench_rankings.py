@@ -94,7 +94,7 @@ def test_main_plans_picks_runs_interleaved_and_reports(bench, tmp_path, monkeypa
     assert len(doc["runs"]) == 6 and {"load_avg_before", "load_avg_after"} <= set(doc["runs"][0])
     s = doc["summary"]
     assert sorted(s["plans"]) == sorted(["zeppelin", "te-cp", best])
-    for name, row in s["plans"].items():
+    for row in s["plans"].values():
         # what was run is what was planned: the runs' times are 1.1x the planning-time predictions
         assert row["measured_step_s"] == pytest.approx(1.1 * row["predicted_step_s"], rel=1e-6)
         assert row["prediction_rel_error"] == pytest.approx(1 / 1.1 - 1)
