@@ -143,6 +143,16 @@ def summarize(names: list[str], best_other: str, predicted_s: dict[str, list[flo
                        "holds": pw == mw and bool(agree) and max(agree) <= TARGET_AGREEMENT}}
 
 
+def _ratio_cells(row: dict[str, Any], best: str) -> list[str]:
+    """"measured / fastest rounds / predicted" of a plan's ratios over te-cp and the best other."""
+    cells = []
+    for ref in (REFERENCE, best):
+        r = row["ratios"].get(ref)
+        cells.append(f"{r['measured']:.3f} / {r['measured_of_fastest_rounds']:.3f} / {r['predicted']:.3f}"
+                     if r else "-")
+    return cells
+
+
 def render(doc: dict[str, Any]) -> str:
     s = doc["summary"]
     best = doc["best_other"]
@@ -151,11 +161,7 @@ def render(doc: dict[str, Any]) -> str:
              (f"{'plan':<14}{'measured s':>11}{'predicted s':>12}{'spread':>8}"
               f"{'vs te-cp meas/fastest/pred':>28}{'vs ' + best + ' meas/fastest/pred':>32}")]
     for n, row in s["plans"].items():
-        cells = []
-        for ref in (REFERENCE, best):
-            r = row["ratios"].get(ref)
-            cells.append(f"{r['measured']:.3f} / {r['measured_of_fastest_rounds']:.3f} / {r['predicted']:.3f}"
-                         if r else "-")
+        cells = _ratio_cells(row, best)
         lines.append(f"{n:<14}{row['measured_step_s']:>11.3f}{row['predicted_step_s']:>12.3f}"
                      f"{row['round_spread']:>8.1%}{cells[0]:>28}{cells[1]:>32}")
     lines.append(f"predicted winner {s['predicted_winner']}, measured winner {s['measured_winner']}; "
@@ -173,11 +179,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
               f"| load avg (1 min) during runs |"),
              "|---|---|---:|---|---:|---:|---|---|---|"]
     for n, row in s["plans"].items():
-        cells = []
-        for ref in (REFERENCE, best):
-            r = row["ratios"].get(ref)
-            cells.append(f"{r['measured']:.3f} / {r['measured_of_fastest_rounds']:.3f} / {r['predicted']:.3f}"
-                         if r else "-")
+        cells = _ratio_cells(row, best)
         loads = [x["load_avg_before"][0] for x in doc["runs"] if x["plan"] == n and x["load_avg_before"]]
         lines.append(f"| {doc['ranks']} | {n} | {row['measured_step_s']:.3f} | "
                      f"{' / '.join(f'{x:.2f}' for x in row['measured_rounds_s'])} | {row['round_spread']:.0%} | "
