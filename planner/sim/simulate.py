@@ -146,6 +146,8 @@ class Engine:
         return t
 
     def compute(self, unit: int, seconds: float, prio: tuple, deps: Iterable[int] = (), cat: str = "attention") -> int:
+        if not seconds >= 0.0:  # an event before its cause would stall the event loop, not fail it
+            raise ValueError(f"simulated {cat} compute of {seconds!r} s on unit {unit}: durations must be >= 0")
         t = self._new("compute", deps)
         t.unit, t.dur, t.prio, t.cat = unit, float(seconds), prio, cat
         return t.tid
@@ -742,6 +744,9 @@ class _Layer:
             t[part] = cost.attn_block_time(lq[part], pairs[part] / lq[part], causal=False)
         calls = nz.sum(axis=(3, 4))  # pieces per (p, i, r)
         tt = t.sum(axis=(3, 4)) - np.maximum(calls - 1, 0) * self.sim.attn_overhead
+        # the overhead comes from the whole-sequence fit, the pieces from the block fit: where
+        # pieces cost less than it, fusing them still costs at least the largest one
+        tt = np.maximum(tt, t.max(axis=(3, 4)))
         return tt, tok, calls
 
     # ------------------------------------------------------------------ build
@@ -860,7 +865,7 @@ class _Layer:
         # one call per placement against the gathered K/V: drop the per-round launch overheads
         rounds = (calls > 0).sum(axis=2)  # (P, G)
         comp = tt.sum(axis=2) - np.maximum(rounds - 1, 0) * self.sim.attn_overhead  # (P, G)
-        comp = comp.sum(axis=0)
+        comp = np.maximum(comp, tt.max(axis=2)).sum(axis=0)  # (as in _block_times: at least the largest call)
         pos_tok = tok.sum(axis=0)
         total = float(pos_tok.sum())
         flows = []

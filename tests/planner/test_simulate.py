@@ -321,6 +321,20 @@ def test_allgather_and_ulysses_hand_cases():
         assert u.exposed_comm_s - ul.allreduce_s == pytest.approx(2 * a2a, rel=1e-9)
 
 
+def test_fused_attention_calls_never_cost_less_than_their_largest_piece():
+    # the per-call overhead comes from the whole-sequence attention fit, the pieces from the block
+    # fit; a measured profile can make the overhead exceed small pieces. Subtracting it once per
+    # fused piece must not drive a compute negative (an event before its cause stalls the loop).
+    L, c = 4096, 1024
+    sim = Simulator(ctx_for(cluster(intra=50.0)))
+    sim.attn_overhead = 1.0  # far above any block of this step
+    for kind in ("allgather", "ring"):
+        r = sim.simulate_step(ring_step(L, [0, 1], kind=kind))
+        assert all(full_block(c) <= u.attention_s < 1.0 for u in r.units), kind
+    with pytest.raises(ValueError, match="durations must be >= 0"):
+        Engine({}).compute(0, -1e-3, (0, 0))
+
+
 def test_remap_moves_tokens_between_attention_and_linear():
     """Unit 0 holds a 3000-token sequence, unit 1 a 1000-token one; the linear layout gives each
     2000 tokens, so 1000 tokens' activations move 0 -> 1 before the linear modules and back after."""
