@@ -887,7 +887,7 @@ def test_flop_share_micro_batches_chosen_for_coupling(monkeypatch, cell, fine_sh
 
 @pytest.mark.parametrize("cell, fine, whole", [
     (("zeppelin-c", "llama-13b", 2, "long", 128, 0), 5.35, 5.70),
-    (("zeppelin-c", "llama-13b", 2, "mixed", 64, 0), 4.29, 5.31),
+    (("zeppelin-c", "llama-13b", 2, "mixed", 64, 0), 4.29, 4.88),
 ])
 def test_flop_share_fine_rings_pack_long_steps_evenly(monkeypatch, cell, fine, whole):
     """LLaMA-13B on cluster C: rings of up to a unit's whole share each leave long steps lumpy
@@ -1094,7 +1094,11 @@ def test_node_cp_candidates_stop_at_node_cp_max_units(monkeypatch):
         assert ((None,), False) in calls
         assert any(nm for _, nm in calls) is node_cp
         assert any(f != (None,) for f, _ in calls) is node_cp
+        # on 8 units the simulator judges the candidates: fewer candidates, never a faster plan by it
+        from zeppelin.planner.sim.simulate import Simulator
+
+        t = Simulator(ctx).simulate_step(plan).step_time_s
         if ref is None:
-            ref = plan.prediction.step_time_s
-        else:  # fewer candidates: never a faster plan
-            assert plan.prediction.step_time_s >= ref - 1e-12
+            ref = t
+        else:
+            assert t >= ref - 1e-12
