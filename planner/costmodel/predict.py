@@ -72,16 +72,20 @@ def _route_round_time(ctx: PlanContext, mb: MicroBatch, routed: bool) -> tuple[d
 
     A round's flows of one group run together: a NIC's sending or receiving side (two separate
     links, as in the simulator) moves the bytes of every flow of the round crossing it, when the
-    profile says concurrent transfers share a NIC. The dispatch and combine hops over NVLink use
-    other links than the NICs: a ring keeps two rounds' transfers in flight (double buffering), so
-    they overlap the next round's NIC transfer and are not charged per round. Flows of different
-    groups meet only when their rounds coincide, so they do not slow each other's rounds - but every
-    NIC side must move, over the layer, the bytes of every round of every group crossing it: a
-    group takes at least as long as the busiest NIC side it crosses."""
+    profile says concurrent transfers share a NIC; a routed path adds its dispatch and combine hops
+    over NVLink. Flows of different groups meet only when their rounds coincide, so they do not slow
+    each other's rounds - but every NIC side must move, over the layer, the bytes of every round of
+    every group crossing it: a group takes at least as long as the busiest NIC side it crosses."""
     cost = ctx.cost
     shared = ctx.profile.nic_shared_by_concurrent_transfers
     sizes = {r.group: len(mb.groups[r.group].units) for r in mb.routes}
-    flows = [(r.group, float(cost.ring_round_bytes(tokens)), a, b) for r, _, tokens, a, b in _route_flows(ctx, mb, routed)]
+    flows = []
+    hops: dict[int, float] = defaultdict(float)  # per group: the slowest dispatch + combine of a round
+    for r, p, tokens, a, b in _route_flows(ctx, mb, routed):
+        nbytes = float(cost.ring_round_bytes(tokens))
+        flows.append((r.group, nbytes, a, b))
+        if p is not None and (p.via_src != r.src or p.via_dst != r.dst):
+            hops[r.group] = max(hops[r.group], 2 * float(cost.p2p_time(nbytes, "intra")))
     own: dict[tuple, float] = defaultdict(float)
     busy: dict[tuple, float] = defaultdict(float)
     for g, nbytes, a, b in flows:
@@ -95,7 +99,7 @@ def _route_round_time(ctx: PlanContext, mb: MicroBatch, routed: bool) -> tuple[d
     floor: dict[int, float] = defaultdict(float)
     for g, nbytes, a, b in flows:
         load = max(own["tx", g, a], own["rx", g, b]) if shared else nbytes
-        out[g] = max(out[g], float(cost.p2p_time(load, "inter")))
+        out[g] = max(out[g], float(cost.p2p_time(load, "inter")) + hops.get(g, 0.0))
         floor[g] = max(floor[g], busy.get(("tx", a), 0.0), busy.get(("rx", b), 0.0))
     return out, floor
 
