@@ -31,13 +31,23 @@ CASES = [("A llama-13b long 32", 2), ("C llama-7b mixed 64", 1), ("A llama-7b sh
          ("A8 llama-13b tp2 mixed 512K", 1)]
 
 
-@pytest.mark.parametrize("name,steps", CASES)
-def test_choice_and_fidelity_on_grid_steps(bench, name, steps):
-    res = bench.run_cell(_cell(bench, name, steps))
-    for s in res["steps"]:
-        assert s["chosen_sim_s"] <= s["best_sim_s"] * (1 + bench.CHOICE_TOL), (name, s)
-    bad = [e for e in res["exceptions"] if e["kind"] == "fidelity"]
-    assert res["fidelity_ok"] >= 0.95 * res["candidates"] - 1e-9 or len(bad) <= 1, (name, bad)
+@pytest.fixture(scope="module")
+def results(bench):
+    return [bench.run_cell(_cell(bench, name, steps)) for name, steps in CASES]
+
+
+def test_chosen_plan_is_within_half_a_percent_of_the_best_simulated(bench, results):
+    for res in results:
+        for s in res["steps"]:
+            assert s["chosen_sim_s"] <= s["best_sim_s"] * (1 + bench.CHOICE_TOL), (res["cell"], s)
+
+
+def test_prediction_within_five_percent_of_simulation_for_95_percent_of_candidates(results):
+    ok = sum(r["fidelity_ok"] for r in results)
+    total = sum(r["candidates"] for r in results)
+    bad = [(r["cell"], e) for r in results for e in r["exceptions"] if e["kind"] == "fidelity"]
+    assert total >= 10
+    assert ok >= 0.95 * total, bad
 
 
 def test_collector_sees_every_built_candidate_and_the_chosen_one(bench):
