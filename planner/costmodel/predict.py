@@ -72,20 +72,27 @@ def _route_round_time(ctx: PlanContext, mb: MicroBatch, routed: bool) -> tuple[d
 
     A round's flows of one group run together: a NIC's sending or receiving side (two separate
     links, as in the simulator) moves the bytes of every flow of the round crossing it, when the
-    profile says concurrent transfers share a NIC; a routed path adds its dispatch and combine hops
-    over NVLink. Flows of different groups meet only when their rounds coincide, so they do not slow
+    profile says concurrent transfers share a NIC; a routed round adds its dispatch and combine hops
+    over NVLink, each through one port that carries every path's share. Flows of different groups meet only when their rounds coincide, so they do not slow
     each other's rounds - but every NIC side must move, over the layer, the bytes of every round of
     every group crossing it: a group takes at least as long as the busiest NIC side it crosses."""
     cost = ctx.cost
     shared = ctx.profile.nic_shared_by_concurrent_transfers
     sizes = {r.group: len(mb.groups[r.group].units) for r in mb.routes}
     flows = []
-    hops: dict[int, float] = defaultdict(float)  # per group: the slowest dispatch + combine of a round
+    # per route: the bytes its source GPU dispatches to proxies and its destination GPU combines
+    # from them (one NVLink port each way, shared by all of the route's paths)
+    spread: dict[int, list] = {}
     for r, p, tokens, a, b in _route_flows(ctx, mb, routed):
         nbytes = float(cost.ring_round_bytes(tokens))
         flows.append((r.group, nbytes, a, b))
-        if p is not None and (p.via_src != r.src or p.via_dst != r.dst):
-            hops[r.group] = max(hops[r.group], 2 * float(cost.p2p_time(nbytes, "intra")))
+        if p is not None:
+            d = spread.setdefault(id(r), [r.group, 0.0, 0.0])
+            d[1] += nbytes * (p.via_src != r.src) / ctx.tp
+            d[2] += nbytes * (p.via_dst != r.dst) / ctx.tp
+    hops: dict[int, float] = defaultdict(float)  # per group: the slowest dispatch + combine of a round
+    for g, out_b, in_b in spread.values():
+        hops[g] = max(hops[g], float(cost.p2p_time(out_b, "intra")) + float(cost.p2p_time(in_b, "intra")))
     own: dict[tuple, float] = defaultdict(float)
     busy: dict[tuple, float] = defaultdict(float)
     for g, nbytes, a, b in flows:

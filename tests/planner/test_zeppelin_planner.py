@@ -887,7 +887,7 @@ def test_flop_share_micro_batches_chosen_for_coupling(monkeypatch, cell, fine_sh
 
 @pytest.mark.parametrize("cell, fine, whole", [
     (("zeppelin-c", "llama-13b", 2, "long", 128, 0), 5.35, 5.70),
-    (("zeppelin-c", "llama-13b", 2, "mixed", 64, 0), 4.29, 4.98),
+    (("zeppelin-c", "llama-13b", 2, "mixed", 64, 0), 4.29, 5.31),
 ])
 def test_flop_share_fine_rings_pack_long_steps_evenly(monkeypatch, cell, fine, whole):
     """LLaMA-13B on cluster C: rings of up to a unit's whole share each leave long steps lumpy
