@@ -132,9 +132,9 @@ class ZeppelinPlanner(Planner):
         return None
 
     def _confirmer(self, ctx: PlanContext):
-        """The simulator that judges or confirms the candidates (:func:`.select.select`); None with
-        ``select=predict`` (the prediction alone)."""
-        return None if self.select == "predict" else self._simulator(ctx)
+        """The function making the simulator that judges or confirms the candidates
+        (:func:`.select.select`); None with ``select=predict`` (the prediction alone)."""
+        return None if self.select == "predict" else partial(self._simulator, ctx)
 
     def _family_names(self, only=None) -> list[str]:
         """The families tried for a step (``only``: of these alone); Ulysses groups need ``intra=auto``."""

@@ -4,8 +4,9 @@ The planner's own whole-step searches hand in their candidates (priced already);
 (:mod:`.families`) hand in scored configurations, of which only those that could win are built.
 Every built plan is then judged the same way - on small clusters by the event-driven simulator,
 which sees ring pipeline waits and NIC contention the prediction approximates; beyond, by the
-analytic prediction, whose few best are confirmed by the simulator - and the fastest wins; ties keep the earlier candidate (the planner's own plans come
-first, then the families in registry order).
+analytic prediction, whose few best are confirmed by the simulator - and the fastest wins; ties
+keep the earlier candidate (the planner's own plans come first, then the families in registry
+order).
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ def _judge(ctx: PlanContext, entries: list, simulator, simulate_all: bool):
         else:
             keep = []
         if keep:
-            scored = [(simulator.simulate_step(e[0]).step_time_s, a, e) for _, a, e in keep]
+            sim = simulator()
+            scored = [(sim.simulate_step(e[0]).step_time_s, a, e) for _, a, e in keep]
     return min(scored, key=lambda x: (x[0], x[1]))[2]
 
 
@@ -110,7 +112,8 @@ def select(ctx: PlanContext, step: int, sequences: list[Sequence], own: list[Own
     ``wall_hit``: whether a packing ILP of the step stopped at the wall-clock safety net). None
     when there is no plan at all. ``collector``: called with every plan built (None: none).
 
-    ``simulator``: judges every plan where ``simulate_all``, else confirms the
+    ``simulator``: a function returning the simulator (made only when it is used), which judges
+    every plan where ``simulate_all``, else confirms the
     :data:`CONFIRM_TOP` best-predicted on clusters of at most :data:`CONFIRM_MAX_UNITS` units.
     ``margin``: a family configuration whose own score is more than this share above the fastest
     own candidate is not built - it would not win (None: every family's best are built, as
