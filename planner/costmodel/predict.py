@@ -2,9 +2,11 @@
 
 This is the closed-form model the planners optimise against: per unit, attention groups in queue
 order (a ring group costs one local block plus G-1 rounds of max(compute, transfer)), linear
-modules on the unit's linear-layout tokens, remap all-to-alls, and the gradient all-reduce. NIC
-contention is approximated by counting the transfers that share a NIC. The event-driven simulator
-(``zeppelin simulate``) refines this with explicit per-round timelines.
+modules on the unit's linear-layout tokens, remap all-to-alls, and the gradient all-reduce. A
+unit's rings overlap each other's compute; a ring's inter-node round moves its flows through the
+sending and receiving sides of the NICs they cross, and no ring is faster than the busiest NIC side
+it crosses. The event-driven simulator (``zeppelin simulate``), the reference, plays the same step
+out with explicit per-round timelines.
 """
 
 from __future__ import annotations
@@ -43,37 +45,70 @@ def _unit_nic(ctx: PlanContext, unit: int, upn: int) -> str:
     return ctx.cluster.nic_of(rank)
 
 
-def _route_round_time(ctx: PlanContext, mb: MicroBatch, routed: bool) -> dict[int, float]:
-    """Per group: the slowest inter-node transfer time of one ring round (with NIC sharing)."""
-    cost = ctx.cost
-    users: dict[str, int] = defaultdict(int)
-    upn = ctx.units_per_node
+def _route_flows(ctx: PlanContext, mb: MicroBatch, routed: bool):
+    """Per inter-node route: its NIC flows of one ring round as the simulator makes them, one per
+    path and tensor-parallel rank: ``(route, path or None, tokens, sending NIC, receiving NIC)``.
+    A unit's TP ranks each move their shard over their own GPU's NIC (several ranks of a unit may
+    share one); a route without paths (or unrouted) goes direct between the units' ranks."""
+    cl, tp = ctx.cluster, ctx.tp
     for r in mb.routes:
-        if routed:
-            for p in r.paths:
-                if p.tokens:
-                    users[p.nic_src] += 1
-                    users[p.nic_dst] += 1
-        else:
-            users[_unit_nic(ctx, r.src, upn)] += 1
-            users[_unit_nic(ctx, r.dst, upn)] += 1
-    out: dict[int, float] = defaultdict(float)
-    for r in mb.routes:
-        if routed:
-            t = 0.0
+        if routed and r.paths:
             for p in r.paths:
                 if not p.tokens:
                     continue
-                share = max(users[p.nic_src], users[p.nic_dst])
-                t_path = float(cost.p2p_time(cost.ring_round_bytes(p.tokens), "inter", share))
-                if p.via_src != r.src or p.via_dst != r.dst:  # dispatch / combine over NVLink
-                    t_path += 2 * float(cost.p2p_time(cost.ring_round_bytes(p.tokens), "intra"))
-                t = max(t, t_path)
+                for k in range(tp):
+                    if tp == 1:
+                        yield r, p, p.tokens, p.nic_src, p.nic_dst
+                    else:
+                        yield r, p, p.tokens, cl.nic_of(p.via_src * tp + k), cl.nic_of(p.via_dst * tp + k)
         else:
-            share = max(users[_unit_nic(ctx, r.src, upn)], users[_unit_nic(ctx, r.dst, upn)])
-            t = float(cost.p2p_time(cost.ring_round_bytes(r.tokens), "inter", share))
-        out[r.group] = max(out[r.group], t)
-    return out
+            for k in range(tp):
+                yield r, None, r.tokens, cl.nic_of(r.src * tp + k), cl.nic_of(r.dst * tp + k)
+
+
+def _route_round_time(ctx: PlanContext, mb: MicroBatch, routed: bool) -> tuple[dict[int, float], dict[int, float]]:
+    """Per inter-node ring group: (its transfer time of one round, the least time its crossings
+    take over the layer).
+
+    A round's flows of one group run together: a NIC's sending or receiving side (two separate
+    links, as in the simulator) moves the bytes of every flow of the round crossing it, when the
+    profile says concurrent transfers share a NIC; a routed round adds its dispatch and combine hops
+    over NVLink, each through one port that carries every path's share. Flows of different groups meet only when their rounds coincide, so they do not slow
+    each other's rounds - but every NIC side must move, over the layer, the bytes of every round of
+    every group crossing it: a group takes at least as long as the busiest NIC side it crosses."""
+    cost = ctx.cost
+    shared = ctx.profile.nic_shared_by_concurrent_transfers
+    sizes = {r.group: len(mb.groups[r.group].units) for r in mb.routes}
+    flows = []
+    # per route: the bytes its source GPU dispatches to proxies and its destination GPU combines
+    # from them (one NVLink port each way, shared by all of the route's paths)
+    spread: dict[int, list] = {}
+    for r, p, tokens, a, b in _route_flows(ctx, mb, routed):
+        nbytes = float(cost.ring_round_bytes(tokens))
+        flows.append((r.group, nbytes, a, b))
+        if p is not None:
+            d = spread.setdefault(id(r), [r.group, 0.0, 0.0])
+            d[1] += nbytes * (p.via_src != r.src) / ctx.tp
+            d[2] += nbytes * (p.via_dst != r.dst) / ctx.tp
+    hops: dict[int, float] = defaultdict(float)  # per group: the slowest dispatch + combine of a round
+    for g, out_b, in_b in spread.values():
+        hops[g] = max(hops[g], float(cost.p2p_time(out_b, "intra")) + float(cost.p2p_time(in_b, "intra")))
+    own: dict[tuple, float] = defaultdict(float)
+    busy: dict[tuple, float] = defaultdict(float)
+    for g, nbytes, a, b in flows:
+        if shared:
+            own["tx", g, a] += nbytes
+            own["rx", g, b] += nbytes
+            alone = float(cost.p2p_time(nbytes, "inter")) * (sizes[g] - 1)
+            busy["tx", a] += alone
+            busy["rx", b] += alone
+    out: dict[int, float] = defaultdict(float)
+    floor: dict[int, float] = defaultdict(float)
+    for g, nbytes, a, b in flows:
+        load = max(own["tx", g, a], own["rx", g, b]) if shared else nbytes
+        out[g] = max(out[g], float(cost.p2p_time(load, "inter")) + hops.get(g, 0.0))
+        floor[g] = max(floor[g], busy.get(("tx", a), 0.0), busy.get(("rx", b), 0.0))
+    return out, floor
 
 
 def _attention_device_time(ctx: PlanContext, lengths: np.ndarray) -> np.ndarray:
@@ -210,23 +245,20 @@ def component_max(labels: np.ndarray, x: np.ndarray) -> np.ndarray:
     return m[labels]
 
 
-def _convoy_waits(n: int, groups, dur: np.ndarray, skip: np.ndarray, local: np.ndarray) -> np.ndarray:
-    """Per unit, per layer: time its attention stream waits because a group it is in starts only
-    when every member has finished the groups queued before it (queues follow group order).
+def _attention_exposure(n: int, gu: np.ndarray, gi_rep: np.ndarray, t_att: np.ndarray, t_exp: np.ndarray,
+                        is_ring: np.ndarray) -> np.ndarray:
+    """Per unit, per layer: the communication its attention stream waits for.
 
-    Multi-unit groups run in group order, each as soon as all its members are free, for ``dur``
-    (per-layer attention + exposed communication); a unit's local attention fills the gaps. A unit
-    in several rings whose partners are busy elsewhere finishes its attention late: the wait is
-    ``max(last group end, own busy time) - own busy time``."""
-    ready = np.zeros(n)
-    busy = np.zeros(n)
-    for gi in np.flatnonzero(~skip):
-        us = groups[gi].units
-        end = float(ready[us].max()) + float(dur[gi])
-        ready[us] = end
-        busy[us] += dur[gi]
-    own = busy + local
-    return np.maximum(ready, own) - own
+    A ring's transfers run while the unit computes anything else it holds (the stream runs, among
+    ready tasks, the earliest in queue order, so the other groups' blocks fill a ring's waits): a
+    unit's rings expose only what the longest of them, alone, takes beyond all of the unit's
+    attention compute. All-to-all and all-gather exchanges block their own compute and add up."""
+    att_u = np.bincount(gu, weights=t_att[gi_rep], minlength=n)
+    ring_rep = is_ring[gi_rep]
+    longest = np.zeros(n)
+    np.maximum.at(longest, gu[ring_rep], (t_att + t_exp)[gi_rep][ring_rep])
+    other = np.bincount(gu, weights=np.where(is_ring, 0.0, t_exp)[gi_rep], minlength=n)
+    return np.maximum(longest - att_u, 0.0) + other
 
 
 def _group_sum(pg: np.ndarray, pL: np.ndarray, G: np.ndarray, mask: np.ndarray, price) -> np.ndarray:
@@ -250,7 +282,7 @@ def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool
     layers = ctx.model.num_layers
     groups = mb.groups
     ng = len(groups)
-    inter_round = _route_round_time(ctx, mb, routed)
+    inter_round, nic_floor = _route_round_time(ctx, mb, routed)
     # ---- per placement: group, (padded) length, tokens each ring position holds
     pls = mb.placements
     pg = np.fromiter((p.group for p in pls), dtype=np.int64, count=len(pls))
@@ -299,6 +331,9 @@ def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool
         for Gv in np.unique(Gr):
             sel = Gr == Gv
             t_exp[ring_ids[sel]] = cost.ring_round_exposure(comm_round[sel], g_t0[sel], g_tr[sel], int(Gv))
+        for gi, t in nic_floor.items():  # a ring is no faster than the busiest NIC side it crosses
+            if is_ring[gi]:
+                t_exp[gi] = max(t_exp[gi], t - t_att[gi])
     is_uly = np.fromiter((k == "ulysses" for k in kind), dtype=bool, count=ng) & ~is_local
     if is_uly.any() and len(pls):
         # head shards: whole sequences on 1/G of the heads (CostModel.ulysses_attn_time)
@@ -318,9 +353,7 @@ def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool
     gi_rep = np.repeat(np.arange(ng), G.astype(np.int64))
     attn = layers * np.bincount(gu, weights=t_att[gi_rep], minlength=n)
     comm = layers * np.bincount(gu, weights=t_comm[gi_rep], minlength=n)
-    exposed = layers * np.bincount(gu, weights=t_exp[gi_rep], minlength=n)
-    convoy = layers * _convoy_waits(n, groups, t_att + t_exp, is_local | ~g_has,
-                                    np.bincount(gu, weights=np.where(is_local, t_att, 0.0)[gi_rep], minlength=n))
+    exposed = layers * _attention_exposure(n, gu, gi_rep, t_att, t_exp, is_ring)
     # ---- linear modules, TP, remap
     if mb.linear_layout is None:
         lin_held = held.copy()
@@ -353,7 +386,7 @@ def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool
     # coupling: partners meet every layer, so per layer a unit waits for its component's slowest
     # member (the LM head runs once per micro-batch, after the last layer, on each unit's own tokens)
     labels = coupled_components(n, links)
-    coupled = component_max(labels, attn + lin - head + exposed + convoy) + head
+    coupled = component_max(labels, attn + lin - head + exposed) + head
     return MBTerms(attn=attn, lin=lin, comm=comm, exposed=exposed,
                    tokens=lin_held.astype(np.int64), mem_tokens=np.maximum(held, lin_held),
                    nic_routed=nic_loads(ctx, mb, routed=True), nic_unrouted=nic_loads(ctx, mb, routed=False),

@@ -6,8 +6,9 @@ the tiered pipeline (:mod:`.tiered`: spans, node assignment, unit assignment; :m
 groups, queues, routes, remap). The candidate families (:mod:`.families`: Ulysses groups,
 FLOP-share rings, replicas of a larger tensor-parallel degree, whole-node rings for a step's longest
 sequences) propose layouts of their own shapes, and :func:`.select.select` picks the step's plan
-among all of them, by the prediction or (on clusters of at most ``simulate_max_units`` units) the
-simulator; ties keep the tiered plan.
+among all of them, by the simulator on clusters of at most ``simulate_max_units`` units, else by the
+prediction with its few best confirmed by the simulator (on clusters of at most
+``select.CONFIRM_MAX_UNITS`` units); ties keep the tiered plan.
 Option ``families`` (``all``, ``none`` or a comma list). Beyond ``families_max_units`` units only
 ``large_families`` are built, beyond ``attention_max_units`` the attention-balanced remap layout
 is not a candidate, and beyond ``node_cp_max_units`` neither are the node-CP layout nor
@@ -71,6 +72,8 @@ class ZeppelinPlanner(Planner):
     routing = True
     remap = True
     Options = ZeppelinOptions
+    #: called with every candidate plan a step builds (see :func:`.select.select`); None: none
+    collector = None
 
     def __init__(self, **options):
         super().__init__(**options)  # checks and types the options: self.opts
@@ -128,6 +131,11 @@ class ZeppelinPlanner(Planner):
             return self._simulator(ctx)
         return None
 
+    def _confirmer(self, ctx: PlanContext):
+        """The function making the simulator that judges or confirms the candidates
+        (:func:`.select.select`); None with ``select=predict`` (the prediction alone)."""
+        return None if self.select == "predict" else partial(self._simulator, ctx)
+
     def _family_names(self, only=None) -> list[str]:
         """The families tried for a step (``only``: of these alone); Ulysses groups need ``intra=auto``."""
         return [f for f in self.families if not (f == "ulysses-groups" and self.intra == "ring")  # rings only
@@ -181,7 +189,7 @@ class ZeppelinPlanner(Planner):
         lengths = np.array([s.length for s in sequences], dtype=np.int64)
         state = StepState(options=self, ctx=ctx, tiering=tiering, sequences=sequences, lengths=lengths,
                           ilp_left=self.ilp_budget_calls, routing_layer=_optional("routing"),
-                          remap_layer=_optional("remap"))
+                          remap_layer=_optional("remap"), collector=self.collector)
         judge = self._judge(ctx)
         found = search_step(state, step, simulate=judge is not None)
         own = [Own(t, partial(as_plan, ctx, step, sequences, lengths, built), tiered_finisher(state, [b[1] for b in built]))
@@ -192,14 +200,16 @@ class ZeppelinPlanner(Planner):
             # large clusters: the cheap families only, always built (FLOP-share's own score is coarse
             # where rings span many nodes, so it does not prune)
             margin, names = None, self._family_names(only=self.large_families)
-        return select(ctx, step, sequences, own, names, margin=margin, routing=self.routing, simulator=judge,
-                      t0=t0, wall_hit=state.wall_hit)
+        return select(ctx, step, sequences, own, names, margin=margin, routing=self.routing,
+                      simulator=self._confirmer(ctx), simulate_all=judge is not None, t0=t0,
+                      wall_hit=state.wall_hit, collector=state.collector)
 
     def _oversize_step(self, ctx: PlanContext, step: int, sequences: list[Sequence], t0: float) -> StepPlan:
         """A step with a sequence longer than the context's units can hold together, planned on
         replicas of a larger tensor-parallel degree (whose model states take less of each GPU)."""
         plan = select(ctx, step, sequences, [], self._family_names(only=("tp-replicas",)), margin=None,
-                      routing=self.routing, simulator=self._judge(ctx), t0=t0)
+                      routing=self.routing, simulator=self._confirmer(ctx),
+                      simulate_all=self._judge(ctx) is not None, t0=t0, collector=self.collector)
         if plan is None:
             raise PlanningError(f"step {step}: no replica layout of a larger tensor-parallel degree holds its "
                                 f"longest sequence ({max(s.length for s in sequences):,} tokens)")

@@ -2,10 +2,11 @@
 
 The planner's own whole-step searches hand in their candidates (priced already); the families
 (:mod:`.families`) hand in scored configurations, of which only those that could win are built.
-Every built plan is then judged the same way - by the analytic prediction, or on small clusters by
-the event-driven simulator, which sees ring pipeline waits and NIC contention the prediction
-approximates - and the fastest wins; ties keep the earlier candidate (the planner's own plans come
-first, then the families in registry order).
+Every built plan is then judged the same way - on small clusters by the event-driven simulator,
+which sees ring pipeline waits and NIC contention the prediction approximates; beyond, by the
+analytic prediction, whose few best are confirmed by the simulator - and the fastest wins; ties
+keep the earlier candidate (the planner's own plans come first, then the families in registry
+order).
 """
 
 from __future__ import annotations
@@ -18,6 +19,13 @@ from zeppelin.planner.core.base import PlanContext, PlanningError
 from zeppelin.planner.core.solver import WALL_CLOCK
 from zeppelin.planner.zeppelin.families import REGISTRY
 from zeppelin.schemas.plan import Sequence, SolverInfo, StepPlan
+
+#: beyond ``simulate_max_units`` units the plans are ranked by the prediction and this many of the
+#: best-predicted are confirmed by the simulator (the reference where the two disagree: overlapping
+#: rings, routed crossings and shared NICs are played out there, approximated here)
+CONFIRM_TOP = 3
+#: ... on clusters of at most this many units (the simulator's work grows with the cluster)
+CONFIRM_MAX_UNITS = 32
 
 #: up to this many units every family builds its two best configurations; beyond, only the best
 #: of each of the two best-scored families is built
@@ -76,32 +84,52 @@ def family_plans(ctx: PlanContext, step: int, sequences: list[Sequence], familie
     return out
 
 
+def _judge(ctx: PlanContext, entries: list, simulator, simulate_all: bool):
+    """The fastest entry ``(plan, finish)``: by the simulator (every entry where ``simulate_all``,
+    else the best-predicted few) or by the prediction alone; ties keep the earlier entry."""
+    scored = [(e[0].prediction.step_time_s, a, e) for a, e in enumerate(entries)]
+    if len(entries) > 1 and simulator is not None:
+        if simulate_all:
+            keep = scored
+        elif ctx.num_units <= CONFIRM_MAX_UNITS:
+            keep = sorted(scored, key=lambda x: (x[0], x[1]))[:CONFIRM_TOP]
+        else:
+            keep = []
+        if keep:
+            sim = simulator()
+            scored = [(sim.simulate_step(e[0]).step_time_s, a, e) for _, a, e in keep]
+    return min(scored, key=lambda x: (x[0], x[1]))[2]
+
+
 def select(ctx: PlanContext, step: int, sequences: list[Sequence], own: list[Own], families, *,
-           margin: float | None, routing: bool, simulator=None, t0: float, wall_hit: bool = False) -> StepPlan | None:
+           margin: float | None, routing: bool, simulator=None, simulate_all: bool = True, t0: float,
+           wall_hit: bool = False, collector=None) -> StepPlan | None:
     """The step's plan: the fastest of the planner's ``own`` candidates and the plans of
     ``families`` (names), judged by ``simulator`` where one is given and more than one plan
     competes, else by the prediction; ties keep the earlier. Judged by the prediction, only the
     first of the fastest own candidates is built (their times are the prediction's already).
     Records the winner's :class:`SolverInfo` (``t0``: when the step's planning began;
     ``wall_hit``: whether a packing ILP of the step stopped at the wall-clock safety net). None
-    when there is no plan at all.
+    when there is no plan at all. ``collector``: called with every plan built (None: none).
 
+    ``simulator``: a function returning the simulator (made only when it is used), which judges
+    every plan where ``simulate_all``, else confirms the
+    :data:`CONFIRM_TOP` best-predicted on clusters of at most :data:`CONFIRM_MAX_UNITS` units.
     ``margin``: a family configuration whose own score is more than this share above the fastest
     own candidate is not built - it would not win (None: every family's best are built, as
     :func:`family_plans` prunes them)."""
     bound = min(c.time for c in own) * (1 + margin) if margin is not None and own else None
-    if simulator is None and own:
+    if not (simulator is not None and simulate_all) and own:
         own = [min(own, key=lambda c: c.time)]
     entries = [(c.build(), c.finish) for c in own]
     fams = family_plans(ctx, step, sequences, families, bound, routing=routing) if families else []
     entries += [(f, None) for f in fams]
     if not entries:
         return None
-    if len(entries) > 1 and simulator is not None:
-        scored = [(simulator.simulate_step(e[0]).step_time_s, a, e) for a, e in enumerate(entries)]
-    else:
-        scored = [(e[0].prediction.step_time_s, a, e) for a, e in enumerate(entries)]
-    plan, finish = min(scored, key=lambda x: (x[0], x[1]))[2]
+    if collector is not None:
+        for e in entries:
+            collector(e[0])
+    plan, finish = _judge(ctx, entries, simulator, simulate_all)
     elapsed = time.perf_counter() - t0
     if finish is not None:
         finish(plan, elapsed)

@@ -1091,7 +1091,11 @@ def test_node_cp_candidates_stop_at_node_cp_max_units(monkeypatch):
         assert ((None,), False) in calls
         assert any(nm for _, nm in calls) is node_cp
         assert any(f != (None,) for f, _ in calls) is node_cp
+        # on 8 units the simulator judges the candidates: fewer candidates, never a faster plan by it
+        from zeppelin.planner.sim.simulate import Simulator
+
+        t = Simulator(ctx).simulate_step(plan).step_time_s
         if ref is None:
-            ref = plan.prediction.step_time_s
-        else:  # fewer candidates: never a faster plan
-            assert plan.prediction.step_time_s >= ref - 1e-12
+            ref = t
+        else:
+            assert t >= ref - 1e-12
