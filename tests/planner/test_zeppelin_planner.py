@@ -644,9 +644,9 @@ def _valid(ctx, plan):
 
 
 @pytest.mark.parametrize("cell, family", [
-    (("zeppelin-a", "llama-7b", 1, "mixed", 64, 0), "ulysses-groups"),
+    (("zeppelin-c", "llama-7b", 1, "long", 64, 0), "ulysses-groups"),
     (("zeppelin-c", "llama-13b", 2, "short", 64, 0), "flop-share"),
-    (("zeppelin-a", "llama-7b", 1, "mixed", 32, 0), "tp-replicas"),
+    (("zeppelin-a", "llama-7b", 1, "long", 64, 1), "tp-replicas"),
 ])
 def test_family_chosen_where_it_wins_by_the_cost_model(cell, family):
     """Each family wins a step of the RESULTS grid by the prediction: the planner returns it, the
