@@ -235,7 +235,7 @@ def tp_degrees(gpn: int, model: ModelSpec) -> list[int]:
 class _NoComm:
     """Short-circuits the TP collectives of :mod:`zeppelin.runtime.tp` while active: all-gathers
     return the rank's own rows repeated, reduce-scatters return the rank's rows unreduced, ring
-    steps post nothing and receive an empty buffer of the right shape. What is left is the TP
+    steps post nothing and receive a buffer of zeros of the right shape. What is left is the TP
     layer's compute (its GEMMs on the rank's shards, gathers into the full buffer, slicing and
     copies) without any communication or wait."""
 
@@ -265,7 +265,8 @@ class _NoComm:
             return lambda: out
 
         def p2p(send, send_to, recv_shape, recv_from, like):
-            return [], torch.empty(recv_shape, dtype=like.dtype, device=like.device)
+            # zeros, not uninitialised memory: stray denormals would slow the GEMMs that follow
+            return [], torch.zeros(recv_shape, dtype=like.dtype, device=like.device)
 
         tpmod._all_gather_rows, tpmod._reduce_scatter_rows, tpmod._p2p = all_gather, reduce_scatter, p2p
         return self
