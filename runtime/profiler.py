@@ -11,6 +11,8 @@ at once so that shared resources (CPU cores, memory bandwidth, NICs) are loaded 
   compute) for each group size;
 * the runtime's decoder layer without its attention (linear modules, norms, RoPE, residuals) and
   the embedding + LM head + loss, forward+backward, over a grid of token counts;
+* the same layer under tensor parallelism (TP-SP, :mod:`zeppelin.runtime.tp`) for every TP degree
+  the ranks of a node allow, its compute alone and with each ``--tp-overlap`` mode's collectives;
 * the activation memory per token of the runtime's model for each recompute mode (what the
   forward keeps for the backward, what one recomputation holds), counted as the executor does;
 * the AdamW step and the gradient all-reduce over the model's parameters (as the executor does);
@@ -41,10 +43,14 @@ import torch.distributed as dist
 from zeppelin.schemas.common import InputError, atomic_write_text
 from zeppelin.schemas.model import ModelSpec, model_preset
 
+# tp_lin / tp_reps: the TP layer's grid, timed once per TP degree in four variants (its compute
+# and the three overlap modes); the quick grid keeps that to a few seconds on 2 CPU ranks
 QUICK = dict(att=[16, 32, 64, 128, 256, 512, 1024, 2048], lin=[64, 256, 1024, 2048, 4096],
+             tp_lin=[256, 1024, 2048, 4096], tp_reps=2,
              p2p=[2**10, 2**14, 2**17, 2**20, 2**22], reps=5, warmup=1)
 FULL = dict(att=[16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192],
             lin=[64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
+            tp_lin=[64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384], tp_reps=10,
             p2p=[2**10, 2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24], reps=10, warmup=3)
 
 
@@ -214,6 +220,127 @@ def measure_model_parts(model: ModelSpec, tokens, dev, timer, reps, warmup):
     fns = [f for T in tokens for f in make(T)]
     t = timer.sweep(fns, reps, warmup, sync=dist.barrier)
     return t[0::2], t[1::2]
+
+
+def tp_degrees(gpn: int, model: ModelSpec) -> list[int]:
+    """TP degrees the profiler measures: powers of two from 2 up to the ranks of a node (a TP group
+    lives inside one node) that the model's query heads allow."""
+    out, G = [], 2
+    while G <= gpn and G <= model.num_heads:
+        out.append(G)
+        G *= 2
+    return out
+
+
+class _NoComm:
+    """Short-circuits the TP collectives of :mod:`zeppelin.runtime.tp` while active: all-gathers
+    return the rank's own rows repeated, reduce-scatters return the rank's rows unreduced, ring
+    steps post nothing and receive a buffer of zeros of the right shape. What is left is the TP
+    layer's compute (its GEMMs on the rank's shards, gathers into the full buffer, slicing and
+    copies) without any communication or wait."""
+
+    def __enter__(self):
+        from zeppelin.runtime import tp as tpmod
+
+        self.mod = tpmod
+        self.saved = (tpmod._all_gather_rows, tpmod._reduce_scatter_rows, tpmod._p2p)
+
+        def all_gather(x, rows, g, async_op=False):
+            m = max(rows)
+            src = x if x.shape[0] == m else torch.cat([x, x.new_zeros((m - x.shape[0], *x.shape[1:]))])
+            out = src.repeat(g.size, *([1] * (x.dim() - 1)))
+
+            def finish():
+                parts = [out[j * m: j * m + rows[t]] for j, t in enumerate(g.group_order)]
+                res = [None] * g.size
+                for t, part in zip(g.group_order, parts):
+                    res[t] = part
+                return torch.cat(res)
+
+            return finish
+
+        def reduce_scatter(p, rows, g, async_op=False):
+            off = sum(rows[: g.pos])
+            out = p[off: off + rows[g.pos]].clone()
+            return lambda: out
+
+        def p2p(send, send_to, recv_shape, recv_from, like):
+            # zeros, not uninitialised memory: stray denormals would slow the GEMMs that follow
+            return [], torch.zeros(recv_shape, dtype=like.dtype, device=like.device)
+
+        tpmod._all_gather_rows, tpmod._reduce_scatter_rows, tpmod._p2p = all_gather, reduce_scatter, p2p
+        return self
+
+    def __exit__(self, *exc):
+        self.mod._all_gather_rows, self.mod._reduce_scatter_rows, self.mod._p2p = self.saved
+        return False
+
+
+def measure_tp_layer(model: ModelSpec, tokens, gpn: int, dev, timer, reps, warmup, modes=None):
+    """The runtime's decoder layer under TP-SP (:meth:`zeppelin.runtime.model.Block.forward` with a
+    :class:`~zeppelin.runtime.model.TPContext`: column-parallel Q/K/V and gate/up, row-parallel O
+    and down, attention replaced by the elementwise stand-in of :func:`measure_model_parts`),
+    forward+backward, for each TP degree of :func:`tp_degrees`: every rank takes part, in groups of
+    G consecutive ranks (all groups at once, as in training; ranks left over idle), each group
+    holding ``T`` tokens of a unit's linear buffer split near-evenly over its ranks.
+
+    ``compute``: with the collectives short-circuited (:class:`_NoComm`); then per ``--tp-overlap``
+    mode (``modes``, default all) with the real collectives of that mode. Per G:
+    ``{"compute": [[T, s]...], "<mode>": [[T, s]...]}``, seconds of the slowest rank."""
+    from zeppelin.runtime.model import Layout, LlamaModel, TPContext, compute_dtype, rope_tables
+    from zeppelin.runtime.tp import OVERLAP_MODES, TPGroup
+    from zeppelin.schemas.layout import split_even
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dt = compute_dtype(model)
+    lm = LlamaModel(model.model_copy(update={"num_layers": 1})).to(dev)
+    blk = lm.layers[0]
+    modes = list(modes or OVERLAP_MODES)
+    out: dict[str, dict[str, list]] = {}
+    for G in tp_degrees(gpn, model):
+        base = rank // G * G
+        member = base + G <= world
+        groups = [dist.new_group(list(range(b, b + G))) for b in range(0, world - G + 1, G)]
+        grp = TPGroup(ranks=list(range(base, base + G)), rank=rank, pg=groups[rank // G]) if member else None
+
+        class _Probe(Layout):
+            def __init__(self, T, mode):
+                self.attn_positions = torch.arange(T, device=dev)
+                self.tp = TPContext(grp, split_even(T, G), mode)
+
+            def attention(self, q, k, v):
+                r = q.shape[1] // k.shape[1]
+                return q + k.repeat_interleave(r, 1) + v.repeat_interleave(r, 1)
+
+        def make(T, mode):
+            if not member:
+                return lambda: None
+            lay = _Probe(T, mode)
+            rows = lay.tp.rows[grp.pos]
+            cos, sin = rope_tables(lay.attn_positions, model.head_dim, model.rope_theta)
+            x = torch.randn(rows, model.hidden, device=dev, dtype=dt, requires_grad=True)
+            g = torch.randn(rows, model.hidden, device=dev, dtype=dt)
+
+            def layer():
+                blk(x, cos, sin, lay, None).backward(g)
+                x.grad = None
+                blk.zero_grad(set_to_none=True)
+
+            return layer
+
+        with _NoComm():
+            comp = timer.sweep([make(T, "none") for T in tokens], reps, warmup, sync=dist.barrier)
+        per_mode = {m: timer.sweep([make(T, m) for T in tokens], reps, warmup, sync=dist.barrier) for m in modes}
+        vals = comp + [s for m in modes for s in per_mode[m]]
+        tt = torch.tensor([x if member else 0.0 for x in vals], dtype=torch.float64)
+        dist.all_reduce(tt, op=dist.ReduceOp.MAX)
+        got = [float(x) for x in tt]
+        n = len(tokens)
+        row = {"compute": [[T, s] for T, s in zip(tokens, got[:n])]}
+        for i, m in enumerate(modes):
+            row[m] = [[T, s] for T, s in zip(tokens, got[n * (i + 1): n * (i + 2)])]
+        out[str(G)] = row
+    return out
 
 
 MEMORY_TOKENS = (128, 256)  # two lengths: the slope is per token, free of per-step constants
@@ -590,6 +717,10 @@ def main(argv=None) -> int:
     att_block = measure_attention_block(model, blocks, dev, timer, reps, warm)
     say("decoder layer without attention, and embedding + LM head + loss, forward+backward ...")
     lin, head = measure_model_parts(model, grid["lin"], dev, timer, reps, warm)
+    tp_lin = {}
+    if world > 1 and tp_degrees(gpn, model):
+        say(f"decoder layer without attention under tensor parallelism (TP {', '.join(map(str, tp_degrees(gpn, model)))}) ...")
+        tp_lin = measure_tp_layer(model, grid["tp_lin"], gpn, dev, timer, grid["tp_reps"], warm)
     say("activation memory per token by recompute mode ...")
     act_mem = measure_activation_memory(model, dev)
     say("optimizer step and gradient all-reduce ...")
@@ -617,7 +748,7 @@ def main(argv=None) -> int:
 
         raw = dict(model=model.name, dtype=model.dtype, world=world, nodes=a.nodes, attention_lengths=grid["att"],
                    attention_s=att, attention_pack_counts=att_packs, attention_block_sizes=blocks, attention_block_s=att_block,
-                   linear_tokens=grid["lin"], linear_s=lin, head_s=head, optimizer_s=opt_s,
+                   linear_tokens=grid["lin"], linear_s=lin, head_s=head, tp_linear_s=tp_lin, optimizer_s=opt_s,
                    num_params=nparams, grad_allreduce_s=ar, p2p_bytes=grid["p2p"], p2p_s=p2p,
                    collectives_s=coll, collective_bytes=grid["p2p"][-1], ring_round_s=ring,
                    ring_attention_s=ring_att, activation_memory=act_mem,

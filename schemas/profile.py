@@ -60,7 +60,9 @@ class ModelFits(Strict):
     dtype: str
     attention: PolyFit | None = Field(default=None, description="t(L) for one sequence of length L")
     linear: PolyFit | None = Field(default=None, description="t(T) for T tokens through all linear modules")
-    tp: int = 1
+    tp: int = Field(default=1, ge=1, description="TP degree the fits were measured at: for tp > 1, `linear` is the "
+                    "layer's compute on one rank of a TP-SP group of that size holding T tokens of the unit, "
+                    "its collectives short-circuited")
     attention_block: PolyFit | None = Field(
         default=None, description="t(n) for an n x n block of one sequence whose keys all precede its queries "
         "(a ring round's off-diagonal chunk pair), forward + backward")
@@ -84,6 +86,11 @@ class ModelFits(Strict):
         description="per ring round of G ranks (keys: '2','4',...), the time the runtime's exchanges add to the "
         "ring beyond its compute (forward and backward exchanges of the round, waits included), seconds: the "
         "median over the measured lengths of (ring_attention - ring_compute) / (G - 1)")
+    linear_tp_comm: dict[str, PolyFit] = Field(
+        default_factory=dict,
+        description="tp > 1: t(T) of the same TP-SP layer with the runtime's real collectives, by --tp-overlap "
+        "mode (keys: 'none', 'slicing', 'commfuse'), forward + backward per layer; minus `linear` it is the "
+        "exposed TP communication of that mode")
     activation_memory: dict[str, ActivationMemory] = Field(
         default_factory=dict,
         description="measured activation bytes per token by recompute mode (keys: 'none', 'selective', 'full'); "
@@ -94,7 +101,7 @@ class ModelFits(Strict):
         # optional fits: left out while empty, so that a profile without them keeps its content
         # hash (plans record it)
         d = handler(self)
-        for key in ("ring_attention", "ring_compute", "ring_sync_s", "activation_memory"):
+        for key in ("ring_attention", "ring_compute", "ring_sync_s", "linear_tp_comm", "activation_memory"):
             if not d.get(key):
                 d.pop(key, None)
         return d

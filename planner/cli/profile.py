@@ -88,6 +88,16 @@ def _print_report(report: dict, output: Path) -> None:
             t.add_row(f"  its compute (exchanges cost {sync * 1e3:.2f} ms/round)" if sync is not None
                       else "  its compute", f"{c[0]:.3g} + {c[1]:.3g} L + {c[2]:.3g} L^2 s",
                       f"{rc['median']:.1%}", f"{rc['worst']:.1%}")
+    for key in sorted((k for k in report if k.startswith("tp") and k.endswith("_compute")),
+                      key=lambda k: int(k[2:].split("_")[0])):
+        G = key[2:].split("_")[0]
+        for part in ("compute", "none", "slicing", "commfuse"):
+            r = report.get(f"tp{G}_{part}")
+            if r:
+                c = r["coeffs"]
+                what = (f"linear t(T) at TP={G}, compute alone" if part == "compute"
+                        else f"  with --tp-overlap {part} collectives")
+                t.add_row(what, f"{c[0]:.3g} + {c[1]:.3g} T + {c[2]:.3g} T^2 s", f"{r['median']:.1%}", f"{r['worst']:.1%}")
     for key in ("p2p_intra", "p2p_inter"):
         r = report.get(key)
         if r and "alpha_s" in r:

@@ -120,6 +120,20 @@ class CostModel:
     def _fits(self):
         return self.profile.fits_for(self.model.name, self.model.dtype, self.tp)
 
+    @cached_property
+    def _fits_tp1(self):
+        """The profiled model's TP=1 fits (for a TP unit: what it is derived from where the profile
+        has no fit of the unit's own TP degree)."""
+        return self.profile.fits_for(self.model.name, self.model.dtype, 1)
+
+    @cached_property
+    def _tp_unmeasured(self) -> bool:
+        """A TP unit priced from a measured profile that has the model's TP=1 linear fit but none
+        of this TP degree (docs/PROFILING.md, "Tensor parallelism")."""
+        f1 = self._fits_tp1
+        return (self.tp > 1 and f1 is not None and f1.linear is not None
+                and (self._fits is None or self._fits.linear is None))
+
     def attn_time(self, L) -> np.ndarray:
         """Attention fwd+bwd time per layer of whole sequences of length ``L`` on one unit."""
         L = _arr(L)
@@ -164,6 +178,14 @@ class CostModel:
         T = _arr(tokens)
         if self._fits is not None and self._fits.linear is not None:
             return np.where(T > 0, eval_fit(self._fits.linear, T), 0.0)
+        if self._tp_unmeasured:
+            # no measurement of this TP degree: each rank is charged the whole unit's TP=1 layer
+            # (no compute gain from the split), an upper bound. The runtime's TP layer (weight
+            # shards sliced and cast per call, gathered buffers, smaller GEMMs) gains far less
+            # than the degree on some machines (gloo CPU ranks), so the TP=1 time's share would
+            # be optimistic; the bound keeps a planner from choosing an unmeasured TP degree for
+            # speed (it still may for memory)
+            return np.where(T > 0, eval_fit(self._fits_tp1.linear, T), 0.0)
         k = self.profile.linear
         fl = self.linear_flops_fwd(T) * (1.0 + self.profile.backward_linear_factor) / self.tp
         return np.where(T > 0, k.overhead_s + fl / (self.peak_flops * self._eff(k, T)), 0.0)
@@ -173,6 +195,11 @@ class CostModel:
         T = _arr(tokens)
         if self._fits is not None and self._fits.head is not None:
             return np.where(T > 0, eval_fit(self._fits.head, T), 0.0)
+        f1 = self._fits_tp1
+        if self.tp > 1 and f1 is not None and f1.head is not None:
+            # TP-SP runs the embedding, final norm, LM head and loss whole on each rank's
+            # sequence shard: the measured head at a shard's tokens
+            return np.where(T > 0, eval_fit(f1.head, T / self.tp), 0.0)
         fl = 2.0 * T * self.model.hidden * self.model.vocab_size * (1.0 + self.profile.backward_linear_factor)
         k = self.profile.linear
         return np.where(T > 0, k.overhead_s + fl / self.tp / (self.peak_flops * self._eff(k, T)), 0.0)
@@ -420,11 +447,20 @@ class CostModel:
           transfer is always exposed (the tail), plus whatever transfer the GEMMs cannot hide;
         * ``commfuse``: tp-1 P2P steps, each overlapping one shard's GEMM; exposed
           = sum over steps of max(0, transfer - GEMM); no tail.
+
+        A profile with this TP degree's fits (``linear_tp_comm[mode]``) replaces the model: the
+        measured layer with the mode's collectives minus the measured layer's compute alone.
         """
         mode = mode or self.tp_overlap
         comm, gemm = self.tp_site_times(tokens)
         if self.tp <= 1:
             return comm
+        f = self._fits
+        if f is not None and f.linear is not None and mode in f.linear_tp_comm:
+            # measured: the TP-SP layer with this mode's collectives minus its compute alone
+            T = _arr(tokens)
+            extra = eval_fit(f.linear_tp_comm[mode], T) - eval_fit(f.linear, T)
+            return np.where(T > 0, np.maximum(extra, 0.0), 0.0)
         if mode == "none":
             per_site = comm
         elif mode == "slicing":

@@ -184,6 +184,30 @@ def ring_sync_per_round(G: int, total, compute) -> float | None:
     return float(np.median(diffs)) if diffs else None
 
 
+def tp_layer_fits(G: int, rows: dict, model: str, dtype: str, report: dict | None = None):
+    """The fits of one TP degree ``G`` from the profiler's TP-SP layer measurements (``rows``:
+    ``{"compute": [[T, s]...], "<mode>": [[T, s]...]}``): ``linear`` from the compute alone,
+    ``linear_tp_comm[mode]`` from the layer with that mode's real collectives. None without at
+    least three compute points."""
+    from zeppelin.schemas.profile import ModelFits
+
+    def fit(part):
+        pts = [(T, s) for T, s in rows.get(part, []) if s > 0]
+        if len(pts) < 3:
+            return None
+        f, rep = poly_fit_record([T for T, _ in pts], [s for _, s in pts], 2, keep_points=True)
+        if report is not None:
+            report[f"tp{G}_{part}"] = {"coeffs": rep.coeffs, "rel_errors": rep.rel_errors,
+                                       "median": rep.median, "worst": rep.worst}
+        return f
+
+    lin = fit("compute")
+    if lin is None:
+        return None
+    comm = {m: f for m in rows if m != "compute" for f in [fit(m)] if f is not None}
+    return ModelFits(model=model, dtype=dtype, tp=G, linear=lin, linear_tp_comm=comm)
+
+
 def build_profile(raw: dict, model, cluster_name: str = "") -> tuple["CostProfile", dict]:
     """Turn raw measurements from ``zeppelin.runtime.profiler`` into a fitted :class:`CostProfile`.
 
@@ -225,6 +249,11 @@ def build_profile(raw: dict, model, cluster_name: str = "") -> tuple["CostProfil
             ring_fits[part][str(G)] = fit
             report[f"ring_{part}_{G}"] = {"coeffs": rep.coeffs, "rel_errors": rep.rel_errors,
                                           "median": rep.median, "worst": rep.worst}
+    tp_fits = []
+    for G, rows in sorted((raw.get("tp_linear_s") or {}).items(), key=lambda kv: int(kv[0])):
+        tp_fit = tp_layer_fits(int(G), rows, raw["model"], raw["dtype"], report)
+        if tp_fit is not None:
+            tp_fits.append(tp_fit)
     head_fit = None
     if raw.get("head_s"):  # embedding + final norm + LM head + loss, once per model
         head_fit, head_rep = poly_fit_record(raw["linear_tokens"], raw["head_s"], 2, keep_points=True)
@@ -290,6 +319,6 @@ def build_profile(raw: dict, model, cluster_name: str = "") -> tuple["CostProfil
                         attention_block=block_fit, head=head_fit, optimizer_s=opt_s, grad_allreduce_s=ar,
                         ring_attention=ring_fits["total"], ring_compute=ring_fits["compute"],
                         ring_sync_s=ring_sync,
-                        activation_memory=dict(raw.get("activation_memory") or {}))],
+                        activation_memory=dict(raw.get("activation_memory") or {})), *tp_fits],
     )
     return prof, report

@@ -20,6 +20,10 @@ def test_profile_quick_two_ranks(zeppelin_bin, tmp_path):
     fit = prof.fits_for("tiny", "fp32")
     assert fit is not None and fit.attention is not None and fit.linear is not None
     assert prof.intra is not None and prof.intra.bandwidth_GBps > 0
+    # the TP layer measured at the TP degree 2 ranks allow: its compute and each overlap mode
+    tp2 = prof.fits_for("tiny", "fp32", 2)
+    assert tp2 is not None and tp2.linear is not None and tp2.linear.points
+    assert set(tp2.linear_tp_comm) == {"none", "slicing", "commfuse"}
     raw = json.loads((tmp_path / "prof.json.raw.json").read_text())
     assert len(raw["attention_s"]) == len(raw["attention_lengths"]) and all(t > 0 for t in raw["attention_s"])
     assert "fit_report" in raw and len(raw["fit_report"]["linear"]["rel_errors"]) == len(raw["linear_tokens"])
