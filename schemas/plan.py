@@ -184,16 +184,24 @@ class MicroBatch(Strict):
 
     def attention_segments(self, unit: int) -> list[list[int]]:
         """The unit's attention buffer as ``[seq, start, end]`` segments, in execution order."""
-        out: list[list[int]] = []
+        return self.attention_layout([unit])[0]
+
+    def attention_layout(self, units) -> list[list[list[int]]]:
+        """:meth:`attention_segments` of each of ``units`` (an int: units ``0 .. units-1``), in one
+        pass over the placements (per unit it would scan them all: quadratic in a large step)."""
         by_group: dict[int, list[Placement]] = {}
         for p in self.placements:
             by_group.setdefault(p.group, []).append(p)
-        for g in self.queues[unit]:
-            pos = self.groups[g].units.index(unit)
-            for p in by_group.get(g, ()):
-                for s, e in p.ranges[pos]:
-                    if e > s:
-                        out.append([p.seq, s, e])
+        out: list[list[list[int]]] = []
+        for u in (range(units) if isinstance(units, int) else units):
+            segs: list[list[int]] = []
+            for g in self.queues[u]:
+                pos = self.groups[g].units.index(u)
+                for p in by_group.get(g, ()):
+                    for s, e in p.ranges[pos]:
+                        if e > s:
+                            segs.append([p.seq, s, e])
+            out.append(segs)
         return out
 
     def linear_segments(self, unit: int) -> list[list[int]]:

@@ -777,7 +777,7 @@ class _Layer:
                 self._ulysses(gi, U, pls, qpos)
         # linear modules and remap
         attn_done = {u: eng.mark(self.attn_tasks.get(u, [])) for u in range(n)}
-        att = _attention_layout(mb, n)
+        att = mb.attention_layout(n)
         lin = mb.linear_layout if mb.linear_layout is not None else att
         lin_tok = np.array([sum(e - s for _, s, e in lin[u]) for u in range(n)], dtype=np.int64)
         self.attention_layout = att
@@ -1012,25 +1012,6 @@ class _Layer:
                 for u in t.units:
                     out.append(Interval(u, t.start, t.end, t.cat, "comm"))
         return out
-
-
-def _attention_layout(mb: MicroBatch, n: int) -> list[list[list[int]]]:
-    """``mb.attention_segments(u)`` for every unit in one pass over the placements (per unit it
-    would scan them all: quadratic in the units of a large step)."""
-    by_group: dict[int, list[Placement]] = defaultdict(list)
-    for p in mb.placements:
-        by_group[p.group].append(p)
-    out: list[list[list[int]]] = []
-    for u in range(n):
-        segs: list[list[int]] = []
-        for g in mb.queues[u]:
-            pos = mb.groups[g].units.index(u)
-            for p in by_group.get(g, ()):
-                for s, e in p.ranges[pos]:
-                    if e > s:
-                        segs.append([p.seq, s, e])
-        out.append(segs)
-    return out
 
 
 def _union_length(iv: list[tuple[float, float]]) -> float:

@@ -139,24 +139,6 @@ def _take_head(segs: list[list[int]], x: int) -> tuple[list[list[int]], list[lis
     return head, rest
 
 
-def attention_layout(mb: MicroBatch, num_units: int) -> list[list[list[int]]]:
-    """``mb.attention_segments(u)`` for every unit in one pass (O(placements), not O(units x placements))."""
-    by_group: dict[int, list] = defaultdict(list)
-    for p in mb.placements:
-        by_group[p.group].append(p)
-    out: list[list[list[int]]] = []
-    for u in range(num_units):
-        segs: list[list[int]] = []
-        for g in mb.queues[u]:
-            pos = mb.groups[g].units.index(u)
-            for p in by_group.get(g, ()):
-                for s, e in p.ranges[pos]:
-                    if e > s:
-                        segs.append([p.seq, s, e])
-        out.append(segs)
-    return out
-
-
 def plan_remap(ctx: PlanContext, sequences: list[Sequence], mb: MicroBatch,
                enable: bool = True) -> tuple[list[list[list[int]]] | None, RemapInfo]:
     """The token-balanced linear layout of a micro-batch and the decision to use it.
@@ -178,7 +160,7 @@ def plan_remap(ctx: PlanContext, sequences: list[Sequence], mb: MicroBatch,
                 raise PlanningError(f"unit {u} queues group {g} it is not a member of")
     if not enable:
         return None, RemapInfo(enabled=False, reason="remapping disabled by the planner options")
-    att = [merge_segments(segs) for segs in attention_layout(mb, n)]
+    att = [merge_segments(segs) for segs in mb.attention_layout(n)]
     held = [sum(e - s for _, s, e in segs) for segs in att]
     if sum(held) == 0:
         return None, RemapInfo(enabled=False, reason="the micro-batch holds no tokens")

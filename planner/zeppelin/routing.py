@@ -51,8 +51,8 @@ import numpy as np
 
 from zeppelin.planner.core.base import PlanContext
 from zeppelin.schemas.cluster import ClusterSpec
+from zeppelin.schemas.invariants import inter_ring_transfers
 from zeppelin.schemas.invariants import route_problems as invariant_route_problems
-from zeppelin.schemas.layout import ranges_tokens
 from zeppelin.schemas.plan import MicroBatch, Route, RoutePath
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -160,38 +160,13 @@ def inter_transfers(ctx: PlanContext, mb: MicroBatch) -> list[tuple[int, int, in
     return [(t.group, t.src, t.dst, t.tokens) for t in _transfers(ctx, mb)]
 
 
-def _held_tokens(mb: MicroBatch) -> dict[int, list[int]]:
-    """Per inter-node ring group, the tokens each ring position holds."""
-    held: dict[int, list[int]] = {}
-    ng = len(mb.groups)
-    for p in mb.placements:
-        if not 0 <= p.group < ng:
-            continue
-        g = mb.groups[p.group]
-        if g.kind != "ring" or g.tier != "inter":
-            continue
-        G = len(g.units)
-        row = held.setdefault(p.group, [0] * G)
-        for pos in range(min(G, len(p.ranges))):
-            row[pos] += ranges_tokens(p.ranges[pos])
-    return held
-
-
 def _transfers(ctx: PlanContext, mb: MicroBatch) -> list[_Transfer]:
+    """The node-crossing ring transfers of the inter-node ring groups (the plan invariant's list,
+    :func:`zeppelin.schemas.invariants.inter_ring_transfers`), each with its ring's rounds."""
     per_node = ctx.units_per_node
-    held = _held_tokens(mb)
-    out: list[_Transfer] = []
-    for gi, g in enumerate(mb.groups):
-        G = len(g.units)
-        if g.kind != "ring" or g.tier != "inter" or G < 2:
-            continue
-        row = held.get(gi, [0] * G)
-        for i in range(G):
-            s, d = g.units[i], g.units[(i + 1) % G]
-            if s // per_node == d // per_node or row[i] <= 0:
-                continue
-            out.append(_Transfer(gi, s, d, row[i], G - 1))
-    return out
+    node_of_unit = [u // per_node for u in range(ctx.num_units)]
+    return [_Transfer(gi, s, d, tokens, len(mb.groups[gi].units) - 1)
+            for (gi, s, d), tokens in inter_ring_transfers(mb, node_of_unit).items()]
 
 
 # ---------------------------------------------------------------------------------------------
