@@ -115,15 +115,21 @@ def describe(plan) -> str:
 def run_cell(cell: dict, detail: bool = False, seed: int = 0) -> dict:
     from zeppelin.planner.sim.simulate import Simulator
     from zeppelin.planner.zeppelin.planner import ZeppelinPlanner
+    from zeppelin.schemas.common import InputError
 
     ctx, steps = cell_inputs(cell, seed)
     sim = Simulator(ctx)
-    out = {"cell": cell["name"], "steps": [], "candidates": 0, "fidelity_ok": 0, "choice_ok": 0, "exceptions": []}
+    out = {"cell": cell["name"], "steps": [], "candidates": 0, "fidelity_ok": 0, "choice_ok": 0, "exceptions": [],
+           "unplannable": None}
     for k, seqs in enumerate(steps):
         built: list = []
         pl = ZeppelinPlanner()
         pl.collector = built.append
-        chosen = pl.plan_step(ctx, k, seqs)
+        try:
+            chosen = pl.plan_step(ctx, k, seqs)
+        except InputError as e:  # no layout holds the step (the cell reports why; no statistic counts it)
+            out["unplannable"] = f"step {k}: {e}"
+            break
         rows = []
         for plan in built:
             r = sim.simulate_step(plan)
@@ -169,7 +175,8 @@ def main(argv=None) -> None:
         r = run_cell(c, args.detail)
         res.append(r)
         print(f"[{time.perf_counter() - t0:6.0f} s] {c['name']}: choice {r['choice_ok']}/{len(r['steps'])}, "
-              f"fidelity {r['fidelity_ok']}/{r['candidates']}", file=sys.stderr, flush=True)
+              f"fidelity {r['fidelity_ok']}/{r['candidates']}"
+              + (f" (cannot be planned: {r['unplannable']})" if r["unplannable"] else ""), file=sys.stderr, flush=True)
     steps = sum(len(r["steps"]) for r in res)
     cands = sum(r["candidates"] for r in res)
     ratios = [s["chosen_sim_s"] / s["lower_bound_s"] for r in res for s in r["steps"]]
@@ -182,6 +189,7 @@ def main(argv=None) -> None:
         "fidelity_within_5pct": sum(r["fidelity_ok"] for r in res) / max(cands, 1),
         "chosen_over_bound_mean": float(np.mean(ratios)) if ratios else None,
         "best_over_bound_mean": float(np.mean(best_ratios)) if best_ratios else None,
+        "unplannable_cells": [f"{r['cell']}: {r['unplannable']}" for r in res if r["unplannable"]],
         "wall_s": time.perf_counter() - t0,
         "per_cell": res,
     }
