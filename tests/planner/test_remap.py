@@ -8,7 +8,6 @@ from hypothesis import strategies as st
 
 from zeppelin.planner.core.base import PlanContext, PlanningError
 from zeppelin.planner.zeppelin.remap import (
-    attention_layout,
     balanced_targets,
     merge_segments,
     plan_remap,
@@ -215,7 +214,11 @@ def test_random_layouts(data):
             queues[u].append(i)
     mb = MicroBatch(groups=groups, placements=pls, queues=queues)
     att = [mb.attention_segments(u) for u in range(n)]
-    assert attention_layout(mb, n) == att
+    # the one-pass layout against a direct reading of the queues: each queued group's placements in
+    # order, the unit's ranges at its ring position
+    direct = [[[p.seq, s, e] for g in queues[u] for p in pls if p.group == g
+               for s, e in p.ranges[groups[g].units.index(u)] if e > s] for u in range(n)]
+    assert mb.attention_layout(n) == att == direct
     held = [tokens(s) for s in att]
     layout, info = plan_remap(ctx, seqs, mb)
     total = sum(held)
