@@ -42,12 +42,24 @@ def test_chosen_plan_is_within_half_a_percent_of_the_best_simulated(bench, resul
             assert s["chosen_sim_s"] <= s["best_sim_s"] * (1 + bench.CHOICE_TOL), (res["cell"], s)
 
 
-def test_prediction_within_five_percent_of_simulation_for_95_percent_of_candidates(results):
-    ok = sum(r["fidelity_ok"] for r in results)
-    total = sum(r["candidates"] for r in results)
-    bad = [(r["cell"], e) for r in results for e in r["exceptions"] if e["kind"] == "fidelity"]
-    assert total >= 10
-    assert ok >= 0.95 * total, bad
+@pytest.fixture(scope="module")
+def everything(bench):
+    """Every step of the RESULTS grid and of the long-tail cells (4 each), as bench_selection runs them."""
+    return [bench.run_cell(c) for c in bench.grid_cells(4) + bench.longtail_cells(4)]
+
+
+def test_targets_hold_over_the_grid_and_the_long_tail_cells(everything):
+    """Over the candidates built on the RESULTS grid and the long-tail cells together: the chosen plan
+    is within 0.5% of the simulator's best in at least 95% of steps, and the prediction within 5% of
+    the simulation for at least 95% of candidates (each exception is listed on failure)."""
+    steps = sum(len(r["steps"]) for r in everything)
+    chosen_ok = sum(r["choice_ok"] for r in everything)
+    total = sum(r["candidates"] for r in everything)
+    ok = sum(r["fidelity_ok"] for r in everything)
+    bad = [(r["cell"], e) for r in everything for e in r["exceptions"]]
+    assert steps >= 200 and total >= 900
+    assert chosen_ok >= 0.95 * steps, [b for b in bad if b[1]["kind"] == "choice"]
+    assert ok >= 0.95 * total, [b for b in bad if b[1]["kind"] == "fidelity"]
 
 
 def test_collector_sees_every_built_candidate_and_the_chosen_one(bench):
