@@ -406,13 +406,14 @@ def draw_png(doc: dict[str, Any], title: str, path) -> None:
 
     ok = [s for s in doc["planners"] if not s.get("error")]
     names = [s["planner"] for s in ok]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.2))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.6))
     mean = np.array([s["mean_s"] * 1e3 for s in ok])
     lo = mean - np.array([s["p50_s"] * 1e3 for s in ok])
     hi = np.array([s["p90_s"] * 1e3 for s in ok]) - mean
     colors = ["#d62728" if n.startswith("zeppelin") else "#1f77b4" for n in names]
     a1.bar(names, mean, color=colors, yerr=[np.maximum(lo, 0), np.maximum(hi, 0)], capsize=3)
-    a1.set_ylabel("simulated step time, ms (bars: mean; whiskers: p50..p90)")
+    a1.set_ylabel("simulated step time, ms")
+    a1.set_title("bars: mean; whiskers: p50..p90 over steps", fontsize=9)
     key = "speedup_vs_" + doc["reference"].replace("-", "_")
     sp = np.array([s.get(key, 0.0) for s in ok])
     lo_q, hi_q = SPREAD
@@ -420,7 +421,8 @@ def draw_png(doc: dict[str, Any], title: str, path) -> None:
     hi = np.array([s.get(f"{key}_p{hi_q}", v) for s, v in zip(ok, sp)]) - sp
     a2.bar(names, sp, color=colors, yerr=[np.maximum(lo, 0), np.maximum(hi, 0)], capsize=3)
     a2.axhline(1.0, color="k", lw=0.8)
-    a2.set_ylabel(f"speedup over {doc['reference']} (whiskers: p{lo_q}..p{hi_q} per step)")
+    a2.set_ylabel(f"speedup over {doc['reference']}")
+    a2.set_title(f"ratio of mean step times; whiskers: p{lo_q}..p{hi_q} per step", fontsize=9)
     for ax in (a1, a2):
         ax.tick_params(axis="x", rotation=45)
         for lab in ax.get_xticklabels():

@@ -251,10 +251,12 @@ def draw_demo_png(timelines: list[tuple[str, SimResult]], speedups: list[tuple[s
     ax.set_yticks(range(len(names)), names)
     ax.invert_yaxis()
     ax.axvline(1.0, color="k", lw=0.8)
+    ends = [v + (xerr[1][y] if xerr else 0.0) for y, v in enumerate(vals)]  # labels past the whiskers
     for y, v in enumerate(vals):
-        ax.text(v, y, f" {v:.2f}x", va="center", fontsize=8)
-    ax.set_xlabel(f"speedup over {reference} (simulated mean step time" + ("; whiskers: p10..p90 per step)" if xerr else ")"))
-    ax.set_xlim(0, max(vals + [1.0]) * 1.25)
+        ax.text(ends[y], y, f" {v:.2f}x", va="center", fontsize=8)
+    ax.set_xlabel(f"speedup over {reference}")
+    ax.set_title("ratio of simulated mean step times" + ("\nwhiskers: p10..p90 per step" if xerr else ""), fontsize=9)
+    ax.set_xlim(0, max(ends + [1.0]) * 1.3)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     save_png(fig, path, dpi=90)
