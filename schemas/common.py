@@ -78,19 +78,6 @@ def check_int(flag: str, value: int | None, lo: int, hi: int | None = None) -> N
         raise InputError(f"{flag} must be at most {hi:,} (got {value:,})")
 
 
-def check_training_options(*, lr: float, weight_decay: float, seed: int | None, timeout: float,
-                           verify_tol: float | None, checkpoint_every: int, threads: int | None) -> None:
-    """Bounds of ``zeppelin run``'s numeric options, checked by the command line before it starts any
-    process and again by every rank (``python -m zeppelin.runtime`` can be started by hand)."""
-    check_float("--lr", lr, 0.0, 10.0, lo_open=True)
-    check_float("--weight-decay", weight_decay, 0.0, 10.0)
-    check_int("--seed", seed, 0, MAX_SEED)
-    check_float("--timeout", timeout, 0.0, MAX_TIMEOUT_S, lo_open=True)
-    check_float("--verify-tol", verify_tol, 0.0, 1.0, lo_open=True)
-    check_int("--checkpoint-every", checkpoint_every, 0, MAX_STEPS)
-    check_int("--threads", threads, 1, 1024)
-
-
 def check_float(flag: str, value: float | None, lo: float, hi: float, *, lo_open: bool = False) -> None:
     """Refuse a float option that is not finite or is outside ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``)."""
     if value is None:
