@@ -16,6 +16,7 @@ at once so that shared resources (CPU cores, memory bandwidth, NICs) are loaded 
 * the activation memory per token of the runtime's model for each recompute mode (what the
   forward keeps for the backward, what one recomputation holds), counted as the executor does;
 * the AdamW step and the gradient all-reduce over the model's parameters (as the executor does);
+* one exchange of the runtime's remap beside a GEMM, by tokens moved (what it adds to compute);
 * point-to-point latency/bandwidth for each pair class (same node, other node), all-to-all and
   all-gather by group size, and whether two concurrent transfers out of one node share a NIC;
 * the topology (``nvidia-smi topo -m``, ``/sys/class/infiniband``; on CPU the local-cpu layout).
@@ -47,11 +48,12 @@ from zeppelin.schemas.model import ModelSpec, model_preset
 # and the three overlap modes); the quick grid keeps that to a few seconds on 2 CPU ranks
 QUICK = dict(att=[16, 32, 64, 128, 256, 512, 1024, 2048], lin=[64, 256, 1024, 2048, 4096],
              tp_lin=[256, 1024, 2048, 4096], tp_reps=2,
-             p2p=[2**10, 2**14, 2**17, 2**20, 2**22], reps=5, warmup=1)
+             p2p=[2**10, 2**14, 2**17, 2**20, 2**22], remap=[16, 128, 512, 2048], reps=5, warmup=1)
 FULL = dict(att=[16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192],
             lin=[64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
             tp_lin=[64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384], tp_reps=10,
-            p2p=[2**10, 2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24], reps=10, warmup=3)
+            p2p=[2**10, 2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24], remap=[16, 64, 256, 1024, 4096, 16384],
+            reps=10, warmup=3)
 
 
 class Timer:
@@ -568,6 +570,49 @@ def measure_ring_round(model: ModelSpec, lengths, nodes_gpn: int, dev, reps, war
     return res
 
 
+def measure_remap_exchange(model: ModelSpec, moved, dev, timer, reps, warmup) -> list[list[float]]:
+    """What one exchange of the runtime's remap (:class:`zeppelin.runtime.remap.Remapper`: one
+    ``batch_isend_irecv`` with the partner, the local rows copied meanwhile, then the wait) adds to
+    the compute around it, for each count of tokens moved: ranks in pairs (0-1, 2-3, ...) run a
+    decoder-layer-sized GEMM and then the exchange, and the same GEMM alone; the difference is the
+    exchange with its waits, as training meets it (partners that also compute, a loaded machine).
+    Returns ``[[bytes per direction, seconds], ...]`` of the slowest rank; empty on an odd world."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world < 2 or world % 2:
+        return []
+    dt = _dtype(model)
+    peer = rank ^ 1
+    T = max(moved)
+    w = torch.randn(model.hidden, model.hidden, device=dev, dtype=dt)
+    x = torch.randn(2 * T, model.hidden, device=dev, dtype=dt)
+
+    def make(m, exchange):
+        send_rows = torch.arange(m, device=dev)
+        keep_rows = torch.arange(m, 2 * T, device=dev)
+        out = torch.empty_like(x)
+
+        def step():
+            y = x @ w
+            if exchange:
+                buf = y.index_select(0, send_rows)
+                rb = torch.empty_like(buf)
+                works = dist.batch_isend_irecv([dist.P2POp(dist.isend, buf, peer), dist.P2POp(dist.irecv, rb, peer)])
+                out.index_copy_(0, keep_rows, y.index_select(0, keep_rows))
+                for wk in works:
+                    wk.wait()
+                out.index_copy_(0, send_rows, rb)
+            return y
+
+        return step
+
+    tot = timer.sweep([make(m, True) for m in moved], reps, warmup, sync=dist.barrier)
+    comp = timer.sweep([make(m, False) for m in moved], reps, warmup, sync=dist.barrier)
+    tt = torch.tensor([max(a - b, 0.0) for a, b in zip(tot, comp)], dtype=torch.float64)
+    dist.all_reduce(tt, op=dist.ReduceOp.MAX)
+    width = model.hidden * torch.tensor([], dtype=dt).element_size()
+    return [[float(m * width), float(s)] for m, s in zip(moved, tt)]
+
+
 class _Arrived:
     """A finished exchange that hands over a block of the right shape (see :class:`_Loopback`)."""
 
@@ -741,6 +786,8 @@ def main(argv=None) -> int:
     # rings carry the sequences too long for one rank: measure them up to twice the longest local length
     ring_lengths = [*grid["att"], 2 * grid["att"][-1]]
     ring_att = measure_ring_attention(model, ring_lengths, gpn, dev, timer, reps, warm) if world > 1 else {}
+    say("the runtime's remap exchange by tokens moved ...")
+    remap_ex = measure_remap_exchange(model, grid["remap"], dev, timer, reps, warm) if world > 1 else []
     share = measure_concurrent_inter(gpn, grid["p2p"][-1], dev, reps, warm) if a.nodes >= 2 else None
     topo = detect_topology(world, a.nodes)
     if rank == 0:
@@ -751,7 +798,7 @@ def main(argv=None) -> int:
                    linear_tokens=grid["lin"], linear_s=lin, head_s=head, tp_linear_s=tp_lin, optimizer_s=opt_s,
                    num_params=nparams, grad_allreduce_s=ar, p2p_bytes=grid["p2p"], p2p_s=p2p,
                    collectives_s=coll, collective_bytes=grid["p2p"][-1], ring_round_s=ring,
-                   ring_attention_s=ring_att, activation_memory=act_mem,
+                   ring_attention_s=ring_att, remap_exchange_s=remap_ex, activation_memory=act_mem,
                    concurrent_inter_ratio=share, topology=topo,
                    elapsed_s=time.perf_counter() - t_start)
         prof, report = build_profile(raw, model, cluster_name=a.cluster_name)

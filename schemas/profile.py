@@ -13,7 +13,7 @@ Communication uses alpha-beta per link class: ``t = alpha_s + bytes / bandwidth`
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_serializer
 
@@ -86,6 +86,11 @@ class ModelFits(Strict):
         description="per ring round of G ranks (keys: '2','4',...), the time the runtime's exchanges add to the "
         "ring beyond its compute (forward and backward exchanges of the round, waits included), seconds: the "
         "median over the measured lengths of (ring_attention - ring_compute) / (G - 1)")
+    remap_exchange: list[Annotated[float, Field(ge=0, le=1e3)]] | None = Field(
+        default=None, min_length=2, max_length=2,
+        description="[seconds, seconds per byte]: what one exchange of the runtime's remap (one direction, one "
+        "pass, bytes sent per rank) adds to the compute around it, waits included; replaces the link model "
+        "for remaps")
     linear_tp_comm: dict[str, PolyFit] = Field(
         default_factory=dict,
         description="tp > 1: t(T) of the same TP-SP layer with the runtime's real collectives, by --tp-overlap "
@@ -101,10 +106,21 @@ class ModelFits(Strict):
         # optional fits: left out while empty, so that a profile without them keeps its content
         # hash (plans record it)
         d = handler(self)
-        for key in ("ring_attention", "ring_compute", "ring_sync_s", "linear_tp_comm", "activation_memory"):
+        for key in ("ring_attention", "ring_compute", "ring_sync_s", "remap_exchange", "linear_tp_comm",
+                    "activation_memory"):
             if not d.get(key):
                 d.pop(key, None)
         return d
+
+
+class StepTimeCheck(Strict):
+    """How far this profile's predicted step times were from measured ones: a few steps planned
+    with the profile and run on the machine it measured (``zeppelin profile`` runs them)."""
+
+    steps: int = Field(ge=1, le=10**6, description="steps compared (the warm-up step left out)")
+    median_error: float = Field(ge=-1.0, le=1e3, description="median of measured / predicted - 1 (signed)")
+    worst_error: float = Field(ge=0.0, le=1e3, description="largest |measured / predicted - 1|")
+    plan: str = Field(default="", max_length=500, description="what was planned and run")
 
 
 class ProfileSource(Strict):
@@ -112,6 +128,16 @@ class ProfileSource(Strict):
     machine: str = ""
     created_at: str = ""
     notes: str = ""
+    step_time_check: StepTimeCheck | None = Field(
+        default=None, description="measured vs predicted step times of a short run under this profile")
+
+    @model_serializer(mode="wrap")
+    def _omit_no_check(self, handler):
+        # left out while absent, so that profiles written before it keep their content hash
+        d = handler(self)
+        if d.get("step_time_check") is None:
+            d.pop("step_time_check", None)
+        return d
 
 
 class CostProfile(Doc):

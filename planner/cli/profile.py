@@ -22,6 +22,10 @@ def profile(
     model: str = typer.Option("small", "--model", help="model preset or JSON whose kernels are timed"),
     quick: bool = typer.Option(False, "--quick", help="small grids: under two minutes on a laptop-class CPU"),
     cluster_name: str = typer.Option("", "--cluster-name", help="name recorded in the profile"),
+    check: bool = typer.Option(True, "--check/--no-check",
+                               help="after fitting, plan a few short steps with the profile, run them here and "
+                                    "record how far the predicted step times were from the measured ones "
+                                    "(`zeppelin compare` quotes it); one machine only"),
 ) -> None:
     """Measure attention/linear kernel times, link bandwidths and the topology; fit the cost model.
 
@@ -60,6 +64,61 @@ def profile(
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     report = json.loads(lines[-1]) if lines else {}
     _print_report(report, output)
+    if check and extra == ["--standalone"]:
+        check_step_times(output, nproc, nodes, model, cluster_name, env)
+
+
+#: the check's run: a few steps of the shipped sample, short enough for a CPU machine
+CHECK_STEPS, CHECK_TOKENS_PER_RANK, CHECK_MAX_SEQ_LEN = 4, 2048, 4096
+
+
+def check_step_times(output: Path, nproc: int, nodes: int, model: str, cluster_name: str, env: dict) -> None:
+    """Plan :data:`CHECK_STEPS` steps of the shipped sample with the new profile, run them here with
+    ``zeppelin run --report-json`` and record in the profile (``source.step_time_check``) how far
+    the predicted step times were from the measured ones. A check that cannot run leaves the
+    profile as it is and says why."""
+    import shutil
+    import statistics
+    import tempfile
+
+    from zeppelin.schemas.common import atomic_write, load_doc
+    from zeppelin.schemas.profile import CostProfile, StepTimeCheck
+
+    cluster = cluster_name or f"local-cpu:{nodes}x{nproc // nodes}"
+    tokens = CHECK_TOKENS_PER_RANK * nproc
+    zep = [sys.executable, "-c", "from zeppelin.planner.cli import main; main()"]
+    work = Path(tempfile.mkdtemp(prefix="zeppelin-profile-check-"))
+    print(f"[profile] checking the profile: {CHECK_STEPS} steps of {tokens:,} tokens planned with it on {cluster} "
+          f"and run here ...", file=sys.stderr, flush=True)
+    try:
+        plan, rep = work / "check.jsonl", work / "report.json"
+        for args in (["plan", "-c", cluster, "--model", model, "--profile", str(output), "--steps", str(CHECK_STEPS),
+                      "--tokens-per-step", str(tokens), "--max-seq-len", str(CHECK_MAX_SEQ_LEN), "-q", "-o", str(plan)],
+                     ["run", str(plan), "--progress", "none", "--metrics", str(work / "metrics.jsonl"),
+                      "--report-json", str(rep)]):
+            r = subprocess.run([*zep, *args], env=env, capture_output=True, text=True)
+            if r.returncode != 0:
+                why = (r.stderr.strip().splitlines() or [f"exit code {r.returncode}"])[-1]
+                print(f"[profile] check skipped: `zeppelin {args[0]}` failed: {why}", file=sys.stderr)
+                return
+        steps = json.loads(rep.read_text())["steps"]
+        rows = [s for s in steps if not s["first"]] or steps
+        errs = [s["measured_s"]["step"] / s["predicted_s"]["step"] - 1.0 for s in rows if s["predicted_s"]["step"] > 0]
+        if not errs:
+            print("[profile] check skipped: the run reported no predicted step time", file=sys.stderr)
+            return
+        prof = load_doc(CostProfile, output)
+        prof.source.step_time_check = StepTimeCheck(
+            steps=len(errs), median_error=float(statistics.median(errs)), worst_error=float(max(abs(e) for e in errs)),
+            plan=f"zeppelin plan of the shipped sample, {len(errs)} steps of {tokens:,} tokens on {cluster}, "
+                 f"model {model}, run right after profiling")
+        with atomic_write(output, replaces=True) as fh:  # the profile this command wrote, completed
+            fh.write(prof.model_dump_json(indent=2) + "\n")
+        chk = prof.source.step_time_check
+        print(f"[profile] measured / predicted step time - 1: median {chk.median_error:+.1%}, worst "
+              f"{chk.worst_error:.1%} over {chk.steps} steps (recorded in {output})", file=sys.stderr)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _print_report(report: dict, output: Path) -> None:
@@ -104,5 +163,10 @@ def _print_report(report: dict, output: Path) -> None:
             t.add_row(key.replace("p2p_", "link ") + " t(b) = a + b/B",
                       f"a = {r['alpha_s'] * 1e6:.1f} us, B = {r['bandwidth_GBps']:.2f} GB/s",
                       f"{r['median']:.1%}", f"{r['worst']:.1%}")
+    r = report.get("remap_exchange")
+    if r:
+        t.add_row("remap exchange (beside compute)",
+                  f"{r['seconds'] * 1e3:.2f} ms + bytes / {1e-9 / r['seconds_per_byte']:.2f} GB/s"
+                  if r["seconds_per_byte"] > 0 else f"{r['seconds'] * 1e3:.2f} ms", "-", "-")
     con.print(t)
     con.print(f"plan with it: zeppelin plan --profile {output} ...")

@@ -381,12 +381,25 @@ class CostModel:
         ``remap_payload: qkv`` model moves Q, K and V to the attention layout and the attention
         output back, and the same widths in backward)."""
         to_attn, to_lin = self.model.remap_widths()
-        if to_attn == to_lin == self.model.hidden:
-            return 4.0 * self.p2p_time(self.hidden_bytes(max_tokens_moved_per_unit), cls)
         tok = _arr(max_tokens_moved_per_unit)
-        a = self.p2p_time(tok * to_attn * self.act_bytes / self.tp, cls)
-        b = self.p2p_time(tok * to_lin * self.act_bytes / self.tp, cls)
+        a = self.remap_exchange_time(tok * to_attn * self.act_bytes / self.tp, cls)
+        b = self.remap_exchange_time(tok * to_lin * self.act_bytes / self.tp, cls)
         return 2.0 * (a + b)
+
+    @property
+    def remap_measured(self) -> bool:
+        """Whether the profile measured the runtime's remap exchange (``fits.remap_exchange``)."""
+        return self._fits is not None and self._fits.remap_exchange is not None
+
+    def remap_exchange_time(self, nbytes, cls: str = "intra") -> np.ndarray:
+        """One remap exchange of ``nbytes`` per rank (one direction, one pass): the profile's
+        measured exchange (``fits.remap_exchange``: what it adds to the compute around it, waits
+        included) when it has one, else a point-to-point transfer on the link."""
+        if self.remap_measured:
+            a, b = self._fits.remap_exchange
+            nb = _arr(nbytes)
+            return np.where(nb > 0, a + b * nb, 0.0)
+        return self.p2p_time(nbytes, cls)
 
     def grad_allreduce_time(self, num_units: int | None = None) -> float:
         """Gradient all-reduce across the ``n`` data-parallel units, as NCCL does it on a cluster:

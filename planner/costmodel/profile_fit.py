@@ -184,6 +184,22 @@ def ring_sync_per_round(G: int, total, compute) -> float | None:
     return float(np.median(diffs)) if diffs else None
 
 
+def remap_exchange_fit(points) -> list[float] | None:
+    """``[seconds, seconds per byte]`` of one remap exchange from ``[[bytes, extra s], ...]``
+    (:func:`zeppelin.runtime.profiler.measure_remap_exchange`): a least-squares line, its slope
+    kept non-negative (at small sizes the waits dominate and the slope is mostly noise); None
+    without two points."""
+    pts = [(float(b), float(s)) for b, s in points or () if b > 0]
+    if len(pts) < 2:
+        return None
+    x = np.array([b for b, _ in pts])
+    y = np.array([s for _, s in pts])
+    slope, icpt = np.polyfit(x, y, 1)
+    if slope < 0:
+        slope, icpt = 0.0, float(np.median(y))
+    return [float(max(icpt, 0.0)), float(slope)]
+
+
 def tp_layer_fits(G: int, rows: dict, model: str, dtype: str, report: dict | None = None):
     """The fits of one TP degree ``G`` from the profiler's TP-SP layer measurements (``rows``:
     ``{"compute": [[T, s]...], "<mode>": [[T, s]...]}``): ``linear`` from the compute alone,
@@ -298,6 +314,10 @@ def build_profile(raw: dict, model, cluster_name: str = "") -> tuple["CostProfil
         if lk and t > 0:
             achieved = nb * (g - 1) / g / t / 1e9
             eff[G] = float(min(1.0, achieved / lk.bandwidth_GBps))
+    remap_ex = remap_exchange_fit(raw.get("remap_exchange_s"))
+    if remap_ex is not None:
+        report["remap_exchange"] = {"seconds": remap_ex[0], "seconds_per_byte": remap_ex[1],
+                                    "points": raw.get("remap_exchange_s")}
     share = raw.get("concurrent_inter_ratio")
     topo = raw.get("topology", {})
     prof = CostProfile(
@@ -318,7 +338,7 @@ def build_profile(raw: dict, model, cluster_name: str = "") -> tuple["CostProfil
         fits=[ModelFits(model=raw["model"], dtype=raw["dtype"], attention=att_fit, linear=lin_fit,
                         attention_block=block_fit, head=head_fit, optimizer_s=opt_s, grad_allreduce_s=ar,
                         ring_attention=ring_fits["total"], ring_compute=ring_fits["compute"],
-                        ring_sync_s=ring_sync,
+                        ring_sync_s=ring_sync, remap_exchange=remap_ex,
                         activation_memory=dict(raw.get("activation_memory") or {})), *tp_fits],
     )
     return prof, report

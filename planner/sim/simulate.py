@@ -789,7 +789,7 @@ class _Layer:
         hidden_dev = to_lin_w * self.sim.ctx.model.dtype_bytes
         for (a, b), tokens in moves.items():
             nb = 2.0 * tokens * hidden_dev / self.reps[a].tp  # activations fwd + their gradients bwd
-            f = self.transfer(a, b, nb, [attn_done[a], attn_done[b]], "remap")
+            f = self._remap_transfer(a, b, nb, [attn_done[a], attn_done[b]])
             in_deps[b].append(f)
             in_deps[a].append(f)
         lin_task = {}
@@ -803,8 +803,20 @@ class _Layer:
                     lin_task[u] = eng.compute(u, tp_exp, (10**9, 1), [lin_task[u]], cat="tp-comm")
         for (a, b), tokens in moves.items():
             nb = 2.0 * tokens * to_attn_w * self.sim.ctx.model.dtype_bytes / self.reps[b].tp
-            self.transfer(b, a, nb, [lin_task[a], lin_task[b]], "remap")
+            self._remap_transfer(b, a, nb, [lin_task[a], lin_task[b]])
         self.lin_task = lin_task
+
+    def _remap_transfer(self, a: int, b: int, nbytes: float, deps) -> int:
+        """One remap move (``nbytes``: its forward and backward passes together). With a profile
+        that measured the runtime's remap exchange, each pass takes what the profile says one
+        exchange of half the bytes costs (a delay, not a flow on the links); else a transfer."""
+        cost = self.sim.cost_for(self.reps[a].tp)
+        if not cost.remap_measured:
+            return self.transfer(a, b, nbytes, deps, "remap")
+        self.links.append((a, b))
+        cls = "intra" if self.node[a] == self.node[b] else "inter"
+        dur = 2.0 * float(cost.remap_exchange_time(nbytes / 2.0, cls))
+        return self.engine.flow(0.0, (), dur, deps, work=0.0, cat=f"remap-{cls}", units=(a, b))
 
     def _local(self, u: int, pls: list[Placement], qp: int) -> None:
         cost = self.sim.cost_for(self.reps[u].tp)

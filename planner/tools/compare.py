@@ -371,17 +371,22 @@ def speedup_text(doc: dict[str, Any], reference: str, planner: str = "zeppelin",
 
 
 def prediction_error(profile, given: bool) -> dict[str, Any]:
-    """What is known of the error of the simulated step times under ``profile``: a profile records
-    how well its kernel curves fit their own measurements, never how far a predicted step time is
-    from a measured one, so the step-time error is unknown here (``zeppelin run --report`` measures
-    it for a plan). ``given``: the profile came from ``--profile`` (else the preset curves)."""
+    """What is known of the error of the simulated step times under ``profile``: the step-time
+    check ``zeppelin profile`` runs (a few steps planned with the profile and run on the machine it
+    measured: ``source.step_time_check``), and how well its kernel curves fit their own
+    measurements. Preset curves carry no check: their step-time error is unknown.
+    ``given``: the profile came from ``--profile`` (else the preset curves)."""
     fit_errors = [f.rel_error_median for mf in profile.fits
                   for f in (mf.attention, mf.linear, mf.attention_block, mf.head, *mf.ring_attention.values())
                   if f is not None and f.rel_error_median is not None]
     src = profile.source
     label = (f"measured on {src.machine or 'an unnamed machine'}" + (f" at {src.created_at}" if src.created_at else "")
              if src.kind == "measured" else "preset curves")
-    return {"profile": label, "given": given, "measured": src.kind == "measured", "step_time_error": None,
+    chk = src.step_time_check
+    return {"profile": label, "given": given, "measured": src.kind == "measured",
+            "step_time_error": None if chk is None else chk.median_error,
+            "step_time_error_worst": None if chk is None else chk.worst_error,
+            "step_time_error_steps": None if chk is None else chk.steps,
             "kernel_fit_rel_error_median_worst": max(fit_errors) if fit_errors else None}
 
 
@@ -390,8 +395,13 @@ def prediction_error_text(err: dict[str, Any]) -> str:
     fit = err["kernel_fit_rel_error_median_worst"]
     fits = (f"; its kernel curves fit their measurements within {fit:.1%} (median, worst curve)"
             if fit is not None else "")
+    if err.get("step_time_error") is not None:
+        return (f"prediction error of these step times: measured {err['step_time_error']:+.1%} (median of measured / "
+                f"predicted - 1 over {err['step_time_error_steps']} steps run when the profile was taken, worst "
+                f"{err['step_time_error_worst']:.1%}; profile {err['profile']}){fits}")
     return (f"prediction error of these step times: unknown for this profile ({err['profile']}): it records "
-            f"no measured step-time error{fits}; `zeppelin run --report` measures it")
+            f"no measured step-time error{fits}; `zeppelin profile` measures it, `zeppelin run --report` "
+            f"measures it for a plan")
 
 
 def draw_png(doc: dict[str, Any], title: str, path) -> None:

@@ -28,6 +28,13 @@ def test_profile_quick_two_ranks(zeppelin_bin, tmp_path):
     assert len(raw["attention_s"]) == len(raw["attention_lengths"]) and all(t > 0 for t in raw["attention_s"])
     assert "fit_report" in raw and len(raw["fit_report"]["linear"]["rel_errors"]) == len(raw["linear_tokens"])
     assert "cost-model fit" in r.stdout
+    # the remap exchange measured beside compute, and the step-time check run with the profile
+    assert fit.remap_exchange is not None and all(x >= 0 for x in fit.remap_exchange)
+    assert len(raw["remap_exchange_s"]) == 4
+    chk = prof.source.step_time_check
+    assert chk is not None and chk.steps == 3 and chk.worst_error >= abs(chk.median_error)
+    assert "measured / predicted step time - 1: median" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prof.json", "prof.json.raw.json"]
 
 
 def test_profile_bad_input(zeppelin_bin, tmp_path):

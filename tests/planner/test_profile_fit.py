@@ -284,3 +284,24 @@ def test_ring_group_sizes_cover_every_size_inside_a_node():
     assert ring_group_sizes(4, 4) == [2, 3, 4]          # a planner forms rings of 3 of 4 ranks too
     assert ring_group_sizes(4, 2) == [2, 4]             # 2 nodes of 2: across nodes, powers of two
     assert ring_group_sizes(32, 8) == [2, 3, 4, 5, 6, 7, 8, 16, 32]
+
+
+def test_remap_exchange_fit_from_synthetic_measurements():
+    """The remap exchange's extra time per byte count: a line (robust to a negative slope, which
+    small sizes' waits produce), in the profile's fits; a profile without it hashes as before."""
+    from zeppelin.planner.costmodel.profile_fit import build_profile, remap_exchange_fit
+    from zeppelin.schemas.model import model_preset
+
+    pts = [[b, 3e-3 + 2e-10 * b] for b in (16384, 131072, 524288, 2097152)]
+    assert remap_exchange_fit(pts) == pytest.approx([3e-3, 2e-10], rel=1e-6)
+    assert remap_exchange_fit([[1e4, 4e-3], [1e5, 2e-3], [1e6, 3e-3]]) == [3e-3, 0.0]
+    assert remap_exchange_fit([[1e4, 4e-3]]) is None and remap_exchange_fit(None) is None
+    Ls = [32, 64, 128, 256]
+    raw = dict(model="small", dtype="fp32", world=2, nodes=1, attention_lengths=Ls,
+               attention_s=[2e-4 + 5e-8 * L * L for L in Ls], linear_tokens=[64, 256, 1024],
+               linear_s=[1e-3, 3e-3, 1e-2], remap_exchange_s=pts, topology={"device": "cpu"})
+    prof, report = build_profile(raw, model_preset("small"))
+    assert prof.fits[0].remap_exchange == pytest.approx([3e-3, 2e-10], rel=1e-6)
+    assert report["remap_exchange"]["seconds"] == pytest.approx(3e-3, rel=1e-6)
+    del raw["remap_exchange_s"]
+    assert "remap_exchange" not in build_profile(raw, model_preset("small"))[0].fits[0].model_dump()

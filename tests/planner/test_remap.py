@@ -273,3 +273,43 @@ def test_prediction_prices_an_inter_node_remap_on_the_nics():
     assert pred.per_unit.exposed_comm_s[0] == pytest.approx(nic_remap + ctx.cost.grad_allreduce_time(), rel=1e-9)
     assert pred.step_time_s == pytest.approx(sim.step_time_s, rel=0.03)
     assert pred.step_time_s > no_remap.step_time_s - info.predicted_saving_s + 0.9 * nic_remap
+
+
+def _with_measured_remap(ctx, seconds: float, per_byte: float) -> PlanContext:
+    from zeppelin.schemas.profile import ModelFits
+
+    m = ctx.model
+    prof = ctx.profile.model_copy(update={"fits": [ModelFits(model=m.name, dtype=m.dtype,
+                                                             remap_exchange=[seconds, per_byte])]})
+    return PlanContext(ctx.cluster, m, prof)
+
+
+def test_a_measured_remap_exchange_prices_the_decision_the_prediction_and_the_simulator():
+    """A profile that measured the runtime's remap exchange (what each exchange adds to the compute
+    around it, waits included) replaces the link model: four exchanges per layer (two directions,
+    forward and backward), each ``a + b * bytes``; the decision, the prediction and the simulator
+    all price it so."""
+    from zeppelin.planner.costmodel.predict import predict_step
+    from zeppelin.planner.sim.simulate import Simulator
+
+    base = ctx_for("zeppelin-c", "tiny")
+    held = [3000, 1000] * (base.num_units // 2)  # partners inside each node
+    seqs, mb = local_mb(base, [[h] for h in held])
+    cheap = _with_measured_remap(base, 0.0, 0.0)
+    layout, info = plan_remap(cheap, seqs, mb)
+    assert info.enabled and cheap.cost.remap_measured and not base.cost.remap_measured
+    a, b = 2e-4, 1e-11
+    ctx = _with_measured_remap(base, a, b)
+    nbytes = 1000 * ctx.model.hidden * ctx.model.dtype_bytes
+    assert float(ctx.cost.remap_time(1000)) == pytest.approx(4 * (a + b * nbytes), rel=1e-12)
+    assert float(ctx.cost.remap_time(0)) == 0.0
+    step = StepPlan(step=0, sequences=seqs, microbatches=[mb.model_copy(update={"linear_layout": layout})])
+    pred = predict_step(ctx, step)
+    sim = Simulator(ctx).simulate_step(step)
+    assert pred.step_time_s == pytest.approx(sim.step_time_s, rel=0.03)
+    plain = Simulator(ctx).simulate_step(StepPlan(step=0, sequences=seqs, microbatches=[mb]))
+    # every moving unit waits for its exchanges: the remapped step pays them
+    assert sim.step_time_s > plain.step_time_s - info.predicted_saving_s + 0.9 * ctx.model.num_layers * 4 * a
+    # exchanges that cost more than the imbalance they remove: the decision skips the remap
+    dear = _with_measured_remap(base, 1.0, 0.0)
+    assert plan_remap(dear, seqs, mb)[0] is None

@@ -65,7 +65,8 @@ def test_compare_prints_each_speedup_with_the_spread_of_its_steps(tmp_path):
     assert f"{mean:.2f}x over the best other baseline {best} (p10-p90 per step {lo:.2f}-{hi:.2f}x)" in flat
     # no --profile: the preset curves, and nothing is claimed about an error
     assert doc["prediction_error"] == {"profile": "preset curves", "given": False, "measured": False,
-                                       "step_time_error": None, "kernel_fit_rel_error_median_worst": None}
+                                       "step_time_error": None, "step_time_error_worst": None,
+                                       "step_time_error_steps": None, "kernel_fit_rel_error_median_worst": None}
     assert "prediction error" not in text
 
 
@@ -93,8 +94,21 @@ def test_prediction_error_of_a_profile_without_fits():
     err = prediction_error(CostProfile(source=ProfileSource(kind="measured", machine="m")), given=True)
     assert err["kernel_fit_rel_error_median_worst"] is None
     assert prediction_error_text(err) == ("prediction error of these step times: unknown for this profile (measured "
-                                          "on m): it records no measured step-time error; `zeppelin run --report` "
-                                          "measures it")
+                                          "on m): it records no measured step-time error; `zeppelin profile` "
+                                          "measures it, `zeppelin run --report` measures it for a plan")
+
+
+def test_prediction_error_of_a_checked_profile():
+    """A profile whose step-time check ran (``zeppelin profile``) states the measured error."""
+    from zeppelin.schemas.profile import StepTimeCheck
+
+    chk = StepTimeCheck(steps=3, median_error=0.124, worst_error=0.31, plan="x")
+    err = prediction_error(CostProfile(source=ProfileSource(kind="measured", machine="m", step_time_check=chk)),
+                           given=True)
+    assert (err["step_time_error"], err["step_time_error_worst"], err["step_time_error_steps"]) == (0.124, 0.31, 3)
+    assert prediction_error_text(err) == ("prediction error of these step times: measured +12.4% (median of measured "
+                                          "/ predicted - 1 over 3 steps run when the profile was taken, worst 31.0%; "
+                                          "profile measured on m)")
 
 
 def test_comparison_spread_is_over_the_same_steps():
