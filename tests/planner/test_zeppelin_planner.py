@@ -93,12 +93,14 @@ def test_hide_threshold_is_the_crossover():
 
 
 def test_explain_prints_computed_thresholds():
+    from zeppelin.planner.tools.explain import explain_text
+
     ctx = make_ctx("zeppelin-c")
     tg = Tiering(ctx)
-    text = tg.explain()
-    assert f"{tg.memory_thresholds['unit']:,} tokens" in text
-    assert f"L >= {tg.hide_threshold(8, 'intra'):,} tokens" in text
-    assert f"L >= {tg.hide_threshold(16, 'inter', 1):,} tokens" in text
+    text = " ".join(explain_text(ctx).split())
+    assert f"one unit holds {tg.memory_thresholds['unit']:,} tokens" in text
+    assert f"{tg.hide_threshold(8, 'intra'):,}" in text
+    assert f"{tg.hide_threshold(16, 'inter', 1):,}" in text
 
 
 def test_choose_span_rules():
