@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zeppelin.schemas.common import InputError
-from zeppelin.schemas.hf import hf_dir, hf_model_spec
+from zeppelin.schemas.hf import hf_dir, hf_model_spec, hf_weight_files
 from zeppelin.schemas.model import ModelSpec
 
 from .data import IGNORE_INDEX
@@ -51,7 +51,8 @@ def register_attention() -> str:
 
 
 def _safetensors_files(d: Path) -> list[Path]:
-    return sorted(p for p in d.glob("*.safetensors") if p.is_file())
+    """The weight files (an unusable weight file is an error, not a reason to start from random)."""
+    return hf_weight_files(d)
 
 
 def load_safetensors_state(d: Path) -> dict[str, torch.Tensor]:
