@@ -230,44 +230,6 @@ def plan_hash(header: Any) -> str:
     return content_hash(header.model_dump(mode="json", exclude={"created_at"}))
 
 
-def inspect_checkpoint_dir(directory: str | os.PathLike) -> None:
-    """Read-only checks of a checkpoint directory before any process starts: a directory (or
-    nothing yet), whose lock file, when there, is a regular file with one link (never a link that
-    locking would write through)."""
-    from zeppelin.schemas.safeio import ManagedDir
-
-    from .lifecycle import LOCK_NAME
-
-    d = Path(directory)
-    if not os.path.lexists(d):
-        return
-    if not d.is_dir():
-        raise InputError("--checkpoint-dir is not a directory", source=d)
-    with ManagedDir(d, "--checkpoint-dir", create=False) as md:
-        st = md.lstat(LOCK_NAME)
-        if st is not None and not stat.S_ISREG(st.st_mode):
-            raise md._foreign(LOCK_NAME, st)
-        if st is not None and st.st_nlink != 1:
-            raise InputError(f"--checkpoint-dir: {LOCK_NAME} has {st.st_nlink} hard links, not a file zeppelin "
-                             "wrote (remove it)", source=d)
-
-
-def resume_point(directory: str | os.PathLike, *, plan_hash: str, world_size: int, end: int,
-                 hparams: dict) -> tuple[Path, dict[str, Any]] | None:
-    """The checkpoint a ``--resume`` continues from and its checked state (None: start afresh).
-    Read-only; the command line runs it before any process starts, rank 0 again under the lock."""
-    from .lifecycle import check_resume_hyperparameters
-
-    path = latest_checkpoint(directory)
-    if path is None:
-        return None
-    state = read_checkpoint_state(path, plan_hash=plan_hash, world_size=world_size)
-    if not 0 <= state["next_step"] <= end:
-        raise InputError(f"checkpoint resumes at step {state['next_step']}, beyond --steps {end}", source=path)
-    check_resume_hyperparameters((state.get("extra") or {}).get("hyperparameters"), hparams, source=path)
-    return path, state
-
-
 def read_checkpoint_state(path: str | os.PathLike, *, plan_hash: str, world_size: int) -> dict[str, Any]:
     """The checkpoint's JSON state, checked against the job (no tensors are read)."""
     path = Path(path)

@@ -261,7 +261,14 @@ class RunConfig:
 
     @property
     def metrics_path(self) -> Path:
-        return Path(self.metrics) if self.metrics else Path(self.plan).with_suffix(".metrics.jsonl")
+        """``--metrics``, or ``PLAN.metrics.jsonl`` next to the plan (the plan's stem shortened when the
+        name would exceed the 255 bytes a file name may have)."""
+        if self.metrics:
+            return Path(self.metrics)
+        plan = Path(self.plan)
+        suffix = ".metrics.jsonl"
+        stem = plan.stem.encode()[:255 - len(suffix)].decode(errors="ignore")
+        return plan.with_name(stem + suffix)
 
     def to_argv(self) -> list[str]:
         """The worker's command line for this config (options at their default are left out)."""

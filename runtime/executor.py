@@ -35,7 +35,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -648,9 +647,9 @@ def _agree(world: int, err: str | None) -> None:
 
 
 def _run_initialised(cfg, rank, world, device, local_err, reader, header, source, start, end):
-    from .checkpoint import load_checkpoint_tensors, plan_hash, resume_point, rng_state, save_checkpoint, set_rng_state
+    from .checkpoint import load_checkpoint_tensors, plan_hash, rng_state, save_checkpoint, set_rng_state
     from .groups import GroupCache, set_default_cache
-    from .lifecycle import Heartbeat, maybe_fault, prepare_checkpoint_dir
+    from .lifecycle import Heartbeat, maybe_fault, prepare_checkpoint_dir, resume_point
     from .memory import StepMemory
 
     # the checkpoint directory: writable, and locked by this run (rank 0 holds the lock until it exits)
@@ -704,7 +703,7 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
         if rank < len(state["rng"]):
             set_rng_state(state["rng"][rank])
     tol = cfg.verify_tol if cfg.verify_tol is not None else (1e-5 if dtype == "fp32" else 2e-2)
-    metrics_path = Path(cfg.metrics) if cfg.metrics else Path(cfg.plan).with_suffix(".metrics.jsonl")
+    metrics_path = cfg.metrics_path
     mfh = None
     progress = None
     if rank == 0:

@@ -313,7 +313,7 @@ def export_model(model: nn.Module, spec: ModelSpec, out_dir: str | Path,
     config._attn_implementation = "eager"
     config.dtype = dtype
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name[:40]}.", dir=out.parent))  # any legal name leaves room
     try:
         with torch.device("meta"):
             shell = AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -67,7 +67,8 @@ def run(ctx: typer.Context, **values: Any) -> None:
     if cfg.data is not None and os.path.lexists(cfg.data) and not os.path.isdir(cfg.data):
         check_input_file(cfg.data, "manifest")  # a device or FIFO is refused here, before any rank reads it
     if cfg.checkpoint_dir is not None:  # the checkpoint directory and the checkpoint to resume, read-only
-        from zeppelin.runtime.checkpoint import inspect_checkpoint_dir, plan_hash, resume_point
+        from zeppelin.runtime.checkpoint import plan_hash
+        from zeppelin.runtime.lifecycle import inspect_checkpoint_dir, resume_point
 
         inspect_checkpoint_dir(cfg.checkpoint_dir)
         if cfg.resume and os.path.isdir(cfg.checkpoint_dir):

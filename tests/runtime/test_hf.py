@@ -110,7 +110,7 @@ def test_planner_prices_the_qkv_remap(hf_dirs):
     ({"head_dim": 32}, "head_dim 32 x 4 heads != hidden_size 64: the runtime needs head_dim = hidden_size / "
                        "num_attention_heads"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported (SwiGLU with silu only)"),
-    ({"num_hidden_layers": 0}, "config.json needs a positive integer 'num_hidden_layers' (got 0)"),
+    ({"num_hidden_layers": 0}, "config.json: num_hidden_layers must be an integer from 1 to 16,384 (got 0)"),
 ])
 def test_bad_configs_refused(hf_dirs, tmp_path, edit, message):
     c = json.loads((hf_dirs["llama"] / "config.json").read_text())
