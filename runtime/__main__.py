@@ -101,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0 and summary:
         losses = summary["losses"]
         line = f"zeppelin run: {summary['steps_run']} steps"
+        if summary.get("skipped"):
+            line += f" ({summary['skipped']} skipped by --nan-policy skip: loss or gradient norm not finite)"
         if losses:
             line += f", loss {losses[0]:.4f} -> {losses[-1]:.4f}"
         if "tp_overlap" in summary:

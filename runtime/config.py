@@ -238,11 +238,13 @@ class RunConfig:
         if self.export is None:
             return
         ex = Path(self.export)
-        if os.path.islink(ex):
-            raise InputError("--export is a symbolic link; name a new or empty directory", source=ex)
         for src in inputs:
             if same_file(ex, src):
-                raise InputError("--export would overwrite an input file", source=ex)
+                other = os.path.abspath(src) != os.path.abspath(ex)
+                raise InputError("--export would overwrite an input file" + (f" ({src})" if other else ""),
+                                 source=ex)
+        if os.path.islink(ex):
+            raise InputError("--export is a symbolic link; name a new or empty directory", source=ex)
         if ex.exists() and not ex.is_dir():
             raise InputError("--export: the path exists and is not a directory", source=ex)
         if ex.exists() and any(ex.iterdir()):
@@ -251,7 +253,7 @@ class RunConfig:
             ck = os.path.realpath(self.checkpoint_dir)
             if os.path.commonpath([ck, os.path.realpath(ex)]) == ck:
                 raise InputError("--export is inside --checkpoint-dir; name a directory outside it", source=ex)
-        anc = Path(os.path.abspath(ex)).parent
+        anc = ex.parent
         while not os.path.lexists(anc) and anc != anc.parent:
             anc = anc.parent
         if not anc.is_dir():

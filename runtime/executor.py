@@ -712,6 +712,7 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
         progress = _Progress(cfg.progress, end, start)
     phash = plan_hash(header)
     losses: list[float] = []
+    skipped = 0
     used_tp = False
     verify_worst = {"loss_rel": 0.0, "hidden_rel": 0.0, "grad_rel": 0.0}
     heartbeat = Heartbeat(os.environ.get("ZEPPELIN_ERROR_DIR"), rank)
@@ -763,6 +764,8 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
             dist.all_gather_object(per_rank, (res.phases, res.bytes, res.tokens, mem))
             if bad is None:
                 losses.append(res.loss)
+            else:
+                skipped += 1
             if rank == 0:
                 rec = _metrics_record(step, res.loss, per_rank, report, header)
                 if bad is not None:
@@ -804,6 +807,8 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
         return {}
     summary = {"steps_run": end - start, "first_step": start, "losses": losses,
                "metrics": str(metrics_path)}
+    if skipped:
+        summary["skipped"] = skipped
     if used_tp:
         summary["tp_overlap"] = ex.tp_overlap
     if cfg.verify:

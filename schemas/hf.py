@@ -82,6 +82,8 @@ def hf_weight_files(d: Path) -> list[Path]:
             raise InputError(f"cannot read weight file ({e.strerror or e.__class__.__name__})", source=p) from None
         if not _stat.S_ISREG(st.st_mode):
             raise InputError(f"weight file is {kind_of(st.st_mode)}, not a regular file", source=p)
+        if name.endswith(".safetensors"):
+            _check_safetensors_size(p, st.st_size)
         (found if name.endswith(".safetensors") else unusable).append(p)
     if not found and unusable:
         names = ", ".join(p.name for p in unusable if not p.name.endswith(".index.json")) or unusable[0].name
@@ -89,6 +91,16 @@ def hf_weight_files(d: Path) -> list[Path]:
                          "another framework's format); convert them to safetensors, or remove them to start from "
                          "random initialisation")
     return found
+
+
+def _check_safetensors_size(p: Path, size: int) -> None:
+    """A safetensors file starts with its header's length: a file shorter than that is truncated."""
+    with open(p, "rb") as fh:
+        head = fh.read(8)
+    n = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if n < 2 or 8 + n > size:
+        raise InputError(f"weight file of {size:,} bytes is truncated or not safetensors (no complete header)",
+                         source=p)
 
 
 def hf_input_files(d: Path) -> list[Path]:
@@ -141,32 +153,33 @@ def _cfg_int(cfg: dict[str, Any], key: str, src: Path, *, required: bool = True)
     return v
 
 
-def _cfg_number(cfg: dict[str, Any], key: str, src: Path, default: float, lo: float, hi: float) -> float:
+def _cfg_number(cfg: dict[str, Any], key: str, src: Path, default: float, lo: float, hi: float,
+                *, lo_closed: bool = False) -> float:
     import math
 
     v = cfg.get(key, default)
     if v is None:
         v = default
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or not lo < v <= hi:
-        raise InputError(f"config.json: {key} must be a number greater than {lo:g} and at most {hi:g} (got {v!r})",
-                         source=src)
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v <= hi
+    if not ok or (v < lo if lo_closed else v <= lo):
+        low = f"at least {lo:g}" if lo_closed else f"greater than {lo:g}"
+        raise InputError(f"config.json: {key} must be a number {low} and at most {hi:g} (got {v!r})", source=src)
     return float(v)
 
 
 def _check_rope(cfg: dict[str, Any], src: Path) -> float:
     """The RoPE base; a rope scaling block must be an object whose ``factor`` is a number >= 1."""
-    rope = cfg.get("rope_parameters")
-    if rope is None:
-        rope = cfg.get("rope_scaling")
-    if rope is not None and not isinstance(rope, dict):
-        raise InputError(f"config.json: rope scaling must be an object or null (got {type(rope).__name__})",
-                         source=src)
-    rope = rope or {}
-    if "factor" in rope:
-        _cfg_number({"rope factor": rope["factor"]}, "rope factor", src, 1.0, 1.0 - 1e-12, 1e6)
     theta = cfg.get("rope_theta")
-    if theta is None and "rope_theta" in rope:
-        theta = rope["rope_theta"]
+    for key in ("rope_scaling", "rope_parameters"):  # older and newer transformers name the block so
+        rope = cfg.get(key)
+        if rope is not None and not isinstance(rope, dict):
+            raise InputError(f"config.json: rope scaling must be an object or null (got {type(rope).__name__})",
+                             source=src)
+        rope = rope or {}
+        if "factor" in rope:
+            _cfg_number({"rope factor": rope["factor"]}, "rope factor", src, 1.0, 1.0, 1e6, lo_closed=True)
+        if theta is None and "rope_theta" in rope:
+            theta = rope["rope_theta"]
     return _cfg_number({"rope_theta": theta}, "rope_theta", src, 10000.0, 0.0, 1e12)
 
 
@@ -238,5 +251,5 @@ def hf_model_spec(ref: str) -> ModelSpec:
             vocab_size=need("vocab_size"), mlp="swiglu", dtype=_DTYPES[dt], rope_theta=theta, norm_eps=eps,
             tie_embeddings=tie, remap_payload="qkv")
     except ValidationError as e:  # the spec's own checks (divisibility, ...): one line, no help URL
-        raise InputError(f"config.json does not describe a supported decoder: {format_validation_error(e)}",
-                         source=src) from None
+        why = format_validation_error(e).removeprefix("(document): ")
+        raise InputError(f"config.json does not describe a supported decoder: {why}", source=src) from None

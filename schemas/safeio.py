@@ -41,7 +41,7 @@ _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
 def kind_of(mode: int) -> str:
     """What a non-regular file is, in words."""
-    for test, words in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"),
+    for test, words in ((stat.S_ISREG, "a regular file"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"),
                         (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
                         (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
         if test(mode):
