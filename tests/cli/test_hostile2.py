@@ -26,6 +26,7 @@ from tests.cli.test_hostile import _quiet, run_cli, snapshot
 from zeppelin.planner.cli import main as zeppelin_main
 
 ZEPPELIN = str(Path(sys.executable).parent / "zeppelin")
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far"]
 
 
@@ -91,10 +92,29 @@ def template(tmp_path_factory) -> Path:
         _zep("plan", "-m", "m.jsonl", "--model", "hf:hf", *common, "-o", "hplan.jsonl")
     finally:
         os.chdir(old)
-    p = _job(["run", "one.jsonl", "--checkpoint-dir", "ck", "--steps", "1", "--metrics", "ck1.jsonl"], w)
-    assert p.returncode == 0, p.stderr
-    (w / "ck1.jsonl").unlink()
+    _checkpoint(w / "one.jsonl", w / "ck")
     return root
+
+
+def _checkpoint(plan: Path, ck: Path) -> None:
+    """The checkpoint a one-rank run of ``plan`` writes after its first step (made in-process: the
+    same writer, without starting a job)."""
+    import torch
+
+    from zeppelin.runtime.checkpoint import plan_hash, rng_state, save_checkpoint
+    from zeppelin.runtime.lifecycle import prepare_checkpoint_dir
+    from zeppelin.runtime.model import LlamaModel
+    from zeppelin.schemas.plan import PlanReader
+
+    header = PlanReader(plan).header
+    model = LlamaModel(header.model, seed=header.seed)
+    opt = torch.optim.AdamW(list(model.parameters()), lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8,
+                            foreach=False)
+    lock = prepare_checkpoint_dir(ck)
+    save_checkpoint(ck, next_step=1, model=model, optimizer=opt, rng_states=[rng_state()], plan_hash=plan_hash(header),
+                    world_size=1, rank=0, extra={"hyperparameters": {"lr": 1e-3, "weight_decay": 0.0,
+                                                                     "seed": header.seed}})
+    lock.release()
 
 
 @pytest.fixture
