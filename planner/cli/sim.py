@@ -54,6 +54,7 @@ def simulate(
     from zeppelin.schemas.plan import PlanReader, check_embedded_specs
 
     reader = PlanReader(plan)
+    reader.verify()  # the digest first: an edited plan is "edited", whatever its edit
     check_embedded_specs(reader)  # the simulator prices the embedded cluster, model and profile
     header = reader.header
     sim = Simulator(context_from_header(header))
@@ -114,6 +115,7 @@ def show(
 
         check_path_writable(png, [plan])
     reader = PlanReader(plan)
+    reader.verify()
     check_embedded_specs(reader)
     h = reader.header
     con = make_console()
