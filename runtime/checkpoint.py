@@ -42,7 +42,8 @@ from zeppelin.schemas.safeio import ManagedDir, kind_of
 
 CKPT_VERSION = 2
 _NAME = re.compile(r"^ckpt-(\d{6,})$")
-_TMP = re.compile(r"^\.ckpt-(\d{6,})\.tmp$")
+# temporary names of zeppelin's own writes here: a save's directory, a replaced file, the writability probe
+_TMP = re.compile(r"^\.(ckpt-\d{6,}\.tmp|latest\.[0-9a-f]{12}\.tmp|zeppelin-write-test-[0-9a-f]{12})$")
 STATE_FILE = "state.json"
 MAX_POINTER = 4096  # ``latest`` holds one name
 MAX_HEADER = 100 << 20  # safetensors' own bound on a header

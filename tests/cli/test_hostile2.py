@@ -379,10 +379,13 @@ def test_interrupted_save_left_behind_is_removed_under_the_lock(tree):
     (ck / ".ckpt-000002.tmp").mkdir()
     (ck / ".ckpt-000002.tmp" / "shard-00001-model.safetensors").write_bytes(b"")
     os.symlink(tree / "outside" / "vdir", ck / ".ckpt-000003.tmp")
+    (ck / ".latest.0123456789ab.tmp").write_text("ckpt-000002\n")  # a replaced `latest`, killed before the rename
+    (ck / ".zeppelin-write-test-0123456789ab").write_text("")
+    (ck / ".keep-me").write_text("not zeppelin's\n")
     outside = snapshot(tree / "outside")
     lock = prepare_checkpoint_dir(ck)
     lock.release()
-    assert sorted(os.listdir(ck)) == [".zeppelin.lock", "ckpt-000001", "latest"]
+    assert sorted(os.listdir(ck)) == [".keep-me", ".zeppelin.lock", "ckpt-000001", "latest"]
     assert snapshot(tree / "outside") == outside
 
 
