@@ -226,7 +226,18 @@ class RunConfig:
             check_positions(self.model, longest)
         self.check_export_dir(files)
         check_output(self.metrics_path, files)
+        self.check_outside_checkpoint_dir(self.metrics_path, "the metrics file")
         return files
+
+    def check_outside_checkpoint_dir(self, path: Any, what: str) -> None:
+        """An output of the run may not be inside ``--checkpoint-dir`` (a directory zeppelin manages)."""
+        import os
+
+        if self.checkpoint_dir is None:
+            return
+        ck = os.path.realpath(self.checkpoint_dir)
+        if os.path.commonpath([ck, os.path.realpath(path)]) == ck:
+            raise InputError(f"{what} is inside --checkpoint-dir; name a file outside it", source=path)
 
     def check_export_dir(self, inputs: Any = ()) -> None:
         """``--export`` names a new or empty directory that can be made: no link, no input, not

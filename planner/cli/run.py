@@ -79,6 +79,7 @@ def run(ctx: typer.Context, **values: Any) -> None:
     inputs = cfg.check_inputs(reader, header.num_steps if cfg.steps is None else cfg.steps)
     if report_json is not None:
         check_output(report_json, [*inputs, metrics_path], "output")
+        cfg.check_outside_checkpoint_dir(report_json, "--report-json")
         if same_path(report_json, metrics_path):
             raise InputError("--report-json and the metrics file are the same file", source=report_json)
     report = launch.report

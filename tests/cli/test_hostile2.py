@@ -340,6 +340,17 @@ def test_save_replaces_links_in_process(tree):
     assert (ck / "latest").read_text() == "ckpt-000003\n" and not (ck / "ckpt-000003").is_symlink()
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--metrics", "ck/latest"], "ck/latest: the metrics file is inside --checkpoint-dir; name a file outside it"),
+    (["--metrics", "ck/m.jsonl"], "ck/m.jsonl: the metrics file is inside --checkpoint-dir; name a file outside it"),
+    (["--report-json", "ck/ckpt-000001/state.json"],
+     "ck/ckpt-000001/state.json: --report-json is inside --checkpoint-dir; name a file outside it"),
+    (["--report-json", "ck/r.json"], "ck/r.json: --report-json is inside --checkpoint-dir; name a file outside it"),
+], ids=["metrics-latest", "metrics-new", "report-state", "report-new"])
+def test_no_output_inside_the_checkpoint_dir(tree, capsys, argv, message):
+    refused(tree, capsys, ["run", "one.jsonl", "--checkpoint-dir", "ck", "--checkpoint-every", "1", *argv], message)
+
+
 # =============================================================================================
 # 10. interrupted and failed saves leave nothing; damaged checkpoints are one line
 # =============================================================================================
