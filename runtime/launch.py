@@ -302,7 +302,9 @@ def run_local(nproc: int, module: str, wargs: list[str], err_dir: Path, timeout_
                         exits[r] = SimpleNamespace(exitcode=c, time=now)
             if len(exits) == nproc and all(x.exitcode == 0 for x in exits.values()):
                 return 0
-            bad = any(x.exitcode != 0 for x in exits.values()) or any(err_dir.glob("rank*.json"))
+            # a rank that left for its peer (PEER_STOPPED_EXIT) is no failure of its own: wait for the report
+            bad = (any(x.exitcode not in (0, PEER_STOPPED_EXIT) for x in exits.values())
+                   or any(err_dir.glob("rank*.json")))
             if bad and first_bad is None:
                 first_bad = time.monotonic()
             if first_bad is not None and (time.monotonic() - first_bad >= SETTLE_S or len(exits) == nproc):
