@@ -341,7 +341,7 @@ def inspect_checkpoint_dir(directory: str | os.PathLike) -> None:
     with ManagedDir(d, "--checkpoint-dir", create=False) as md:
         st = md.lstat(LOCK_NAME)
         if st is not None and not stat.S_ISREG(st.st_mode):
-            raise md._foreign(LOCK_NAME, st)
+            raise md.foreign(LOCK_NAME, st)
         if st is not None and st.st_nlink != 1:
             raise InputError(f"--checkpoint-dir: {LOCK_NAME} has {st.st_nlink} hard links, not a file zeppelin "
                              "wrote (remove it)", source=d)

@@ -141,7 +141,8 @@ class ManagedDir:
         except FileNotFoundError:
             return None
 
-    def _foreign(self, name: str, st: os.stat_result) -> InputError:
+    def foreign(self, name: str, st: os.stat_result) -> InputError:
+        """The error for an entry at a name zeppelin owns that zeppelin did not make."""
         return InputError(f"{self.what}: {name} is {kind_of(st.st_mode)}, not a file zeppelin wrote (remove it)",
                           source=self.path)
 
@@ -157,7 +158,7 @@ class ManagedDir:
         except OSError as e:
             st = self.lstat(name)
             if st is not None and not stat.S_ISREG(st.st_mode):
-                raise self._foreign(name, st) from None
+                raise self.foreign(name, st) from None
             raise InputError(f"{self.what}: cannot open its lock file ({_why(e)})", source=self.path) from None
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
@@ -165,7 +166,7 @@ class ManagedDir:
             if st.st_nlink != 1 and stat.S_ISREG(st.st_mode):
                 raise InputError(f"{self.what}: {name} has {st.st_nlink} hard links, not a file zeppelin wrote "
                                  "(remove it)", source=self.path)
-            raise self._foreign(name, st)
+            raise self.foreign(name, st)
         return fd
 
     def write_atomic(self, name: str, data: bytes) -> None:
