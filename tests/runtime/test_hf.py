@@ -132,8 +132,12 @@ def test_missing_dir_and_config(tmp_path):
 
 def test_plan_cli_reads_hf_dir(hf_dirs, tmp_path):
     out = tmp_path / "p.jsonl"
-    p = subprocess.run([ZEPPELIN, "plan", "--cluster", "local-cpu:1x2", "--model", f"hf:{hf_dirs['llama']}",
-                        "--steps", "1", "--seqs-per-step", "4", "-q", "-o", str(out)], capture_output=True, text=True)
+    argv = [ZEPPELIN, "plan", "--cluster", "local-cpu:1x2", "--model", f"hf:{hf_dirs['llama']}", "--steps", "1",
+            "--seqs-per-step", "4", "-q", "-o", str(out)]
+    p = subprocess.run(argv, capture_output=True, text=True)
+    # the built-in dataset's longest sequences exceed the config's 4,096 positions: refused, unless cut
+    assert p.returncode == 2 and p.stderr.endswith("max_position_embeddings 4,096 (config.json)\n"), p.stderr
+    p = subprocess.run([*argv, "--max-seq-len", "4096"], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     header = json.loads(out.read_text().splitlines()[0])
     spec = hf_model_spec(f"hf:{hf_dirs['llama']}")
