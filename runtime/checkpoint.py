@@ -203,6 +203,8 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     inside ``directory``. ``latest`` must be a small regular file (never a link, FIFO or device)."""
     d = Path(directory)
     ptr = d / "latest"
+    if not os.path.isdir(d):  # no directory yet: nothing to resume
+        return None
     with ManagedDir(d, "--checkpoint-dir", create=False) as md:
         if md.lstat("latest") is None:
             return None
