@@ -235,7 +235,7 @@ def hf_model_spec(ref: str) -> ModelSpec:
         raise InputError(f"sliding-window attention (sliding_window={w}) is not supported; set it to null",
                          source=src)
     dt = cfg.get("dtype", cfg.get("torch_dtype")) or "float32"
-    if dt not in _DTYPES:
+    if not isinstance(dt, str) or dt not in _DTYPES:
         raise InputError(f"dtype {dt!r} is not one of {', '.join(_DTYPES)}", source=src)
     theta = _check_rope(cfg, src)
     eps = _cfg_number(cfg, "rms_norm_eps", src, 1e-6, 0.0, 1.0)

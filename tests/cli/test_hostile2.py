@@ -173,6 +173,19 @@ def test_run_refuses_every_input_as_an_output(tree, capsys, flag, command, path,
             f"{path}: {what} would overwrite an input file" + (f" ({original})" if original else ""))
 
 
+@pytest.mark.parametrize("path", ["dplan.jsonl", "data.manifest.json", "t.jsonl", "s.parquet", "tok/tokenizer.json"])
+def test_ranks_started_by_hand_refuse_an_input_as_metrics(tree, path):
+    """The ranks' own start-up check (torchrun started by hand, no ``zeppelin run``) is the same."""
+    from zeppelin.runtime.executor import RunConfig, startup_checks
+    from zeppelin.schemas.common import InputError
+
+    before = snapshot(tree)
+    with pytest.raises(InputError) as e:
+        startup_checks(RunConfig(plan="dplan.jsonl", data="data.manifest.json", metrics=path), 1)
+    assert str(e.value) == f"{path}: output would overwrite an input file"
+    assert snapshot(tree) == before
+
+
 PLAN_OUTPUTS = [("data.manifest.json", None), ("t.jsonl", None), ("s.parquet", None), ("tok/tokenizer.json", None),
                 ("hf/config.json", None), ("hf/model.safetensors", None), ("hf/tokenizer.json", None),
                 ("hard-w.safetensors", "hf/model.safetensors"), ("soft-tok.json", "tok/tokenizer.json"),
@@ -777,6 +790,11 @@ HF_CONFIGS = [
     ("head-dim-mismatch", {"head_dim": 32}, "head_dim 32 x 4 heads != hidden_size 64: the runtime needs head_dim = "
                                             "hidden_size / num_attention_heads"),
     ("not-an-object", [1, 2], "config.json is not a JSON object"),
+    ("dtype-list", {"dtype": ["float32"]}, "dtype ['float32'] is not one of float32, bfloat16, float16"),
+    ("dtype-int8", {"dtype": "int8"}, "dtype 'int8' is not one of float32, bfloat16, float16"),
+    ("model-type-list", {"model_type": ["llama"]},
+     "model_type ['llama'] is not supported (supported: llama, mistral, qwen2)"),
+    ("act-list", {"hidden_act": ["silu"]}, "hidden_act ['silu'] is not supported (SwiGLU with silu only)"),
 ]
 
 
