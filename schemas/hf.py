@@ -95,8 +95,13 @@ def hf_weight_files(d: Path) -> list[Path]:
 
 def _check_safetensors_size(p: Path, size: int) -> None:
     """A safetensors file starts with its header's length: a file shorter than that is truncated."""
-    with open(p, "rb") as fh:
-        head = fh.read(8)
+    fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO swapped in cannot block the check
+    try:
+        head = os.pread(fd, 8, 0)
+    except OSError:
+        head = b""
+    finally:
+        os.close(fd)
     n = int.from_bytes(head, "little") if len(head) == 8 else -1
     if n < 2 or 8 + n > size:
         raise InputError(f"weight file of {size:,} bytes is truncated or not safetensors (no complete header)",
