@@ -268,6 +268,29 @@ def _stop_all(procs: dict[int, subprocess.Popen], grace_s: float = STOP_GRACE_S)
             p.wait(timeout=10)
 
 
+class _StallWatch:
+    """Ranks stopped (SIGSTOP) for longer than the job's timeout (checked every half second)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.since: dict[int, float] = {}
+        self.next = 0.0
+
+    def check(self, pids: dict[int, int]) -> int | None:
+        from .lifecycle import process_stopped
+
+        now = time.monotonic()
+        if now < self.next:
+            return None
+        self.next = now + 0.5
+        for r, pid in sorted(pids.items()):
+            if not process_stopped(pid):
+                self.since.pop(r, None)
+            elif now - self.since.setdefault(r, now) > self.timeout_s:
+                return r
+        return None
+
+
 def run_local(nproc: int, module: str, wargs: list[str], err_dir: Path, timeout_s: float,
               pending: list[int]) -> int:
     env = dict(os.environ)
@@ -291,10 +314,17 @@ def run_local(nproc: int, module: str, wargs: list[str], err_dir: Path, timeout_
             procs[r] = subprocess.Popen([sys.executable, "-m", module, *wargs], env=e)
         exits: dict[int, SimpleNamespace] = {}
         first_bad = None
+        stalls = _StallWatch(timeout_s)
         while True:
             if pending:
                 raise _Stop(pending[0])
             now = time.time()
+            held = stalls.check({r: p.pid for r, p in procs.items() if r not in exits})
+            if held is not None:  # a stopped rank holds every peer and nothing would ever report it
+                _stop_all(procs)
+                print(f"zeppelin: error: job failed: rank {held} was stopped (SIGSTOP) for more than --timeout "
+                      f"{timeout_s:g} s; every rank ended", file=sys.stderr, flush=True)
+                return 1
             for r, p in procs.items():
                 if r not in exits:
                     c = p.poll()

@@ -116,7 +116,7 @@ def _killpg(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
-def _stopped(pid: int) -> bool:
+def process_stopped(pid: int) -> bool:
     """Whether process ``pid`` is stopped (SIGSTOP / SIGTSTP; Linux ``/proc``, else never)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
@@ -173,7 +173,7 @@ def run_owned(cmd: list[str], env: dict[str, str] | None = None, *, grace_s: flo
                 killed = True
                 _killpg(pgid, signal.SIGKILL)
             if stall_s is not None and not received:
-                if not _stopped(proc.pid):
+                if not process_stopped(proc.pid):
                     since = None
                 elif since is None:
                     since = time.monotonic()

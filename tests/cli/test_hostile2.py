@@ -939,23 +939,30 @@ def _children(pid: int) -> list[int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_stopped_launcher_is_bounded_by_timeout(tree):
+@pytest.mark.parametrize("who", ["launcher", "rank"])
+def test_a_stopped_process_is_bounded_by_timeout(tree, who):
+    """SIGSTOP to the launcher (its ranks finish, nobody reports) or to the only rank (no peer times
+    out): the command still ends within about --timeout, with one line."""
     w = tree / "w"
     proc = subprocess.Popen([ZEPPELIN, "run", "one.jsonl", "--timeout", "2", "--metrics", "s.jsonl"], cwd=w,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     deadline = time.monotonic() + 60
-    launcher = []
-    while not launcher:  # the event: the launcher process exists
-        assert time.monotonic() < deadline and proc.poll() is None, "no launcher"
-        launcher = _children(proc.pid)
+    target = []
+    while not target:  # the event: the process exists
+        assert time.monotonic() < deadline and proc.poll() is None, f"no {who}"
+        target = _children(proc.pid)
+        if who == "rank":
+            target = [r for c in target for r in _children(c)]
         time.sleep(0.01)
-    os.kill(launcher[0], signal.SIGSTOP)
+    os.kill(target[0], signal.SIGSTOP)
     t0 = time.monotonic()
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1
-    assert err.splitlines()[-1] == (f"zeppelin: error: the launcher (pid {launcher[0]}) was stopped for more than "
-                                    "--timeout 2 s; the job was killed")
+    assert err.splitlines()[-1] == (
+        f"zeppelin: error: the launcher (pid {target[0]}) was stopped for more than --timeout 2 s; the job was killed"
+        if who == "launcher" else
+        "zeppelin: error: job failed: rank 0 was stopped (SIGSTOP) for more than --timeout 2 s; every rank ended")
     assert time.monotonic() - t0 < 30
 
 
