@@ -30,14 +30,13 @@ def _report(rank: int, message: str, code: int, tb: str | None = None) -> None:
     sys.stderr.flush()
     d = os.environ.get("ZEPPELIN_ERROR_DIR")
     if d:
+        from zeppelin.schemas.safeio import ManagedDir
+
         try:
             rec = {"rank": rank, "time": time.time(), "message": message, "code": code, "traceback": tb}
-            path = os.path.join(d, f"rank{rank}.json")
-            tmp = path + ".tmp"
-            with open(tmp, "w") as fh:
-                json.dump(rec, fh)
-            os.replace(tmp, path)
-        except OSError:
+            with ManagedDir(d, "error directory", create=False) as md:
+                md.write_atomic(f"rank{rank}.json", json.dumps(rec).encode())
+        except (OSError, InputError):
             pass
 
 
@@ -69,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(s, _on_stop_signal)
     args = vars(build_parser().parse_args(argv))  # the options of RunConfig (zeppelin.runtime.config)
     rank = int(os.environ.get("RANK", "0"))
-    from .executor import VerifyError, run_job
+    from .executor import NonFiniteError, PeerStopped, VerifyError, run_job
 
     try:
         cfg = RunConfig(**args)  # checks every option
@@ -79,10 +78,15 @@ def main(argv: list[str] | None = None) -> int:
         _finishing()
         _report(rank, str(e), 2)
         return 2
-    except VerifyError as e:
+    except (VerifyError, NonFiniteError) as e:
         _finishing()
         _report(rank, str(e), 1)
         return 1
+    except PeerStopped:  # another rank reports the cause; this one leaves as a stopped rank does
+        _finishing()
+        from .launch import PEER_STOPPED_EXIT
+
+        return PEER_STOPPED_EXIT
     except KeyboardInterrupt:
         _finishing()
         sig = _STOPPED_BY[0] if _STOPPED_BY else int(signal.SIGINT)
@@ -97,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0 and summary:
         losses = summary["losses"]
         line = f"zeppelin run: {summary['steps_run']} steps"
+        if summary.get("skipped"):
+            line += f" ({summary['skipped']} skipped by --nan-policy skip: loss or gradient norm not finite)"
         if losses:
             line += f", loss {losses[0]:.4f} -> {losses[-1]:.4f}"
         if "tp_overlap" in summary:

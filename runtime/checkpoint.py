@@ -28,19 +28,25 @@ wrote it.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import random
 import re
-import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
-from zeppelin.schemas.common import InputError, atomic_write_text
+from zeppelin.schemas.common import InputError, parse_json
+from zeppelin.schemas.safeio import ManagedDir, kind_of
 
 CKPT_VERSION = 2
 _NAME = re.compile(r"^ckpt-(\d{6,})$")
+# temporary names of zeppelin's own writes here: a save's directory, a replaced file, the writability probe
+_TMP = re.compile(r"^\.(ckpt-\d{6,}\.tmp|latest\.[0-9a-f]{12}\.tmp|zeppelin-write-test-[0-9a-f]{12})$")
 STATE_FILE = "state.json"
+MAX_POINTER = 4096  # ``latest`` holds one name
+MAX_HEADER = 100 << 20  # safetensors' own bound on a header
 
 
 def checkpoint_name(next_step: int) -> str:
@@ -125,58 +131,115 @@ def save_checkpoint(directory: str | os.PathLike, *, next_step: int, model, opti
 
     d = Path(directory)
     name = checkpoint_name(next_step)
-    tmp = d / f".{name}.tmp"
+    tmp_name = f".{name}.tmp"
+    tmp = d / tmp_name
     final = d / name
-    if rank == 0:
-        d.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # a save interrupted earlier
-        tmp.mkdir()
-    if dist.is_initialized():
-        dist.barrier()
-    flat, _msd, osd = _flat_state(model, optimizer)
-    dcp.save(flat, storage_writer=HuggingFaceStorageWriter(str(tmp), save_distributed=True))
-    if rank == 0:
-        state = {"version": CKPT_VERSION, "next_step": next_step, "plan_hash": plan_hash,
-                 "world_size": world_size, "param_groups": _json_groups(osd), "rng": rng_states,
-                 "keys": sorted(flat), "extra": extra or {}}
-        atomic_write_text(tmp / STATE_FILE, json.dumps(state))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        atomic_write_text(d / "latest", name + "\n")
+    md = ManagedDir(d, "--checkpoint-dir") if rank == 0 else None
+    try:
+        if md is not None:
+            md.mkdir(tmp_name)  # a fresh directory: whatever was at the name (a link, an earlier save) is gone
+        if dist.is_initialized():
+            dist.barrier()
+        flat, _msd, osd = _flat_state(model, optimizer)
+        try:
+            dcp.save(flat, storage_writer=HuggingFaceStorageWriter(str(tmp), save_distributed=True))
+        except Exception as e:  # noqa: BLE001 - DCP wraps every rank's failure (disk full, ...) in its own type
+            raise CheckpointError(f"cannot write checkpoint {final}: {_first_cause(e)}") from None
+        if md is not None:
+            state = {"version": CKPT_VERSION, "next_step": next_step, "plan_hash": plan_hash,
+                     "world_size": world_size, "param_groups": _json_groups(osd), "rng": rng_states,
+                     "keys": sorted(flat), "extra": extra or {}}
+            try:
+                with ManagedDir(tmp, "checkpoint", create=False) as td:
+                    td.write_atomic(STATE_FILE, json.dumps(state).encode())
+                md.rename(tmp_name, name)
+                md.write_atomic("latest", (name + "\n").encode())
+            except OSError as e:
+                raise CheckpointError(f"cannot write checkpoint {final}: {e.strerror or e}") from None
+    except BaseException:
+        if md is not None:  # an interrupted or failed save leaves nothing behind
+            with contextlib.suppress(OSError):
+                md.remove(tmp_name)
+        raise
+    finally:
+        if md is not None:
+            md.close()
     if dist.is_initialized():
         dist.barrier()
     return final
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (one line: where and why)."""
+
+
+def _first_cause(e: BaseException) -> str:
+    """The first line of the innermost reason of a (DCP-wrapped) failure."""
+    for _ in range(8):
+        inner = getattr(e, "failures", None)
+        if isinstance(inner, dict) and inner:
+            v = next(iter(inner.values()))
+            e = v[0] if isinstance(v, tuple) else v
+            continue
+        if e.__cause__ is not None:
+            e = e.__cause__
+            continue
+        break
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    text = str(e).strip().splitlines()
+    return f"{e.__class__.__name__}: {text[0]}" if text else e.__class__.__name__
+
+
+def clean_interrupted_saves(md: ManagedDir) -> None:
+    """Remove the temporary directories of saves that were interrupted (the caller holds the lock)."""
+    for n in md.names():
+        if _TMP.match(n):
+            md.remove(n)
+
+
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     """The checkpoint ``latest`` names (None without one); it must be a ``ckpt-NNNNNN`` directory
-    inside ``directory``."""
+    inside ``directory``. ``latest`` must be a small regular file (never a link, FIFO or device)."""
     d = Path(directory)
     ptr = d / "latest"
-    if not ptr.exists():
+    if not os.path.isdir(d):  # no directory yet: nothing to resume
         return None
-    try:
-        name = ptr.read_text().strip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"cannot read the checkpoint pointer ({e.__class__.__name__})", source=ptr) from None
-    if not _NAME.match(name):
-        raise InputError(f"checkpoint pointer names {name!r}, not a checkpoint of this directory "
-                         "(expected ckpt-NNNNNN)", source=ptr)
+    with ManagedDir(d, "--checkpoint-dir", create=False) as md:
+        if md.lstat("latest") is None:
+            return None
+        raw = md.read_small("latest", "checkpoint pointer", limit=MAX_POINTER)
+        try:
+            name = raw.decode().strip()
+        except UnicodeDecodeError:
+            raise InputError("checkpoint pointer is not text", source=ptr) from None
+        if not _NAME.match(name):
+            raise InputError(f"checkpoint pointer names {name!r}, not a checkpoint of this directory "
+                             "(expected ckpt-NNNNNN)", source=ptr)
+        st = md.lstat(name)
+        if st is None or not stat.S_ISDIR(st.st_mode):
+            raise InputError(f"checkpoint pointer names {name!r}, which does not exist"
+                             + ("" if st is None else f" as a directory (it is {kind_of(st.st_mode)})"), source=ptr)
     path = d / name
-    if not (path / STATE_FILE).is_file():
-        raise InputError(f"checkpoint pointer names {name!r}, which does not exist", source=ptr)
+    if not os.path.lexists(path / STATE_FILE):
+        raise InputError(f"checkpoint pointer names {name!r}, which has no {STATE_FILE}", source=ptr)
     return path
+
+
+def plan_hash(header: Any) -> str:
+    """The hash a checkpoint is tied to: the plan header (its creation time left out)."""
+    from zeppelin.schemas.common import content_hash
+
+    return content_hash(header.model_dump(mode="json", exclude={"created_at"}))
 
 
 def read_checkpoint_state(path: str | os.PathLike, *, plan_hash: str, world_size: int) -> dict[str, Any]:
     """The checkpoint's JSON state, checked against the job (no tensors are read)."""
     path = Path(path)
     f = path / STATE_FILE
-    try:
-        state = json.loads(f.read_text())
-    except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise InputError(f"cannot read checkpoint state ({e.__class__.__name__})", source=f) from None
+    with ManagedDir(path, "checkpoint", create=False) as md:
+        raw = md.read_small(STATE_FILE, "checkpoint state")
+    state = parse_json(raw, source=f, what="checkpoint state")
     if not isinstance(state, dict) or state.get("version") != CKPT_VERSION:
         raise InputError("not a zeppelin checkpoint (or an unsupported version)", source=f)
     for key, typ in (("next_step", int), ("plan_hash", str), ("world_size", int), ("rng", list)):
@@ -188,7 +251,63 @@ def read_checkpoint_state(path: str | os.PathLike, *, plan_hash: str, world_size
     if state["world_size"] != world_size:
         raise InputError(f"checkpoint was written by {state['world_size']} ranks, this job has {world_size}",
                          source=f)
+    keys = state.get("keys")
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise InputError("checkpoint state lacks a valid 'keys'", source=f)
+    check_checkpoint_files(path, keys)
     return state
+
+
+def _shard_keys(md: ManagedDir, name: str) -> set[str]:
+    """The tensor names of one safetensors shard, after checking that the file holds every byte its
+    header describes (a truncated or emptied shard is refused here, not deep inside the loader)."""
+    import struct
+
+    shown = md.path / name
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(name, flags, dir_fd=md.fd)
+    except OSError as e:
+        raise InputError(f"damaged checkpoint: cannot read shard ({e.strerror or e})", source=shown) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InputError(f"damaged checkpoint: shard is {kind_of(st.st_mode)}", source=shown)
+        head = os.pread(fd, 8, 0)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        if n < 2 or 8 + n > st.st_size or n > MAX_HEADER:
+            raise InputError(f"damaged checkpoint: shard of {st.st_size:,} bytes has no valid header "
+                             "(truncated?)", source=shown)
+        header = parse_json(os.pread(fd, n, 8), source=shown, what="damaged checkpoint: shard header")
+    finally:
+        os.close(fd)
+    if not isinstance(header, dict):
+        raise InputError("damaged checkpoint: shard header is not a JSON object", source=shown)
+    end = 0
+    for k, v in header.items():
+        if k == "__metadata__":
+            continue
+        offs = v.get("data_offsets") if isinstance(v, dict) else None
+        if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(x, int) for x in offs)):
+            raise InputError(f"damaged checkpoint: shard header entry {k!r} has no data offsets", source=shown)
+        end = max(end, offs[1])
+    if 8 + n + end != st.st_size:
+        raise InputError(f"damaged checkpoint: shard holds {st.st_size:,} bytes, its header describes "
+                         f"{8 + n + end:,} (truncated or edited)", source=shown)
+    return {k for k in header if k != "__metadata__"}
+
+
+def check_checkpoint_files(path: str | os.PathLike, keys: list[str]) -> None:
+    """Every shard of a checkpoint is whole and together they hold every tensor ``keys`` names."""
+    found: set[str] = set()
+    with ManagedDir(path, "checkpoint", create=False) as md:
+        for name in md.names():
+            if name.endswith(".safetensors"):
+                found |= _shard_keys(md, name)
+    missing = sorted(set(keys) - found)
+    if missing:
+        raise InputError(f"damaged checkpoint: no shard holds {len(missing)} of its tensors (first: {missing[0]!r}; "
+                         "a shard is missing?)", source=path)
 
 
 def load_checkpoint_tensors(path: str | os.PathLike, model, optimizer) -> None:
@@ -199,7 +318,10 @@ def load_checkpoint_tensors(path: str | os.PathLike, model, optimizer) -> None:
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     flat, msd, osd = _flat_state(model, optimizer)
-    dcp.load(flat, storage_reader=HuggingFaceStorageReader(str(path)))
+    try:
+        dcp.load(flat, storage_reader=HuggingFaceStorageReader(str(path)))
+    except Exception as e:  # noqa: BLE001 - DCP gathers every rank's failure into its own exception type
+        raise InputError(f"damaged checkpoint: cannot load its tensors ({_first_cause(e)})", source=path) from None
     set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
 
 

@@ -26,6 +26,7 @@ __all__ = [
     "DEVICES",
     "DP_MODES",
     "DTYPES",
+    "NAN_POLICIES",
     "PROGRESS_MODES",
     "RECOMPUTE_MODES",
     "TP_OVERLAP_MODES",
@@ -43,6 +44,7 @@ TP_OVERLAP_MODES = ("none", "slicing", "commfuse")
 DP_MODES = ("fsdp", "replicate")
 DTYPES = ("fp32", "bf16")
 RECOMPUTE_MODES = ("none", "selective", "full")
+NAN_POLICIES = ("stop", "skip")
 
 
 def _or(values) -> str:
@@ -154,6 +156,9 @@ class RunConfig:
                                  help="none | selective | full (default: the plan's)")
     recompute_override: bool = flag(False, "--recompute-override", kind=bool,
                                     help="run a plan made for another --recompute setting")
+    nan_policy: str = flag("stop", "--nan-policy", kind=str, choices=NAN_POLICIES,
+                           help="stop | skip: a step whose loss or gradient norm is not finite ends the run "
+                                "(stop) or updates nothing (skip)")
     export: str | None = flag(None, "--export", kind=str, path=True, metavar="DIR",
                               help="after the run, write the model as a Hugging Face directory (config.json + "
                                    "model.safetensors) that transformers' from_pretrained loads")
@@ -186,15 +191,97 @@ class RunConfig:
                              f"not {self.recompute}; re-plan with `zeppelin plan --recompute {self.recompute}` "
                              "or pass --recompute-override")
 
-    def check_export_dir(self) -> None:
-        if self.export is not None:
-            ex_dir = Path(self.export)
-            if ex_dir.exists() and (not ex_dir.is_dir() or any(ex_dir.iterdir())):
-                raise InputError("--export: the directory exists and is not empty", source=ex_dir)
+    def input_files(self) -> list[Path]:
+        """Every file the run reads: the plan, the model's file(s) (a spec file; every file of an
+        ``hf:DIR``), the manifest document, each data shard and the tokenizer. Each is checked to be
+        a regular file and noted as an input (:func:`zeppelin.schemas.common.note_input`); no output
+        of the run may be one of them (same device and inode)."""
+        from zeppelin.schemas.common import check_input_file
+
+        files = [check_input_file(self.plan, "plan")]
+        if self.model is not None:
+            from zeppelin.schemas.hf import hf_dir, hf_input_files, is_hf_ref
+
+            if is_hf_ref(self.model):
+                files += hf_input_files(hf_dir(self.model))
+            elif self.model.lower().endswith(".json") or "/" in self.model:
+                files.append(check_input_file(self.model, "model"))
+        if self.data is not None:
+            from zeppelin.schemas.datasets import manifest_files
+
+            files += manifest_files(self.data)
+        return files
+
+    def check_inputs(self, reader: Any, end: int) -> list[Path]:
+        """The checks of the run's files before any work: usable weights, sequences within the
+        model's positions, an export directory that can be made, a metrics file that is no input.
+        Returns the input files."""
+        from zeppelin.schemas.common import check_output
+        from zeppelin.schemas.hf import check_positions, hf_dir, hf_weight_files, is_hf_ref
+
+        files = self.input_files()
+        if is_hf_ref(self.model):
+            hf_weight_files(hf_dir(self.model))
+            longest = max((s.length for k in range(end) for s in reader.step(k).sequences), default=0)
+            check_positions(self.model, longest)
+        self.check_export_dir(files)
+        check_output(self.metrics_path, files)
+        self.check_outside_checkpoint_dir(self.metrics_path, "the metrics file")
+        return files
+
+    def check_outside_checkpoint_dir(self, path: Any, what: str) -> None:
+        """An output of the run may not be inside ``--checkpoint-dir`` (a directory zeppelin manages)."""
+        import os
+
+        if self.checkpoint_dir is None:
+            return
+        ck = os.path.realpath(self.checkpoint_dir)
+        if os.path.commonpath([ck, os.path.realpath(path)]) == ck:
+            raise InputError(f"{what} is inside --checkpoint-dir; name a file outside it", source=path)
+
+    def check_export_dir(self, inputs: Any = ()) -> None:
+        """``--export`` names a new or empty directory that can be made: no link, no input, not
+        under a file, not inside the checkpoint directory, in a writable directory."""
+        import os
+
+        from zeppelin.schemas.common import same_file
+
+        if self.export is None:
+            return
+        ex = Path(self.export)
+        for src in inputs:
+            if same_file(ex, src):
+                other = os.path.abspath(src) != os.path.abspath(ex)
+                raise InputError("--export would overwrite an input file" + (f" ({src})" if other else ""),
+                                 source=ex)
+        if os.path.islink(ex):
+            raise InputError("--export is a symbolic link; name a new or empty directory", source=ex)
+        if ex.exists() and not ex.is_dir():
+            raise InputError("--export: the path exists and is not a directory", source=ex)
+        if ex.exists() and any(ex.iterdir()):
+            raise InputError("--export: the directory exists and is not empty", source=ex)
+        if self.checkpoint_dir is not None:
+            ck = os.path.realpath(self.checkpoint_dir)
+            if os.path.commonpath([ck, os.path.realpath(ex)]) == ck:
+                raise InputError("--export is inside --checkpoint-dir; name a directory outside it", source=ex)
+        anc = ex.parent
+        while not os.path.lexists(anc) and anc != anc.parent:
+            anc = anc.parent
+        if not anc.is_dir():
+            raise InputError(f"--export cannot be made: {anc} is not a directory", source=ex)
+        if not os.access(anc, os.W_OK | os.X_OK):
+            raise InputError(f"--export cannot be made: {anc} is not writable", source=ex)
 
     @property
     def metrics_path(self) -> Path:
-        return Path(self.metrics) if self.metrics else Path(self.plan).with_suffix(".metrics.jsonl")
+        """``--metrics``, or ``PLAN.metrics.jsonl`` next to the plan (the plan's stem shortened when the
+        name would exceed the 255 bytes a file name may have)."""
+        if self.metrics:
+            return Path(self.metrics)
+        plan = Path(self.plan)
+        suffix = ".metrics.jsonl"
+        stem = plan.stem.encode()[:255 - len(suffix)].decode(errors="ignore")
+        return plan.with_name(stem + suffix)
 
     def to_argv(self) -> list[str]:
         """The worker's command line for this config (options at their default are left out)."""

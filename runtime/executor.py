@@ -29,22 +29,18 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from zeppelin.schemas.common import (
-    InputError,
-    check_output,
-    content_hash,
-)
+from zeppelin.schemas.common import InputError, content_hash
 from zeppelin.schemas.plan import PlanHeader, PlanReader, StepPlan, check_embedded_specs, sample_problems
 
 from .api import AttentionContext, attention, build_step, to_attention_layout, to_linear_layout
@@ -55,6 +51,15 @@ from .model import Layout, LlamaModel, PhaseTimer, reference_step
 
 class VerifyError(RuntimeError):
     """``--verify`` found the distributed step differing from the reference beyond tolerance."""
+
+
+class NonFiniteError(RuntimeError):
+    """A step's loss or gradient norm is not finite and ``--nan-policy stop`` ends the run (raised on
+    the rank where it appeared; the other ranks raise :class:`PeerStopped`)."""
+
+
+class PeerStopped(RuntimeError):
+    """Another rank is reporting why the job ends (this rank leaves without a report)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,6 +111,7 @@ class StepResult:
     tokens: int
     hidden: list[tuple[list[list[int]], torch.Tensor]] = field(default_factory=list)
     memory: dict[str, int] = field(default_factory=dict)
+    local_loss: float = 0.0  # this rank's share of the loss (before the sum over ranks)
 
 
 #: the components of a step's memory the runtime measures (bytes, per rank), in the order the
@@ -218,6 +224,7 @@ class Executor:
         sent = self.allreduce_grads() if self.dp == "replicate" else self._fsdp_bytes(n_mb)
         t5 = self._now()
         phases["grad_allreduce"] = t5 - t4
+        local_loss = float(loss_local)
         if self.world_size > 1:
             dist.all_reduce(loss_local)
         phases["attention"] = timer.totals.get("attention", 0.0)
@@ -231,7 +238,31 @@ class Executor:
                   "activation_tokens": act_peak[1], "unsharded": self.activations.unsharded_peak,
                   "recompute": self.activations.recompute_peak}
         return StepResult(loss=float(loss_local), phases=phases, bytes=nbytes, tokens=tokens, hidden=hidden,
-                          memory=memory)
+                          memory=memory, local_loss=local_loss)
+
+    def nonfinite(self, result: StepResult) -> tuple[int, str, float] | None:
+        """``(rank, "loss" | "gradient norm", value)`` of the first rank whose share of the step's
+        loss, or whose gradients, are not finite (None when all are). Collective: one all-gather of
+        two numbers per rank."""
+        gsq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for p in self.params:
+            g = p.grad
+            if g is None:
+                continue
+            g = g.to_local() if hasattr(g, "to_local") else g
+            gsq += g.detach().double().pow(2).sum()
+        mine = torch.stack([torch.tensor(result.local_loss, dtype=torch.float64, device=self.device), gsq])
+        if self.world_size > 1:
+            every = [torch.zeros_like(mine) for _ in range(self.world_size)]
+            dist.all_gather(every, mine)
+        else:
+            every = [mine]
+        vals = [v.cpu().tolist() for v in every]
+        for what, i in (("loss", 0), ("gradient norm", 1)):
+            for r, v in enumerate(vals):
+                if not math.isfinite(v[i]):
+                    return r, what, (v[i] if i == 0 else math.sqrt(v[i]) if v[i] >= 0 else v[i])
+        return None
 
     def _tp_group(self, step: StepPlan, unit: int):
         """The TP group of this rank's unit in ``step`` (None for a one-rank unit)."""
@@ -438,10 +469,6 @@ def compare_with_reference(model: LlamaModel, step: StepPlan, loss: float, gathe
 # ---------------------------------------------------------------------------------------------
 
 
-def plan_hash(header: PlanHeader) -> str:
-    return content_hash(header.model_dump(mode="json", exclude={"created_at"}))
-
-
 def build_model(ref: str | None, header: PlanHeader, seed: int, device: torch.device):
     """The model a job trains: the transformers model of ``hf:DIR`` (:mod:`zeppelin.runtime.hf`)
     or the runtime's own Llama built from the plan's ModelSpec."""
@@ -452,6 +479,16 @@ def build_model(ref: str | None, header: PlanHeader, seed: int, device: torch.de
 
         return load_hf_model(ref, seed=seed, device=device, spec=header.model)
     return LlamaModel(header.model, seed=seed).to(device)
+
+
+def random_init_note(ref: str | None, seed: int) -> str | None:
+    """The line announcing random initial weights of an ``hf:DIR`` without weight files (None when
+    the directory has weights; the runtime's own models always start from their seeded init)."""
+    from zeppelin.schemas.hf import hf_dir, hf_weight_files, is_hf_ref
+
+    if not is_hf_ref(ref) or hf_weight_files(hf_dir(ref)):
+        return None
+    return f"{ref} holds no weight file: the model starts from random initialisation (seed {seed})"
 
 
 def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSource, int, int]:
@@ -484,7 +521,6 @@ def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSo
         why = export_problem(cfg.model, header.model)
         if why:
             raise InputError(why)
-        cfg.check_export_dir()
     if cfg.data is None and header.manifest.token_ids:
         raise InputError(f"the plan was made from a manifest with token ids ({header.manifest.path}); pass it "
                          "with --data (without it the run would train on synthetic ids)")
@@ -502,8 +538,7 @@ def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSo
                 raise InputError(f"--data {cfg.data}: {probs[0]}")
     if cfg.hsdp is not None and world_size % cfg.hsdp:
         raise InputError(f"--hsdp {cfg.hsdp} must divide the world size {world_size}")
-    metrics_path = cfg.metrics_path
-    check_output(metrics_path, [cfg.plan, cfg.data, cfg.model], what="metrics file")
+    cfg.check_inputs(reader, end)  # weights, positions, --export, the metrics file against every input
     return reader, source, 0, end
 
 
@@ -612,16 +647,9 @@ def _agree(world: int, err: str | None) -> None:
 
 
 def _run_initialised(cfg, rank, world, device, local_err, reader, header, source, start, end):
-    from .checkpoint import (
-        latest_checkpoint,
-        load_checkpoint_tensors,
-        read_checkpoint_state,
-        rng_state,
-        save_checkpoint,
-        set_rng_state,
-    )
+    from .checkpoint import load_checkpoint_tensors, plan_hash, rng_state, save_checkpoint, set_rng_state
     from .groups import GroupCache, set_default_cache
-    from .lifecycle import Heartbeat, check_resume_hyperparameters, maybe_fault, prepare_checkpoint_dir
+    from .lifecycle import Heartbeat, maybe_fault, prepare_checkpoint_dir, resume_point
     from .memory import StepMemory
 
     # the checkpoint directory: writable, and locked by this run (rank 0 holds the lock until it exits)
@@ -638,19 +666,17 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
     ckpt_path = None
     if local_err is None and cfg.resume:
         try:
-            path = latest_checkpoint(cfg.checkpoint_dir)
-            if path is not None:
-                state = read_checkpoint_state(path, plan_hash=plan_hash(header), world_size=world)
-                ckpt_path = path
-                if not 0 <= state["next_step"] <= end:
-                    raise InputError(f"checkpoint resumes at step {state['next_step']}, beyond --steps {end}",
-                                     source=path)
-                check_resume_hyperparameters((state.get("extra") or {}).get("hyperparameters"), hparams,
-                                             source=path)
+            found = resume_point(cfg.checkpoint_dir, plan_hash=plan_hash(header), world_size=world, end=end,
+                                 hparams=hparams)
+            if found is not None:
+                ckpt_path, state = found
         except InputError as e:
             local_err = str(e)
     _agree(world, local_err)
-    if rank == 0:  # the run's first line: where its token ids come from
+    if rank == 0:  # the run's first lines: where its weights and its token ids come from
+        init = random_init_note(cfg.model, cfg.seed if cfg.seed is not None else header.seed)
+        if init:
+            print(f"zeppelin run: {init}", flush=True)
         print(f"zeppelin run: {source.describe()}", flush=True)
     if state is not None:
         start = state["next_step"]
@@ -677,7 +703,7 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
         if rank < len(state["rng"]):
             set_rng_state(state["rng"][rank])
     tol = cfg.verify_tol if cfg.verify_tol is not None else (1e-5 if dtype == "fp32" else 2e-2)
-    metrics_path = Path(cfg.metrics) if cfg.metrics else Path(cfg.plan).with_suffix(".metrics.jsonl")
+    metrics_path = cfg.metrics_path
     mfh = None
     progress = None
     if rank == 0:
@@ -686,6 +712,7 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
         progress = _Progress(cfg.progress, end, start)
     phash = plan_hash(header)
     losses: list[float] = []
+    skipped = 0
     used_tp = False
     verify_worst = {"loss_rel": 0.0, "hidden_rel": 0.0, "grad_rel": 0.0}
     heartbeat = Heartbeat(os.environ.get("ZEPPELIN_ERROR_DIR"), rank)
@@ -703,6 +730,13 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
             memory.reset()
             t0 = time.perf_counter()
             res = ex.forward_backward(step, keep_hidden=cfg.verify)
+            bad = ex.nonfinite(res)
+            if bad is not None and cfg.nan_policy == "stop":
+                r, what, v = bad
+                if r != rank:
+                    raise PeerStopped()
+                raise NonFiniteError(f"step {k}: the {what} is {v} (not finite); the run stopped "
+                                     "(--nan-policy stop; --nan-policy skip leaves such steps out)")
             tv = time.perf_counter()
             if cfg.verify:
                 heartbeat.step(k, "verify")
@@ -711,7 +745,12 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
             else:
                 report = None
             t_verify = time.perf_counter() - tv
-            res.phases["optimizer"] = ex.optimizer_step()
+            if bad is not None:  # --nan-policy skip: no update from this step
+                for p in ex.params:
+                    p.grad = None
+                res.phases["optimizer"] = 0.0
+            else:
+                res.phases["optimizer"] = ex.optimizer_step()
             res.phases["step"] = time.perf_counter() - t0 - t_verify
             if report is not None:
                 for key in ("loss_rel", "hidden_rel", "grad_rel", "grad_rel_vs_fp64", "fp32_reference_vs_fp64"):
@@ -723,15 +762,20 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
             res.phases["verify"] = t_verify
             per_rank = [None] * world
             dist.all_gather_object(per_rank, (res.phases, res.bytes, res.tokens, mem))
-            losses.append(res.loss)
+            if bad is None:
+                losses.append(res.loss)
+            else:
+                skipped += 1
             if rank == 0:
                 rec = _metrics_record(step, res.loss, per_rank, report, header)
+                if bad is not None:
+                    rec["skipped"] = f"non-finite {bad[1]} on rank {bad[0]}"
                 for r in rec["memory"]["exceeds_capacity"]:
                     print(f"zeppelin run: warning: step {step.step}: rank {r} measured "
                           f"{rec['memory']['measured_bytes'][r] / 1e9:.2f} GB, more than the "
                           f"{header.cluster.gpu.memory_gb:g} GB of a {header.cluster.gpu.name} the plan assumes",
                           file=sys.stderr, flush=True)
-                mfh.write(json.dumps(rec) + "\n")
+                mfh.write(json.dumps(finite_json(rec), allow_nan=False) + "\n")
                 mfh.flush()
                 progress.update(rec)
             if cfg.checkpoint_dir and ((cfg.checkpoint_every and (k + 1) % cfg.checkpoint_every == 0)
@@ -763,6 +807,8 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
         return {}
     summary = {"steps_run": end - start, "first_step": start, "losses": losses,
                "metrics": str(metrics_path)}
+    if skipped:
+        summary["skipped"] = skipped
     if used_tp:
         summary["tp_overlap"] = ex.tp_overlap
     if cfg.verify:
@@ -770,6 +816,17 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
     if exported is not None:
         summary["export"] = exported
     return summary
+
+
+def finite_json(obj: Any) -> Any:
+    """``obj`` with every non-finite float replaced by None (metrics files are strict JSON)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_json(v) for v in obj]
+    return obj
 
 
 def _memory_record(step: StepPlan, per_rank: list, header: PlanHeader | None) -> dict[str, Any]:

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zeppelin.schemas.common import InputError
-from zeppelin.schemas.hf import hf_dir, hf_model_spec
+from zeppelin.schemas.hf import hf_dir, hf_model_spec, hf_weight_files
 from zeppelin.schemas.model import ModelSpec
 
 from .data import IGNORE_INDEX
@@ -51,7 +51,8 @@ def register_attention() -> str:
 
 
 def _safetensors_files(d: Path) -> list[Path]:
-    return sorted(p for p in d.glob("*.safetensors") if p.is_file())
+    """The weight files (an unusable weight file is an error, not a reason to start from random)."""
+    return hf_weight_files(d)
 
 
 def load_safetensors_state(d: Path) -> dict[str, torch.Tensor]:
@@ -312,7 +313,7 @@ def export_model(model: nn.Module, spec: ModelSpec, out_dir: str | Path,
     config._attn_implementation = "eager"
     config.dtype = dtype
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name[:40]}.", dir=out.parent))  # any legal name leaves room
     try:
         with torch.device("meta"):
             shell = AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -79,12 +79,15 @@ def torchrun_argv(*, nproc_per_node: int, nnodes: int = 1, node_rank: int | None
 
 
 def _read_errors(err_dir: Path) -> dict[int, dict]:
+    from zeppelin.schemas.common import InputError
+    from zeppelin.schemas.safeio import read_small
+
     errs = {}
     for f in err_dir.glob("rank*.json"):
         try:
-            rec = json.loads(f.read_text())
+            rec = json.loads(read_small(f, "error record", limit=1 << 20))
             errs[int(rec["rank"])] = rec
-        except (OSError, ValueError, KeyError, TypeError):
+        except (InputError, OSError, ValueError, KeyError, TypeError):
             continue
     return errs
 
@@ -97,18 +100,26 @@ def _death(code: int) -> str:
         return how
     if code == 137:
         return "exited with code 137 (128 + SIGKILL: killed, e.g. out of memory)"
+    if code in (130, 143, 129):
+        return f"was stopped by {signal_name(code - 128)} (exit code {code})"
     return f"exited with code {code} without an error message"
 
 
-def _summarise(err_dir: Path, failures: dict) -> tuple[str, int]:
+#: exit code of a rank that left because another rank reports the job's failure (no report of its own)
+PEER_STOPPED_EXIT = 75
+#: exit codes of ranks the launcher (or torchrun) itself stopped: SIGTERM, or the worker's handler of it
+LAUNCHER_STOPPED = frozenset({-int(signal.SIGTERM), 130, 143, PEER_STOPPED_EXIT})
+
+
+def _summarise(err_dir: Path, failures: dict, stopped: frozenset = LAUNCHER_STOPPED) -> tuple[str, int]:
     """One line for the user about a failed job, and the exit code to return.
 
-    ``failures``: rank -> object with ``exitcode`` for every rank that exited non-zero."""
+    ``failures``: rank -> object with ``exitcode`` for every rank that exited non-zero; ``stopped``:
+    the exit codes that mean "stopped by the launcher" (a rank that exited so is not the cause)."""
     errs = _read_errors(err_dir)
     # a rank that died without writing an error caused the others' failures - unless the launcher
-    # stopped it (SIGTERM, or exit 130 from the worker's SIGTERM handler) because another rank failed
+    # stopped it because another rank failed
     silent = sorted(r for r, pf in failures.items() if r not in errs)
-    stopped = {-int(signal.SIGTERM), 130, 143}
     if any(failures[r].exitcode not in stopped for r in silent):
         silent = [r for r in silent if failures[r].exitcode not in stopped]
     elif errs:
@@ -129,14 +140,14 @@ def _summarise(err_dir: Path, failures: dict) -> tuple[str, int]:
 _TIMEOUT_RE = re.compile(r"timed? ?out|timeout", re.IGNORECASE)
 
 
-def classify_failure(err_dir: Path, failures: dict, alive: list[int]) -> tuple[str, int]:
+def classify_failure(err_dir: Path, failures: dict, alive: list[int],
+                     stopped: frozenset = LAUNCHER_STOPPED) -> tuple[str, int]:
     """:func:`_summarise`, and a slow rank named as slow: when the first report is a timeout and a
     rank is still running without having reported anything, that rank is the one the others were
     waiting for."""
     from .lifecycle import read_heartbeat
 
     errs = _read_errors(err_dir)
-    stopped = {-int(signal.SIGTERM), 130, 143}
     silent_dead = [r for r, f in failures.items() if r not in errs and f.exitcode not in stopped]
     if errs and not silent_dead:
         first = min(errs.values(), key=lambda x: x["time"])
@@ -151,7 +162,7 @@ def classify_failure(err_dir: Path, failures: dict, alive: list[int]) -> tuple[s
             others = ", ".join(str(x) for x in sorted(slow[1:]))
             return (f"rank {r} is slow{where}: rank {first['rank']} gave up waiting for it: {first['message']}"
                     + (f"; ranks {others} were also still running" if others else ""), 1)
-    return _summarise(err_dir, failures)
+    return _summarise(err_dir, failures, stopped)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,6 +268,29 @@ def _stop_all(procs: dict[int, subprocess.Popen], grace_s: float = STOP_GRACE_S)
             p.wait(timeout=10)
 
 
+class _StallWatch:
+    """Ranks stopped (SIGSTOP) for longer than the job's timeout (checked every half second)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.since: dict[int, float] = {}
+        self.next = 0.0
+
+    def check(self, pids: dict[int, int]) -> int | None:
+        from .lifecycle import process_stopped
+
+        now = time.monotonic()
+        if now < self.next:
+            return None
+        self.next = now + 0.5
+        for r, pid in sorted(pids.items()):
+            if not process_stopped(pid):
+                self.since.pop(r, None)
+            elif now - self.since.setdefault(r, now) > self.timeout_s:
+                return r
+        return None
+
+
 def run_local(nproc: int, module: str, wargs: list[str], err_dir: Path, timeout_s: float,
               pending: list[int]) -> int:
     env = dict(os.environ)
@@ -280,10 +314,17 @@ def run_local(nproc: int, module: str, wargs: list[str], err_dir: Path, timeout_
             procs[r] = subprocess.Popen([sys.executable, "-m", module, *wargs], env=e)
         exits: dict[int, SimpleNamespace] = {}
         first_bad = None
+        stalls = _StallWatch(timeout_s)
         while True:
             if pending:
                 raise _Stop(pending[0])
             now = time.time()
+            held = stalls.check({r: p.pid for r, p in procs.items() if r not in exits})
+            if held is not None:  # a stopped rank holds every peer and nothing would ever report it
+                _stop_all(procs)
+                print(f"zeppelin: error: job failed: rank {held} was stopped (SIGSTOP) for more than --timeout "
+                      f"{timeout_s:g} s; every rank ended", file=sys.stderr, flush=True)
+                return 1
             for r, p in procs.items():
                 if r not in exits:
                     c = p.poll()
@@ -291,7 +332,9 @@ def run_local(nproc: int, module: str, wargs: list[str], err_dir: Path, timeout_
                         exits[r] = SimpleNamespace(exitcode=c, time=now)
             if len(exits) == nproc and all(x.exitcode == 0 for x in exits.values()):
                 return 0
-            bad = any(x.exitcode != 0 for x in exits.values()) or any(err_dir.glob("rank*.json"))
+            # a rank that left for its peer (PEER_STOPPED_EXIT) is no failure of its own: wait for the report
+            bad = (any(x.exitcode not in (0, PEER_STOPPED_EXIT) for x in exits.values())
+                   or any(err_dir.glob("rank*.json")))
             if bad and first_bad is None:
                 first_bad = time.monotonic()
             if first_bad is not None and (time.monotonic() - first_bad >= SETTLE_S or len(exits) == nproc):
@@ -299,7 +342,9 @@ def run_local(nproc: int, module: str, wargs: list[str], err_dir: Path, timeout_
             time.sleep(POLL_S)
         failures = {r: x for r, x in exits.items() if x.exitcode != 0}
         alive = sorted(r for r in procs if r not in exits)
-        msg, code = classify_failure(err_dir, failures, alive)
+        # every exit seen so far happened before this launcher stopped anyone: a rank that ended on
+        # a SIGTERM got it from elsewhere and is a cause, not a casualty
+        msg, code = classify_failure(err_dir, failures, alive, stopped=frozenset({PEER_STOPPED_EXIT}))
         _stop_all(procs)
         print(f"zeppelin: error: job failed: {msg}", file=sys.stderr, flush=True)
         return code
@@ -383,10 +428,11 @@ def main(argv: list[str] | None = None) -> int:
         print("zeppelin: error: launcher: no worker module (-m zeppelin.runtime PLAN ...)", file=sys.stderr)
         return 2
     timeout_s = _worker_timeout(wargs)
-    own_dir = "ZEPPELIN_ERROR_DIR" not in os.environ
-    err_dir = Path(tempfile.mkdtemp(prefix="zeppelin-job-")) if own_dir else Path(os.environ["ZEPPELIN_ERROR_DIR"])
-    err_dir.mkdir(parents=True, exist_ok=True)
+    # the job's error channel is made here, for this job only: a directory named in the inherited
+    # environment (an earlier job's) is never read or written
+    err_dir = Path(tempfile.mkdtemp(prefix="zeppelin-job-"))
     os.environ["ZEPPELIN_ERROR_DIR"] = str(err_dir)
+    os.environ.pop("ZEPPELIN_STORE_FILE", None)  # set per job by run_local; never inherited
     try:
         nproc = _local_plan(opts)
         if nproc is not None:
@@ -398,8 +444,7 @@ def main(argv: list[str] | None = None) -> int:
             return 128 + pending[0]
         return run_torchrun(opts, module, wargs, err_dir, timeout_s)
     finally:
-        if own_dir:
-            shutil.rmtree(err_dir, ignore_errors=True)
+        shutil.rmtree(err_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

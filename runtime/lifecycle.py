@@ -22,13 +22,16 @@ Checkpoint directories (:func:`prepare_checkpoint_dir`): one run at a time holds
 writability before training starts. :func:`check_resume_hyperparameters` refuses a ``--resume``
 whose hyperparameters differ from the ones the checkpoint was trained with.
 
-Fault injection for tests (:func:`maybe_fault`), ``ZEPPELIN_FAULT=KIND:RANK:STEP`` with KIND one of
+Fault injection for tests (:func:`maybe_fault`), ``ZEPPELIN_TEST_FAULT=KIND:RANK:STEP`` with KIND one of
 ``kill`` (SIGKILL itself), ``oom`` (exit 137, as a process killed by the out-of-memory killer
 appears through a shell or container runtime), ``raise`` (a Python exception), ``stall`` (sleep
 until stopped), ``exit`` (``os._exit(3)`` without a report), ``slowverify`` (rank 0's ``--verify``
-reference of that step takes ``$ZEPPELIN_FAULT_SLEEP`` s, default 3, longer). The older form ``RANK:STEP:exit|raise`` is accepted too.
-With ``ZEPPELIN_FAULT_LOG=FILE`` the rank writes ``KIND RANK STEP TIME`` there just before the fault
+reference of that step takes ``$ZEPPELIN_TEST_FAULT_SLEEP`` s, default 3, longer). The older form ``RANK:STEP:exit|raise`` is accepted too.
+With ``ZEPPELIN_TEST_FAULT_LOG=FILE`` the rank writes ``KIND RANK STEP TIME`` there just before the fault
 (tests measure the time from the fault to the end of the job).
+These ``ZEPPELIN_TEST_*`` variables are a test hook, named as one; no other variable of the caller's
+environment steers a job (the launcher makes ``ZEPPELIN_ERROR_DIR`` and ``ZEPPELIN_STORE_FILE`` for
+each job and ignores inherited ones).
 """
 
 from __future__ import annotations
@@ -43,13 +46,14 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from zeppelin.schemas.common import InputError
 
-FAULT_ENV = "ZEPPELIN_FAULT"
+FAULT_ENV = "ZEPPELIN_TEST_FAULT"
 PARENT_ENV = "ZEPPELIN_PARENT_PID"
 FAULT_KINDS = ("kill", "oom", "raise", "stall", "exit", "slowverify")
-FAULT_LOG_ENV = "ZEPPELIN_FAULT_LOG"
+FAULT_LOG_ENV = "ZEPPELIN_TEST_FAULT_LOG"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 PR_SET_PDEATHSIG = 1
 LOCK_NAME = ".zeppelin.lock"
@@ -112,15 +116,26 @@ def _killpg(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
+def process_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP / SIGTSTP; Linux ``/proc``, else never)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read(4096).rpartition(b")")[2].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
+
+
 def run_owned(cmd: list[str], env: dict[str, str] | None = None, *, grace_s: float = 10.0,
-              poll_s: float = 0.05) -> int:
+              poll_s: float = 0.05, stall_s: float | None = None) -> int:
     """Run ``cmd`` (the launcher) as the leader of a new process group owned by this process.
 
     Returns its exit code. SIGINT / SIGTERM / SIGHUP received here are forwarded to the launcher
     (which stops its ranks and reports); if the group is not gone ``grace_s`` after the signal it
     is killed with SIGKILL, and one line says so. A launcher killed by a signal nobody here sent is
     reported in one line. In every case the whole group gets SIGKILL once the launcher has exited
-    (sweeping any process left behind). Exit code: 128 + signal for a forwarded signal."""
+    (sweeping any process left behind). Exit code: 128 + signal for a forwarded signal. A launcher
+    that stays stopped (SIGSTOP) for ``stall_s`` seconds is killed with its group (exit 1, one line):
+    nothing the command waits on waits longer than the job's ``--timeout``."""
     env = dict(os.environ if env is None else env)
     env[PARENT_ENV] = str(os.getpid())
     received: list[int] = []
@@ -139,6 +154,7 @@ def run_owned(cmd: list[str], env: dict[str, str] | None = None, *, grace_s: flo
     forwarded = 0
     deadline = None
     killed = False
+    since = None  # when the launcher was first seen stopped
     try:
         while True:
             try:
@@ -156,6 +172,17 @@ def run_owned(cmd: list[str], env: dict[str, str] | None = None, *, grace_s: flo
             if deadline is not None and time.monotonic() > deadline and not killed:
                 killed = True
                 _killpg(pgid, signal.SIGKILL)
+            if stall_s is not None and not received:
+                if not process_stopped(proc.pid):
+                    since = None
+                elif since is None:
+                    since = time.monotonic()
+                elif time.monotonic() - since > stall_s:
+                    _killpg(pgid, signal.SIGKILL)
+                    proc.wait()
+                    print(f"zeppelin: error: the launcher (pid {proc.pid}) was stopped for more than --timeout "
+                          f"{stall_s:g} s; the job was killed", file=sys.stderr, flush=True)
+                    return 1
     finally:
         _killpg(pgid, signal.SIGKILL)  # sweep: nothing of the job outlives this command
         for s, h in old.items():
@@ -189,7 +216,8 @@ class Heartbeat:
         self.fd = None
         if directory:
             with contextlib.suppress(OSError):
-                self.fd = os.open(os.path.join(directory, f"rank{rank}.step"), os.O_WRONLY | os.O_CREAT, 0o600)
+                self.fd = os.open(os.path.join(directory, f"rank{rank}.step"),
+                                  os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
 
     def step(self, k: int, what: str = "step") -> None:
         if self.fd is None:
@@ -206,10 +234,12 @@ class Heartbeat:
 
 
 def read_heartbeat(directory: str | os.PathLike, rank: int) -> tuple[str, int, float] | None:
+    from zeppelin.schemas.safeio import read_small
+
     try:
-        what, k, t = (Path(directory) / f"rank{rank}.step").read_text().split()[:3]
+        what, k, t = read_small(Path(directory) / f"rank{rank}.step", "heartbeat", limit=4096).decode().split()[:3]
         return what, int(k), float(t)
-    except (OSError, ValueError):
+    except (InputError, OSError, ValueError):
         return None
 
 
@@ -240,38 +270,35 @@ def prepare_checkpoint_dir(directory: str | os.PathLike) -> CheckpointLock:
     import errno
     import fcntl
 
+    from zeppelin.schemas.safeio import ManagedDir
+
+    from .checkpoint import clean_interrupted_saves
+
     d = Path(directory)
-    if d.exists() and not d.is_dir():
+    if os.path.lexists(d) and not d.is_dir():
         raise InputError("--checkpoint-dir is not a directory", source=d)
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise InputError(f"--checkpoint-dir cannot be created ({e.strerror or e})", source=d) from None
-    probe = d / f".zeppelin-write-test-{os.getpid()}"
-    try:
-        with open(probe, "wb") as fh:
-            fh.write(b"0")
-    except OSError as e:
-        raise InputError(f"--checkpoint-dir is not writable ({e.strerror or e})", source=d) from None
-    finally:
-        with contextlib.suppress(OSError):
-            probe.unlink()
-    path = d / LOCK_NAME
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        raise InputError(f"--checkpoint-dir: cannot open its lock file ({e.strerror or e})", source=d) from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        holder = ""
-        with contextlib.suppress(OSError, ValueError):
-            holder = os.pread(fd, 32, 0).decode().strip()
-        os.close(fd)
-        if e.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-            raise InputError("--checkpoint-dir is in use by another run" + (f" (pid {holder})" if holder else "")
-                             + "; one run at a time may write a checkpoint directory", source=d) from None
-        raise InputError(f"--checkpoint-dir cannot be locked ({e.strerror or e})", source=d) from None
+    # every name inside is opened relative to the directory and never followed (zeppelin.schemas.safeio)
+    with ManagedDir(d, "--checkpoint-dir") as md:
+        md.probe_writable()
+        fd = md.open_lock(LOCK_NAME)
+        path = d / LOCK_NAME
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = ""
+            with contextlib.suppress(OSError, ValueError):
+                holder = os.pread(fd, 32, 0).decode().strip()
+            os.close(fd)
+            if e.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise InputError("--checkpoint-dir is in use by another run" + (f" (pid {holder})" if holder else "")
+                                 + "; one run at a time may write a checkpoint directory", source=d) from None
+            raise InputError(f"--checkpoint-dir cannot be locked ({e.strerror or e})", source=d) from None
+        try:
+            clean_interrupted_saves(md)  # this run holds the lock: a temporary directory is an interrupted save
+        except OSError as e:
+            os.close(fd)
+            raise InputError(f"--checkpoint-dir: cannot remove an interrupted save ({e.strerror or e})",
+                             source=d) from None
     with contextlib.suppress(OSError):
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -296,6 +323,45 @@ def check_resume_hyperparameters(saved: dict | None, current: dict, source=None)
         raise InputError("--resume with other hyperparameters than the checkpoint was trained with: "
                          + ", ".join(diffs) + "; pass the checkpoint's values, or start a new --checkpoint-dir",
                          source=source)
+
+
+def inspect_checkpoint_dir(directory: str | os.PathLike) -> None:
+    """Read-only checks of a checkpoint directory before any process starts: a directory (or
+    nothing yet), whose lock file, when there, is a regular file with one link (never a link that
+    locking would write through)."""
+    import stat
+
+    from zeppelin.schemas.safeio import ManagedDir
+
+    d = Path(directory)
+    if not os.path.lexists(d):
+        return
+    if not d.is_dir():
+        raise InputError("--checkpoint-dir is not a directory", source=d)
+    with ManagedDir(d, "--checkpoint-dir", create=False) as md:
+        st = md.lstat(LOCK_NAME)
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            raise md.foreign(LOCK_NAME, st)
+        if st is not None and st.st_nlink != 1:
+            raise InputError(f"--checkpoint-dir: {LOCK_NAME} has {st.st_nlink} hard links, not a file zeppelin "
+                             "wrote (remove it)", source=d)
+
+
+def resume_point(directory: str | os.PathLike, *, plan_hash: str, world_size: int, end: int,
+                 hparams: dict) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint a ``--resume`` continues from and its checked state (None: start afresh).
+    Read-only; the command line runs it before any process starts, rank 0 again under the lock."""
+    from .checkpoint import latest_checkpoint, read_checkpoint_state
+
+    path = latest_checkpoint(directory)
+    if path is None:
+        return None
+    state = read_checkpoint_state(path, plan_hash=plan_hash, world_size=world_size)
+    if not 0 <= state["next_step"] <= end:
+        raise InputError(f"checkpoint resumes at step {state['next_step']}, beyond --steps {end}", source=path)
+    check_resume_hyperparameters((state.get("extra") or {}).get("hyperparameters"), hparams, source=path)
+    return path, state
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,7 +389,7 @@ def parse_fault(spec: str | None) -> tuple[str, int, int] | None:
 
 
 def maybe_fault(rank: int, step: int, where: str = "step") -> None:
-    """Inject the fault ``$ZEPPELIN_FAULT`` names when this rank reaches that step (``where``:
+    """Inject the fault ``$ZEPPELIN_TEST_FAULT`` names when this rank reaches that step (``where``:
     ``"step"`` at the start of the step, ``"verify"`` before rank 0's reference)."""
     f = parse_fault(os.environ.get(FAULT_ENV))
     if f is None or f[1] != rank or f[2] != step or (f[0] == "slowverify") != (where == "verify"):
@@ -335,7 +401,7 @@ def maybe_fault(rank: int, step: int, where: str = "step") -> None:
             fh.write(f"{kind} {rank} {step} {time.time():.6f}\n")
     sys.stderr.flush()
     if kind == "slowverify":
-        time.sleep(float(os.environ.get("ZEPPELIN_FAULT_SLEEP", "3")))
+        time.sleep(float(os.environ.get("ZEPPELIN_TEST_FAULT_SLEEP", "3")))
         return
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)

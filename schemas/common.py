@@ -150,8 +150,8 @@ def note_input(path: str | os.PathLike) -> None:
     """Remember ``path`` as an input of the running command: :func:`atomic_write` refuses to write over it."""
     if not _TRACKING[0]:
         return
-    p = os.path.abspath(os.fspath(path))
-    if p not in _INPUTS:
+    p = os.fspath(path)  # kept as named (messages show it so); compared by device and inode
+    if all(os.path.abspath(p) != os.path.abspath(q) for q in _INPUTS):
         _INPUTS.append(p)
 
 

@@ -226,8 +226,9 @@ def hf_tokenizer(path: str | os.PathLike, base: Path | None = None) -> Callable[
         p = base / p
     if p.is_dir():
         p = p / "tokenizer.json"
-    if not p.is_file():
+    if not os.path.lexists(p):
         raise InputError("tokenizer file not found (name a tokenizer.json or a directory holding one)", source=p)
+    check_input_file(p, "tokenizer")  # a regular file, and an input no output may replace
     try:
         from tokenizers import Tokenizer
     except ImportError:  # pragma: no cover - a dependency
@@ -860,6 +861,34 @@ def _load_token_files(spec: ManifestSpec, base: Path | None, source: str) -> Dat
 
 def _is_spec_file(ref: str | os.PathLike) -> bool:
     return str(ref).lower().endswith(".manifest.json")
+
+
+def manifest_files(ref: str | os.PathLike) -> list[Path]:
+    """Every file a manifest reference names - the ``*.manifest.json`` document, every shard (token
+    files and offsets indexes included) and a tokenizer file - each checked to be a regular file and
+    noted as an input of the running command, without reading the data."""
+    base: Path | None = None
+    out: list[Path] = []
+    if _is_spec_file(ref):
+        spec = load_doc(ManifestSpec, ref)
+        base = Path(ref).parent
+        out.append(Path(ref))
+    else:
+        spec = ManifestSpec(paths=[str(ref)])
+    forced = None if spec.format == "auto" else spec.format
+    if spec.offsets is not None:
+        for p in [*spec.paths, *spec.offsets]:
+            q = Path(p).expanduser()
+            q = base / q if base is not None and not q.is_absolute() else q
+            out.append(check_input_file(q, "token file"))
+    else:
+        for pattern in spec.paths:
+            out.extend(p for p, _ in _expand(pattern, base, forced))
+    tk = spec.tokenizer
+    if isinstance(tk, str) and tk not in BUILTIN_TOKENIZERS and _looks_like_path(tk):
+        encode = hf_tokenizer(tk, base)
+        out.append(Path(encode.path))  # type: ignore[attr-defined]
+    return out
 
 
 def load_manifest(

@@ -10,10 +10,13 @@ match but whose config differs (biases, rope scaling, ...) is refused by the pla
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
-from .common import InputError, content_hash, parse_json, read_input_bytes
+from pydantic import ValidationError
+
+from .common import InputError, content_hash, format_validation_error, note_input, parse_json
 from .model_spec import ModelSpec
 
 HF_PREFIX = "hf:"
@@ -35,17 +38,95 @@ def is_hf_ref(ref: str | None) -> bool:
 
 def hf_dir(ref: str) -> Path:
     """The directory of an ``hf:DIR`` reference (checked to hold a ``config.json``)."""
-    d = Path(ref[len(HF_PREFIX):]).expanduser()
-    if not d.is_dir():
+    raw = ref[len(HF_PREFIX):]
+    if not raw:
+        raise InputError(f"--model {ref}: hf: needs a directory (hf:DIR names a directory with config.json)")
+    try:
+        d = Path(raw).expanduser()
+    except RuntimeError:  # ~user of an unknown user
+        raise InputError(f"--model {ref}: cannot expand {raw.split('/')[0]!r} (no such user)") from None
+    try:
+        is_dir = d.is_dir()
+    except OSError as e:
+        raise InputError(f"--model {ref}: cannot read {d} ({e.strerror or e.__class__.__name__})") from None
+    if not is_dir:
         raise InputError(f"--model {ref}: {d} is not a directory (hf:DIR names a directory with config.json)")
-    if not (d / "config.json").is_file():
+    if not os.path.lexists(d / "config.json"):
         raise InputError(f"--model {ref}: no config.json in {d}")
     return d
 
 
+#: names of weight files (any of them present means the model has weights); only safetensors are read
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".index.json")
+
+
+def hf_weight_files(d: Path) -> list[Path]:
+    """The ``*.safetensors`` weight files of a Hugging Face directory, each checked to be a regular
+    file. Weights that are present but unusable are an error - a dangling link, a device, a
+    directory, or weights only in a format zeppelin does not load (``pytorch_model.bin`` is a
+    pickle); an empty list means the directory holds no weight file at all."""
+    import stat as _stat
+
+    from .safeio import kind_of
+
+    found, unusable = [], []
+    for name in sorted(os.listdir(d)):
+        if not name.endswith(_WEIGHT_SUFFIXES) or name.startswith("."):
+            continue
+        p = d / name
+        try:
+            st = os.stat(p)
+        except FileNotFoundError:
+            raise InputError("weight file is a dangling symbolic link", source=p) from None
+        except OSError as e:
+            raise InputError(f"cannot read weight file ({e.strerror or e.__class__.__name__})", source=p) from None
+        if not _stat.S_ISREG(st.st_mode):
+            raise InputError(f"weight file is {kind_of(st.st_mode)}, not a regular file", source=p)
+        if name.endswith(".safetensors"):
+            _check_safetensors_size(p, st.st_size)
+        (found if name.endswith(".safetensors") else unusable).append(p)
+    if not found and unusable:
+        names = ", ".join(p.name for p in unusable if not p.name.endswith(".index.json")) or unusable[0].name
+        raise InputError(f"--model hf:{d}: weights only as {names}, which zeppelin does not load (pickle or "
+                         "another framework's format); convert them to safetensors, or remove them to start from "
+                         "random initialisation")
+    return found
+
+
+def _check_safetensors_size(p: Path, size: int) -> None:
+    """A safetensors file starts with its header's length: a file shorter than that is truncated."""
+    fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO swapped in cannot block the check
+    try:
+        head = os.pread(fd, 8, 0)
+    except OSError:
+        head = b""
+    finally:
+        os.close(fd)
+    n = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if n < 2 or 8 + n > size:
+        raise InputError(f"weight file of {size:,} bytes is truncated or not safetensors (no complete header)",
+                         source=p)
+
+
+def hf_input_files(d: Path) -> list[Path]:
+    """Every file of a Hugging Face directory (config, weights, tokenizer), each noted as an input
+    of the running command: no output may replace one."""
+    out = []
+    for name in sorted(os.listdir(d)):
+        p = d / name
+        if os.path.isfile(p):
+            note_input(p)
+            out.append(p)
+    return out
+
+
 def read_hf_config(d: Path) -> dict[str, Any]:
+    from .common import MAX_DOC_BYTES
+    from .safeio import read_small
+
     path = d / "config.json"
-    cfg = parse_json(read_input_bytes(path, "config.json"), source=path)  # a regular file, bounded JSON
+    cfg = parse_json(read_small(path, "config.json", limit=MAX_DOC_BYTES), source=path)  # a regular file, bounded
+    note_input(path)
     if not isinstance(cfg, dict):
         raise InputError("config.json is not a JSON object", source=path)
     return cfg
@@ -59,10 +140,78 @@ def sliding_window(cfg: dict[str, Any]) -> int | None:
     return int(w) if isinstance(w, int) and w > 0 else None
 
 
+# bounds of config.json fields: far above any real model, low enough to refuse a typo before any work
+_INT_BOUNDS = {"hidden_size": 1 << 20, "num_attention_heads": 1 << 14, "num_key_value_heads": 1 << 14,
+               "num_hidden_layers": 1 << 14, "intermediate_size": 1 << 22, "vocab_size": 1 << 24,
+               "head_dim": 1 << 14, "max_position_embeddings": 1 << 32, "sliding_window": 1 << 32}
+
+
+def _cfg_int(cfg: dict[str, Any], key: str, src: Path, *, required: bool = True) -> int | None:
+    v = cfg.get(key)
+    if v is None and not required:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= _INT_BOUNDS[key]:
+        got = "missing" if key not in cfg else f"got {v!r}"
+        null = " or null" if not required else ""
+        raise InputError(f"config.json: {key} must be an integer from 1 to {_INT_BOUNDS[key]:,}{null} ({got})",
+                         source=src)
+    return v
+
+
+def _cfg_number(cfg: dict[str, Any], key: str, src: Path, default: float, lo: float, hi: float,
+                *, lo_closed: bool = False) -> float:
+    import math
+
+    v = cfg.get(key, default)
+    if v is None:
+        v = default
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v <= hi
+    if not ok or (v < lo if lo_closed else v <= lo):
+        low = f"at least {lo:g}" if lo_closed else f"greater than {lo:g}"
+        raise InputError(f"config.json: {key} must be a number {low} and at most {hi:g} (got {v!r})", source=src)
+    return float(v)
+
+
+def _check_rope(cfg: dict[str, Any], src: Path) -> float:
+    """The RoPE base; a rope scaling block must be an object whose ``factor`` is a number >= 1."""
+    theta = cfg.get("rope_theta")
+    for key in ("rope_scaling", "rope_parameters"):  # older and newer transformers name the block so
+        rope = cfg.get(key)
+        if rope is not None and not isinstance(rope, dict):
+            raise InputError(f"config.json: rope scaling must be an object or null (got {type(rope).__name__})",
+                             source=src)
+        rope = rope or {}
+        if "factor" in rope:
+            _cfg_number({"rope factor": rope["factor"]}, "rope factor", src, 1.0, 1.0, 1e6, lo_closed=True)
+        if theta is None and "rope_theta" in rope:
+            theta = rope["rope_theta"]
+    return _cfg_number({"rope_theta": theta}, "rope_theta", src, 10000.0, 0.0, 1e12)
+
+
+def hf_max_positions(ref: str) -> int | None:
+    """``max_position_embeddings`` of ``hf:DIR`` (None when the config does not bound positions)."""
+    d = hf_dir(ref)
+    return _cfg_int(read_hf_config(d), "max_position_embeddings", d / "config.json", required=False)
+
+
+def check_positions(ref: str | None, longest: int) -> None:
+    """Refuse sequences longer than an ``hf:DIR`` model's ``max_position_embeddings``."""
+    if not is_hf_ref(ref):
+        return
+    limit = hf_max_positions(ref)
+    if limit is not None and longest > limit:
+        raise InputError(f"--model {ref}: a sequence of {longest:,} tokens is longer than the model's "
+                         f"max_position_embeddings {limit:,} (config.json)")
+
+
 def hf_model_spec(ref: str) -> ModelSpec:
-    """``ModelSpec`` of the model in ``hf:DIR`` (refuses configs the runtime cannot run exactly)."""
+    """``ModelSpec`` of the model in ``hf:DIR`` (refuses configs the runtime cannot run exactly).
+
+    The one reader of Hugging Face configs: the planner and the runtime both size and check the
+    model through it, so a config either plans and runs or is refused here with one line."""
     d = hf_dir(ref)
     cfg = read_hf_config(d)
+    hf_input_files(d)
     src = d / "config.json"
     mt = cfg.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
@@ -70,19 +219,19 @@ def hf_model_spec(ref: str) -> ModelSpec:
                          source=src)
 
     def need(key: str) -> int:
-        v = cfg.get(key)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise InputError(f"config.json needs a positive integer {key!r} (got {v!r})", source=src)
-        return v
+        return _cfg_int(cfg, key, src)
 
     hidden, heads = need("hidden_size"), need("num_attention_heads")
-    kv = cfg.get("num_key_value_heads") or heads
-    if not isinstance(kv, int) or kv < 1:
-        raise InputError(f"config.json has a bad num_key_value_heads {kv!r}", source=src)
-    head_dim = cfg.get("head_dim")
+    kv = _cfg_int(cfg, "num_key_value_heads", src, required=False) or heads
+    if heads % kv:
+        raise InputError(f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}",
+                         source=src)
+    head_dim = _cfg_int(cfg, "head_dim", src, required=False)
     if head_dim is not None and head_dim * heads != hidden:
         raise InputError(f"head_dim {head_dim} x {heads} heads != hidden_size {hidden}: the runtime needs "
                          "head_dim = hidden_size / num_attention_heads", source=src)
+    _cfg_int(cfg, "max_position_embeddings", src, required=False)
+    _cfg_int(cfg, "sliding_window", src, required=False)
     if cfg.get("hidden_act", "silu") != "silu":
         raise InputError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (SwiGLU with silu only)",
                          source=src)
@@ -91,22 +240,21 @@ def hf_model_spec(ref: str) -> ModelSpec:
         raise InputError(f"sliding-window attention (sliding_window={w}) is not supported; set it to null",
                          source=src)
     dt = cfg.get("dtype", cfg.get("torch_dtype")) or "float32"
-    if dt not in _DTYPES:
+    if not isinstance(dt, str) or dt not in _DTYPES:
         raise InputError(f"dtype {dt!r} is not one of {', '.join(_DTYPES)}", source=src)
-    theta = cfg.get("rope_theta")
-    if theta is None and isinstance(cfg.get("rope_parameters"), dict):
-        theta = cfg["rope_parameters"].get("rope_theta")
+    theta = _check_rope(cfg, src)
+    eps = _cfg_number(cfg, "rms_norm_eps", src, 1e-6, 0.0, 1.0)
+    tie = cfg.get("tie_word_embeddings", False)
+    if not isinstance(tie, bool):
+        raise InputError(f"config.json: tie_word_embeddings must be true or false (got {tie!r})", source=src)
     arch = {k: v for k, v in sorted(cfg.items()) if k not in _NON_ARCH_KEYS}
     digest = content_hash(arch).split(":")[-1][:10]
     try:
         return ModelSpec(
             name=f"hf-{mt}-{digest}", family="llama", num_layers=need("num_hidden_layers"), hidden=hidden,
             num_heads=heads, num_kv_heads=kv, ffn_hidden=need("intermediate_size"),
-            vocab_size=need("vocab_size"), mlp="swiglu", dtype=_DTYPES[dt],
-            rope_theta=float(theta if theta is not None else 10000.0),
-            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), remap_payload="qkv")
-    except ValueError as e:  # pydantic validation (divisibility, ...)
-        msg = str(e).splitlines()
-        raise InputError(f"config.json does not describe a supported decoder: {msg[-1].strip() if msg else e}",
-                         source=src) from None
+            vocab_size=need("vocab_size"), mlp="swiglu", dtype=_DTYPES[dt], rope_theta=theta, norm_eps=eps,
+            tie_embeddings=tie, remap_payload="qkv")
+    except ValidationError as e:  # the spec's own checks (divisibility, ...): one line, no help URL
+        why = format_validation_error(e).removeprefix("(document): ")
+        raise InputError(f"config.json does not describe a supported decoder: {why}", source=src) from None

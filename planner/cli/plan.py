@@ -158,6 +158,7 @@ def plan(
             return
     from zeppelin.planner.core.sampler import StepSampler, run_max_seq_len
     from zeppelin.schemas.datasets import default_manifest_path, load_manifest
+    from zeppelin.schemas.hf import check_positions
 
     ds = load_manifest(manifest if manifest is not None else default_manifest_path())
     if tokens_per_step is None and seqs_per_step is None:
@@ -165,6 +166,7 @@ def plan(
     cfg = SamplerConfig(tokens_per_step=tokens_per_step, seqs_per_step=seqs_per_step, shuffle=not no_shuffle,
                         seed=seed, max_seq_len=max_seq_len, overflow=overflow)
     ctx.max_seq_len = run_max_seq_len(ds, cfg)
+    check_positions(model, ctx.max_seq_len)  # an hf:DIR model's max_position_embeddings
     # the steps are drawn again for each pass (the sampler is deterministic and cheap): checking
     # every step before any work, then planning and writing one step at a time, keeps a single
     # step's sequences and plan in memory however many steps the plan file holds

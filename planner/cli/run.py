@@ -32,6 +32,7 @@ def run(ctx: typer.Context, **values: Any) -> None:
     from zeppelin.planner.sim.report import count_lines
     from zeppelin.runtime.launch import torchrun_argv  # torch-free module top
     from zeppelin.runtime.lifecycle import run_owned
+    from zeppelin.schemas.common import check_input_file, check_output
     from zeppelin.schemas.plan import PlanReader, check_embedded_specs
 
     cfg = RunConfig(**{s.name: values.pop(s.name) for s in flag_specs(RunConfig)})  # checks every option
@@ -59,12 +60,28 @@ def run(ctx: typer.Context, **values: Any) -> None:
         raise InputError(f"the plan spans {nnodes} machines: pass --master-addr (and --node-rank) or "
                          f"--rdzv-endpoint on each of them, or run a local-cpu plan on one machine")
     cfg.check_plan(header)
-    cfg.check_export_dir()
     report_json = None if launch.report_json is None else Path(launch.report_json)
     if report_json is not None and report_json.is_dir():
         raise InputError("--report-json is a directory", source=report_json)
     metrics_path = cfg.metrics_path
-    _check_outputs(plan, cfg.model, cfg.data, metrics_path, report_json)
+    if cfg.data is not None and os.path.lexists(cfg.data) and not os.path.isdir(cfg.data):
+        check_input_file(cfg.data, "manifest")  # a device or FIFO is refused here, before any rank reads it
+    if cfg.checkpoint_dir is not None:  # the checkpoint directory and the checkpoint to resume, read-only
+        from zeppelin.runtime.checkpoint import plan_hash
+        from zeppelin.runtime.lifecycle import inspect_checkpoint_dir, resume_point
+
+        inspect_checkpoint_dir(cfg.checkpoint_dir)
+        if cfg.resume and os.path.isdir(cfg.checkpoint_dir):
+            hp = {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "seed": header.seed if cfg.seed is None else cfg.seed}
+            resume_point(cfg.checkpoint_dir, plan_hash=plan_hash(header), world_size=header.world_size,
+                         end=header.num_steps if cfg.steps is None else cfg.steps, hparams=hp)
+    # every file the ranks will read (plan, model files, manifest, shards, tokenizer) against every output
+    inputs = cfg.check_inputs(reader, header.num_steps if cfg.steps is None else cfg.steps)
+    if report_json is not None:
+        check_output(report_json, [*inputs, metrics_path], "output")
+        cfg.check_outside_checkpoint_dir(report_json, "--report-json")
+        if same_path(report_json, metrics_path):
+            raise InputError("--report-json and the metrics file are the same file", source=report_json)
     report = launch.report
     if report and nnodes > 1 and launch.node_rank not in (None, 0):
         report = False  # rank 0 (node 0) writes the metrics; the other nodes have nothing to report
@@ -80,9 +97,12 @@ def run(ctx: typer.Context, **values: Any) -> None:
     cmd = [sys.executable, "-m", "zeppelin.runtime.launch", *trargs, "-m", "zeppelin.runtime", *cfg.to_argv()]
     # the launcher leads a process group this command owns: signals here stop every rank, and no
     # process of the job outlives the command (zeppelin.runtime.lifecycle)
-    rc = run_owned(cmd, env, grace_s=min(cfg.timeout_s, 10.0) + 2.0)
+    rc = run_owned(cmd, env, grace_s=min(cfg.timeout_s, 10.0) + 2.0, stall_s=cfg.timeout_s)
     if rc == 0 and report:
-        _report(plan, metrics_path, skip, cfg.tp_overlap, report_json)
+        if cfg.resume and count_lines(metrics_path) <= skip:  # resumed at the end: no step ran, nothing to compare
+            print("zeppelin run: --report: no step ran (the checkpoint is at the end of the run); nothing to report")
+        else:
+            _report(plan, metrics_path, skip, cfg.tp_overlap, report_json)
     raise SystemExit(rc)
 
 
@@ -114,21 +134,6 @@ def _check_model(ref: str, header) -> None:
         if given.get(key) != planned[key]:
             raise InputError(f"--model {ref} does not match the plan: {key} is {given.get(key)!r} here, "
                              f"{planned[key]!r} in the plan's model {header.model.name!r}")
-
-
-def _check_outputs(plan: Path, model: str | None, data: str | None, metrics: Path, report_json: Path | None) -> None:
-    """The metrics and report files may not be (the same file as) an input, a device or a FIFO."""
-    from zeppelin.planner.core.inputs import check_path_writable, input_refs
-    from zeppelin.schemas.common import check_input_file
-
-    inputs = [plan, data, *input_refs(model)]
-    if data is not None and os.path.lexists(data) and not os.path.isdir(data):
-        check_input_file(data, "manifest")  # a device or FIFO is refused here, before any rank reads it
-    check_path_writable(metrics, inputs)
-    if report_json is not None:
-        check_path_writable(report_json, inputs + [metrics])
-        if same_path(report_json, metrics):
-            raise InputError("--report-json and the metrics file are the same file", source=report_json)
 
 
 def same_path(a: Path, b: Path) -> bool:

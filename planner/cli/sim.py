@@ -51,9 +51,11 @@ def simulate(
         from zeppelin.planner.core.inputs import check_path_writable
 
         check_path_writable(output, [plan])
-    from zeppelin.schemas.plan import PlanReader
+    from zeppelin.schemas.plan import PlanReader, check_embedded_specs
 
     reader = PlanReader(plan)
+    reader.verify()  # the digest first: an edited plan is "edited", whatever its edit
+    check_embedded_specs(reader)  # the simulator prices the embedded cluster, model and profile
     header = reader.header
     sim = Simulator(context_from_header(header))
     results, counts = [], []
@@ -102,7 +104,7 @@ def show(
     without routing, remap volume; `--png` draws the simulated step."""
     from zeppelin.planner.tools.show import draw_png, render_step
     from zeppelin.planner.tools.tables import console as make_console
-    from zeppelin.schemas.plan import PlanReader
+    from zeppelin.schemas.plan import PlanReader, check_embedded_specs
 
     if step < 0:
         raise InputError(f"--step must be >= 0 (got {step})")
@@ -113,6 +115,8 @@ def show(
 
         check_path_writable(png, [plan])
     reader = PlanReader(plan)
+    reader.verify()
+    check_embedded_specs(reader)
     h = reader.header
     con = make_console()
     con.print(f"plan [bold]{plan}[/bold]: planner {h.planner}, {h.cluster.name} ({h.cluster.num_nodes} nodes x "

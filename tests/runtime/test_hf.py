@@ -110,7 +110,7 @@ def test_planner_prices_the_qkv_remap(hf_dirs):
     ({"head_dim": 32}, "head_dim 32 x 4 heads != hidden_size 64: the runtime needs head_dim = hidden_size / "
                        "num_attention_heads"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported (SwiGLU with silu only)"),
-    ({"num_hidden_layers": 0}, "config.json needs a positive integer 'num_hidden_layers' (got 0)"),
+    ({"num_hidden_layers": 0}, "config.json: num_hidden_layers must be an integer from 1 to 16,384 (got 0)"),
 ])
 def test_bad_configs_refused(hf_dirs, tmp_path, edit, message):
     c = json.loads((hf_dirs["llama"] / "config.json").read_text())
@@ -132,8 +132,12 @@ def test_missing_dir_and_config(tmp_path):
 
 def test_plan_cli_reads_hf_dir(hf_dirs, tmp_path):
     out = tmp_path / "p.jsonl"
-    p = subprocess.run([ZEPPELIN, "plan", "--cluster", "local-cpu:1x2", "--model", f"hf:{hf_dirs['llama']}",
-                        "--steps", "1", "--seqs-per-step", "4", "-q", "-o", str(out)], capture_output=True, text=True)
+    argv = [ZEPPELIN, "plan", "--cluster", "local-cpu:1x2", "--model", f"hf:{hf_dirs['llama']}", "--steps", "1",
+            "--seqs-per-step", "4", "-q", "-o", str(out)]
+    p = subprocess.run(argv, capture_output=True, text=True)
+    # the built-in dataset's longest sequences exceed the config's 4,096 positions: refused, unless cut
+    assert p.returncode == 2 and p.stderr.endswith("max_position_embeddings 4,096 (config.json)\n"), p.stderr
+    p = subprocess.run([*argv, "--max-seq-len", "4096"], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     header = json.loads(out.read_text().splitlines()[0])
     spec = hf_model_spec(f"hf:{hf_dirs['llama']}")

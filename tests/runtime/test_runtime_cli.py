@@ -114,14 +114,14 @@ def test_truncated_plan_line_reported_with_step(small_plan, tmp_path):
 
 def test_killed_rank_fails_the_job_quickly(small_plan, tmp_path):
     p, dt = _run([small_plan, "--metrics", tmp_path / "m.jsonl", "--timeout", "60"],
-                 env_extra={"ZEPPELIN_FAULT": "1:1:exit"})
+                 env_extra={"ZEPPELIN_TEST_FAULT": "1:1:exit"})
     assert p.returncode == 1
     assert "zeppelin: error: job failed: rank 1 exited with code 3 without an error message" in p.stderr, p.stderr
     assert dt < 60
 
 
 def test_raising_rank_reports_its_error(small_plan, tmp_path):
-    p, _ = _run([small_plan, "--metrics", tmp_path / "m.jsonl"], env_extra={"ZEPPELIN_FAULT": "0:0:raise"})
+    p, _ = _run([small_plan, "--metrics", tmp_path / "m.jsonl"], env_extra={"ZEPPELIN_TEST_FAULT": "0:0:raise"})
     assert p.returncode == 1
     assert "zeppelin: error: job failed: rank 0: RuntimeError: injected fault at step 0" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr

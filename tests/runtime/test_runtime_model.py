@@ -207,5 +207,5 @@ def test_checkpoint_roundtrip_and_plan_mismatch(tmp_path):
         read_checkpoint_state(path, plan_hash="sha256:aaaa", world_size=4)
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "state.json").write_bytes(b"not a checkpoint")
-    with pytest.raises(InputError, match=r"state\.json: cannot read checkpoint state"):
+    with pytest.raises(InputError, match=r"state\.json: checkpoint state: malformed JSON at line 1 column 1"):
         read_checkpoint_state(tmp_path / "junk", plan_hash="x", world_size=1)
