@@ -338,7 +338,7 @@ def _stage_plan(ctx: DemoContext) -> None:
         con.print("no picture: zeppelin or te-cp could not plan these steps")
         return
     draw_demo_png(timelines, speedups, "te-cp",
-                  f"step 0 per GPU (one layer per micro-batch), and the speedup over te-cp of every planner - "
+                  f"step 0 per GPU (the whole step), and the speedup over te-cp of every planner - "
                   f"{ctx.cluster.name}, {ctx.cluster.world_size} GPUs, {ctx.model.name}", ctx.png, spreads=spreads)
     ctx.results["png"] = str(ctx.png)
     con.print(f"wrote {ctx.png} (per-GPU timeline of step 0: zeppelin vs te-cp; speedup bars)")
