@@ -282,10 +282,14 @@ def _named_options(planner: str, given: list[str]) -> dict:
 
 def validate(
     plan_path: Path = typer.Argument(..., metavar="PLAN", help="plan file"),
-    cluster: str | None = typer.Option(None, "--cluster", help="check the plan was made for this cluster"),
+    cluster: str | None = typer.Option(None, "--cluster", "-c", help="check the plan was made for this cluster"),
     model: str | None = typer.Option(None, "--model", help="check the plan was made for this model"),
     profile: str | None = typer.Option(None, "--profile", help="check the plan was made with this profile"),
-    manifest: str | None = typer.Option(None, "--manifest", help="check the plan was made from this manifest"),
+    manifest: str | None = typer.Option(None, "--manifest", "-m", help="check the plan was made from this manifest"),
+    length_field: str | None = common.length_field_option(),
+    ids_field: str | None = common.ids_field_option(),
+    text_field: str | None = common.text_field_option(),
+    tokenizer: str | None = common.tokenizer_option(),
     limit: int = typer.Option(10, "--limit", help="problems to print at most"),
 ) -> None:
     """Check a plan's invariants (coverage, memory, routes, ring order, input hashes).
@@ -304,9 +308,7 @@ def validate(
         pf = load_doc(CostProfile, profile)
     ds = None
     if manifest:
-        from zeppelin.schemas.datasets import load_manifest
-
-        ds = load_manifest(manifest)
+        ds = common.load_dataset(manifest, length_field, ids_field, text_field, tokenizer)
     probs = validate_plan(plan_path, cluster=cl, model=md, profile=pf, manifest=ds, limit=max(limit, 1))
     if probs:
         typer.echo(f"{plan_path}: INVALID ({len(probs)}{'+' if len(probs) >= limit else ''} problem"

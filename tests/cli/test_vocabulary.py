@@ -1,0 +1,153 @@
+"""One vocabulary of flags: the same long and short names for the same thing in every command, one
+default token budget, the manifest field flags on every command that reads a manifest, and the
+spellings of the previous release still working with one note each."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from zeppelin.planner.cli import main
+from zeppelin.planner.cli.common import DEPRECATED
+
+#: parameter name -> the option names it has wherever it appears
+VOCABULARY = {
+    "manifest": ["--manifest", "-m"], "cluster": ["--cluster", "-c"], "model": ["--model"],
+    "tokens_per_step": ["--tokens-per-step"], "max_seq_len": ["--max-seq-len"], "steps": ["--steps"],
+    "seed": ["--seed"], "profile": ["--profile"], "time_limit": ["--time-limit"], "output": ["--output", "-o"],
+    "json_out": ["--json"], "as_json": ["--json"], "length_field": ["--length-field"], "ids_field": ["--ids-field"],
+    "text_field": ["--text-field"], "tokenizer": ["--tokenizer"],
+}
+COMMANDS = ("plan", "compare", "demo", "simulate", "show", "data stats", "validate")
+READS_MANIFEST = ("plan", "compare", "demo", "data stats", "validate")
+FIELD_FLAGS = ("length_field", "ids_field", "text_field", "tokenizer")
+SMALL = ["-c", "local-cpu:2x2", "--model", "tiny", "--tokens-per-step", "16384", "--max-seq-len", "4096",
+         "--steps", "1", "--seed", "1"]
+
+
+def _surface():
+    from tests.cli.test_cli_surface import surface
+
+    return {k.removeprefix("zeppelin "): v for k, v in surface().items()}
+
+
+def _old_names() -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for (cmd, old) in DEPRECATED:
+        out.setdefault(cmd, set()).add(old.split()[0])
+    return out
+
+
+def test_every_command_spells_a_shared_option_the_same_way():
+    surf, old = _surface(), _old_names()
+    problems = []
+    for cmd in COMMANDS:
+        for p in surf[cmd]:
+            names = [n for n in p["names"] if n not in old.get(cmd, set()) or p["name"] in VOCABULARY]
+            if p["name"] in VOCABULARY and sorted(names) != sorted(VOCABULARY[p["name"]]):
+                problems.append(f"{cmd} {p['name']}: {names}, the vocabulary says {VOCABULARY[p['name']]}")
+            # a shared short or long name never means something else
+            for n in p["names"]:
+                owner = [k for k, v in VOCABULARY.items() if n in v]
+                if owner and p["name"] not in owner and n not in old.get(cmd, set()):
+                    problems.append(f"{cmd}: {n} is {p['name']}, the vocabulary gives it to {owner[0]}")
+    for cmd in READS_MANIFEST:
+        have = {p["name"] for p in surf[cmd]}
+        problems += [f"{cmd} reads a manifest but has no {f}" for f in FIELD_FLAGS if f not in have]
+    assert not problems, "\n".join(problems)
+
+
+def _run(argv, capsys) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
+def test_the_six_commands_take_the_shared_flags(tmp_path, capsys):
+    from zeppelin.schemas.datasets import default_manifest_path
+
+    sample = str(default_manifest_path())
+    plan, sim_json, stats_json = tmp_path / "p.plan", tmp_path / "s.json", tmp_path / "d.json"
+    code, out, err = _run(["plan", "-m", sample, *SMALL, "-o", str(plan), "--time-limit", "30", "--json"], capsys)
+    assert code == 0, err
+    planned = json.loads(out)
+    assert planned["tokens_per_step"] == 16384 and planned["steps"] == 1
+    code, out, err = _run(["simulate", str(plan), "--json", "-o", str(sim_json)], capsys)
+    assert code == 0 and json.loads(sim_json.read_text())["steps"][0]["step"] == 0
+    code, out, err = _run(["show", str(plan), "--step", "0"], capsys)
+    assert code == 0 and "step 0" in out
+    code, out, err = _run(["compare", *SMALL, "-m", "mixed", "--time-limit", "30", "--planners", "te-cp,zeppelin",
+                           "-j", "1", "--json"], capsys)
+    assert code == 0 and json.loads(out)["tokens_per_step"] == 16384
+    assert "verdict: zeppelin" in err  # the table and the verdict still reach the terminal
+    code, out, err = _run(["demo", "-m", sample, *SMALL, "--time-limit", "30", "--stages", "plan", "--planners", "te-cp,zeppelin",
+                           "--png", str(tmp_path / "d.png"), "-j", "1", "--json"], capsys)
+    assert code == 0 and json.loads(out)["comparison"]["verdict"]["rows"][0]["baseline"] == "te-cp"
+    code, out, err = _run(["data", "stats", "-m", sample, "--json", "-o", str(stats_json)], capsys)
+    assert code == 0 and json.loads(stats_json.read_text())["num_samples"] > 0
+
+
+def test_one_default_token_budget(tmp_path, capsys):
+    """Without --tokens-per-step, plan, compare and demo sample steps of the same size."""
+    from zeppelin.planner.cli.common import default_tokens_per_step
+    from zeppelin.planner.core.inputs import resolve_cluster, resolve_model, resolve_profile
+    from zeppelin.planner.costmodel.context import PlanContext
+
+    cl = resolve_cluster("local-cpu:2x2")
+    ctx = PlanContext(cl, resolve_model("tiny"), resolve_profile(None, cl))
+    want = default_tokens_per_step(ctx.cost.token_capacity, ctx.num_units)
+    base = ["-c", "local-cpu:2x2", "--model", "tiny", "--steps", "1", "--max-seq-len", "2048"]
+    code, out, err = _run(["plan", *base, "-o", str(tmp_path / "p.plan"), "--json"], capsys)
+    assert code == 0 and json.loads(out)["tokens_per_step"] == want
+    code, out, err = _run(["compare", *base, "--planners", "packed-dp,zeppelin", "-j", "1", "--json"], capsys)
+    assert code == 0 and json.loads(out)["tokens_per_step"] == want
+    code, out, err = _run(["demo", *base, "--stages", "cost", "--json"], capsys)
+    assert code == 0 and f"tokens_per_step={want:,}" in err
+
+
+def test_deprecated_spellings_work_with_one_note_each(tmp_path, capsys):
+    new = ["compare", "-c", "local-cpu:2x2", "--model", "tiny", "-m", "mixed", "--steps", "2",
+           "--tokens-per-step", "16384", "--time-limit", "30", "--planners", "te-cp,zeppelin", "-j", "1", "--json"]
+    old = ["compare", "-c", "local-cpu:2x2", "-m", "tiny", "-d", "mixed", "-n", "2", "--tokens-per-gpu", "4096",
+           "--solver-time-limit", "30", "--planners", "te-cp,zeppelin", "-j", "1", "--json"]
+    code, out_new, err_new = _run(new, capsys)
+    assert code == 0 and "note:" not in err_new
+    code, out_old, err_old = _run(old, capsys)
+    assert code == 0
+    notes = [ln for ln in err_old.splitlines() if ln.startswith("zeppelin: note:")]
+    assert notes == [
+        "zeppelin: note: `compare -m MODEL` is deprecated and goes in the next release; use --model MODEL",
+        "zeppelin: note: `compare --dataset` is deprecated and goes in the next release; use -m/--manifest",
+        "zeppelin: note: `compare -n` is deprecated and goes in the next release; use --steps",
+        "zeppelin: note: `compare --solver-time-limit` is deprecated and goes in the next release; use --time-limit",
+        "zeppelin: note: `compare --tokens-per-gpu` is deprecated and goes in the next release; use "
+        "--tokens-per-step"]
+    a, b = json.loads(out_new), json.loads(out_old)
+    assert [s["step_times_s"] for s in a["planners"]] == [s["step_times_s"] for s in b["planners"]]
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text('{"ids": [1, 2, 3]}\n{"ids": [4]}\n')
+    code, out, err = _run(["data", "stats", str(ids), "--tokens-field", "ids", "--json"], capsys)
+    assert code == 0 and json.loads(out)["num_tokens"] == 4
+    assert err == ("zeppelin: note: `data stats --tokens-field` is deprecated and goes in the next release; use "
+                   "--ids-field\n")
+
+
+def test_field_flags_and_the_missing_column_error_names_the_flag(tmp_path, capsys):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"doc_id": list(range(400)), "num_tokens": [64 + 37 * (i % 50) for i in range(400)]}),
+                   path)
+    base = ["-c", "local-cpu:2x2", "--model", "tiny", "--steps", "1", "--tokens-per-step", "16384"]
+    for argv in (["compare", *base, "-m", str(path), "--planners", "te-cp,zeppelin", "-j", "1"],
+                 ["plan", *base, "-m", str(path), "-o", str(tmp_path / "p.plan")],
+                 ["demo", *base, "-m", str(path), "--stages", "data"],
+                 ["data", "stats", str(path)]):
+        code, out, err = _run(argv, capsys)
+        assert (code, err) == (2, f"zeppelin: error: {path}: column 'length' not found (columns: doc_id, "
+                                  f"num_tokens); name the column to use with --length-field NAME\n"), argv
+        code, out, err = _run([*argv, "--length-field", "num_tokens"], capsys)
+        assert code == 0, (argv, err)
