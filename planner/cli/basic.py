@@ -12,7 +12,7 @@ import typer
 from zeppelin.planner.cli import common
 from zeppelin.schemas.common import MAX_SEED, MAX_TOKENS, InputError, atomic_write_text, check_float, check_int
 
-SCHEMAS = ("cluster", "model", "manifest", "profile", "plan", "step")
+SCHEMAS = ("cluster", "model", "manifest", "profile", "plan", "step", "case")
 
 
 def _schema_cls(name: str):
@@ -22,12 +22,17 @@ def _schema_cls(name: str):
     from zeppelin.schemas.plan import PlanHeader, StepPlan
     from zeppelin.schemas.profile import CostProfile
 
+    if name == "case":  # a `zeppelin check` case (planner/tools/check.py)
+        from zeppelin.planner.tools.check import CheckCase
+
+        return CheckCase
     return {"cluster": ClusterSpec, "model": ModelSpec, "manifest": ManifestSpec, "profile": CostProfile,
             "plan": PlanHeader, "step": StepPlan}[name]
 
 
 def schema(
-    name: str = typer.Argument(..., help=f"one of: {', '.join(SCHEMAS)} (plan = the header record, step = a step record)"),
+    name: str = typer.Argument(..., help=f"one of: {', '.join(SCHEMAS)} (plan = the header record, step = a step "
+                                         f"record, case = a `zeppelin check` case)"),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="write to this file instead of stdout"),
 ) -> None:
     """Print the JSON Schema of a zeppelin document."""

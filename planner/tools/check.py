@@ -274,7 +274,7 @@ def run_case(case: Case, update: bool = False, exact: bool = False) -> CaseResul
                     res.failures.append(
                         f"{case.name}: {s.planner} mean step time {res.new_mean_s * 1e3:.2f} ms is "
                         f"{res.change * 100:+.2f}% against the golden {res.golden_mean_s * 1e3:.2f} ms "
-                        f"(tolerance {s.tolerance * 100:g}%)")
+                        f"(tolerance {s.tolerance * 100:g}%); {_regression_detail(res, gh, header)}")
             # byte for byte: what --update would write against the golden file
             res.unchanged = golden_steps is not None and gh is not None and case.golden.read_bytes() == _plan_bytes(
                 header, plans)
@@ -303,6 +303,19 @@ def run_case(case: Case, update: bool = False, exact: bool = False) -> CaseResul
             res.written = True
             res.notes = [n for n in res.notes if "another cost profile" not in n]  # the new golden has this one
     return res
+
+
+def _regression_detail(res: CaseResult, golden_header, header) -> str:
+    """Which step got worst, by how much, and what differs from the golden's making."""
+    worst = max(range(len(res.new_times_s)), key=lambda k: res.new_times_s[k] / res.golden_times_s[k])
+    new, old = res.new_times_s[worst], res.golden_times_s[worst]
+    text = f"worst step {worst}: {old * 1e3:.2f} -> {new * 1e3:.2f} ms ({(new / old - 1) * 100:+.2f}%); "
+    was, now = golden_header.planner_options, header.planner_options
+    changed = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
+    if changed:
+        return text + "planner options changed: " + ", ".join(
+            f"{k} {was.get(k, 'default')} -> {now.get(k, 'default')}" for k in changed)
+    return text + "same inputs and options: the planner's code changed"
 
 
 def _stale(gh, header, golden_steps, plans) -> str:
