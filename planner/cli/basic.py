@@ -230,7 +230,8 @@ def _stage_cost(ctx: DemoContext) -> None:
         cols += [f"{g_inter}-GPU comp ms", "1 NIC comm ms", f"{n_nics} NICs comm ms"]
     legend = "green = hidden, red = exposed" if colour else "* = exposed (not hidden)"
     t = table("why tiers: per layer, a ring round's attention compute (comp) must hide its K/V transfer; "
-              f"{legend} (times at the bucket's lower edge)", [(c, "right") for c in cols])
+              f"{legend} (times at the bucket's lower edge)", [(c, "right") for c in cols],
+              drop=["% samples", f"{g_intra}-GPU extra %", "1 GPU ms", "% tokens", *reversed(cols[4:])])
     for k in range(lo, hi + 1):
         L = float(1 << k)
         in_b = (lens >= (1 << k)) & (lens < (1 << (k + 1))) if k > lo else lens < (1 << (k + 1))

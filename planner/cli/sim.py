@@ -95,7 +95,8 @@ def simulate(
 def show(
     plan: Path = typer.Argument(..., help="plan file"),
     step: int = typer.Option(0, "--step", "-s", help="step to show"),
-    all_steps: bool = typer.Option(False, "--all", help="show every step (text only)"),
+    all_steps: bool = typer.Option(False, "--all", help="show every step in full: each group, unit and NIC (by "
+                                                        "default one step is summarised in one screen)"),
     png: Path | None = typer.Option(None, "--png", help="write a per-unit Gantt timeline of the simulated "
                                                            "step and a heat-map of unit loads to this PNG"),
 ) -> None:
@@ -125,7 +126,7 @@ def show(
     steps = list(reader) if all_steps else [reader.step(step)]
     total = PlanSummary()
     for st in steps:
-        total.add(render_step(h, st, con, sim))
+        total.add(render_step(h, st, con, sim, full=all_steps))
     if all_steps:
         con.print(f"[bold]all {len(steps)} steps[/bold]:")
         for line in summary_lines(total):

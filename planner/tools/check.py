@@ -483,7 +483,8 @@ def render(report: CheckReport, update: bool):
 
     t = table("zeppelin check" + (" --update" if update else ""),
               [(c, "left" if c in ("case", "planner", "status") else "right")
-               for c in ("case", "planner", "golden ms", "now ms", "change", "tol", "plan ms", "status")])
+               for c in ("case", "planner", "golden ms", "now ms", "change", "tol", "plan ms", "status")],
+              drop=["plan ms", "tol", "planner", "golden ms", "now ms"])
     for r in report.results:
         g = f"{r.golden_mean_s * 1e3:.2f}" if r.golden_mean_s is not None else "-"
         n = f"{r.new_mean_s * 1e3:.2f}" if r.new_mean_s is not None else "-"

@@ -72,13 +72,12 @@ def _seqs_text(seqs: list[tuple[int, int]], limit: int = 8) -> str:
     return txt
 
 
-def render_step(header: PlanHeader, step: StepPlan, console, sim=None):
+def render_step(header: PlanHeader, step: StepPlan, console, sim=None, full: bool = False):
     """Print the step: groups by tier, the step's counts (:mod:`zeppelin.planner.sim.summary`), per-unit
     load bars, NIC loads with and without routing (the simulator's flows), remap volume.
-    ``sim``: a :class:`Simulator` for the plan (reused across steps). Returns the step's
-    :class:`~zeppelin.planner.sim.summary.PlanSummary`."""
-    from rich.text import Text
-
+    ``sim``: a :class:`Simulator` for the plan (reused across steps). ``full``: every group and unit
+    (else one screen: local groups summed per micro-batch, the most and least loaded units). Returns
+    the step's :class:`~zeppelin.planner.sim.summary.PlanSummary`."""
     from zeppelin.planner.sim.summary import step_summary, summary_lines, unit_nodes
     from zeppelin.planner.tools.tables import table
 
@@ -97,30 +96,20 @@ def render_step(header: PlanHeader, step: StepPlan, console, sim=None):
         msg += f" (x{pred.step_time_s / pred.lower_bound_s:.2f})"
     console.print(msg)
 
-    t = table("groups by tier", [(c, "left" if c.startswith("seq") else "right")
-                                 for c in ("mb", "tier", "kind", "units", "seqs", "tokens", "sequences (#index:length)")])
-    for r in group_rows(step, unit_nodes(sim.ctx, step)):
-        t.add_row(str(r["microbatch"]), r["tier"], r["kind"], _units_text(r["units"]), str(len(r["sequences"])),
-                  str(r["tokens"]), _seqs_text(r["sequences"]))
+    groups = group_rows(step, unit_nodes(sim.ctx, step))
+    if not full:
+        groups = summarised_groups(groups)
+    t = table("groups by tier" + ("" if full else " (local groups summed per micro-batch; --all lists each)"),
+              [(c, "left" if c.startswith("seq") else "right")
+               for c in ("mb", "tier", "kind", "units", "seqs", "tokens", "sequences (#index:length)")])
+    for r in groups:
+        t.add_row(str(r["microbatch"]), r["tier"], r["kind"], r.get("units_text") or _units_text(r["units"]),
+                  str(r.get("count", len(r["sequences"]))), str(r["tokens"]),
+                  r.get("seqs_text") or _seqs_text(r["sequences"]))
     console.print(t)
     for line in summary_lines(counts):
         console.print(line, highlight=False)
-
-    rows = load_rows(pred)
-    tmax = max((r[4] for r in rows), default=0.0) or 1.0
-    lt = table("per-unit predicted load (█ attention, ▓ linear, ░ exposed comm)",
-               [(c, "left" if c == "load" else "right") for c in ("unit", "tokens", "total ms", "load")])
-    for u, a, li, ex, tot, tok in rows:
-        bar = Text()
-        na = round(a / tmax * _BAR)
-        nl = round((a + li) / tmax * _BAR) - na
-        ne = round(tot / tmax * _BAR) - na - nl
-        bar.append("█" * na, style="cyan")
-        bar.append("▓" * max(nl, 0), style="green")
-        bar.append("░" * max(ne, 0), style="red")
-        lt.add_row(str(u), str(tok), f"{tot * 1e3:.2f}", bar)
-    console.print(lt)
-
+    console.print(load_table(pred, full))
     routed = counts.nic_bytes()
     if routed:
         # the same step with every transfer on its ranks' own NICs: what routing saves
@@ -132,7 +121,11 @@ def render_step(header: PlanHeader, step: StepPlan, console, sim=None):
                 unrouted[k] += b
         nt = table("NIC load per step (GB sent + received)",
                    [(c, "right") for c in ("NIC", "with routing", "without routing")])
-        for k in sorted(set(routed) | set(unrouted)):
+        nics = sorted(set(routed) | set(unrouted))
+        if not full and len(nics) > 8:  # one screen: the busiest (with routing) first
+            nics = sorted(nics, key=lambda k: -routed.get(k, 0.0))[:8]
+            nt.title += f": the 8 busiest of {len(set(routed) | set(unrouted))} (--all: each)"
+        for k in nics:
             nt.add_row(k, f"{routed.get(k, 0.0) / 1e9:.3f}", f"{unrouted.get(k, 0.0) / 1e9:.3f}")
         r_max = max(routed.values(), default=0.0)
         u_max = max(unrouted.values(), default=0.0)
@@ -140,15 +133,68 @@ def render_step(header: PlanHeader, step: StepPlan, console, sim=None):
         console.print(nt)
     else:
         console.print("NIC load: no inter-node traffic in this step")
+    remaps = []
     for mbi, mb in enumerate(step.microbatches):
         rm = mb.remap
         if rm.enabled or mb.linear_layout is not None:
             extra = f", predicted saving {rm.predicted_saving_s * 1e3:.2f} ms" if rm.predicted_saving_s else ""
-            console.print(f"remap (micro-batch {mbi}): {rm.tokens_moved} tokens moved, {rm.tokens_moved_inter} "
+            remaps.append(f"remap (micro-batch {mbi}): {rm.tokens_moved} tokens moved, {rm.tokens_moved_inter} "
                           f"across nodes{extra}" + (f" - {rm.reason}" if rm.reason else ""))
-        else:
-            console.print(f"remap (micro-batch {mbi}): off" + (f" - {rm.reason}" if rm.reason else ""))
+        elif full:
+            remaps.append(f"remap (micro-batch {mbi}): off" + (f" - {rm.reason}" if rm.reason else ""))
+    if not full and not remaps:
+        remaps.append(f"remap: off in all {len(step.microbatches)} micro-batch(es)")
+    for line in remaps:
+        console.print(line, highlight=False)
     return counts
+
+
+def summarised_groups(rows: list[dict]) -> list[dict]:
+    """:func:`group_rows` for one screen: the split groups as they are, the local ones of a micro-batch
+    summed in one row (units, sequences, tokens, length range)."""
+    out: list[dict] = []
+    local: dict[int, list[dict]] = defaultdict(list)
+    for r in rows:
+        (local[r["microbatch"]].append(r) if r["kind"] == "local" else out.append(r))
+    for mbi, rs in local.items():
+        lens = [n for r in rs for _, n in r["sequences"]]
+        out.append({"microbatch": mbi, "group": -1, "tier": "local", "kind": "local", "units": [],
+                    "units_text": f"{len(rs)} units", "count": len(lens), "sequences": [],
+                    "tokens": sum(r["tokens"] for r in rs), "seqs_text": f"lengths {min(lens)}-{max(lens)}"})
+    order = {"inter": 0, "intra": 1, "local": 2}
+    out.sort(key=lambda r: (r["microbatch"], order.get(r["tier"], 3), r["group"]))
+    return out
+
+
+def load_table(pred: Prediction, full: bool = False, top: int = 4):
+    """Per-unit predicted load bars: every unit with ``full`` or up to 16 units, else the ``top`` most
+    and least loaded (with the spread of the rest in the caption)."""
+    from rich.text import Text
+
+    from zeppelin.planner.tools.tables import table
+
+    rows = load_rows(pred)
+    tmax = max((r[4] for r in rows), default=0.0) or 1.0
+    shown = rows
+    if not full and len(rows) > 16:
+        by = sorted(rows, key=lambda r: -r[4])
+        shown = by[:top] + by[-top:]
+    lt = table("per-unit predicted load (█ attention, ▓ linear, ░ exposed comm)"
+               + ("" if shown is rows else f": the {top} most and least loaded of {len(rows)} units (--all: each)"),
+               [(c, "left" if c == "load" else "right") for c in ("unit", "tokens", "total ms", "load")])
+    for u, a, li, ex, tot, tok in shown:
+        bar = Text()
+        na = round(a / tmax * _BAR)
+        nl = round((a + li) / tmax * _BAR) - na
+        ne = round(tot / tmax * _BAR) - na - nl
+        bar.append("█" * na, style="cyan")
+        bar.append("▓" * max(nl, 0), style="green")
+        bar.append("░" * max(ne, 0), style="red")
+        lt.add_row(str(u), str(tok), f"{tot * 1e3:.2f}", bar)
+    if rows:
+        tot = [r[4] for r in rows]
+        lt.caption = f"all {len(rows)} units: {min(tot) * 1e3:.2f}-{max(tot) * 1e3:.2f} ms"
+    return lt
 
 
 _COLORS = {"attention": "#1f77b4", "linear": "#2ca02c", "ring-intra": "#ff7f0e", "ring-inter": "#d62728",
