@@ -121,33 +121,5 @@ def tokenizer_option() -> Any:
                                                   "tokenizer.json (file or directory)")
 
 
-# ------------------------------------------------------------------ reading a manifest
-_FIELD_FLAG = {"length": "--length-field", "tokens": "--ids-field", "text": "--text-field"}
-
-
-def load_dataset(manifest: str | None, length_field: str | None = None, ids_field: str | None = None,
-                 text_field: str | None = None, tokenizer: str | Any = None):
-    """The manifest named on the command line (the shipped sample when none), its fields overridden by
-    the field flags. An error about a missing field names the flag that picks another one."""
-    from zeppelin.schemas.datasets import TOKENIZER_HINT, default_manifest_path, load_manifest
-
-    if text_field and not tokenizer:
-        raise InputError(f"--text-field needs --tokenizer ({TOKENIZER_HINT})")
-    if tokenizer and not text_field:
-        raise InputError("--tokenizer needs --text-field")
-    ref = manifest if manifest is not None else default_manifest_path()
-    try:
-        return load_manifest(ref, length_field=length_field, tokens_field=ids_field, text_field=text_field,
-                             tokenizer=tokenizer)
-    except InputError as e:
-        hint = _missing_field_hint(e.problem, ids_field, text_field)
-        if hint is None:
-            raise
-        raise InputError(e.problem + hint, source=e.source) from None
-
-
-def _missing_field_hint(problem: str, ids_field: str | None, text_field: str | None) -> str | None:
-    if not (problem.startswith(("column ", "field ")) and " not found" in problem):
-        return None
-    flag = "--ids-field" if ids_field else "--text-field" if text_field else "--length-field"
-    return f"; name the {'column' if problem.startswith('column') else 'field'} to use with {flag} NAME"
+# reading a manifest with the field flags (in planner.core, below the tools that read manifests too)
+from zeppelin.planner.core.inputs import load_dataset  # noqa: E402,F401

@@ -317,10 +317,17 @@ def render(report: dict[str, Any], console=None) -> None:
     """Print the per-step table and the error summary."""
     import numpy as np
 
-    from zeppelin.planner.tools.tables import console as make_console
-    from zeppelin.planner.tools.tables import table
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
 
-    con = console or make_console()
+    def table(title: str, headers: list[str]) -> Table:
+        t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+        for i, h in enumerate(headers):
+            t.add_column(h, justify="left" if i == 0 else "right")
+        return t
+
+    con = console or Console()
     t = table(f"measured vs predicted ({report['predictor']}): step time, ms, slowest rank",
               ["step", "measured", "predicted", "error", "plan estimate"])
     for r in report["steps"]:

@@ -60,7 +60,7 @@ def resolve_dataset(ref: str | None, length_field: str | None = None, ids_field:
                     text_field: str | None = None, tokenizer: str | None = None):
     """``short`` / ``mixed`` / ``long`` / ``longtail`` (or ``mix:NAME``), else a manifest path read
     with the field flags (``None``: the shipped sample)."""
-    from zeppelin.planner.cli.common import load_dataset
+    from zeppelin.planner.core.inputs import load_dataset
 
     key = (ref or "").removeprefix("mix:")
     if key in MIXES:
