@@ -122,4 +122,4 @@ def tokenizer_option() -> Any:
 
 
 # reading a manifest with the field flags (in planner.core, below the tools that read manifests too)
-from zeppelin.planner.core.inputs import load_dataset  # noqa: E402,F401
+from zeppelin.planner.core.inputs import load_dataset  # noqa: F401

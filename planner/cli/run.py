@@ -34,6 +34,9 @@ def run(ctx: typer.Context, **values: Any) -> None:
     from zeppelin.runtime.lifecycle import run_owned
     from zeppelin.schemas.plan import PlanReader, check_embedded_specs
 
+    from zeppelin.runtime.startup import T0_ENV
+
+    t0 = getattr(sys.modules.get("zeppelin.planner.cli"), "STARTED_AT", None)  # the ranks count from here
     cfg = RunConfig(**{s.name: values.pop(s.name) for s in flag_specs(RunConfig)})  # checks every option
     launch = LaunchConfig(**values)
     plan = Path(cfg.plan)
@@ -75,6 +78,11 @@ def run(ctx: typer.Context, **values: Any) -> None:
                            rdzv_backend=launch.rdzv_backend, rdzv_endpoint=launch.rdzv_endpoint,
                            rdzv_id=launch.rdzv_id, extra=list(ctx.args))
     env = dict(os.environ)
+    if t0 is not None:
+        env[T0_ENV] = repr(t0)
+    if cfg.progress != "none" and sys.stderr.isatty():
+        print(f"zeppelin run: starting {nproc_per_node * nnodes} ranks through torchrun ...", file=sys.stderr,
+              flush=True)
     if cfg.threads is None and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc_per_node))
     cmd = [sys.executable, "-m", "zeppelin.runtime.launch", *trargs, "-m", "zeppelin.runtime", *cfg.to_argv()]
