@@ -29,7 +29,6 @@ from zeppelin.schemas.common import InputError
 
 def run(ctx: typer.Context, **values: Any) -> None:
     """Execute a plan with torch (launched through torchrun): train, report metrics, verify."""
-    from zeppelin.planner.sim.report import count_lines
     from zeppelin.runtime.launch import torchrun_argv  # torch-free module top
     from zeppelin.runtime.lifecycle import run_owned
     from zeppelin.schemas.plan import PlanReader, check_embedded_specs
@@ -72,7 +71,12 @@ def run(ctx: typer.Context, **values: Any) -> None:
     if report and nnodes > 1 and launch.node_rank not in (None, 0):
         report = False  # rank 0 (node 0) writes the metrics; the other nodes have nothing to report
     # a resumed run appends to the metrics file: report only on the records this run adds
-    skip = count_lines(metrics_path) if (report and cfg.resume) else 0
+    skip = 0
+    if report and cfg.resume:
+        # (imported here: the simulator's modules and numpy are not on the path to the first step)
+        from zeppelin.planner.sim.report import count_lines
+
+        skip = count_lines(metrics_path)
     trargs = torchrun_argv(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=launch.node_rank,
                            master_addr=launch.master_addr, master_port=launch.master_port,
                            rdzv_backend=launch.rdzv_backend, rdzv_endpoint=launch.rdzv_endpoint,
