@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(s, _on_stop_signal)
     args = vars(build_parser().parse_args(argv))  # the options of RunConfig (zeppelin.runtime.config)
     rank = int(os.environ.get("RANK", "0"))
+    startup.one_line_warnings(rank)
     from .executor import VerifyError, run_job
 
     startup.mark("imports")

@@ -64,3 +64,22 @@ def write_trace(rank: int) -> None:
            "phases_s": phases()}
     with open(path, "w") as fh:
         json.dump(doc, fh)
+
+
+def one_line_warnings(rank: int) -> None:
+    """Library warnings (torch's FutureWarning, ...) as one line each, once per process and only from
+    rank 0, instead of a multi-line block between the step lines of every rank."""
+    import warnings
+
+    seen: set[tuple] = set()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        key = (category, str(message))
+        if rank != 0 or key in seen:
+            return
+        seen.add(key)
+        text = " ".join(str(message).split())
+        print(f"zeppelin run: library warning ({category.__name__}, {os.path.basename(filename)}:{lineno}): "
+              f"{text[:300]}", file=sys.stderr, flush=True)
+
+    warnings.showwarning = show
