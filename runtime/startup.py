@@ -62,8 +62,9 @@ def write_trace(rank: int) -> None:
     t0 = os.environ.get(T0_ENV)
     doc = {"t0": float(t0) if t0 else None, "marks": dict(_marks),
            "phases_s": phases()}
-    with open(path, "w") as fh:
-        json.dump(doc, fh)
+    from zeppelin.schemas.common import atomic_write_text
+
+    atomic_write_text(path, json.dumps(doc))
 
 
 def one_line_warnings(rank: int) -> None:

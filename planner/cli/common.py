@@ -14,8 +14,6 @@ from typing import Any
 
 import typer
 
-from zeppelin.schemas.common import InputError
-
 #: the default token budget of a step, in every command: what the cluster's activation memory holds
 #: at once (per-GPU token capacity after model states x data-parallel units)
 TOKENS_HELP = ("token budget of a step (default: what the cluster's activation memory holds at once - a GPU's "

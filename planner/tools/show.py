@@ -264,8 +264,9 @@ def gantt(ax, result: SimResult, title: str, legend: bool = True, xmax_ms: float
     handles = [Patch(color=_COLORS.get(c, "#7f7f7f"), label=c) for c in sorted(seen)]
     if handles and legend:
         # under the axis, never over the bars
-        ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=min(len(handles), 6),
-                  fontsize=7, frameon=False)
+        # (the pad, in font sizes, clears the tick labels and the axis title whatever the figure's height)
+        ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), borderaxespad=4.2,
+                  ncol=min(len(handles), 6), fontsize=7, frameon=False)
     return extent * 1e3
 
 

@@ -15,12 +15,14 @@ columns are left out (the last ones first, or those the table names), and the ca
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["FitTable", "console", "render_text", "simulate_step_tables", "simulate_summary_table", "table"]
+__all__ = ["console", "render_text", "simulate_step_tables", "simulate_summary_table", "table"]
 
 
+@functools.cache
 def _fit_table_class():
     from rich.table import Table
 

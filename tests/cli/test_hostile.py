@@ -721,7 +721,7 @@ USAGE = [
      "(see `zeppelin run --help`)"),
     ("unknown-command", ["bogus"], "No such command 'bogus'. (see `zeppelin --help`)"),
     ("data-unknown-command", ["data", "bogus"], "No such command 'bogus'. (see `zeppelin data --help`)"),
-    ("schema-unknown", ["schema", "nope"], "unknown schema 'nope' (known: cluster, model, manifest, profile, plan, step)"),
+    ("schema-unknown", ["schema", "nope"], "unknown schema 'nope' (known: cluster, model, manifest, profile, plan, step, case)"),
     ("validate-limit-not-int", ["validate", "p.jsonl", "--limit", "x"],
      "Invalid value for '--limit': Input should be a valid integer, unable to parse string as an integer "
      "(see `zeppelin validate --help`)"),

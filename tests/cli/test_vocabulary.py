@@ -107,7 +107,10 @@ def test_one_default_token_budget(tmp_path, capsys):
     assert code == 0 and f"tokens_per_step={want:,}" in err
 
 
-def test_deprecated_spellings_work_with_one_note_each(tmp_path, capsys):
+def test_deprecated_spellings_work_with_one_note_each(tmp_path, capsys, monkeypatch):
+    from zeppelin.planner.cli import common
+
+    monkeypatch.setattr(common, "_noted", set())  # once per process: this test's commands start afresh
     new = ["compare", "-c", "local-cpu:2x2", "--model", "tiny", "-m", "mixed", "--steps", "2",
            "--tokens-per-step", "16384", "--time-limit", "30", "--planners", "te-cp,zeppelin", "-j", "1", "--json"]
     old = ["compare", "-c", "local-cpu:2x2", "-m", "tiny", "-d", "mixed", "-n", "2", "--tokens-per-gpu", "4096",
@@ -151,3 +154,16 @@ def test_field_flags_and_the_missing_column_error_names_the_flag(tmp_path, capsy
                                   f"num_tokens); name the column to use with --length-field NAME\n"), argv
         code, out, err = _run([*argv, "--length-field", "num_tokens"], capsys)
         assert code == 0, (argv, err)
+
+
+def test_compare_reports_progress_on_stderr(capsys, monkeypatch):
+    """Past the quiet first seconds (here: none), progress lines on stderr; stdout keeps the JSON."""
+    from zeppelin.planner.tools import compare as cmp
+
+    monkeypatch.setattr(cmp.Progress, "QUIET_S", 0.0)
+    monkeypatch.setattr(cmp.time, "perf_counter", iter(range(0, 10_000, 10)).__next__)  # 10 s per call
+    code, out, err = _run(["compare", *SMALL, "-m", "mixed", "--planners", "te-cp,zeppelin", "-j", "1", "--json"],
+                          capsys)
+    assert code == 0 and json.loads(out)["steps"] == 1
+    lines = [ln for ln in err.splitlines() if ln.startswith("compare: ")]
+    assert lines[-1].startswith("compare: 2/2 (planner, step) pairs planned and simulated, last ")
