@@ -370,7 +370,8 @@ def render_table(doc: dict[str, Any], title: str):
                   f"{s['exposed_comm_s'] * 1e3:.1f}", f"{s['plan_latency_mean_s'] * 1e3:.0f}")
     lo, hi = SPREAD
     notes = [("mean, p90: simulated step time, ms; exposed: exposed communication, ms; plan: planning time per "
-              f"step, ms; vs: ratio of mean step times, below it p{lo}-p{hi} of the per-step ratios")]
+              f"step, ms; vs: ratio of mean step times, below it p{lo}-p{hi} of the per-step ratios; x LB: "
+              f"step time / lower bound (docs/CONCEPTS.md)")]
     if "te-cp-tuned" in refs:
         notes.append("tuned: te-cp-tuned")
     if failed:

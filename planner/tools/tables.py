@@ -172,7 +172,8 @@ def simulate_summary_table(header, results):
               f"({header.world_size} GPUs, tp={header.tp}), {header.model.name}",
               [(c, "right") for c in ("step", "sim ms", "pred ms", "LB ms", "xLB", "busy %", "exposed ms", "idle ms",
                                       "NIC busy %")],
-              caption="busy / exposed / idle: mean over units; NIC busy: the busiest NIC")
+              caption="busy / exposed / idle: mean over units; NIC busy: the busiest NIC; xLB: simulated step / "
+                      "lower bound (docs/CONCEPTS.md)")
     for r in results:
         busy = _np().mean([u.busy_s for u in r.units]) / r.step_time_s * 100 if r.step_time_s else 0.0
         t.add_row(
