@@ -5,6 +5,7 @@ spellings of the previous release still working with one note each."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -154,6 +155,12 @@ def test_field_flags_and_the_missing_column_error_names_the_flag(tmp_path, capsy
                                   f"num_tokens); name the column to use with --length-field NAME\n"), argv
         code, out, err = _run([*argv, "--length-field", "num_tokens"], capsys)
         assert code == 0, (argv, err)
+        if argv[0] == "compare":  # the verdict: te-cp's speedup with its p10-p90, as in the table
+            lines = out.splitlines()
+            z = next(i for i, ln in enumerate(lines) if ln.split()[:1] == ["zeppelin"])
+            v = next(ln.split() for ln in lines if ln.split()[2:4] == ["te-cp", "TransformerEngine"])
+            assert v[:2] == [lines[z].split()[3], lines[z + 1].split()[0]]
+            assert re.fullmatch(r"\d+\.\d\dx", v[0]) and re.fullmatch(r"\d+\.\d\d-\d+\.\d\d", v[1])
 
 
 def test_compare_reports_progress_on_stderr(capsys, monkeypatch):
