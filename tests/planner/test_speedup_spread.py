@@ -68,6 +68,9 @@ def test_compare_prints_each_speedup_with_the_spread_of_its_steps(tmp_path):
         v = next(r for r in doc["verdict"]["rows"] if r["baseline"] == ref)
         assert (v["speedup"], v["p10"], v["p90"]) == pytest.approx((mean, lo, hi))
     assert "TransformerEngine / Megatron CP" in " ".join(rows["te-cp"]) and "DeepSpeed-Ulysses" in lines[start + 3]
+    from zeppelin.planner.tools.compare import verdict_lines
+
+    assert all(len(ln) <= 80 for ln in verdict_lines(doc["verdict"]))  # never wrapped in a terminal
     where = doc["verdict"]["where"]["te-cp"]
     assert where["step_s"] == pytest.approx(where["lower_bound_s"] + where["exposed_comm_s"] + where["imbalance_s"])
     mean, lo, hi = _independent(doc, "zeppelin", "te-cp")
