@@ -10,53 +10,9 @@ import re
 import pytest
 
 from zeppelin.planner.cli import main
-from zeppelin.planner.cli.common import DEPRECATED
 
-#: parameter name -> the option names it has wherever it appears
-VOCABULARY = {
-    "manifest": ["--manifest", "-m"], "cluster": ["--cluster", "-c"], "model": ["--model"],
-    "tokens_per_step": ["--tokens-per-step"], "max_seq_len": ["--max-seq-len"], "steps": ["--steps"],
-    "seed": ["--seed"], "profile": ["--profile"], "time_limit": ["--time-limit"], "output": ["--output", "-o"],
-    "json_out": ["--json"], "as_json": ["--json"], "length_field": ["--length-field"], "ids_field": ["--ids-field"],
-    "text_field": ["--text-field"], "tokenizer": ["--tokenizer"],
-}
-COMMANDS = ("plan", "compare", "demo", "simulate", "show", "data stats", "validate")
-READS_MANIFEST = ("plan", "compare", "demo", "data stats", "validate")
-FIELD_FLAGS = ("length_field", "ids_field", "text_field", "tokenizer")
 SMALL = ["-c", "local-cpu:2x2", "--model", "tiny", "--tokens-per-step", "16384", "--max-seq-len", "4096",
          "--steps", "1", "--seed", "1"]
-
-
-def _surface():
-    from tests.cli.test_cli_surface import surface
-
-    return {k.removeprefix("zeppelin "): v for k, v in surface().items()}
-
-
-def _old_names() -> dict[str, set[str]]:
-    out: dict[str, set[str]] = {}
-    for (cmd, old) in DEPRECATED:
-        out.setdefault(cmd, set()).add(old.split()[0])
-    return out
-
-
-def test_every_command_spells_a_shared_option_the_same_way():
-    surf, old = _surface(), _old_names()
-    problems = []
-    for cmd in COMMANDS:
-        for p in surf[cmd]:
-            names = [n for n in p["names"] if n not in old.get(cmd, set()) or p["name"] in VOCABULARY]
-            if p["name"] in VOCABULARY and sorted(names) != sorted(VOCABULARY[p["name"]]):
-                problems.append(f"{cmd} {p['name']}: {names}, the vocabulary says {VOCABULARY[p['name']]}")
-            # a shared short or long name never means something else
-            for n in p["names"]:
-                owner = [k for k, v in VOCABULARY.items() if n in v]
-                if owner and p["name"] not in owner and n not in old.get(cmd, set()):
-                    problems.append(f"{cmd}: {n} is {p['name']}, the vocabulary gives it to {owner[0]}")
-    for cmd in READS_MANIFEST:
-        have = {p["name"] for p in surf[cmd]}
-        problems += [f"{cmd} reads a manifest but has no {f}" for f in FIELD_FLAGS if f not in have]
-    assert not problems, "\n".join(problems)
 
 
 def _run(argv, capsys) -> tuple[int, str, str]:
