@@ -1,6 +1,7 @@
-"""One vocabulary of flags: the same long and short names for the same thing in every command, one
-default token budget, the manifest field flags on every command that reads a manifest, and the
-spellings of the previous release still working with one note each."""
+"""One vocabulary of flags, run: plan, compare, demo, simulate, show and data stats with the shared
+flags and short options (their names are held by tests/cli/test_cli_surface.py), one default token
+budget, the manifest field flags and the missing-column error naming its flag, the spellings of the
+previous release working with one note each, and compare's progress on stderr."""
 
 from __future__ import annotations
 
