@@ -13,6 +13,10 @@ Under the launcher (``ZEPPELIN_PARENT_PID`` set) a rank dies with its launcher
 
 from __future__ import annotations
 
+from . import startup
+
+startup.mark("launch")  # first: what follows is this process's imports
+
 import json
 import os
 import signal
@@ -68,7 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(s, _on_stop_signal)
     args = vars(build_parser().parse_args(argv))  # the options of RunConfig (zeppelin.runtime.config)
     rank = int(os.environ.get("RANK", "0"))
+    startup.one_line_warnings(rank)
     from .executor import NonFiniteError, PeerStopped, VerifyError, run_job
+
+    startup.mark("imports")
 
     try:
         cfg = RunConfig(**args)  # checks every option

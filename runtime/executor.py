@@ -46,6 +46,7 @@ from zeppelin.schemas.plan import PlanHeader, PlanReader, StepPlan, check_embedd
 from .api import AttentionContext, attention, build_step, to_attention_layout, to_linear_layout
 from .config import RunConfig
 from .data import TokenSource, load_token_source, predicted_tokens
+from . import startup
 from .model import Layout, LlamaModel, PhaseTimer, reference_step
 
 
@@ -599,6 +600,7 @@ def run_job(cfg: RunConfig) -> dict[str, Any]:
         local_err = str(e)
         reader = header = source = None
         start = end = 0
+    startup.mark("checks")
     want_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()
                                          and (header is None or header.cluster.device == "cuda"))
     if want_cuda and not torch.cuda.is_available():
@@ -613,6 +615,7 @@ def run_job(cfg: RunConfig) -> dict[str, Any]:
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=cfg.timeout_s),
                             **({"store": store} if store is not None else {}),
                             **({"device_id": device} if want_cuda else {}))
+    startup.mark("rendezvous")
     try:
         return _run_initialised(cfg, rank, world, device, local_err, reader, header, source, start, end)
     finally:
@@ -691,6 +694,7 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
     # (every rank reads the same file: a bad record fails all ranks identically, before any group)
     groups = GroupCache(world, header=header, steps=steps_iter)
     set_default_cache(groups)
+    startup.mark("groups")
     seed = header.seed if cfg.seed is None else cfg.seed
     model = build_model(cfg.model, header, seed, device)
     dtype = cfg.dtype or ("bf16" if device.type == "cuda" else "fp32")
@@ -702,6 +706,7 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
         load_checkpoint_tensors(ckpt_path, model, ex.optimizer)
         if rank < len(state["rng"]):
             set_rng_state(state["rng"][rank])
+    startup.report(rank, show=cfg.progress in ("rich", "plain") or (cfg.progress == "auto" and sys.stderr.isatty()))
     tol = cfg.verify_tol if cfg.verify_tol is not None else (1e-5 if dtype == "fp32" else 2e-2)
     metrics_path = cfg.metrics_path
     mfh = None
@@ -778,6 +783,8 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
                 mfh.write(json.dumps(finite_json(rec), allow_nan=False) + "\n")
                 mfh.flush()
                 progress.update(rec)
+            if k - start < 3:  # the first steps' ends: the warm-up in the start-up trace
+                startup.mark(f"step{k - start + 1}")
             if cfg.checkpoint_dir and ((cfg.checkpoint_every and (k + 1) % cfg.checkpoint_every == 0)
                                        or k + 1 == end):
                 rngs = [None] * world
@@ -787,6 +794,7 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
                                 extra={"hyperparameters": hparams})
     finally:
         heartbeat.close()
+        startup.write_trace(rank)
         if progress is not None:
             progress.close()
         if mfh is not None:

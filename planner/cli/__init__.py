@@ -9,6 +9,9 @@ planning never imports torch.
 from __future__ import annotations
 
 import sys
+import time
+
+STARTED_AT = time.time()  # `zeppelin run` counts its ranks' start-up from here (runtime/startup.py)
 
 import typer
 

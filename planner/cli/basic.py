@@ -9,9 +9,10 @@ from typing import Any, Callable, Optional
 
 import typer
 
-from zeppelin.schemas.common import MAX_SEED, MAX_TOKENS, InputError, atomic_write_text, check_int
+from zeppelin.planner.cli import common
+from zeppelin.schemas.common import MAX_SEED, MAX_TOKENS, InputError, atomic_write_text, check_float, check_int
 
-SCHEMAS = ("cluster", "model", "manifest", "profile", "plan", "step")
+SCHEMAS = ("cluster", "model", "manifest", "profile", "plan", "step", "case")
 
 
 def _schema_cls(name: str):
@@ -21,12 +22,17 @@ def _schema_cls(name: str):
     from zeppelin.schemas.plan import PlanHeader, StepPlan
     from zeppelin.schemas.profile import CostProfile
 
+    if name == "case":  # a `zeppelin check` case (planner/tools/check.py)
+        from zeppelin.planner.tools.check import CheckCase
+
+        return CheckCase
     return {"cluster": ClusterSpec, "model": ModelSpec, "manifest": ManifestSpec, "profile": CostProfile,
             "plan": PlanHeader, "step": StepPlan}[name]
 
 
 def schema(
-    name: str = typer.Argument(..., help=f"one of: {', '.join(SCHEMAS)} (plan = the header record, step = a step record)"),
+    name: str = typer.Argument(..., help=f"one of: {', '.join(SCHEMAS)} (plan = the header record, step = a step "
+                                         f"record, case = a `zeppelin check` case)"),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="write to this file instead of stdout"),
 ) -> None:
     """Print the JSON Schema of a zeppelin document."""
@@ -90,7 +96,6 @@ def presets(
 
 DEMO_CLUSTER = "zeppelin-a"
 DEMO_MODEL = "llama-7b"
-DEMO_TOKENS_PER_GPU = 32768  # default step budget: this many tokens per data-parallel unit
 
 
 @dataclass
@@ -109,6 +114,8 @@ class DemoContext:
     workers: int = 0
     png: Any = None  # where the picture goes (None: no picture)
     profile_given: bool = False  # the profile came from --profile (else the preset curves)
+    baseline: str | None = None  # --baseline: the planner the verdict leads with
+    time_limit: float | None = None  # --time-limit of the planners that solve ILPs
     results: dict = field(default_factory=dict)
     _steps: list | None = None
 
@@ -208,7 +215,11 @@ def _stage_cost(ctx: DemoContext) -> None:
         small blocks, at the efficiency (and launch overhead) of small kernels."""
         return float(g_intra * cm.ring_compute_time(Lv, g_intra) / cm.attn_time(Lv)) - 1.0 if g_intra > 1 else 0.0
 
+    colour = con.color_system is not None
+
     def cell(comp, comm):
+        if not colour:  # no colour on this output: a mark says what red would
+            return _ms(comm) + ("" if comp >= comm else "*")
         color = "green" if comp >= comm else "red"
         return f"[{color}]{_ms(comm)}[/{color}]"
 
@@ -217,8 +228,10 @@ def _stage_cost(ctx: DemoContext) -> None:
             "NVLink comm ms"]
     if multi:
         cols += [f"{g_inter}-GPU comp ms", "1 NIC comm ms", f"{n_nics} NICs comm ms"]
+    legend = "green = hidden, red = exposed" if colour else "* = exposed (not hidden)"
     t = table("why tiers: per layer, a ring round's attention compute (comp) must hide its K/V transfer; "
-              "green = hidden, red = exposed (times at the bucket's lower edge)", [(c, "right") for c in cols])
+              f"{legend} (times at the bucket's lower edge)", [(c, "right") for c in cols],
+              drop=["% samples", f"{g_intra}-GPU extra %", "1 GPU ms", "% tokens", *reversed(cols[4:])])
     for k in range(lo, hi + 1):
         L = float(1 << k)
         in_b = (lens >= (1 << k)) & (lens < (1 << (k + 1))) if k > lo else lens < (1 << (k + 1))
@@ -281,13 +294,14 @@ def _stage_plan(ctx: DemoContext) -> None:
     from zeppelin.planner.core.sampler import run_max_seq_len
     from zeppelin.planner.sim.simulate import Simulator
     from zeppelin.planner.tools.compare import (
+        SOLVER_PLANNERS,
         comparison,
         default_workers,
         prediction_error,
-        prediction_error_text,
         render_table,
         run_compare,
-        speedup_text,
+        verdict,
+        verdict_lines,
     )
     from zeppelin.planner.tools.show import draw_demo_png
 
@@ -298,7 +312,10 @@ def _stage_plan(ctx: DemoContext) -> None:
     steps = ctx.steps
     t0 = time.perf_counter()
     keep = {("zeppelin", 0), ("te-cp", 0)}
-    runs = run_compare(pctx, steps, ctx.planners, workers=ctx.workers or default_workers(), keep=keep)
+    tl = ctx.time_limit
+    options = {p: {"time_limit": tl} for p in ctx.planners if tl and p in ("zeppelin", *SOLVER_PLANNERS)}
+    runs = run_compare(pctx, steps, ctx.planners, options, workers=ctx.workers or default_workers(), keep=keep,
+                       progress=True)
     wall = time.perf_counter() - t0
     doc = comparison(runs)
     doc["prediction_error"] = prediction_error(ctx.profile, given=ctx.profile_given)
@@ -306,14 +323,11 @@ def _stage_plan(ctx: DemoContext) -> None:
     title = (f"{len(steps)} step(s) of the sample planned by every planner and simulated "
              f"({ctx.cluster.name}, {ctx.cluster.world_size} GPUs, {ctx.model.name}; {wall:.1f} s)")
     con.print(render_table(doc, title))
-    if "zeppelin_speedup_vs_te_cp" in doc:
-        tuned = (f", {speedup_text(doc, 'te-cp-tuned')}" if "zeppelin_speedup_vs_te_cp_tuned" in doc else "")
-        con.print(f"zeppelin: {speedup_text(doc, 'te-cp')}; te-cp's CP is sized for the longest allowed "
-                  f"sequence, {pctx.max_seq_len:,} tokens, as TransformerEngine jobs run{tuned}; "
-                  f"{speedup_text(doc, 'best-baseline', label='the best other baseline ' + doc.get('best_baseline', '-'))}. "
-                  f"x LB: step time over the step's lower bound.", highlight=False)
-    if ctx.profile_given:
-        con.print(prediction_error_text(doc["prediction_error"]), highlight=False)
+    doc["verdict"] = verdict(doc, pctx, steps, baseline=ctx.baseline)
+    for line in verdict_lines(doc["verdict"]):
+        con.print(line, highlight=False, markup=False)
+    con.print(f"te-cp's CP size is set by the longest allowed sequence, {pctx.max_seq_len:,} tokens, as "
+              f"TransformerEngine jobs run; planner names and terms: docs/CONCEPTS.md", highlight=False)
     if ctx.png is None:
         return
     by = {r.planner: r for r in runs}
@@ -330,7 +344,7 @@ def _stage_plan(ctx: DemoContext) -> None:
         con.print("no picture: zeppelin or te-cp could not plan these steps")
         return
     draw_demo_png(timelines, speedups, "te-cp",
-                  f"step 0 per GPU (one layer per micro-batch), and the speedup over te-cp of every planner - "
+                  f"step 0 per GPU (the whole step), and the speedup over te-cp of every planner - "
                   f"{ctx.cluster.name}, {ctx.cluster.world_size} GPUs, {ctx.model.name}", ctx.png, spreads=spreads)
     ctx.results["png"] = str(ctx.png)
     con.print(f"wrote {ctx.png} (per-GPU timeline of step 0: zeppelin vs te-cp; speedup bars)")
@@ -345,21 +359,30 @@ DEMO_STAGES: dict[str, Callable[[DemoContext], None]] = {
 
 
 def demo(
-    manifest: Optional[str] = typer.Option(None, "--manifest", help="dataset manifest (default: the shipped sample)"),
-    cluster: str = typer.Option(DEMO_CLUSTER, "--cluster", help="cluster preset name or JSON file"),
-    model: str = typer.Option(DEMO_MODEL, "--model", help="model preset name or JSON file"),
-    profile: Optional[str] = typer.Option(None, "--profile", help="cost profile JSON (default: preset)"),
-    tokens_per_step: Optional[int] = typer.Option(
-        None, "--tokens-per-step", help=f"global token budget per step (default: {DEMO_TOKENS_PER_GPU:,} per GPU)"),
-    max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="truncate longer samples"),
-    steps: int = typer.Option(2, "--steps", help="how many steps to sample and plan"),
-    seed: int = typer.Option(0, "--seed", help="sampler seed"),
+    manifest: Optional[str] = common.manifest_option(),
+    cluster: str = common.cluster_option(DEMO_CLUSTER),
+    model: str = common.model_option(DEMO_MODEL),
+    profile: Optional[str] = common.profile_option(),
+    tokens_per_step: Optional[int] = common.tokens_option(),
+    max_seq_len: Optional[int] = common.max_seq_len_option(),
+    steps: int = common.steps_option(2),
+    seed: int = common.seed_option(),
+    time_limit: Optional[float] = common.time_limit_option(),
+    length_field: Optional[str] = common.length_field_option(),
+    ids_field: Optional[str] = common.ids_field_option(),
+    text_field: Optional[str] = common.text_field_option(),
+    tokenizer: Optional[str] = common.tokenizer_option(),
     stages: str = typer.Option(",".join(DEMO_STAGES), "--stages",
                                help=f"comma-separated stages to run (available: {', '.join(DEMO_STAGES)})"),
     planners: str = typer.Option(",".join(DEMO_PLANNERS), "--planners", help="planners of the plan stage"),
+    baseline: Optional[str] = typer.Option(None, "--baseline", metavar="NAME",
+                                           help="the planner closest to what you run today: the verdict leads "
+                                                "with it (docs/CONCEPTS.md)"),
     png: Path = typer.Option(Path("zeppelin-demo.png"), "--png",
                              help="where the plan stage writes its picture (per-GPU timeline, speedup bars)"),
     workers: int = typer.Option(0, "--workers", "-j", help="worker processes of the plan stage (0: one per CPU)"),
+    json_out: bool = common.json_option("also print the results as JSON (on stdout; the tables then go to stderr)"),
+    output: Optional[Path] = common.output_option("write the results as JSON to this file"),
 ) -> None:
     """Run the main job on built-in defaults (shipped sample manifest, preset cluster and model):
     data statistics, the cost picture, then the sampled steps planned by zeppelin and the main
@@ -372,7 +395,6 @@ def demo(
     )
     from zeppelin.planner.costmodel.cost import CostModel
     from zeppelin.planner.tools.tables import console
-    from zeppelin.schemas.datasets import default_manifest_path, load_manifest
     from zeppelin.schemas.plan import SamplerConfig
 
     wanted = [s.strip() for s in stages.split(",") if s.strip()]
@@ -384,7 +406,10 @@ def demo(
     check_int("--max-seq-len", max_seq_len, 1, 2**31)
     check_int("--seed", seed, 0, MAX_SEED)
     check_int("--workers", workers, 0, 1024)
+    check_float("--time-limit", time_limit, 0.0, 3600.0, lo_open=True)
     names = [p.strip() for p in planners.split(",") if p.strip()]
+    if baseline is not None and baseline not in names:
+        raise InputError(f"--baseline {baseline!r} is not among the demo's planners ({', '.join(names)})")
     if "plan" in wanted:
         from zeppelin.planner.core.base import get_planner
 
@@ -392,7 +417,9 @@ def demo(
             raise InputError("--planners is empty")
         for p in names:
             get_planner(p)  # unknown names fail before any work
-        check_path_writable(png)
+        check_path_writable(png, [manifest])
+    if output is not None:
+        check_path_writable(output, [manifest, png])
     cl = resolve_cluster(cluster)
     mo = resolve_model(model)
     pr = resolve_profile(profile, cl)
@@ -400,11 +427,34 @@ def demo(
         cm = CostModel(cl, mo, pr)
     except ValueError as e:
         raise InputError(str(e)) from None
-    ds = load_manifest(manifest if manifest is not None else default_manifest_path())
-    cfg = SamplerConfig(tokens_per_step=tokens_per_step or DEMO_TOKENS_PER_GPU * cm.num_units, seed=seed,
-                        max_seq_len=max_seq_len)
-    ctx = DemoContext(console=console(), cluster=cl, model=mo, profile=pr, cost=cm, dataset=ds, sampler=cfg,
-                      num_steps=steps, planners=names, workers=workers, png=png, profile_given=profile is not None)
+    ds = common.load_dataset(manifest, length_field, ids_field, text_field, tokenizer)
+    cfg = SamplerConfig(tokens_per_step=tokens_per_step or common.default_tokens_per_step(cm.token_capacity,
+                                                                                          cm.num_units),
+                        seed=seed, max_seq_len=max_seq_len)
+    ctx = DemoContext(console=console(stderr=json_out and output is None), cluster=cl, model=mo, profile=pr,
+                      cost=cm, dataset=ds, sampler=cfg, num_steps=steps, planners=names, workers=workers, png=png,
+                      profile_given=profile is not None, baseline=baseline, time_limit=time_limit)
     for name in DEMO_STAGES:
         if name in wanted:
             DEMO_STAGES[name](ctx)
+    if json_out or output is not None:
+        text = json.dumps(_jsonable(ctx.results), indent=1) + "\n"
+        if output is not None:
+            atomic_write_text(output, text)
+            ctx.console.print(f"wrote {output}", highlight=False, markup=False)
+        else:
+            typer.echo(text, nl=False)
+
+
+def _jsonable(x: Any) -> Any:
+    """The demo's results as JSON values (numpy scalars as numbers, plans left out)."""
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return str(x)

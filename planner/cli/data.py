@@ -8,6 +8,7 @@ from typing import Any
 
 import typer
 
+from zeppelin.planner.cli import common
 from zeppelin.schemas.common import InputError
 
 BAR_WIDTH = 14
@@ -126,19 +127,20 @@ def import_python_tokenizer(ref: str):
     return obj
 
 
-def load_for_cli(manifest: str, length_field: str | None, tokens_field: str | None, text_field: str | None,
+def load_for_cli(manifest: str | None, length_field: str | None, ids_field: str | None, text_field: str | None,
                  tokenizer: str | None, python_tokenizer: str | None = None):
-    from zeppelin.schemas.datasets import TOKENIZER_HINT, load_manifest
+    from zeppelin.planner.cli.common import load_dataset
 
     if tokenizer and python_tokenizer:
         raise InputError("--tokenizer and --python-tokenizer exclude each other")
     if text_field and not (tokenizer or python_tokenizer):
+        from zeppelin.schemas.datasets import TOKENIZER_HINT
+
         raise InputError(f"--text-field needs --tokenizer ({TOKENIZER_HINT}) or --python-tokenizer MODULE:CALLABLE")
     if (tokenizer or python_tokenizer) and not text_field:
         raise InputError(f"{'--tokenizer' if tokenizer else '--python-tokenizer'} needs --text-field")
     tok = import_python_tokenizer(python_tokenizer) if python_tokenizer else tokenizer
-    return load_manifest(manifest, length_field=length_field, tokens_field=tokens_field, text_field=text_field,
-                         tokenizer=tok)
+    return load_dataset(manifest, length_field, ids_field, text_field, tok)
 
 
 def check_png_path(png: Path, inputs=()) -> Path:
@@ -151,28 +153,49 @@ def check_png_path(png: Path, inputs=()) -> Path:
 
 
 def stats(
-    manifest: str = typer.Argument(..., help="a file, directory, glob ('data/*.jsonl') or *.manifest.json"),
-    length_field: str | None = typer.Option(None, "--length-field", help="field/column with the length "
-                                               "(default: length)"),
-    tokens_field: str | None = typer.Option(None, "--tokens-field", help="field/column with token-id lists"),
-    text_field: str | None = typer.Option(None, "--text-field", help="field/column with raw text"),
-    tokenizer: str | None = typer.Option(None, "--tokenizer", help="for --text-field: whitespace, bytes or a Hugging Face tokenizer.json (file or directory)"),
+    manifest_arg: str | None = typer.Argument(None, metavar="[MANIFEST]",
+                                              help="a file, directory, glob ('data/*.jsonl') or *.manifest.json "
+                                                   "(or -m/--manifest; default: the shipped sample)"),
+    manifest: str | None = common.manifest_option(),
+    length_field: str | None = common.length_field_option(),
+    ids_field: str | None = common.ids_field_option(),
+    tokens_field: str | None = typer.Option(None, "--tokens-field", hidden=True, help="old spelling of --ids-field"),
+    text_field: str | None = common.text_field_option(),
+    tokenizer: str | None = common.tokenizer_option(),
     python_tokenizer: str | None = typer.Option(
         None, "--python-tokenizer", metavar="MODULE:CALLABLE",
         help="for --text-field: IMPORTS AND RUNS this Python code as the tokenizer (callable(text) -> token ids "
              "or a count). Only this option runs code; a manifest never can."),
     png: Path | None = typer.Option(None, "--png", help="also write the histogram as a PNG picture"),
-    as_json: bool = typer.Option(False, "--json", help="print machine-readable statistics instead of tables"),
+    as_json: bool = common.json_option("print machine-readable statistics instead of tables"),
+    output: Path | None = common.output_option("write the --json statistics to this file (the tables stay on "
+                                               "the terminal)"),
 ) -> None:
     """Length statistics of a dataset manifest: count, tokens, percentiles, a log2 length histogram."""
+    from zeppelin.schemas.common import atomic_write_text, check_output
+
+    if manifest_arg is not None and manifest is not None:
+        raise InputError("give the manifest once: as the argument or as -m/--manifest")
+    manifest = manifest_arg if manifest_arg is not None else manifest
+    if tokens_field is not None:
+        common.deprecated("data stats", "--tokens-field")
+        if ids_field is not None:
+            raise InputError("--tokens-field is the old spelling of --ids-field: give one of them")
+        ids_field = tokens_field
     if png is not None:
-        check_png_path(png, [manifest])
-    ds = load_for_cli(manifest, length_field, tokens_field, text_field, tokenizer, python_tokenizer)
-    if as_json:
+        check_png_path(png, [manifest] if manifest else [])
+    if output is not None:
+        check_output(output, [p for p in (manifest, png) if p is not None])
+    ds = load_for_cli(manifest, length_field, ids_field, text_field, tokenizer, python_tokenizer)
+    if output is not None:
+        atomic_write_text(output, json.dumps(stats_payload(ds), indent=2) + "\n")
+        print_stats(ds)
+        typer.echo(f"wrote {output}")
+    elif as_json:
         typer.echo(json.dumps(stats_payload(ds), indent=2))
     else:
         print_stats(ds)
     if png is not None:
         write_histogram_png(png, ds)
-        if not as_json:
+        if not as_json or output is not None:
             typer.echo(f"wrote {png}")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import typer
 
+from zeppelin.planner.cli import common
 from zeppelin.planner.zeppelin.options import ZeppelinOptions
 from zeppelin.schemas.common import (
     MAX_SEED,
@@ -64,31 +65,31 @@ def options_listing(planners: dict) -> str:
 
 
 def plan(
-    manifest: str | None = typer.Option(None, "--manifest", "-m",
-                                        help="dataset manifest: file, directory, glob or *.manifest.json "
-                                             "(default: the shipped sample)"),
-    cluster: str = typer.Option(..., "--cluster", "-c", help="cluster preset (zeppelin-a, zeppelin-c:4, ...) or JSON"),
-    model: str = typer.Option(..., "--model", help="model preset (llama-7b, ...) or JSON"),
-    output: Path | None = typer.Option(None, "-o", "--output", help="plan file to write"),
+    manifest: str | None = common.manifest_option(),
+    cluster: str = common.cluster_option(),
+    model: str = common.model_option(),
+    output: Path | None = common.output_option("plan file to write"),
     planner: str = typer.Option("zeppelin", "--planner", help="planner name (zeppelin, zeppelin-no-routing, "
                                                                "zeppelin-no-remap, zeppelin-tiers-only, baselines)"),
-    tokens_per_step: int | None = typer.Option(None, "--tokens-per-step",
-                                               help="token budget of a step (default: what the cluster's "
-                                                    "activation memory holds at once)"),
+    tokens_per_step: int | None = common.tokens_option(),
     seqs_per_step: int | None = typer.Option(None, "--seqs-per-step", help="sequences per step"),
-    steps: int = typer.Option(10, "--steps", help="number of steps to plan"),
-    seed: int = typer.Option(0, "--seed", help="shuffle seed"),
+    steps: int = common.steps_option(10),
+    seed: int = common.seed_option(),
     no_shuffle: bool = typer.Option(False, "--no-shuffle", help="take samples in manifest order"),
-    max_seq_len: int | None = typer.Option(None, "--max-seq-len", help="longest sequence to train on"),
+    max_seq_len: int | None = common.max_seq_len_option(),
     overflow: str = typer.Option("truncate", "--overflow", help="longer samples: truncate, reject or skip"),
     tp: int = typer.Option(1, "--tp", help="tensor-parallel degree of a unit"),
     zero_stage: int = typer.Option(1, "--zero-stage", help="ZeRO stage (0-3) for the memory model"),
     recompute: str = typer.Option("none", "--recompute",
                                   help="none | selective | full: activation recomputation `zeppelin run` will use "
                                        "(sets the activation memory per token)"),
-    profile: str | None = typer.Option(None, "--profile", help="cost profile JSON (from `zeppelin profile`)"),
+    profile: str | None = common.profile_option(),
+    length_field: str | None = common.length_field_option(),
+    ids_field: str | None = common.ids_field_option(),
+    text_field: str | None = common.text_field_option(),
+    tokenizer: str | None = common.tokenizer_option(),
     ilp_nodes: int = _zeppelin_flag("ilp_nodes", "--ilp-nodes"),
-    time_limit: float | None = typer.Option(None, "--time-limit", help=ZeppelinOptions.spec("time_limit").help),
+    time_limit: float | None = common.time_limit_option(),
     ilp: str = _zeppelin_flag("ilp", "--ilp"),
     solver: str = _zeppelin_flag("solver", "--solver"),
     intra: str = _zeppelin_flag("intra", "--intra"),
@@ -100,6 +101,10 @@ def plan(
     workers: int = typer.Option(1, "--workers", "-j", help="plan steps in this many processes"),
     fmt: str = typer.Option("jsonl", "--format", help="jsonl (compact) or pretty (readable, diffable)"),
     explain: bool = typer.Option(False, "--explain", help="print the tier thresholds and how they were derived"),
+    save_case: Path | None = typer.Option(None, "--save-case", metavar="DIR/NAME",
+                                          help="also write a `zeppelin check` case DIR/NAME.json from these flags "
+                                               "and its golden plan DIR/NAME.plan (README: plan checks in CI)"),
+    json_out: bool = common.json_option("print the summary as JSON"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar or summary"),
 ) -> None:
     """Plan training steps: manifest + cluster + model -> plan file."""
@@ -130,10 +135,19 @@ def plan(
         raise InputError(f"--zero-stage must be 0, 1, 2 or 3 (got {zero_stage})")
     if recompute not in ("none", "selective", "full"):
         raise InputError(f"--recompute must be none, selective or full (got {recompute!r})")
-    if output is None and not explain:
+    if output is None and not explain and save_case is None:
         raise InputError("missing -o/--output PLAN (or use --explain alone to see the tier thresholds)")
     if output is not None:
         check_path_writable(output, [manifest, *input_refs(cluster, model, profile)])
+    if save_case is not None:
+        from zeppelin.planner.tools.check import check_case_flags
+
+        check_case_flags(save_case, {"--profile": profile, "--zero-stage": zero_stage != 1,
+                                     "--recompute": recompute != "none", "--no-shuffle": no_shuffle,
+                                     "--overflow": overflow != "truncate", "--seqs-per-step": seqs_per_step,
+                                     "--length-field": length_field, "--ids-field": ids_field,
+                                     "--text-field": text_field, "--tokenizer": tokenizer},
+                         [output, manifest, *input_refs(cluster, model)])
     cl = resolve_cluster(cluster)
     md = resolve_model(model)
     pf = resolve_profile(profile, cl)
@@ -154,15 +168,23 @@ def plan(
         from zeppelin.planner.tools.explain import explain_text
 
         typer.echo(explain_text(ctx))
-        if output is None:
+        if output is None and save_case is None:
             return
     from zeppelin.planner.core.sampler import StepSampler, run_max_seq_len
-    from zeppelin.schemas.datasets import default_manifest_path, load_manifest
     from zeppelin.schemas.hf import check_positions
 
-    ds = load_manifest(manifest if manifest is not None else default_manifest_path())
+    ds = common.load_dataset(manifest, length_field, ids_field, text_field, tokenizer)
     if tokens_per_step is None and seqs_per_step is None:
-        tokens_per_step = max(ctx.cost.token_capacity * ctx.num_units, 1)
+        tokens_per_step = common.default_tokens_per_step(ctx.cost.token_capacity, ctx.num_units)
+    if save_case is not None:
+        from zeppelin.planner.tools.check import save_case as write_case
+
+        for line in write_case(save_case, cluster=cluster, model=model, manifest=manifest, planner=planner,
+                               options=options, steps=steps, seed=seed, tokens_per_step=tokens_per_step,
+                               max_seq_len=max_seq_len, tp=tp):
+            typer.echo(line)
+        if output is None:
+            return
     cfg = SamplerConfig(tokens_per_step=tokens_per_step, seqs_per_step=seqs_per_step, shuffle=not no_shuffle,
                         seed=seed, max_seq_len=max_seq_len, overflow=overflow)
     ctx.max_seq_len = run_max_seq_len(ds, cfg)
@@ -212,6 +234,16 @@ def plan(
     import numpy as np
 
     el = time.perf_counter() - t0 - t_counts
+    if json_out:
+        import json
+
+        typer.echo(json.dumps({
+            "output": str(output), "steps": steps, "planner": pl.name, "model": md.name, "cluster": cl.name,
+            "world_size": cl.world_size, "tokens_per_step": cfg.tokens_per_step, "planning_s": el,
+            "step_over_lower_bound_median": float(np.median(ratios)) if ratios else None,
+            "step_over_lower_bound_worst": float(max(ratios)) if ratios else None,
+            "counts": counts.to_dict(), "solvers": solvers}, indent=1))
+        return
     typer.echo(f"wrote {output}: {steps} steps planned by {pl.name} for {md.name} on {cl.name} "
                f"({cl.world_size} GPUs) in {el:.2f} s ({el / steps * 1e3:.0f} ms/step)")
     if ratios:
@@ -252,10 +284,14 @@ def _named_options(planner: str, given: list[str]) -> dict:
 
 def validate(
     plan_path: Path = typer.Argument(..., metavar="PLAN", help="plan file"),
-    cluster: str | None = typer.Option(None, "--cluster", help="check the plan was made for this cluster"),
+    cluster: str | None = typer.Option(None, "--cluster", "-c", help="check the plan was made for this cluster"),
     model: str | None = typer.Option(None, "--model", help="check the plan was made for this model"),
     profile: str | None = typer.Option(None, "--profile", help="check the plan was made with this profile"),
-    manifest: str | None = typer.Option(None, "--manifest", help="check the plan was made from this manifest"),
+    manifest: str | None = typer.Option(None, "--manifest", "-m", help="check the plan was made from this manifest"),
+    length_field: str | None = common.length_field_option(),
+    ids_field: str | None = common.ids_field_option(),
+    text_field: str | None = common.text_field_option(),
+    tokenizer: str | None = common.tokenizer_option(),
     limit: int = typer.Option(10, "--limit", help="problems to print at most"),
 ) -> None:
     """Check a plan's invariants (coverage, memory, routes, ring order, input hashes).
@@ -274,9 +310,7 @@ def validate(
         pf = load_doc(CostProfile, profile)
     ds = None
     if manifest:
-        from zeppelin.schemas.datasets import load_manifest
-
-        ds = load_manifest(manifest)
+        ds = common.load_dataset(manifest, length_field, ids_field, text_field, tokenizer)
     probs = validate_plan(plan_path, cluster=cl, model=md, profile=pf, manifest=ds, limit=max(limit, 1))
     if probs:
         typer.echo(f"{plan_path}: INVALID ({len(probs)}{'+' if len(probs) >= limit else ''} problem"

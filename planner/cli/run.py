@@ -29,12 +29,14 @@ from zeppelin.schemas.common import InputError
 
 def run(ctx: typer.Context, **values: Any) -> None:
     """Execute a plan with torch (launched through torchrun): train, report metrics, verify."""
-    from zeppelin.planner.sim.report import count_lines
     from zeppelin.runtime.launch import torchrun_argv  # torch-free module top
     from zeppelin.runtime.lifecycle import run_owned
     from zeppelin.schemas.common import check_input_file, check_output
     from zeppelin.schemas.plan import PlanReader, check_embedded_specs
 
+    from zeppelin.runtime.startup import T0_ENV
+
+    t0 = getattr(sys.modules.get("zeppelin.planner.cli"), "STARTED_AT", None)  # the ranks count from here
     cfg = RunConfig(**{s.name: values.pop(s.name) for s in flag_specs(RunConfig)})  # checks every option
     launch = LaunchConfig(**values)
     plan = Path(cfg.plan)
@@ -86,12 +88,22 @@ def run(ctx: typer.Context, **values: Any) -> None:
     if report and nnodes > 1 and launch.node_rank not in (None, 0):
         report = False  # rank 0 (node 0) writes the metrics; the other nodes have nothing to report
     # a resumed run appends to the metrics file: report only on the records this run adds
-    skip = count_lines(metrics_path) if (report and cfg.resume) else 0
+    skip = 0
+    if report and cfg.resume:
+        # (imported here: the simulator's modules and numpy are not on the path to the first step)
+        from zeppelin.planner.sim.report import count_lines
+
+        skip = count_lines(metrics_path)
     trargs = torchrun_argv(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=launch.node_rank,
                            master_addr=launch.master_addr, master_port=launch.master_port,
                            rdzv_backend=launch.rdzv_backend, rdzv_endpoint=launch.rdzv_endpoint,
                            rdzv_id=launch.rdzv_id, extra=list(ctx.args))
     env = dict(os.environ)
+    if t0 is not None:
+        env[T0_ENV] = repr(t0)
+    if cfg.progress != "none" and sys.stderr.isatty():
+        print(f"zeppelin run: starting {nproc_per_node * nnodes} ranks through torchrun ...", file=sys.stderr,
+              flush=True)
     if cfg.threads is None and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc_per_node))
     cmd = [sys.executable, "-m", "zeppelin.runtime.launch", *trargs, "-m", "zeppelin.runtime", *cfg.to_argv()]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import typer
 
+from zeppelin.planner.cli import common
 from zeppelin.schemas.common import (
     MAX_SEED,
     MAX_STEPS,
@@ -96,7 +97,8 @@ def simulate(
 def show(
     plan: Path = typer.Argument(..., help="plan file"),
     step: int = typer.Option(0, "--step", "-s", help="step to show"),
-    all_steps: bool = typer.Option(False, "--all", help="show every step (text only)"),
+    all_steps: bool = typer.Option(False, "--all", help="show every step in full: each group, unit and NIC (by "
+                                                        "default one step is summarised in one screen)"),
     png: Path | None = typer.Option(None, "--png", help="write a per-unit Gantt timeline of the simulated "
                                                            "step and a heat-map of unit loads to this PNG"),
 ) -> None:
@@ -128,7 +130,7 @@ def show(
     steps = list(reader) if all_steps else [reader.step(step)]
     total = PlanSummary()
     for st in steps:
-        total.add(render_step(h, st, con, sim))
+        total.add(render_step(h, st, con, sim, full=all_steps))
     if all_steps:
         con.print(f"[bold]all {len(steps)} steps[/bold]:")
         for line in summary_lines(total):
@@ -140,105 +142,148 @@ def show(
 
 
 def compare(
-    cluster: str = typer.Option("zeppelin-a:2", "--cluster", "-c", help="cluster preset (NAME, NAME:N) or JSON file"),
-    model: str = typer.Option("llama-7b", "--model", "-m", help="model preset or JSON file"),
-    profile: Path | None = typer.Option(None, "--profile", help="cost profile JSON (default: preset curves)"),
-    dataset: str = typer.Option("mixed", "--dataset", "-d",
-                                help="length mix (short, mixed, long, longtail) or a manifest path"),
-    steps: int = typer.Option(10, "--steps", "-n", help="number of steps to plan"),
+    manifest: str | None = common.manifest_option(
+        "; or a synthetic length mix: short, mixed, long, longtail"),
+    cluster: str = common.cluster_option("zeppelin-a:2"),
+    model: str = common.model_option("llama-7b"),
+    profile: Path | None = common.profile_option(),
+    tokens_per_step: int | None = common.tokens_option(),
+    max_seq_len: int | None = common.max_seq_len_option(),
+    steps: int = common.steps_option(10),
+    seed: int = common.seed_option(),
+    time_limit: float | None = common.time_limit_option(),
+    length_field: str | None = common.length_field_option(),
+    ids_field: str | None = common.ids_field_option(),
+    text_field: str | None = common.text_field_option(),
+    tokenizer: str | None = common.tokenizer_option(),
     planners: str | None = typer.Option(None, "--planners", help="comma-separated planners (default: all)"),
-    tokens_per_gpu: int = typer.Option(16384, "--tokens-per-gpu", help="tokens per step per GPU"),
-    max_seq_len: int = typer.Option(131072, "--max-seq-len", help="longer samples are truncated"),
+    baseline: str | None = typer.Option(None, "--baseline", metavar="NAME",
+                                        help="the planner closest to what you run today (docs/CONCEPTS.md: "
+                                             "te-cp = TransformerEngine/Megatron CP, ...): the verdict leads with it"),
     tp: int = typer.Option(1, "--tp", help="tensor-parallel degree of a unit"),
-    seed: int = typer.Option(0, "--seed", help="sampler seed"),
-    solver_time_limit: float | None = typer.Option(
-        None, "--solver-time-limit",
-        help="optional wall-clock safety net per MILP solve (s) for flexsp and hydraulis (off by default: their "
-             "MILPs stop at deterministic node limits, so the comparison is the same under any load)"),
     workers: int = typer.Option(0, "--workers", "-j", help="worker processes (0: one per CPU)"),
-    json_out: bool = typer.Option(False, "--json", help="print JSON instead of the table"),
-    output: Path | None = typer.Option(None, "-o", "--output", help="write the JSON to this file"),
+    json_out: bool = common.json_option(),
+    output: Path | None = common.output_option("write the JSON to this file (the table stays on the terminal)"),
     png: Path | None = typer.Option(None, "--png", help="bar charts of step time and speedup"),
+    dataset: str | None = typer.Option(None, "--dataset", "-d", hidden=True, help="old spelling of -m/--manifest"),
+    steps_n: int | None = typer.Option(None, "-n", hidden=True, help="old spelling of --steps"),
+    tokens_per_gpu: int | None = typer.Option(None, "--tokens-per-gpu", hidden=True,
+                                              help="old: tokens per step per GPU (use --tokens-per-step)"),
+    solver_time_limit: float | None = typer.Option(None, "--solver-time-limit", hidden=True,
+                                                   help="old spelling of --time-limit"),
 ) -> None:
-    """Plan the same steps with zeppelin and every baseline and simulate them side by side."""
-    from zeppelin.planner.core.base import PlanContext, PlanningError
-    from zeppelin.planner.core.inputs import (
-        check_path_writable,
-        input_refs,
-        resolve_cluster,
-        resolve_model,
-        resolve_profile,
-    )
-    from zeppelin.planner.core.sampler import run_max_seq_len, sample_steps
-    from zeppelin.planner.tools.compare import (
-        DEFAULT_PLANNERS,
-        SOLVER_PLANNERS,
-        comparison,
-        default_workers,
-        draw_png,
-        prediction_error,
-        prediction_error_text,
-        render_table,
-        resolve_dataset,
-        run_compare,
-        speedup_text,
-    )
-    from zeppelin.planner.tools.tables import console as make_console
-    from zeppelin.schemas.plan import SamplerConfig
+    """Plan the same steps with zeppelin and every baseline, simulate them side by side, and say what
+    zeppelin would buy over each baseline (the verdict)."""
+    from zeppelin.planner.core.inputs import check_path_writable, input_refs
 
+    manifest, model = _old_model_flag(manifest, model)
+    if dataset is not None:
+        common.deprecated("compare", "--dataset")
+        if manifest is not None:
+            raise InputError("--dataset is the old spelling of -m/--manifest: give one of them")
+        manifest = dataset
+    if steps_n is not None:
+        common.deprecated("compare", "-n")
+        steps = steps_n
+    if solver_time_limit is not None:
+        common.deprecated("compare", "--solver-time-limit")
+        check_float("--solver-time-limit", solver_time_limit, 0.0, 3600.0, lo_open=True)
+        time_limit = solver_time_limit
+    if tokens_per_gpu is not None:
+        common.deprecated("compare", "--tokens-per-gpu")
+        check_int("--tokens-per-gpu", tokens_per_gpu, 1, MAX_TOKENS)
     check_int("--steps", steps, 1, MAX_STEPS)
-    check_int("--tokens-per-gpu", tokens_per_gpu, 1, MAX_TOKENS)
+    check_int("--tokens-per-step", tokens_per_step, 1, MAX_TOKENS)
     check_int("--max-seq-len", max_seq_len, 1, 2**31)
     check_int("--tp", tp, 1, 256)
     check_int("--seed", seed, 0, MAX_SEED)
     check_int("--workers", workers, 0, MAX_WORKERS)
-    check_float("--solver-time-limit", solver_time_limit, 0.0, 3600.0, lo_open=True)
+    check_float("--time-limit", time_limit, 0.0, 3600.0, lo_open=True)
     for p in (output, png):
         if p is not None:
-            check_path_writable(p, [profile, *input_refs(cluster, model), dataset])
+            check_path_writable(p, [profile, *input_refs(cluster, model), manifest])
     if output is not None and png is not None and (str(output) == str(png) or same_file(output, png)):
         raise InputError("-o and --png name the same file", source=output)
+    from zeppelin.planner.tools.compare import DEFAULT_PLANNERS
+
     names = DEFAULT_PLANNERS if planners is None else [x.strip() for x in planners.split(",") if x.strip()]
     if not names:
         raise InputError("--planners is empty")
-    cl = resolve_cluster(cluster)
-    md = resolve_model(model)
-    prof = resolve_profile(str(profile) if profile else None, cl)
+    if baseline is not None and baseline not in names:
+        raise InputError(f"--baseline {baseline!r} is not among the compared planners ({', '.join(names)})")
+    fields = (length_field, ids_field, text_field, tokenizer)
+    _run_compare_command(dict(
+        manifest=manifest, fields=fields, cluster=cluster, model=model, profile=profile, tp=tp, seed=seed,
+        tokens_per_step=tokens_per_step, tokens_per_gpu=tokens_per_gpu, max_seq_len=max_seq_len, steps=steps,
+        names=names, time_limit=time_limit, workers=workers, baseline=baseline, json_out=json_out,
+        output=output, png=png))
+
+
+def _old_model_flag(manifest: str | None, model: str) -> tuple[str | None, str]:
+    """``compare -m llama-7b``: ``-m`` named the model in an older release; a value that is a model
+    preset (and no file) is still read as the model, with a note."""
+    import os
+
+    from zeppelin.schemas.model import MODEL_PRESETS
+
+    if manifest is not None and manifest in MODEL_PRESETS and not os.path.exists(manifest):
+        common.deprecated("compare", "-m MODEL")
+        return None, manifest
+    return manifest, model
+
+
+def _run_compare_command(a: dict) -> None:
+    """`zeppelin compare` once its flags are checked: sample, plan, simulate, print table and verdict."""
+    from zeppelin.planner.core.base import PlanContext, PlanningError
+    from zeppelin.planner.core.inputs import resolve_cluster, resolve_model, resolve_profile
+    from zeppelin.planner.core.sampler import run_max_seq_len, sample_steps
+    from zeppelin.planner.tools import compare as cmp
+    from zeppelin.planner.tools.tables import console as make_console
+    from zeppelin.schemas.plan import SamplerConfig
+
+    cl = resolve_cluster(a["cluster"])
+    md = resolve_model(a["model"])
+    prof = resolve_profile(str(a["profile"]) if a["profile"] else None, cl)
     try:
-        ctx = PlanContext(cl, md, prof, tp=tp, seed=seed)
+        ctx = PlanContext(cl, md, prof, tp=a["tp"], seed=a["seed"])
     except ValueError as e:
         raise PlanningError(str(e)) from None
-    ds = resolve_dataset(dataset)
-    cfg = SamplerConfig(tokens_per_step=tokens_per_gpu * cl.world_size, seed=seed, max_seq_len=max_seq_len)
+    ds = cmp.resolve_dataset(a["manifest"], *a["fields"])
+    tokens = a["tokens_per_step"]
+    if tokens is None:
+        tokens = (a["tokens_per_gpu"] * cl.world_size if a["tokens_per_gpu"] is not None
+                  else common.default_tokens_per_step(ctx.cost.token_capacity, ctx.num_units))
+    cfg = SamplerConfig(tokens_per_step=tokens, seed=a["seed"], max_seq_len=a["max_seq_len"])
     ctx.max_seq_len = run_max_seq_len(ds, cfg)
-    step_seqs = sample_steps(ds, cfg, steps)
-    options = {p: {"time_limit": solver_time_limit} for p in SOLVER_PLANNERS} if solver_time_limit else {}
+    step_seqs = sample_steps(ds, cfg, a["steps"])
+    tl = a["time_limit"]
+    options = {p: {"time_limit": tl} for p in a["names"] if tl and (p in cmp.SOLVER_PLANNERS or p == "zeppelin")}
     t0 = time.perf_counter()
-    runs = run_compare(ctx, step_seqs, names, options, workers=workers or default_workers())
+    runs = cmp.run_compare(ctx, step_seqs, a["names"], options, workers=a["workers"] or cmp.default_workers(),
+                           progress=True)
     wall = time.perf_counter() - t0
-    doc = comparison(runs)
-    title = (f"{cl.name} ({cl.world_size} GPUs), {md.name}, tp={tp}, dataset {dataset}, {steps} steps of "
-             f"{cfg.tokens_per_step} tokens")
-    doc.update({"cluster": cl.name, "world_size": cl.world_size, "model": md.name, "tp": tp, "dataset": dataset,
-                "steps": steps, "tokens_per_step": cfg.tokens_per_step, "seed": seed, "wall_s": wall,
-                "prediction_error": prediction_error(prof, given=profile is not None)})
-    if png is not None:
-        draw_png(doc, title, png)
-    if json_out or output is not None:
-        _emit_json(doc, output)
-    if not json_out:
-        con = make_console()
-        con.print(render_table(doc, title))
-        if "zeppelin_speedup_vs_te_cp" in doc:
-            tuned = (f"{speedup_text(doc, 'te-cp-tuned')}, " if "zeppelin_speedup_vs_te_cp_tuned" in doc else "")
-            best = (f"{speedup_text(doc, 'best-baseline', label='the best other baseline ' + doc['best_baseline'])}; "
-                    if "best_baseline" in doc else "")
-            con.print(f"zeppelin: {speedup_text(doc, 'te-cp')}, {tuned}{best}{wall:.1f} s", highlight=False)
-        if profile is not None:
-            con.print(prediction_error_text(doc["prediction_error"]), highlight=False)
-        for p in (output, png):
-            if p is not None:
-                con.print(f"wrote {p}")
+    doc = cmp.comparison(runs)
+    data = a["manifest"] or "the shipped sample"
+    title = (f"{cl.name} ({cl.world_size} GPUs), {md.name}, tp={a['tp']}, {data}, {a['steps']} steps of "
+             f"{cfg.tokens_per_step:,} tokens")
+    doc.update({"cluster": cl.name, "world_size": cl.world_size, "model": md.name, "tp": a["tp"],
+                "dataset": a["manifest"] or "sample", "steps": a["steps"], "tokens_per_step": cfg.tokens_per_step,
+                "seed": a["seed"], "wall_s": wall,
+                "prediction_error": cmp.prediction_error(prof, given=a["profile"] is not None)})
+    doc["verdict"] = cmp.verdict(doc, ctx, step_seqs, baseline=a["baseline"])
+    if a["png"] is not None:
+        cmp.draw_png(doc, title, a["png"])
+    if a["output"] is not None or a["json_out"]:
+        _emit_json(doc, a["output"])
+    # the table and the verdict always reach the terminal: on stderr when stdout carries the JSON
+    con = make_console(stderr=a["json_out"] and a["output"] is None)
+    con.print(cmp.render_table(doc, title))
+    for line in cmp.verdict_lines(doc["verdict"]):
+        con.print(line, highlight=False, markup=False)
+    con.print(f"(planned and simulated in {wall:.1f} s)", highlight=False)
+    for p in (a["output"], a["png"]):
+        if p is not None:
+            con.print(f"wrote {p}", highlight=False, markup=False)
 
 
 def check(

@@ -56,4 +56,34 @@ def check_path_writable(path: str | Path, inputs=()) -> Path:
     return Path(path)
 
 
-__all__ = ["input_refs", "resolve_cluster", "resolve_model", "resolve_profile", "check_path_writable", "InputError"]
+__all__ = ["input_refs", "resolve_cluster", "resolve_model", "resolve_profile", "check_path_writable", "InputError",
+           "load_dataset"]
+
+
+# ------------------------------------------------------------------ a manifest from command-line flags
+def load_dataset(manifest: str | None, length_field: str | None = None, ids_field: str | None = None,
+                 text_field: str | None = None, tokenizer=None):
+    """The manifest named on the command line (the shipped sample when none), its fields overridden by
+    the field flags. An error about a missing field names the flag that picks another one."""
+    from zeppelin.schemas.datasets import TOKENIZER_HINT, default_manifest_path, load_manifest
+
+    if text_field and not tokenizer:
+        raise InputError(f"--text-field needs --tokenizer ({TOKENIZER_HINT})")
+    if tokenizer and not text_field:
+        raise InputError("--tokenizer needs --text-field")
+    ref = manifest if manifest is not None else default_manifest_path()
+    try:
+        return load_manifest(ref, length_field=length_field, tokens_field=ids_field, text_field=text_field,
+                             tokenizer=tokenizer)
+    except InputError as e:
+        hint = _missing_field_hint(e.problem, ids_field, text_field)
+        if hint is None:
+            raise
+        raise InputError(e.problem + hint, source=e.source) from None
+
+
+def _missing_field_hint(problem: str, ids_field: str | None, text_field: str | None) -> str | None:
+    if not (problem.startswith(("column ", "field ")) and " not found" in problem):
+        return None
+    flag = "--ids-field" if ids_field else "--text-field" if text_field else "--length-field"
+    return f"; name the {'column' if problem.startswith('column') else 'field'} to use with {flag} NAME"

@@ -315,24 +315,36 @@ def _pct(x: float | None) -> str:
 
 def render(report: dict[str, Any], console=None) -> None:
     """Print the per-step table and the error summary."""
+    import numpy as np
+
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
-    con = console or Console(width=max(Console().width, 150))  # the table is unreadable folded to 80
-    t = Table(title=f"measured vs predicted ({report['predictor']}), ms, slowest rank", title_justify="left")
-    t.add_column("step", justify="right")
-    for ph in PHASES[:-1]:
-        t.add_column(f"{ph.replace('grad_', '')}\nmeas / pred", justify="right")
-    t.add_column("step\nmeasured", justify="right")
-    t.add_column("step\npredicted", justify="right")
-    t.add_column("error", justify="right")
-    t.add_column("plan\nestimate", justify="right")
+    def table(title: str, headers: list[str]) -> Table:
+        t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+        for i, h in enumerate(headers):
+            t.add_column(h, justify="left" if i == 0 else "right")
+        return t
+
+    con = console or Console()
+    t = table(f"measured vs predicted ({report['predictor']}): step time, ms, slowest rank",
+              ["step", "measured", "predicted", "error", "plan estimate"])
     for r in report["steps"]:
         m, p = r["measured_s"], r["predicted_s"]
-        cells = [f"{_ms(m[ph])} / {_ms(p[ph])}" for ph in PHASES[:-1]]
-        t.add_row(str(r["step"]) + ("*" if r["first"] else ""), *cells, _ms(m["step"]), _ms(p["step"]),
+        t.add_row(str(r["step"]) + ("*" if r["first"] else ""), _ms(m["step"]), _ms(p["step"]),
                   _pct(r["rel_error"]["step"]), _ms(r["plan_prediction_s"]))
     con.print(t)
+    # the phases: medians over the steps (each step's phases are in --report-json)
+    pt = table("per phase, median over the steps, ms", ["phase", "measured", "predicted", "median |error|"])
+    for ph in PHASES[:-1]:
+        meas = [r["measured_s"][ph] for r in report["steps"] if r["measured_s"].get(ph) is not None]
+        pred = [r["predicted_s"][ph] for r in report["steps"] if r["predicted_s"].get(ph) is not None]
+        e = report["summary"]["phases"].get(ph, {})
+        pt.add_row(ph.replace("grad_", ""), _ms(float(np.median(meas))) if meas else "-",
+                   _ms(float(np.median(pred))) if pred else "-",
+                   f"{e['median_abs']:.0%}" if e.get("steps") else "-")
+    con.print(pt)
     s = report["summary"]["step"]
     con.print("* first step of the run (includes one-time warm-up costs); measured allreduce: the rank that "
               "waited least (the others also wait for stragglers)")
@@ -345,12 +357,6 @@ def render(report: dict[str, Any], console=None) -> None:
         if a["steps"]:
             line += f"; without the first step: median {a['median_abs']:.1%}, worst {a['worst_abs']:.1%}"
         con.print(line)
-    parts = []
-    for ph, e in report["summary"]["phases"].items():
-        if e["steps"]:
-            parts.append(f"{ph} {e['median_abs']:.0%}")
-    if parts:
-        con.print("per-phase median |error|: " + ", ".join(parts))
     mem = report["summary"].get("memory")
     if mem:
         line = f"memory per GPU: measured peak {mem['peak_measured_bytes'] / 1e9:.3f} GB"

@@ -433,6 +433,10 @@ class Interval:
 class MicroBatchTimeline:
     layer_period_s: float  # max over units of the simulated layer's finish
     intervals: list[Interval] = field(default_factory=list)
+    #: per unit: the layer's period as the unit runs it (it waits for the units it shares groups with,
+    #: not for the others), and the output head after the micro-batch's last layer
+    unit_period_s: list[float] = field(default_factory=list)
+    head_s: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -475,7 +479,7 @@ class SimResult:
         }
         if timeline and self.timeline is not None:
             d["timeline"] = [
-                {"layer_period_s": mb.layer_period_s,
+                {"layer_period_s": mb.layer_period_s, "unit_period_s": mb.unit_period_s, "head_s": mb.head_s,
                  "intervals": [[iv.unit, iv.start, iv.end, iv.cat, iv.lane] for iv in mb.intervals]}
                 for mb in self.timeline
             ]
@@ -586,7 +590,9 @@ class Simulator:
             for (kind, nic), b in lay.nic_traffic().items():
                 traffic[kind][nic] += L * b
             if timeline:
-                tl.append(MicroBatchTimeline(layer_period_s=float(f.max()), intervals=lay.intervals()))
+                tl.append(MicroBatchTimeline(layer_period_s=float(f.max()), intervals=lay.intervals(),
+                                             unit_period_s=[float(x) for x in period_u],
+                                             head_s=[float(x) for x in head]))
         # each replica all-reduces its own shards (replicas of another TP degree: their cost model)
         tps = {r.tp for r in step.replicas} if step.replicas is not None else {ctx.tp}
         ar = max(self.cost_for(t).grad_allreduce_time(n) for t in tps)

@@ -274,7 +274,7 @@ def run_case(case: Case, update: bool = False, exact: bool = False) -> CaseResul
                     res.failures.append(
                         f"{case.name}: {s.planner} mean step time {res.new_mean_s * 1e3:.2f} ms is "
                         f"{res.change * 100:+.2f}% against the golden {res.golden_mean_s * 1e3:.2f} ms "
-                        f"(tolerance {s.tolerance * 100:g}%)")
+                        f"(tolerance {s.tolerance * 100:g}%); {_regression_detail(res, gh, header)}")
             # byte for byte: what --update would write against the golden file
             res.unchanged = golden_steps is not None and gh is not None and case.golden.read_bytes() == _plan_bytes(
                 header, plans)
@@ -303,6 +303,19 @@ def run_case(case: Case, update: bool = False, exact: bool = False) -> CaseResul
             res.written = True
             res.notes = [n for n in res.notes if "another cost profile" not in n]  # the new golden has this one
     return res
+
+
+def _regression_detail(res: CaseResult, golden_header, header) -> str:
+    """Which step got worst, by how much, and what differs from the golden's making."""
+    worst = max(range(len(res.new_times_s)), key=lambda k: res.new_times_s[k] / res.golden_times_s[k])
+    new, old = res.new_times_s[worst], res.golden_times_s[worst]
+    text = f"worst step {worst}: {old * 1e3:.2f} -> {new * 1e3:.2f} ms ({(new / old - 1) * 100:+.2f}%); "
+    was, now = golden_header.planner_options, header.planner_options
+    changed = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
+    if changed:
+        return text + "planner options changed: " + ", ".join(
+            f"{k} {was.get(k, 'default')} -> {now.get(k, 'default')}" for k in changed)
+    return text + "same inputs and options: the planner's code changed"
 
 
 def _stale(gh, header, golden_steps, plans) -> str:
@@ -398,6 +411,69 @@ def run_check(directory: str | os.PathLike, update: bool = False, workers: int =
     return CheckReport(results, beats, failures + bf, bad, time.perf_counter() - t0)
 
 
+# ------------------------------------------------------------------ a case from `zeppelin plan` flags
+DEFAULT_TOLERANCE = 0.01
+
+
+def check_case_flags(target: Path, unsupported: dict[str, Any], inputs: list) -> None:
+    """Refuse ``--save-case`` with a flag a check case cannot hold, or a target that is not DIR/NAME."""
+    from zeppelin.planner.core.inputs import check_path_writable
+
+    given = [flag for flag, value in unsupported.items() if value]
+    if given:
+        raise InputError(f"--save-case: a check case holds cluster, model, manifest, planner and its options, "
+                         f"steps, seed, tokens per step, max sequence length and tp; drop {', '.join(given)}")
+    name = Path(target).name
+    if not name or name in (".", "..") or name.endswith((".json", ".plan")):
+        raise InputError(f"--save-case takes DIR/NAME (NAME without an extension; got {str(target)!r})")
+    for suffix in (".json", ".plan"):
+        check_path_writable(Path(str(target) + suffix), [p for p in inputs if p is not None])
+
+
+def save_case(target: Path, *, cluster: str, model: str, manifest: str | None, planner: str,
+              options: dict[str, Any], steps: int, seed: int, tokens_per_step: int, max_seq_len: int | None,
+              tp: int) -> list[str]:
+    """Write ``target.json`` (a check case of these settings) and its golden ``target.plan``; the lines
+    to print. A manifest path is stored relative to the case's directory, as ``zeppelin check`` reads it."""
+    import json
+
+    from zeppelin.schemas.common import atomic_write_text
+
+    d = Path(target).parent
+    if manifest is None:
+        dataset = "sample"
+    elif os.path.isabs(manifest):
+        dataset = manifest
+    else:
+        dataset = os.path.relpath(os.path.abspath(manifest), os.path.abspath(d))
+    try:
+        spec = CheckCase(cluster=cluster, model=model, dataset=dataset, planner=planner,
+                         options=_json_options(planner, options), steps=steps, seed=seed, tokens_per_step=tokens_per_step,
+                         max_seq_len=max_seq_len, tp=tp, tolerance=DEFAULT_TOLERANCE,
+                         description=f"saved by `zeppelin plan --save-case {target}`")
+    except ValidationError as e:
+        raise InputError(f"--save-case: {format_validation_error(e)}") from None
+    d.mkdir(parents=True, exist_ok=True)
+    path = Path(str(target) + ".json")
+    case = Case(path.stem, path, spec)
+    res = run_case(case, update=True)
+    if res.failures:
+        raise InputError(f"--save-case: {res.failures[0]}")
+    atomic_write_text(path, json.dumps(spec.model_dump(exclude={"schema_version"}), indent=1) + "\n")
+    return [f"wrote {path} and its golden {case.golden} (mean simulated step {res.new_mean_s * 1e3:.2f} ms, "
+            f"tolerance {DEFAULT_TOLERANCE:.0%}); check it with `zeppelin check {d} -k {case.name}`"]
+
+
+def _json_options(planner: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Planner options as a case stores them: those differing from the planner's defaults."""
+    from zeppelin.planner.core import registry  # noqa: F401 (imports every planner module: they register)
+    from zeppelin.planner.core.base import PLANNERS
+
+    cls = PLANNERS.get(planner)
+    defaults = {sp.name: sp.default for sp in cls.Options.specs()} if cls is not None else {}
+    return {k: v for k, v in options.items() if k not in defaults or defaults[k] != v}
+
+
 def _weight(case: Case) -> float:
     return case.spec.steps * case.spec.tokens_per_step
 
@@ -407,7 +483,8 @@ def render(report: CheckReport, update: bool):
 
     t = table("zeppelin check" + (" --update" if update else ""),
               [(c, "left" if c in ("case", "planner", "status") else "right")
-               for c in ("case", "planner", "golden ms", "now ms", "change", "tol", "plan ms", "status")])
+               for c in ("case", "planner", "golden ms", "now ms", "change", "tol", "plan ms", "status")],
+              drop=["plan ms", "tol", "planner", "golden ms", "now ms"])
     for r in report.results:
         g = f"{r.golden_mean_s * 1e3:.2f}" if r.golden_mean_s is not None else "-"
         n = f"{r.new_mean_s * 1e3:.2f}" if r.new_mean_s is not None else "-"

@@ -11,7 +11,7 @@ from zeppelin.planner.sim.simulate import SimResult
 from zeppelin.schemas.common import atomic_write
 from zeppelin.schemas.plan import PlanHeader, Prediction, StepPlan
 
-__all__ = ["draw_demo_png", "draw_png", "gantt", "group_rows", "load_rows", "render_step", "step_prediction"]
+__all__ = ["draw_demo_png", "draw_png", "gantt", "load_heatmap", "timeline_boxes", "group_rows", "load_rows", "render_step", "step_prediction"]
 
 _BAR = 40
 
@@ -72,13 +72,12 @@ def _seqs_text(seqs: list[tuple[int, int]], limit: int = 8) -> str:
     return txt
 
 
-def render_step(header: PlanHeader, step: StepPlan, console, sim=None):
+def render_step(header: PlanHeader, step: StepPlan, console, sim=None, full: bool = False):
     """Print the step: groups by tier, the step's counts (:mod:`zeppelin.planner.sim.summary`), per-unit
     load bars, NIC loads with and without routing (the simulator's flows), remap volume.
-    ``sim``: a :class:`Simulator` for the plan (reused across steps). Returns the step's
-    :class:`~zeppelin.planner.sim.summary.PlanSummary`."""
-    from rich.text import Text
-
+    ``sim``: a :class:`Simulator` for the plan (reused across steps). ``full``: every group and unit
+    (else one screen: local groups summed per micro-batch, the most and least loaded units). Returns
+    the step's :class:`~zeppelin.planner.sim.summary.PlanSummary`."""
     from zeppelin.planner.sim.summary import step_summary, summary_lines, unit_nodes
     from zeppelin.planner.tools.tables import table
 
@@ -97,30 +96,20 @@ def render_step(header: PlanHeader, step: StepPlan, console, sim=None):
         msg += f" (x{pred.step_time_s / pred.lower_bound_s:.2f})"
     console.print(msg)
 
-    t = table("groups by tier", [(c, "left" if c.startswith("seq") else "right")
-                                 for c in ("mb", "tier", "kind", "units", "seqs", "tokens", "sequences (#index:length)")])
-    for r in group_rows(step, unit_nodes(sim.ctx, step)):
-        t.add_row(str(r["microbatch"]), r["tier"], r["kind"], _units_text(r["units"]), str(len(r["sequences"])),
-                  str(r["tokens"]), _seqs_text(r["sequences"]))
+    groups = group_rows(step, unit_nodes(sim.ctx, step))
+    if not full:
+        groups = summarised_groups(groups)
+    t = table("groups by tier" + ("" if full else " (local groups summed per micro-batch; --all lists each)"),
+              [(c, "left" if c.startswith("seq") else "right")
+               for c in ("mb", "tier", "kind", "units", "seqs", "tokens", "sequences (#index:length)")])
+    for r in groups:
+        t.add_row(str(r["microbatch"]), r["tier"], r["kind"], r.get("units_text") or _units_text(r["units"]),
+                  str(r.get("count", len(r["sequences"]))), str(r["tokens"]),
+                  r.get("seqs_text") or _seqs_text(r["sequences"]))
     console.print(t)
     for line in summary_lines(counts):
         console.print(line, highlight=False)
-
-    rows = load_rows(pred)
-    tmax = max((r[4] for r in rows), default=0.0) or 1.0
-    lt = table("per-unit predicted load (█ attention, ▓ linear, ░ exposed comm)",
-               [(c, "left" if c == "load" else "right") for c in ("unit", "tokens", "total ms", "load")])
-    for u, a, li, ex, tot, tok in rows:
-        bar = Text()
-        na = round(a / tmax * _BAR)
-        nl = round((a + li) / tmax * _BAR) - na
-        ne = round(tot / tmax * _BAR) - na - nl
-        bar.append("█" * na, style="cyan")
-        bar.append("▓" * max(nl, 0), style="green")
-        bar.append("░" * max(ne, 0), style="red")
-        lt.add_row(str(u), str(tok), f"{tot * 1e3:.2f}", bar)
-    console.print(lt)
-
+    console.print(load_table(pred, full))
     routed = counts.nic_bytes()
     if routed:
         # the same step with every transfer on its ranks' own NICs: what routing saves
@@ -132,7 +121,11 @@ def render_step(header: PlanHeader, step: StepPlan, console, sim=None):
                 unrouted[k] += b
         nt = table("NIC load per step (GB sent + received)",
                    [(c, "right") for c in ("NIC", "with routing", "without routing")])
-        for k in sorted(set(routed) | set(unrouted)):
+        nics = sorted(set(routed) | set(unrouted))
+        if not full and len(nics) > 8:  # one screen: the busiest (with routing) first
+            nics = sorted(nics, key=lambda k: -routed.get(k, 0.0))[:8]
+            nt.title += f": the 8 busiest of {len(set(routed) | set(unrouted))} (--all: each)"
+        for k in nics:
             nt.add_row(k, f"{routed.get(k, 0.0) / 1e9:.3f}", f"{unrouted.get(k, 0.0) / 1e9:.3f}")
         r_max = max(routed.values(), default=0.0)
         u_max = max(unrouted.values(), default=0.0)
@@ -140,84 +133,186 @@ def render_step(header: PlanHeader, step: StepPlan, console, sim=None):
         console.print(nt)
     else:
         console.print("NIC load: no inter-node traffic in this step")
+    remaps = []
     for mbi, mb in enumerate(step.microbatches):
         rm = mb.remap
         if rm.enabled or mb.linear_layout is not None:
             extra = f", predicted saving {rm.predicted_saving_s * 1e3:.2f} ms" if rm.predicted_saving_s else ""
-            console.print(f"remap (micro-batch {mbi}): {rm.tokens_moved} tokens moved, {rm.tokens_moved_inter} "
+            remaps.append(f"remap (micro-batch {mbi}): {rm.tokens_moved} tokens moved, {rm.tokens_moved_inter} "
                           f"across nodes{extra}" + (f" - {rm.reason}" if rm.reason else ""))
-        else:
-            console.print(f"remap (micro-batch {mbi}): off" + (f" - {rm.reason}" if rm.reason else ""))
+        elif full:
+            remaps.append(f"remap (micro-batch {mbi}): off" + (f" - {rm.reason}" if rm.reason else ""))
+    if not full and not remaps:
+        remaps.append(f"remap: off in all {len(step.microbatches)} micro-batch(es)")
+    for line in remaps:
+        console.print(line, highlight=False)
     return counts
+
+
+def summarised_groups(rows: list[dict]) -> list[dict]:
+    """:func:`group_rows` for one screen: the split groups as they are, the local ones of a micro-batch
+    summed in one row (units, sequences, tokens, length range)."""
+    out: list[dict] = []
+    local: dict[int, list[dict]] = defaultdict(list)
+    for r in rows:
+        (local[r["microbatch"]].append(r) if r["kind"] == "local" else out.append(r))
+    for mbi, rs in local.items():
+        lens = [n for r in rs for _, n in r["sequences"]]
+        out.append({"microbatch": mbi, "group": -1, "tier": "local", "kind": "local", "units": [],
+                    "units_text": f"{len(rs)} units", "count": len(lens), "sequences": [],
+                    "tokens": sum(r["tokens"] for r in rs), "seqs_text": f"lengths {min(lens)}-{max(lens)}"})
+    order = {"inter": 0, "intra": 1, "local": 2}
+    out.sort(key=lambda r: (r["microbatch"], order.get(r["tier"], 3), r["group"]))
+    return out
+
+
+def load_table(pred: Prediction, full: bool = False, top: int = 4):
+    """Per-unit predicted load bars: every unit with ``full`` or up to 16 units, else the ``top`` most
+    and least loaded (with the spread of the rest in the caption)."""
+    from rich.text import Text
+
+    from zeppelin.planner.tools.tables import table
+
+    rows = load_rows(pred)
+    tmax = max((r[4] for r in rows), default=0.0) or 1.0
+    shown = rows
+    if not full and len(rows) > 16:
+        by = sorted(rows, key=lambda r: -r[4])
+        shown = by[:top] + by[-top:]
+    lt = table("per-unit predicted load (█ attention, ▓ linear, ░ exposed comm)"
+               + ("" if shown is rows else f": the {top} most and least loaded of {len(rows)} units (--all: each)"),
+               [(c, "left" if c == "load" else "right") for c in ("unit", "tokens", "total ms", "load")])
+    for u, a, li, ex, tot, tok in shown:
+        bar = Text()
+        na = round(a / tmax * _BAR)
+        nl = round((a + li) / tmax * _BAR) - na
+        ne = round(tot / tmax * _BAR) - na - nl
+        bar.append("█" * na, style="cyan")
+        bar.append("▓" * max(nl, 0), style="green")
+        bar.append("░" * max(ne, 0), style="red")
+        lt.add_row(str(u), str(tok), f"{tot * 1e3:.2f}", bar)
+    if rows:
+        tot = [r[4] for r in rows]
+        lt.caption = f"all {len(rows)} units: {min(tot) * 1e3:.2f}-{max(tot) * 1e3:.2f} ms"
+    return lt
 
 
 _COLORS = {"attention": "#1f77b4", "linear": "#2ca02c", "ring-intra": "#ff7f0e", "ring-inter": "#d62728",
            "dispatch-intra": "#9467bd", "combine-intra": "#8c564b", "remap-intra": "#e377c2",
            "remap-inter": "#e377c2", "ulysses-intra": "#bcbd22", "ulysses-inter": "#bcbd22",
-           "allgather-intra": "#17becf", "allgather-inter": "#17becf"}
+           "allgather-intra": "#17becf", "allgather-inter": "#17becf", "head": "#7f7f7f",
+           "grad all-reduce": "#000000"}
 
 
-def gantt(ax, result: SimResult, title: str, legend: bool = True) -> None:
-    """Per-unit Gantt of a simulated step's layers (one per micro-batch; compute full height, its
-    communication as a thin bar beneath) on ``ax``."""
+def timeline_boxes(result: SimResult) -> tuple[dict[tuple[str, str], list[tuple[float, float, int]]], float]:
+    """The step as the model runs it, per unit: every micro-batch's layers one after the other (each
+    layer as the simulator timed it; a unit waits only for the units it shares groups with), the
+    output head after a micro-batch's last layer, then the gradient all-reduce once every unit is
+    done. Returns ``{(category, lane): [(start_s, end_s, unit), ...]}`` and the drawn extent in
+    seconds (the simulated step time)."""
+    n = len(result.units)
+    L = result.num_layers
+    boxes: dict[tuple[str, str], list[tuple[float, float, int]]] = defaultdict(list)
+    clock = np.zeros(n)
+    for mb in result.timeline or []:
+        per_unit: dict[int, list] = defaultdict(list)
+        for iv in mb.intervals:
+            per_unit[iv.unit].append(iv)
+        period = mb.unit_period_s or [mb.layer_period_s] * n
+        head = mb.head_s or [0.0] * n
+        for u in range(n):
+            for layer in range(L):
+                t0 = clock[u] + layer * period[u]
+                for iv in per_unit.get(u, ()):
+                    boxes[(iv.cat, iv.lane)].append((t0 + iv.start, t0 + iv.end, u))
+            clock[u] += L * period[u]
+            if head[u] > 0:
+                boxes[("head", "compute")].append((clock[u], clock[u] + head[u], u))
+            clock[u] += head[u]
+    end = float(clock.max()) if n else 0.0
+    if result.allreduce_s > 0:
+        for u in range(n):
+            boxes[("grad all-reduce", "compute")].append((end, end + result.allreduce_s, u))
+    return boxes, end + result.allreduce_s
+
+
+def gantt(ax, result: SimResult, title: str, legend: bool = True, xmax_ms: float | None = None) -> float:
+    """Per-unit Gantt of a whole simulated step (:func:`timeline_boxes`; compute full height, its
+    communication as a thin bar beneath) on ``ax``; returns the drawn extent in ms."""
     from matplotlib.collections import PolyCollection
     from matplotlib.patches import Patch
 
     n = len(result.units)
-    offset = 0.0
-    # one collection of rectangles per (category, lane): thousands of intervals draw in one call each
-    boxes: dict[tuple[str, str], list] = defaultdict(list)
-    for mbi, mb in enumerate(result.timeline or []):
-        for iv in mb.intervals:
-            x0, x1 = (offset + iv.start) * 1e3, (offset + iv.end) * 1e3
-            y0, y1 = (iv.unit - 0.4, iv.unit + 0.15) if iv.lane == "compute" else (iv.unit + 0.2, iv.unit + 0.4)
-            boxes[(iv.cat, iv.lane)].append(((x0, y0), (x0, y1), (x1, y1), (x1, y0)))
-        if mbi:
-            ax.axvline(offset * 1e3, color="k", lw=0.6, ls="--")
-        offset += mb.layer_period_s
-    seen = set()
-    for (cat, lane), verts in boxes.items():
+    boxes, extent = timeline_boxes(result)
+    seen = []
+    for (cat, lane), spans in boxes.items():
+        verts = []
+        for x0, x1, u in spans:
+            y0, y1 = (u - 0.4, u + 0.15) if lane == "compute" else (u + 0.2, u + 0.4)
+            verts.append(((x0 * 1e3, y0), (x0 * 1e3, y1), (x1 * 1e3, y1), (x1 * 1e3, y0)))
         ax.add_collection(PolyCollection(verts, facecolors=_COLORS.get(cat, "#7f7f7f"), edgecolors="none",
                                          alpha=1.0 if lane == "compute" else 0.6))
-        seen.add(cat)
-    ax.set_xlim(0, max(offset * 1e3, 1e-9))
+        if cat not in seen:
+            seen.append(cat)
+    ax.set_xlim(0, max(xmax_ms or extent * 1e3, 1e-9))
     ax.set_ylim(n - 0.5, -0.5)
     ax.set_yticks(range(0, n, max(1, n // 32)))
-    ax.set_xlabel("ms (one transformer layer, forward + backward, per micro-batch)")
-    ax.set_ylabel("unit")
-    ax.set_title(title)
+    ax.set_xlabel(f"time in the step, ms ({result.num_layers} layers per micro-batch, head, gradient all-reduce)",
+                  fontsize=8)
+    ax.set_ylabel("unit (data-parallel rank group)")
+    ax.set_title(title, fontsize=9)
     handles = [Patch(color=_COLORS.get(c, "#7f7f7f"), label=c) for c in sorted(seen)]
     if handles and legend:
-        ax.legend(handles=handles, loc="upper right", fontsize=7)
+        # under the axis, never over the bars
+        # (the pad, in font sizes, clears the tick labels and the axis title whatever the figure's height)
+        ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), borderaxespad=4.2,
+                  ncol=min(len(handles), 6), fontsize=7, frameon=False)
+    return extent * 1e3
 
 
 def draw_png(header: PlanHeader, step: StepPlan, result: SimResult, path: str | Path) -> None:
-    """Per-unit Gantt of the simulated layers (one per micro-batch) and a heat-map of unit loads."""
+    """Per-unit Gantt of the whole simulated step and a heat-map of unit loads (scale from 0)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     n = len(result.units)
-    fig_h = min(max(3.0, 0.18 * n + 2.5), 18.0)
+    fig_h = min(max(3.5, 0.18 * n + 2.5), 18.0)
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(15, fig_h), gridspec_kw={"width_ratios": [3, 1.2]})
-    gantt(ax, result, f"{header.planner}: step {step.step}, simulated {result.step_time_s * 1e3:.1f} ms "
-                      f"({result.num_layers} layers + head + all-reduce)")
-    # heat-map of unit loads: nodes x units per node, simulated busy time
-    upn = max(1, len(result.units) // max(header.cluster.num_nodes, 1))
-    rows = (n + upn - 1) // upn
-    grid = np.full((rows, upn), np.nan)
-    for u, s in enumerate(result.units):
-        grid[u // upn, u % upn] = s.busy_s * 1e3
-    im = ax2.imshow(grid, aspect="auto", cmap="viridis")
-    ax2.set_xticks(range(0, upn, max(1, upn // 16)))
-    ax2.set_yticks(range(0, rows, max(1, rows // 32)))
-    ax2.set_xlabel("unit within node")
-    ax2.set_ylabel("node")
-    ax2.set_title("busy ms per unit")
-    fig.colorbar(im, ax=ax2)
+    gantt(ax, result, f"{header.planner}: step {step.step}, simulated {result.step_time_s * 1e3:,.1f} ms "
+                      f"({len(result.timeline or [])} micro-batch(es) x {result.num_layers} layers + head "
+                      f"+ all-reduce)")
+    load_heatmap(fig, ax2, result, max(header.cluster.num_nodes, 1))
     fig.tight_layout()
     save_png(fig, path, dpi=110)
+
+
+def load_heatmap(fig, ax, result: SimResult, num_nodes: int) -> None:
+    """Busy time per unit, nodes x units per node, on a colour scale from 0 (so that a few percent of
+    spread looks like a few percent); the title states the spread."""
+    n = len(result.units)
+    upn = max(1, n // num_nodes)
+    rows = (n + upn - 1) // upn
+    grid = np.full((rows, upn), np.nan)
+    busy = np.array([s.busy_s * 1e3 for s in result.units])
+    for u, b in enumerate(busy):
+        grid[u // upn, u % upn] = b
+    top = float(busy.max()) if n else 1.0
+    im = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0.0, vmax=max(top, 1e-9))
+    if rows * upn <= 64:
+        for u, b in enumerate(busy):
+            ax.text(u % upn, u // upn, f"{b:,.0f}", ha="center", va="center", fontsize=6,
+                    color="white" if b < 0.6 * top else "black")
+    ax.set_xticks(range(0, upn, max(1, upn // 16)))
+    ax.set_yticks(range(0, rows, max(1, rows // 32)))
+    ax.set_xlabel("unit within node")
+    ax.set_ylabel("node")
+    lo = float(busy.min()) if n else 0.0
+    spread = (top - lo) / top if top > 0 else 0.0
+    ax.set_title(f"busy ms per unit (scale from 0)\nmin {lo:,.0f}, max {top:,.0f}: {spread:.1%} spread",
+                 fontsize=9)
+    fig.colorbar(im, ax=ax, label="busy ms")
 
 
 def draw_demo_png(timelines: list[tuple[str, SimResult]], speedups: list[tuple[str, float]], reference: str,
@@ -234,11 +329,10 @@ def draw_demo_png(timelines: list[tuple[str, SimResult]], speedups: list[tuple[s
     widths = [3] * len(timelines) + [2]
     fig, axes = plt.subplots(1, len(timelines) + 1, figsize=(6 * len(timelines) + 4, fig_h),
                              gridspec_kw={"width_ratios": widths})
-    xmax = max(sum(mb.layer_period_s for mb in (r.timeline or [])) for _, r in timelines) * 1e3
+    xmax = max(r.step_time_s for _, r in timelines) * 1e3  # one time axis: the longer step, whole
     for ax, (label, r) in zip(axes, timelines):
         gantt(ax, r, f"{label}: {r.step_time_s * 1e3:,.0f} ms step ({len(r.timeline or [])} micro-batch"
-                     f"{'es' if len(r.timeline or []) != 1 else ''})")
-        ax.set_xlim(0, xmax * 1.02)
+                     f"{'es' if len(r.timeline or []) != 1 else ''})", xmax_ms=xmax * 1.02)
     ax = axes[-1]
     names = [p for p, _ in speedups]
     vals = [v for _, v in speedups]
@@ -253,7 +347,7 @@ def draw_demo_png(timelines: list[tuple[str, SimResult]], speedups: list[tuple[s
     ax.axvline(1.0, color="k", lw=0.8)
     ends = [v + (xerr[1][y] if xerr else 0.0) for y, v in enumerate(vals)]  # labels past the whiskers
     for y, v in enumerate(vals):
-        ax.text(ends[y], y, f" {v:.2f}x", va="center", fontsize=8)
+        ax.text(ends[y], y, f"  {v:.2f}x", va="center", fontsize=8)
     ax.set_xlabel(f"speedup over {reference}")
     ax.set_title("ratio of simulated mean step times" + ("\nwhiskers: p10..p90 per step" if xerr else ""), fontsize=9)
     ax.set_xlim(0, max(ends + [1.0]) * 1.3)

@@ -7,30 +7,133 @@ letters ("toke…"); cell text that does not fit wraps instead of being cut. Hea
 short words (``"mean ms"``), stacked by rich when the terminal is narrow. :func:`console` is the
 console commands print to (the terminal's width, ``COLUMNS`` honoured); :func:`render_text` renders
 a table at a given width (tests check every command's table at 80 columns with it).
+
+A table never breaks a word: when the longest words of its columns do not fit the width, whole
+columns are left out (the last ones first, or those the table names), and the caption says which
+(:class:`FitTable`); a wider terminal shows them.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["console", "render_text", "simulate_step_tables", "simulate_summary_table", "table"]
 
 
-def table(title: str | None, columns: Sequence[str | tuple[str, str]], *, caption: str | None = None,
-          show_header: bool = True, styles: dict[str, str] | None = None):
-    """A rich ``Table`` with ``columns`` (a header, or ``(header, justify)``; the first column is
-    left-justified and the others right-justified unless given)."""
-    from rich import box
+@functools.cache
+def _fit_table_class():
     from rich.table import Table
 
-    t = Table(title=title, caption=caption, title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD,
+    class FitTable(Table):
+        """A rich ``Table`` that leaves out whole columns rather than fold a word at a narrow width."""
+
+        drop_order: list[str] | None = None  # headers, the first left out first (default: from the right)
+
+        def __rich_console__(self, console, options):
+            t = self._fitted(console, options)
+            yield from Table.__rich_console__(t, console, options)
+
+        def __rich_measure__(self, console, options):
+            return Table.__rich_measure__(self._fitted(console, options), console, options)
+
+        def _fitted(self, console, options):
+            import copy
+
+            width = options.max_width
+            for c in self.columns:  # rich may narrow a column below its longest word: never below
+                words = [w for cell in c._cells for w in _plain(cell).split()]
+                c.min_width = max([c.min_width or 0, *map(len, words)])
+            order = list(self.drop_order) if self.drop_order is not None else [
+                c.header for c in reversed(self.columns[1:])]
+            t, dropped = self, []
+            while order and (_needed(t) > width or not _fits_whole(t, width)):
+                name = order.pop(0)
+                keep = [c for c in t.columns if c.header != name]
+                if len(keep) == len(t.columns):
+                    continue
+                t = copy.copy(t)
+                t.columns = keep
+                dropped.append(name)
+            if dropped:
+                note = f"not shown at this width: {', '.join(dropped)} (a wider terminal shows them)"
+                t.caption = f"{t.caption}; {note}" if t.caption else note
+            return t
+
+    return FitTable
+
+
+def _needed(t) -> int:
+    """The narrowest a table of :func:`table` can be without breaking a word: each column's longest
+    word, and two spaces between columns (padding 1 on each side, none at the edges)."""
+    return sum(c.min_width or 0 for c in t.columns) + 2 * max(len(t.columns) - 1, 0)
+
+
+def _plain(cell) -> str:
+    if isinstance(cell, str):
+        from rich.text import Text
+
+        return Text.from_markup(cell).plain
+    return getattr(cell, "plain", "")
+
+
+def _fits_whole(t, width: int) -> bool:
+    """:func:`_whole`, narrowing every column to its longest word (headers then wrap between words)
+    where rich's own layout would otherwise cut one."""
+    if _whole(t, width):
+        return True
+    for c in t.columns:
+        c.max_width = c.min_width
+    if _whole(t, width):
+        return True
+    for c in t.columns:
+        c.max_width = None
+    return False
+
+
+def _whole(t, width: int) -> bool:
+    """Whether ``t`` renders at ``width`` with every word of its headers and cells whole."""
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
+    class _Raw:  # the table as rich lays it out, without fitting it again
+        def __rich_console__(self, console, options):
+            yield from Table.__rich_console__(t, console, options)
+
+    con = Console(file=io.StringIO(), width=width, color_system=None, force_terminal=False, legacy_windows=False)
+    con.print(_Raw())
+    from collections import Counter
+
+    tokens = Counter(con.file.getvalue().split())
+    words = Counter(w for c in t.columns for cell in [c.header, *c._cells] for w in _plain(cell).split())
+    return all(tokens[w] >= k for w, k in words.items())
+
+
+def __getattr__(name: str):
+    if name == "FitTable":  # built on first use: rich is imported only by commands that print tables
+        return _fit_table_class()
+    raise AttributeError(name)
+
+
+def table(title: str | None, columns: Sequence[str | tuple[str, str]], *, caption: str | None = None,
+          show_header: bool = True, styles: dict[str, str] | None = None, drop: Sequence[str] | None = None):
+    """A rich ``Table`` with ``columns`` (a header, or ``(header, justify)``; the first column is
+    left-justified and the others right-justified unless given). ``drop``: the headers of the columns
+    to leave out first when the table does not fit (default: from the last column on)."""
+    from rich import box
+
+    t = _fit_table_class()(title=title, caption=caption, title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD,
               show_header=show_header, pad_edge=False, padding=(0, 1), collapse_padding=True, show_edge=False)
     for i, spec in enumerate(columns):
         header, justify = (spec, "left" if i == 0 else "right") if isinstance(spec, str) else spec
         longest_word = max((len(w) for w in header.split()), default=0)
         t.add_column(header, justify=justify, min_width=longest_word, overflow="fold",
                      style=(styles or {}).get(header))
+    if drop is not None:
+        t.drop_order = list(drop)
     return t
 
 
@@ -69,7 +172,8 @@ def simulate_summary_table(header, results):
               f"({header.world_size} GPUs, tp={header.tp}), {header.model.name}",
               [(c, "right") for c in ("step", "sim ms", "pred ms", "LB ms", "xLB", "busy %", "exposed ms", "idle ms",
                                       "NIC busy %")],
-              caption="busy / exposed / idle: mean over units; NIC busy: the busiest NIC")
+              caption="busy / exposed / idle: mean over units; NIC busy: the busiest NIC; xLB: simulated step / "
+                      "lower bound (docs/CONCEPTS.md)")
     for r in results:
         busy = _np().mean([u.busy_s for u in r.units]) / r.step_time_s * 100 if r.step_time_s else 0.0
         t.add_row(

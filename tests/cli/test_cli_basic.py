@@ -57,7 +57,7 @@ def test_stats_parquet_npy_and_fields(tmp_path, capsys):
     code, out, err = run(["data", "stats", str(tmp_path / "c.jsonl"), "--text-field", "text",
                           "--tokenizer", "whitespace"], capsys)
     assert code == 2 and err == f"zeppelin: error: {tmp_path / 'c.jsonl'}: field 'text' not found at line 2 " \
-                                "(fields: ids)\n"
+                                "(fields: ids); name the field to use with --text-field NAME\n"
     code, _, err = run(["data", "stats", str(tmp_path / "c.jsonl"), "--text-field", "text"], capsys)
     assert code == 2 and err == "zeppelin: error: --text-field needs --tokenizer ('whitespace', 'bytes' or a tokenizer.json path) or " \
                                 "--python-tokenizer MODULE:CALLABLE\n"
@@ -81,7 +81,7 @@ def test_png_written_and_nothing_written_on_error(tmp_path, capsys):
 
 @pytest.mark.parametrize("content,problem", [
     ('{"length": 3}\n{"length": 4\n', "malformed JSON at line 2: Expecting ',' delimiter (column 13)"),
-    ('{"len": 3}\n', "field 'length' not found at line 1 (fields: len)"),
+    ('{"len": 3}\n', "field 'length' not found at line 1 (fields: len); name the field to use with --length-field NAME"),
     ('{"length": 0}\n', "non-positive length 0 at sample 0 (line 1)"),
     ("\n\n", "manifest has no samples"),
 ])
@@ -105,7 +105,7 @@ def test_demo_runs_on_defaults(capsys):
     ds = load_manifest(default_manifest_path())
     assert f"{ds.num_samples:,}" in out
     assert "zeppelin-a: 2 x 8 A800-SXM4-80GB" in out and "llama-7b" in out
-    assert "sampled steps  (tokens_per_step=524,288" in out
+    assert "sampled steps  (tokens_per_step=132,368" in out  # the one default: 8,273 tokens x 16 GPUs
     assert "why tiers" in out and "ring communication hides from" in out
 
 

@@ -6,6 +6,11 @@
 
       .venv/bin/python tests/cli/test_cli_surface.py --record
 
+* One vocabulary: a shared option (manifest, cluster, model, token budget, ...) has the same long
+  and short names in every command that takes it (:data:`VOCABULARY`); a shared name never means
+  something else; every command reading a manifest takes the field flags. Spellings of the previous
+  release are listed in ``planner/cli/common.py`` (``DEPRECATED``).
+
 * Planner options are declared only by each planner's ``Options`` dataclass
   (``planner/core/options.py``), and ``zeppelin run``'s flags only by the fields of
   ``RunConfig`` / ``LaunchConfig`` (``runtime/config.py``): no module reads options with
@@ -176,6 +181,52 @@ def test_run_flags_are_declared_only_by_the_config_dataclasses():
                     dtype="fp32", recompute="full", recompute_override=True, export="out")
     assert RunConfig(**vars(build_parser().parse_args(cfg.to_argv()))) == cfg
     assert RunConfig(plan="p.jsonl").to_argv() == ["p.jsonl"]
+
+
+# ------------------------------------------------------------------ one vocabulary (planner/cli/common.py)
+#: parameter name -> the option names it has wherever it appears
+VOCABULARY = {
+    "manifest": ["--manifest", "-m"], "cluster": ["--cluster", "-c"], "model": ["--model"],
+    "tokens_per_step": ["--tokens-per-step"], "max_seq_len": ["--max-seq-len"], "steps": ["--steps"],
+    "seed": ["--seed"], "profile": ["--profile"], "time_limit": ["--time-limit"], "output": ["--output", "-o"],
+    "json_out": ["--json"], "as_json": ["--json"], "length_field": ["--length-field"], "ids_field": ["--ids-field"],
+    "text_field": ["--text-field"], "tokenizer": ["--tokenizer"],
+}
+COMMANDS = ("plan", "compare", "demo", "simulate", "show", "data stats", "validate")
+READS_MANIFEST = ("plan", "compare", "demo", "data stats", "validate")
+FIELD_FLAGS = ("length_field", "ids_field", "text_field", "tokenizer")
+
+
+def _surface():
+    return {k.removeprefix("zeppelin "): v for k, v in surface().items()}
+
+
+def _old_names() -> dict[str, set[str]]:
+    from zeppelin.planner.cli.common import DEPRECATED
+
+    out: dict[str, set[str]] = {}
+    for (cmd, old) in DEPRECATED:
+        out.setdefault(cmd, set()).add(old.split()[0])
+    return out
+
+
+def test_every_command_spells_a_shared_option_the_same_way():
+    surf, old = _surface(), _old_names()
+    problems = []
+    for cmd in COMMANDS:
+        for p in surf[cmd]:
+            names = [n for n in p["names"] if n not in old.get(cmd, set()) or p["name"] in VOCABULARY]
+            if p["name"] in VOCABULARY and sorted(names) != sorted(VOCABULARY[p["name"]]):
+                problems.append(f"{cmd} {p['name']}: {names}, the vocabulary says {VOCABULARY[p['name']]}")
+            # a shared short or long name never means something else
+            for n in p["names"]:
+                owner = [k for k, v in VOCABULARY.items() if n in v]
+                if owner and p["name"] not in owner and n not in old.get(cmd, set()):
+                    problems.append(f"{cmd}: {n} is {p['name']}, the vocabulary gives it to {owner[0]}")
+    for cmd in READS_MANIFEST:
+        have = {p["name"] for p in surf[cmd]}
+        problems += [f"{cmd} reads a manifest but has no {f}" for f in FIELD_FLAGS if f not in have]
+    assert not problems, "\n".join(problems)
 
 
 if __name__ == "__main__":

@@ -146,11 +146,11 @@ OUTPUT_CASES = [
     ("show-png-plan", ["show", "p.jsonl", "--png", "p.jsonl"], "p.jsonl: output would overwrite an input file"),
     ("show-png-dev", ["show", "p.jsonl", "--png", "/dev/full"],
      "/dev/full: output path is a character device, not a regular file"),
-    ("compare-o-cluster", ["compare", "-c", "cluster.json", "-m", "tiny", "-n", "1", "-o", "cluster.json"],
+    ("compare-o-cluster", ["compare", "-c", "cluster.json", "--model", "tiny", "--steps", "1", "-o", "cluster.json"],
      "cluster.json: output would overwrite an input file"),
-    ("compare-png-dataset", ["compare", "-c", "local-cpu:2", "-m", "tiny", "-n", "1", "-d", "m.jsonl",
+    ("compare-png-dataset", ["compare", "-c", "local-cpu:2", "--model", "tiny", "--steps", "1", "-m", "m.jsonl",
                              "--png", "m.jsonl"], "m.jsonl: output would overwrite an input file"),
-    ("compare-o-equals-png", ["compare", "-c", "local-cpu:2", "-m", "tiny", "-n", "1", "-o", "c.png",
+    ("compare-o-equals-png", ["compare", "-c", "local-cpu:2", "--model", "tiny", "--steps", "1", "-o", "c.png",
                               "--png", "c.png"], "c.png: -o and --png name the same file"),
     ("data-png-manifest", ["data", "stats", "x.png", "--png", "x.png"], "x.png: output would overwrite an input file"),
     ("data-png-dev", ["data", "stats", "m.jsonl", "--png", "null.png"],
@@ -269,7 +269,7 @@ CODE_CASES = [
     ("data-stats", ["data", "stats", "evil.manifest.json"], f"evil.manifest.json: {CODE}"),
     ("plan", ["plan", "-m", "evil.manifest.json", "-c", "local-cpu:2", "--model", "tiny", "-o", "o.jsonl"],
      f"evil.manifest.json: {CODE}"),
-    ("compare", ["compare", "-c", "local-cpu:2", "-m", "tiny", "-n", "1", "-d", "evil.manifest.json"],
+    ("compare", ["compare", "-c", "local-cpu:2", "--model", "tiny", "--steps", "1", "-m", "evil.manifest.json"],
      f"evil.manifest.json: {CODE}"),
     ("check-case", ["check", "cases"], f"c: bad input: cases/../evil.manifest.json: {CODE}"),
     ("validate", ["validate", "p.jsonl", "--manifest", "evil.manifest.json"], f"evil.manifest.json: {CODE}"),
@@ -518,10 +518,9 @@ BOUNDS = [
      "cluster preset 'local-cpu:1x100000': at most 4,096 nodes of 256 GPUs (got 1 x 100,000)"),
     ("plan-cluster-zero", ["plan", "-c", "zeppelin-a:0", "--model", "tiny", "-o", "o.jsonl"],
      "cluster preset 'zeppelin-a:0': node and GPU counts must be at least 1"),
-    ("compare-steps-huge", ["compare", "-n", str(10**12)], "--steps must be at most 1,000,000 (got 1,000,000,000,000)"),
-    ("compare-tokens-zero", ["compare", "--tokens-per-gpu", "0"], "--tokens-per-gpu must be at least 1 (got 0)"),
-    ("compare-solver-limit-nan", ["compare", "--solver-time-limit", "nan"],
-     "--solver-time-limit must be a finite number (got nan)"),
+    ("compare-steps-huge", ["compare", "--steps", str(10**12)], "--steps must be at most 1,000,000 (got 1,000,000,000,000)"),
+    ("compare-tokens-zero", ["compare", "--tokens-per-step", "0"], "--tokens-per-step must be at least 1 (got 0)"),
+    ("compare-time-limit-nan", ["compare", "--time-limit", "nan"], "--time-limit must be a finite number (got nan)"),
     ("compare-seed-huge", ["compare", "--seed", str(2**70)], f"--seed must be at most {2**63 - 1:,} (got {2**70:,})"),
     ("compare-workers-negative", ["compare", "-j", "-1"], "--workers must be at least 0 (got -1)"),
     ("compare-tp-zero", ["compare", "--tp", "0"], "--tp must be at least 1 (got 0)"),
@@ -616,11 +615,10 @@ BAD_FILES = [
 @pytest.mark.parametrize("kind,edit,message", [c[1:] for c in BAD_FILES], ids=[c[0] for c in BAD_FILES])
 def test_bad_spec_file(work, capsys, command, kind, edit, message):
     _spec(work, "c.json", kind, edit)
-    flag = {"cluster": "-c", "model": "--model" if command == "plan" else "-m"}[kind]
-    other = ["--model", "tiny"] if kind == "cluster" and command == "plan" else (
-        ["-m", "tiny"] if kind == "cluster" else ["-c", "local-cpu:2"])
+    flag = {"cluster": "-c", "model": "--model"}[kind]
+    other = ["--model", "tiny"] if kind == "cluster" else ["-c", "local-cpu:2"]
     argv = (["plan", "-m", "m.jsonl", flag, "c.json", *other, "-o", "o.jsonl"] if command == "plan"
-            else ["compare", "-n", "1", flag, "c.json", *other])
+            else ["compare", "--steps", "1", flag, "c.json", *other])
     assert_refused(work, capsys, argv, message)
 
 
@@ -666,7 +664,7 @@ INPUT_CASES = [
     ("run-plan-fifo", ["run", "fifo.jsonl"], "fifo.jsonl: plan is a FIFO, not a regular file"),
     ("simulate-plan-deep", ["simulate", "deep-plan.jsonl"], "deep-plan.jsonl: header: JSON nested deeper than 64 levels"),
     ("show-plan-deep", ["show", "deep-plan.jsonl"], "deep-plan.jsonl: header: JSON nested deeper than 64 levels"),
-    ("compare-dataset-dev-zero", ["compare", "-n", "1", "-d", "zero.jsonl"],
+    ("compare-dataset-dev-zero", ["compare", "--steps", "1", "-m", "zero.jsonl"],
      "zero.jsonl: manifest is a character device, not a regular file"),
     ("run-data-fifo", ["run", "p.jsonl", "--data", "fifo.jsonl"], "fifo.jsonl: manifest is a FIFO, not a regular file"),
     ("run-data-dev-zero", ["run", "p.jsonl", "--data", "zero.jsonl"],
@@ -723,7 +721,7 @@ USAGE = [
      "(see `zeppelin run --help`)"),
     ("unknown-command", ["bogus"], "No such command 'bogus'. (see `zeppelin --help`)"),
     ("data-unknown-command", ["data", "bogus"], "No such command 'bogus'. (see `zeppelin data --help`)"),
-    ("schema-unknown", ["schema", "nope"], "unknown schema 'nope' (known: cluster, model, manifest, profile, plan, step)"),
+    ("schema-unknown", ["schema", "nope"], "unknown schema 'nope' (known: cluster, model, manifest, profile, plan, step, case)"),
     ("validate-limit-not-int", ["validate", "p.jsonl", "--limit", "x"],
      "Invalid value for '--limit': Input should be a valid integer, unable to parse string as an integer "
      "(see `zeppelin validate --help`)"),
@@ -765,7 +763,7 @@ def test_bad_manifest(work, capsys, command, name, content, message):
     (work / name).write_bytes(content)
     argv = {"data": ["data", "stats", name],
             "plan": ["plan", "-m", name, "-c", "local-cpu:2", "--model", "tiny", "-o", "o.jsonl"],
-            "compare": ["compare", "-n", "1", "-d", name]}[command]
+            "compare": ["compare", "--steps", "1", "-m", name]}[command]
     assert_refused(work, capsys, argv, message)
 
 

@@ -81,7 +81,7 @@ def test_demo_plans_compares_and_draws_in_80_columns(narrow, capsys, tmp_path):
     _fits(out, "seqs", "tokens", "longest", "FLOPs", "length", "planner", "mean", "tuned", "LB", "plan")
     for name in ("zeppelin", "te-cp", "te-cp-tuned", "ulysses", "hybrid-dp", "megatron-dcp", "flexsp", "hydraulis"):
         assert any(ln.split()[:1] == [name] for ln in out.splitlines()), name
-    assert "x over te-cp" in out and f"wrote {png}" in " ".join(out.split())
+    assert "verdict: zeppelin" in out and f"wrote {png}" in " ".join(out.split())
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -101,3 +101,42 @@ def test_compare_json_still_carries_every_column(narrow, capsys):
                           capsys))
     assert {"p50_s", "speedup_vs_te_cp", "speedup_vs_te_cp_tuned"} <= set(doc["planners"][2])
     assert "zeppelin_speedup_vs_te_cp_tuned" in doc
+
+
+def test_a_table_leaves_out_columns_rather_than_break_a_word():
+    from collections import Counter
+
+    from zeppelin.planner.tools.tables import render_text, table
+
+    cols = ("case", "planner", "golden ms", "now ms", "change", "tol", "plan ms", "status")
+    t = table("zeppelin check", cols, drop=["plan ms", "tol", "planner", "golden ms", "now ms"])
+    for name in ("a16-llama7b-short--hybrid-dp", "a16-llama7b-long--megatron-dcp"):
+        t.add_row(name, "megatron-dcp", "1234.56", "1240.01", "+0.44%", "1%", "1138", "ok")
+    for width, dropped in ((120, []), (80, ["plan ms", "tol"]), (60, ["plan ms", "tol", "planner", "golden ms",
+                                                                     "now ms"])):
+        text = render_text(t, width)
+        assert all(len(ln.rstrip()) <= width for ln in text.splitlines())
+        words = Counter(text.split())
+        for c in cols:
+            if c in dropped:
+                continue
+            assert all(words[w] >= 1 for w in c.split()), (width, c)
+            for row in ([n, "megatron-dcp", "1234.56", "1240.01", "+0.44%", "1%", "1138", "ok"]
+                        for n in ("a16-llama7b-short--hybrid-dp", "a16-llama7b-long--megatron-dcp")):
+                assert words[row[cols.index(c)]] >= 1, (width, c, text)
+        note = " ".join(text.split())
+        assert (f"not shown at this width: {', '.join(dropped)}" in note) == bool(dropped), (width, note)
+
+
+def test_show_summarises_a_step_in_one_screen(narrow, capsys, tmp_path):
+    plan = tmp_path / "w32.plan"
+    _run(["plan", "-c", "local-cpu:4x8", "--model", "tiny", "--tokens-per-step", "65536", "--max-seq-len", "8192",
+          "--steps", "1", "-q", "-o", str(plan)], capsys)
+    short = _run(["show", str(plan)], capsys)
+    _fits(short, "tier", "kind", "units", "seqs", "tokens", "total")
+    assert len(short.splitlines()) <= 50
+    assert "the 4 most and least loaded of 32 units (--all: each)" in " ".join(short.split())
+    full = _run(["show", str(plan), "--all"], capsys)
+    _fits(full, "tier", "kind", "units", "seqs", "tokens", "total")
+    units = [ln.split()[0] for ln in full.splitlines() if ("▓" in ln or "█" in ln) and ln.split()[0].isdigit()]
+    assert units == [str(u) for u in range(32)]

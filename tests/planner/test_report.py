@@ -111,6 +111,22 @@ def test_report_matches_hand_calculation(tmp_path):
     assert rep["summary"]["step_after_first"]["median_abs"] == pytest.approx(e1)
     assert rep["summary"]["phases"]["remap"]["steps"] == 0
     json.dumps(rep)  # serialisable as written by --report-json
+    # printed in 80 columns: the step table, then the phases' medians (the per-step phases are in the JSON)
+    import io
+
+    from rich.console import Console
+
+    from zeppelin.planner.sim.report import render
+
+    con = Console(file=io.StringIO(), width=80, color_system=None)
+    render(rep, con)
+    text = con.file.getvalue()
+    assert all(len(ln.rstrip()) <= 80 for ln in text.splitlines()), text
+    step1 = next(ln.split() for ln in text.splitlines() if ln.split()[:1] == ["1"])
+    assert step1 == ["1", "160.0", "169.0", f"{e1:+.1%}", "-"]  # (the synthetic plan carries no estimate)
+    attn = next(ln.split() for ln in text.splitlines() if ln.split()[:1] == ["attention"])
+    meas = sorted(r["measured_s"]["attention"] for r in rep["steps"])
+    assert attn[1:3] == [f"{sum(meas) / 2 * 1e3:.1f}", "82.0"]  # medians of the measured and predicted attention
 
 
 def test_resumed_metrics_skip_and_duplicates(tmp_path):

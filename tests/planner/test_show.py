@@ -66,7 +66,7 @@ def test_cli_show_text(routed_plan, zeppelin_bin):
     nic_lines = {r[0]: r[1:3] for r in rows}
     assert nic_lines["node0/nic0"] == [gb, gb2]
     assert nic_lines["node0/nic1"] == [gb, "0.000"]
-    assert "remap (micro-batch 0): off" in text
+    assert "remap: off in all 1 micro-batch(es)" in text
 
 
 def test_cli_show_png(routed_plan, zeppelin_bin, tmp_path):

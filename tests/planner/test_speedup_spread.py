@@ -14,7 +14,7 @@ from zeppelin.planner.cli import app
 from zeppelin.planner.tools.compare import PlannerRun, comparison, prediction_error, prediction_error_text
 from zeppelin.schemas.profile import CostProfile, ModelFits, PolyFit, ProfileSource, default_profile
 
-SMALL = ["-c", "local-cpu:2x2", "--model", "tiny", "-d", "mixed", "-n", "5", "--tokens-per-gpu", "4096",
+SMALL = ["-c", "local-cpu:2x2", "--model", "tiny", "-m", "mixed", "--steps", "5", "--tokens-per-step", "16384",
          "--max-seq-len", "4096", "-j", "1"]
 PLANNERS = "te-cp,te-cp-tuned,ulysses,zeppelin"
 
@@ -52,9 +52,28 @@ def test_compare_prints_each_speedup_with_the_spread_of_its_steps(tmp_path):
             assert s[key + "_per_step"] == pytest.approx(
                 [r / t for r, t in zip(next(x for x in doc["planners"] if x["planner"] == ref)["step_times_s"],
                                        s["step_times_s"])])
+    # the verdict under the table: zeppelin over each baseline, the same numbers as the table's
+    zrow = next(i for i, ln in enumerate(lines) if ln.split()[:1] == ["zeppelin"])
+    table_mean = {ln.split()[0]: float(ln.split()[1]) for ln in lines[:zrow + 1] if ln.split()[:1] and
+                  ln.split()[0] in PLANNERS.split(",")}
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("verdict: "))
+    rows = {ln.split()[2]: ln.split() for ln in lines[start + 1:start + 4]}
+    assert sorted(rows) == ["te-cp", "te-cp-tuned", "ulysses"]
+    for col, ref in enumerate(("te-cp", "te-cp-tuned")):  # the table's speedup cells, verbatim
+        assert rows[ref][:2] == [lines[zrow].split()[3 + col], lines[zrow + 1].split()[col]]
+    for ref, cells in rows.items():
+        mean, lo, hi = _independent(doc, "zeppelin", ref)
+        assert cells[:2] == [f"{mean:.2f}x", f"{lo:.2f}-{hi:.2f}"]
+        assert mean == pytest.approx(table_mean[ref] / table_mean["zeppelin"], abs=0.01)  # the table's means
+        v = next(r for r in doc["verdict"]["rows"] if r["baseline"] == ref)
+        assert (v["speedup"], v["p10"], v["p90"]) == pytest.approx((mean, lo, hi))
+    assert "TransformerEngine / Megatron CP" in " ".join(rows["te-cp"]) and "DeepSpeed-Ulysses" in lines[start + 3]
+    from zeppelin.planner.tools.compare import verdict_lines
+
+    assert all(len(ln) <= 80 for ln in verdict_lines(doc["verdict"]))  # never wrapped in a terminal
+    where = doc["verdict"]["where"]["te-cp"]
+    assert where["step_s"] == pytest.approx(where["lower_bound_s"] + where["exposed_comm_s"] + where["imbalance_s"])
     mean, lo, hi = _independent(doc, "zeppelin", "te-cp")
-    flat = " ".join(text.split())
-    assert f"zeppelin: {mean:.2f}x over te-cp (p10-p90 per step {lo:.2f}-{hi:.2f}x)" in flat
     assert doc["zeppelin_speedup_vs_te_cp_p10"] == pytest.approx(lo)
     assert doc["zeppelin_speedup_vs_te_cp_p90"] == pytest.approx(hi)
     assert lo <= hi
@@ -62,7 +81,6 @@ def test_compare_prints_each_speedup_with_the_spread_of_its_steps(tmp_path):
     mean, lo, hi = _independent(doc, "zeppelin", best)
     assert doc["zeppelin_speedup_vs_best_baseline_p10"] == pytest.approx(lo)
     assert doc["zeppelin_speedup_vs_best_baseline_p90"] == pytest.approx(hi)
-    assert f"{mean:.2f}x over the best other baseline {best} (p10-p90 per step {lo:.2f}-{hi:.2f}x)" in flat
     # no --profile: the preset curves, and nothing is claimed about an error
     assert doc["prediction_error"] == {"profile": "preset curves", "given": False, "measured": False,
                                        "step_time_error": None, "step_time_error_worst": None,
@@ -129,5 +147,5 @@ def test_demo_prints_the_spread(tmp_path):
     text = _run(["demo", "--cluster", "local-cpu:2x2", "--model", "tiny", "--steps", "3", "--planners",
                  "zeppelin,te-cp", "--stages", "plan", "--png", str(tmp_path / "d.png"), "-j", "1"])
     flat = " ".join(text.split())
-    assert re.search(r"zeppelin: \d+\.\d\dx over te-cp \(p10-p90 per step \d+\.\d\d-\d+\.\d\dx\)", flat), flat
+    assert re.search(r"verdict: zeppelin's speedup .* \d+\.\d\dx \d+\.\d\d-\d+\.\d\d te-cp TransformerEngine", flat), flat
     assert "prediction error" not in flat

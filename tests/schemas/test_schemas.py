@@ -182,7 +182,7 @@ def test_schema_export(zeppelin_bin, name):
 def test_schema_unknown(zeppelin_bin):
     r = subprocess.run([zeppelin_bin, "schema", "bogus"], capture_output=True, text=True)
     assert r.returncode == 2
-    assert r.stderr.strip() == "zeppelin: error: unknown schema 'bogus' (known: cluster, model, manifest, profile, plan, step)"
+    assert r.stderr.strip() == "zeppelin: error: unknown schema 'bogus' (known: cluster, model, manifest, profile, plan, step, case)"
     assert r.stdout == ""
 
 

@@ -1,0 +1,62 @@
+"""`zeppelin plan --save-case DIR/NAME`: a `zeppelin check` case and its golden from the plan's own
+flags; it checks green, and a planner option that slows the plan fails it with a line naming the
+case, the step, the change and the option; `zeppelin schema case` exports the case's schema."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from zeppelin.planner.cli import main
+
+FLAGS = ["-c", "zeppelin-a:2", "--model", "llama-7b", "--steps", "2", "--tokens-per-step", "131072",
+         "--max-seq-len", "32768"]
+
+
+def _run(argv, capsys) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
+def test_saved_case_checks_green_then_fails_on_a_slower_option(tmp_path, capsys):
+    target = tmp_path / "ci" / "a16"
+    code, out, err = _run(["plan", *FLAGS, "--save-case", str(target)], capsys)
+    assert code == 0, err
+    case = json.loads((tmp_path / "ci" / "a16.json").read_text())
+    assert {k: case[k] for k in ("cluster", "model", "dataset", "planner", "options", "steps", "tokens_per_step",
+                                 "max_seq_len")} == {
+        "cluster": "zeppelin-a:2", "model": "llama-7b", "dataset": "sample", "planner": "zeppelin", "options": {},
+        "steps": 2, "tokens_per_step": 131072, "max_seq_len": 32768}
+    assert out.startswith(f"wrote {target}.json and its golden {target}.plan")
+    code, out, err = _run(["check", str(tmp_path / "ci"), "--exact", "-j", "1"], capsys)
+    assert code == 0 and out.splitlines()[-1].startswith("1 case(s) checked in ")
+    assert out.splitlines()[-1].endswith(": passed")
+    case["options"] = {"ilp": "never", "families": "none"}  # a planner setting that gives slower steps
+    (tmp_path / "ci" / "a16.json").write_text(json.dumps(case))
+    code, out, err = _run(["check", str(tmp_path / "ci"), "-j", "1"], capsys)
+    assert code == 1
+    fail = next(ln for ln in out.splitlines() if ln.startswith("FAIL a16: "))
+    assert "zeppelin mean step time" in fail and "against the golden" in fail and "(tolerance 1%)" in fail
+    assert "; worst step " in fail and "planner options changed: families default -> none, ilp default -> never" \
+        in fail
+
+
+def test_save_case_refuses_what_a_case_cannot_hold(tmp_path, capsys):
+    code, out, err = _run(["plan", *FLAGS, "--zero-stage", "2", "--save-case", str(tmp_path / "c")], capsys)
+    assert (code, err) == (2, "zeppelin: error: --save-case: a check case holds cluster, model, manifest, planner "
+                              "and its options, steps, seed, tokens per step, max sequence length and tp; drop "
+                              "--zero-stage\n")
+    code, out, err = _run(["plan", *FLAGS, "--save-case", str(tmp_path / "c.json")], capsys)
+    assert (code, err) == (2, f"zeppelin: error: --save-case takes DIR/NAME (NAME without an extension; got "
+                              f"{str(tmp_path / 'c.json')!r})\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_schema_case(capsys):
+    from zeppelin.planner.tools.check import CheckCase
+
+    code, out, err = _run(["schema", "case"], capsys)
+    assert code == 0 and json.loads(out) == CheckCase.model_json_schema()
