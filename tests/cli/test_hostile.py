@@ -779,7 +779,8 @@ def test_every_file_write_goes_through_the_one_writer():
     for pkg in ("schemas", "planner", "runtime"):
         for f in sorted((ROOT / pkg).rglob("*.py")):
             for line in f.read_text().splitlines():
-                if pattern.search(line) and not line.lstrip().startswith("#"):
+                read_only = "O_RDONLY" in line and not re.search(r"O_WRONLY|O_RDWR|O_CREAT|O_TRUNC|O_APPEND", line)
+                if pattern.search(line) and not line.lstrip().startswith("#") and not read_only:
                     found.add((str(f.relative_to(ROOT)), line.strip()))
     allowed = {
         ("planner/tools/show.py", 'fig.savefig(fh, format="png", dpi=dpi)'),  # fh from atomic_write
