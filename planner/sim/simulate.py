@@ -560,6 +560,7 @@ class Simulator:
         tl: list[MicroBatchTimeline] = []
         for mb in step.microbatches:
             # one task graph per layer type (attention window), counted for its layers
+            acc = np.zeros((5, n))  # attention, linear, exposed, comm, period per unit
             for w, nl in ctx.model.window_counts().items():
                 lay = _Layer(self, step, mb, reps, window=w)
                 lay.build()
@@ -571,12 +572,11 @@ class Simulator:
                     for u in comp:
                         period_u[u] = m
                 for u in range(n):
-                    st = units[u]
-                    st.attention_s += float(nl * comp_a[u])
-                    st.linear_s += float(nl * comp_l[u])
-                    st.exposed_comm_s += float(nl * max(f[u] - comp_a[u] - comp_l[u], 0.0))
-                    st.comm_s += float(nl * comm[u])
-                finish += nl * period_u
+                    acc[0, u] += float(nl * comp_a[u])
+                    acc[1, u] += nl * comp_l[u]
+                    acc[2, u] += float(nl * max(f[u] - comp_a[u] - comp_l[u], 0.0))
+                    acc[3, u] += float(nl * comm[u])
+                acc[4] += nl * period_u
                 for nic, b in lay.nic_bytes().items():
                     nic_bytes[nic] += nl * b
                 for nic, b in lay.nic_busy().items():
@@ -586,9 +586,13 @@ class Simulator:
             lin_tok = lay.linear_tokens
             head = np.array([float(self.cost_for(reps[u].tp).head_time(lin_tok[u])) for u in range(n)])
             for u in range(n):
-                units[u].linear_s += float(head[u])
-                units[u].tokens += int(lin_tok[u])
-            finish += head
+                st = units[u]
+                st.attention_s += float(acc[0, u])
+                st.linear_s += float(acc[1, u] + head[u])
+                st.exposed_comm_s += float(acc[2, u])
+                st.comm_s += float(acc[3, u])
+                st.tokens += int(lin_tok[u])
+            finish += acc[4] + head
             periods.append(float(f.max()) if n else 0.0)
             if timeline:
                 tl.append(MicroBatchTimeline(layer_period_s=float(f.max()), intervals=lay.intervals()))
