@@ -469,9 +469,18 @@ def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSo
         from zeppelin.schemas.model import resolve_model_ref
 
         spec = resolve_model_ref(cfg.model)
+        if spec.attention_pattern() != header.model.attention_pattern():
+            raise InputError(f"--model {cfg.model} runs {spec.attention_pattern()} attention but the plan was made for "
+                             f"{header.model.attention_pattern()} attention (plan it for this model)")
         if content_hash(spec) != header.hashes.model:
             raise InputError(f"--model {cfg.model} does not match the plan: the plan was made for model "
                              f"{header.model.name!r} (hash {header.hashes.model}, given {content_hash(spec)})")
+    own = header.model
+    if (cfg.model is None or not cfg.model.startswith("hf:")) and (
+            own.sliding_window is not None or own.is_moe or own.qk_norm or own.head_size is not None):
+        raise InputError(f"the plan's model {own.name!r} ({own.attention_pattern()} attention"
+                         f"{', mixture of experts' if own.is_moe else ''}) runs through transformers: pass "
+                         "--model hf:DIR (the runtime's own model is a dense full-attention Llama)")
     if cfg.model is not None and cfg.model.startswith("hf:") and header.tp > 1:
         raise InputError(f"the plan uses tensor parallelism (tp={header.tp}); Hugging Face models run "
                          "data/sequence/context-parallel plans only (plan with --tp 1)")

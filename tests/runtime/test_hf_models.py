@@ -1,0 +1,141 @@
+"""Sliding-window, Qwen3 and mixture-of-experts Hugging Face models on a plan's layouts, exactly as
+transformers computes them: 4 gloo ranks, FSDP2, the hand plan's routed inter-node ring, intra
+rings, remap, padded zigzag ring and locals (tests/runtime/test_runtime_dist.py's ``hand_step``)
+against transformers' own single-process eager model, loss and every gradient (fp32 1e-5)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from zeppelin.schemas.common import InputError
+from zeppelin.schemas.hf import hf_model_spec
+
+from tests.runtime.test_hf import _hf_step, transformers_reference
+from tests.runtime.test_runtime_dist import WORLD, hand_step, make_header, two_node_cluster  # noqa: F401 - WORLD: the pool's size
+from tests.support.numerics import assert_matches_reference
+
+WINDOW = 6  # the hand plan's sequences reach 37 tokens: several windows, split over rings
+
+_BASE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=4096)
+
+
+def _config(kind: str):
+    from transformers import MistralConfig, MixtralConfig, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
+
+    if kind == "mistral-window":
+        return MistralConfig(intermediate_size=176, sliding_window=WINDOW, **_BASE)
+    if kind == "qwen3-mixed":  # Qwen3 (q/k norms, head_dim 32 != 64 / 4) with a window layer and a full layer
+        return Qwen3Config(intermediate_size=176, head_dim=32, use_sliding_window=True, sliding_window=WINDOW,
+                           layer_types=["sliding_attention", "full_attention"], **_BASE)
+    if kind == "qwen3":
+        return Qwen3Config(intermediate_size=176, head_dim=16, **_BASE)
+    if kind == "qwen3-moe":
+        return Qwen3MoeConfig(intermediate_size=176, moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+                              head_dim=16, norm_topk_prob=True, **_BASE)
+    if kind == "qwen2-moe":
+        return Qwen2MoeConfig(intermediate_size=176, moe_intermediate_size=48, shared_expert_intermediate_size=64,
+                              num_experts=4, num_experts_per_tok=2, **_BASE)
+    if kind == "mixtral":
+        return MixtralConfig(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+                             **_BASE)
+    raise ValueError(kind)
+
+
+def make_model_dir(path: Path, kind: str, seed: int = 0) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(_config(kind), dtype=torch.float32)
+    model.save_pretrained(str(path))
+    c = json.loads((path / "config.json").read_text())
+    c["dtype"] = "float32"
+    (path / "config.json").write_text(json.dumps(c, indent=1))
+    return path
+
+
+KINDS = ["mistral-window", "qwen3-mixed", "qwen3", "qwen3-moe", "qwen2-moe", "mixtral"]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hfm")
+    return {k: make_model_dir(root / k, k, seed=i) for i, k in enumerate(KINDS)}
+
+
+def test_specs_of_each_model_type(model_dirs):
+    m = hf_model_spec(f"hf:{model_dirs['mistral-window']}")
+    assert (m.sliding_window, m.layer_types, m.attention_pattern()) == (WINDOW, None, f"sliding window {WINDOW}")
+    q = hf_model_spec(f"hf:{model_dirs['qwen3-mixed']}")
+    assert q.layer_windows() == (WINDOW, None) and q.qk_norm and q.head_dim == 32 and q.q_dim == 128
+    assert q.attention_pattern() == f"sliding window {WINDOW} on 1 of 2 layers (WF)"
+    moe = hf_model_spec(f"hf:{model_dirs['qwen2-moe']}")
+    assert (moe.num_experts, moe.experts_per_token, moe.expert_ffn_hidden, moe.shared_expert_ffn_hidden) == (4, 2, 48, 64)
+    # memory counts every expert, compute the active ones: parameters as transformers has them
+    # (but Qwen2's q/k/v biases, which no ModelSpec counts)
+    from transformers import AutoModelForCausalLM
+
+    for kind in KINDS:
+        spec = hf_model_spec(f"hf:{model_dirs[kind]}")
+        hf = AutoModelForCausalLM.from_pretrained(str(model_dirs[kind]))
+        assert spec.num_params() == sum(p.numel() for n, p in hf.named_parameters() if not n.endswith("bias")), kind
+
+
+def test_moe_cost_uses_active_experts(model_dirs):
+    from zeppelin.planner.costmodel.cost import CostModel
+    from zeppelin.schemas.cluster import cluster_preset
+
+    spec = hf_model_spec(f"hf:{model_dirs['qwen2-moe']}")
+    cm = CostModel(cluster_preset("h100"), spec)
+    h = spec.hidden
+    # attention projections + top-2 experts + shared expert (SwiGLU: 3 matrices) + router, x2 FLOPs
+    want = 2 * (h * (spec.q_dim + 2 * spec.kv_dim) + spec.q_dim * h + 3 * h * (2 * 48 + 64) + h * 4)
+    assert cm.linear_flops_per_token == want
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"output_router_logits": True}, "output_router_logits true (the router's auxiliary loss in the training loss) "
+     "is not supported: the runtime trains on the language-model loss, as transformers does with "
+     "output_router_logits false"),
+    ({"mlp_only_layers": [1]}, "decoder_sparse_step != 1 / mlp_only_layers (dense layers between MoE layers) are "
+     "not supported: every layer must be an MoE layer"),
+    ({"num_local_experts": 0}, "config.json needs a positive integer 'num_local_experts' (got 0)"),
+])
+def test_moe_configs_refused(model_dirs, tmp_path, edit, message):
+    c = json.loads((model_dirs["qwen3-moe"] / "config.json").read_text())
+    c.update(edit)
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    with pytest.raises(InputError) as e:
+        hf_model_spec(f"hf:{tmp_path}")
+    assert str(e.value) == f"{tmp_path / 'config.json'}: {message}"
+
+
+def test_bad_layer_types_refused(model_dirs, tmp_path):
+    c = json.loads((model_dirs["qwen3-mixed"] / "config.json").read_text())
+    c["layer_types"] = ["sliding_attention"]
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    with pytest.raises(InputError) as e:
+        hf_model_spec(f"hf:{tmp_path}")
+    assert str(e.value) == f"{tmp_path / 'config.json'}: layer_types must list 2 of full_attention, sliding_attention"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_hand_plan_equals_transformers(pool, model_dirs, kind):
+    ref = f"hf:{model_dirs[kind]}"
+    spec = hf_model_spec(ref)
+    header = make_header(two_node_cluster(), spec, 1)
+    step = hand_step(0, spec)
+    outs = pool.run(_hf_step, header.model_dump_json(), step.model_dump_json(), ref, timeout=240)
+    ref_loss, ref_grads = transformers_reference(model_dirs[kind], header, step, torch.float32)
+    for o in outs:
+        assert_matches_reference(o["loss"], ref_loss, 1e-5, "loss")
+    grads = outs[0]["grads"]
+    assert set(grads) == set(ref_grads)
+    for k in grads:
+        assert_matches_reference(grads[k], ref_grads[k], 1e-5, f"{kind}: gradient of {k}")
