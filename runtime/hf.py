@@ -178,6 +178,13 @@ def load_hf_model(ref: str, seed: int = 0, device: torch.device | str = "cpu",
     config = AutoConfig.from_pretrained(str(d), local_files_only=True)
     config._attn_implementation = name
     files = _safetensors_files(d)
+    if files and spec.is_moe:
+        # transformers stores experts one by one and holds them fused: its own loader converts
+        # (safetensors only, local files only: nothing is unpickled or fetched)
+        causal = AutoModelForCausalLM.from_pretrained(str(d), config=config, dtype=torch.float32,
+                                                      use_safetensors=True, local_files_only=True)
+        causal.train()
+        return HFCausalLM(causal, spec).to(device)
     if files:  # every weight comes from the files: skip the (slow, large-model) random initialisation
         from transformers.initialization import no_init_weights
 
