@@ -1,4 +1,5 @@
-"""Hugging Face decoders (Llama, Mistral, Qwen2) on a plan's layouts: ``--model hf:DIR``.
+"""Hugging Face decoders (Llama, Mistral, Qwen2, Qwen3 and the mixture-of-experts Mixtral,
+Qwen2-MoE, Qwen3-MoE) on a plan's layouts: ``--model hf:DIR``.
 
 The model is the ``transformers`` implementation itself (``AutoModelForCausalLM.from_config``),
 built from ``DIR/config.json`` in fp32 master weights; weights come from ``DIR/*.safetensors``
@@ -181,8 +182,16 @@ def load_hf_model(ref: str, seed: int = 0, device: torch.device | str = "cpu",
     if files and spec.is_moe:
         # transformers stores experts one by one and holds them fused: its own loader converts
         # (safetensors only, local files only: nothing is unpickled or fetched)
-        causal = AutoModelForCausalLM.from_pretrained(str(d), config=config, dtype=torch.float32,
-                                                      use_safetensors=True, local_files_only=True)
+        from transformers.utils import logging as hf_logging
+
+        bar = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            causal = AutoModelForCausalLM.from_pretrained(str(d), config=config, dtype=torch.float32,
+                                                          use_safetensors=True, local_files_only=True)
+        finally:
+            if bar:
+                hf_logging.enable_progress_bar()
         causal.train()
         return HFCausalLM(causal, spec).to(device)
     if files:  # every weight comes from the files: skip the (slow, large-model) random initialisation

@@ -69,7 +69,7 @@ def sliding_window(cfg: dict[str, Any]) -> int | None:
     return int(w) if isinstance(w, int) and not isinstance(w, bool) and w > 0 else None
 
 
-def _layer_types(cfg: dict[str, Any], window: int | None, layers: int, src) -> tuple[str, ...] | None:
+def _layer_types(cfg: dict[str, Any], window: int | None, layers: int, src) -> list[str] | None:
     """Per-layer attention as transformers builds it (None: every layer alike)."""
     if window is None:
         return None
@@ -85,7 +85,7 @@ def _layer_types(cfg: dict[str, Any], window: int | None, layers: int, src) -> t
         raise InputError(f"layer_types must list {layers} of {', '.join(_LAYER_TYPES)}", source=src)
     if all(t == "sliding_attention" for t in lt):
         return None
-    return tuple(lt)
+    return list(lt)
 
 
 def _moe_fields(cfg: dict[str, Any], mt: str, need, src) -> dict[str, int]:

@@ -52,7 +52,7 @@ class ModelSpec(Doc):
     sliding_window: int | None = Field(default=None, ge=1, le=1 << 30)
     #: per-layer attention of a model mixing window and full layers (``"sliding_attention"`` /
     #: ``"full_attention"``, transformers' ``layer_types``); None with a window: every layer windowed.
-    layer_types: tuple[Literal["full_attention", "sliding_attention"], ...] | None = None
+    layer_types: list[Literal["full_attention", "sliding_attention"]] | None = None
     #: RMS norms on queries and keys per head (Qwen3): their parameters and activations.
     qk_norm: bool = False
     #: mixture of experts: routed experts per MoE layer (0: dense MLP), experts each token runs

@@ -6,6 +6,9 @@ against transformers' own single-process eager model, loss and every gradient (f
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -139,3 +142,46 @@ def test_hand_plan_equals_transformers(pool, model_dirs, kind):
     assert set(grads) == set(ref_grads)
     for k in grads:
         assert_matches_reference(grads[k], ref_grads[k], 1e-5, f"{kind}: gradient of {k}")
+
+
+ZEPPELIN = str(Path(sys.executable).parent / "zeppelin")
+
+
+def _zeppelin(*args, cwd=None, timeout=240):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([ZEPPELIN, *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_plans_of_each_model_type_validate_and_verify(model_dirs, tmp_path):
+    """`zeppelin plan` / `validate` / `run --verify` on 2 ranks for every model type (the windowed
+    model's 64-token sequence runs as a contiguous ring of 2: its window needs the neighbour's K/V
+    only); a plan made for one attention pattern is refused with another."""
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text("".join(json.dumps({"length": n}) + "\n" for n in [300, 13, 90, 7, 33, 64, 21, 5]))
+    for kind in KINDS:
+        plan = tmp_path / f"{kind}.plan"
+        ref = f"hf:{model_dirs[kind]}"
+        p = _zeppelin("plan", "-m", str(manifest), "--cluster", "local-cpu:1x2", "--model", ref, "--steps", "2",
+                      "--seqs-per-step", "4", "--tokens-per-step", "256", "-q", "-o", str(plan))
+        assert p.returncode == 0, p.stderr
+        p = _zeppelin("validate", str(plan))
+        assert p.returncode == 0 and ": valid - 2 steps by zeppelin" in p.stdout, p.stdout + p.stderr
+        p = _zeppelin("run", str(plan), "--model", ref, "--verify", "--progress", "none", cwd=tmp_path)
+        assert p.returncode == 0, p.stderr
+        assert "--verify max relative differences" in p.stdout and " - ok" in p.stdout, (kind, p.stdout)
+        assert "Loading weights" not in p.stderr
+        if kind == "mistral-window":
+            from zeppelin.schemas.plan import read_plan
+
+            _, steps = read_plan(plan)
+            schemes = {(g.kind, pl.scheme) for s in steps for mb in s.microbatches for pl in mb.placements
+                       for g in [mb.groups[pl.group]]}
+            assert ("ring", "contiguous") in schemes, schemes
+    p = _zeppelin("run", str(tmp_path / "mistral-window.plan"), "--model", f"hf:{model_dirs['qwen3-mixed']}",
+                  "--progress", "none", cwd=tmp_path)
+    assert p.returncode != 0
+    assert p.stderr.strip().splitlines()[-1] == (
+        f"zeppelin: error: --model hf:{model_dirs['qwen3-mixed']} runs sliding window {WINDOW} on 1 of 2 layers (WF) "
+        f"attention but the plan was made for sliding window {WINDOW} attention (plan it for this model)")
