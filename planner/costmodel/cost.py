@@ -685,8 +685,12 @@ class CostModel:
 
         The residual stream, RoPE rotations by constant tables and the casts keep nothing."""
         m, c = self.model, self.compute_bytes
-        mlp = (4 if m.mlp == "swiglu" else 2) * c * m.ffn_hidden
-        attn = c * (2 * m.hidden + 2 * m.kv_dim) + 4.0 * m.num_heads
+        mlp = (4 if m.mlp == "swiglu" else 2) * c * m.mlp_ffn_params(active=True)
+        if m.is_moe:  # the router's fp32 logits and probabilities, the token's copy per expert it runs
+            mlp += 8 * m.num_experts + c * m.hidden * m.experts_per_token
+        attn = c * (2 * m.q_dim + 2 * m.kv_dim) + 4.0 * m.num_heads
+        if m.qk_norm:  # the normed queries and keys beside their inputs
+            attn += c * (m.q_dim + m.kv_dim)
         parts = {"norms": 2 * self.norm_bytes_per_token(), "attention": attn, "mlp": float(mlp)}
         measured = self.profile.activation_bytes_per_token_layer
         if measured:  # a whole-layer figure: keep the analytic split
