@@ -749,9 +749,11 @@ class _Layer:
         if not self.compute:
             return np.zeros((P, G, G)), tok, nz.sum(axis=(3, 4))
         same_start = np.broadcast_to(q_start, pairs.shape) == np.broadcast_to(k_start, pairs.shape)
-        diag = nz & same_start & (lq == lk) & (pairs >= causal)
-        full = nz & ~diag & (pairs >= lq * lk)
-        part = nz & ~diag & ~full
+        square = nz & same_start & (lq == lk)
+        diag = square & (pairs >= causal)
+        wdiag = square & ~diag  # a diagonal the window cuts: a causal square of its pair count
+        full = nz & ~square & (pairs >= lq * lk)
+        part = nz & ~square & ~full
         t = np.zeros(pairs.shape)
         if diag.any():
             t[diag] = cost.attn_block_time(lq[diag], lq[diag], causal=True)
@@ -759,6 +761,9 @@ class _Layer:
             t[full] = cost.attn_block_time(lq[full], lk[full], causal=False)
         if part.any():
             t[part] = cost.attn_block_time(lq[part], pairs[part] / lq[part], causal=False)
+        if wdiag.any():
+            e = np.sqrt(2.0 * pairs[wdiag])
+            t[wdiag] = cost.attn_block_time(e, e, causal=True)
         calls = nz.sum(axis=(3, 4))  # pieces per (p, i, r)
         tt = t.sum(axis=(3, 4)) - np.maximum(calls - 1, 0) * self.sim.attn_overhead
         # the overhead comes from the whole-sequence fit, the pieces from the block fit: where

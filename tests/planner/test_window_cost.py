@@ -106,3 +106,27 @@ def test_moe_memory_from_all_experts_compute_from_active():
                                           ("llama3-8b", 8.03e9)])
 def test_presets_match_the_published_sizes(name, params):
     assert model_preset(name).num_params() == pytest.approx(params, rel=0.005)
+
+
+def test_simulator_prices_the_window_layer_by_layer_type():
+    """The same plan simulated for a windowed, a mixed and a full-attention model: the windowed
+    one is faster, and the mixed one's attention is the mean of the two (one graph per layer type)."""
+    from zeppelin.planner.core.base import PlanContext, get_planner
+    from zeppelin.planner.core.inputs import resolve_cluster, resolve_profile
+    from zeppelin.planner.sim.simulate import Simulator
+    from zeppelin.schemas.plan import Sequence
+
+    cl = resolve_cluster("zeppelin-a:2")
+    full = model_preset("llama3-8b").model_copy(update={"vocab_size": 32000})
+    win = full.model_copy(update={"sliding_window": 1024})
+    mixed = full.model_copy(update={"sliding_window": 1024,
+                                    "layer_types": ["sliding_attention", "full_attention"] * 16})
+    seqs = [Sequence(sample_id=i, length=n) for i, n in enumerate([30000, 9000, 4000, 2500, 1200, 800] * 3)]
+    ctxs = {k: PlanContext(cl, m, resolve_profile(None, cl), tp=1, seed=0)
+            for k, m in (("full", full), ("win", win), ("mixed", mixed))}
+    sp = get_planner("hybrid-dp").plan_step(ctxs["full"], 0, seqs)
+    res = {k: Simulator(c).simulate_step(sp) for k, c in ctxs.items()}
+    att = {k: sum(u.attention_s for u in r.units) for k, r in res.items()}
+    assert res["win"].step_time_s < res["full"].step_time_s
+    assert att["win"] < 0.5 * att["full"]
+    assert att["mixed"] == pytest.approx((att["win"] + att["full"]) / 2, rel=1e-9)
