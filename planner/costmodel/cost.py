@@ -105,6 +105,7 @@ class CostModel:
     zero_stage: int = 1
     tp_overlap: str = "none"
     recompute: str = "none"
+    _rounds_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.profile is None:
@@ -369,7 +370,14 @@ class CostModel:
         if window is None and self.window_mix is not None:
             t0, tr = self._ring_round_compute_full(L, G)
             return [t0] + [tr] * (G - 1), np.full(np.shape(_arr(L)), float(G - 1))
-        return self.ring_window_rounds(L, G, window)
+        L = _arr(L)
+        key = (G, window, L.shape, L.tobytes())
+        hit = self._rounds_cache.get(key)
+        if hit is None:
+            if len(self._rounds_cache) >= 512:  # a planner asks about the same few length sets repeatedly
+                self._rounds_cache.clear()
+            hit = self._rounds_cache[key] = self.ring_window_rounds(L, G, window)
+        return hit
 
     def ring_window_rounds(self, L, G: int, window: int | None) -> tuple[list[np.ndarray], np.ndarray]:
         """A ring of G units over sequences ``L`` of one layer type, block by block: per round r,
