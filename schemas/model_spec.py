@@ -69,8 +69,8 @@ class ModelSpec(Doc):
         data = handler(self)
         if self.remap_payload == "hidden":
             data.pop("remap_payload", None)
-        for key in _OPTIONAL_DEFAULTS:
-            if key in data and data[key] == _OPTIONAL_DEFAULTS[key]:
+        for key, default in _OPTIONAL_DEFAULTS.items():
+            if key in data and data[key] == default:
                 data.pop(key)
         return data
 

@@ -629,7 +629,6 @@ class Simulator:
         :meth:`simulate_step` would move (the same task graph, built without kernel times and not run),
         so that a summary of a plan counts exactly the traffic its simulation puts on the NICs."""
         reps = self.replicas(step)
-        L = self.ctx.model.num_layers
         out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         for mb in step.microbatches:
             for w, nl in self.ctx.model.window_counts().items():

@@ -14,17 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from zeppelin.schemas.common import InputError
-from zeppelin.schemas.hf import hf_model_spec
-
 from tests.runtime.test_hf import _hf_step, transformers_reference
 from tests.runtime.test_runtime_dist import WORLD, hand_step, make_header, two_node_cluster  # noqa: F401 - WORLD: the pool's size
 from tests.support.numerics import assert_matches_reference
+from zeppelin.schemas.common import InputError
+from zeppelin.schemas.hf import hf_model_spec
 
 WINDOW = 6  # the hand plan's sequences reach 37 tokens: several windows, split over rings
 
-_BASE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=4096)
+_BASE = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "max_position_embeddings": 4096}
 
 
 def _config(kind: str):
