@@ -92,10 +92,6 @@ def _moe_fields(cfg: dict[str, Any], mt: str, need, src) -> dict[str, int]:
     """ModelSpec's mixture-of-experts fields of an MoE config (refusing what the runtime does not run)."""
     if mt not in ("mixtral", "qwen2_moe", "qwen3_moe"):
         return {}
-    if cfg.get("output_router_logits", False):
-        raise InputError("output_router_logits true (the router's auxiliary loss in the training loss) is not "
-                         "supported: the runtime trains on the language-model loss, as transformers does with "
-                         "output_router_logits false", source=src)
     # transformers writes the expert count under either name (its attribute_map aliases them)
     experts_key = "num_local_experts" if "num_local_experts" in cfg or mt == "mixtral" else "num_experts"
     if "num_experts" in cfg and "num_local_experts" not in cfg:

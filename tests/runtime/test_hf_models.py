@@ -39,6 +39,9 @@ def _config(kind: str):
     if kind == "qwen3-moe":
         return Qwen3MoeConfig(intermediate_size=176, moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
                               head_dim=16, norm_topk_prob=True, **_BASE)
+    if kind == "qwen3-moe-aux":  # the router's load-balancing loss in the training loss, weighted heavily
+        return Qwen3MoeConfig(intermediate_size=176, moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+                              head_dim=16, output_router_logits=True, router_aux_loss_coef=0.5, **_BASE)
     if kind == "qwen2-moe":
         return Qwen2MoeConfig(intermediate_size=176, moe_intermediate_size=48, shared_expert_intermediate_size=64,
                               num_experts=4, num_experts_per_tok=2, **_BASE)
@@ -67,7 +70,7 @@ KINDS = ["mistral-window", "qwen3-mixed", "qwen3", "qwen3-moe", "qwen2-moe", "mi
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hfm")
-    return {k: make_model_dir(root / k, k, seed=i) for i, k in enumerate(KINDS)}
+    return {k: make_model_dir(root / k, k, seed=i) for i, k in enumerate([*KINDS, "qwen3-moe-aux"])}
 
 
 def test_specs_of_each_model_type(model_dirs):
@@ -101,9 +104,6 @@ def test_moe_cost_uses_active_experts(model_dirs):
 
 
 @pytest.mark.parametrize("edit, message", [
-    ({"output_router_logits": True}, "output_router_logits true (the router's auxiliary loss in the training loss) "
-     "is not supported: the runtime trains on the language-model loss, as transformers does with "
-     "output_router_logits false"),
     ({"mlp_only_layers": [1]}, "decoder_sparse_step != 1 / mlp_only_layers (dense layers between MoE layers) are "
      "not supported: every layer must be an MoE layer"),
     ({"num_local_experts": 0}, "config.json needs a positive integer 'num_local_experts' (got 0)"),
@@ -159,7 +159,7 @@ def test_plans_of_each_model_type_validate_and_verify(model_dirs, tmp_path):
     only); a plan made for one attention pattern is refused with another."""
     manifest = tmp_path / "m.jsonl"
     manifest.write_text("".join(json.dumps({"length": n}) + "\n" for n in [300, 13, 90, 7, 33, 64, 21, 5]))
-    for kind in KINDS:
+    for kind in [*KINDS, "qwen3-moe-aux"]:
         plan = tmp_path / f"{kind}.plan"
         ref = f"hf:{model_dirs[kind]}"
         p = _zeppelin("plan", "-m", str(manifest), "--cluster", "local-cpu:1x2", "--model", ref, "--steps", "2",
@@ -184,3 +184,71 @@ def test_plans_of_each_model_type_validate_and_verify(model_dirs, tmp_path):
     assert p.stderr.strip().splitlines()[-1] == (
         f"zeppelin: error: --model hf:{model_dirs['qwen3-mixed']} runs sliding window {WINDOW} on 1 of 2 layers (WF) "
         f"attention but the plan was made for sliding window {WINDOW} attention (plan it for this model)")
+
+
+def transformers_reference_with_router_loss(d: Path, header, step):
+    """transformers' own MoE model with ``output_router_logits``: each micro-batch's sequences as
+    one right-padded batch (its loss: mean cross-entropy + coef x the batch's load-balancing loss),
+    weighted by the micro-batch's share of the step's predicted tokens; and each micro-batch's
+    router loss (``aux_loss``)."""
+    from transformers import AutoModelForCausalLM
+
+    from zeppelin.runtime.data import TokenSource, predicted_tokens
+    from zeppelin.runtime.executor import step_microbatches
+
+    model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32, attn_implementation="eager")
+    source = TokenSource(header.model.vocab_size, header.seed)
+    n = predicted_tokens(step.sequences)
+    total, auxes = torch.zeros(()), []
+    for seqs in step_microbatches(step):
+        rows = [torch.from_numpy(source.segments(step.sequences, [[i, 0, step.sequences[i].length]]).tokens)
+                for i in seqs]
+        width = max(len(r) for r in rows)
+        ids = torch.zeros((len(rows), width), dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for b, r in enumerate(rows):
+            ids[b, :len(r)], mask[b, :len(r)] = r, 1
+        labels = ids.masked_fill(mask == 0, -100)
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        pred = sum(len(r) - 1 for r in rows)
+        total = total + out.loss * pred / n
+        auxes.append(float(out.aux_loss.detach()))
+    total.backward()
+    return float(total.detach()), {k: p.grad for k, p in model.named_parameters()}, auxes
+
+
+@pytest.mark.slow
+def test_router_loss_equals_transformers(pool, model_dirs):
+    """A Qwen3-MoE whose config puts the router's load-balancing loss in the training loss
+    (``output_router_logits``, coefficient 0.5): the hand plan on 4 ranks (rings, remap, locals;
+    the statistic all-reduced per micro-batch) equals transformers' batch loss and gradients, and
+    the runtime's per-micro-batch router loss is transformers' ``aux_loss``."""
+    d = model_dirs["qwen3-moe-aux"]
+    ref = f"hf:{d}"
+    spec = hf_model_spec(ref)
+    header = make_header(two_node_cluster(), spec, 1)
+    step = hand_step(0, spec)
+    outs = pool.run(_hf_step, header.model_dump_json(), step.model_dump_json(), ref, timeout=240)
+    ref_loss, ref_grads, auxes = transformers_reference_with_router_loss(d, header, step)
+    for o in outs:
+        assert_matches_reference(o["loss"], ref_loss, 1e-5, "loss")
+    grads = outs[0]["grads"]
+    for k in grads:
+        assert_matches_reference(grads[k], ref_grads[k], 1e-5, f"gradient of {k}")
+    # the router loss is a real part of it (about 1 of the loss's 6.6): checked to ~1e-4 of itself
+    assert 0.5 * min(auxes) > 0.1 * ref_loss
+    # the runtime's own statistic, single process, on each micro-batch's sequences
+    from zeppelin.runtime.data import TokenSource
+    from zeppelin.runtime.executor import step_microbatches
+    from zeppelin.runtime.hf import load_hf_model
+    from zeppelin.runtime.model import ReferenceLayout
+
+    model = load_hf_model(ref, spec=spec)
+    source = TokenSource(spec.vocab_size, header.seed)
+    for seqs, aux in zip(step_microbatches(step), auxes):
+        lens = [step.sequences[i].length for i in seqs]
+        batch = source.segments(step.sequences, [[i, 0, step.sequences[i].length] for i in seqs])
+        model.hidden_states(torch.from_numpy(batch.tokens), ReferenceLayout(lens))
+        per_layer = [torch.cat([r[layer] for r in model._router_logits], 0) for layer in range(spec.num_layers)]
+        got = float(model._aux_of(model._router_stats(per_layer)).detach())
+        assert abs(got - aux) <= 1e-6 * max(1.0, abs(aux)), (got, aux)
