@@ -8,6 +8,10 @@ Formulas (h hidden, g KV heads, d head dim, f FFN, m = 3 for SwiGLU / 2 for GELU
 
 * linear FLOPs, forward, per layer:   2 * T * (h*(h + 2*g*d) + h*h + m*h*f)
 * attention FLOPs, forward, causal:   2 * L^2 * h          (QK^T and PV, half masked)
+* with a sliding window w:            4 * (L*w - w^2/2) * h once L > w (the visible pairs); a
+  model mixing window and full layers: the mean over its layer types, so ``num_layers x`` a
+  per-layer time is their sum; rings priced block by block (:meth:`CostModel.ring_window_rounds`)
+* mixture of experts: linear FLOPs of the active experts (top-k + shared), memory of all of them
 * backward = ``backward_linear_factor`` (2.0) / ``backward_attention_factor`` (2.5) x forward
 * kernel time = overhead + FLOPs / (peak * eff_max * n / (n + n_half))
 * link time   = alpha + bytes / bandwidth
