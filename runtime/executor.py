@@ -75,13 +75,6 @@ class PlanLayout(Layout):
         #: which linear-layout rows are tokens of a sequence (not padding of a padded placement)
         self.real_rows = real_rows
 
-
-def real_rows(segments, sequences) -> torch.Tensor:
-    """Rows of ``[seq, start, end]`` segments that hold a sequence's tokens (padding of a padded
-    placement lies at positions >= the sequence's length)."""
-    parts = [torch.arange(s, e) < sequences[q].length for q, s, e in segments]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.bool)
-
     def to_attention(self, x):
         return to_attention_layout(x, self.ctx)
 
@@ -90,6 +83,13 @@ def real_rows(segments, sequences) -> torch.Tensor:
 
     def attention(self, q, k, v):
         return attention(q, k, v, self.ctx)
+
+
+def real_rows(segments, sequences) -> torch.Tensor:
+    """Rows of ``[seq, start, end]`` segments that hold a sequence's tokens (padding of a padded
+    placement lies at positions >= the sequence's length)."""
+    parts = [torch.arange(s, e) < sequences[q].length for q, s, e in segments]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.bool)
 
 
 def _add_bytes(acc: dict[str, int], stats: Any) -> None:
