@@ -101,20 +101,20 @@ class AttentionContext:
         self.tp = tp
         self.attention_positions = attention_positions
         self._header, self._plan_step, self._groups = header, step, groups
-        self._engines: dict[float | None, Any] = {}
+        self._engines: dict[tuple[float | None, int | None], Any] = {}
         self._remapper = Remapper(header, step, index, rank, device=device)
         self.attention_rows = self._remapper.attention_rows
         self.linear_rows = self._remapper.linear_rows
         self.remapped = bool(self._remapper.enabled)
 
-    def _engine(self, scale: float | None):
-        eng = self._engines.get(scale)
+    def _engine(self, scale: float | None, window: int | None = None):
+        eng = self._engines.get((scale, window))
         if eng is None:
             from .engine import AttentionEngine
 
             eng = AttentionEngine(self._header, self._plan_step, self.index, self.rank, groups=self._groups,
-                                  scale=scale)
-            self._engines[scale] = eng
+                                  scale=scale, window=window)
+            self._engines[(scale, window)] = eng
         return eng
 
     def bytes_sent(self) -> dict[str, int]:
@@ -392,7 +392,7 @@ def open_plan(path: str | os.PathLike, *, rank: int, world_size: int,
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext,
-              layer: int | None = None, *, scale: float | None = None) -> torch.Tensor:
+              layer: int | None = None, *, scale: float | None = None, window: int | None = None) -> torch.Tensor:
     """The plan's causal attention of one micro-batch: ``[T, Hq, D]`` queries, ``[T, Hkv, D]``
     keys/values -> ``[T, Hq, D]``.
 
@@ -403,7 +403,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionC
     kernel call, split sequences as zigzag ring attention over their group (K/V blocks passed
     around the ring, inter-node transfers split over the plan's routes), all-gather groups on the
     same exact ring schedule, Ulysses groups as head-scatter all-to-alls. GQA: ``Hq % Hkv == 0``.
-    ``scale`` defaults to ``1/sqrt(D)``.
+    ``scale`` defaults to ``1/sqrt(D)``. ``window``: sliding-window attention, a token attends to
+    the ``window`` tokens ending at its own (transformers' ``sliding_window``); ring blocks wholly
+    outside it are neither computed nor sent.
 
     One autograd function: backward runs the same groups in the same order and returns exact
     gradients for ``q``, ``k`` and ``v``. On CUDA bf16/fp16 the blocks run on flash-attn's varlen
@@ -429,7 +431,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionC
                          f"{q.shape[0]} (convert with to_attention_layout)")
     if scale is not None and math.isclose(scale, 1.0 / math.sqrt(q.shape[-1]), rel_tol=1e-12):
         scale = None
-    return ctx._engine(scale)(q, k, v)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"{where}: window must be a positive int or None, got {window!r}")
+    return ctx._engine(scale, window)(q, k, v)
 
 
 def to_attention_layout(x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
@@ -479,7 +483,8 @@ def _hf_attention_forward(module, query, key, value, attention_mask=None, dropou
         qkv = region("remap", lambda x: to_attention_layout(x, ctx), torch.cat([q, k, v], dim=1))
         q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
     layer = getattr(module, "layer_idx", None)
-    o = region("attention", lambda a, b, c: attention(a, b, c, ctx, layer, scale=scaling), q, k, v)
+    window = kwargs.get("sliding_window")  # transformers passes the layer's window (None: full attention)
+    o = region("attention", lambda a, b, c: attention(a, b, c, ctx, layer, scale=scaling, window=window), q, k, v)
     o = region("remap", lambda x: to_linear_layout(x, ctx), o)
     return o[None], None
 

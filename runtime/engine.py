@@ -67,8 +67,11 @@ class AttentionEngine:
         rank: int,
         groups=None,
         scale: float | None = None,
+        window: int | None = None,
     ) -> None:
         compiled = compile_schedule(header, step, mb_index, rank)
+        #: sliding-window attention of the layers this engine serves (None: full causal)
+        self.window = window
         self.header, self.step, self.mb_index, self.rank = header, step, mb_index, rank
         self.groups = groups
         self.scale = scale
@@ -79,7 +82,7 @@ class AttentionEngine:
         self.filled: dict[str, int] = {"forward": 0, "backward": 0}
         node_of = header.cluster.node_of
         self.items = [
-            _Item(t.group, t.kind, t.spec, t.row0, t.row1,
+            _Item(t.group, t.kind, _windowed(t.spec, window), t.row0, t.row1,
                   None if t.kind == "ulysses" else Transport(rank=rank, node_of=node_of, routes=t.routes,
                                                              stats=self.stats))
             for t in compiled.tasks
@@ -117,6 +120,7 @@ class AttentionEngine:
                 it.spec,
                 group=pg,
                 scale=self.scale,
+                window=self.window,
             )
             pieces.append((it.group, o))
         out = torch.zeros_like(q) if not ring_items else pieces[0][1]
@@ -131,11 +135,19 @@ class AttentionEngine:
         return out
 
 
+def _windowed(spec, window: int | None):
+    """A ring spec with the layers' window (Ulysses specs carry none: the engine passes it)."""
+    if window is None or not isinstance(spec, RingSpec):
+        return spec
+    return RingSpec(ranks=spec.ranks, pos=spec.pos, seqs=spec.seqs, window=window)
+
+
 class _LocalOnly:
     """What :class:`_EngineFunction` reads of an engine, for :func:`local_sequences`."""
 
     def __init__(self, scale: float | None) -> None:
         self.scale = scale
+        self.window = None
         self.filled = {"forward": 0, "backward": 0}
 
 
@@ -165,7 +177,7 @@ def _split_local(items: list[_Item]) -> tuple[list[_Item], list[tuple[int, int, 
                 sp = spans.setdefault(si, [off, off])
                 sp[1] = off + (e - s)
             for si, (o0, o1) in spans.items():
-                sub = RingSpec(ranks=it.spec.ranks, pos=0, seqs=[it.spec.seqs[si]])
+                sub = RingSpec(ranks=it.spec.ranks, pos=0, seqs=[it.spec.seqs[si]], window=it.spec.window)
                 local.append((it.row0 + o0, it.row0 + o1, sub, it.transport))
         else:
             comm.append(it)
@@ -212,7 +224,7 @@ class _EngineFunction(torch.autograd.Function):
 
             return run
 
-        pack = LocalPack.of(((a, b, spec) for a, b, spec, _ in local), q)
+        pack = LocalPack.of(((a, b, spec) for a, b, spec, _ in local), q, engine.window)
         if pack is not None:  # a varlen kernel: the local sequences as ONE call
             filler = _Filler([lambda: pack.forward(q, k, v, out, lse, engine.scale)])
         else:
@@ -247,7 +259,7 @@ class _EngineFunction(torch.autograd.Function):
 
             return run
 
-        pack = LocalPack.of(((a, b, spec) for a, b, spec, _ in local), q)
+        pack = LocalPack.of(((a, b, spec) for a, b, spec, _ in local), q, ctx.engine.window)
         if pack is not None:
             filler = _Filler([lambda: pack.backward(dout, q, k, v, out, lse, dq, dk, dv, scale)])
         else:

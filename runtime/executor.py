@@ -72,11 +72,14 @@ class PlanLayout(Layout):
     """One micro-batch on one rank, through the public API only (:mod:`zeppelin.runtime.api`):
     :func:`~zeppelin.runtime.api.attention` and the two remaps on the micro-batch's context."""
 
-    def __init__(self, ctx: AttentionContext, linear_positions: torch.Tensor | None = None) -> None:
+    def __init__(self, ctx: AttentionContext, linear_positions: torch.Tensor | None = None,
+                 real_rows: torch.Tensor | None = None) -> None:
         self.ctx = ctx
         self.attn_positions = ctx.attention_positions
         self.linear_positions = linear_positions
         self.tp = ctx.tp
+        #: which linear-layout rows are tokens of a sequence (not padding of a padded placement)
+        self.real_rows = real_rows
 
     def to_attention(self, x):
         return to_attention_layout(x, self.ctx)
@@ -86,6 +89,13 @@ class PlanLayout(Layout):
 
     def attention(self, q, k, v):
         return attention(q, k, v, self.ctx)
+
+
+def real_rows(segments, sequences) -> torch.Tensor:
+    """Rows of ``[seq, start, end]`` segments that hold a sequence's tokens (padding of a padded
+    placement lies at positions >= the sequence's length)."""
+    parts = [torch.arange(s, e) < sequences[q].length for q, s, e in segments]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.bool)
 
 
 def _add_bytes(acc: dict[str, int], stats: Any) -> None:
@@ -206,7 +216,9 @@ class Executor:
         for mb in sc.microbatches:
             t1 = self._now()
             with self.activations.hooks():
-                loss_sum, h = self.model(mb.input_ids, mb.labels, PlanLayout(mb.context, mb.position_ids), timer)
+                layout = PlanLayout(mb.context, mb.position_ids,
+                                    real_rows(mb.segments, step.sequences).to(mb.input_ids.device))
+                loss_sum, h = self.model(mb.input_ids, mb.labels, layout, timer)
             loss = loss_sum / mb.loss_normaliser
             t2 = self._now()
             loss.backward()
@@ -359,7 +371,8 @@ class Executor:
 
             maybe_fault(self.rank, step.step, "verify")
             ref = reference_step(ref_model, step.sequences, self.source, self.device,
-                                 normaliser=max(predicted_tokens(step.sequences), 1))
+                                 normaliser=max(predicted_tokens(step.sequences), 1),
+                                 microbatches=step_microbatches(step))
             report = compare_with_reference(ref_model, step, result.loss, gathered, ref)
             report["tolerance"] = tol
             ok_grad = report["grad_rel"] <= tol
@@ -372,7 +385,8 @@ class Executor:
                 m64 = copy.deepcopy(ref_model).double()
                 m64.dtype = torch.float64
                 ref64 = reference_step(m64, step.sequences, self.source, self.device,
-                                       normaliser=max(predicted_tokens(step.sequences), 1))
+                                       normaliser=max(predicted_tokens(step.sequences), 1),
+                                       microbatches=step_microbatches(step))
                 mine = {n: (p.grad if p.grad is not None else torch.zeros_like(p))
                         for n, p in ref_model.named_parameters()}
                 report["grad_rel_vs_fp64"] = max(_rel(mine[n], g) for n, g in ref64["grads"].items())
@@ -492,6 +506,18 @@ def random_init_note(ref: str | None, seed: int) -> str | None:
     return f"{ref} holds no weight file: the model starts from random initialisation (seed {seed})"
 
 
+def step_microbatches(step: StepPlan) -> list[list[int]]:
+    """The sequences (indices into ``step.sequences``) of each micro-batch, in first-placement order."""
+    out = []
+    for mb in step.microbatches:
+        seen: list[int] = []
+        for p in mb.placements:
+            if p.seq not in seen:
+                seen.append(p.seq)
+        out.append(seen)
+    return out
+
+
 def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSource, int, int]:
     """Everything a rank can decide alone, before any collective. Returns
     (reader, token source, first step, end step). Raises InputError."""
@@ -507,9 +533,18 @@ def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSo
         from zeppelin.schemas.model import resolve_model_ref
 
         spec = resolve_model_ref(cfg.model)
+        if spec.attention_pattern() != header.model.attention_pattern():
+            raise InputError(f"--model {cfg.model} runs {spec.attention_pattern()} attention but the plan was made for "
+                             f"{header.model.attention_pattern()} attention (plan it for this model)")
         if content_hash(spec) != header.hashes.model:
             raise InputError(f"--model {cfg.model} does not match the plan: the plan was made for model "
                              f"{header.model.name!r} (hash {header.hashes.model}, given {content_hash(spec)})")
+    own = header.model
+    if (cfg.model is None or not cfg.model.startswith("hf:")) and (
+            own.sliding_window is not None or own.is_moe or own.qk_norm or own.head_size is not None):
+        raise InputError(f"the plan's model {own.name!r} ({own.attention_pattern()} attention"
+                         f"{', mixture of experts' if own.is_moe else ''}) runs through transformers: pass "
+                         "--model hf:DIR (the runtime's own model is a dense full-attention Llama)")
     if cfg.model is not None and cfg.model.startswith("hf:") and header.tp > 1:
         raise InputError(f"the plan uses tensor parallelism (tp={header.tp}); Hugging Face models run "
                          "data/sequence/context-parallel plans only (plan with --tp 1)")

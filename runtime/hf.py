@@ -1,4 +1,5 @@
-"""Hugging Face decoders (Llama, Mistral, Qwen2) on a plan's layouts: ``--model hf:DIR``.
+"""Hugging Face decoders (Llama, Mistral, Qwen2, Qwen3 and the mixture-of-experts Mixtral,
+Qwen2-MoE, Qwen3-MoE) on a plan's layouts: ``--model hf:DIR``.
 
 The model is the ``transformers`` implementation itself (``AutoModelForCausalLM.from_config``),
 built from ``DIR/config.json`` in fp32 master weights; weights come from ``DIR/*.safetensors``
@@ -91,6 +92,12 @@ class HFCausalLM(nn.Module):
         self.config = causal_lm.config
         self.spec = spec
         self.dtype = COMPUTE_DTYPES[spec.dtype]
+        cfg = self.config
+        #: the router's auxiliary loss weight where transformers adds it to the loss
+        #: (``output_router_logits``); 0: not part of the loss
+        self.aux_coef = (float(getattr(cfg, "router_aux_loss_coef", 0.0))
+                         if spec.is_moe and getattr(cfg, "output_router_logits", False) else 0.0)
+        self._router_logits = None
 
     def _autocast(self, device: torch.device):
         if self.dtype in (torch.float32, torch.float64):
@@ -104,9 +111,11 @@ class HFCausalLM(nn.Module):
         if pos is None or getattr(layout, "ctx", None) is None:
             raise RuntimeError("HFCausalLM runs on a plan layout with an attention context and the linear "
                                "layout's position ids")
+        kw = {"output_router_logits": True} if self.aux_coef else {}
         with self._autocast(tokens.device):
             out = self.model(input_ids=tokens[None], position_ids=pos.to(tokens.device)[None], use_cache=False,
-                             zeppelin_context=layout.ctx, zeppelin_timer=timer)
+                             zeppelin_context=layout.ctx, zeppelin_timer=timer, **kw)
+        self._router_logits = out.router_logits if self.aux_coef else None
         return out.last_hidden_state[0]
 
     def _reference_hidden(self, tokens: torch.Tensor, layout: ReferenceLayout) -> torch.Tensor:
@@ -116,14 +125,19 @@ class HFCausalLM(nn.Module):
         cfg._attn_implementation = "eager"
         try:
             hs = []
+            routers = []
             pos = 0
+            kw = {"output_router_logits": True} if self.aux_coef else {}
             for L in layout.seq_lengths:
                 ids = tokens[pos:pos + L][None]
                 with self._autocast(tokens.device):
                     out = self.model(input_ids=ids, position_ids=torch.arange(L, device=tokens.device)[None],
-                                     use_cache=False)
+                                     use_cache=False, **kw)
                 hs.append(out.last_hidden_state[0])
+                if self.aux_coef:
+                    routers.append(out.router_logits)
                 pos += L
+            self._router_logits = routers if self.aux_coef else None
         finally:
             cfg._attn_implementation = old
         if not hs:
@@ -142,7 +156,73 @@ class HFCausalLM(nn.Module):
         inspection and --verify: a view of transformers' output that required grad would make
         FSDP register its pre-backward hook on a view)."""
         h = self.hidden_states(tokens, layout, timer)
-        return self.loss_sum(h, labels), h.detach()
+        loss = self.loss_sum(h, labels)
+        if self.aux_coef:
+            loss = loss + self._router_loss_term(labels, layout)
+        return loss, h.detach()
+
+    # ------------------------------------------------------------------ the router's auxiliary loss
+    def _router_stats(self, logits, rows_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``[tokens per expert (E), router probability sums (E), rows]`` of per-layer router
+        logits, as transformers' ``load_balancing_loss_func`` sums them (over the rows of
+        ``rows_mask``: padding is not a token)."""
+        E, k = self.spec.num_experts, self.spec.experts_per_token
+        dev = self.lm_head.weight.device
+        tpe = torch.zeros(E, dtype=torch.float32, device=dev)
+        prob = torch.zeros(E, dtype=torch.float32, device=dev)
+        rows = 0
+        for lg in logits:
+            if rows_mask is not None:
+                lg = lg[rows_mask]
+            w = torch.softmax(lg, dim=-1)
+            _, sel = torch.topk(w, k, dim=-1)
+            tpe = tpe + torch.zeros(E, dtype=torch.float32, device=dev).scatter_add_(
+                0, sel.reshape(-1), torch.ones(sel.numel(), dtype=torch.float32, device=dev))
+            prob = prob + w.float().sum(dim=0)
+            rows += w.shape[0]
+        return torch.cat([tpe, prob, torch.tensor([float(rows)], device=dev)])
+
+    def _aux_of(self, stats: torch.Tensor) -> torch.Tensor:
+        E = self.spec.num_experts
+        rows = stats[-1].clamp_min(1.0)
+        return torch.sum(stats[:E] / rows * stats[E:2 * E] / rows) * E
+
+    def _router_loss_term(self, labels: torch.Tensor, layout) -> torch.Tensor:
+        """What the router loss adds to this rank's loss sum: transformers' ``router_aux_loss_coef
+        x load_balancing_loss`` of each micro-batch (its statistic over all of the micro-batch's
+        tokens, on every rank: all-reduced), weighted by the micro-batch's share of the step's
+        predicted tokens (so that a one-micro-batch step's loss is transformers' batch loss) and
+        split evenly over the ranks (the executor sums the ranks' losses and gradients)."""
+        if isinstance(layout, ReferenceLayout):
+            groups = layout.microbatches or [list(range(len(layout.seq_lengths)))]
+            starts = [0]
+            for L in layout.seq_lengths:
+                starts.append(starts[-1] + L)
+            total = labels.new_zeros((), dtype=torch.float32)
+            for g in groups:
+                per_layer = [torch.cat([self._router_logits[i][layer] for i in g], 0)
+                             for layer in range(len(self._router_logits[g[0]]))] if g else []
+                if not per_layer:
+                    continue
+                pred = sum(int((labels[starts[i]:starts[i + 1]] != IGNORE_INDEX).sum()) for i in g)
+                total = total + self.aux_coef * self._aux_of(self._router_stats(per_layer)) * pred
+            return total
+        import torch.distributed as dist
+
+        E = self.spec.num_experts
+        local = self._router_stats(self._router_logits, getattr(layout, "real_rows", None))
+        glob = torch.cat([local.detach(), (labels != IGNORE_INDEX).sum().to(local.dtype).reshape(1)])
+        world = 1
+        if dist.is_initialized():
+            dist.all_reduce(glob)
+            world = dist.get_world_size()
+        pred, rows = glob[-1], glob[-2].clamp_min(1.0)
+        # the loss is linear in the router probabilities (the token counts carry no gradient): its
+        # value split evenly over the ranks, its gradient each rank's own share, with no collective
+        # in the backward pass
+        slope = glob[:E] / (rows * rows) * E
+        own = torch.sum(slope * (local[E:2 * E] - local[E:2 * E].detach()))
+        return self.aux_coef * pred * (self._aux_of(glob[:-1]) / world + own)
 
     def reference_copy(self, device: torch.device | str = "cpu") -> HFCausalLM:
         """A new unsharded fp32 model of the same config and spec (transformers' initialisation,
@@ -179,6 +259,21 @@ def load_hf_model(ref: str, seed: int = 0, device: torch.device | str = "cpu",
     config = AutoConfig.from_pretrained(str(d), local_files_only=True)
     config._attn_implementation = name
     files = _safetensors_files(d)
+    if files and spec.is_moe:
+        # transformers stores experts one by one and holds them fused: its own loader converts
+        # (safetensors only, local files only: nothing is unpickled or fetched)
+        from transformers.utils import logging as hf_logging
+
+        bar = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            causal = AutoModelForCausalLM.from_pretrained(str(d), config=config, dtype=torch.float32,
+                                                          use_safetensors=True, local_files_only=True)
+        finally:
+            if bar:
+                hf_logging.enable_progress_bar()
+        causal.train()
+        return HFCausalLM(causal, spec).to(device)
     if files:  # every weight comes from the files: skip the (slow, large-model) random initialisation
         from transformers.initialization import no_init_weights
 

@@ -262,10 +262,54 @@ def _q_tiles(tq: int, tk: int, h: int):
         yield a, min(tq, a + step)
 
 
-def causal_mask(tq: int, tk: int, q0: int, k0: int, device) -> torch.Tensor:
+def causal_mask(tq: int, tk: int, q0: int, k0: int, device, window: int | None = None) -> torch.Tensor:
+    """Visible keys of queries at absolute positions ``q0..`` over keys at ``k0..``: causal, and
+    with a window ``w`` only the ``w`` keys ending at the query (``q - w < k <= q``)."""
     qp = torch.arange(q0, q0 + tq, device=device).unsqueeze(1)
     kp = torch.arange(k0, k0 + tk, device=device).unsqueeze(0)
-    return kp <= qp
+    if window is None:
+        return kp <= qp
+    return (kp <= qp) & (kp > qp - window)
+
+
+def _band_tiles(tq: int, tk: int, q0: int, k0: int, window: int):
+    """Query tiles of a windowed block and the key rows each can see: ``(a, b, ka, kb)``. A tile
+    of ``t`` queries sees at most ``t + w - 1`` keys, so work and memory grow with ``L * w``."""
+    step = max(64, window)
+    for a in range(0, tq, step):
+        b = min(tq, a + step)
+        ka = max(0, q0 + a - window + 1 - k0)
+        kb = min(tk, q0 + b - k0)
+        yield a, b, ka, max(ka, kb)
+
+
+def band_forward(q, k, v, q0: int, k0: int, window: int, scale: float):
+    """Exact float32 windowed attention of queries at ``q0..`` over keys at ``k0..`` (the math
+    path, tiled so that each query tile touches only the keys of its window)."""
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), NEG_INF, dtype=torch.float32, device=q.device)
+    for a, b, ka, kb in _band_tiles(q.shape[0], k.shape[0], q0, k0, window):
+        if kb <= ka:
+            continue
+        mask = causal_mask(b - a, kb - ka, q0 + a, k0 + ka, q.device, window)
+        out[a:b], lse[:, a:b] = math_forward(q[a:b], k[ka:kb], v[ka:kb], mask, scale)
+    return out, lse
+
+
+def band_backward(dout, q, k, v, out, lse, q0: int, k0: int, window: int, scale: float):
+    """Gradients of :func:`band_forward` from a given (merged) ``out``/``lse``."""
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    for a, b, ka, kb in _band_tiles(q.shape[0], k.shape[0], q0, k0, window):
+        if kb <= ka:
+            continue
+        mask = causal_mask(b - a, kb - ka, q0 + a, k0 + ka, q.device, window)
+        x, y, z = math_backward(dout[a:b], q[a:b], k[ka:kb], v[ka:kb], out[a:b], lse[:, a:b], mask, scale)
+        dq[a:b] = x
+        dk[ka:kb] += y
+        dv[ka:kb] += z
+    return dq, dk, dv
 
 
 def math_forward(q, k, v, mask, scale):
@@ -315,19 +359,25 @@ def math_backward(dout, q, k, v, out, lse, mask, scale):
 # ---------------------------------------------------------------------------------------------
 
 
-def _flash_attn_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+def _left(window: int | None) -> int:
+    """flash-attn's left window (keys ``q - left .. q``; -1: unbounded) of a window of ``w`` keys."""
+    return -1 if window is None else window - 1
+
+
+def _flash_attn_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=None):
     fwd = _flash_attn_fns()[0]  # type: ignore[index]
     res = fwd(
         _last_contig(q), _last_contig(k), _last_contig(v), cu_q, cu_k, max_q, max_k,
-        dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=-1, window_size_right=-1,
+        dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=_left(window),
+        window_size_right=-1 if window is None else 0,
     )
     return res[0], res[1]
 
 
-def _flash_attn_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+def _flash_attn_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window=None):
     _, bwd, softcap = _flash_attn_fns()  # type: ignore[misc]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    kw = {"window_size_left": -1, "window_size_right": -1, "alibi_slopes": None, "deterministic": False,
+    kw = {"window_size_left": _left(window), "window_size_right": -1 if window is None else 0, "alibi_slopes": None, "deterministic": False,
           "rng_state": None}
     if softcap:
         kw["softcap"] = 0.0
@@ -338,21 +388,23 @@ def _flash_attn_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, s
     return dq, dk, dv
 
 
-def _aten_flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+def _aten_flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=None):
+    kw = {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
     out, lse = _ops()["flash_fwd"](
         _last_contig(q), _last_contig(k), _last_contig(v), cu_q, cu_k, max_q, max_k, 0.0, causal, False,
-        scale=scale,
+        scale=scale, **kw,
     )[:2]
     return out, lse
 
 
-def _aten_flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+def _aten_flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window=None):
     # dropout 0: the kernel never reads the RNG state (PyTorch's own varlen_attn passes zeros)
     rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
     unused = torch.empty(0, device=q.device)
+    kw = {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
     dq, dk, dv = _ops()["flash_bwd"](
         _last_contig(dout), _last_contig(q), _last_contig(k), _last_contig(v), _last_contig(out),
-        lse.contiguous(), cu_q, cu_k, max_q, max_k, 0.0, causal, rng, unused, scale=scale,
+        lse.contiguous(), cu_q, cu_k, max_q, max_k, 0.0, causal, rng, unused, scale=scale, **kw,
     )
     return dq, dk, dv
 
@@ -476,10 +528,29 @@ def _spans(bounds: tuple[int, ...]):
     return [(s, e) for s, e in itertools.pairwise(bounds) if e > s]
 
 
-def varlen_forward(kernel: str, q, k, v, bounds: tuple[int, ...], scale: float):
+#: varlen kernels with a sliding-window argument
+WINDOW_KERNELS = ("flash_attn", "aten_flash")
+
+
+def varlen_forward(kernel: str, q, k, v, bounds: tuple[int, ...], scale: float, window: int | None = None):
     """Causal attention of whole sequences packed along T (``bounds``: cumulative starts):
     ``(out in q.dtype, lse [Hq, T] float32)``. ONE kernel call on the varlen kernels; one call per
-    sequence on ``cpu_flash`` / ``math``."""
+    sequence on ``cpu_flash`` / ``math``. ``window``: sliding-window attention (the kernel's window
+    arguments where it has them, else the banded float32 path per sequence)."""
+    if window is not None and kernel not in WINDOW_KERNELS:
+        out = torch.empty_like(q)
+        lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+        for s, e in _spans(bounds):
+            o, l_ = band_forward(q[s:e], k[s:e], v[s:e], 0, 0, window, scale)
+            out[s:e] = o.to(q.dtype)
+            lse[:, s:e] = l_
+        return out, lse
+    if window is not None:
+        bounds = _nonempty(bounds)
+        cu = _cu_device(bounds, q.device)
+        mx = max((e - s for s, e in itertools.pairwise(bounds)), default=0)
+        fn = _flash_attn_fwd if kernel == "flash_attn" else _aten_flash_fwd
+        return fn(q, k, v, cu, cu, mx, mx, True, scale, window)
     if kernel in VARLEN_KERNELS:
         bounds = _nonempty(bounds)
         cu = _cu_device(bounds, q.device)
@@ -498,8 +569,21 @@ def varlen_forward(kernel: str, q, k, v, bounds: tuple[int, ...], scale: float):
     return out, lse
 
 
-def varlen_backward(kernel: str, dout, q, k, v, out, lse, bounds: tuple[int, ...], scale: float):
+def varlen_backward(kernel: str, dout, q, k, v, out, lse, bounds: tuple[int, ...], scale: float,
+                    window: int | None = None):
     """Gradients of :func:`varlen_forward` (same call structure): ``(dq, dk, dv)`` in the input dtype."""
+    if window is not None and kernel not in WINDOW_KERNELS:
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for s, e in _spans(bounds):
+            a, b, c = band_backward(dout[s:e], q[s:e], k[s:e], v[s:e], out[s:e], lse[:, s:e], 0, 0, window, scale)
+            dq[s:e], dk[s:e], dv[s:e] = a.to(q.dtype), b.to(k.dtype), c.to(v.dtype)
+        return dq, dk, dv
+    if window is not None:
+        bounds = _nonempty(bounds)
+        cu = _cu_device(bounds, q.device)
+        mx = max((e - s for s, e in itertools.pairwise(bounds)), default=0)
+        fn = _flash_attn_bwd if kernel == "flash_attn" else _aten_flash_bwd
+        return fn(dout.to(q.dtype), q, k, v, out.to(q.dtype), lse, cu, cu, mx, mx, True, scale, window)
     if kernel in VARLEN_KERNELS:
         bounds = _nonempty(bounds)
         cu = _cu_device(bounds, q.device)

@@ -247,8 +247,12 @@ class Layout:
 class ReferenceLayout(Layout):
     """Single process, whole sequences packed one after the other: no remap, plain attention."""
 
-    def __init__(self, seq_lengths: list[int], device: torch.device | str = "cpu") -> None:
+    def __init__(self, seq_lengths: list[int], device: torch.device | str = "cpu",
+                 microbatches: list[list[int]] | None = None) -> None:
         self.seq_lengths = list(seq_lengths)
+        #: the sequences (indices) of each of the step's micro-batches, for per-micro-batch terms
+        #: of the loss (a mixture of experts' router loss); None: the step as one micro-batch
+        self.microbatches = microbatches
         self.attn_positions = torch.cat(
             [torch.arange(L, dtype=torch.int64) for L in self.seq_lengths]
         ).to(device) if self.seq_lengths else torch.zeros(0, dtype=torch.int64, device=device)
@@ -528,7 +532,7 @@ def _reference_block_pieces(blk: Block, x: torch.Tensor, cos, sin, layout: Layou
 
 
 def reference_step(model: LlamaModel, sequences, source, device: torch.device | str = "cpu",
-                   normaliser: int | None = None) -> dict[str, Any]:
+                   normaliser: int | None = None, microbatches: list[list[int]] | None = None) -> dict[str, Any]:
     """Single-process reference of one step: every sequence whole, exact causal attention.
 
     Returns ``loss`` (sum of cross-entropies / predicted tokens), the final hidden states of each
@@ -550,7 +554,7 @@ def reference_step(model: LlamaModel, sequences, source, device: torch.device | 
     batch = source.segments(sequences, segs)
     tokens = torch.from_numpy(batch.tokens).to(device)
     labels = torch.from_numpy(batch.labels).to(device)
-    layout = ReferenceLayout(lengths, device)
+    layout = ReferenceLayout(lengths, device, microbatches)
     n = normaliser if normaliser is not None else max(predicted_tokens(sequences), 1)
     params = [p for p in model.parameters()]
     if not isinstance(model, LlamaModel):

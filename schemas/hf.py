@@ -1,7 +1,8 @@
 """Hugging Face model directories as model references: ``hf:DIR``.
 
 ``DIR`` holds a transformers ``config.json`` (and optionally ``*.safetensors`` weights) of a
-Llama-family decoder. :func:`hf_model_spec` reads the config (plain JSON, no code, no network) into
+Llama-family decoder: Llama, Mistral and Qwen2 (sliding windows included), Qwen3, and the
+mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE. :func:`hf_model_spec` reads the config (plain JSON, no code, no network) into
 the :class:`~zeppelin.schemas.model_spec.ModelSpec` the planner sizes, so ``zeppelin plan --model hf:DIR``
 and ``zeppelin run --model hf:DIR`` agree on one model. The spec's ``name`` carries the model type
 and a digest of the config's architecture fields, so a run with another DIR whose shape happens to
@@ -21,8 +22,17 @@ from .model_spec import ModelSpec
 
 HF_PREFIX = "hf:"
 
-#: transformers ``model_type`` values the runtime runs (Llama-family decoders)
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+#: transformers ``model_type`` values the runtime runs (Llama-family decoders, dense and MoE)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+
+#: model types whose ``sliding_window`` applies only with ``use_sliding_window`` (and then to the
+#: layers ``layer_types`` names, by default those from ``max_window_layers`` on)
+_USE_SLIDING = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+#: per-head RMS norms on queries and keys
+_QK_NORM = ("qwen3", "qwen3_moe")
+#: transformers' default head size where the config may leave it out (else hidden / heads)
+_HEAD_DIM_DEFAULT = {"qwen3": 128, "qwen3_moe": 128}
+_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -134,10 +144,50 @@ def read_hf_config(d: Path) -> dict[str, Any]:
 
 def sliding_window(cfg: dict[str, Any]) -> int | None:
     """The effective sliding-window size of a config (None: full causal attention)."""
-    if cfg.get("model_type") == "qwen2" and not cfg.get("use_sliding_window", False):
+    if cfg.get("model_type") in _USE_SLIDING and not cfg.get("use_sliding_window", False):
         return None
     w = cfg.get("sliding_window")
-    return int(w) if isinstance(w, int) and w > 0 else None
+    return int(w) if isinstance(w, int) and not isinstance(w, bool) and w > 0 else None
+
+
+def _layer_types(cfg: dict[str, Any], window: int | None, layers: int, src) -> list[str] | None:
+    """Per-layer attention as transformers builds it (None: every layer alike)."""
+    if window is None:
+        return None
+    lt = cfg.get("layer_types")
+    if lt is None and cfg.get("model_type") in _USE_SLIDING:
+        mwl = cfg.get("max_window_layers", 28)
+        if not isinstance(mwl, int) or isinstance(mwl, bool) or mwl < 0:
+            raise InputError(f"config.json has a bad max_window_layers {mwl!r}", source=src)
+        lt = ["sliding_attention" if i >= mwl else "full_attention" for i in range(layers)]
+    if lt is None:
+        return None
+    if not isinstance(lt, list) or len(lt) != layers or any(t not in _LAYER_TYPES for t in lt):
+        raise InputError(f"layer_types must list {layers} of {', '.join(_LAYER_TYPES)}", source=src)
+    if all(t == "sliding_attention" for t in lt):
+        return None
+    return list(lt)
+
+
+def _moe_fields(cfg: dict[str, Any], mt: str, need, src) -> dict[str, int]:
+    """ModelSpec's mixture-of-experts fields of an MoE config (refusing what the runtime does not run)."""
+    if mt not in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        return {}
+    # transformers writes the expert count under either name (its attribute_map aliases them)
+    experts_key = "num_local_experts" if "num_local_experts" in cfg or mt == "mixtral" else "num_experts"
+    if "num_experts" in cfg and "num_local_experts" not in cfg:
+        experts_key = "num_experts"
+    if mt == "mixtral":
+        return {"num_experts": need(experts_key), "experts_per_token": need("num_experts_per_tok"),
+                "expert_ffn_hidden": need("intermediate_size")}
+    if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers") not in (None, []):
+        raise InputError("decoder_sparse_step != 1 / mlp_only_layers (dense layers between MoE layers) are not "
+                         "supported: every layer must be an MoE layer", source=src)
+    out = {"num_experts": need(experts_key), "experts_per_token": need("num_experts_per_tok"),
+           "expert_ffn_hidden": need("moe_intermediate_size")}
+    if mt == "qwen2_moe":
+        out["shared_expert_ffn_hidden"] = need("shared_expert_intermediate_size")
+    return out
 
 
 # bounds of config.json fields: far above any real model, low enough to refuse a typo before any work
@@ -227,18 +277,22 @@ def hf_model_spec(ref: str) -> ModelSpec:
         raise InputError(f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}",
                          source=src)
     head_dim = _cfg_int(cfg, "head_dim", src, required=False)
-    if head_dim is not None and head_dim * heads != hidden:
-        raise InputError(f"head_dim {head_dim} x {heads} heads != hidden_size {hidden}: the runtime needs "
-                         "head_dim = hidden_size / num_attention_heads", source=src)
+    if head_dim is None:
+        head_dim = _HEAD_DIM_DEFAULT.get(mt)
+    if head_dim is not None and (head_dim < 2 or head_dim % 2):
+        raise InputError(f"config.json has a bad head_dim {head_dim!r} (an even integer >= 2)", source=src)
+    head_size = head_dim if head_dim is not None and head_dim * heads != hidden else None
     _cfg_int(cfg, "max_position_embeddings", src, required=False)
     _cfg_int(cfg, "sliding_window", src, required=False)
     if cfg.get("hidden_act", "silu") != "silu":
         raise InputError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (SwiGLU with silu only)",
                          source=src)
     w = sliding_window(cfg)
-    if w is not None:
-        raise InputError(f"sliding-window attention (sliding_window={w}) is not supported; set it to null",
-                         source=src)
+    layers = need("num_hidden_layers")
+    layer_types = _layer_types(cfg, w, layers, src)
+    if w is not None and layer_types is not None and "sliding_attention" not in layer_types:
+        w = None  # every layer full: transformers never applies the window
+    moe = _moe_fields(cfg, mt, need, src)
     dt = cfg.get("dtype", cfg.get("torch_dtype")) or "float32"
     if not isinstance(dt, str) or dt not in _DTYPES:
         raise InputError(f"dtype {dt!r} is not one of {', '.join(_DTYPES)}", source=src)
@@ -251,10 +305,12 @@ def hf_model_spec(ref: str) -> ModelSpec:
     digest = content_hash(arch).split(":")[-1][:10]
     try:
         return ModelSpec(
-            name=f"hf-{mt}-{digest}", family="llama", num_layers=need("num_hidden_layers"), hidden=hidden,
+            name=f"hf-{mt}-{digest}", family="llama", num_layers=layers, hidden=hidden,
             num_heads=heads, num_kv_heads=kv, ffn_hidden=need("intermediate_size"),
             vocab_size=need("vocab_size"), mlp="swiglu", dtype=_DTYPES[dt], rope_theta=theta, norm_eps=eps,
-            tie_embeddings=tie, remap_payload="qkv")
+            tie_embeddings=tie, remap_payload="qkv",
+            head_size=head_size, sliding_window=w, layer_types=layer_types if w is not None else None,
+            qk_norm=mt in _QK_NORM, **moe)
     except ValidationError as e:  # the spec's own checks (divisibility, ...): one line, no help URL
         why = format_validation_error(e).removeprefix("(document): ")
         raise InputError(f"config.json does not describe a supported decoder: {why}", source=src) from None

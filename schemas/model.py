@@ -26,6 +26,17 @@ _PRESETS = {
     "llama-13b": lambda: _llama("llama-13b", 5120, 40, 40, 40, 13824),
     "llama-30b": lambda: _llama("llama-30b", 6656, 60, 52, 52, 17920),
     "llama3-8b": lambda: _llama("llama3-8b", 4096, 32, 32, 8, 14336, vocab=128256, theta=500000.0),
+    # Mistral 7B: Llama-3-like GQA with a 4096-token sliding window on every layer
+    "mistral-7b": lambda: _llama("mistral-7b", 4096, 32, 32, 8, 14336).model_copy(
+        update={"sliding_window": 4096}),
+    "qwen3-8b": lambda: _llama("qwen3-8b", 4096, 36, 32, 8, 12288, vocab=151936, theta=1e6).model_copy(
+        update={"qk_norm": True, "norm_eps": 1e-6}),
+    # mixture of experts: memory holds every expert, a token runs top-k of them
+    "qwen3-30b-a3b": lambda: _llama("qwen3-30b-a3b", 2048, 48, 32, 4, 768, vocab=151936, theta=1e6).model_copy(
+        update={"qk_norm": True, "norm_eps": 1e-6, "head_size": 128, "num_experts": 128, "experts_per_token": 8,
+                "expert_ffn_hidden": 768}),
+    "mixtral-8x7b": lambda: _llama("mixtral-8x7b", 4096, 32, 32, 8, 14336, theta=1e6).model_copy(
+        update={"num_experts": 8, "experts_per_token": 2, "expert_ffn_hidden": 14336}),
     "gpt-7b": lambda: _gpt("gpt-7b", 4096, 32, 32),
     "gpt-13b": lambda: _gpt("gpt-13b", 5120, 40, 40),
     "gpt-30b": lambda: _gpt("gpt-30b", 6656, 60, 52),
@@ -34,6 +45,8 @@ _PRESETS = {
                               ffn_hidden=176, vocab_size=256, dtype="fp32"),
     "tiny-mha": lambda: ModelSpec(name="tiny-mha", num_layers=2, hidden=64, num_heads=4, num_kv_heads=4,
                                   ffn_hidden=176, vocab_size=256, dtype="fp32"),
+    "tiny-window": lambda: ModelSpec(name="tiny-window", num_layers=2, hidden=64, num_heads=4, num_kv_heads=2,
+                                     ffn_hidden=176, vocab_size=256, dtype="fp32", sliding_window=64),
     "small": lambda: ModelSpec(name="small", num_layers=4, hidden=256, num_heads=8, num_kv_heads=4,
                                ffn_hidden=688, vocab_size=1024, dtype="fp32"),
 }

@@ -140,12 +140,18 @@ def _check_model(ref: str, header) -> None:
     """``--model`` must be the model embedded in the plan, field by field."""
     from zeppelin.schemas.model import resolve_model_ref
 
-    given = resolve_model_ref(ref).model_dump()
+    spec = resolve_model_ref(ref)
+    if spec.attention_pattern() != header.model.attention_pattern():
+        raise InputError(f"--model {ref} runs {spec.attention_pattern()} attention but the plan was made for "
+                         f"{header.model.attention_pattern()} attention (plan it for this model)")
+    given = spec.model_dump()
     planned = header.model.model_dump()
-    for key in sorted(planned, key=lambda k: k == "name"):  # the architecture first, the name last
-        if given.get(key) != planned[key]:
+    # (optional fields appear only where set: compare the keys of both)
+    keys = list(planned) + [k for k in given if k not in planned]
+    for key in sorted(keys, key=lambda k: k == "name"):  # the architecture first, the name last
+        if given.get(key) != planned.get(key):
             raise InputError(f"--model {ref} does not match the plan: {key} is {given.get(key)!r} here, "
-                             f"{planned[key]!r} in the plan's model {header.model.name!r}")
+                             f"{planned.get(key)!r} in the plan's model {header.model.name!r}")
 
 
 def same_path(a: Path, b: Path) -> bool:

@@ -8,6 +8,10 @@ Formulas (h hidden, g KV heads, d head dim, f FFN, m = 3 for SwiGLU / 2 for GELU
 
 * linear FLOPs, forward, per layer:   2 * T * (h*(h + 2*g*d) + h*h + m*h*f)
 * attention FLOPs, forward, causal:   2 * L^2 * h          (QK^T and PV, half masked)
+* with a sliding window w:            4 * (L*w - w^2/2) * h once L > w (the visible pairs); a
+  model mixing window and full layers: the mean over its layer types, so ``num_layers x`` a
+  per-layer time is their sum; rings priced block by block (:meth:`CostModel.ring_window_rounds`)
+* mixture of experts: linear FLOPs of the active experts (top-k + shared), memory of all of them
 * backward = ``backward_linear_factor`` (2.0) / ``backward_attention_factor`` (2.5) x forward
 * kernel time = overhead + FLOPs / (peak * eff_max * n / (n + n_half))
 * link time   = alpha + bytes / bandwidth
@@ -28,6 +32,51 @@ ArrayLike = "np.ndarray | float | int"
 
 def _arr(x) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
+
+
+def causal_prefix(x, ks, ke) -> np.ndarray:
+    """Causal (q, k) pairs with q < x, ks <= k < ke and k <= q, as areas (continuous positions)."""
+    x, ks, ke = _arr(x), _arr(ks), _arr(ke)
+    lk = np.maximum(ke - ks, 0.0)
+    m = np.clip(x - ks, 0.0, lk)
+    return m * m / 2.0 + np.maximum(x - ke, 0.0) * lk
+
+
+def window_pairs_between(qs, qe, ks, ke, window: int | None) -> np.ndarray:
+    """Visible (q, k) pairs of queries ``[qs, qe)`` over keys ``[ks, ke)`` of one sequence: causal,
+    and with a window ``w`` only ``q - w < k`` (the pairs with ``k <= q - w`` are those of the
+    queries shifted back by ``w``)."""
+    out = causal_prefix(qe, ks, ke) - causal_prefix(qs, ks, ke)
+    if window is not None:
+        out = out - (causal_prefix(_arr(qe) - window, ks, ke) - causal_prefix(_arr(qs) - window, ks, ke))
+    return np.maximum(out, 0.0)
+
+
+def window_pairs(L, window: int | None) -> np.ndarray:
+    """Visible (q, k) pairs of a whole sequence of length ``L``: ``L^2/2`` causal; with a window
+    ``w`` the first ``w`` queries see everything before them and every later one sees ``w`` keys:
+    ``L*w - w^2/2`` once ``L > w``."""
+    L = _arr(L)
+    if window is None:
+        return L * L / 2.0
+    return np.where(L <= window, L * L / 2.0, L * window - window * window / 2.0)
+
+
+def ring_position_ranges(L, G: int, contiguous) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+    """Per ring position, its ``(start, end)`` ranges over sequences of lengths ``L`` (arrays):
+    zigzag (chunks i and 2G-1-i of 2G) or, where ``contiguous``, one range of L/G (the second
+    range empty)."""
+    L = _arr(L)
+    c = L / (2.0 * G)
+    z = np.zeros_like(L)
+    out = []
+    for i in range(G):
+        a0 = np.where(contiguous, 2 * i * c, i * c)
+        a1 = np.where(contiguous, 2 * (i + 1) * c, (i + 1) * c)
+        b0 = np.where(contiguous, z, (2 * G - 1 - i) * c)
+        b1 = np.where(contiguous, z, (2 * G - i) * c)
+        out.append([(a0, a1), (b0, b1)])
+    return out
 
 
 def eval_fit(fit, n) -> np.ndarray:
@@ -60,6 +109,7 @@ class CostModel:
     zero_stage: int = 1
     tp_overlap: str = "none"
     recompute: str = "none"
+    _rounds_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.profile is None:
@@ -94,22 +144,57 @@ class CostModel:
 
     @cached_property
     def linear_flops_per_token(self) -> float:
-        """Forward FLOPs per token per layer of all linear modules."""
+        """Forward FLOPs per token per layer of all linear modules (an MoE layer: the experts a token
+        runs, top-k plus the shared one, and the router)."""
         m = self.model
-        return 2.0 * (m.hidden * (m.hidden + 2 * m.kv_dim) + m.hidden * m.hidden + self._mlp_mult * m.hidden * m.ffn_hidden)
+        if not m.is_moe and m.head_size is None:
+            return 2.0 * (m.hidden * (m.hidden + 2 * m.kv_dim) + m.hidden * m.hidden
+                          + self._mlp_mult * m.hidden * m.ffn_hidden)
+        ffn = m.mlp_ffn_params(active=True)
+        router = m.hidden * m.num_experts
+        return 2.0 * (m.hidden * (m.q_dim + 2 * m.kv_dim) + m.q_dim * m.hidden + self._mlp_mult * m.hidden * ffn
+                      + router)
 
     def linear_flops_fwd(self, tokens) -> np.ndarray:
         return _arr(tokens) * self.linear_flops_per_token
 
     def attn_flops_fwd(self, L) -> np.ndarray:
-        """Forward FLOPs of causal attention over sequences of length ``L`` (per layer)."""
+        """Forward FLOPs of causal attention over sequences of length ``L`` (per layer, full causal)."""
         L = _arr(L)
-        return 2.0 * L * L * self.model.hidden
+        return 2.0 * L * L * self.model.q_dim
 
     def attn_block_flops_fwd(self, lq, lk, causal: bool = False) -> np.ndarray:
         """Forward FLOPs of ``lq`` queries attending to ``lk`` keys (full block, or causal diagonal)."""
-        f = 4.0 * _arr(lq) * _arr(lk) * self.model.hidden
+        f = 4.0 * _arr(lq) * _arr(lk) * self.model.q_dim
         return f / 2.0 if causal else f
+
+    # ---------------------------------------------------------------- attention pattern
+    @cached_property
+    def window_mix(self) -> tuple[tuple[int | None, float], ...] | None:
+        """``(window, share of the layers)`` per layer type of a model with sliding-window layers
+        (None: every layer full causal, the plain formulas). Per-layer attention quantities of
+        such a model are these layer types' weighted mean, so ``num_layers x`` a per-layer time is
+        the sum over the layer types."""
+        counts = self.model.window_counts()
+        if set(counts) == {None}:
+            return None
+        n = self.model.num_layers
+        return tuple((w, c / n) for w, c in sorted(counts.items(), key=lambda x: (x[0] is None, x[0] or 0)))
+
+    def _mixed(self, fn) -> np.ndarray:
+        """``sum_w share_w * fn(w)`` over the layer types."""
+        return sum(share * _arr(fn(w)) for w, share in self.window_mix)
+
+    def ring_contiguous(self, L, G: int) -> np.ndarray:
+        """Where a ring of G units over sequences ``L`` cuts them contiguously rather than zigzag:
+        a model whose every layer is windowed, once a position's share L/G covers the window (each
+        position then needs the K/V of its predecessor only: one neighbour exchange, and the work
+        is balanced without zigzag's pairing). Full-attention layers need the zigzag balance."""
+        L = _arr(L)
+        counts = self.model.window_counts()
+        if G <= 1 or None in counts:
+            return np.zeros(np.shape(L), dtype=bool)
+        return L >= G * float(self.model.sliding_window)
 
     # ---------------------------------------------------------------- compute time
     def _eff(self, k: KernelEfficiency, n) -> np.ndarray:
@@ -135,7 +220,14 @@ class CostModel:
                 and (self._fits is None or self._fits.linear is None))
 
     def attn_time(self, L) -> np.ndarray:
-        """Attention fwd+bwd time per layer of whole sequences of length ``L`` on one unit."""
+        """Attention fwd+bwd time per layer of whole sequences of length ``L`` on one unit (a
+        windowed layer: the full causal time at the length with its pair count, ``sqrt(2 * pairs)``)."""
+        if self.window_mix is None:
+            return self._attn_time_full(L)
+        L = _arr(L)
+        return self._mixed(lambda w: self._attn_time_full(np.sqrt(2.0 * window_pairs(L, w))))
+
+    def _attn_time_full(self, L) -> np.ndarray:
         L = _arr(L)
         if self._fits is not None and self._fits.attention is not None:
             return np.where(L > 0, eval_fit(self._fits.attention, L), 0.0)
@@ -153,7 +245,9 @@ class CostModel:
         L = _arr(L)
         if G <= 1:
             return self.attn_time(L)
-        return self.attn_time(L / np.sqrt(G))
+        if self.window_mix is None:
+            return self.attn_time(L / np.sqrt(G))
+        return self._mixed(lambda w: self._attn_time_full(np.sqrt(2.0 * window_pairs(L, w) / G)))
 
     def attn_block_time(self, lq, lk, causal: bool = False) -> np.ndarray:
         """fwd+bwd time of one attention block (a ring round's chunk pair) per layer."""
@@ -165,7 +259,7 @@ class CostModel:
         if self._fits is not None and self._fits.attention is not None:
             # scale the whole-sequence fit by the block's share of a causal L x L square
             equiv_len = np.sqrt(np.maximum(lq * lk * (1.0 if causal else 2.0), 0.0))
-            return np.where(lq * lk > 0, self.attn_time(equiv_len), 0.0)
+            return np.where(lq * lk > 0, self._attn_time_full(equiv_len), 0.0)
         k = self.profile.attention
         if not causal and self.profile.attention_block is not None:
             k = self.profile.attention_block
@@ -265,6 +359,74 @@ class CostModel:
         return float(self.profile.attention.overhead_s)
 
     def ring_round_compute(self, L, G: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per-layer fwd+bwd compute of one unit of a ring of G units over sequences ``L``:
+        ``(round 0, the mean later round)`` (the later rounds sum to ``(G - 1) x`` the second). A
+        model with windowed layers: the layer types' mean of :meth:`ring_window_rounds`."""
+        if self.window_mix is None:
+            return self._ring_round_compute_full(L, G)
+        L = _arr(L)
+        first = self._mixed(lambda w: self._ring_rounds(L, G, w)[0][0])
+        later = self._mixed(lambda w: sum(self._ring_rounds(L, G, w)[0][1:]) / max(G - 1, 1))
+        return first, later
+
+    def _ring_rounds(self, L, G: int, window: int | None):
+        """``(per-round compute, exchanges)`` of one layer type (None: full causal, zigzag)."""
+        if window is None and self.window_mix is not None:
+            t0, tr = self._ring_round_compute_full(L, G)
+            return [t0] + [tr] * (G - 1), np.full(np.shape(_arr(L)), float(G - 1))
+        L = _arr(L)
+        key = (G, window, L.shape, L.tobytes())
+        hit = self._rounds_cache.get(key)
+        if hit is None:
+            if len(self._rounds_cache) >= 512:  # a planner asks about the same few length sets repeatedly
+                self._rounds_cache.clear()
+            hit = self._rounds_cache[key] = self.ring_window_rounds(L, G, window)
+        return hit
+
+    def ring_window_rounds(self, L, G: int, window: int | None) -> tuple[list[np.ndarray], np.ndarray]:
+        """A ring of G units over sequences ``L`` of one layer type, block by block: per round r,
+        the compute of its slowest position (queries of position i over the K/V of position
+        i - r: each range pair priced by its visible pairs, pieces of one round one call), and the
+        number of K/V exchanges the ring posts. A block is passed on only while a later position
+        still sees some of it, so with a window the rounds (and exchanges) past its reach vanish:
+        with contiguous cuts (:meth:`ring_contiguous`) one exchange, to the neighbour."""
+        L = _arr(L)
+        shape = np.shape(L)
+        contiguous = self.ring_contiguous(L, G) if window is not None else np.zeros(shape, dtype=bool)
+        pos = ring_position_ranges(L, G, contiguous)
+        # [range a or b][start/end][position] arrays of shape (G, *shape)
+        rng = [[np.stack([pos[i][a][k] for i in range(G)]) for k in (0, 1)] for a in (0, 1)]
+        overhead = np.where(L > 0, self.attn_call_overhead, 0.0)
+        rounds: list[np.ndarray] = []
+        needed_at = []  # per round: (G, *shape) whether position i computes on the block it holds
+        for r in range(G):
+            j = (np.arange(G) - r) % G
+            t = np.zeros((G,) + shape)
+            calls = np.zeros((G,) + shape)
+            for a in (0, 1):
+                qs, qe = rng[a]
+                lq = qe - qs
+                for b in (0, 1):
+                    ks, ke = rng[b][0][j], rng[b][1][j]
+                    n = window_pairs_between(qs, qe, ks, ke, window)
+                    vis = (n > 0) & (lq > 0)
+                    if r == 0 and a == b:  # a diagonal: causal (and maybe windowed) square
+                        e = np.sqrt(2.0 * n)
+                        tb = self.attn_block_time(e, e, causal=True)
+                    else:
+                        tb = self.attn_block_time(lq, np.where(lq > 0, n / np.maximum(lq, 1e-30), 0.0))
+                    t = t + np.where(vis, tb, 0.0)
+                    calls = calls + vis
+            t = t - np.maximum(calls - 1, 0) * overhead
+            needed_at.append((calls > 0).any(axis=0))
+            rounds.append(t.max(axis=0))
+        # exchanges posted: rounds 0 .. (the last round any block is still needed) - 1
+        last = np.zeros(shape)
+        for r in range(1, G):
+            last = np.where(needed_at[r], float(r), last)
+        return rounds, last
+
+    def _ring_round_compute_full(self, L, G: int) -> tuple[np.ndarray, np.ndarray]:
         """Per-layer fwd+bwd compute of one unit of a zigzag ring of G units over sequences ``L``:
         ``(round 0, each later round)``.
 
@@ -311,6 +473,14 @@ class CostModel:
         t0, tr = self.ring_round_compute(L, G)
         return t0 + (G - 1) * tr
 
+    def ring_exchanges(self, L, G: int) -> np.ndarray:
+        """K/V exchanges a ring of G units posts per layer (the layer types' mean): G - 1 for full
+        causal attention, fewer where a window leaves later rounds nothing to compute."""
+        L = _arr(L)
+        if self.window_mix is None or G <= 1:
+            return np.full(np.shape(L), float(max(G - 1, 0)))
+        return self._mixed(lambda w: self._ring_rounds(L, G, w)[1])
+
     def ring_attention_time(self, L, G: int, tier: str = "intra", nic_sharers: float = 1.0) -> np.ndarray:
         """Per-layer fwd+bwd time of ring attention of whole sequences L over G units (zigzag).
 
@@ -327,15 +497,35 @@ class CostModel:
         L = _arr(L)
         if G <= 1:
             return np.zeros_like(L)
-        t0, tr = self.ring_round_compute(L, G)
         comm = self.p2p_time(self.ring_round_bytes(L / G), self.tier_link(tier), nic_sharers)
+        if self.window_mix is not None:
+            return np.where(L > 0, self._mixed(lambda w: self._window_exposure(L, G, w, comm)), 0.0)
+        t0, tr = self.ring_round_compute(L, G)
         return np.where(L > 0, self.ring_round_exposure(comm, t0, tr, G), 0.0)
 
-    def ring_round_exposure(self, comm, t0, tr, G: int) -> np.ndarray:
+    def _window_exposure(self, L, G: int, window: int | None, comm) -> np.ndarray:
+        """Exposed time of one layer type's ring: exchange r hides behind round r's compute, and
+        only the exchanges the ring posts count."""
+        rounds, nex = self._ring_rounds(L, G, window)
+        sync = self.ring_sync(G)
+        if sync is not None:
+            return nex * sync
+        out = np.zeros(np.shape(_arr(L)))
+        for r in range(G - 1):
+            out = out + np.where(r < nex, np.maximum(comm - rounds[r], 0.0), 0.0)
+        return out
+
+    def ring_round_exposure(self, comm, t0, tr, G: int, exchanges=None) -> np.ndarray:
         """Exposed time of a ring of G units whose per-round transfer takes ``comm`` and whose round
         0 / later rounds compute ``t0`` / ``tr``: the G-1 transfers hide behind rounds 0 .. G-2.
         A measured profile's per-round exchange cost (``ring_sync``) replaces the transfer model."""
         sync = self.ring_sync(G)
+        if exchanges is not None:  # a windowed ring posts fewer exchanges than G - 1
+            ex = _arr(exchanges)
+            if sync is not None:
+                return ex * sync
+            return np.where(ex > 0, np.maximum(comm - t0, 0.0) + np.maximum(ex - 1, 0.0) * np.maximum(comm - tr, 0.0),
+                            0.0)
         if sync is not None:  # profiled: what the runtime's exchanges cost beyond compute, per round
             return np.broadcast_to(np.float64((G - 1) * sync), np.shape(comm)).copy()
         return np.maximum(comm - t0, 0.0) + (G - 2) * np.maximum(comm - tr, 0.0)
@@ -520,8 +710,12 @@ class CostModel:
 
         The residual stream, RoPE rotations by constant tables and the casts keep nothing."""
         m, c = self.model, self.compute_bytes
-        mlp = (4 if m.mlp == "swiglu" else 2) * c * m.ffn_hidden
-        attn = c * (2 * m.hidden + 2 * m.kv_dim) + 4.0 * m.num_heads
+        mlp = (4 if m.mlp == "swiglu" else 2) * c * m.mlp_ffn_params(active=True)
+        if m.is_moe:  # the router's fp32 logits and probabilities, the token's copy per expert it runs
+            mlp += 8 * m.num_experts + c * m.hidden * m.experts_per_token
+        attn = c * (2 * m.q_dim + 2 * m.kv_dim) + 4.0 * m.num_heads
+        if m.qk_norm:  # the normed queries and keys beside their inputs
+            attn += c * (m.q_dim + m.kv_dim)
         parts = {"norms": 2 * self.norm_bytes_per_token(), "attention": attn, "mlp": float(mlp)}
         measured = self.profile.activation_bytes_per_token_layer
         if measured:  # a whole-layer figure: keep the analytic split

@@ -327,10 +327,20 @@ def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool
             if groups[gi].tier == "inter" and int(gi) in inter_round:
                 comm_round[k] = inter_round[int(gi)]
         t_att[is_ring] = g_t0 + (Gr - 1) * g_tr
-        t_comm[is_ring] = comm_round * (Gr - 1)
+        g_ex = None
+        if cost.window_mix is not None:  # windowed layers: a ring posts only the exchanges its window needs
+            p_ex = np.zeros(len(pL))
+            for Gv in np.unique(pG[on_ring]):
+                sel = (pG == Gv) & on_ring
+                p_ex[sel] = cost.ring_exchanges(pL[sel], int(Gv))
+            g_ex_all = np.zeros(ng)
+            np.maximum.at(g_ex_all, pg, p_ex)
+            g_ex = g_ex_all[is_ring]
+        t_comm[is_ring] = comm_round * ((Gr - 1) if g_ex is None else g_ex)
         for Gv in np.unique(Gr):
             sel = Gr == Gv
-            t_exp[ring_ids[sel]] = cost.ring_round_exposure(comm_round[sel], g_t0[sel], g_tr[sel], int(Gv))
+            t_exp[ring_ids[sel]] = cost.ring_round_exposure(comm_round[sel], g_t0[sel], g_tr[sel], int(Gv),
+                                                            None if g_ex is None else g_ex[sel])
         for gi, t in nic_floor.items():  # a ring is no faster than the busiest NIC side it crosses
             if is_ring[gi]:
                 t_exp[gi] = max(t_exp[gi], t - t_att[gi])

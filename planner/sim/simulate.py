@@ -563,32 +563,41 @@ class Simulator:
         periods: list[float] = []
         tl: list[MicroBatchTimeline] = []
         for mb in step.microbatches:
-            lay = _Layer(self, step, mb, reps)
-            lay.build()
-            lay.engine.run()
-            f, comp_a, comp_l, comm, comps = lay.unit_results()
-            period_u = np.zeros(n)
-            for comp in comps:
-                m = max(f[u] for u in comp)
-                for u in comp:
-                    period_u[u] = m
+            # one task graph per layer type (attention window), counted for its layers
+            acc = np.zeros((5, n))  # attention, linear, exposed, comm, period per unit
+            for w, nl in ctx.model.window_counts().items():
+                lay = _Layer(self, step, mb, reps, window=w)
+                lay.build()
+                lay.engine.run()
+                f, comp_a, comp_l, comm, comps = lay.unit_results()
+                period_u = np.zeros(n)
+                for comp in comps:
+                    m = max(f[u] for u in comp)
+                    for u in comp:
+                        period_u[u] = m
+                for u in range(n):
+                    acc[0, u] += float(nl * comp_a[u])
+                    acc[1, u] += nl * comp_l[u]
+                    acc[2, u] += float(nl * max(f[u] - comp_a[u] - comp_l[u], 0.0))
+                    acc[3, u] += float(nl * comm[u])
+                acc[4] += nl * period_u
+                for nic, b in lay.nic_bytes().items():
+                    nic_bytes[nic] += nl * b
+                for nic, b in lay.nic_busy().items():
+                    nic_busy[nic] += nl * b
+                for (kind, nic), b in lay.nic_traffic().items():
+                    traffic[kind][nic] += nl * b
             lin_tok = lay.linear_tokens
             head = np.array([float(self.cost_for(reps[u].tp).head_time(lin_tok[u])) for u in range(n)])
             for u in range(n):
                 st = units[u]
-                st.attention_s += float(L * comp_a[u])
-                st.linear_s += float(L * comp_l[u] + head[u])
-                st.exposed_comm_s += float(L * max(f[u] - comp_a[u] - comp_l[u], 0.0))
-                st.comm_s += float(L * comm[u])
+                st.attention_s += float(acc[0, u])
+                st.linear_s += float(acc[1, u] + head[u])
+                st.exposed_comm_s += float(acc[2, u])
+                st.comm_s += float(acc[3, u])
                 st.tokens += int(lin_tok[u])
-            finish += L * period_u + head
+            finish += acc[4] + head
             periods.append(float(f.max()) if n else 0.0)
-            for nic, b in lay.nic_bytes().items():
-                nic_bytes[nic] += L * b
-            for nic, b in lay.nic_busy().items():
-                nic_busy[nic] += L * b
-            for (kind, nic), b in lay.nic_traffic().items():
-                traffic[kind][nic] += L * b
             if timeline:
                 tl.append(MicroBatchTimeline(layer_period_s=float(f.max()), intervals=lay.intervals(),
                                              unit_period_s=[float(x) for x in period_u],
@@ -626,21 +635,24 @@ class Simulator:
         :meth:`simulate_step` would move (the same task graph, built without kernel times and not run),
         so that a summary of a plan counts exactly the traffic its simulation puts on the NICs."""
         reps = self.replicas(step)
-        L = self.ctx.model.num_layers
         out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         for mb in step.microbatches:
-            lay = _Layer(self, step, mb, reps, compute=False)
-            lay.build()
-            for (kind, nic), b in lay.nic_traffic().items():
-                out[kind][nic] += L * b
+            for w, nl in self.ctx.model.window_counts().items():
+                lay = _Layer(self, step, mb, reps, compute=False, window=w)
+                lay.build()
+                for (kind, nic), b in lay.nic_traffic().items():
+                    out[kind][nic] += nl * b
         return {k: dict(v) for k, v in out.items()}
 
 
 class _Layer:
     """The task graph of one transformer layer (fwd + bwd) of one micro-batch."""
 
-    def __init__(self, sim: Simulator, step: StepPlan, mb: MicroBatch, reps: list[Replica], compute: bool = True):
+    def __init__(self, sim: Simulator, step: StepPlan, mb: MicroBatch, reps: list[Replica], compute: bool = True,
+                 window: int | None = None):
         self.sim, self.step, self.mb, self.reps = sim, step, mb, reps
+        #: the layer's attention window (None: full causal attention)
+        self.window = window
         #: False: kernel times are not priced (every compute task takes no time): the graph is built
         #: for its transfers only (:meth:`Simulator.nic_traffic`)
         self.compute = compute
@@ -726,21 +738,27 @@ class _Layer:
                 for k, (s, e) in enumerate(rs):
                     qs[pi, i, k], qe[pi, i, k] = s, e
         tok = (qe - qs).sum(axis=2)  # (P, G)
-        if not self.compute:
-            return np.zeros((P, G, G)), tok, np.zeros((P, G, G), dtype=np.int64)
         j = (np.arange(G)[:, None] - np.arange(G)[None, :]) % G  # [i, r] -> source position
         q_start = qs[:, :, None, :, None]
         q_end = qe[:, :, None, :, None]
         k_start = qs[:, j][:, :, :, None, :]
         k_end = qe[:, j][:, :, :, None, :]
-        pairs = _prefix_pairs(q_end, k_start, k_end) - _prefix_pairs(q_start, k_start, k_end)
+        causal = _prefix_pairs(q_end, k_start, k_end) - _prefix_pairs(q_start, k_start, k_end)
+        pairs = causal
+        w = self.window
+        if w is not None:  # the pairs with k <= q - w: those of the queries shifted back by w
+            pairs = causal - (_prefix_pairs(q_end - w, k_start, k_end) - _prefix_pairs(q_start - w, k_start, k_end))
         lq = np.broadcast_to(q_end - q_start, pairs.shape)
         lk = np.broadcast_to(k_end - k_start, pairs.shape)
         nz = (pairs > 0) & (lq > 0) & (lk > 0)
+        if not self.compute:
+            return np.zeros((P, G, G)), tok, nz.sum(axis=(3, 4))
         same_start = np.broadcast_to(q_start, pairs.shape) == np.broadcast_to(k_start, pairs.shape)
-        diag = nz & same_start & (lq == lk)
-        full = nz & ~diag & (pairs >= lq * lk)
-        part = nz & ~diag & ~full
+        square = nz & same_start & (lq == lk)
+        diag = square & (pairs >= causal)
+        wdiag = square & ~diag  # a diagonal the window cuts: a causal square of its pair count
+        full = nz & ~square & (pairs >= lq * lk)
+        part = nz & ~square & ~full
         t = np.zeros(pairs.shape)
         if diag.any():
             t[diag] = cost.attn_block_time(lq[diag], lq[diag], causal=True)
@@ -748,6 +766,9 @@ class _Layer:
             t[full] = cost.attn_block_time(lq[full], lk[full], causal=False)
         if part.any():
             t[part] = cost.attn_block_time(lq[part], pairs[part] / lq[part], causal=False)
+        if wdiag.any():
+            e = np.sqrt(2.0 * pairs[wdiag])
+            t[wdiag] = cost.attn_block_time(e, e, causal=True)
         calls = nz.sum(axis=(3, 4))  # pieces per (p, i, r)
         tt = t.sum(axis=(3, 4)) - np.maximum(calls - 1, 0) * self.sim.attn_overhead
         # the overhead comes from the whole-sequence fit, the pieces from the block fit: where
@@ -837,8 +858,17 @@ class _Layer:
         G = len(U)
         eng = self.engine
         costs = [self.sim.cost_for(self.reps[u].tp) for u in U]
-        tt, tok, _ = self._block_times(pls, G, costs[0])
+        tt, tok, calls = self._block_times(pls, G, costs[0])
         c0 = costs[0]
+        # [owner position, round]: some position computes on the owner's block in that round; a
+        # block travels on only while a later round still needs it (windows end rings early)
+        uses = np.zeros((G, G), dtype=bool)
+        for r in range(G):
+            for i in range(G):
+                uses[(i - r) % G, r] = bool(calls[:, i, r].sum() > 0)
+        still = np.zeros((G, G), dtype=bool)  # [owner, r]: needed in a round after r
+        for r in range(G - 2, -1, -1):
+            still[:, r] = still[:, r + 1] | uses[:, r + 1]
         Lp = np.array([sum(e - s for rs in p.ranges for s, e in rs) for p in pls], dtype=float)
         meas = c0.ring_compute_measured(Lp, G) if self.compute else None
         if meas is not None:  # each sequence's blocks scaled so that its slowest position takes as measured
@@ -872,6 +902,9 @@ class _Layer:
                 if r >= 1:
                     deps += [send[(i - 1) % G][r - 1], comp_t[k][r - 1], send[k][r - 1]]
                 src_pos = (i - r) % G
+                if not still[src_pos, r]:  # no later position sees this block: the ring does not send it
+                    send[i][r] = eng.mark(deps)
+                    continue
                 nb = float(costs[i].ring_round_bytes(pos_tok[src_pos]))
                 send[i][r] = self.transfer(U[i], U[k], nb, deps, "ring", route=routes.get((gi, U[i], U[k])))
 

@@ -29,7 +29,7 @@ def build_microbatch(search, idx: list[int], Ls: np.ndarray, spans, span_index, 
     placements: list[Placement] = []
     _inter_groups(ctx, idx, Ls, inter_js, node_of, groups, placements)
     ulysses = _ulysses_choice(ctx, spans, span_index, table, unit_of, node_of, inter_js)
-    _intra_groups(idx, Ls, spans, unit_of, ulysses, groups, placements)
+    _intra_groups(ctx, idx, Ls, spans, unit_of, ulysses, groups, placements)
     _local_groups(idx, Ls, spans, unit_of, groups, placements)
     queues: list[list[int]] = [[] for _ in range(ctx.num_units)]
     for gi, g in enumerate(groups):  # global order: inter, intra, local
@@ -58,11 +58,20 @@ def _inter_groups(ctx: PlanContext, idx, Ls, inter_js, node_of, groups, placemen
             base = list(range(nd * per_node, (nd + 1) * per_node))
             units += base[rot:] + base[:rot]
         groups.append(_record(Group, kind="ring", tier="inter", units=units))
-        placements.append(_record(Placement, seq=idx[j], group=len(groups) - 1, scheme="zigzag",
-                                  ranges=zigzag_ranges(int(Ls[j]), len(units)), padded_length=None))
+        placements.append(_ring_placement(ctx, idx[j], len(groups) - 1, int(Ls[j]), len(units)))
 
 
-def _intra_groups(idx, Ls, spans, unit_of, ulysses: dict[int, bool], groups, placements) -> None:
+def _ring_placement(ctx: PlanContext, seq: int, group: int, length: int, G: int) -> Placement:
+    """A ring's cut of one sequence: zigzag, or contiguous where the model's windows make a
+    neighbour exchange enough (:meth:`CostModel.ring_contiguous`)."""
+    if bool(ctx.cost.ring_contiguous(length, G)):
+        return _record(Placement, seq=seq, group=group, scheme="contiguous",
+                       ranges=contiguous_ranges(length, G), padded_length=None)
+    return _record(Placement, seq=seq, group=group, scheme="zigzag", ranges=zigzag_ranges(length, G),
+                   padded_length=None)
+
+
+def _intra_groups(ctx: PlanContext, idx, Ls, spans, unit_of, ulysses: dict[int, bool], groups, placements) -> None:
     """Intra-node splits on the same units share one group (one ring / one all-to-all per round for
     all of them: fewer, larger transfers, one latency); inter rings stay one per sequence."""
     shared: dict[tuple, int] = {}
@@ -78,8 +87,7 @@ def _intra_groups(idx, Ls, spans, unit_of, ulysses: dict[int, bool], groups, pla
             placements.append(_record(Placement, seq=idx[j], group=gi, scheme="contiguous",
                                       ranges=contiguous_ranges(int(Ls[j]), len(units)), padded_length=None))
         else:
-            placements.append(_record(Placement, seq=idx[j], group=gi, scheme="zigzag",
-                                      ranges=zigzag_ranges(int(Ls[j]), len(units)), padded_length=None))
+            placements.append(_ring_placement(ctx, idx[j], gi, int(Ls[j]), len(units)))
 
 
 def _local_groups(idx, Ls, spans, unit_of, groups, placements) -> None:

@@ -38,42 +38,42 @@ def local_kernel(q: torch.Tensor) -> str:
     return _k.choose(q.device, q.dtype, "varlen", q.shape[-1])
 
 
-def local_forward(q, k, v, cu_seqlens, scale: float | None = None):
+def local_forward(q, k, v, cu_seqlens, scale: float | None = None, window: int | None = None):
     """No-autograd causal varlen attention: ``(out [T,Hq,D] in q.dtype, lse [Hq,T] fp32)``.
 
     One varlen kernel call for the whole pack where the device has a varlen kernel (CUDA,
     bf16/fp16); one call per sequence on the CPU kernel and the math path."""
     if q.shape[0] == 0:
         return torch.empty_like(q), torch.empty((q.shape[1], 0), dtype=torch.float32, device=q.device)
-    out, lse = _k.varlen_forward(local_kernel(q), q, k, v, bounds(cu_seqlens), _k.default_scale(q, scale))
+    out, lse = _k.varlen_forward(local_kernel(q), q, k, v, bounds(cu_seqlens), _k.default_scale(q, scale), window)
     return out.to(q.dtype), lse
 
 
-def local_backward(dout, q, k, v, out, lse, cu_seqlens, scale: float | None = None):
+def local_backward(dout, q, k, v, out, lse, cu_seqlens, scale: float | None = None, window: int | None = None):
     """Gradients of :func:`local_forward` (same kernel, same call structure), in the input dtype."""
     if q.shape[0] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dq, dk, dv = _k.varlen_backward(local_kernel(q), dout, q, k, v, out, lse, bounds(cu_seqlens),
-                                    _k.default_scale(q, scale))
+                                    _k.default_scale(q, scale), window)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _LocalAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, bounds, scale):
-        out, lse = local_forward(q, k, v, bounds, scale)
+    def forward(ctx, q, k, v, bounds, scale, window):
+        out, lse = local_forward(q, k, v, bounds, scale, window)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.bounds, ctx.scale = bounds, scale
+        ctx.bounds, ctx.scale, ctx.window = bounds, scale, window
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = local_backward(dout.contiguous(), q, k, v, out, lse, ctx.bounds, ctx.scale)
-        return dq, dk, dv, None, None
+        dq, dk, dv = local_backward(dout.contiguous(), q, k, v, out, lse, ctx.bounds, ctx.scale, ctx.window)
+        return dq, dk, dv, None, None, None
 
 
-def local_attention(q, k, v, cu_seqlens, scale: float | None = None):
+def local_attention(q, k, v, cu_seqlens, scale: float | None = None, window: int | None = None):
     """Causal attention over packed whole sequences (autograd-capable).
 
     ``cu_seqlens``: cumulative sequence starts ``[0, L0, L0+L1, ...]`` (list, or tensor at the
@@ -81,7 +81,7 @@ def local_attention(q, k, v, cu_seqlens, scale: float | None = None):
     b = bounds(cu_seqlens)
     if not b or b[0] != 0 or b[-1] != q.shape[0] or any(y < x for x, y in itertools.pairwise(b)):
         raise ValueError(f"cu_seqlens {list(b[:8])}... does not partition {q.shape[0]} rows")
-    return _LocalAttention.apply(q, k, v, b, scale)
+    return _LocalAttention.apply(q, k, v, b, scale, window)
 
 
 class LocalPack:
@@ -89,7 +89,8 @@ class LocalPack:
     forward and one backward (a rank's local, one-rank-group sequences on a device with a varlen
     kernel: see :func:`LocalPack.of`)."""
 
-    def __init__(self, spans: Sequence[tuple[int, int]], device: torch.device) -> None:
+    def __init__(self, spans: Sequence[tuple[int, int]], device: torch.device, window: int | None = None) -> None:
+        self.window = window
         self.spans = [(int(a), int(b)) for a, b in spans]
         cu = [0]
         for a, b in self.spans:
@@ -103,12 +104,14 @@ class LocalPack:
             self.rows = _k.to_device(idx, device)
 
     @classmethod
-    def of(cls, tasks, q: torch.Tensor) -> LocalPack | None:
+    def of(cls, tasks, q: torch.Tensor, window: int | None = None) -> LocalPack | None:
         """A pack of ``tasks`` ``(row0, row1, spec)`` (one sequence each, one-rank ring specs) when
         ``q``'s device/dtype has a varlen kernel and every sequence's ranges tile it in order;
         None otherwise (the caller then runs a task per sequence)."""
         tasks = list(tasks)
         if not tasks or not _k.has_varlen(q.device, q.dtype, q.shape[-1]):
+            return None
+        if window is not None and local_kernel(q) not in _k.WINDOW_KERNELS:
             return None
         for a, b, spec in tasks:
             if len(spec.seqs) != 1:
@@ -121,17 +124,17 @@ class LocalPack:
                 pos = e
             if pos != b - a:
                 return None
-        return cls([(a, b) for a, b, _ in tasks], q.device)
+        return cls([(a, b) for a, b, _ in tasks], q.device, window)
 
     def forward(self, q, k, v, out, lse, scale: float | None) -> None:
         """Fill ``out``/``lse`` at the pack's rows."""
         r = self.rows
         if isinstance(r, slice):
-            o, l_ = local_forward(q[r], k[r], v[r], self.bounds, scale)
+            o, l_ = local_forward(q[r], k[r], v[r], self.bounds, scale, self.window)
             out[r], lse[:, r] = o, l_
         else:
             o, l_ = local_forward(q.index_select(0, r), k.index_select(0, r), v.index_select(0, r),
-                                  self.bounds, scale)
+                                  self.bounds, scale, self.window)
             out.index_copy_(0, r, o.to(out.dtype))
             lse.index_copy_(1, r, l_)
 
@@ -139,10 +142,11 @@ class LocalPack:
         """Fill ``dq``/``dk``/``dv`` at the pack's rows from the final ``out``/``lse``."""
         r = self.rows
         if isinstance(r, slice):
-            dq[r], dk[r], dv[r] = local_backward(dout[r], q[r], k[r], v[r], out[r], lse[:, r], self.bounds, scale)
+            dq[r], dk[r], dv[r] = local_backward(dout[r], q[r], k[r], v[r], out[r], lse[:, r], self.bounds, scale,
+                                                 self.window)
         else:
             sel = [x.index_select(0, r) for x in (dout, q, k, v, out)]
-            a, b, c = local_backward(*sel, lse.index_select(1, r), self.bounds, scale)
+            a, b, c = local_backward(*sel, lse.index_select(1, r), self.bounds, scale, self.window)
             dq.index_copy_(0, r, a)
             dk.index_copy_(0, r, b)
             dv.index_copy_(0, r, c)

@@ -40,7 +40,10 @@ class RingSpec:
     ranks: list[int]
     pos: int | None
     seqs: list[list[list[list[int]]]]
+    #: sliding-window attention (a query at q sees keys ``q - w < k <= q``); None: full causal
+    window: int | None = None
     _rows: list[int] = field(default_factory=list, init=False, repr=False)
+    _last: list[int] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         g = len(self.ranks)
@@ -75,7 +78,7 @@ class RingSpec:
         out = []
         for si, qo, qs, qe in self.segments(p):
             for _, ko, ks, ke in ks_by_seq.get(si, ()):
-                if block_kind((qs, qe), (ks, ke)) != "skip":
+                if block_kind((qs, qe), (ks, ke), self.window) != "skip":
                     out.append((qo, qo + qe - qs, ko, ko + ke - ks, (qs, qe), (ks, ke)))
         return out
 
@@ -83,6 +86,47 @@ class RingSpec:
         """Round r: position i sends the block it holds (owner (i - r) mod G) to position i+1."""
         g = self.size
         return [(self.ranks[i], self.ranks[(i + 1) % g], self._rows[(i - r) % g]) for i in range(g)]
+
+    def last_round(self, owner: int) -> int:
+        """The last round in which some position computes on ``owner``'s K/V block: G - 1 for full
+        causal attention (the block goes all the way round); with a window, the block stops at
+        the last position that still sees some of it (0: nobody else needs it)."""
+        if self._last is None:
+            g = self.size
+            if self.window is None:
+                self._last = [g - 1] * g
+            else:
+                self._last = [max((r for r in range(1, g) if self.pairs((o + r) % g, o)), default=0)
+                              for o in range(g)]
+        return self._last[owner]
+
+    def kv_transfers(self, r: int) -> list[tuple[int, int, int]]:
+        """The K/V blocks round r passes on: each while a later position still needs it."""
+        g = self.size
+        if self.window is None:
+            return self.transfers(r)
+        return [(self.ranks[i], self.ranks[(i + 1) % g], self._rows[(i - r) % g]) for i in range(g)
+                if r < self.last_round((i - r) % g)]
+
+    def dkv_transfers(self, r: int) -> list[tuple[int, int, int]]:
+        """Backward, round r: the dK/dV accumulators that travel on with their block. Full causal
+        attention: the owner's own share travels too and comes back after G rounds. With a window
+        the owner keeps its share; the others' start at round 1 and come back from the block's
+        last round (:meth:`return_transfers`)."""
+        if r >= self.size - 1 or (self.window is not None and r == 0):
+            return []
+        return self.kv_transfers(r)
+
+    def return_transfers(self, r: int) -> list[tuple[int, int, int]]:
+        """Backward, round r: the dK/dV accumulators whose block's last round is r, sent back to
+        their owner (full causal attention: round G - 1, to the next position, which is the owner)."""
+        g = self.size
+        out = []
+        for i in range(g):
+            o = (i - r) % g
+            if r > 0 and r == self.last_round(o):
+                out.append((self.ranks[i], self.ranks[o], self._rows[o]))
+        return out
 
 
 def _pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -104,12 +148,12 @@ def ring_forward(q, k, v, spec: RingSpec, transport: Transport, scale: float | N
     for r in range(g):
         j = (p - r) % g
         ex = (
-            transport.exchange(spec.transfers(r), kv, row_shape, kv.dtype, kv.device).start()
+            transport.exchange(spec.kv_transfers(r), kv, row_shape, kv.dtype, kv.device).start()
             if r < g - 1
             else None
         )
         for q0, q1, k0, k1, qr, kr in spec.pairs(p, j):
-            o_b, l_b = attention_block(q[q0:q1], kv[k0:k1, 0], kv[k0:k1, 1], qr, kr, sc)
+            o_b, l_b = attention_block(q[q0:q1], kv[k0:k1, 0], kv[k0:k1, 1], qr, kr, sc, spec.window)
             merge_partial(out[q0:q1], lse[:, q0:q1], o_b, l_b)
         if ex is not None:
             nxt = ex.finish(idle)
@@ -129,17 +173,19 @@ def ring_backward(
     row_shape = kv.shape[1:]
     exd = None
     dkv = None
+    own = None  # this position's own block's accumulator when nobody else computes on it
+    returns = []
     for r in range(g):
         j = (p - r) % g
         exkv = (
-            transport.exchange(spec.transfers(r), kv, row_shape, kv.dtype, kv.device).start()
+            transport.exchange(spec.kv_transfers(r), kv, row_shape, kv.dtype, kv.device).start()
             if r < g - 1
             else None
         )
         dkv = torch.zeros((spec.rows(j), *row_shape), dtype=torch.float32, device=q.device)
         for q0, q1, k0, k1, qr, kr in spec.pairs(p, j):
             a, b, c = attention_block_backward(
-                dout[q0:q1], q[q0:q1], kv[k0:k1, 0], kv[k0:k1, 1], out[q0:q1], lse[:, q0:q1], qr, kr, sc
+                dout[q0:q1], q[q0:q1], kv[k0:k1, 0], kv[k0:k1, 1], out[q0:q1], lse[:, q0:q1], qr, kr, sc, spec.window
             )
             dq[q0:q1] += a.float()
             dkv[k0:k1, 0] += b.float()
@@ -148,14 +194,28 @@ def ring_backward(
             got = exd.finish(idle)
             if got is not None:
                 dkv += got
+        if r == 0:
+            own = dkv
         if g > 1:
-            exd = transport.exchange(spec.transfers(r), dkv, row_shape, torch.float32, q.device).start()
+            exd = transport.exchange(spec.dkv_transfers(r), dkv, row_shape, torch.float32, q.device).start()
+            returns.append(transport.exchange(spec.return_transfers(r), dkv, row_shape, torch.float32,
+                                              q.device).start())
         if exkv is not None:
             nxt = exkv.finish(idle)
             kv = nxt if nxt is not None else kv.new_zeros((0, *row_shape))
     if exd is not None:
-        got = exd.finish(idle)
-        dkv = got if got is not None else torch.zeros((0, *row_shape), dtype=torch.float32, device=q.device)
+        exd.finish(idle)
+    back = None
+    for ex in returns:
+        got = ex.finish(idle)
+        if got is not None:
+            back = got
+    if spec.window is not None:  # the owner's own share, plus the others' when they come back
+        dkv = own if back is None else own + back
+    elif back is not None:
+        dkv = back
+    elif g > 1:
+        dkv = torch.zeros((0, *row_shape), dtype=torch.float32, device=q.device)
     return dq.to(q.dtype), dkv[:, 0].to(k.dtype), dkv[:, 1].to(v.dtype)
 
 
@@ -163,27 +223,32 @@ def ring_relay_forward(spec: RingSpec, transport: Transport, row_shape, dtype, d
     """A proxy that is not a ring member: take part in the forward exchanges of the ring (same
     call sequence as :func:`ring_forward`, no compute)."""
     for r in range(spec.size - 1):
-        transport.exchange(spec.transfers(r), None, row_shape, dtype, device).start().finish(idle)
+        transport.exchange(spec.kv_transfers(r), None, row_shape, dtype, device).start().finish(idle)
 
 
 def ring_relay_backward(spec: RingSpec, transport: Transport, row_shape, dtype, device, idle=None) -> None:
     """Relay-only counterpart of :func:`ring_backward` (same exchange call sequence)."""
     g = spec.size
     exd = None
+    returns = []
     for r in range(g):
         exkv = (
-            transport.exchange(spec.transfers(r), None, row_shape, dtype, device).start()
+            transport.exchange(spec.kv_transfers(r), None, row_shape, dtype, device).start()
             if r < g - 1
             else None
         )
         if exd is not None:
             exd.finish(idle)
         if g > 1:
-            exd = transport.exchange(spec.transfers(r), None, row_shape, torch.float32, device).start()
+            exd = transport.exchange(spec.dkv_transfers(r), None, row_shape, torch.float32, device).start()
+            returns.append(transport.exchange(spec.return_transfers(r), None, row_shape, torch.float32,
+                                              device).start())
         if exkv is not None:
             exkv.finish(idle)
     if exd is not None:
         exd.finish(idle)
+    for ex in returns:
+        ex.finish(idle)
 
 
 class _RingAttention(torch.autograd.Function):

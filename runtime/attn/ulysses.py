@@ -248,7 +248,8 @@ class _HeadToSeq(torch.autograd.Function):
         return _h2s_backward(fctx.c, dout.contiguous()), None
 
 
-def ulysses_attention(q, k, v, spec: UlyssesSpec, group=None, scale: float | None = None):
+def ulysses_attention(q, k, v, spec: UlyssesSpec, group=None, scale: float | None = None,
+                      window: int | None = None):
     """Causal attention of a Ulysses group's sequences from sequence-sharded ``q [T, Hq, D]``,
     ``k, v [T, Hkv, D]`` (``T = spec.rows(spec.pos)``, sequences in ``spec.seqs`` order, ranges in
     listed order); returns ``[T, Hq, D]``. Differentiable; ``group``: the process group of
@@ -261,7 +262,7 @@ def ulysses_attention(q, k, v, spec: UlyssesSpec, group=None, scale: float | Non
     hq, hkv, D = q.shape[1], k.shape[1], q.shape[2]
     if G == 1:
         perm, inv = _perms(spec, q.device)
-        o = local_attention(q[perm], k[perm], v[perm], spec.cu_seqlens(), scale)
+        o = local_attention(q[perm], k[perm], v[perm], spec.cu_seqlens(), scale, window)
         return o[inv]
     if group is None:
         from ..groups import get_group
@@ -282,6 +283,6 @@ def ulysses_attention(q, k, v, spec: UlyssesSpec, group=None, scale: float | Non
         else:
             idx = torch.arange(q0, q1, device=q.device) // r - k0
             ke, ve = kf.index_select(1, idx), vf.index_select(1, idx)
-        of = local_attention(qf, ke, ve, spec.cu_seqlens(), scale)
+        of = local_attention(qf, ke, ve, spec.cu_seqlens(), scale, window)
     og = of[inv]
     return _HeadToSeq.apply(og, ctx)

@@ -787,13 +787,13 @@ HF_CONFIGS = [
     ("head-dim-odd", {"hidden_size": 60, "head_dim": None},
      "config.json does not describe a supported decoder: head_dim = hidden / num_heads = 15 must be even (rotary "
      "embeddings rotate pairs of channels)"),
-    ("head-dim-mismatch", {"head_dim": 32}, "head_dim 32 x 4 heads != hidden_size 64: the runtime needs head_dim = "
-                                            "hidden_size / num_attention_heads"),
+    ("head-dim-odd-given", {"head_dim": 31}, "config.json has a bad head_dim 31 (an even integer >= 2)"),
     ("not-an-object", [1, 2], "config.json is not a JSON object"),
     ("dtype-list", {"dtype": ["float32"]}, "dtype ['float32'] is not one of float32, bfloat16, float16"),
     ("dtype-int8", {"dtype": "int8"}, "dtype 'int8' is not one of float32, bfloat16, float16"),
     ("model-type-list", {"model_type": ["llama"]},
-     "model_type ['llama'] is not supported (supported: llama, mistral, qwen2)"),
+     "model_type ['llama'] is not supported (supported: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, "
+     "qwen3_moe)"),
     ("act-list", {"hidden_act": ["silu"]}, "hidden_act ['silu'] is not supported (SwiGLU with silu only)"),
 ]
 

@@ -105,10 +105,11 @@ def test_planner_prices_the_qkv_remap(hf_dirs):
 
 
 @pytest.mark.parametrize("edit, message", [
-    ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported (supported: llama, mistral, qwen2)"),
-    ({"sliding_window": 16}, "sliding-window attention (sliding_window=16) is not supported; set it to null"),
-    ({"head_dim": 32}, "head_dim 32 x 4 heads != hidden_size 64: the runtime needs head_dim = hidden_size / "
-                       "num_attention_heads"),
+    ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported (supported: llama, mistral, qwen2, qwen3, mixtral, "
+                             "qwen2_moe, qwen3_moe)"),
+    ({"sliding_window": 16, "layer_types": ["sliding_attention"]},
+     "layer_types must list 2 of full_attention, sliding_attention"),
+    ({"head_dim": 31}, "config.json has a bad head_dim 31 (an even integer >= 2)"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported (SwiGLU with silu only)"),
     ({"num_hidden_layers": 0}, "config.json: num_hidden_layers must be an integer from 1 to 16,384 (got 0)"),
 ])
