@@ -193,7 +193,9 @@ def _moe_fields(cfg: dict[str, Any], mt: str, need, src) -> dict[str, int]:
 # bounds of config.json fields: far above any real model, low enough to refuse a typo before any work
 _INT_BOUNDS = {"hidden_size": 1 << 20, "num_attention_heads": 1 << 14, "num_key_value_heads": 1 << 14,
                "num_hidden_layers": 1 << 14, "intermediate_size": 1 << 22, "vocab_size": 1 << 24,
-               "head_dim": 1 << 14, "max_position_embeddings": 1 << 32, "sliding_window": 1 << 32}
+               "head_dim": 1 << 14, "max_position_embeddings": 1 << 32, "sliding_window": 1 << 32,
+               "num_experts": 1 << 16, "num_local_experts": 1 << 16, "num_experts_per_tok": 1 << 16,
+               "moe_intermediate_size": 1 << 22, "shared_expert_intermediate_size": 1 << 22}
 
 
 def _cfg_int(cfg: dict[str, Any], key: str, src: Path, *, required: bool = True) -> int | None:
@@ -283,7 +285,10 @@ def hf_model_spec(ref: str) -> ModelSpec:
         raise InputError(f"config.json has a bad head_dim {head_dim!r} (an even integer >= 2)", source=src)
     head_size = head_dim if head_dim is not None and head_dim * heads != hidden else None
     _cfg_int(cfg, "max_position_embeddings", src, required=False)
-    _cfg_int(cfg, "sliding_window", src, required=False)
+    sw = cfg.get("sliding_window")
+    if sw is not None and (not isinstance(sw, int) or isinstance(sw, bool) or not 0 <= sw <= _INT_BOUNDS["sliding_window"]):
+        raise InputError(f"config.json: sliding_window must be an integer from 0 (none) to "
+                         f"{_INT_BOUNDS['sliding_window']:,} or null (got {sw!r})", source=src)
     if cfg.get("hidden_act", "silu") != "silu":
         raise InputError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (SwiGLU with silu only)",
                          source=src)

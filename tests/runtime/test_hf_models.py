@@ -106,7 +106,7 @@ def test_moe_cost_uses_active_experts(model_dirs):
 @pytest.mark.parametrize("edit, message", [
     ({"mlp_only_layers": [1]}, "decoder_sparse_step != 1 / mlp_only_layers (dense layers between MoE layers) are "
      "not supported: every layer must be an MoE layer"),
-    ({"num_local_experts": 0}, "config.json needs a positive integer 'num_local_experts' (got 0)"),
+    ({"num_local_experts": 0}, "config.json: num_local_experts must be an integer from 1 to 65,536 (got 0)"),
 ])
 def test_moe_configs_refused(model_dirs, tmp_path, edit, message):
     c = json.loads((model_dirs["qwen3-moe"] / "config.json").read_text())
