@@ -51,6 +51,7 @@ from .api import AttentionContext, attention, build_step, to_attention_layout, t
 from .config import RunConfig
 from .data import TokenSource, load_token_source, predicted_tokens
 from .model import Layout, LlamaModel, PhaseTimer, reference_step
+from .optim import LRSchedule
 
 
 class VerifyError(RuntimeError):
@@ -123,7 +124,9 @@ class Executor:
                  rank: int, world_size: int, device: torch.device, groups=None,
                  lr: float = 1e-3, weight_decay: float = 0.0, tp_overlap: str | None = None,
                  tp_chunks: int = 4, dp: str = "fsdp", zero_stage: int | None = None,
-                 dtype: str | None = None, recompute: str = "none", hsdp: int | None = None) -> None:
+                 dtype: str | None = None, recompute: str = "none", hsdp: int | None = None,
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, grad_clip: float | None = None,
+                 lr_schedule=None) -> None:
         from . import fsdp
         from .tp import OVERLAP_MODES
 
@@ -169,7 +172,12 @@ class Executor:
         self.params = [p for p in model.parameters()]
         self.names = [n for n, _ in model.named_parameters()]
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay,
-                                           betas=(0.9, 0.95), eps=1e-8, foreach=False)
+                                           betas=tuple(betas), eps=eps, foreach=False)
+        # the learning rate of step k (None: ``lr`` throughout) and global gradient-norm clipping
+        self.lr_schedule = lr_schedule
+        self.grad_clip = grad_clip
+        self.last_lr = lr
+        self.last_grad_norm = float("nan")
 
     def _now(self) -> float:
         if self.cuda:
@@ -296,8 +304,23 @@ class Executor:
                            sum(mem.get(k, 0) for k in MEMORY_COMPONENTS))
         return mem
 
-    def optimizer_step(self) -> float:
+    def _shard_group(self):
+        """The process group over which FSDP's gradient shards are summed for the global norm."""
+        if self.mesh is None:
+            return None
+        return self.mesh["shard"].get_group() if self.mesh.ndim > 1 else self.mesh.get_group()
+
+    def optimizer_step(self, k: int | None = None) -> float:
+        """Clip the gradients (their global norm is kept in ``last_grad_norm``), set step ``k``'s
+        learning rate and take the AdamW step; returns the time it took."""
+        from .optim import clip_gradients
+
         t0 = self._now()
+        self.last_grad_norm = clip_gradients(self.params, self.grad_clip, self._shard_group())
+        if self.lr_schedule is not None and k is not None:
+            self.last_lr = float(self.lr_schedule(k))
+            for g in self.optimizer.param_groups:
+                g["lr"] = self.last_lr
         self.optimizer.step()
         for p in self.params:
             p.grad = None
@@ -631,8 +654,7 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
             ckpt_lock = prepare_checkpoint_dir(cfg.checkpoint_dir)
         except InputError as e:
             local_err = str(e)
-    hparams = {"lr": cfg.lr, "weight_decay": cfg.weight_decay,
-               "seed": header.seed if (header is not None and cfg.seed is None) else cfg.seed}
+    hparams = cfg.hyperparameters(header.seed if header is not None else None)
     # resume: find the checkpoint (rank 0's filesystem view is shared with every local rank)
     state = None
     ckpt_path = None
@@ -671,7 +693,9 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
     recompute = cfg.recompute if cfg.recompute is not None else getattr(header, "recompute", "none")
     ex = Executor(header, model, source, rank=rank, world_size=world, device=device, groups=groups,
                   lr=cfg.lr, weight_decay=cfg.weight_decay, tp_overlap=cfg.tp_overlap, tp_chunks=cfg.tp_chunks,
-                  dp=cfg.dp, zero_stage=cfg.zero_stage, dtype=dtype, recompute=recompute, hsdp=cfg.hsdp)
+                  dp=cfg.dp, zero_stage=cfg.zero_stage, dtype=dtype, recompute=recompute, hsdp=cfg.hsdp,
+                  betas=cfg.betas_pair, eps=cfg.eps, grad_clip=cfg.grad_clip,
+                  lr_schedule=LRSchedule(cfg.lr, header.num_steps, cfg.lr_schedule, cfg.warmup_steps, cfg.min_lr))
     if state is not None:
         load_checkpoint_tensors(ckpt_path, model, ex.optimizer)
         if rank < len(state["rng"]):
@@ -711,7 +735,7 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
             else:
                 report = None
             t_verify = time.perf_counter() - tv
-            res.phases["optimizer"] = ex.optimizer_step()
+            res.phases["optimizer"] = ex.optimizer_step(k)
             res.phases["step"] = time.perf_counter() - t0 - t_verify
             if report is not None:
                 for key in ("loss_rel", "hidden_rel", "grad_rel", "grad_rel_vs_fp64", "fp32_reference_vs_fp64"):
@@ -726,6 +750,8 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
             losses.append(res.loss)
             if rank == 0:
                 rec = _metrics_record(step, res.loss, per_rank, report, header)
+                rec["lr"] = ex.last_lr
+                rec["grad_norm"] = ex.last_grad_norm
                 for r in rec["memory"]["exceeds_capacity"]:
                     print(f"zeppelin run: warning: step {step.step}: rank {r} measured "
                           f"{rec['memory']['measured_bytes'][r] / 1e9:.2f} GB, more than the "
