@@ -110,6 +110,9 @@ class RunConfig:
     """What a rank runs: the plan and the training, checking and output options."""
 
     plan: str = flag(..., kind=str, help="plan file written by `zeppelin plan`", path=True)
+    plan_digest: str | None = flag(None, "--plan-digest", kind=str, metavar="sha256:HEX",
+                                   help="run the plan only if its end record carries this digest (zeppelin run "
+                                        "passes the digest of the plan it checked to every rank)")
     model: str | None = flag(None, "--model", kind=str,
                              help="model preset, JSON file or hf:DIR (Hugging Face); must match the plan")
     data: str | None = flag(None, "--data", kind=str, help="dataset manifest (token ids); must match the plan")

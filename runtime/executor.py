@@ -480,8 +480,11 @@ def build_model(ref: str | None, header: PlanHeader, seed: int, device: torch.de
 def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSource, int, int]:
     """Everything a rank can decide alone, before any collective. Returns
     (reader, token source, first step, end step). Raises InputError."""
+    from zeppelin.schemas.hf import is_hf_ref
+    from zeppelin.schemas.runnable import step_problem
+
     cfg.check()  # the options' own bounds (a config may have been changed since it was made)
-    reader = PlanReader(cfg.plan)
+    reader = PlanReader(cfg.plan, digest=cfg.plan_digest)
     header = reader.header
     reader.verify()
     check_embedded_specs(reader)
@@ -518,9 +521,14 @@ def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSo
     cfg.check_plan(header)  # --steps within the plan, --recompute as planned
     end = header.num_steps if cfg.steps is None else cfg.steps
     lengths = getattr(getattr(source, "manifest", None), "lengths", None)
-    if lengths is not None:  # every sample the steps name is in the manifest, never synthetic tokens instead
-        for k in range(end):
-            probs = sample_problems(reader.step(k), lengths)
+    hf = is_hf_ref(cfg.model)
+    for k in range(end):
+        step = reader.step(k)
+        why = step_problem(header, step, hf)  # every step runs here, checked before step 0
+        if why:
+            raise InputError(f"zeppelin run cannot execute {why} (nothing was run)", source=reader.path)
+        if lengths is not None:  # every sample the steps name is in the manifest, never synthetic tokens instead
+            probs = sample_problems(step, lengths)
             if probs:
                 raise InputError(f"--data {cfg.data}: {probs[0]}")
     if cfg.hsdp is not None and world_size % cfg.hsdp:

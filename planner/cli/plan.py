@@ -256,7 +256,8 @@ def validate(
     manifest: str | None = typer.Option(None, "--manifest", help="check the plan was made from this manifest"),
     limit: int = typer.Option(10, "--limit", help="problems to print at most"),
 ) -> None:
-    """Check a plan's invariants (coverage, memory, routes, ring order, input hashes).
+    """Check a plan's invariants (coverage, memory, routes, ring order, input hashes) and that
+    `zeppelin run` executes every step for the model (--model hf:DIR: no tensor parallelism).
 
     Exit 0 when valid, 1 with the first problems when not, 2 when the inputs cannot be read."""
     from zeppelin.planner.core.inputs import resolve_cluster, resolve_model
@@ -275,7 +276,10 @@ def validate(
         from zeppelin.schemas.datasets import load_manifest
 
         ds = load_manifest(manifest)
-    probs = validate_plan(plan_path, cluster=cl, model=md, profile=pf, manifest=ds, limit=max(limit, 1))
+    from zeppelin.schemas.hf import is_hf_ref
+
+    probs = validate_plan(plan_path, cluster=cl, model=md, profile=pf, manifest=ds, limit=max(limit, 1),
+                          hf=is_hf_ref(model) if model else None)
     if probs:
         typer.echo(f"{plan_path}: INVALID ({len(probs)}{'+' if len(probs) >= limit else ''} problem"
                    f"{'s' if len(probs) != 1 else ''})", err=True)

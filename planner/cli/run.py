@@ -37,12 +37,14 @@ def run(ctx: typer.Context, **values: Any) -> None:
     cfg = RunConfig(**{s.name: values.pop(s.name) for s in flag_specs(RunConfig)})  # checks every option
     launch = LaunchConfig(**values)
     plan = Path(cfg.plan)
-    reader = PlanReader(plan)
+    reader = PlanReader(plan, digest=cfg.plan_digest)
     header = reader.header
     reader.verify()  # every record against the plan's digest, before any process starts
+    cfg.plan_digest = reader.digest  # the ranks run exactly the plan checked here
     check_embedded_specs(reader)
     if cfg.model is not None:
         _check_model(cfg.model, header)
+    _check_runnable(reader, cfg)
     cl = header.cluster
     local = cl.device == "cpu" or cfg.device == "cpu"
     nproc_per_node, nnodes = launch.nproc_per_node, launch.nnodes
@@ -114,6 +116,22 @@ def _check_model(ref: str, header) -> None:
         if given.get(key) != planned[key]:
             raise InputError(f"--model {ref} does not match the plan: {key} is {given.get(key)!r} here, "
                              f"{planned[key]!r} in the plan's model {header.model.name!r}")
+
+
+def _check_runnable(reader, cfg: RunConfig) -> None:
+    """Every step to run is one the runtime executes for the model (:mod:`zeppelin.schemas.runnable`),
+    checked before any process starts: a plan that cannot run to its end does not start."""
+    from zeppelin.schemas.hf import is_hf_ref
+    from zeppelin.schemas.runnable import step_problem
+
+    hf = is_hf_ref(cfg.model)
+    end = min(cfg.steps or reader.header.num_steps, reader.header.num_steps)
+    for step in reader:
+        if step.step >= end:
+            break
+        why = step_problem(reader.header, step, hf)
+        if why:
+            raise InputError(f"zeppelin run cannot execute {why} (nothing was run)", source=reader.path)
 
 
 def _check_outputs(plan: Path, model: str | None, data: str | None, metrics: Path, report_json: Path | None) -> None:
