@@ -110,6 +110,9 @@ class RunConfig:
     """What a rank runs: the plan and the training, checking and output options."""
 
     plan: str = flag(..., kind=str, help="plan file written by `zeppelin plan`", path=True)
+    follow: bool = flag(False, "--follow", kind=bool,
+                        help="run a plan `zeppelin plan --stream` is still writing: each step as soon as it is "
+                             "written and its chained digest verified (waits for the planner, saying so)")
     plan_digest: str | None = flag(None, "--plan-digest", kind=str, metavar="sha256:HEX",
                                    help="run the plan only if its end record carries this digest (zeppelin run "
                                         "passes the digest of the plan it checked to every rank)")

@@ -477,16 +477,18 @@ def build_model(ref: str | None, header: PlanHeader, seed: int, device: torch.de
     return LlamaModel(header.model, seed=seed).to(device)
 
 
-def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSource, int, int]:
+def startup_checks(cfg: RunConfig, world_size: int, rank: int = 0) -> tuple[PlanReader, TokenSource, int, int]:
     """Everything a rank can decide alone, before any collective. Returns
-    (reader, token source, first step, end step). Raises InputError."""
-    from zeppelin.schemas.hf import is_hf_ref
-    from zeppelin.schemas.runnable import step_problem
+    (reader, token source, first step, end step). Raises InputError.
+
+    ``--follow``: the plan is read while it is written (:class:`zeppelin.schemas.stream.FollowReader`);
+    the checks of each step (:func:`step_checks`) then run when it arrives, before it runs."""
+    from zeppelin.schemas.stream import open_plan_reader, waiting_line
 
     cfg.check()  # the options' own bounds (a config may have been changed since it was made)
-    reader = PlanReader(cfg.plan, digest=cfg.plan_digest)
+    reader = open_plan_reader(cfg.plan, follow=cfg.follow, digest=cfg.plan_digest,
+                              on_wait=waiting_line if rank == 0 else None, wait_s=cfg.timeout_s)
     header = reader.header
-    reader.verify()
     check_embedded_specs(reader)
     if header.world_size != world_size:
         raise InputError(f"the plan is for {header.world_size} ranks but the job has {world_size} "
@@ -520,22 +522,33 @@ def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSo
                          f"{header.hashes.manifest}, this one hashes to {mhash}")
     cfg.check_plan(header)  # --steps within the plan, --recompute as planned
     end = header.num_steps if cfg.steps is None else cfg.steps
-    lengths = getattr(getattr(source, "manifest", None), "lengths", None)
-    hf = is_hf_ref(cfg.model)
-    for k in range(end):
-        step = reader.step(k)
-        why = step_problem(header, step, hf)  # every step runs here, checked before step 0
-        if why:
-            raise InputError(f"zeppelin run cannot execute {why} (nothing was run)", source=reader.path)
-        if lengths is not None:  # every sample the steps name is in the manifest, never synthetic tokens instead
-            probs = sample_problems(step, lengths)
-            if probs:
-                raise InputError(f"--data {cfg.data}: {probs[0]}")
+    if not cfg.follow:  # every step runs here: checked before step 0
+        for k in range(end):
+            step_checks(cfg, reader, source, reader.step(k))
     if cfg.hsdp is not None and world_size % cfg.hsdp:
         raise InputError(f"--hsdp {cfg.hsdp} must divide the world size {world_size}")
     metrics_path = cfg.metrics_path
     check_output(metrics_path, [cfg.plan, cfg.data, cfg.model], what="metrics file")
     return reader, source, 0, end
+
+
+def step_checks(cfg: RunConfig, reader: PlanReader, source: TokenSource, step: StepPlan, *,
+                following: bool = False) -> None:
+    """The checks of one step before it runs: the runtime executes it for the model
+    (:mod:`zeppelin.schemas.runnable`) and every sample it names is in the manifest (never
+    synthetic tokens instead)."""
+    from zeppelin.schemas.hf import is_hf_ref
+    from zeppelin.schemas.runnable import step_problem
+
+    why = step_problem(reader.header, step, is_hf_ref(cfg.model))
+    if why:
+        raise InputError(f"zeppelin run cannot execute {why}" + ("" if following else " (nothing was run)"),
+                         source=reader.path)
+    lengths = getattr(getattr(source, "manifest", None), "lengths", None)
+    if lengths is not None:
+        probs = sample_problems(step, lengths)
+        if probs:
+            raise InputError(f"--data {cfg.data}: {probs[0]}")
 
 
 class _Progress:
@@ -589,7 +602,7 @@ def run_job(cfg: RunConfig) -> dict[str, Any]:
         torch.set_num_threads(cfg.threads)
     local_err: str | None = None
     try:
-        reader, source, start, end = startup_checks(cfg, world)
+        reader, source, start, end = startup_checks(cfg, world, rank)
         header = reader.header
     except InputError as e:
         local_err = str(e)
@@ -691,8 +704,9 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
         verify_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=verify_timeout))
     # one scan of the steps to run: validates every record (a corrupt line is reported with its
     # step number here, on every rank) and collects the process groups the steps need
-    steps_iter = (reader.step(k) for k in range(start, end))
-    # (every rank reads the same file: a bad record fails all ranks identically, before any group)
+    steps_iter = () if cfg.follow else (reader.step(k) for k in range(start, end))
+    # (every rank reads the same file: a bad record fails all ranks identically, before any group;
+    # a followed plan's steps bring their groups as they arrive)
     groups = GroupCache(world, header=header, steps=steps_iter)
     set_default_cache(groups)
     seed = header.seed if cfg.seed is None else cfg.seed
@@ -729,6 +743,9 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
     try:
         for k in range(start, end):
             step = reader.step(k)
+            if cfg.follow:  # the step just arrived: its checks, then its process groups (collective)
+                step_checks(cfg, reader, source, step, following=True)
+                groups.add_steps([step])
             used_tp = used_tp or any(rep.tp > 1 for rep in header.replicas(step))
             heartbeat.step(k)
             maybe_fault(rank, k)

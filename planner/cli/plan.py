@@ -101,6 +101,10 @@ def plan(
     fmt: str = typer.Option("jsonl", "--format", help="jsonl (compact) or pretty (readable, diffable)"),
     explain: bool = typer.Option(False, "--explain", help="print the tier thresholds and how they were derived"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar or summary"),
+    stream: bool = typer.Option(False, "--stream",
+                                help="write each step as soon as it is planned (with PLAN.chain, the chained digest "
+                                     "of every step, removed at the end), for `zeppelin run PLAN --follow`; the "
+                                     "finished plan is the same bytes"),
 ) -> None:
     """Plan training steps: manifest + cluster + model -> plan file."""
     from zeppelin.planner.core.base import PlanContext, PlanningError
@@ -134,6 +138,10 @@ def plan(
         raise InputError("missing -o/--output PLAN (or use --explain alone to see the tier thresholds)")
     if output is not None:
         check_path_writable(output, [manifest, *input_refs(cluster, model, profile)])
+        if stream:
+            from zeppelin.schemas.stream import chain_path
+
+            check_path_writable(chain_path(output), [manifest, *input_refs(cluster, model, profile)])
     cl = resolve_cluster(cluster)
     md = resolve_model(model)
     pf = resolve_profile(profile, cl)
@@ -184,7 +192,13 @@ def plan(
     ratios, solvers, wall_hit = [], {}, []
     counts, t_counts = PlanSummary(), 0.0
     sim = None if quiet and not explain else Simulator(context_from_header(header))
-    with PlanWriter(output, header, fmt) as w:
+    if stream:
+        from zeppelin.schemas.stream import StreamingPlanWriter
+
+        writer = StreamingPlanWriter(output, header, fmt)
+    else:
+        writer = PlanWriter(output, header, fmt)
+    with writer as w:
         for st in plan_steps(ctx, pl, step_seqs(), workers=workers, progress=show, total=steps):
             w.write(st)
             if st.prediction is not None and st.prediction.lower_bound_s > 0:

@@ -32,19 +32,25 @@ def run(ctx: typer.Context, **values: Any) -> None:
     from zeppelin.planner.sim.report import count_lines
     from zeppelin.runtime.launch import torchrun_argv  # torch-free module top
     from zeppelin.runtime.lifecycle import run_owned
-    from zeppelin.schemas.plan import PlanReader, check_embedded_specs
+    from zeppelin.schemas.plan import check_embedded_specs
 
     cfg = RunConfig(**{s.name: values.pop(s.name) for s in flag_specs(RunConfig)})  # checks every option
     launch = LaunchConfig(**values)
     plan = Path(cfg.plan)
-    reader = PlanReader(plan, digest=cfg.plan_digest)
+    from zeppelin.schemas.stream import open_plan_reader, waiting_line
+
+    # every record against the plan's digest before any process starts (--follow: the header
+    # only; each step is checked by the ranks when it arrives)
+    reader = open_plan_reader(plan, follow=cfg.follow, digest=cfg.plan_digest, on_wait=waiting_line,
+                              wait_s=cfg.timeout_s)
     header = reader.header
-    reader.verify()  # every record against the plan's digest, before any process starts
-    cfg.plan_digest = reader.digest  # the ranks run exactly the plan checked here
+    if not cfg.follow:
+        cfg.plan_digest = reader.digest  # the ranks run exactly the plan checked here
     check_embedded_specs(reader)
     if cfg.model is not None:
         _check_model(cfg.model, header)
-    _check_runnable(reader, cfg)
+    if not cfg.follow:
+        _check_runnable(reader, cfg)
     cl = header.cluster
     local = cl.device == "cpu" or cfg.device == "cpu"
     nproc_per_node, nnodes = launch.nproc_per_node, launch.nnodes

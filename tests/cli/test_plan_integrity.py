@@ -16,8 +16,8 @@ import os
 from pathlib import Path
 
 import pytest
-from tests.cli.test_hostile import run_cli, snapshot
 
+from tests.cli.test_hostile import run_cli, snapshot
 from zeppelin.schemas.common import InputError
 from zeppelin.schemas.plan import NO_END_RECORD, PlanReader
 

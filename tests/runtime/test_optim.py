@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tests.runtime.test_fsdp import _plan
 from tests.support.numerics import assert_matches_reference, rel_err
-
 from zeppelin.runtime.optim import LRSchedule
 from zeppelin.schemas.plan import PlanHeader, StepPlan
 

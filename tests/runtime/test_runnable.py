@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from tests.runtime.test_fsdp import _plan
 from tests.runtime.test_hf import ZEPPELIN, make_hf_dir
-
 from zeppelin.schemas.common import content_hash
 from zeppelin.schemas.hf import hf_model_spec
 from zeppelin.schemas.plan import PlanReader, write_plan
