@@ -140,6 +140,9 @@ class RunConfig:
                             lo=0, hi=MAX_SEED)
     metrics: str | None = flag(None, "--metrics", kind=str, path=True,
                                help="JSON Lines metrics (default: PLAN.metrics.jsonl)")
+    tensorboard: str | None = flag(None, "--tensorboard", kind=str, path=True, metavar="DIR",
+                                   help="also write the per-step metrics as TensorBoard event files into DIR (needs "
+                                        "the tensorboard package)")
     verify: bool = flag(False, "--verify", kind=bool, help="compare every step with a single-process reference")
     verify_tol: float | None = flag(None, "--verify-tol", kind=float,
                                     help="relative tolerance (fp32 1e-5, bf16 2e-2)", lo=0.0, hi=1.0, lo_open=True)
@@ -180,7 +183,7 @@ class RunConfig:
                                    "model.safetensors) that transformers' from_pretrained loads")
 
     def __post_init__(self) -> None:
-        for name in ("plan", "metrics", "checkpoint_dir", "export"):  # paths are kept as text
+        for name in ("plan", "metrics", "checkpoint_dir", "export", "tensorboard"):  # paths are kept as text
             v = getattr(self, name)
             if isinstance(v, Path):
                 setattr(self, name, str(v))
@@ -197,6 +200,13 @@ class RunConfig:
         self.betas_pair  # noqa: B018 (checks --betas)
         if self.min_lr > self.lr:
             raise InputError(f"--min-lr {self.min_lr:g} is above --lr {self.lr:g}")
+        if self.tensorboard is not None:
+            import importlib.util
+
+            if importlib.util.find_spec("tensorboard") is None:
+                raise InputError("--tensorboard needs the tensorboard package (pip install tensorboard)")
+            if Path(self.tensorboard).exists() and not Path(self.tensorboard).is_dir():
+                raise InputError("--tensorboard names a file, not a directory", source=self.tensorboard)
         if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
             raise InputError("--checkpoint-every/--resume need --checkpoint-dir")
 

@@ -560,10 +560,18 @@ class _Progress:
         if mode == "auto":
             self.mode = "rich" if sys.stdout.isatty() else "plain"
         if self.mode == "rich":
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
 
             self.bar = Progress(TextColumn("[bold]zeppelin run"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("{task.description}"), TimeElapsedColumn())
+                                TextColumn("{task.description}"), TimeElapsedColumn(), TextColumn("ETA"),
+                                TimeRemainingColumn())
             self.bar.start()
             self.task = self.bar.add_task("", total=total, completed=start)
         self.total = total
@@ -571,6 +579,10 @@ class _Progress:
     def update(self, rec: dict) -> None:
         desc = (f"loss {rec['loss']:.4f}  {rec['step_time_s'] * 1e3:.0f} ms  "
                 f"{rec['tokens_per_s']:.0f} tok/s")
+        if "lr" in rec:
+            desc += f"  lr {rec['lr']:.3g}  grad norm {rec['grad_norm']:.3g}"
+        if rec.get("mfu") is not None:
+            desc += f"  MFU {rec['mfu'] * 100:.1f}%"
         if "verify" in rec:
             desc += f"  verify {max(rec['verify']['grad_rel'], rec['verify']['loss_rel']):.1e}"
         if self.mode == "rich":
@@ -726,10 +738,13 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
     metrics_path = Path(cfg.metrics) if cfg.metrics else Path(cfg.plan).with_suffix(".metrics.jsonl")
     mfh = None
     progress = None
+    tboard = None
     if rank == 0:
         metrics_path.parent.mkdir(parents=True, exist_ok=True)
         mfh = metrics_path.open("a" if state is not None else "w")
         progress = _Progress(cfg.progress, end, start)
+        if cfg.tensorboard:
+            tboard = _tensorboard(cfg.tensorboard)
     phash = plan_hash(header)
     losses: list[float] = []
     used_tp = False
@@ -777,6 +792,9 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
                 rec = _metrics_record(step, res.loss, per_rank, report, header)
                 rec["lr"] = ex.last_lr
                 rec["grad_norm"] = ex.last_grad_norm
+                _add_utilisation(rec, step, header)
+                if tboard is not None:
+                    _tensorboard_step(tboard, rec)
                 for r in rec["memory"]["exceeds_capacity"]:
                     print(f"zeppelin run: warning: step {step.step}: rank {r} measured "
                           f"{rec['memory']['measured_bytes'][r] / 1e9:.2f} GB, more than the "
@@ -796,6 +814,8 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
         heartbeat.close()
         if progress is not None:
             progress.close()
+        if tboard is not None:
+            tboard.close()
         if mfh is not None:
             mfh.close()
     exported = None
@@ -821,6 +841,55 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
     if exported is not None:
         summary["export"] = exported
     return summary
+
+
+def model_flops(spec, lengths) -> float:
+    """Model FLOPs of a training step (forward + backward, recomputation not counted): 6 per
+    parameter per token for the decoder blocks and the LM head (the embedding is a lookup), and
+    causal attention's ``6 * layers * hidden * L^2`` per sequence of ``L`` tokens."""
+    tokens = sum(lengths)
+    dense = spec.params_per_layer() * spec.num_layers + spec.vocab_size * spec.hidden
+    attn = 6.0 * spec.num_layers * spec.hidden * sum(float(n) * n for n in lengths)
+    return 6.0 * dense * tokens + attn
+
+
+def _add_utilisation(rec: dict[str, Any], step: StepPlan, header: PlanHeader) -> None:
+    """Model FLOPs, the MFU estimate (against the peak of the plan's GPUs) and the measured step
+    time relative to the plan's prediction."""
+    flops = model_flops(header.model, [s.length for s in step.sequences])
+    t = rec["step_time_s"]
+    peak = header.cluster.gpu.peak_tflops * 1e12 * header.world_size
+    rec["model_tflops"] = flops / 1e12
+    rec["mfu"] = flops / (t * peak) if t > 0 else None
+    measured = rec["memory"]["measured_bytes"]
+    rec["max_memory_bytes"] = max(measured) if measured else 0
+    pred = (rec.get("predicted") or {}).get("step_time_s")
+    rec["predicted_step_time_s"] = pred
+    rec["measured_over_predicted"] = t / pred if pred else None
+
+
+#: the metrics written to TensorBoard (tag: key of the metrics record)
+TENSORBOARD_SCALARS = {"train/loss": "loss", "train/lr": "lr", "train/grad_norm": "grad_norm",
+                       "perf/tokens_per_s": "tokens_per_s", "perf/mfu": "mfu", "perf/step_time_s": "step_time_s",
+                       "perf/predicted_step_time_s": "predicted_step_time_s",
+                       "perf/measured_over_predicted": "measured_over_predicted",
+                       "memory/max_bytes": "max_memory_bytes"}
+
+
+def _tensorboard(directory: str):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise InputError("--tensorboard needs the tensorboard package (pip install tensorboard)") from None
+    return SummaryWriter(log_dir=directory)
+
+
+def _tensorboard_step(writer, rec: dict[str, Any]) -> None:
+    for tag, key in TENSORBOARD_SCALARS.items():
+        v = rec.get(key)
+        if isinstance(v, (int, float)):
+            writer.add_scalar(tag, v, rec["step"])
+    writer.flush()
 
 
 def _memory_record(step: StepPlan, per_rank: list, header: PlanHeader | None) -> dict[str, Any]:
