@@ -68,20 +68,23 @@ def grad_norm(params, shard_group=None):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    sq = torch.zeros((), dtype=torch.float64)
+    sq = None  # accumulated on the gradients' device: one transfer, not one per parameter
     sharded = False
     for p in params:
         g = p.grad
         if g is None:
             continue
         sharded = sharded or isinstance(g, DTensor)
-        sq += _local(g).detach().double().pow(2).sum().cpu()
+        part = _local(g).detach().double().pow(2).sum()
+        sq = part if sq is None else sq + part.to(sq.device)
+    if sq is None:
+        sq = torch.zeros((), dtype=torch.float64)
     if sharded and shard_group is not None and dist.get_world_size(shard_group) > 1:
         dev = "cuda" if dist.get_backend(shard_group) == "nccl" else "cpu"
         box = sq.to(dev)
         dist.all_reduce(box, group=shard_group)
-        sq = box.cpu()
-    return sq.sqrt()
+        sq = box
+    return sq.cpu().sqrt()
 
 
 def clip_gradients(params, max_norm: float | None, shard_group=None) -> float:
