@@ -126,3 +126,40 @@ def test_ranks_run_only_the_plan_the_command_checked(work, capsys):
         startup_checks(RunConfig(plan="base.jsonl", plan_digest=digest), 2)
     assert str(e.value) == (f"base.jsonl: integrity check failed: the plan's digest is {other.digest}, not the "
                             f"{digest} expected (the file was replaced after it was checked)")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_swapping_the_plan_mid_run_changes_nothing_that_runs(work, capsys):
+    """`zeppelin run` on 2 ranks; once its first step is done the plan file is replaced (renamed
+    over) by another valid plan of the same inputs: every step that runs is the original's."""
+    import subprocess
+    import sys
+    import time
+
+    rc, _, err = run_cli(["plan", "-m", "m.jsonl", "-c", "local-cpu:1x2", "--model", "tiny", "--steps", "8", "-q",
+                          "--tokens-per-step", "2048", "--seed", "3", "-o", "long.jsonl"], capsys)
+    assert rc == 0, err
+    rc, _, err = run_cli(["plan", "-m", "m.jsonl", "-c", "local-cpu:1x2", "--model", "tiny", "--steps", "8", "-q",
+                          "--tokens-per-step", "2048", "--seed", "9", "-o", "other.jsonl"], capsys)
+    assert rc == 0, err
+    want = [s.tokens for s in PlanReader("long.jsonl")]
+    other = [s.tokens for s in PlanReader("other.jsonl")]
+    assert want != other
+    zeppelin = str(Path(sys.executable).parent / "zeppelin")
+    run = subprocess.Popen([zeppelin, "run", "long.jsonl", "--progress", "none", "--metrics", "m.metrics.jsonl"],
+                           cwd=work, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    def first_step_done() -> bool:
+        f = work / "m.metrics.jsonl"
+        return f.exists() and bool(f.read_text().strip())
+
+    deadline = time.monotonic() + 200
+    while time.monotonic() < deadline and not first_step_done():
+        time.sleep(0.02)
+    assert first_step_done() and run.poll() is None  # mid-run: steps are still to come
+    os.replace(work / "other.jsonl", work / "long.jsonl")
+    _, err = run.communicate(timeout=200)
+    assert run.returncode == 0, err
+    got = [json.loads(x)["tokens"] for x in (work / "m.metrics.jsonl").read_text().splitlines()]
+    assert got == want
