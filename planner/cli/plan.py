@@ -147,6 +147,10 @@ def plan(
     pf = resolve_profile(profile, cl)
     if cl.gpus_per_node % tp:
         raise PlanningError(f"--tp {tp} does not divide the {cl.gpus_per_node} GPUs per node of {cl.name}")
+    from zeppelin.schemas.runnable import HF_TP_REASON, model_runs_tp
+
+    if tp > 1 and not model_runs_tp(md):
+        raise PlanningError(f"--tp {tp}: {HF_TP_REASON} (plan with --tp 1)")
     ctx = PlanContext(cl, md, pf, tp=tp, zero_stage=zero_stage, seed=seed, recompute=recompute)
     if ilp_nodes < 0:
         raise InputError(f"--ilp-nodes must be >= 0 (got {ilp_nodes})")
@@ -198,8 +202,13 @@ def plan(
         writer = StreamingPlanWriter(output, header, fmt)
     else:
         writer = PlanWriter(output, header, fmt)
+    from zeppelin.schemas.runnable import step_problem
+
     with writer as w:
         for st in plan_steps(ctx, pl, step_seqs(), workers=workers, progress=show, total=steps):
+            why = step_problem(header, st)  # a plan file holds only steps zeppelin run executes
+            if why:
+                raise PlanningError(f"planner {pl.name} made a step zeppelin run cannot execute: {why}")
             w.write(st)
             if st.prediction is not None and st.prediction.lower_bound_s > 0:
                 ratios.append(st.prediction.step_time_s / st.prediction.lower_bound_s)

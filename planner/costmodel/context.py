@@ -36,14 +36,8 @@ class PlanContext:
     # the longest sequence the run trains on (``--max-seq-len``, else the data's longest sample):
     # a run-level fact that planners sizing one layout for the whole run (te-cp) read; None: unknown
     max_seq_len: int | None = None
-    # refuse a ``tp`` the runtime cannot execute for the model (validate reads such plans and reports it)
-    check_runnable: bool = True
 
     def __post_init__(self):
-        from zeppelin.schemas.runnable import HF_TP_REASON, model_runs_tp
-
-        if self.check_runnable and self.tp > 1 and not model_runs_tp(self.model):
-            raise PlanningError(f"--tp {self.tp}: {HF_TP_REASON} (plan with --tp 1)")
         self.cost = CostModel(self.cluster, self.model, self.profile, tp=self.tp, zero_stage=self.zero_stage,
                               tp_overlap=self.tp_overlap, recompute=self.recompute)
 

@@ -26,7 +26,7 @@ from zeppelin.schemas.plan import MicroBatch, PlanHeader, PlanReader, StepPlan, 
 def header_context(header: PlanHeader) -> PlanContext:
     try:
         return PlanContext(header.cluster, header.model, header.profile, tp=header.tp, zero_stage=header.zero_stage, recompute=header.recompute,
-                           tp_overlap=header.tp_overlap, seed=header.seed, check_runnable=False)
+                           tp_overlap=header.tp_overlap, seed=header.seed)
     except ValueError as e:
         raise InputError(f"plan header: {e}") from None
 

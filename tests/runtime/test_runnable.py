@@ -51,10 +51,9 @@ def _hf_config(path: Path, **dims) -> str:
 def test_planner_makes_no_tp_replicas_for_hf_models(tmp_path):
     """A step where replicas of a larger TP degree win for llama-7b (the grid cell of
     tests/planner/test_zeppelin_planner.py) is planned without them for the same architecture
-    read from a Hugging Face config.json; ``--tp 2`` for an HF model is refused."""
+    read from a Hugging Face config.json."""
     from zeppelin.planner.core.base import PlanContext
     from zeppelin.planner.core.sampler import sample_steps
-    from zeppelin.planner.costmodel.context import PlanningError
     from zeppelin.planner.tools.compare import mix_dataset
     from zeppelin.planner.zeppelin.planner import ZeppelinPlanner
     from zeppelin.schemas.cluster import cluster_preset
@@ -72,9 +71,21 @@ def test_planner_makes_no_tp_replicas_for_hf_models(tmp_path):
     plan = ZeppelinPlanner().plan_step(PlanContext(cl, spec, default_profile(cl.name)), 1, seqs)
     assert plan.notes.get("family") != "tp-replicas"
     assert plan.replicas is None or all(r.tp == 1 for r in plan.replicas)
-    with pytest.raises(PlanningError) as e:
-        PlanContext(cl, spec, default_profile(cl.name), tp=2)
-    assert str(e.value) == f"--tp 2: {REASON} (plan with --tp 1)"
+
+
+def test_plan_refuses_to_write_steps_the_runtime_cannot_run(hf, tmp_path):
+    """`zeppelin plan --tp 2` for an HF model, and a baseline planner told to make TP-2 replicas for
+    it, are refused in one line; no plan file is written."""
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps({"length": n}) + "\n" for n in [300, 500, 700, 900] * 8))
+    base = ["plan", "-m", "m.jsonl", "-c", "local-cpu:1x4", "--model", f"hf:{hf}", "--steps", "2",
+            "--tokens-per-step", "2048", "-q", "-o", "p.jsonl"]
+    for extra, line in ((["--tp", "2"], f"--tp 2: {REASON} (plan with --tp 1)"),
+                        (["--planner", "hydraulis", "-O", "tp_degrees=1,2"],
+                         f"planner hydraulis made a step zeppelin run cannot execute: step 0: replica 0 has tp=2; "
+                         f"{REASON}")):
+        p = _run([*base, *extra], tmp_path)
+        assert (p.returncode, p.stderr) == (2, f"zeppelin: error: {line}\n")
+        assert sorted(x.name for x in tmp_path.iterdir()) == ["m.jsonl"]
 
 
 def test_unrunnable_plan_refused_by_validate_and_before_step_0(hf, tmp_path):
