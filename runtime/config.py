@@ -200,6 +200,9 @@ class RunConfig:
         self.betas_pair  # noqa: B018 (checks --betas)
         if self.min_lr > self.lr:
             raise InputError(f"--min-lr {self.min_lr:g} is above --lr {self.lr:g}")
+        if self.follow and self.plan_digest is not None:
+            raise InputError("--plan-digest checks a finished plan's end record; a plan run with --follow is "
+                             "checked step by step against its chain file instead")
         if self.tensorboard is not None:
             import importlib.util
 
