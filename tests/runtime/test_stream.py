@@ -75,15 +75,18 @@ def test_follow_reader_refuses_an_edit_while_streaming(tmp_path):
     header, steps = _plan("zeppelin")
     path = tmp_path / "p.jsonl"
 
+    edited = threading.Event()
+
     def edit(p):
         with open(p, "r+b") as fh:  # one digit of a sample id of step 0, in place
             data = fh.read()
             i = data.index(b'"sample_id":', data.index(b"\n")) + len(b'"sample_id":')
             fh.seek(i)
             fh.write(b"9" if data[i:i + 1] != b"9" else b"8")
+        edited.set()
 
-    t = _stream(path, header, steps, delay=0.2, edit=edit)
-    time.sleep(1.0)  # after the edit
+    t = _stream(path, header, steps, delay=0.5, edit=edit)
+    assert edited.wait(30)  # while three steps are still to come
     r = FollowReader(path)
     with pytest.raises(InputError) as e:
         r.step(0)
@@ -94,7 +97,7 @@ def test_follow_reader_refuses_an_edit_while_streaming(tmp_path):
 def test_follow_reader_says_when_the_planner_stopped(tmp_path):
     header, steps = _plan("zeppelin")
     path = tmp_path / "p.jsonl"
-    t = _stream(path, header, steps, delay=0.3, stop_after=2)
+    t = _stream(path, header, steps, delay=0.6, stop_after=2)
     r = FollowReader(path)
     assert r.step(0).step == 0 and r.step(1).step == 1
     with pytest.raises(InputError) as e:
