@@ -479,6 +479,10 @@ def _hf_attention_forward(module, query, key, value, attention_mask=None, dropou
 
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
     hq, hkv = q.shape[1], k.shape[1]
+    # the padding row zeppelin.runtime.hf runs on a rank without tokens: dropped here, a zero output row
+    pad = ctx.linear_rows == 0 and q.shape[0] == 1
+    if pad:
+        q, k, v = q[:0], k[:0], v[:0]
     if ctx.remapped:  # one all-to-all for q, k and v together
         qkv = region("remap", lambda x: to_attention_layout(x, ctx), torch.cat([q, k, v], dim=1))
         q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
@@ -486,6 +490,8 @@ def _hf_attention_forward(module, query, key, value, attention_mask=None, dropou
     window = kwargs.get("sliding_window")  # transformers passes the layer's window (None: full attention)
     o = region("attention", lambda a, b, c: attention(a, b, c, ctx, layer, scale=scaling, window=window), q, k, v)
     o = region("remap", lambda x: to_linear_layout(x, ctx), o)
+    if pad:
+        o = torch.cat([o, o.new_zeros((1, *o.shape[1:]))])
     return o[None], None
 
 

@@ -20,6 +20,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from zeppelin.runtime.optim import LR_SCHEDULES
 from zeppelin.schemas.common import MAX_SEED, MAX_STEPS, MAX_TIMEOUT_S, InputError, check_float, check_int
 
 __all__ = [
@@ -111,16 +112,39 @@ class RunConfig:
     """What a rank runs: the plan and the training, checking and output options."""
 
     plan: str = flag(..., kind=str, help="plan file written by `zeppelin plan`", path=True)
+    follow: bool = flag(False, "--follow", kind=bool,
+                        help="run a plan `zeppelin plan --stream` is still writing: each step as soon as it is "
+                             "written and its chained digest verified (waits for the planner, saying so)")
+    plan_digest: str | None = flag(None, "--plan-digest", kind=str, metavar="sha256:HEX",
+                                   help="run the plan only if its end record carries this digest (zeppelin run "
+                                        "passes the digest of the plan it checked to every rank)")
     model: str | None = flag(None, "--model", kind=str,
                              help="model preset, JSON file or hf:DIR (Hugging Face); must match the plan")
     data: str | None = flag(None, "--data", kind=str, help="dataset manifest (token ids); must match the plan")
     steps: int | None = flag(None, "--steps", kind=int, help="run the first N steps (default: all)")
     lr: float = flag(1e-3, "--lr", kind=float, help="AdamW learning rate", lo=0.0, hi=10.0, lo_open=True)
-    weight_decay: float = flag(0.0, "--weight-decay", kind=float, help="AdamW weight decay", lo=0.0, hi=10.0)
+    weight_decay: float = flag(0.0, "--weight-decay", kind=float, help="AdamW weight decay (decoupled)",
+                               lo=0.0, hi=10.0)
+    betas: str = flag("0.9,0.95", "--betas", kind=str, metavar="B1,B2",
+                      help="AdamW betas, two numbers in [0, 1) (torch's default is 0.9,0.999)")
+    eps: float = flag(1e-8, "--eps", kind=float, help="AdamW epsilon", lo=0.0, hi=1.0, lo_open=True)
+    lr_schedule: str = flag("constant", "--lr-schedule", kind=str, choices=LR_SCHEDULES,
+                            help="constant | linear | cosine: the decay after the warmup, to --min-lr at the "
+                                 "plan's last step")
+    warmup_steps: int = flag(0, "--warmup-steps", kind=int, help="linear warmup: step k < N runs at lr * (k+1)/N",
+                             lo=0, hi=MAX_STEPS)
+    min_lr: float = flag(0.0, "--min-lr", kind=float, help="learning rate at the end of a linear or cosine decay",
+                         lo=0.0, hi=10.0)
+    grad_clip: float | None = flag(None, "--grad-clip", kind=float, metavar="MAX_NORM",
+                                   help="clip the global gradient norm (over every shard and rank) to MAX_NORM "
+                                        "(default: no clipping)", lo=0.0, hi=1e6, lo_open=True)
     seed: int | None = flag(None, "--seed", kind=int, help="model init seed (default: the plan's seed)",
                             lo=0, hi=MAX_SEED)
     metrics: str | None = flag(None, "--metrics", kind=str, path=True,
                                help="JSON Lines metrics (default: PLAN.metrics.jsonl)")
+    tensorboard: str | None = flag(None, "--tensorboard", kind=str, path=True, metavar="DIR",
+                                   help="also write the per-step metrics as TensorBoard event files into DIR (needs "
+                                        "the tensorboard package)")
     verify: bool = flag(False, "--verify", kind=bool, help="compare every step with a single-process reference")
     verify_tol: float | None = flag(None, "--verify-tol", kind=float,
                                     help="relative tolerance (fp32 1e-5, bf16 2e-2)", lo=0.0, hi=1.0, lo_open=True)
@@ -164,7 +188,7 @@ class RunConfig:
                                    "model.safetensors) that transformers' from_pretrained loads")
 
     def __post_init__(self) -> None:
-        for name in ("plan", "metrics", "checkpoint_dir", "export"):  # paths are kept as text
+        for name in ("plan", "metrics", "checkpoint_dir", "export", "tensorboard"):  # paths are kept as text
             v = getattr(self, name)
             if isinstance(v, Path):
                 setattr(self, name, str(v))
@@ -178,6 +202,19 @@ class RunConfig:
             raise InputError(f"--zero-stage must be 0, 1, 2 or 3 (got {self.zero_stage})")
         if self.hsdp is not None and self.hsdp < 1:
             raise InputError(f"--hsdp must be at least 1 (got {self.hsdp})")
+        self.betas_pair  # noqa: B018 (checks --betas)
+        if self.min_lr > self.lr:
+            raise InputError(f"--min-lr {self.min_lr:g} is above --lr {self.lr:g}")
+        if self.follow and self.plan_digest is not None:
+            raise InputError("--plan-digest checks a finished plan's end record; a plan run with --follow is "
+                             "checked step by step against its chain file instead")
+        if self.tensorboard is not None:
+            import importlib.util
+
+            if importlib.util.find_spec("tensorboard") is None:
+                raise InputError("--tensorboard needs the tensorboard package (pip install tensorboard)")
+            if Path(self.tensorboard).exists() and not Path(self.tensorboard).is_dir():
+                raise InputError("--tensorboard names a file, not a directory", source=self.tensorboard)
         if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
             raise InputError("--checkpoint-every/--resume need --checkpoint-dir")
 
@@ -271,6 +308,26 @@ class RunConfig:
             raise InputError(f"--export cannot be made: {anc} is not a directory", source=ex)
         if not os.access(anc, os.W_OK | os.X_OK):
             raise InputError(f"--export cannot be made: {anc} is not writable", source=ex)
+
+    @property
+    def betas_pair(self) -> tuple[float, float]:
+        """``--betas B1,B2`` as two floats (one-line InputError when malformed or out of [0, 1))."""
+        parts = str(self.betas).split(",")
+        try:
+            b = tuple(float(x) for x in parts)
+        except ValueError:
+            b = ()
+        if len(b) != 2 or not all(0.0 <= x < 1.0 for x in b):
+            raise InputError(f"--betas must be two numbers in [0, 1) separated by a comma, e.g. 0.9,0.95 "
+                             f"(got {self.betas!r})")
+        return b
+
+    def hyperparameters(self, plan_seed: int | None) -> dict[str, Any]:
+        """The training hyperparameters a checkpoint records; ``--resume`` refuses other values."""
+        return {"lr": self.lr, "weight_decay": self.weight_decay,
+                "seed": plan_seed if self.seed is None else self.seed,
+                "betas": list(self.betas_pair), "eps": self.eps, "lr_schedule": self.lr_schedule,
+                "warmup_steps": self.warmup_steps, "min_lr": self.min_lr, "grad_clip": self.grad_clip}
 
     @property
     def metrics_path(self) -> Path:

@@ -48,6 +48,7 @@ from .config import RunConfig
 from .data import TokenSource, load_token_source, predicted_tokens
 from . import startup
 from .model import Layout, LlamaModel, PhaseTimer, reference_step
+from .optim import LRSchedule
 
 
 class VerifyError(RuntimeError):
@@ -140,7 +141,9 @@ class Executor:
                  rank: int, world_size: int, device: torch.device, groups=None,
                  lr: float = 1e-3, weight_decay: float = 0.0, tp_overlap: str | None = None,
                  tp_chunks: int = 4, dp: str = "fsdp", zero_stage: int | None = None,
-                 dtype: str | None = None, recompute: str = "none", hsdp: int | None = None) -> None:
+                 dtype: str | None = None, recompute: str = "none", hsdp: int | None = None,
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, grad_clip: float | None = None,
+                 lr_schedule=None) -> None:
         from . import fsdp
         from .tp import OVERLAP_MODES
 
@@ -186,7 +189,12 @@ class Executor:
         self.params = [p for p in model.parameters()]
         self.names = [n for n, _ in model.named_parameters()]
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay,
-                                           betas=(0.9, 0.95), eps=1e-8, foreach=False)
+                                           betas=tuple(betas), eps=eps, foreach=False)
+        # the learning rate of step k (None: ``lr`` throughout) and global gradient-norm clipping
+        self.lr_schedule = lr_schedule
+        self.grad_clip = grad_clip
+        self.last_lr = lr
+        self.last_grad_norm = float("nan")
 
     def _now(self) -> float:
         if self.cuda:
@@ -340,8 +348,23 @@ class Executor:
                            sum(mem.get(k, 0) for k in MEMORY_COMPONENTS))
         return mem
 
-    def optimizer_step(self) -> float:
+    def _shard_group(self):
+        """The process group over which FSDP's gradient shards are summed for the global norm."""
+        if self.mesh is None:
+            return None
+        return self.mesh["shard"].get_group() if self.mesh.ndim > 1 else self.mesh.get_group()
+
+    def optimizer_step(self, k: int | None = None) -> float:
+        """Clip the gradients (their global norm is kept in ``last_grad_norm``), set step ``k``'s
+        learning rate and take the AdamW step; returns the time it took."""
+        from .optim import clip_gradients
+
         t0 = self._now()
+        self.last_grad_norm = clip_gradients(self.params, self.grad_clip, self._shard_group())
+        if self.lr_schedule is not None and k is not None:
+            self.last_lr = float(self.lr_schedule(k))
+            for g in self.optimizer.param_groups:
+                g["lr"] = self.last_lr
         self.optimizer.step()
         for p in self.params:
             p.grad = None
@@ -518,13 +541,18 @@ def step_microbatches(step: StepPlan) -> list[list[int]]:
     return out
 
 
-def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSource, int, int]:
+def startup_checks(cfg: RunConfig, world_size: int, rank: int = 0) -> tuple[PlanReader, TokenSource, int, int]:
     """Everything a rank can decide alone, before any collective. Returns
-    (reader, token source, first step, end step). Raises InputError."""
+    (reader, token source, first step, end step). Raises InputError.
+
+    ``--follow``: the plan is read while it is written (:class:`zeppelin.schemas.stream.FollowReader`);
+    the checks of each step (:func:`step_checks`) then run when it arrives, before it runs."""
+    from zeppelin.schemas.stream import open_plan_reader, waiting_line
+
     cfg.check()  # the options' own bounds (a config may have been changed since it was made)
-    reader = PlanReader(cfg.plan)
+    reader = open_plan_reader(cfg.plan, follow=cfg.follow, digest=cfg.plan_digest,
+                              on_wait=waiting_line if rank == 0 else None, wait_s=cfg.timeout_s)
     header = reader.header
-    reader.verify()
     check_embedded_specs(reader)
     if header.world_size != world_size:
         raise InputError(f"the plan is for {header.world_size} ranks but the job has {world_size} "
@@ -566,16 +594,32 @@ def startup_checks(cfg: RunConfig, world_size: int) -> tuple[PlanReader, TokenSo
                          f"{header.hashes.manifest}, this one hashes to {mhash}")
     cfg.check_plan(header)  # --steps within the plan, --recompute as planned
     end = header.num_steps if cfg.steps is None else cfg.steps
-    lengths = getattr(getattr(source, "manifest", None), "lengths", None)
-    if lengths is not None:  # every sample the steps name is in the manifest, never synthetic tokens instead
+    if not cfg.follow:  # every step runs here: checked before step 0
         for k in range(end):
-            probs = sample_problems(reader.step(k), lengths)
-            if probs:
-                raise InputError(f"--data {cfg.data}: {probs[0]}")
+            step_checks(cfg, reader, source, reader.step(k))
     if cfg.hsdp is not None and world_size % cfg.hsdp:
         raise InputError(f"--hsdp {cfg.hsdp} must divide the world size {world_size}")
     cfg.check_inputs(reader, end)  # weights, positions, --export, the metrics file against every input
     return reader, source, 0, end
+
+
+def step_checks(cfg: RunConfig, reader: PlanReader, source: TokenSource, step: StepPlan, *,
+                following: bool = False) -> None:
+    """The checks of one step before it runs: the runtime executes it for the model
+    (:mod:`zeppelin.schemas.runnable`) and every sample it names is in the manifest (never
+    synthetic tokens instead)."""
+    from zeppelin.schemas.hf import is_hf_ref
+    from zeppelin.schemas.runnable import step_problem
+
+    why = step_problem(reader.header, step, is_hf_ref(cfg.model))
+    if why:
+        raise InputError(f"zeppelin run cannot execute {why}" + ("" if following else " (nothing was run)"),
+                         source=reader.path)
+    lengths = getattr(getattr(source, "manifest", None), "lengths", None)
+    if lengths is not None:
+        probs = sample_problems(step, lengths)
+        if probs:
+            raise InputError(f"--data {cfg.data}: {probs[0]}")
 
 
 class _Progress:
@@ -587,10 +631,18 @@ class _Progress:
         if mode == "auto":
             self.mode = "rich" if sys.stdout.isatty() else "plain"
         if self.mode == "rich":
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
 
             self.bar = Progress(TextColumn("[bold]zeppelin run"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("{task.description}"), TimeElapsedColumn())
+                                TextColumn("{task.description}"), TimeElapsedColumn(), TextColumn("ETA"),
+                                TimeRemainingColumn())
             self.bar.start()
             self.task = self.bar.add_task("", total=total, completed=start)
         self.total = total
@@ -598,6 +650,10 @@ class _Progress:
     def update(self, rec: dict) -> None:
         desc = (f"loss {rec['loss']:.4f}  {rec['step_time_s'] * 1e3:.0f} ms  "
                 f"{rec['tokens_per_s']:.0f} tok/s")
+        if "lr" in rec:
+            desc += f"  lr {rec['lr']:.3g}  grad norm {rec['grad_norm']:.3g}"
+        if rec.get("mfu") is not None:
+            desc += f"  MFU {rec['mfu'] * 100:.1f}%"
         if "verify" in rec:
             desc += f"  verify {max(rec['verify']['grad_rel'], rec['verify']['loss_rel']):.1e}"
         if self.mode == "rich":
@@ -629,7 +685,7 @@ def run_job(cfg: RunConfig) -> dict[str, Any]:
         torch.set_num_threads(cfg.threads)
     local_err: str | None = None
     try:
-        reader, source, start, end = startup_checks(cfg, world)
+        reader, source, start, end = startup_checks(cfg, world, rank)
         header = reader.header
     except InputError as e:
         local_err = str(e)
@@ -697,8 +753,7 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
             ckpt_lock = prepare_checkpoint_dir(cfg.checkpoint_dir)
         except InputError as e:
             local_err = str(e)
-    hparams = {"lr": cfg.lr, "weight_decay": cfg.weight_decay,
-               "seed": header.seed if (header is not None and cfg.seed is None) else cfg.seed}
+    hparams = cfg.hyperparameters(header.seed if header is not None else None)
     # resume: find the checkpoint (rank 0's filesystem view is shared with every local rank)
     state = None
     ckpt_path = None
@@ -725,8 +780,9 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
         verify_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=verify_timeout))
     # one scan of the steps to run: validates every record (a corrupt line is reported with its
     # step number here, on every rank) and collects the process groups the steps need
-    steps_iter = (reader.step(k) for k in range(start, end))
-    # (every rank reads the same file: a bad record fails all ranks identically, before any group)
+    steps_iter = () if cfg.follow else (reader.step(k) for k in range(start, end))
+    # (every rank reads the same file: a bad record fails all ranks identically, before any group;
+    # a followed plan's steps bring their groups as they arrive)
     groups = GroupCache(world, header=header, steps=steps_iter)
     set_default_cache(groups)
     startup.mark("groups")
@@ -736,7 +792,9 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
     recompute = cfg.recompute if cfg.recompute is not None else getattr(header, "recompute", "none")
     ex = Executor(header, model, source, rank=rank, world_size=world, device=device, groups=groups,
                   lr=cfg.lr, weight_decay=cfg.weight_decay, tp_overlap=cfg.tp_overlap, tp_chunks=cfg.tp_chunks,
-                  dp=cfg.dp, zero_stage=cfg.zero_stage, dtype=dtype, recompute=recompute, hsdp=cfg.hsdp)
+                  dp=cfg.dp, zero_stage=cfg.zero_stage, dtype=dtype, recompute=recompute, hsdp=cfg.hsdp,
+                  betas=cfg.betas_pair, eps=cfg.eps, grad_clip=cfg.grad_clip,
+                  lr_schedule=LRSchedule(cfg.lr, header.num_steps, cfg.lr_schedule, cfg.warmup_steps, cfg.min_lr))
     if state is not None:
         load_checkpoint_tensors(ckpt_path, model, ex.optimizer)
         if rank < len(state["rng"]):
@@ -746,10 +804,13 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
     metrics_path = cfg.metrics_path
     mfh = None
     progress = None
+    tboard = None
     if rank == 0:
         metrics_path.parent.mkdir(parents=True, exist_ok=True)
         mfh = metrics_path.open("a" if state is not None else "w")
         progress = _Progress(cfg.progress, end, start)
+        if cfg.tensorboard:
+            tboard = _tensorboard(cfg.tensorboard)
     phash = plan_hash(header)
     losses: list[float] = []
     skipped = 0
@@ -764,6 +825,9 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
     try:
         for k in range(start, end):
             step = reader.step(k)
+            if cfg.follow:  # the step just arrived: its checks, then its process groups (collective)
+                step_checks(cfg, reader, source, step, following=True)
+                groups.add_steps([step])
             used_tp = used_tp or any(rep.tp > 1 for rep in header.replicas(step))
             heartbeat.step(k)
             maybe_fault(rank, k)
@@ -790,7 +854,7 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
                     p.grad = None
                 res.phases["optimizer"] = 0.0
             else:
-                res.phases["optimizer"] = ex.optimizer_step()
+                res.phases["optimizer"] = ex.optimizer_step(k)
             res.phases["step"] = time.perf_counter() - t0 - t_verify
             if report is not None:
                 for key in ("loss_rel", "hidden_rel", "grad_rel", "grad_rel_vs_fp64", "fp32_reference_vs_fp64"):
@@ -808,6 +872,11 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
                 skipped += 1
             if rank == 0:
                 rec = _metrics_record(step, res.loss, per_rank, report, header)
+                rec["lr"] = ex.last_lr
+                rec["grad_norm"] = ex.last_grad_norm if bad is None else None
+                _add_utilisation(rec, step, header)
+                if tboard is not None:
+                    _tensorboard_step(tboard, rec)
                 if bad is not None:
                     rec["skipped"] = f"non-finite {bad[1]} on rank {bad[0]}"
                 for r in rec["memory"]["exceeds_capacity"]:
@@ -832,6 +901,8 @@ def _run_initialised(cfg, rank, world, device, local_err, reader, header, source
         startup.write_trace(rank)
         if progress is not None:
             progress.close()
+        if tboard is not None:
+            tboard.close()
         if mfh is not None:
             mfh.close()
     exported = None
@@ -870,6 +941,66 @@ def finite_json(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [finite_json(v) for v in obj]
     return obj
+
+
+def model_flops(spec, lengths) -> float:
+    """Model FLOPs of a training step (forward + backward, recomputation not counted): 6 per
+    active parameter per token for the decoder blocks (an MoE layer's top-k and shared experts
+    and its router, not every expert) and the LM head (the embedding is a lookup), and attention's
+    12 ``q_dim`` per visible query-key pair of each layer (``L^2 / 2`` pairs causal, about ``L w``
+    in a window of ``w``)."""
+    h = spec.hidden
+    attn_proj = h * (spec.q_dim + 2 * spec.kv_dim) + spec.q_dim * h
+    mlp = (3 if spec.mlp == "swiglu" else 2) * h * spec.mlp_ffn_params(active=True)
+    router = h * spec.num_experts if spec.is_moe else 0
+    dense = (attn_proj + mlp + router) * spec.num_layers + spec.vocab_size * h
+
+    def pairs(n: float, w: int | None) -> float:
+        if w is None or n <= w:
+            return n * n / 2.0
+        return n * w - w * w / 2.0
+
+    attn = sum(12.0 * spec.q_dim * pairs(float(n), w) for w in spec.layer_windows() for n in lengths)
+    return 6.0 * dense * sum(lengths) + attn
+
+
+def _add_utilisation(rec: dict[str, Any], step: StepPlan, header: PlanHeader) -> None:
+    """Model FLOPs, the MFU estimate (against the peak of the plan's GPUs) and the measured step
+    time relative to the plan's prediction."""
+    flops = model_flops(header.model, [s.length for s in step.sequences])
+    t = rec["step_time_s"]
+    peak = header.cluster.gpu.peak_tflops * 1e12 * header.world_size
+    rec["model_tflops"] = flops / 1e12
+    rec["mfu"] = flops / (t * peak) if t > 0 else None
+    measured = rec["memory"]["measured_bytes"]
+    rec["max_memory_bytes"] = max(measured) if measured else 0
+    pred = (rec.get("predicted") or {}).get("step_time_s")
+    rec["predicted_step_time_s"] = pred
+    rec["measured_over_predicted"] = t / pred if pred else None
+
+
+#: the metrics written to TensorBoard (tag: key of the metrics record)
+TENSORBOARD_SCALARS = {"train/loss": "loss", "train/lr": "lr", "train/grad_norm": "grad_norm",
+                       "perf/tokens_per_s": "tokens_per_s", "perf/mfu": "mfu", "perf/step_time_s": "step_time_s",
+                       "perf/predicted_step_time_s": "predicted_step_time_s",
+                       "perf/measured_over_predicted": "measured_over_predicted",
+                       "memory/max_bytes": "max_memory_bytes"}
+
+
+def _tensorboard(directory: str):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise InputError("--tensorboard needs the tensorboard package (pip install tensorboard)") from None
+    return SummaryWriter(log_dir=directory)
+
+
+def _tensorboard_step(writer, rec: dict[str, Any]) -> None:
+    for tag, key in TENSORBOARD_SCALARS.items():
+        v = rec.get(key)
+        if isinstance(v, (int, float)):
+            writer.add_scalar(tag, v, rec["step"])
+    writer.flush()
 
 
 def _memory_record(step: StepPlan, per_rank: list, header: PlanHeader | None) -> dict[str, Any]:

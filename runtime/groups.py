@@ -154,6 +154,28 @@ class GroupCache:
                 self._groups[t] = pg
         self.created = len(sets)
         self.member_of = sorted(self._groups)
+        self._known = set(sets)
+        self._backend = backend
+        self._header = header
+
+    def add_steps(self, steps: Iterable[StepPlan]) -> int:
+        """Create the groups of further steps that are not created yet (a plan followed while it is
+        written: its steps arrive one at a time). Collective: every rank calls it with the same
+        steps, in the same order. Returns the number of groups created."""
+        import torch.distributed as dist
+
+        made = 0
+        for t in plan_rank_sets(self._header, steps, world_size=self.world_size):
+            if t in self._known or t == tuple(range(self.world_size)):  # (all ranks: the default group)
+                continue
+            self._known.add(t)
+            pg = dist.new_group(list(t), backend=self._backend)
+            if self.rank in t:
+                self._groups[t] = pg
+            made += 1
+        self.created += made
+        self.member_of = sorted(self._groups)
+        return made
 
     def get(self, ranks: Iterable[int]):
         """The group of exactly these GPU ranks (any order); ``None`` for a single rank."""

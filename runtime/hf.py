@@ -111,12 +111,19 @@ class HFCausalLM(nn.Module):
         if pos is None or getattr(layout, "ctx", None) is None:
             raise RuntimeError("HFCausalLM runs on a plan layout with an attention context and the linear "
                                "layout's position ids")
+        n = tokens.shape[0]
+        if n == 0:
+            # a rank without tokens in this micro-batch still runs every layer (FSDP's gathers, remaps,
+            # relays), but transformers' attention cannot reshape an empty row: one padding row runs
+            # instead, dropped by the attention (zeppelin.runtime.api) and here
+            tokens, pos = tokens.new_zeros(1), pos.new_zeros(1)
         kw = {"output_router_logits": True} if self.aux_coef else {}
         with self._autocast(tokens.device):
             out = self.model(input_ids=tokens[None], position_ids=pos.to(tokens.device)[None], use_cache=False,
                              zeppelin_context=layout.ctx, zeppelin_timer=timer, **kw)
-        self._router_logits = out.router_logits if self.aux_coef else None
-        return out.last_hidden_state[0]
+        # the router's statistics count this rank's real tokens only (not a padding row)
+        self._router_logits = tuple(r[:n] for r in out.router_logits) if self.aux_coef else None
+        return out.last_hidden_state[0][:n]
 
     def _reference_hidden(self, tokens: torch.Tensor, layout: ReferenceLayout) -> torch.Tensor:
         """transformers' own eager attention, one whole sequence per call (the --verify oracle)."""

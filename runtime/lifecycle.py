@@ -305,7 +305,8 @@ def prepare_checkpoint_dir(directory: str | os.PathLike) -> CheckpointLock:
     return CheckpointLock(fd, path)
 
 
-RESUME_HYPERPARAMETERS = ("lr", "weight_decay", "seed")
+RESUME_HYPERPARAMETERS = ("lr", "weight_decay", "seed", "betas", "eps", "lr_schedule", "warmup_steps", "min_lr",
+                          "grad_clip")
 
 
 def check_resume_hyperparameters(saved: dict | None, current: dict, source=None) -> None:

@@ -2,8 +2,10 @@
 
 File format (streamable, diffable): a header record, one record per training step, and an end
 record ``{"kind": "end", "steps": N, "digest": "sha256:..."}`` whose digest is the SHA-256 of the
-bytes of every record before it; readers check it as they stream (plans written before it existed
-have no end record and still read).
+bytes of every record before it; readers check it as they stream, and a plan without it is refused
+as truncated or edited. A reader reads the file through one open descriptor and checks each step
+record it reads again against the record the verifying scan hashed, so replacing or rewriting the
+file while it is read never changes the steps it returns.
 Two encodings are read transparently:
 
 * ``jsonl``  - one compact JSON object per line (large plans);
@@ -441,6 +443,11 @@ def write_plan(path, header: PlanHeader, steps, fmt: Literal["jsonl", "pretty"] 
             w.write(s)
 
 
+#: the integrity problem of a plan of this format without its end record
+NO_END_RECORD = ("integrity check failed: no end record (the plan is truncated or was edited; a plan ends with "
+                 "the digest of its records)")
+
+
 class PlanReader:
     """Stream a plan file: the header is read on open, steps one at a time.
 
@@ -449,18 +456,23 @@ class PlanReader:
     (``check=False`` skips that); a malformed or truncated record is reported with its step number.
     """
 
-    def __init__(self, path: str | os.PathLike, *, check: bool = True):
+    def __init__(self, path: str | os.PathLike, *, check: bool = True, digest: str | None = None):
         self.path = Path(path)
         self.check = check
+        self.expected_digest = digest  # the end record must carry this digest (zeppelin run's ranks)
         if not self.path.exists():
             raise InputError("plan file not found", source=self.path)
         if self.path.is_dir():
             raise InputError("is a directory, not a plan file", source=self.path)
         check_input_file(self.path, "plan")
         self._offsets: list[int] | None = None
+        self._record_digests: list[bytes] = []  # SHA-256 of each step record as the verifying scan read it
         self._integrity: str | None = None  # set by a full scan: why the plan fails its integrity check
-        with self.path.open("rb") as fh:
-            rec, self._first_step_offset = self._read_record(fh, 0, what="header")
+        self.digest: str | None = None  # the end record's digest, once a full scan verified it
+        # one open file for the reader's life: every record comes from the file verified, even if the
+        # path is replaced by another file meanwhile
+        self._fh = self.path.open("rb")
+        rec, self._first_step_offset = self._read_record(self._fh, 0, what="header")
         self._header_raw = self._raw
         if rec is None:
             raise InputError("empty plan file", source=self.path)
@@ -532,58 +544,76 @@ class PlanReader:
                     "(the plan was edited after it was written)")
         if fh.read(1 << 16).strip():
             return "integrity check failed: records after the end record"
+        if self.expected_digest is not None and rec["digest"] != self.expected_digest:
+            return (f"integrity check failed: the plan's digest is {rec['digest']}, not the {self.expected_digest} "
+                    "expected (the file was replaced after it was checked)")
+        self.digest = rec["digest"]
         return None
+
+    def close(self) -> None:
+        self._fh.close()
+
+    def __del__(self) -> None:
+        fh = getattr(self, "_fh", None)
+        if fh is not None:
+            fh.close()
 
     def __iter__(self) -> Iterator[StepPlan]:
         """Steps in order, each checked when read; the digest of the end record (plans written before
         it existed have none) is checked once every record has been read."""
         digest = hashlib.sha256(self._header_raw)
-        with self.path.open("rb") as fh:
-            off = self._first_step_offset
-            k = 0
-            while True:
-                rec, off = self._read_record(fh, off, what=f"step {k}")
-                if rec is None:
-                    break
-                if rec.get("kind") == "end":
-                    problem = self._end_problem(rec, k, digest, fh)
-                    if problem:
-                        raise InputError(problem, source=self.path)
-                    break
-                digest.update(self._raw)
-                yield self._parse_step(rec, k)
-                k += 1
+        fh = self._fh
+        off = self._first_step_offset
+        k = 0
+        ended = False
+        while True:
+            rec, off = self._read_record(fh, off, what=f"step {k}")
+            if rec is None:
+                break
+            if rec.get("kind") == "end":
+                problem = self._end_problem(rec, k, digest, fh)
+                if problem:
+                    raise InputError(problem, source=self.path)
+                ended = True
+                break
+            digest.update(self._raw)
+            yield self._parse_step(rec, k)
+            k += 1
         if k != self.header.num_steps:
             raise InputError(f"step {k}: plan is truncated (header promises {self.header.num_steps} steps, file has {k})",
                              source=self.path)
+        if not ended:
+            raise InputError(NO_END_RECORD, source=self.path)
 
     def _index(self) -> list[int]:
         """Offsets of the step records, from one scan that also checks the integrity digest."""
         if self._offsets is None:
             offs = []
             digest = hashlib.sha256(self._header_raw)
-            with self.path.open("rb") as fh:
-                off = self._first_step_offset
-                k = 0
-                while True:
-                    fh.seek(off)
-                    pos = off
-                    rec, nxt = self._read_record(fh, off, what=f"step {k}")
-                    if rec is None:
-                        break
-                    if rec.get("kind") == "end":
-                        fh.seek(nxt)
-                        self._integrity = self._end_problem(rec, k, digest, fh)
-                        break
-                    digest.update(self._raw)
-                    offs.append(pos)
-                    off = nxt
-                    k += 1
+            fh = self._fh
+            off = self._first_step_offset
+            k = 0
+            self._integrity = NO_END_RECORD  # until the end record vouches for every record before it
+            while True:
+                fh.seek(off)
+                pos = off
+                rec, nxt = self._read_record(fh, off, what=f"step {k}")
+                if rec is None:
+                    break
+                if rec.get("kind") == "end":
+                    fh.seek(nxt)
+                    self._integrity = self._end_problem(rec, k, digest, fh)
+                    break
+                digest.update(self._raw)
+                self._record_digests.append(hashlib.sha256(self._raw).digest())
+                offs.append(pos)
+                off = nxt
+                k += 1
             self._offsets = offs
         return self._offsets
 
     def verify(self) -> None:
-        """Read every record once and check the plan's integrity digest (no-op for plans without one)."""
+        """Read every record once and check the plan's integrity digest (its end record)."""
         self._index()
         if self._integrity:
             raise InputError(self._integrity, source=self.path)
@@ -597,8 +627,10 @@ class PlanReader:
             if k < self.header.num_steps:
                 raise InputError(f"step {k}: plan is truncated (file has {len(offs)} steps)", source=self.path)
             raise InputError(f"step {k} out of range (plan has {self.header.num_steps} steps)", source=self.path)
-        with self.path.open("rb") as fh:
-            rec, _ = self._read_record(fh, offs[k], what=f"step {k}")
+        rec, _ = self._read_record(self._fh, offs[k], what=f"step {k}")
+        if hashlib.sha256(self._raw).digest() != self._record_digests[k]:
+            raise InputError(f"step {k}: the plan file changed after it was verified (its record is not the one "
+                             "read then)", source=self.path)
         step = self._parse_step(rec, k)
         if self._integrity:  # after the step's own checks, which name what is wrong more precisely
             raise InputError(self._integrity, source=self.path)

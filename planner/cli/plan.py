@@ -106,6 +106,10 @@ def plan(
                                                "and its golden plan DIR/NAME.plan (README: plan checks in CI)"),
     json_out: bool = common.json_option("print the summary as JSON"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar or summary"),
+    stream: bool = typer.Option(False, "--stream",
+                                help="write each step as soon as it is planned (with PLAN.chain, the chained digest "
+                                     "of every step, removed at the end), for `zeppelin run PLAN --follow`; the "
+                                     "finished plan is the same bytes"),
 ) -> None:
     """Plan training steps: manifest + cluster + model -> plan file."""
     from zeppelin.planner.core.base import PlanContext, PlanningError
@@ -139,6 +143,10 @@ def plan(
         raise InputError("missing -o/--output PLAN (or use --explain alone to see the tier thresholds)")
     if output is not None:
         check_path_writable(output, [manifest, *input_refs(cluster, model, profile)])
+        if stream:
+            from zeppelin.schemas.stream import chain_path
+
+            check_path_writable(chain_path(output), [manifest, *input_refs(cluster, model, profile)])
     if save_case is not None:
         from zeppelin.planner.tools.check import check_case_flags
 
@@ -153,6 +161,10 @@ def plan(
     pf = resolve_profile(profile, cl)
     if cl.gpus_per_node % tp:
         raise PlanningError(f"--tp {tp} does not divide the {cl.gpus_per_node} GPUs per node of {cl.name}")
+    from zeppelin.schemas.runnable import HF_TP_REASON, model_runs_tp
+
+    if tp > 1 and not model_runs_tp(md):
+        raise PlanningError(f"--tp {tp}: {HF_TP_REASON} (plan with --tp 1)")
     ctx = PlanContext(cl, md, pf, tp=tp, zero_stage=zero_stage, seed=seed, recompute=recompute)
     if ilp_nodes < 0:
         raise InputError(f"--ilp-nodes must be >= 0 (got {ilp_nodes})")
@@ -208,8 +220,19 @@ def plan(
     ratios, solvers, wall_hit = [], {}, []
     counts, t_counts = PlanSummary(), 0.0
     sim = None if quiet and not explain else Simulator(context_from_header(header))
-    with PlanWriter(output, header, fmt) as w:
+    if stream:
+        from zeppelin.schemas.stream import StreamingPlanWriter
+
+        writer = StreamingPlanWriter(output, header, fmt)
+    else:
+        writer = PlanWriter(output, header, fmt)
+    from zeppelin.schemas.runnable import step_problem
+
+    with writer as w:
         for st in plan_steps(ctx, pl, step_seqs(), workers=workers, progress=show, total=steps):
+            why = step_problem(header, st)  # a plan file holds only steps zeppelin run executes
+            if why:
+                raise PlanningError(f"planner {pl.name} made a step zeppelin run cannot execute: {why}")
             w.write(st)
             if st.prediction is not None and st.prediction.lower_bound_s > 0:
                 ratios.append(st.prediction.step_time_s / st.prediction.lower_bound_s)
@@ -294,7 +317,8 @@ def validate(
     tokenizer: str | None = common.tokenizer_option(),
     limit: int = typer.Option(10, "--limit", help="problems to print at most"),
 ) -> None:
-    """Check a plan's invariants (coverage, memory, routes, ring order, input hashes).
+    """Check a plan's invariants (coverage, memory, routes, ring order, input hashes) and that
+    `zeppelin run` executes every step for the model (--model hf:DIR: no tensor parallelism).
 
     Exit 0 when valid, 1 with the first problems when not, 2 when the inputs cannot be read."""
     from zeppelin.planner.core.inputs import resolve_cluster, resolve_model
@@ -311,7 +335,10 @@ def validate(
     ds = None
     if manifest:
         ds = common.load_dataset(manifest, length_field, ids_field, text_field, tokenizer)
-    probs = validate_plan(plan_path, cluster=cl, model=md, profile=pf, manifest=ds, limit=max(limit, 1))
+    from zeppelin.schemas.hf import is_hf_ref
+
+    probs = validate_plan(plan_path, cluster=cl, model=md, profile=pf, manifest=ds, limit=max(limit, 1),
+                          hf=is_hf_ref(model) if model else None)
     if probs:
         typer.echo(f"{plan_path}: INVALID ({len(probs)}{'+' if len(probs) >= limit else ''} problem"
                    f"{'s' if len(probs) != 1 else ''})", err=True)

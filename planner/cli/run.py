@@ -32,7 +32,7 @@ def run(ctx: typer.Context, **values: Any) -> None:
     from zeppelin.runtime.launch import torchrun_argv  # torch-free module top
     from zeppelin.runtime.lifecycle import run_owned
     from zeppelin.schemas.common import check_input_file, check_output
-    from zeppelin.schemas.plan import PlanReader, check_embedded_specs
+    from zeppelin.schemas.plan import check_embedded_specs
 
     from zeppelin.runtime.startup import T0_ENV
 
@@ -40,12 +40,20 @@ def run(ctx: typer.Context, **values: Any) -> None:
     cfg = RunConfig(**{s.name: values.pop(s.name) for s in flag_specs(RunConfig)})  # checks every option
     launch = LaunchConfig(**values)
     plan = Path(cfg.plan)
-    reader = PlanReader(plan)
+    from zeppelin.schemas.stream import open_plan_reader, waiting_line
+
+    # every record against the plan's digest before any process starts (--follow: the header
+    # only; each step is checked by the ranks when it arrives)
+    reader = open_plan_reader(plan, follow=cfg.follow, digest=cfg.plan_digest, on_wait=waiting_line,
+                              wait_s=cfg.timeout_s)
     header = reader.header
-    reader.verify()  # every record against the plan's digest, before any process starts
+    if not cfg.follow:
+        cfg.plan_digest = reader.digest  # the ranks run exactly the plan checked here
     check_embedded_specs(reader)
     if cfg.model is not None:
         _check_model(cfg.model, header)
+    if not cfg.follow:
+        _check_runnable(reader, cfg)
     cl = header.cluster
     local = cl.device == "cpu" or cfg.device == "cpu"
     nproc_per_node, nnodes = launch.nproc_per_node, launch.nnodes
@@ -74,11 +82,12 @@ def run(ctx: typer.Context, **values: Any) -> None:
 
         inspect_checkpoint_dir(cfg.checkpoint_dir)
         if cfg.resume and os.path.isdir(cfg.checkpoint_dir):
-            hp = {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "seed": header.seed if cfg.seed is None else cfg.seed}
+            hp = cfg.hyperparameters(header.seed)
             resume_point(cfg.checkpoint_dir, plan_hash=plan_hash(header), world_size=header.world_size,
                          end=header.num_steps if cfg.steps is None else cfg.steps, hparams=hp)
     # every file the ranks will read (plan, model files, manifest, shards, tokenizer) against every output
-    inputs = cfg.check_inputs(reader, header.num_steps if cfg.steps is None else cfg.steps)
+    # (--follow: the steps are not written yet; the planner refused sequences beyond the positions)
+    inputs = cfg.check_inputs(reader, 0 if cfg.follow else header.num_steps if cfg.steps is None else cfg.steps)
     if report_json is not None:
         check_output(report_json, [*inputs, metrics_path], "output")
         cfg.check_outside_checkpoint_dir(report_json, "--report-json")
@@ -152,6 +161,22 @@ def _check_model(ref: str, header) -> None:
         if given.get(key) != planned.get(key):
             raise InputError(f"--model {ref} does not match the plan: {key} is {given.get(key)!r} here, "
                              f"{planned.get(key)!r} in the plan's model {header.model.name!r}")
+
+
+def _check_runnable(reader, cfg: RunConfig) -> None:
+    """Every step to run is one the runtime executes for the model (:mod:`zeppelin.schemas.runnable`),
+    checked before any process starts: a plan that cannot run to its end does not start."""
+    from zeppelin.schemas.hf import is_hf_ref
+    from zeppelin.schemas.runnable import step_problem
+
+    hf = is_hf_ref(cfg.model)
+    end = min(cfg.steps or reader.header.num_steps, reader.header.num_steps)
+    for step in reader:
+        if step.step >= end:
+            break
+        why = step_problem(reader.header, step, hf)
+        if why:
+            raise InputError(f"zeppelin run cannot execute {why} (nothing was run)", source=reader.path)
 
 
 def same_path(a: Path, b: Path) -> bool:

@@ -6,6 +6,8 @@ Invariants, each reported with its name so a person can tell which one broke:
   model, one list shared with the plan reader and the runtime (:mod:`zeppelin.schemas.invariants`);
 * ``memory``     no unit holds more tokens than its activation memory allows, in either layout
                  (the cost model's token capacity);
+* ``runnable``   ``zeppelin run`` executes the step for the model (:mod:`zeppelin.schemas.runnable`:
+                 no tensor-parallel replicas for Hugging Face models, TP degrees dividing the heads);
 * ``inputs``     the header's hashes match the inputs embedded in it and the inputs given on
                  the command line (cluster, model, profile, manifest).
 """
@@ -95,8 +97,12 @@ def step_problems(ctx: PlanContext, header: PlanHeader, step: StepPlan, limit: i
 
 
 def validate_plan(path: str | os.PathLike, cluster=None, model=None, profile=None, manifest: Any = None,
-                  limit: int = 20) -> list[str]:
-    """All problems of the plan at ``path`` (empty: valid). Raises InputError if it cannot be read."""
+                  limit: int = 20, hf: bool | None = None) -> list[str]:
+    """All problems of the plan at ``path`` (empty: valid). Raises InputError if it cannot be read.
+    ``hf``: the run trains a Hugging Face model (``--model hf:DIR``; None: as the plan's model
+    name says) - the ``runnable`` check (:mod:`zeppelin.schemas.runnable`)."""
+    from zeppelin.schemas.runnable import step_problem
+
     reader = PlanReader(path, check=False)
     header = reader.header
     ctx = header_context(header)
@@ -104,6 +110,9 @@ def validate_plan(path: str | os.PathLike, cluster=None, model=None, profile=Non
     try:
         for step in reader:
             probs += step_problems(ctx, header, step, limit=limit)
+            why = step_problem(header, step, hf)
+            if why:
+                probs.append(f"runnable: {why}")
             if manifest is not None:
                 probs += [f"inputs: {p}" for p in sample_problems(step, manifest.lengths)]
             if len(probs) >= limit:

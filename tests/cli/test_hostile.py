@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tests.support.plans import sealed
 
 from zeppelin.planner.cli import main as zeppelin_main
 
@@ -378,19 +379,24 @@ READERS = [["simulate"], ["simulate", "--step", "0", "--json"], ["show"], ["show
 
 
 def _write_edited(work: Path, edit, keep_end: bool = False) -> Path:
+    """The plan with ``edit`` applied, and either its old end record (which then no longer vouches
+    for it) or a fresh one (``keep_end=False``: the edit reaches the checks behind the digest)."""
     recs = [json.loads(x) for x in (work / "r.jsonl").read_text().splitlines()]
     end = recs.pop() if recs[-1].get("kind") == "end" else None
     edit(recs[0], recs[1])
     out = work / "bad.jsonl"
-    out.write_text("".join(json.dumps(r) + "\n" for r in recs + ([end] if keep_end and end else [])))
+    if keep_end:
+        out.write_text("".join(json.dumps(r) + "\n" for r in recs + ([end] if end else [])))
+    else:
+        out.write_text(sealed(recs))
     return out
 
 
 @pytest.mark.parametrize("reader", READERS, ids=["-".join(r) for r in READERS])
 @pytest.mark.parametrize("edit,problem", [c[1:] for c in PLAN_EDITS], ids=[c[0] for c in PLAN_EDITS])
 def test_bad_plan_is_one_line_for_every_reader(work, capsys, reader, edit, problem):
-    """An edited plan (without an end record, as plans written before it existed) reaches the same
-    structural check in every reader: no IndexError / KeyError, one line, exit 2."""
+    """An edited plan (re-sealed with a fresh end record) reaches the same structural check in every
+    reader: no IndexError / KeyError, one line, exit 2."""
     _write_edited(work, edit)
     assert_refused(work, capsys, [reader[0], "bad.jsonl", *reader[1:]], f"bad.jsonl: step 0: invalid plan: {problem}")
 
@@ -436,7 +442,7 @@ def test_run_refuses_an_embedded_model_edited_without_its_hash(work, capsys):
     def edit(h, s):
         h["model"]["ffn_hidden"] = 4096
 
-    _write_edited(work, edit)  # no end record: a plan from before digests
+    _write_edited(work, edit)  # re-sealed: the embedded-spec hashes are what refuses it
     h = json.loads((work / "bad.jsonl").read_text().splitlines()[0])
     got = content_hash(ModelSpec.model_validate(h["model"]))
     assert_refused(work, capsys, ["run", "bad.jsonl"],
@@ -473,7 +479,7 @@ def test_sample_ids_are_checked_against_the_manifest(work):
         step["sequences"][0]["sample_id"] = sample
         if length is not None:
             step["sequences"][0]["sample_id"] = 0
-        (work / "s.jsonl").write_text(json.dumps(recs[0]) + "\n" + json.dumps(step) + "\n")
+        (work / "s.jsonl").write_text(sealed([recs[0], step]))
         if length is not None:
             continue  # changing a length breaks coverage first; the sample-id case is the one that matters
         with pytest.raises(InputError) as e:
@@ -789,9 +795,12 @@ def test_every_file_write_goes_through_the_one_writer():
         ("planner/core/solver.py", 'with open(os.devnull, "wb") as null:'),  # silences the solver's banner
     }
     # whole modules whose writes are not outputs: checkpoint files (written inside atomic_write or by DCP),
-    # the run's lock, heartbeat and writability probe files (lifecycle), /proc/self/clear_refs (memory)
-    # and the writer of managed directories (schemas/safeio.py: no entry followed when a link)
-    modules = {"runtime/checkpoint.py", "runtime/lifecycle.py", "runtime/memory.py", "schemas/safeio.py"}
+    # the run's lock, heartbeat and writability probe files (lifecycle), /proc/self/clear_refs (memory),
+    # the writer of managed directories (schemas/safeio.py: no entry followed when a link) and a
+    # streamed plan (checked by check_output, started as temporary files renamed into place, then
+    # appended in place so that a follower reads it while it is written)
+    modules = {"runtime/checkpoint.py", "runtime/lifecycle.py", "runtime/memory.py", "schemas/safeio.py",
+               "schemas/stream.py"}
     assert {x for x in found if x[0] not in modules} - allowed == set()
 
 

@@ -26,6 +26,7 @@ from zeppelin.planner.zeppelin.families.common import (
 )
 from zeppelin.planner.zeppelin.protocols import Candidate
 from zeppelin.schemas.plan import Replica, Sequence, SolverInfo
+from zeppelin.schemas.runnable import model_runs_tp
 
 name = "tp-replicas"
 
@@ -165,7 +166,11 @@ def _build(ctx: PlanContext, step: int, sequences: list[Sequence], types, keys, 
 
 
 def _replica_degrees(ctx: PlanContext) -> list[int]:
+    """TP degrees of replicas the runtime executes for the model (only the context's own degree for
+    a model that runs without tensor parallelism: then the family has nothing to offer)."""
     cl = ctx.cluster
+    if not model_runs_tp(ctx.model):
+        return [ctx.tp]
     return [d for d in pow2_sizes(cl.gpus_per_node) if d >= ctx.tp and d % ctx.tp == 0
             and cl.gpus_per_node % d == 0 and ctx.model.num_heads % d == 0]
 

@@ -1,0 +1,293 @@
+"""Plans as a stream: training starts before the whole plan exists.
+
+``zeppelin plan --stream -o PLAN`` writes PLAN step by step as the steps are made
+(:class:`StreamingPlanWriter`) and, beside it, ``PLAN.chain``: one line per record written,
+``COUNT sha256:HEX``, the SHA-256 of every byte of PLAN up to and including its COUNT-th step record
+(COUNT 0: the header). It is the end record's digest, chained: step k is vouched for as soon as
+its line is written, before the end record exists. When the last step is written the end record
+follows and ``PLAN.chain`` is removed: the finished PLAN is byte for byte what ``zeppelin plan``
+writes without ``--stream``, and reads like any plan.
+
+``zeppelin run PLAN --follow`` reads it with :class:`FollowReader`: step k is returned only once
+its chain line exists and the digest of the bytes read (through one open descriptor, from the
+start of the file) equals it; until then the reader waits (and says so). The writer holds an
+exclusive ``flock`` on the chain file while it writes: a reader that finds the lock free and its
+step missing knows the planner stopped, and says so in one line instead of waiting forever. A
+planner that fails or is stopped removes what it wrote (nothing half-written stays behind); a
+follower that had opened the files keeps reading its open descriptors and ends with that line.
+
+Order of the writer's operations: the header is written to temporary files (plan and chain) that
+are renamed into place (chain first), so that PLAN, once it exists, starts with a whole header and
+has its chain; each step is written and flushed to PLAN before its chain line is appended.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+from .common import _TEMP_FLAGS, InputError, _cleanup_signals, _temp_name, check_output
+from .plan import PlanHeader, PlanReader, StepPlan, _dump, end_record
+
+__all__ = ["CHAIN_SUFFIX", "FollowReader", "StreamingPlanWriter", "chain_path", "open_plan_reader", "waiting_line"]
+
+CHAIN_SUFFIX = ".chain"
+
+
+def chain_path(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    return p.with_name(p.name + CHAIN_SUFFIX)
+
+
+def _placed(tmp: str, target: Path) -> None:
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    os.replace(tmp, target)
+
+
+class StreamingPlanWriter:
+    """Write a plan in place, step by step, with its chain file (see module docstring). The same
+    interface as :class:`~zeppelin.schemas.plan.PlanWriter`; the bytes written are the same."""
+
+    def __init__(self, path: str | os.PathLike, header: PlanHeader, fmt: Literal["jsonl", "pretty"] = "jsonl"):
+        self.path, self.header, self.fmt = Path(path), header, fmt
+        self.count = 0
+        self._fh = self._ch = None
+        self._targets: list[Path] = []
+        self._signals = None
+
+    def __enter__(self) -> StreamingPlanWriter:
+        target = check_output(self.path, what="plan")
+        chain = check_output(chain_path(target), what="plan chain file")
+        self._signals = _cleanup_signals()
+        self._signals.__enter__()
+        tmps: list[str] = []
+        try:
+            for _ in range(2):
+                while True:
+                    name = _temp_name(target)
+                    try:
+                        tmps.append(name)
+                        fd = os.open(name, _TEMP_FLAGS, 0o600)
+                        break
+                    except FileExistsError:
+                        tmps.pop()
+                if self._fh is None:
+                    self._fh = os.fdopen(fd, "wb")
+                else:
+                    self._ch = os.fdopen(fd, "wb")
+            fcntl.flock(self._ch.fileno(), fcntl.LOCK_EX)  # held while the plan is being written
+            head = _dump(self.header, self.fmt).encode()
+            self._digest = hashlib.sha256(head)
+            self._fh.write(head)
+            self._sync()
+            self._chain_line()
+            _placed(tmps[1], chain)
+            self._targets.append(chain)
+            _placed(tmps[0], target)
+            self._targets.append(target)
+        except BaseException as e:
+            for t in tmps:
+                with contextlib.suppress(OSError):
+                    os.unlink(t)
+            self._abort()
+            if isinstance(e, OSError):
+                raise InputError(f"cannot write plan: {e.strerror or e}", source=self.path) from None
+            raise
+        return self
+
+    def _sync(self) -> None:
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+
+    def _chain_line(self) -> None:
+        self._ch.write(f"{self.count} sha256:{self._digest.hexdigest()}\n".encode())
+        self._ch.flush()
+
+    def write(self, step: StepPlan) -> None:
+        if step.step != self.count:
+            raise ValueError(f"steps must be written in order: expected step {self.count}, got {step.step}")
+        data = _dump(step, self.fmt).encode()
+        self._fh.write(data)
+        self._sync()  # the record is in the file before its chain line vouches for it
+        self._digest.update(data)
+        self.count += 1
+        self._chain_line()
+
+    def _abort(self) -> None:
+        """Remove what was written (a follower keeps its open descriptors and sees the stream end)."""
+        for t in self._targets:
+            with contextlib.suppress(OSError):
+                os.unlink(t)
+        self._targets = []
+        for f in (self._fh, self._ch):
+            if f is not None:
+                with contextlib.suppress(OSError):
+                    f.close()
+        if self._signals is not None:
+            sig, self._signals = self._signals, None
+            sig.__exit__(None, None, None)
+
+    def __exit__(self, et, ev, tb):
+        if et is None and self.count != self.header.num_steps:
+            self._abort()
+            raise ValueError(f"header promises {self.header.num_steps} steps, {self.count} written")
+        if et is not None:
+            self._abort()
+            return False
+        try:
+            self._fh.write(end_record(self.count, self._digest).encode())
+            self._sync()
+            with contextlib.suppress(OSError):
+                os.unlink(self._targets[0])  # the chain: the end record vouches for the finished plan
+            self._fh.close()
+            self._ch.close()  # releases the lock: the stream is complete
+        except OSError as e:
+            self._abort()
+            raise InputError(f"cannot write plan: {e.strerror or e}", source=self.path) from None
+        finally:
+            if self._signals is not None:
+                sig, self._signals = self._signals, None
+                sig.__exit__(None, None, None)
+        return False
+
+
+class FollowReader(PlanReader):
+    """Read a plan while ``zeppelin plan --stream`` writes it: ``step(k)`` (k increasing) waits for
+    step k and returns it once the chained digest vouches for it (see module docstring).
+
+    ``on_wait(k, waited_s)``: called when step k has been waited for ``notice_s`` (once per
+    step). A plan that is already complete (no chain file) is read and verified as a whole."""
+
+    def __init__(self, path: str | os.PathLike, *, check: bool = True, poll_s: float = 0.05, notice_s: float = 1.0,
+                 on_wait: Callable[[int, float], None] | None = None):
+        super().__init__(path, check=check)
+        self.poll_s, self.notice_s, self.on_wait = poll_s, notice_s, on_wait
+        self._chain: list[str] = []
+        self._buf = b""
+        try:
+            self._cfh = chain_path(self.path).open("rb")
+        except FileNotFoundError:
+            self._cfh = None  # a finished plan: its end record vouches for it
+        self.following = self._cfh is not None
+        if not self.following:
+            self.verify()
+            return
+        self._wait(0, what="the plan's header")
+        self._running = hashlib.sha256(self._header_raw)
+        if "sha256:" + self._running.hexdigest() != self._chain[0]:
+            raise InputError(f"the plan's header does not match its chain file {chain_path(self.path).name} "
+                             "(a plan of another stream?)", source=self.path)
+        self._next = 0
+        self._off = self._first_step_offset
+        self._last: StepPlan | None = None
+
+    def _read_chain(self) -> None:
+        self._buf += self._cfh.read()
+        *lines, self._buf = self._buf.split(b"\n")
+        for ln in lines:
+            count, _, digest = ln.decode("ascii", "replace").partition(" ")
+            if count != str(len(self._chain)) or not digest.startswith("sha256:"):
+                raise InputError(f"chain file: line {len(self._chain) + 1} is not the digest of record "
+                                 f"{len(self._chain)}", source=chain_path(self.path))
+            self._chain.append(digest)
+
+    def _writer_alive(self) -> bool:
+        try:
+            fcntl.flock(self._cfh.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                return True
+            raise
+        fcntl.flock(self._cfh.fileno(), fcntl.LOCK_UN)
+        return False
+
+    def _wait(self, count: int, what: str) -> None:
+        """Until the chain vouches for ``count`` step records (0: the header)."""
+        t0 = time.monotonic()
+        told = False
+        while True:
+            self._read_chain()
+            if len(self._chain) > count:
+                return
+            if not self._writer_alive():
+                self._read_chain()
+                if len(self._chain) > count:
+                    return
+                have = len(self._chain) - 1
+                raise InputError(f"{what}: the planner stopped before writing it (the plan stream holds "
+                                 f"{max(have, 0)} of {self.header.num_steps} steps)", source=self.path)
+            waited = time.monotonic() - t0
+            if not told and waited >= self.notice_s and self.on_wait is not None and count > 0:
+                self.on_wait(count - 1, waited)
+                told = True
+            time.sleep(self.poll_s)
+
+    def verify(self) -> None:
+        if not getattr(self, "following", False):
+            super().verify()
+
+    def step(self, k: int) -> StepPlan:
+        if not self.following:
+            return super().step(k)
+        if not 0 <= k < self.header.num_steps:
+            raise InputError(f"step {k} out of range (plan has {self.header.num_steps} steps)", source=self.path)
+        if k < self._next:
+            if self._last is not None and self._last.step == k:
+                return self._last
+            raise InputError(f"step {k}: a followed plan is read in order (next: step {self._next})", source=self.path)
+        while self._next <= k:
+            n = self._next
+            self._wait(n + 1, what=f"step {n}")
+            rec, nxt = self._read_record(self._fh, self._off, what=f"step {n}")
+            if rec is None or rec.get("kind") == "end":
+                raise InputError(f"step {n}: plan is truncated", source=self.path)
+            self._running.update(self._raw)
+            if "sha256:" + self._running.hexdigest() != self._chain[n + 1]:
+                raise InputError(f"step {n}: the record does not match its chained digest (the plan was edited "
+                                 "while it was written)", source=self.path)
+            if n == k:
+                self._last = self._parse_step(rec, k)
+            self._off, self._next = nxt, n + 1
+        return self._last
+
+    def close(self) -> None:
+        super().close()
+        if self._cfh is not None:
+            self._cfh.close()
+
+
+def waiting_line(k: int, waited: float) -> None:
+    """``zeppelin run --follow``'s line when training waits for the planner (step ``k``; -1: the file)."""
+    what = "to create the plan" if k < 0 else f"to write step {k}"
+    print(f"zeppelin run: waiting for the planner {what} ({waited:.0f} s so far)", flush=True)
+
+
+def open_plan_reader(path: str | os.PathLike, *, follow: bool = False, digest: str | None = None,
+                     on_wait: Callable[[int, float], None] | None = None, wait_s: float = 300.0) -> PlanReader:
+    """The reader ``zeppelin run`` uses: a :class:`FollowReader` with ``follow`` (waiting up to
+    ``wait_s`` for the planner to create the file; ``on_wait(-1, s)`` says so), else a verified
+    :class:`PlanReader` (``digest``: the end record's digest it must carry)."""
+    if not follow:
+        reader = PlanReader(path, digest=digest)
+        reader.verify()
+        return reader
+    t0 = time.monotonic()
+    told = False
+    while not os.path.lexists(path):
+        waited = time.monotonic() - t0
+        if waited > wait_s:
+            raise InputError(f"--follow: no plan appeared within {wait_s:g} s", source=path)
+        if not told and waited >= 1.0 and on_wait is not None:
+            on_wait(-1, waited)
+            told = True
+        time.sleep(0.1)
+    return FollowReader(path, on_wait=on_wait)

@@ -1,0 +1,153 @@
+"""Plans that always run: the planner makes only steps the runtime executes for the model,
+``zeppelin validate --model`` checks it, and ``zeppelin run`` refuses a plan holding a step it
+cannot execute before step 0, in one line naming that step.
+
+The end-to-end case plans a tiny Hugging Face model with the default options on synthetic real-text
+length mixes (:func:`zeppelin.planner.tools.compare.mix_dataset`) chosen so that the steps come from
+every candidate family the planner offers on 8 CPU ranks (FLOP-share, Ulysses groups, the tiered
+search) and include a rank without any token, and runs both plans to their end with ``--verify``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.runtime.test_fsdp import _plan
+from tests.runtime.test_hf import ZEPPELIN, make_hf_dir
+from zeppelin.schemas.common import content_hash
+from zeppelin.schemas.hf import hf_model_spec
+from zeppelin.schemas.plan import PlanReader, write_plan
+from zeppelin.schemas.runnable import model_runs_tp, step_problem
+
+REASON = "Hugging Face models run plans without tensor parallelism only"
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory) -> Path:
+    return make_hf_dir(tmp_path_factory.mktemp("hf") / "llama", "llama", seed=1)
+
+
+def _run(args, cwd, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([ZEPPELIN, *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env,
+                          timeout=timeout)
+
+
+def _hf_config(path: Path, **dims) -> str:
+    path.mkdir()
+    cfg = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+           "num_key_value_heads": 32, "intermediate_size": 11008, "vocab_size": 32000, "dtype": "bfloat16",
+           "rms_norm_eps": 1e-6, "hidden_act": "silu"} | dims
+    (path / "config.json").write_text(json.dumps(cfg))
+    return f"hf:{path}"
+
+
+def test_planner_makes_no_tp_replicas_for_hf_models(tmp_path):
+    """A step where replicas of a larger TP degree win for llama-7b (the grid cell of
+    tests/planner/test_zeppelin_planner.py) is planned without them for the same architecture
+    read from a Hugging Face config.json."""
+    from zeppelin.planner.core.base import PlanContext
+    from zeppelin.planner.core.sampler import sample_steps
+    from zeppelin.planner.tools.compare import mix_dataset
+    from zeppelin.planner.zeppelin.planner import ZeppelinPlanner
+    from zeppelin.schemas.cluster import cluster_preset
+    from zeppelin.schemas.model import model_preset
+    from zeppelin.schemas.plan import SamplerConfig
+    from zeppelin.schemas.profile import default_profile
+
+    cl = cluster_preset("zeppelin-a:8")
+    seqs = sample_steps(mix_dataset("long"), SamplerConfig(tokens_per_step=16384 * 64, seed=0, max_seq_len=131072),
+                        2)[1]
+    spec = hf_model_spec(_hf_config(tmp_path / "l7"))
+    assert model_runs_tp(model_preset("llama-7b")) and not model_runs_tp(spec)
+    own = ZeppelinPlanner().plan_step(PlanContext(cl, model_preset("llama-7b"), default_profile(cl.name)), 1, seqs)
+    assert own.notes["family"] == "tp-replicas" and max(r.tp for r in own.replicas) > 1
+    plan = ZeppelinPlanner().plan_step(PlanContext(cl, spec, default_profile(cl.name)), 1, seqs)
+    assert plan.notes.get("family") != "tp-replicas"
+    assert plan.replicas is None or all(r.tp == 1 for r in plan.replicas)
+
+
+def test_plan_refuses_to_write_steps_the_runtime_cannot_run(hf, tmp_path):
+    """`zeppelin plan --tp 2` for an HF model, and a baseline planner told to make TP-2 replicas for
+    it, are refused in one line; no plan file is written."""
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps({"length": n}) + "\n" for n in [300, 500, 700, 900] * 8))
+    base = ["plan", "-m", "m.jsonl", "-c", "local-cpu:1x4", "--model", f"hf:{hf}", "--steps", "2",
+            "--tokens-per-step", "2048", "-q", "-o", "p.jsonl"]
+    for extra, line in ((["--tp", "2"], f"--tp 2: {REASON} (plan with --tp 1)"),
+                        (["--planner", "hydraulis", "-O", "tp_degrees=1,2"],
+                         f"planner hydraulis made a step zeppelin run cannot execute: step 0: replica 0 has tp=2; "
+                         f"{REASON}")):
+        p = _run([*base, *extra], tmp_path)
+        assert (p.returncode, p.stderr) == (2, f"zeppelin: error: {line}\n")
+        assert sorted(x.name for x in tmp_path.iterdir()) == ["m.jsonl"]
+
+
+def test_unrunnable_plan_refused_by_validate_and_before_step_0(hf, tmp_path):
+    """A hand-made plan with a TP-2 replica for an HF model: `validate --model hf:DIR` names the
+    step, `run` refuses it in one line before any process starts (no metrics written); without the
+    HF model (the runtime's own Llama runs TP) the same plan is runnable."""
+    header, steps = _plan("hydraulis")  # the tiny model, mixed TP-1/TP-2 replicas
+    spec = hf_model_spec(f"hf:{hf}")
+    dims = ("num_layers", "hidden", "num_heads", "num_kv_heads", "ffn_hidden", "vocab_size")
+    assert [getattr(spec, d) for d in dims] == [getattr(header.model, d) for d in dims]
+    header = header.model_copy(update={"model": spec, "hashes": header.hashes.model_copy(
+        update={"model": content_hash(spec)})})
+    first = next(s.step for s in steps if any(r.tp > 1 for r in s.replicas))
+    unit = next(u for u, r in enumerate(steps[first].replicas) if r.tp > 1)
+    write_plan(tmp_path / "p.jsonl", header, steps)
+    why = f"step {first}: replica {unit} has tp=2; {REASON}"
+    assert step_problem(header, steps[first]) == why and step_problem(header, steps[first], hf=False) is None
+    p = _run(["validate", "p.jsonl", "--model", f"hf:{hf}"], tmp_path)
+    assert p.returncode == 1 and f"  runnable: {why}" in p.stderr.splitlines(), p.stderr
+    p = _run(["run", "p.jsonl", "--model", f"hf:{hf}", "--progress", "none"], tmp_path)
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr.splitlines() == [f"zeppelin: error: p.jsonl: zeppelin run cannot execute {why} (nothing was run)"]
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["p.jsonl"]
+    p = _run(["run", "p.jsonl", "--model", f"hf:{hf}", "--steps", str(first), "--progress", "none"], tmp_path)
+    assert p.returncode == 0, p.stderr  # the steps before it run
+
+
+def _families(path: Path) -> tuple[set[str], bool]:
+    r = PlanReader(path)
+    fams, empty = set(), False
+    for s in r:
+        fams.add(s.notes.get("family", "tiered" if "tiers" in s.notes else "?"))
+        empty = empty or any(not mb.linear_segments(u) for mb in s.microbatches for u in range(r.header.num_units))
+    return fams, empty
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_default_hf_plans_run_to_the_end(hf, tmp_path):
+    """`zeppelin plan --model hf:DIR` with default options on two length mixes: between them the
+    steps come from FLOP-share, Ulysses groups and the tiered search, and one leaves a rank without
+    tokens; `validate --model` passes and `run --verify` executes every step within 1e-5."""
+    from zeppelin.planner.tools.compare import mix_dataset
+
+    lengths = mix_dataset("short", 2000).lengths
+    (tmp_path / "short.jsonl").write_text("".join(json.dumps({"length": int(n)}) + "\n" for n in lengths))
+    seen, empty_seen = set(), False
+    for name, cluster, budget, steps in (("a", "local-cpu:2x4", 4096, 3), ("b", "local-cpu:1x8", 2048, 2)):
+        p = _run(["plan", "-m", "short.jsonl", "-c", cluster, "--model", f"hf:{hf}", "--steps", steps,
+                  "--tokens-per-step", budget, "--max-seq-len", budget, "-q", "-o", f"{name}.jsonl"], tmp_path)
+        assert p.returncode == 0, p.stderr
+        fams, empty = _families(tmp_path / f"{name}.jsonl")
+        seen |= fams
+        empty_seen = empty_seen or empty
+        p = _run(["validate", f"{name}.jsonl", "--model", f"hf:{hf}"], tmp_path)
+        assert p.returncode == 0, p.stderr
+        p = _run(["run", f"{name}.jsonl", "--model", f"hf:{hf}", "--verify", "--progress", "none",
+                  "--zero-stage", "3"], tmp_path)
+        assert p.returncode == 0, p.stderr
+        recs = [json.loads(x) for x in (tmp_path / f"{name}.metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in recs] == list(range(steps))
+        assert all(r["verify"]["ok"] and r["verify"]["grad_rel"] <= 1e-5 for r in recs)
+        assert np.isfinite([r["loss"] for r in recs]).all()
+    assert seen >= {"flop-share", "ulysses-groups", "tiered"}, seen
+    assert empty_seen
