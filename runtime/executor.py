@@ -650,8 +650,12 @@ class _Progress:
     def update(self, rec: dict) -> None:
         desc = (f"loss {rec['loss']:.4f}  {rec['step_time_s'] * 1e3:.0f} ms  "
                 f"{rec['tokens_per_s']:.0f} tok/s")
-        if "lr" in rec:
-            desc += f"  lr {rec['lr']:.3g}  grad norm {rec['grad_norm']:.3g}"
+        if rec.get("lr") is not None:
+            desc += f"  lr {rec['lr']:.3g}"
+        if rec.get("grad_norm") is not None:
+            desc += f"  grad norm {rec['grad_norm']:.3g}"
+        if rec.get("skipped"):
+            desc += f"  skipped ({rec['skipped']})"
         if rec.get("mfu") is not None:
             desc += f"  MFU {rec['mfu'] * 100:.1f}%"
         if "verify" in rec:
