@@ -5,7 +5,9 @@ cannot execute before step 0, in one line naming that step.
 The end-to-end case plans a tiny Hugging Face model with the default options on synthetic real-text
 length mixes (:func:`zeppelin.planner.tools.compare.mix_dataset`) chosen so that the steps come from
 every candidate family the planner offers on 8 CPU ranks (FLOP-share, Ulysses groups, the tiered
-search) and include a rank without any token, and runs both plans to their end with ``--verify``.
+search) and include a rank without any token, and runs both plans to their end with ``--verify``; a third
+plan makes the wide-rings family the only one beside the tiered search (it does not win a default
+plan on 8 ranks) and runs it the same way. TP replicas are never planned for these models.
 """
 
 from __future__ import annotations
@@ -151,3 +153,30 @@ def test_default_hf_plans_run_to_the_end(hf, tmp_path):
         assert np.isfinite([r["loss"] for r in recs]).all()
     assert seen >= {"flop-share", "ulysses-groups", "tiered"}, seen
     assert empty_seen
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_hf_plan_with_wide_rings_runs(hf, tmp_path):
+    """The one family the default plans above do not reach on 8 ranks: rings of whole nodes for a
+    step's long sequences (it wins where a slow network keeps such a step far from its bound). Made
+    the only family beside the tiered search, on 4 'nodes' of 2 ranks and the long-tail mix, it
+    plans one step; the plan validates for the model and runs to the end within 1e-5 of the
+    single-process reference."""
+    from zeppelin.planner.tools.compare import mix_dataset
+
+    lengths = mix_dataset("longtail", 2000).lengths
+    (tmp_path / "lt.jsonl").write_text("".join(json.dumps({"length": int(n)}) + "\n" for n in lengths))
+    p = _run(["plan", "-m", "lt.jsonl", "-c", "local-cpu:4x2", "--model", f"hf:{hf}", "--steps", 4,
+              "--tokens-per-step", 2048, "--max-seq-len", 2048, "--families", "wide-rings",
+              "-O", "family_margin=10", "-q", "-o", "w.jsonl"], tmp_path)
+    assert p.returncode == 0, p.stderr
+    fams, _ = _families(tmp_path / "w.jsonl")
+    assert "wide-rings" in fams, fams
+    p = _run(["validate", "w.jsonl", "--model", f"hf:{hf}"], tmp_path)
+    assert p.returncode == 0, p.stderr
+    p = _run(["run", "w.jsonl", "--model", f"hf:{hf}", "--verify", "--progress", "none", "--zero-stage", "3"], tmp_path)
+    assert p.returncode == 0, p.stderr
+    recs = [json.loads(x) for x in (tmp_path / "w.metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [0, 1, 2, 3]
+    assert all(r["verify"]["ok"] and r["verify"]["grad_rel"] <= 1e-5 for r in recs)
