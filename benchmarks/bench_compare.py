@@ -43,20 +43,27 @@ PLANNERS = ["te-cp", "te-cp-tuned", "llama3-cp", "ulysses", "hybrid-dp", "megatr
             "zeppelin", "zeppelin-no-routing", "zeppelin-no-remap"]
 
 
-def run_cell(cluster: str, model: str, tp: int, mix: str, gpus: int, args, zero_stage: int = 1) -> dict:
+def cell_steps(cluster: str, model: str, tp: int, mix: str, gpus: int, args, zero_stage: int = 1):
+    """A cell's planning context, sampler settings and sampled steps."""
     from zeppelin.planner.core.base import PlanContext
     from zeppelin.planner.core.inputs import resolve_cluster, resolve_model, resolve_profile
     from zeppelin.planner.core.sampler import run_max_seq_len, sample_steps
-    from zeppelin.planner.tools.compare import SOLVER_PLANNERS, comparison, mix_dataset, run_compare
+    from zeppelin.planner.tools.compare import mix_dataset
     from zeppelin.schemas.plan import SamplerConfig
 
     cl = resolve_cluster(f"{cluster}:{gpus // 8}")
-    md = resolve_model(model)
-    ctx = PlanContext(cl, md, resolve_profile(None, cl), tp=tp, seed=args.seed, zero_stage=zero_stage)
+    ctx = PlanContext(cl, resolve_model(model), resolve_profile(None, cl), tp=tp, seed=args.seed,
+                      zero_stage=zero_stage)
     cfg = SamplerConfig(tokens_per_step=args.tokens_per_gpu * gpus, seed=args.seed, max_seq_len=args.max_seq_len)
     ds = mix_dataset(mix)
     ctx.max_seq_len = run_max_seq_len(ds, cfg)
-    steps = sample_steps(ds, cfg, args.steps)
+    return ctx, cfg, sample_steps(ds, cfg, args.steps)
+
+
+def run_cell(cluster: str, model: str, tp: int, mix: str, gpus: int, args, zero_stage: int = 1) -> dict:
+    from zeppelin.planner.tools.compare import SOLVER_PLANNERS, comparison, run_compare
+
+    ctx, cfg, steps = cell_steps(cluster, model, tp, mix, gpus, args, zero_stage)
     options = ({p: {"time_limit": args.solver_time_limit} for p in SOLVER_PLANNERS}
                if args.solver_time_limit else {})
     t0 = time.perf_counter()
@@ -81,21 +88,12 @@ def run_model_cell(cluster: str, model: str, tp: int, zero_stage: int, mix: str,
     """A :data:`MODEL_CELLS` cell: the planners side by side, plus zeppelin planned on
     :func:`blind_spec` and simulated on the real model (its ring cuts counted)."""
     from zeppelin.planner.core.base import PlanContext, get_planner
-    from zeppelin.planner.core.inputs import resolve_cluster, resolve_model, resolve_profile
-    from zeppelin.planner.core.sampler import run_max_seq_len, sample_steps
     from zeppelin.planner.sim.simulate import Simulator
-    from zeppelin.planner.tools.compare import mix_dataset
     from zeppelin.schemas.common import InputError
-    from zeppelin.schemas.plan import SamplerConfig
 
     doc = run_cell(cluster, model, tp, mix, gpus, args, zero_stage=zero_stage)
-    cl = resolve_cluster(f"{cluster}:{gpus // 8}")
-    md = resolve_model(model)
-    ctx = PlanContext(cl, md, resolve_profile(None, cl), tp=tp, seed=args.seed, zero_stage=zero_stage)
-    cfg = SamplerConfig(tokens_per_step=args.tokens_per_gpu * gpus, seed=args.seed, max_seq_len=args.max_seq_len)
-    ds = mix_dataset(mix)
-    ctx.max_seq_len = run_max_seq_len(ds, cfg)
-    steps = sample_steps(ds, cfg, args.steps)
+    ctx, cfg, steps = cell_steps(cluster, model, tp, mix, gpus, args, zero_stage)
+    md, cl = ctx.model, ctx.cluster
     sim, z = Simulator(ctx), get_planner("zeppelin")
     schemes: dict[str, int] = {}
     for k, seqs in enumerate(steps):
@@ -108,7 +106,7 @@ def run_model_cell(cluster: str, model: str, tp: int, zero_stage: int, mix: str,
     if md.is_moe:
         doc["active_params"] = md.num_params() - md.num_layers * 3 * md.hidden * md.expert_ffn_hidden * (
             md.num_experts - md.experts_per_token)
-    bctx = PlanContext(cl, blind_spec(md), resolve_profile(None, cl), tp=tp, seed=args.seed, zero_stage=zero_stage)
+    bctx = PlanContext(cl, blind_spec(md), ctx.profile, tp=tp, seed=args.seed, zero_stage=zero_stage)
     bctx.max_seq_len = ctx.max_seq_len
     try:
         ts = [sim.simulate_step(z.plan_step(bctx, k, seqs)).step_time_s for k, seqs in enumerate(steps)]

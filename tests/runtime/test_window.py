@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.runtime.test_attention import _inputs
 from tests.support.numerics import max_abs_errs
 from zeppelin.runtime.attn import blocks as _blocks
 from zeppelin.runtime.attn.blocks import block_kind
@@ -19,17 +20,7 @@ from zeppelin.runtime.attn.transport import Transport
 from zeppelin.schemas.layout import contiguous_ranges, zigzag_ranges
 
 WORLD = 4
-HQ, HKV, D = 4, 2, 16
-
-
-def _inputs(lens, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    t = sum(lens)
-    q = torch.randn(t, HQ, D, generator=g, dtype=torch.float64)
-    k = torch.randn(t, HKV, D, generator=g, dtype=torch.float64)
-    v = torch.randn(t, HKV, D, generator=g, dtype=torch.float64)
-    do = torch.randn(t, HQ, D, generator=g, dtype=torch.float64)
-    return q, k, v, do
+HQ, HKV, D = 4, 2, 16  # the shapes of test_attention's _inputs
 
 
 def hf_sliding_reference(q, k, v, do, lens, window):
