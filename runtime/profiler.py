@@ -16,6 +16,7 @@ at once so that shared resources (CPU cores, memory bandwidth, NICs) are loaded 
 * the activation memory per token of the runtime's model for each recompute mode (what the
   forward keeps for the backward, what one recomputation holds), counted as the executor does;
 * the AdamW step and the gradient all-reduce over the model's parameters (as the executor does);
+* what FSDP2 adds to each micro-batch of the whole model (gathers, reduce-scatters), by ZeRO stage;
 * one exchange of the runtime's remap beside a GEMM, by tokens moved (what it adds to compute);
 * point-to-point latency/bandwidth for each pair class (same node, other node), all-to-all and
   all-gather by group size, and whether two concurrent transfers out of one node share a NIC;
@@ -48,12 +49,13 @@ from zeppelin.schemas.model import ModelSpec, model_preset
 # and the three overlap modes); the quick grid keeps that to a few seconds on 2 CPU ranks
 QUICK = dict(att=[16, 32, 64, 128, 256, 512, 1024, 2048], lin=[64, 256, 1024, 2048, 4096],
              tp_lin=[256, 1024, 2048, 4096], tp_reps=2,
-             p2p=[2**10, 2**14, 2**17, 2**20, 2**22], remap=[16, 128, 512, 2048], reps=5, warmup=1)
+             p2p=[2**10, 2**14, 2**17, 2**20, 2**22], remap=[16, 128, 512, 2048], fsdp=512, reps=5,
+             warmup=1)
 FULL = dict(att=[16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192],
             lin=[64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
             tp_lin=[64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384], tp_reps=10,
             p2p=[2**10, 2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24], remap=[16, 64, 256, 1024, 4096, 16384],
-            reps=10, warmup=3)
+            fsdp=1024, reps=10, warmup=3)
 
 
 class Timer:
@@ -613,6 +615,49 @@ def measure_remap_exchange(model: ModelSpec, moved, dev, timer, reps, warmup) ->
     return [[float(m * width), float(s)] for m, s in zip(moved, tt)]
 
 
+def measure_fsdp_microbatch(model: ModelSpec, tokens: int, dev, timer, reps, warmup) -> dict[str, float]:
+    """What FSDP2 adds to each micro-batch of the runtime's model, by ZeRO stage: the whole model
+    (its attention replaced by an elementwise stand-in) forward+backward on ``tokens`` tokens per
+    rank, sharded over every rank as the executor shards it (:func:`zeppelin.runtime.fsdp.shard_model`:
+    parameters gathered before the forward, and for ZeRO-3 again before the backward; gradients
+    reduce-scattered after every micro-batch's backward), minus the same model unsharded. Seconds
+    of the slowest rank per micro-batch, keys '1' (ZeRO-1 and 2 run alike) and '3'."""
+    import copy
+
+    from zeppelin.runtime.fsdp import dp_mesh, shard_model
+    from zeppelin.runtime.model import Layout, LlamaModel
+
+    world = dist.get_world_size()
+    rep = model.num_heads // model.num_kv_heads
+
+    class _Probe(Layout):
+        def __init__(self, T):
+            self.attn_positions = torch.arange(T, device=dev)
+
+        def attention(self, q, k, v):
+            return q + k.repeat_interleave(rep, 1) + v.repeat_interleave(rep, 1)
+
+    lay = _Probe(tokens)
+    toks = torch.randint(model.vocab_size, (tokens,), device=dev)
+    base = LlamaModel(model, seed=0).to(dev)
+    mesh = dp_mesh(world, dev.type)
+
+    def make(m):
+        def step():
+            loss, _ = m(toks, toks, lay)
+            loss.backward()
+            m.zero_grad(set_to_none=True)
+
+        return step
+
+    sharded = {str(z): shard_model(copy.deepcopy(base), mesh, z) for z in (1, 3)}
+    names = ["plain", *sharded]
+    t = timer.sweep([make(base), *(make(m) for m in sharded.values())], reps, warmup, sync=dist.barrier)
+    tt = torch.tensor([max(x - t[0], 0.0) for x in t[1:]], dtype=torch.float64)
+    dist.all_reduce(tt, op=dist.ReduceOp.MAX)
+    return {z: float(v) for z, v in zip(names[1:], tt)}
+
+
 class _Arrived:
     """A finished exchange that hands over a block of the right shape (see :class:`_Loopback`)."""
 
@@ -786,6 +831,8 @@ def main(argv=None) -> int:
     # rings carry the sequences too long for one rank: measure them up to twice the longest local length
     ring_lengths = [*grid["att"], 2 * grid["att"][-1]]
     ring_att = measure_ring_attention(model, ring_lengths, gpn, dev, timer, reps, warm) if world > 1 else {}
+    say("what FSDP2 adds to each micro-batch, by ZeRO stage ...")
+    fsdp_mb = measure_fsdp_microbatch(model, grid["fsdp"], dev, timer, reps, warm) if world > 1 else {}
     say("the runtime's remap exchange by tokens moved ...")
     remap_ex = measure_remap_exchange(model, grid["remap"], dev, timer, reps, warm) if world > 1 else []
     share = measure_concurrent_inter(gpn, grid["p2p"][-1], dev, reps, warm) if a.nodes >= 2 else None
@@ -798,7 +845,8 @@ def main(argv=None) -> int:
                    linear_tokens=grid["lin"], linear_s=lin, head_s=head, tp_linear_s=tp_lin, optimizer_s=opt_s,
                    num_params=nparams, grad_allreduce_s=ar, p2p_bytes=grid["p2p"], p2p_s=p2p,
                    collectives_s=coll, collective_bytes=grid["p2p"][-1], ring_round_s=ring,
-                   ring_attention_s=ring_att, remap_exchange_s=remap_ex, activation_memory=act_mem,
+                   ring_attention_s=ring_att, remap_exchange_s=remap_ex, fsdp_microbatch_s=fsdp_mb,
+                   activation_memory=act_mem,
                    concurrent_inter_ratio=share, topology=topo,
                    elapsed_s=time.perf_counter() - t_start)
         prof, report = build_profile(raw, model, cluster_name=a.cluster_name)

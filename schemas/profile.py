@@ -91,6 +91,11 @@ class ModelFits(Strict):
         description="[seconds, seconds per byte]: what one exchange of the runtime's remap (one direction, one "
         "pass, bytes sent per rank) adds to the compute around it, waits included; replaces the link model "
         "for remaps")
+    fsdp_microbatch_s: dict[str, float] = Field(
+        default_factory=dict,
+        description="seconds FSDP2 adds to each micro-batch of the whole model (parameter gathers, gradient "
+        "reduce-scatters, their waits) on the profiled ranks, by ZeRO stage (keys: '1' for ZeRO-1 and 2, "
+        "'3'); replaces the once-per-step gradient all-reduce for FSDP plans")
     linear_tp_comm: dict[str, PolyFit] = Field(
         default_factory=dict,
         description="tp > 1: t(T) of the same TP-SP layer with the runtime's real collectives, by --tp-overlap "
@@ -106,8 +111,8 @@ class ModelFits(Strict):
         # optional fits: left out while empty, so that a profile without them keeps its content
         # hash (plans record it)
         d = handler(self)
-        for key in ("ring_attention", "ring_compute", "ring_sync_s", "remap_exchange", "linear_tp_comm",
-                    "activation_memory"):
+        for key in ("ring_attention", "ring_compute", "ring_sync_s", "remap_exchange", "fsdp_microbatch_s",
+                    "linear_tp_comm", "activation_memory"):
             if not d.get(key):
                 d.pop(key, None)
         return d

@@ -163,6 +163,8 @@ def _print_report(report: dict, output: Path) -> None:
             t.add_row(key.replace("p2p_", "link ") + " t(b) = a + b/B",
                       f"a = {r['alpha_s'] * 1e6:.1f} us, B = {r['bandwidth_GBps']:.2f} GB/s",
                       f"{r['median']:.1%}", f"{r['worst']:.1%}")
+    for z, sec in sorted((report.get("fsdp_microbatch_s") or {}).items()):
+        t.add_row(f"FSDP2 per micro-batch, ZeRO-{'1/2' if z == '1' else z}", f"{sec * 1e3:.2f} ms", "-", "-")
     r = report.get("remap_exchange")
     if r:
         t.add_row("remap exchange (beside compute)",

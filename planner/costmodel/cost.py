@@ -615,6 +615,26 @@ class CostModel:
                   + 2 * (nodes - 1) * self.inter_link.alpha_s)
         return float(t)
 
+    @property
+    def fsdp_microbatch_s(self) -> float | None:
+        """Seconds FSDP2 adds to each micro-batch at this plan's ZeRO stage, as the profile measured
+        them (``fits.fsdp_microbatch_s``); None without that measurement, at ZeRO-0 (replicated
+        weights: one all-reduce per step) or on one unit."""
+        f = self._fits
+        if f is None or not f.fsdp_microbatch_s or self.zero_stage < 1 or self.num_units <= 1:
+            return None
+        return f.fsdp_microbatch_s.get("3" if self.zero_stage >= 3 else "1")
+
+    def step_collectives_time(self, microbatches: int = 1, num_units: int | None = None) -> float:
+        """The step's data-parallel collectives, charged to every unit: the gradient all-reduce once
+        (:meth:`grad_allreduce_time`), or, with a profile that measured what FSDP2 adds to each
+        micro-batch (gathers and reduce-scatters of the runtime's FSDP path, waits included), that
+        cost for each of the step's micro-batches."""
+        fs = self.fsdp_microbatch_s
+        if fs is not None:
+            return microbatches * float(fs)
+        return self.grad_allreduce_time(num_units)
+
     def optimizer_time(self) -> float:
         """The AdamW step of one rank (every rank updates its whole replica shard, P / tp
         parameters): measured for the profiled model, else scaled per parameter; 0 when the

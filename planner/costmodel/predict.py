@@ -163,7 +163,7 @@ def _lower_bounds(ctx: PlanContext, lengths: np.ndarray) -> tuple[float, float]:
     charged as exposed communication to every unit), so a plan can reach its bound."""
     cost = ctx.cost
     n = ctx.num_units
-    ar = cost.grad_allreduce_time(n)
+    ar = cost.step_collectives_time(1, n)
     # attention of every sequence, plus the linear modules on an even share of the step's tokens
     # (linear kernels are priced on the tokens a unit holds, as predict_step does, not per sequence)
     share = float(np.sum(lengths)) / n
@@ -428,7 +428,7 @@ def predict_from_terms(ctx: PlanContext, lengths, terms: list[MBTerms]) -> Predi
             nic_r[k] += v
         for k, v in t.nic_unrouted.items():
             nic_u[k] += v
-    ar = cost.grad_allreduce_time(n)
+    ar = cost.step_collectives_time(len(terms), n)
     comm += ar
     exposed += ar
     total = attn + lin + exposed
@@ -599,7 +599,7 @@ def predict_replicas(ctx: PlanContext, step: StepPlan) -> Prediction:
         period += component_max(labels, a_mb + e_mb + lin_mb - head_mb + tp_mb) + head_mb
         tokens += held.astype(np.int64)
         mem_tok = np.maximum(mem_tok, held)
-    ar = np.array([cms[r.tp].grad_allreduce_time(n) for r in reps])
+    ar = np.array([cms[r.tp].step_collectives_time(len(step.microbatches), n) for r in reps])
     rings = any(g.kind == "ring" for mb in step.microbatches for g in mb.groups)
     comm = ar + tpc + ring_comm
     exposed = ar + tpc + ring_exp

@@ -318,6 +318,9 @@ def build_profile(raw: dict, model, cluster_name: str = "") -> tuple["CostProfil
     if remap_ex is not None:
         report["remap_exchange"] = {"seconds": remap_ex[0], "seconds_per_byte": remap_ex[1],
                                     "points": raw.get("remap_exchange_s")}
+    fsdp_mb = {str(k): float(v) for k, v in (raw.get("fsdp_microbatch_s") or {}).items() if v is not None and v >= 0}
+    if fsdp_mb:
+        report["fsdp_microbatch_s"] = fsdp_mb
     share = raw.get("concurrent_inter_ratio")
     topo = raw.get("topology", {})
     prof = CostProfile(
@@ -338,7 +341,7 @@ def build_profile(raw: dict, model, cluster_name: str = "") -> tuple["CostProfil
         fits=[ModelFits(model=raw["model"], dtype=raw["dtype"], attention=att_fit, linear=lin_fit,
                         attention_block=block_fit, head=head_fit, optimizer_s=opt_s, grad_allreduce_s=ar,
                         ring_attention=ring_fits["total"], ring_compute=ring_fits["compute"],
-                        ring_sync_s=ring_sync, remap_exchange=remap_ex,
+                        ring_sync_s=ring_sync, remap_exchange=remap_ex, fsdp_microbatch_s=fsdp_mb,
                         activation_memory=dict(raw.get("activation_memory") or {})), *tp_fits],
     )
     return prof, report

@@ -604,7 +604,7 @@ class Simulator:
                                              head_s=[float(x) for x in head]))
         # each replica all-reduces its own shards (replicas of another TP degree: their cost model)
         tps = {r.tp for r in step.replicas} if step.replicas is not None else {ctx.tp}
-        ar = max(self.cost_for(t).grad_allreduce_time(n) for t in tps)
+        ar = max(self.cost_for(t).step_collectives_time(len(step.microbatches), n) for t in tps)
         compute_end = float(finish.max()) if n else 0.0
         step_time = compute_end + ar
         for st in units:

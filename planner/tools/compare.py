@@ -536,7 +536,7 @@ def verdict(doc: dict[str, Any], ctx: PlanContext, steps: list[list], baseline: 
         out["rows"].append({"baseline": name, "system": BASELINE_SYSTEMS.get(name, name),
                             "speedup": b["mean_s"] / z["mean_s"], f"p{SPREAD[0]}": lo, f"p{SPREAD[1]}": hi})
     ref = baseline or ("te-cp" if "te-cp" in names else names[0] if names else None)
-    ar = float(ctx.cost.grad_allreduce_time(ctx.num_units))
+    ar = float(ctx.cost.step_collectives_time(1, ctx.num_units))
     for name in ["zeppelin", *([ref] if ref else [])]:
         out["where"][name] = _where(by[name], ar)
     cap = int(ctx.cost.token_capacity)

@@ -31,6 +31,7 @@ def test_profile_quick_two_ranks(zeppelin_bin, tmp_path):
     # the remap exchange measured beside compute, and the step-time check run with the profile
     assert fit.remap_exchange is not None and all(x >= 0 for x in fit.remap_exchange)
     assert len(raw["remap_exchange_s"]) == 4
+    assert set(fit.fsdp_microbatch_s) == {"1", "3"} and all(v >= 0 for v in fit.fsdp_microbatch_s.values())
     chk = prof.source.step_time_check
     assert chk is not None and chk.steps == 3 and chk.worst_error >= abs(chk.median_error)
     assert "measured / predicted step time - 1: median" in r.stderr

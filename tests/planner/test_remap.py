@@ -313,3 +313,37 @@ def test_a_measured_remap_exchange_prices_the_decision_the_prediction_and_the_si
     # exchanges that cost more than the imbalance they remove: the decision skips the remap
     dear = _with_measured_remap(base, 1.0, 0.0)
     assert plan_remap(dear, seqs, mb)[0] is None
+
+
+def test_a_measured_fsdp_microbatch_cost_is_charged_per_microbatch():
+    """A profile that measured what FSDP2 adds to each micro-batch (the runtime gathers parameters
+    and reduce-scatters gradients every micro-batch) charges it once per micro-batch, in place of the
+    once-per-step all-reduce, alike in the prediction and the simulator (which the selector
+    decides by)."""
+    from zeppelin.planner.costmodel.predict import predict_step
+    from zeppelin.planner.sim.simulate import Simulator
+    from zeppelin.schemas.profile import ModelFits
+
+    base = ctx_for("zeppelin-c", "tiny")
+    m = base.model
+
+    def with_fsdp(seconds):
+        prof = base.profile.model_copy(update={"fits": [ModelFits(model=m.name, dtype=m.dtype,
+                                                                  fsdp_microbatch_s={"1": seconds, "3": 2 * seconds})]})
+        return PlanContext(base.cluster, m, prof)
+
+    ctx = with_fsdp(0.05)
+    assert ctx.cost.fsdp_microbatch_s == 0.05 and base.cost.fsdp_microbatch_s is None
+    assert ctx.cost.step_collectives_time(3) == pytest.approx(0.15)
+    assert base.cost.step_collectives_time(3) == base.cost.grad_allreduce_time()
+    assert PlanContext(base.cluster, m, ctx.profile, zero_stage=3).cost.fsdp_microbatch_s == 0.1
+    assert PlanContext(base.cluster, m, ctx.profile, zero_stage=0).cost.fsdp_microbatch_s is None
+    seqs, mb = local_mb(base, [[1000]] * base.num_units)
+    two = StepPlan(step=0, sequences=seqs, microbatches=[mb, mb.model_copy(update={"placements": []})])
+    one = StepPlan(step=0, sequences=seqs, microbatches=[mb])
+    for step, k in ((one, 1), (two, 2)):
+        pred, sim = predict_step(ctx, step), Simulator(ctx).simulate_step(step)
+        plain = predict_step(base, step)
+        assert pred.step_time_s - plain.step_time_s == pytest.approx(k * 0.05 - base.cost.grad_allreduce_time(),
+                                                                      rel=1e-6)
+        assert pred.step_time_s == pytest.approx(sim.step_time_s, rel=0.03)
