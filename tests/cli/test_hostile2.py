@@ -925,6 +925,16 @@ def test_fault_hook_is_namespaced(monkeypatch):
         lifecycle.maybe_fault(0, 0)
 
 
+def _runs_module(pid: int, module: bytes) -> bool:
+    """Whether process ``pid`` runs ``python -m MODULE`` (exactly that module)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            args = fh.read().split(b"\0")
+    except OSError:
+        return False
+    return any(a == b"-m" and i + 1 < len(args) and args[i + 1] == module for i, a in enumerate(args))
+
+
 def _children(pid: int) -> list[int]:
     out = []
     for d in os.listdir("/proc"):
@@ -949,13 +959,19 @@ def test_a_stopped_process_is_bounded_by_timeout(tree, who):
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     deadline = time.monotonic() + 60
     target = []
-    while not target:  # the event: the process exists
+    while not target:  # the event: the process exists (a short-lived helper process is not it)
         assert time.monotonic() < deadline and proc.poll() is None, f"no {who}"
-        target = _children(proc.pid)
+        found = [c for c in _children(proc.pid) if _runs_module(c, b"zeppelin.runtime.launch")]
         if who == "rank":
-            target = [r for c in target for r in _children(c)]
+            found = [r for c in found for r in _children(c) if _runs_module(r, b"zeppelin.runtime")]
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:  # it ended between the listing and the signal
+                continue
+            target = [pid]
+            break
         time.sleep(0.01)
-    os.kill(target[0], signal.SIGSTOP)
     t0 = time.monotonic()
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1
