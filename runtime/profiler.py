@@ -178,6 +178,23 @@ def measure_attention_block(model: ModelSpec, sizes, dev, timer, reps, warmup):
     return timer.sweep([make(n) for n in sizes], reps, warmup, sync=dist.barrier)
 
 
+def _stand_in_layout(T: int, dev, tp=None):
+    """A layout of ``T`` tokens whose attention is an elementwise stand-in (Q + K + V, K/V repeated
+    over the query heads): what the runtime's modules cost around the attention kernel."""
+    from zeppelin.runtime.model import Layout
+
+    class _StandIn(Layout):
+        def __init__(self):
+            self.attn_positions = torch.arange(T, device=dev)
+            self.tp = tp
+
+        def attention(self, q, k, v):
+            r = q.shape[1] // k.shape[1]
+            return q + k.repeat_interleave(r, 1) + v.repeat_interleave(r, 1)
+
+    return _StandIn()
+
+
 def measure_model_parts(model: ModelSpec, tokens, dev, timer, reps, warmup):
     """The runtime's own modules, forward+backward, over a grid of token counts:
 
@@ -187,23 +204,15 @@ def measure_model_parts(model: ModelSpec, tokens, dev, timer, reps, warmup):
     * the model without layers: embedding, final norm, LM head and the loss (once per model).
 
     Returns (layer seconds, head seconds) per token count."""
-    from zeppelin.runtime.model import Layout, LlamaModel, compute_dtype, rope_tables
+    from zeppelin.runtime.model import LlamaModel, compute_dtype, rope_tables
 
     lm = LlamaModel(model.model_copy(update={"num_layers": 1})).to(dev)
     blk = lm.layers[0]
     lm.layers = torch.nn.ModuleList()
     dt = compute_dtype(model)
-    rep = model.num_heads // model.num_kv_heads
-
-    class _Probe(Layout):
-        def __init__(self, T):
-            self.attn_positions = torch.arange(T, device=dev)
-
-        def attention(self, q, k, v):
-            return q + k.repeat_interleave(rep, 1) + v.repeat_interleave(rep, 1)
 
     def make(T):
-        lay = _Probe(T)
+        lay = _stand_in_layout(T, dev)
         cos, sin = rope_tables(lay.attn_positions, model.head_dim, model.rope_theta)
         x = torch.randn(T, model.hidden, device=dev, dtype=dt, requires_grad=True)
         g = torch.randn(T, model.hidden, device=dev, dtype=dt)
@@ -291,7 +300,7 @@ def measure_tp_layer(model: ModelSpec, tokens, gpn: int, dev, timer, reps, warmu
     ``compute``: with the collectives short-circuited (:class:`_NoComm`); then per ``--tp-overlap``
     mode (``modes``, default all) with the real collectives of that mode. Per G:
     ``{"compute": [[T, s]...], "<mode>": [[T, s]...]}``, seconds of the slowest rank."""
-    from zeppelin.runtime.model import Layout, LlamaModel, TPContext, compute_dtype, rope_tables
+    from zeppelin.runtime.model import LlamaModel, TPContext, compute_dtype, rope_tables
     from zeppelin.runtime.tp import OVERLAP_MODES, TPGroup
     from zeppelin.schemas.layout import split_even
 
@@ -307,19 +316,10 @@ def measure_tp_layer(model: ModelSpec, tokens, gpn: int, dev, timer, reps, warmu
         groups = [dist.new_group(list(range(b, b + G))) for b in range(0, world - G + 1, G)]
         grp = TPGroup(ranks=list(range(base, base + G)), rank=rank, pg=groups[rank // G]) if member else None
 
-        class _Probe(Layout):
-            def __init__(self, T, mode):
-                self.attn_positions = torch.arange(T, device=dev)
-                self.tp = TPContext(grp, split_even(T, G), mode)
-
-            def attention(self, q, k, v):
-                r = q.shape[1] // k.shape[1]
-                return q + k.repeat_interleave(r, 1) + v.repeat_interleave(r, 1)
-
         def make(T, mode):
             if not member:
                 return lambda: None
-            lay = _Probe(T, mode)
+            lay = _stand_in_layout(T, dev, TPContext(grp, split_even(T, G), mode))
             rows = lay.tp.rows[grp.pos]
             cos, sin = rope_tables(lay.attn_positions, model.head_dim, model.rope_theta)
             x = torch.randn(rows, model.hidden, device=dev, dtype=dt, requires_grad=True)
@@ -625,19 +625,10 @@ def measure_fsdp_microbatch(model: ModelSpec, tokens: int, dev, timer, reps, war
     import copy
 
     from zeppelin.runtime.fsdp import dp_mesh, shard_model
-    from zeppelin.runtime.model import Layout, LlamaModel
+    from zeppelin.runtime.model import LlamaModel
 
     world = dist.get_world_size()
-    rep = model.num_heads // model.num_kv_heads
-
-    class _Probe(Layout):
-        def __init__(self, T):
-            self.attn_positions = torch.arange(T, device=dev)
-
-        def attention(self, q, k, v):
-            return q + k.repeat_interleave(rep, 1) + v.repeat_interleave(rep, 1)
-
-    lay = _Probe(tokens)
+    lay = _stand_in_layout(tokens, dev)
     toks = torch.randint(model.vocab_size, (tokens,), device=dev)
     base = LlamaModel(model, seed=0).to(dev)
     mesh = dp_mesh(world, dev.type)

@@ -10,17 +10,10 @@ import re
 
 import pytest
 
-from zeppelin.planner.cli import main
+from tests.support.cli import run_cli
 
 SMALL = ["-c", "local-cpu:2x2", "--model", "tiny", "--tokens-per-step", "16384", "--max-seq-len", "4096",
          "--steps", "1", "--seed", "1"]
-
-
-def _run(argv, capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    out = capsys.readouterr()
-    return e.value.code, out.out, out.err
 
 
 def test_the_six_commands_take_the_shared_flags(tmp_path, capsys):
@@ -28,22 +21,22 @@ def test_the_six_commands_take_the_shared_flags(tmp_path, capsys):
 
     sample = str(default_manifest_path())
     plan, sim_json, stats_json = tmp_path / "p.plan", tmp_path / "s.json", tmp_path / "d.json"
-    code, out, err = _run(["plan", "-m", sample, *SMALL, "-o", str(plan), "--time-limit", "30", "--json"], capsys)
+    code, out, err = run_cli(["plan", "-m", sample, *SMALL, "-o", str(plan), "--time-limit", "30", "--json"], capsys)
     assert code == 0, err
     planned = json.loads(out)
     assert planned["tokens_per_step"] == 16384 and planned["steps"] == 1
-    code, out, err = _run(["simulate", str(plan), "--json", "-o", str(sim_json)], capsys)
+    code, out, err = run_cli(["simulate", str(plan), "--json", "-o", str(sim_json)], capsys)
     assert code == 0 and json.loads(sim_json.read_text())["steps"][0]["step"] == 0
-    code, out, err = _run(["show", str(plan), "--step", "0"], capsys)
+    code, out, err = run_cli(["show", str(plan), "--step", "0"], capsys)
     assert code == 0 and "step 0" in out
-    code, out, err = _run(["compare", *SMALL, "-m", "mixed", "--time-limit", "30", "--planners", "te-cp,zeppelin",
+    code, out, err = run_cli(["compare", *SMALL, "-m", "mixed", "--time-limit", "30", "--planners", "te-cp,zeppelin",
                            "-j", "1", "--json"], capsys)
     assert code == 0 and json.loads(out)["tokens_per_step"] == 16384
     assert "verdict: zeppelin" in err  # the table and the verdict still reach the terminal
-    code, out, err = _run(["demo", "-m", sample, *SMALL, "--time-limit", "30", "--stages", "plan", "--planners", "te-cp,zeppelin",
+    code, out, err = run_cli(["demo", "-m", sample, *SMALL, "--time-limit", "30", "--stages", "plan", "--planners", "te-cp,zeppelin",
                            "--png", str(tmp_path / "d.png"), "-j", "1", "--json"], capsys)
     assert code == 0 and json.loads(out)["comparison"]["verdict"]["rows"][0]["baseline"] == "te-cp"
-    code, out, err = _run(["data", "stats", "-m", sample, "--json", "-o", str(stats_json)], capsys)
+    code, out, err = run_cli(["data", "stats", "-m", sample, "--json", "-o", str(stats_json)], capsys)
     assert code == 0 and json.loads(stats_json.read_text())["num_samples"] > 0
 
 
@@ -57,11 +50,11 @@ def test_one_default_token_budget(tmp_path, capsys):
     ctx = PlanContext(cl, resolve_model("tiny"), resolve_profile(None, cl))
     want = default_tokens_per_step(ctx.cost.token_capacity, ctx.num_units)
     base = ["-c", "local-cpu:2x2", "--model", "tiny", "--steps", "1", "--max-seq-len", "2048"]
-    code, out, err = _run(["plan", *base, "-o", str(tmp_path / "p.plan"), "--json"], capsys)
+    code, out, err = run_cli(["plan", *base, "-o", str(tmp_path / "p.plan"), "--json"], capsys)
     assert code == 0 and json.loads(out)["tokens_per_step"] == want
-    code, out, err = _run(["compare", *base, "--planners", "packed-dp,zeppelin", "-j", "1", "--json"], capsys)
+    code, out, err = run_cli(["compare", *base, "--planners", "packed-dp,zeppelin", "-j", "1", "--json"], capsys)
     assert code == 0 and json.loads(out)["tokens_per_step"] == want
-    code, out, err = _run(["demo", *base, "--stages", "cost", "--json"], capsys)
+    code, out, err = run_cli(["demo", *base, "--stages", "cost", "--json"], capsys)
     assert code == 0 and f"tokens_per_step={want:,}" in err
 
 
@@ -73,9 +66,9 @@ def test_deprecated_spellings_work_with_one_note_each(tmp_path, capsys, monkeypa
            "--tokens-per-step", "16384", "--time-limit", "30", "--planners", "te-cp,zeppelin", "-j", "1", "--json"]
     old = ["compare", "-c", "local-cpu:2x2", "-m", "tiny", "-d", "mixed", "-n", "2", "--tokens-per-gpu", "4096",
            "--solver-time-limit", "30", "--planners", "te-cp,zeppelin", "-j", "1", "--json"]
-    code, out_new, err_new = _run(new, capsys)
+    code, out_new, err_new = run_cli(new, capsys)
     assert code == 0 and "note:" not in err_new
-    code, out_old, err_old = _run(old, capsys)
+    code, out_old, err_old = run_cli(old, capsys)
     assert code == 0
     notes = [ln for ln in err_old.splitlines() if ln.startswith("zeppelin: note:")]
     assert notes == [
@@ -89,7 +82,7 @@ def test_deprecated_spellings_work_with_one_note_each(tmp_path, capsys, monkeypa
     assert [s["step_times_s"] for s in a["planners"]] == [s["step_times_s"] for s in b["planners"]]
     ids = tmp_path / "ids.jsonl"
     ids.write_text('{"ids": [1, 2, 3]}\n{"ids": [4]}\n')
-    code, out, err = _run(["data", "stats", str(ids), "--tokens-field", "ids", "--json"], capsys)
+    code, out, err = run_cli(["data", "stats", str(ids), "--tokens-field", "ids", "--json"], capsys)
     assert code == 0 and json.loads(out)["num_tokens"] == 4
     assert err == ("zeppelin: note: `data stats --tokens-field` is deprecated and goes in the next release; use "
                    "--ids-field\n")
@@ -107,10 +100,10 @@ def test_field_flags_and_the_missing_column_error_names_the_flag(tmp_path, capsy
                  ["plan", *base, "-m", str(path), "-o", str(tmp_path / "p.plan")],
                  ["demo", *base, "-m", str(path), "--stages", "data"],
                  ["data", "stats", str(path)]):
-        code, out, err = _run(argv, capsys)
+        code, out, err = run_cli(argv, capsys)
         assert (code, err) == (2, f"zeppelin: error: {path}: column 'length' not found (columns: doc_id, "
                                   f"num_tokens); name the column to use with --length-field NAME\n"), argv
-        code, out, err = _run([*argv, "--length-field", "num_tokens"], capsys)
+        code, out, err = run_cli([*argv, "--length-field", "num_tokens"], capsys)
         assert code == 0, (argv, err)
         if argv[0] == "compare":  # the verdict: te-cp's speedup with its p10-p90, as in the table
             lines = out.splitlines()
@@ -126,7 +119,7 @@ def test_compare_reports_progress_on_stderr(capsys, monkeypatch):
 
     monkeypatch.setattr(cmp.Progress, "QUIET_S", 0.0)
     monkeypatch.setattr(cmp.time, "perf_counter", iter(range(0, 10_000, 10)).__next__)  # 10 s per call
-    code, out, err = _run(["compare", *SMALL, "-m", "mixed", "--planners", "te-cp,zeppelin", "-j", "1", "--json"],
+    code, out, err = run_cli(["compare", *SMALL, "-m", "mixed", "--planners", "te-cp,zeppelin", "-j", "1", "--json"],
                           capsys)
     assert code == 0 and json.loads(out)["steps"] == 1
     lines = [ln for ln in err.splitlines() if ln.startswith("compare: ")]

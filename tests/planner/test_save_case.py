@@ -6,24 +6,15 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
-from zeppelin.planner.cli import main
+from tests.support.cli import run_cli
 
 FLAGS = ["-c", "zeppelin-a:2", "--model", "llama-7b", "--steps", "2", "--tokens-per-step", "131072",
          "--max-seq-len", "32768"]
 
 
-def _run(argv, capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    out = capsys.readouterr()
-    return e.value.code, out.out, out.err
-
-
 def test_saved_case_checks_green_then_fails_on_a_slower_option(tmp_path, capsys):
     target = tmp_path / "ci" / "a16"
-    code, out, err = _run(["plan", *FLAGS, "--save-case", str(target)], capsys)
+    code, out, err = run_cli(["plan", *FLAGS, "--save-case", str(target)], capsys)
     assert code == 0, err
     case = json.loads((tmp_path / "ci" / "a16.json").read_text())
     assert {k: case[k] for k in ("cluster", "model", "dataset", "planner", "options", "steps", "tokens_per_step",
@@ -31,12 +22,12 @@ def test_saved_case_checks_green_then_fails_on_a_slower_option(tmp_path, capsys)
         "cluster": "zeppelin-a:2", "model": "llama-7b", "dataset": "sample", "planner": "zeppelin", "options": {},
         "steps": 2, "tokens_per_step": 131072, "max_seq_len": 32768}
     assert out.startswith(f"wrote {target}.json and its golden {target}.plan")
-    code, out, err = _run(["check", str(tmp_path / "ci"), "--exact", "-j", "1"], capsys)
+    code, out, err = run_cli(["check", str(tmp_path / "ci"), "--exact", "-j", "1"], capsys)
     assert code == 0 and out.splitlines()[-1].startswith("1 case(s) checked in ")
     assert out.splitlines()[-1].endswith(": passed")
     case["options"] = {"ilp": "never", "families": "none"}  # a planner setting that gives slower steps
     (tmp_path / "ci" / "a16.json").write_text(json.dumps(case))
-    code, out, err = _run(["check", str(tmp_path / "ci"), "-j", "1"], capsys)
+    code, out, err = run_cli(["check", str(tmp_path / "ci"), "-j", "1"], capsys)
     assert code == 1
     fail = next(ln for ln in out.splitlines() if ln.startswith("FAIL a16: "))
     assert "zeppelin mean step time" in fail and "against the golden" in fail and "(tolerance 1%)" in fail
@@ -45,11 +36,11 @@ def test_saved_case_checks_green_then_fails_on_a_slower_option(tmp_path, capsys)
 
 
 def test_save_case_refuses_what_a_case_cannot_hold(tmp_path, capsys):
-    code, out, err = _run(["plan", *FLAGS, "--zero-stage", "2", "--save-case", str(tmp_path / "c")], capsys)
+    code, out, err = run_cli(["plan", *FLAGS, "--zero-stage", "2", "--save-case", str(tmp_path / "c")], capsys)
     assert (code, err) == (2, "zeppelin: error: --save-case: a check case holds cluster, model, manifest, planner "
                               "and its options, steps, seed, tokens per step, max sequence length and tp; drop "
                               "--zero-stage\n")
-    code, out, err = _run(["plan", *FLAGS, "--save-case", str(tmp_path / "c.json")], capsys)
+    code, out, err = run_cli(["plan", *FLAGS, "--save-case", str(tmp_path / "c.json")], capsys)
     assert (code, err) == (2, f"zeppelin: error: --save-case takes DIR/NAME (NAME without an extension; got "
                               f"{str(tmp_path / 'c.json')!r})\n")
     assert list(tmp_path.iterdir()) == []
@@ -58,5 +49,5 @@ def test_save_case_refuses_what_a_case_cannot_hold(tmp_path, capsys):
 def test_schema_case(capsys):
     from zeppelin.planner.tools.check import CheckCase
 
-    code, out, err = _run(["schema", "case"], capsys)
+    code, out, err = run_cli(["schema", "case"], capsys)
     assert code == 0 and json.loads(out) == CheckCase.model_json_schema()
