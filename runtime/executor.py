@@ -195,6 +195,7 @@ class Executor:
         self.grad_clip = grad_clip
         self.last_lr = lr
         self.last_grad_norm = float("nan")
+        self._grad_sq = None  # this rank's gradient sum of squares, from nonfinite() until the optimizer step
 
     def _now(self) -> float:
         if self.cuda:
@@ -265,13 +266,11 @@ class Executor:
         """``(rank, "loss" | "gradient norm", value)`` of the first rank whose share of the step's
         loss, or whose gradients, are not finite (None when all are). Collective: one all-gather of
         two numbers per rank."""
-        gsq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p in self.params:
-            g = p.grad
-            if g is None:
-                continue
-            g = g.to_local() if hasattr(g, "to_local") else g
-            gsq += g.detach().double().pow(2).sum()
+        from .optim import local_grad_sq
+
+        # kept for the optimizer step's global norm: the gradients do not change in between
+        self._grad_sq = local_grad_sq(self.params)
+        gsq = self._grad_sq.to(self.device)
         mine = torch.stack([torch.tensor(result.local_loss, dtype=torch.float64, device=self.device), gsq])
         if self.world_size > 1:
             every = [torch.zeros_like(mine) for _ in range(self.world_size)]
@@ -360,7 +359,8 @@ class Executor:
         from .optim import clip_gradients
 
         t0 = self._now()
-        self.last_grad_norm = clip_gradients(self.params, self.grad_clip, self._shard_group())
+        local_sq, self._grad_sq = self._grad_sq, None
+        self.last_grad_norm = clip_gradients(self.params, self.grad_clip, self._shard_group(), local_sq)
         if self.lr_schedule is not None and k is not None:
             self.last_lr = float(self.lr_schedule(k))
             for g in self.optimizer.param_groups:

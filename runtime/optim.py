@@ -61,24 +61,28 @@ def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def grad_norm(params, shard_group=None):
-    """Global L2 norm (float64 tensor) of the gradients of ``params``; ``shard_group``: the
-    process group over which FSDP shards are summed (None: gradients are whole on this rank)."""
+def local_grad_sq(params):
+    """Sum of squares (float64 tensor) of this rank's gradients of ``params``, the local shards of
+    sharded ones: accumulated on the gradients' device, one transfer rather than one per parameter."""
     import torch
+
+    sq = None
+    for p in params:
+        if p.grad is not None:
+            part = _local(p.grad).detach().double().pow(2).sum()
+            sq = part if sq is None else sq + part.to(sq.device)
+    return torch.zeros((), dtype=torch.float64) if sq is None else sq
+
+
+def grad_norm(params, shard_group=None, local_sq=None):
+    """Global L2 norm (float64 tensor) of the gradients of ``params``; ``shard_group``: the
+    process group over which FSDP shards are summed (None: gradients are whole on this rank);
+    ``local_sq``: :func:`local_grad_sq` of the same gradients when already computed."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    sq = None  # accumulated on the gradients' device: one transfer, not one per parameter
-    sharded = False
-    for p in params:
-        g = p.grad
-        if g is None:
-            continue
-        sharded = sharded or isinstance(g, DTensor)
-        part = _local(g).detach().double().pow(2).sum()
-        sq = part if sq is None else sq + part.to(sq.device)
-    if sq is None:
-        sq = torch.zeros((), dtype=torch.float64)
+    sharded = any(isinstance(p.grad, DTensor) for p in params if p.grad is not None)
+    sq = local_grad_sq(params) if local_sq is None else local_sq
     if sharded and shard_group is not None and dist.get_world_size(shard_group) > 1:
         dev = "cuda" if dist.get_backend(shard_group) == "nccl" else "cpu"
         box = sq.to(dev)
@@ -87,12 +91,12 @@ def grad_norm(params, shard_group=None):
     return sq.cpu().sqrt()
 
 
-def clip_gradients(params, max_norm: float | None, shard_group=None) -> float:
+def clip_gradients(params, max_norm: float | None, shard_group=None, local_sq=None) -> float:
     """The global gradient norm (before clipping); with ``max_norm`` the gradients are scaled so
-    that it is at most ``max_norm`` (``clip_grad_norm_``'s rule)."""
+    that it is at most ``max_norm`` (``clip_grad_norm_``'s rule). ``local_sq``: see :func:`grad_norm`."""
     import torch
 
-    norm = grad_norm(params, shard_group)
+    norm = grad_norm(params, shard_group, local_sq)
     if max_norm:
         coef = min(1.0, max_norm / (float(norm) + 1e-6))
         if coef < 1.0:
