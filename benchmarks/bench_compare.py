@@ -243,9 +243,9 @@ def findings(cells: list[dict]) -> tuple[dict, list[str]]:
                               f"({(1 / r - 1) * 100:.1f}% slower by the simulator; predicted {b['predicted_mean_s']:.3f} "
                               f"vs {z['predicted_mean_s']:.3f} s)")
     # headroom: how far zeppelin and the best other baseline are from the step's lower bound (perfect
-    # balance of each sequence's cheapest attention and of the linear work, DESIGN.md section 4; no plan
-    # reaches it where a few long sequences or coarse groups set the step), and the lead zeppelin would
-    # have if it reached the bound in every cell
+    # balance of each sequence's cheapest attention and of the linear work, docs/DESIGN.md, "Lower
+    # bounds"; no plan reaches it where a few long sequences or coarse groups set the step), and the
+    # lead zeppelin would have if it reached the bound in every cell
     hz, hb = [], []
     for c in cells:
         z = _stat(c, "zeppelin")
@@ -415,7 +415,7 @@ def render_page(cells: list[dict], summ: dict, lines: list[str], args, wall: flo
             "`longtail` (short sequences with a few of the maximum length in every step), see "
             "`zeppelin.planner.tools.compare.MIXES` — plans them with "
             "every planner and simulates every plan with the event-driven simulator (`zeppelin simulate`), "
-            "which uses the preset cost profiles (DESIGN.md section 4), not measurements on these clusters. "
+            "which uses the preset cost profiles (docs/DESIGN.md, \"Cost model\"), not measurements on these clusters. "
             f"LLaMA-13B runs with tensor parallelism 2 (units of 2 GPUs), as in the Zeppelin paper; 7B with tp=1. "
             "Every MILP stops at deterministic limits, never at a clock, so every number on this page is the same "
             "on any machine and under any load: FlexSP runs at most 2 MILP solves per step of 30 branch-and-bound "

@@ -5,7 +5,7 @@
 
 Per step, every candidate plan the planner builds (collected through ``ZeppelinPlanner.collector``)
 is predicted (``StepPlan.prediction``, :mod:`zeppelin.planner.costmodel.predict`) and simulated
-(:mod:`zeppelin.planner.sim.simulate`, the reference). Two statistics (DESIGN.md section 4, "One
+(:mod:`zeppelin.planner.sim.simulate`, the reference). Two statistics (docs/DESIGN.md, "One
 truth"):
 
 * **choice**: the share of steps whose chosen plan simulates within 0.5% of the fastest-simulated

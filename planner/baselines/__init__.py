@@ -1,8 +1,8 @@
 """The systems zeppelin is compared with, as planners writing the standard plan format.
 
 Every planner here subclasses :class:`zeppelin.planner.core.base.Planner`, registers itself with
-:func:`~zeppelin.planner.core.base.register`, and follows its published description (DESIGN.md
-section 5) with its best-known setting:
+:func:`~zeppelin.planner.core.base.register`, and follows its published description (docs/DESIGN.md,
+"Published systems") with its best-known setting:
 
 ``packed-dp``     :mod:`.packed`        token-balanced packing per unit, every sequence local.
 ``te-cp``         :mod:`.static_sp`     TransformerEngine / Megatron ring CP: one CP size for the run.

@@ -1,6 +1,6 @@
 """The analytic cost model and what is built on it.
 
-``cost``         per-unit kernel, communication and memory costs (DESIGN.md section 4);
+``cost``         per-unit kernel, communication and memory costs (docs/DESIGN.md, "Cost model");
 ``context``      :class:`PlanContext` (cluster + model + profile bound to their cost model) and
                  :class:`PlanningError`;
 ``predict``      a step plan's per-rank loads and predicted step time, from the cost model;

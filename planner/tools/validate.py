@@ -1,4 +1,4 @@
-"""``zeppelin validate``: check every invariant of a plan file (DESIGN.md section 3).
+"""``zeppelin validate``: check every invariant of a plan file (docs/DESIGN.md, "Plan invariants").
 
 Invariants, each reported with its name so a person can tell which one broke:
 

@@ -1,4 +1,4 @@
-"""The Zeppelin planner (DESIGN.md section 5): tiers, two-level assignment, queues, routes, remap.
+"""The Zeppelin planner (docs/DESIGN.md, "Zeppelin"): tiers, two-level assignment, queues, routes, remap.
 
 Per training step, the planner's own whole-step searches (:mod:`.step_searches`: ``tiered``,
 ``node-cp``, ``node-major``) plan the fewest micro-batches that fit, each micro-batch laid out by

@@ -1,4 +1,4 @@
-"""The tiered search for one micro-batch, as a pipeline of stages (DESIGN.md section 5):
+"""The tiered search for one micro-batch, as a pipeline of stages (docs/DESIGN.md, "Zeppelin"):
 
 1. :func:`choose_spans` - each sequence's span (1 = local, 2..U = ring inside a node, whole nodes
    = ring across nodes) from memory and the cost crossovers;

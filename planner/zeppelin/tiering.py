@@ -1,4 +1,4 @@
-"""Tiering: where a sequence should run, derived from the cost model (DESIGN.md section 5).
+"""Tiering: where a sequence should run, derived from the cost model (docs/DESIGN.md, "Zeppelin").
 
 A sequence is *local* (whole on one unit, no communication), *intra* (zigzag ring over 2..U
 units of one node, NVLink) or *inter* (zigzag ring over all units of k >= 2 nodes, NICs).

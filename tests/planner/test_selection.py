@@ -1,5 +1,5 @@
 """Selection fidelity: the Zeppelin planner chooses what its own simulator would choose, and its
-prediction agrees with the simulator on the candidates it builds (DESIGN.md section 4, "One truth";
+prediction agrees with the simulator on the candidates it builds (docs/DESIGN.md, "One truth";
 the whole grid: benchmarks/bench_selection.py, docs/BENCHMARKS.md "Selection fidelity")."""
 
 from __future__ import annotations
