@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from tests.runtime.test_runtime_dist import make_header, planner_step
-from tests.runtime.test_seed_systems_rt import planned_step, seed_header, tight_cluster
+from tests.runtime.test_flexsp_hydraulis_tp_plans import planned_step, seed_header, tight_cluster
 
 from zeppelin.schemas.cluster import cluster_preset
 from zeppelin.schemas.model import model_preset

@@ -1,4 +1,5 @@
-"""Every seed system's plans run for real on 4 gloo ranks and equal the single-process reference.
+"""FlexSP, Hydraulis and tensor-parallel Zeppelin plans run for real on 4 gloo ranks and equal the
+single-process reference.
 
 * FlexSP: Ulysses groups of sizes 4, 2 and 1 mixed over two micro-batches (hand plan, so the mix
   is guaranteed) and the ``flexsp`` planner's own output on a memory-tight cluster;

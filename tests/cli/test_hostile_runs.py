@@ -1,5 +1,6 @@
-"""Hostile inputs, round two: no file outside the declared outputs is ever written, unusable weights
-and non-finite losses stop a run, Hugging Face configs are checked once, and faults end cleanly.
+"""Hostile inputs to runs and the files they touch: no file outside the declared outputs is ever
+written, unusable weights and non-finite losses stop a run, Hugging Face configs are checked once,
+and faults end cleanly.
 
 Every case runs in a fresh copy of a small tree: ``w/`` (the working directory: plans, a manifest
 with a tokenizer and a Parquet shard, a Hugging Face model directory, a checkpoint directory) and
@@ -63,7 +64,7 @@ def template(tmp_path_factory) -> Path:
     HF directory and a checkpoint after step 1; ``root/outside``: link targets."""
     from tests.runtime.test_hf import make_hf_dir
 
-    root = tmp_path_factory.mktemp("hostile2")
+    root = tmp_path_factory.mktemp("hostile_runs")
     w, out = root / "w", root / "outside"
     w.mkdir()
     out.mkdir()
