@@ -245,7 +245,7 @@ def findings(cells: list[dict]) -> tuple[dict, list[str]]:
     # headroom: how far zeppelin and the best other baseline are from the step's lower bound (perfect
     # balance of each sequence's cheapest attention and of the linear work, docs/DESIGN.md, "Lower
     # bounds"; no plan reaches it where a few long sequences or coarse groups set the step), and the
-    # lead zeppelin would have if it reached the bound in every cell
+    # margin zeppelin would have if it reached the bound in every cell
     hz, hb = [], []
     for c in cells:
         z = _stat(c, "zeppelin")
