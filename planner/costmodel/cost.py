@@ -1,4 +1,4 @@
-"""The analytic cost model (DESIGN.md section 4), vectorised over arrays of lengths.
+"""The analytic cost model (docs/DESIGN.md, "Cost model"), vectorised over arrays of lengths.
 
 All times are seconds, sizes are tokens, bytes are bytes. Per-layer quantities are for one
 transformer layer; ``*_model`` helpers multiply by the number of layers and add embeddings and the
