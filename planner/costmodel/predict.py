@@ -273,6 +273,159 @@ def _group_sum(pg: np.ndarray, pL: np.ndarray, G: np.ndarray, mask: np.ndarray, 
     return np.bincount(pg, weights=out, minlength=len(G))
 
 
+@dataclass
+class _GroupArrays:
+    """A micro-batch's placements and groups as arrays: per placement its group ``pg`` and (padded)
+    length ``pL``; per group its size ``G``, kind, whether it is local / a ring, the sum of its
+    placements' attention time ``g_att`` and lengths ``g_len``, and whether it has any ``g_has``."""
+
+    pg: np.ndarray
+    pL: np.ndarray
+    G: np.ndarray
+    kind: list[str]
+    is_local: np.ndarray
+    is_ring: np.ndarray
+    g_att: np.ndarray
+    g_len: np.ndarray
+    g_has: np.ndarray
+
+    @classmethod
+    def of(cls, cost, seq_lengths, mb: MicroBatch) -> _GroupArrays:
+        groups = mb.groups
+        ng = len(groups)
+        pls = mb.placements
+        pg = np.fromiter((p.group for p in pls), dtype=np.int64, count=len(pls))
+        pL = np.fromiter(((p.padded_length or seq_lengths[p.seq]) for p in pls), dtype=np.float64, count=len(pls))
+        # per group: sum of attention time and of lengths of its placements
+        g_att = np.bincount(pg, weights=cost.attn_time(pL), minlength=ng) if len(pls) else np.zeros(ng)
+        g_len = np.bincount(pg, weights=pL, minlength=ng) if len(pls) else np.zeros(ng)
+        g_has = np.bincount(pg, minlength=ng) > 0 if len(pls) else np.zeros(ng, dtype=bool)
+        G = np.fromiter((len(g.units) for g in groups), dtype=np.float64, count=ng)
+        kind = [g.kind for g in groups]
+        is_local = np.fromiter((k == "local" for k in kind), dtype=bool, count=ng) | (G == 1)
+        is_ring = np.fromiter((k == "ring" for k in kind), dtype=bool, count=ng) & ~is_local
+        return cls(pg=pg, pL=pL, G=G, kind=kind, is_local=is_local, is_ring=is_ring, g_att=g_att, g_len=g_len,
+                   g_has=g_has)
+
+
+def _held_tokens(mb: MicroBatch, n: int) -> np.ndarray:
+    """Per unit: the tokens it holds in the micro-batch's attention layout."""
+    groups = mb.groups
+    held = np.zeros(n)
+    h_units: list[int] = []
+    h_toks: list[int] = []
+    for p in mb.placements:
+        units = groups[p.group].units
+        h_units += units[:len(p.ranges)]
+        h_toks += map(ranges_tokens, p.ranges)
+    if h_units:
+        held += np.bincount(np.asarray(h_units, dtype=np.int64), weights=np.asarray(h_toks, dtype=np.float64),
+                            minlength=n)
+    return held
+
+
+def _ring_terms(cost, mb: MicroBatch, ga: _GroupArrays, inter_round: dict[int, float], nic_floor: dict[int, float],
+                t_att: np.ndarray, t_comm: np.ndarray, t_exp: np.ndarray) -> None:
+    """Fills the ring groups' attention, communication and exposed time per layer."""
+    groups, pg, pL, G, is_ring = mb.groups, ga.pg, ga.pL, ga.G, ga.is_ring
+    ng = len(groups)
+    Gr = G[is_ring]
+    # per placement: round-0 and later-round compute of its zigzag blocks (as the simulator
+    # prices them), summed per group: a round computes the blocks of every sequence of the group
+    pG, on_ring = G[pg], is_ring[pg]
+    p_t0, p_tr = np.zeros(len(pL)), np.zeros(len(pL))
+    for Gv in np.unique(pG[on_ring]):  # (both rounds priced in one call per ring size)
+        sel = (pG == Gv) & on_ring
+        p_t0[sel], p_tr[sel] = cost.ring_round_compute(pL[sel], int(Gv))
+    g_t0 = np.bincount(pg, weights=p_t0, minlength=ng)[is_ring]
+    g_tr = np.bincount(pg, weights=p_tr, minlength=ng)[is_ring]
+    comm_round = np.asarray(cost.p2p_time(cost.ring_round_bytes(ga.g_len[is_ring] / Gr), "intra"), dtype=np.float64)
+    comm_round = np.array(comm_round, dtype=np.float64, copy=True).reshape(-1)
+    ring_ids = np.flatnonzero(is_ring)
+    for k, gi in enumerate(ring_ids):
+        if groups[gi].tier == "inter" and int(gi) in inter_round:
+            comm_round[k] = inter_round[int(gi)]
+    t_att[is_ring] = g_t0 + (Gr - 1) * g_tr
+    g_ex = None
+    if cost.window_mix is not None:  # windowed layers: a ring posts only the exchanges its window needs
+        p_ex = np.zeros(len(pL))
+        for Gv in np.unique(pG[on_ring]):
+            sel = (pG == Gv) & on_ring
+            p_ex[sel] = cost.ring_exchanges(pL[sel], int(Gv))
+        g_ex_all = np.zeros(ng)
+        np.maximum.at(g_ex_all, pg, p_ex)
+        g_ex = g_ex_all[is_ring]
+    t_comm[is_ring] = comm_round * ((Gr - 1) if g_ex is None else g_ex)
+    for Gv in np.unique(Gr):
+        sel = Gr == Gv
+        t_exp[ring_ids[sel]] = cost.ring_round_exposure(comm_round[sel], g_t0[sel], g_tr[sel], int(Gv),
+                                                        None if g_ex is None else g_ex[sel])
+    for gi, t in nic_floor.items():  # a ring is no faster than the busiest NIC side it crosses
+        if is_ring[gi]:
+            t_exp[gi] = max(t_exp[gi], t - t_att[gi])
+
+
+def _collective_terms(cost, mb: MicroBatch, ga: _GroupArrays, t_att: np.ndarray, t_comm: np.ndarray,
+                      t_exp: np.ndarray) -> None:
+    """Fills the Ulysses and all-gather groups' attention, communication and exposed time per layer."""
+    groups, G, is_local, is_ring = mb.groups, ga.G, ga.is_local, ga.is_ring
+    is_uly = np.fromiter((k == "ulysses" for k in ga.kind), dtype=bool, count=len(groups)) & ~is_local
+    if is_uly.any() and len(mb.placements):
+        # head shards: whole sequences on 1/G of the heads (CostModel.ulysses_attn_time)
+        t_att[is_uly] = _group_sum(ga.pg, ga.pL, G, is_uly, cost.ulysses_attn_time)[is_uly]
+    for gi in np.flatnonzero(~is_local & ~is_ring):
+        g = groups[gi]
+        Gi = G[gi]
+        if g.kind == "allgather":
+            t_att[gi] = ga.g_att[gi] / Gi
+            t_comm[gi] = t_exp[gi] = float(cost.allgather_kv_time(ga.g_len[gi] / Gi, int(Gi), cost.tier_link(g.tier)))
+        else:  # ulysses
+            t_comm[gi] = t_exp[gi] = float(cost.ulysses_comm_time(ga.g_len[gi] / Gi, int(Gi), cost.tier_link(g.tier)))
+
+
+def _attention_sets(mb: MicroBatch, n: int):
+    """Per unit, the token ranges of each sequence it holds in the attention layout; per sequence,
+    the units holding some of it."""
+    groups = mb.groups
+    att_sets: list[dict[int, list[tuple[int, int]]]] = [defaultdict(list) for _ in range(n)]
+    for p in mb.placements:
+        units = groups[p.group].units
+        for pos, rs in enumerate(p.ranges):
+            for s, e in rs:
+                if e > s:
+                    att_sets[units[pos]][p.seq].append((s, e))
+    seq_units: dict[int, set[int]] = defaultdict(set)
+    for p in mb.placements:
+        for pos, rs in enumerate(p.ranges):
+            if any(e > s for s, e in rs):
+                seq_units[p.seq].add(groups[p.group].units[pos])
+    return att_sets, seq_units
+
+
+def _linear_terms(ctx: PlanContext, mb: MicroBatch, held: np.ndarray, comm: np.ndarray, exposed: np.ndarray):
+    """The linear modules, the LM head, TP-SP and remap communication of each unit:
+    ``(linear-layout tokens, head, linear, comm, exposed, coupled unit sets)``."""
+    cost, n, layers = ctx.cost, ctx.num_units, ctx.model.num_layers
+    if mb.linear_layout is None:
+        lin_held = held.copy()
+    else:
+        lin_held = np.array([sum(e - s for _, s, e in segs) for segs in mb.linear_layout], dtype=np.float64)
+    head = np.asarray(cost.head_time(lin_held), dtype=np.float64)
+    lin = layers * cost.linear_time(lin_held) + head
+    links: list = [g.units for g in mb.groups if len(g.units) > 1]
+    if ctx.tp > 1:
+        t_tp = layers * cost.tp_exposed_comm(lin_held)
+        comm = comm + t_tp
+        exposed = exposed + t_tp
+    if mb.linear_layout is not None:
+        att_sets, seq_units = _attention_sets(mb, n)
+        t_remap = layers * _remap_times(ctx, mb.linear_layout, att_sets, seq_units, links)
+        comm = comm + t_remap
+        exposed = exposed + t_remap
+    lin = np.asarray(lin, dtype=np.float64)
+    return lin_held, head, lin, comm, exposed, links
+
+
 def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool = True) -> MBTerms:
     """Per-unit terms of one micro-batch; ``seq_lengths[i]`` is the length of the step's sequence i.
 
@@ -283,116 +436,25 @@ def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool
     groups = mb.groups
     ng = len(groups)
     inter_round, nic_floor = _route_round_time(ctx, mb, routed)
-    # ---- per placement: group, (padded) length, tokens each ring position holds
-    pls = mb.placements
-    pg = np.fromiter((p.group for p in pls), dtype=np.int64, count=len(pls))
-    pL = np.fromiter(((p.padded_length or seq_lengths[p.seq]) for p in pls), dtype=np.float64, count=len(pls))
-    held = np.zeros(n)
-    h_units: list[int] = []
-    h_toks: list[int] = []
-    for p in pls:
-        units = groups[p.group].units
-        h_units += units[:len(p.ranges)]
-        h_toks += map(ranges_tokens, p.ranges)
-    if h_units:
-        held += np.bincount(np.asarray(h_units, dtype=np.int64), weights=np.asarray(h_toks, dtype=np.float64),
-                            minlength=n)
-    # ---- per group: sum of attention time and of lengths of its placements
-    g_att = np.bincount(pg, weights=cost.attn_time(pL), minlength=ng) if len(pls) else np.zeros(ng)
-    g_len = np.bincount(pg, weights=pL, minlength=ng) if len(pls) else np.zeros(ng)
-    g_has = np.bincount(pg, minlength=ng) > 0 if len(pls) else np.zeros(ng, dtype=bool)
-    G = np.fromiter((len(g.units) for g in groups), dtype=np.float64, count=ng)
-    kind = [g.kind for g in groups]
-    is_local = np.fromiter((k == "local" for k in kind), dtype=bool, count=ng) | (G == 1)
-    is_ring = np.fromiter((k == "ring" for k in kind), dtype=bool, count=ng) & ~is_local
+    ga = _GroupArrays.of(cost, seq_lengths, mb)
+    held = _held_tokens(mb, n)
     t_att = np.zeros(ng)
     t_comm = np.zeros(ng)
     t_exp = np.zeros(ng)
-    t_att[is_local] = g_att[is_local]
-    if is_ring.any():
-        Gr = G[is_ring]
-        # per placement: round-0 and later-round compute of its zigzag blocks (as the simulator
-        # prices them), summed per group: a round computes the blocks of every sequence of the group
-        pG, on_ring = G[pg], is_ring[pg]
-        p_t0, p_tr = np.zeros(len(pL)), np.zeros(len(pL))
-        for Gv in np.unique(pG[on_ring]):  # (both rounds priced in one call per ring size)
-            sel = (pG == Gv) & on_ring
-            p_t0[sel], p_tr[sel] = cost.ring_round_compute(pL[sel], int(Gv))
-        g_t0 = np.bincount(pg, weights=p_t0, minlength=ng)[is_ring]
-        g_tr = np.bincount(pg, weights=p_tr, minlength=ng)[is_ring]
-        comm_round = np.asarray(cost.p2p_time(cost.ring_round_bytes(g_len[is_ring] / Gr), "intra"), dtype=np.float64)
-        comm_round = np.array(comm_round, dtype=np.float64, copy=True).reshape(-1)
-        ring_ids = np.flatnonzero(is_ring)
-        for k, gi in enumerate(ring_ids):
-            if groups[gi].tier == "inter" and int(gi) in inter_round:
-                comm_round[k] = inter_round[int(gi)]
-        t_att[is_ring] = g_t0 + (Gr - 1) * g_tr
-        g_ex = None
-        if cost.window_mix is not None:  # windowed layers: a ring posts only the exchanges its window needs
-            p_ex = np.zeros(len(pL))
-            for Gv in np.unique(pG[on_ring]):
-                sel = (pG == Gv) & on_ring
-                p_ex[sel] = cost.ring_exchanges(pL[sel], int(Gv))
-            g_ex_all = np.zeros(ng)
-            np.maximum.at(g_ex_all, pg, p_ex)
-            g_ex = g_ex_all[is_ring]
-        t_comm[is_ring] = comm_round * ((Gr - 1) if g_ex is None else g_ex)
-        for Gv in np.unique(Gr):
-            sel = Gr == Gv
-            t_exp[ring_ids[sel]] = cost.ring_round_exposure(comm_round[sel], g_t0[sel], g_tr[sel], int(Gv),
-                                                            None if g_ex is None else g_ex[sel])
-        for gi, t in nic_floor.items():  # a ring is no faster than the busiest NIC side it crosses
-            if is_ring[gi]:
-                t_exp[gi] = max(t_exp[gi], t - t_att[gi])
-    is_uly = np.fromiter((k == "ulysses" for k in kind), dtype=bool, count=ng) & ~is_local
-    if is_uly.any() and len(pls):
-        # head shards: whole sequences on 1/G of the heads (CostModel.ulysses_attn_time)
-        t_att[is_uly] = _group_sum(pg, pL, G, is_uly, cost.ulysses_attn_time)[is_uly]
-    for gi in np.flatnonzero(~is_local & ~is_ring):
-        g = groups[gi]
-        Gi = G[gi]
-        if g.kind == "allgather":
-            t_att[gi] = g_att[gi] / Gi
-            t_comm[gi] = t_exp[gi] = float(cost.allgather_kv_time(g_len[gi] / Gi, int(Gi), cost.tier_link(g.tier)))
-        else:  # ulysses
-            t_comm[gi] = t_exp[gi] = float(cost.ulysses_comm_time(g_len[gi] / Gi, int(Gi), cost.tier_link(g.tier)))
+    t_att[ga.is_local] = ga.g_att[ga.is_local]
+    if ga.is_ring.any():
+        _ring_terms(cost, mb, ga, inter_round, nic_floor, t_att, t_comm, t_exp)
+    _collective_terms(cost, mb, ga, t_att, t_comm, t_exp)
     for a in (t_att, t_comm, t_exp):
-        a[~g_has] = 0.0
+        a[~ga.g_has] = 0.0
     # ---- scatter group terms to their units
     gu = np.fromiter((u for g in groups for u in g.units), dtype=np.int64)
-    gi_rep = np.repeat(np.arange(ng), G.astype(np.int64))
+    gi_rep = np.repeat(np.arange(ng), ga.G.astype(np.int64))
     attn = layers * np.bincount(gu, weights=t_att[gi_rep], minlength=n)
     comm = layers * np.bincount(gu, weights=t_comm[gi_rep], minlength=n)
-    exposed = layers * _attention_exposure(n, gu, gi_rep, t_att, t_exp, is_ring)
+    exposed = layers * _attention_exposure(n, gu, gi_rep, t_att, t_exp, ga.is_ring)
     # ---- linear modules, TP, remap
-    if mb.linear_layout is None:
-        lin_held = held.copy()
-    else:
-        lin_held = np.array([sum(e - s for _, s, e in segs) for segs in mb.linear_layout], dtype=np.float64)
-    head = np.asarray(cost.head_time(lin_held), dtype=np.float64)
-    lin = layers * cost.linear_time(lin_held) + head
-    links: list = [g.units for g in groups if len(g.units) > 1]
-    if ctx.tp > 1:
-        t_tp = layers * cost.tp_exposed_comm(lin_held)
-        comm = comm + t_tp
-        exposed = exposed + t_tp
-    if mb.linear_layout is not None:
-        att_sets: list[dict[int, list[tuple[int, int]]]] = [defaultdict(list) for _ in range(n)]
-        for p in pls:
-            units = groups[p.group].units
-            for pos, rs in enumerate(p.ranges):
-                for s, e in rs:
-                    if e > s:
-                        att_sets[units[pos]][p.seq].append((s, e))
-        seq_units: dict[int, set[int]] = defaultdict(set)
-        for p in pls:
-            for pos, rs in enumerate(p.ranges):
-                if any(e > s for s, e in rs):
-                    seq_units[p.seq].add(groups[p.group].units[pos])
-        t_remap = layers * _remap_times(ctx, mb.linear_layout, att_sets, seq_units, links)
-        comm = comm + t_remap
-        exposed = exposed + t_remap
-    lin = np.asarray(lin, dtype=np.float64)
+    lin_held, head, lin, comm, exposed, links = _linear_terms(ctx, mb, held, comm, exposed)
     # coupling: partners meet every layer, so per layer a unit waits for its component's slowest
     # member (the LM head runs once per micro-batch, after the last layer, on each unit's own tokens)
     labels = coupled_components(n, links)
@@ -537,6 +599,83 @@ def _replica_ring_sharers(ctx: PlanContext, reps, mb: MicroBatch, has: set[int])
     return {gi: max(max(tx[a], rx[b]) for a, b in hs) for gi, hs in hops.items()}
 
 
+class _ReplicaTotals:
+    """Per unit, what a replica step's micro-batches add up (:func:`predict_replicas`)."""
+
+    def __init__(self, n: int):
+        self.attn, self.lin, self.tokens = np.zeros(n), np.zeros(n), np.zeros(n, dtype=np.int64)
+        self.mem_tok = np.zeros(n)
+        self.tpc = np.zeros(n)
+        self.ring_comm, self.ring_exp = np.zeros(n), np.zeros(n)
+        self.period = np.zeros(n)
+
+
+def _replica_groups(ctx: PlanContext, step: StepPlan, mb: MicroBatch, cms: dict, tot: _ReplicaTotals,
+                    held: np.ndarray, a_mb: np.ndarray, e_mb: np.ndarray) -> list:
+    """Adds the attention of a micro-batch's groups over replica units (whole sequences on one
+    replica, zigzag rings over replicas of one TP degree); returns the rings' unit sets."""
+    reps = step.replicas
+    layers = ctx.model.num_layers
+    attn = tot.attn
+    by_group: dict[int, list] = defaultdict(list)
+    for p in mb.placements:
+        by_group[p.group].append(p)
+    sharers = _replica_ring_sharers(ctx, reps, mb, set(by_group))
+    links = []
+    for gi, pls in by_group.items():
+        g = mb.groups[gi]
+        Ls = np.array([float(p.padded_length or step.sequences[p.seq].length) for p in pls])
+        if g.kind == "local" and len(g.units) == 1:
+            u = g.units[0]
+            for x in Ls:
+                a_mb[u] += layers * float(cms[reps[u].tp].attn_time(x))
+                attn[u] += layers * float(cms[reps[u].tp].attn_time(x))
+                held[u] += x
+            continue
+        tps = {reps[u].tp for u in g.units}
+        if g.kind != "ring" or len(tps) != 1:
+            raise PlanningError("hydraulis: internal error: replica plans hold whole sequences or zigzag "
+                                "rings over replicas of one TP degree only")
+        cm, G = cms[tps.pop()], len(g.units)
+        t0, tr = cm.ring_round_compute(Ls, G)
+        g_t0, g_tr = float(np.sum(t0)), float(np.sum(tr))
+        comm = float(cm.p2p_time(cm.ring_round_bytes(float(Ls.sum()) / G), cm.tier_link(g.tier),
+                                 sharers.get(gi, 1)))
+        exp = float(cm.ring_round_exposure(comm, g_t0, g_tr, G))
+        for pos, u in enumerate(g.units):
+            a_mb[u] += layers * (g_t0 + (G - 1) * g_tr)
+            attn[u] += layers * (g_t0 + (G - 1) * g_tr)
+            e_mb[u] += layers * exp
+            tot.ring_comm[u] += layers * comm * (G - 1)
+            held[u] += sum(e - s for p in pls for s, e in p.ranges[pos])
+        links.append(g.units)
+    return links
+
+
+def _replica_microbatch(ctx: PlanContext, step: StepPlan, mb: MicroBatch, cms: dict, tot: _ReplicaTotals) -> None:
+    """Adds one micro-batch of a replica step to ``tot``."""
+    reps = step.replicas
+    n = len(reps)
+    layers = ctx.model.num_layers
+    held = np.zeros(n)
+    a_mb, e_mb = np.zeros(n), np.zeros(n)
+    links = _replica_groups(ctx, step, mb, cms, tot, held, a_mb, e_mb)
+    lin_mb, head_mb, tp_mb = np.zeros(n), np.zeros(n), np.zeros(n)
+    for u in range(n):
+        cm = cms[reps[u].tp]
+        head_mb[u] = float(cm.head_time(held[u]))
+        lin_mb[u] = float(layers * cm.linear_time(held[u]) + cm.head_time(held[u]))
+        tp_mb[u] = float(cm.model.num_layers * cm.tp_exposed_comm(held[u])) if cm.tp > 1 else 0.0
+    tot.ring_exp += e_mb
+    tot.lin += lin_mb
+    tot.tpc += tp_mb
+    # ring members meet every layer: each waits for the slowest of its ring(s)
+    labels = coupled_components(n, links)
+    tot.period += component_max(labels, a_mb + e_mb + lin_mb - head_mb + tp_mb) + head_mb
+    tot.tokens += held.astype(np.int64)
+    tot.mem_tok = np.maximum(tot.mem_tok, held)
+
+
 def predict_replicas(ctx: PlanContext, step: StepPlan) -> Prediction:
     """Analytic prediction of a step whose units are replicas of different TP degrees: whole
     sequences on one replica, or zigzag rings over replicas of one degree (Hydraulis' CP replicas),
@@ -545,64 +684,14 @@ def predict_replicas(ctx: PlanContext, step: StepPlan) -> Prediction:
     reps = step.replicas
     cms = {t: ctx.cost_for(t) for t in sorted({r.tp for r in reps})}
     n = len(reps)
-    layers = ctx.model.num_layers
-    attn, lin, tokens, mem_tok = np.zeros(n), np.zeros(n), np.zeros(n, dtype=np.int64), np.zeros(n)
-    tpc = np.zeros(n)
-    ring_comm, ring_exp = np.zeros(n), np.zeros(n)
-    period = np.zeros(n)
+    tot = _ReplicaTotals(n)
     for mb in step.microbatches:
-        held = np.zeros(n)
-        a_mb, e_mb = np.zeros(n), np.zeros(n)
-        by_group: dict[int, list] = defaultdict(list)
-        for p in mb.placements:
-            by_group[p.group].append(p)
-        sharers = _replica_ring_sharers(ctx, reps, mb, set(by_group))
-        links = []
-        for gi, pls in by_group.items():
-            g = mb.groups[gi]
-            Ls = np.array([float(p.padded_length or step.sequences[p.seq].length) for p in pls])
-            if g.kind == "local" and len(g.units) == 1:
-                u = g.units[0]
-                for x in Ls:
-                    a_mb[u] += layers * float(cms[reps[u].tp].attn_time(x))
-                    attn[u] += layers * float(cms[reps[u].tp].attn_time(x))
-                    held[u] += x
-                continue
-            tps = {reps[u].tp for u in g.units}
-            if g.kind != "ring" or len(tps) != 1:
-                raise PlanningError("hydraulis: internal error: replica plans hold whole sequences or zigzag "
-                                    "rings over replicas of one TP degree only")
-            cm, G = cms[tps.pop()], len(g.units)
-            t0, tr = cm.ring_round_compute(Ls, G)
-            g_t0, g_tr = float(np.sum(t0)), float(np.sum(tr))
-            comm = float(cm.p2p_time(cm.ring_round_bytes(float(Ls.sum()) / G), cm.tier_link(g.tier),
-                                     sharers.get(gi, 1)))
-            exp = float(cm.ring_round_exposure(comm, g_t0, g_tr, G))
-            for pos, u in enumerate(g.units):
-                a_mb[u] += layers * (g_t0 + (G - 1) * g_tr)
-                attn[u] += layers * (g_t0 + (G - 1) * g_tr)
-                e_mb[u] += layers * exp
-                ring_comm[u] += layers * comm * (G - 1)
-                held[u] += sum(e - s for p in pls for s, e in p.ranges[pos])
-            links.append(g.units)
-        lin_mb, head_mb, tp_mb = np.zeros(n), np.zeros(n), np.zeros(n)
-        for u in range(n):
-            cm = cms[reps[u].tp]
-            head_mb[u] = float(cm.head_time(held[u]))
-            lin_mb[u] = float(layers * cm.linear_time(held[u]) + cm.head_time(held[u]))
-            tp_mb[u] = float(cm.model.num_layers * cm.tp_exposed_comm(held[u])) if cm.tp > 1 else 0.0
-        ring_exp += e_mb
-        lin += lin_mb
-        tpc += tp_mb
-        # ring members meet every layer: each waits for the slowest of its ring(s)
-        labels = coupled_components(n, links)
-        period += component_max(labels, a_mb + e_mb + lin_mb - head_mb + tp_mb) + head_mb
-        tokens += held.astype(np.int64)
-        mem_tok = np.maximum(mem_tok, held)
+        _replica_microbatch(ctx, step, mb, cms, tot)
+    attn, lin, tokens, mem_tok, period = tot.attn, tot.lin, tot.tokens, tot.mem_tok, tot.period
     ar = np.array([cms[r.tp].step_collectives_time(len(step.microbatches), n) for r in reps])
     rings = any(g.kind == "ring" for mb in step.microbatches for g in mb.groups)
-    comm = ar + tpc + ring_comm
-    exposed = ar + tpc + ring_exp
+    comm = ar + tot.tpc + tot.ring_comm
+    exposed = ar + tot.tpc + tot.ring_exp
     total = attn + lin + exposed
     lengths = np.array([s.length for s in step.sequences], dtype=np.float64)
     # bounds for the best TP degree used (a larger degree shortens the longest sequence)

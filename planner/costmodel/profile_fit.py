@@ -213,8 +213,7 @@ def tp_layer_fits(G: int, rows: dict, model: str, dtype: str, report: dict | Non
             return None
         f, rep = poly_fit_record([T for T, _ in pts], [s for _, s in pts], 2, keep_points=True)
         if report is not None:
-            report[f"tp{G}_{part}"] = {"coeffs": rep.coeffs, "rel_errors": rep.rel_errors,
-                                       "median": rep.median, "worst": rep.worst}
+            report[f"tp{G}_{part}"] = _fit_entry(rep)
         return f
 
     lin = fit("compute")
@@ -224,32 +223,30 @@ def tp_layer_fits(G: int, rows: dict, model: str, dtype: str, report: dict | Non
     return ModelFits(model=model, dtype=dtype, tp=G, linear=lin, linear_tp_comm=comm)
 
 
-def build_profile(raw: dict, model, cluster_name: str = "") -> tuple["CostProfile", dict]:
-    """Turn raw measurements from ``zeppelin.runtime.profiler`` into a fitted :class:`CostProfile`.
+def _fit_entry(rep: FitReport) -> dict:
+    """A fit's line of the profile report: coefficients and per-point relative errors."""
+    return {"coeffs": rep.coeffs, "rel_errors": rep.rel_errors, "median": rep.median, "worst": rep.worst}
 
-    Returns the profile and a report with every fit's per-point relative error.
-    """
-    import datetime as _dt
-    import platform
 
-    from zeppelin.planner.costmodel.cost import CostModel
-    from zeppelin.schemas.profile import CostProfile, KernelEfficiency, ModelFits, ProfileSource
-
-    report: dict = {}
+def _kernel_fits(raw: dict, report: dict):
+    """The attention, linear and attention-block fits: ``(attention, linear, block or None)``."""
     att_fit, att_rep = poly_fit_record(raw["attention_lengths"], raw["attention_s"], 2, keep_points=True)
     lin_fit, lin_rep = poly_fit_record(raw["linear_tokens"], raw["linear_s"], 2, keep_points=True)
-    report["attention"] = dict(coeffs=att_rep.coeffs, rel_errors=att_rep.rel_errors, median=att_rep.median,
-                               worst=att_rep.worst)
-    report["linear"] = dict(coeffs=lin_rep.coeffs, rel_errors=lin_rep.rel_errors, median=lin_rep.median,
-                            worst=lin_rep.worst)
+    report["attention"] = _fit_entry(att_rep)
+    report["linear"] = _fit_entry(lin_rep)
     block_fit = None
     if raw.get("attention_block_s"):  # off-diagonal ring blocks, every key visible
         block_fit, block_rep = poly_fit_record(raw["attention_block_sizes"], raw["attention_block_s"], 2,
                                                keep_points=True)
-        report["attention_block"] = {"coeffs": block_rep.coeffs, "rel_errors": block_rep.rel_errors,
-                                     "median": block_rep.median, "worst": block_rep.worst}
+        report["attention_block"] = _fit_entry(block_rep)
     if raw.get("attention_pack_counts"):  # short sequences were timed in packs (per-sequence times)
         report["attention"]["pack_counts"] = [int(x) for x in raw["attention_pack_counts"]]
+    return att_fit, lin_fit, block_fit
+
+
+def _ring_fits(raw: dict, report: dict) -> tuple[dict[str, dict[str, PolyFit]], dict[str, float]]:
+    """Per ring size: the fits of the ring with real (``total``) and short-circuited (``compute``)
+    exchanges, and the exchanges' cost per round beyond compute."""
     ring_fits: dict[str, dict[str, PolyFit]] = {"total": {}, "compute": {}}
     ring_sync: dict[str, float] = {}
     for G, rows in sorted((raw.get("ring_attention_s") or {}).items(), key=lambda kv: int(kv[0])):
@@ -263,8 +260,13 @@ def build_profile(raw: dict, model, cluster_name: str = "") -> tuple["CostProfil
                 continue
             fit, rep = poly_fit_record([L for L, _ in pts], [s for _, s in pts], 2, keep_points=True)
             ring_fits[part][str(G)] = fit
-            report[f"ring_{part}_{G}"] = {"coeffs": rep.coeffs, "rel_errors": rep.rel_errors,
-                                          "median": rep.median, "worst": rep.worst}
+            report[f"ring_{part}_{G}"] = _fit_entry(rep)
+    return ring_fits, ring_sync
+
+
+def _step_fits(raw: dict, model, report: dict):
+    """What runs once per step or model: the TP degrees' layer fits, the head fit, the optimizer
+    step and the gradient all-reduces: ``(tp fits, head or None, optimizer s, params, all-reduce)``."""
     tp_fits = []
     for G, rows in sorted((raw.get("tp_linear_s") or {}).items(), key=lambda kv: int(kv[0])):
         tp_fit = tp_layer_fits(int(G), rows, raw["model"], raw["dtype"], report)
@@ -273,8 +275,7 @@ def build_profile(raw: dict, model, cluster_name: str = "") -> tuple["CostProfil
     head_fit = None
     if raw.get("head_s"):  # embedding + final norm + LM head + loss, once per model
         head_fit, head_rep = poly_fit_record(raw["linear_tokens"], raw["head_s"], 2, keep_points=True)
-        report["head"] = dict(coeffs=head_rep.coeffs, rel_errors=head_rep.rel_errors, median=head_rep.median,
-                              worst=head_rep.worst)
+        report["head"] = _fit_entry(head_rep)
     opt_s = raw.get("optimizer_s")
     nparams = raw.get("num_params") or model.num_params()
     if opt_s is not None:
@@ -282,8 +283,13 @@ def build_profile(raw: dict, model, cluster_name: str = "") -> tuple["CostProfil
     ar = {str(k): float(v) for k, v in (raw.get("grad_allreduce_s") or {}).items() if v and v > 0}
     if ar:
         report["grad_allreduce"] = ar
+    return tp_fits, head_fit, opt_s, nparams, ar
 
-    # efficiency curves, so that models other than the profiled one can be planned too
+
+def _rate_curves(raw: dict, model, report: dict) -> tuple[float, float, float, float]:
+    """Efficiency curves, so that models other than the profiled one can be planned too:
+    ``(linear FLOP/s, its n_half, attention FLOP/s, its n_half)``."""
+    from zeppelin.planner.costmodel.cost import CostModel
     from zeppelin.schemas.cluster import cluster_preset
 
     probe = CostModel(cluster_preset("local-cpu"), model)
@@ -292,7 +298,11 @@ def build_profile(raw: dict, model, cluster_name: str = "") -> tuple["CostProfil
     R_lin, h_lin = _eff_curve(raw["linear_tokens"], lin_flops / np.asarray(raw["linear_s"]))
     R_att, h_att = _eff_curve(raw["attention_lengths"], att_flops / np.asarray(raw["attention_s"]))
     report["rates"] = dict(linear_flops=R_lin, linear_n_half=h_lin, attention_flops=R_att, attention_n_half=h_att)
+    return R_lin, h_lin, R_att, h_att
 
+
+def _link_fits(raw: dict, report: dict) -> tuple[dict[str, LinkCost], dict[str, float]]:
+    """Per link class its alpha-beta fit, and the all-to-all efficiency per group size."""
     links = {}
     for cls, ts in (raw.get("p2p_s") or {}).items():
         try:
@@ -314,6 +324,11 @@ def build_profile(raw: dict, model, cluster_name: str = "") -> tuple["CostProfil
         if lk and t > 0:
             achieved = nb * (g - 1) / g / t / 1e9
             eff[G] = float(min(1.0, achieved / lk.bandwidth_GBps))
+    return links, eff
+
+
+def _exchange_fits(raw: dict, report: dict):
+    """The remap exchange's fit and what FSDP2 adds per micro-batch: ``(remap or None, fsdp)``."""
     remap_ex = remap_exchange_fit(raw.get("remap_exchange_s"))
     if remap_ex is not None:
         report["remap_exchange"] = {"seconds": remap_ex[0], "seconds_per_byte": remap_ex[1],
@@ -321,6 +336,26 @@ def build_profile(raw: dict, model, cluster_name: str = "") -> tuple["CostProfil
     fsdp_mb = {str(k): float(v) for k, v in (raw.get("fsdp_microbatch_s") or {}).items() if v is not None and v >= 0}
     if fsdp_mb:
         report["fsdp_microbatch_s"] = fsdp_mb
+    return remap_ex, fsdp_mb
+
+
+def build_profile(raw: dict, model, cluster_name: str = "") -> tuple["CostProfile", dict]:
+    """Turn raw measurements from ``zeppelin.runtime.profiler`` into a fitted :class:`CostProfile`.
+
+    Returns the profile and a report with every fit's per-point relative error.
+    """
+    import datetime as _dt
+    import platform
+
+    from zeppelin.schemas.profile import CostProfile, KernelEfficiency, ModelFits, ProfileSource
+
+    report: dict = {}
+    att_fit, lin_fit, block_fit = _kernel_fits(raw, report)
+    ring_fits, ring_sync = _ring_fits(raw, report)
+    tp_fits, head_fit, opt_s, nparams, ar = _step_fits(raw, model, report)
+    R_lin, h_lin, R_att, h_att = _rate_curves(raw, model, report)
+    links, eff = _link_fits(raw, report)
+    remap_ex, fsdp_mb = _exchange_fits(raw, report)
     share = raw.get("concurrent_inter_ratio")
     topo = raw.get("topology", {})
     prof = CostProfile(

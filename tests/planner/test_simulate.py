@@ -431,7 +431,7 @@ def test_vectorised_max_min_rates_match_the_loop(monkeypatch):
     """Large contended flow sets take the numpy path; it must give the loop's max-min rates."""
     import random
 
-    import zeppelin.planner.sim.simulate as S
+    import zeppelin.planner.sim.engine as S
 
     rng = random.Random(3)
     cap = {f"r{i}": rng.choice([1e9, 2e9, 5e9, 2.5e10]) for i in range(12)}

@@ -1,0 +1,173 @@
+"""Memory costs of the analytic cost model: what one GPU holds at its peak, by component
+(parameters, gradients, optimizer state, whole weights, activations and recomputation), and the
+tokens it can hold. A mixin of :class:`~zeppelin.planner.costmodel.cost.CostModel`.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+import numpy as np
+
+from zeppelin.planner.costmodel.compute import as_array
+
+
+class MemoryCosts:
+    """Peak bytes per GPU by component (see :mod:`zeppelin.planner.costmodel.cost`)."""
+
+    # What one rank holds at its peak (the start of the backward), by component, as the runtime
+    # allocates it (docs/RUNTIME.md, "Memory model"). ``c``: bytes of a compute-dtype element;
+    # master weights, gradients and AdamW moments are fp32 whatever ``c`` is.
+    MEMORY_COMPONENTS = ("params", "grads", "optimizer", "unsharded", "activations", "recompute")
+
+    @property
+    def compute_bytes(self) -> int:
+        return self.model.dtype_bytes
+
+    @cached_property
+    def _hf_modules(self) -> bool:
+        """Hugging Face decoders (``remap_payload: qkv``) have their own norm and rotary forms."""
+        return self.model.remap_payload == "qkv"
+
+    def norm_bytes_per_token(self) -> float:
+        """What autograd keeps of one RMSNorm per token: the fp32 input (the input itself in
+        fp32) and its inverse RMS; the runtime's norm keeps the fp32 normalised rows and its
+        compute-dtype output, a Hugging Face norm the normalised rows cast back to ``c`` and
+        its output: ``(8 + c) h + 4`` / ``(4 + 2c) h + 4``."""
+        h, c = self.model.hidden, self.compute_bytes
+        return ((4 + 2 * c) if self._hf_modules else (8 + c)) * h + 4.0
+
+    def layer_activation_parts(self) -> dict[str, float]:
+        """Bytes autograd keeps per token of one decoder layer without recomputation, by part:
+
+        * ``norms``: two RMSNorms (:meth:`norm_bytes_per_token`);
+        * ``attention``: rotated Q and K, V and the attention output in ``c``, the fp32
+          log-sum-exp per head: ``c (2 h + 2 g d) + 4 heads`` (no L^2 term: the kernels are
+          flash-style);
+        * ``mlp``: SwiGLU keeps gate, its SiLU, up and their product ``4 c f``; GELU ``2 c f``.
+
+        The residual stream, RoPE rotations by constant tables and the casts keep nothing."""
+        m, c = self.model, self.compute_bytes
+        mlp = (4 if m.mlp == "swiglu" else 2) * c * m.mlp_ffn_params(active=True)
+        if m.is_moe:  # the router's fp32 logits and probabilities, the token's copy per expert it runs
+            mlp += 8 * m.num_experts + c * m.hidden * m.experts_per_token
+        attn = c * (2 * m.q_dim + 2 * m.kv_dim) + 4.0 * m.num_heads
+        if m.qk_norm:  # the normed queries and keys beside their inputs
+            attn += c * (m.q_dim + m.kv_dim)
+        parts = {"norms": 2 * self.norm_bytes_per_token(), "attention": attn, "mlp": float(mlp)}
+        measured = self.profile.activation_bytes_per_token_layer
+        if measured:  # a whole-layer figure: keep the analytic split
+            scale = measured / sum(parts.values())
+            parts = {k: v * scale for k, v in parts.items()}
+        return parts
+
+    def head_activation_bytes(self) -> float:
+        """Per token, once per model: the final norm, the fp32 log-softmax of the logits
+        (``4 V``), token ids and labels (int64) and the rotary tables (fp32 cos/sin of ``d/2``
+        each; Hugging Face: ``c`` of ``d`` each)."""
+        m, c = self.model, self.compute_bytes
+        rope = 2 * c * m.head_dim if self._hf_modules else 4.0 * m.head_dim
+        return self.norm_bytes_per_token() + 4.0 * m.vocab_size + 16.0 + rope
+
+    @cached_property
+    def activation_split(self) -> tuple[float, float]:
+        """Bytes per token held (``activations``, ``recompute``) for this recompute mode:
+
+        * ``none``: every layer's parts and the head;
+        * ``selective`` (each MLP recomputed): every layer without its MLP (the MLP's input
+          stays: checkpoint keeps it), the head; in the backward one MLP's parts again;
+        * ``full`` (each block recomputed): each block's input ``c h`` and the head; in the
+          backward one layer's parts, less its fp32 input where that is the block input itself.
+
+        A profile that measured this model's figures (``fits.activation_memory``) replaces them."""
+        f = self._fits
+        got = f.activation_memory.get(self.recompute) if f is not None else None
+        if got is not None:
+            return got.activations, got.recompute
+        m, c = self.model, self.compute_bytes
+        parts = self.layer_activation_parts()
+        layer = sum(parts.values())
+        head = self.head_activation_bytes()
+        L, tp = m.num_layers, self.tp
+        if self.recompute == "none":
+            act, rec = L * layer + head, 0.0
+        elif self.recompute == "selective":
+            act, rec = L * (layer - parts["mlp"]) + head, parts["mlp"]
+        elif self.recompute == "full":
+            act, rec = L * c * m.hidden + head, layer - (4.0 * m.hidden if c == 4 else 0.0)
+        else:
+            raise ValueError(f"unknown recompute mode {self.recompute!r} (none, selective, full)")
+        return act / tp, rec / tp
+
+    @cached_property
+    def activation_bytes_per_token(self) -> float:
+        """Activation memory per token held, all layers: what the forward keeps plus what one
+        recomputation holds in the backward (:attr:`activation_split`)."""
+        act, rec = self.activation_split
+        return act + rec
+
+    def model_state_components(self, dp: int | None = None) -> dict[str, float]:
+        """Parameter, gradient, optimizer and whole-parameter bytes per GPU by ZeRO stage
+        (``P`` parameters of this GPU's TP share, ``N``-way data parallel), as the runtime's
+        FSDP2 holds them (docs/RUNTIME.md, "ZeRO stages"):
+
+        * ZeRO-0 (``--dp replicate``): fp32 weights ``4 P``, gradients ``4 P``, Adam moments
+          ``8 P`` whole; ``unsharded``: in a compute dtype narrower than fp32, the casts of the
+          weight matrices the forward keeps (none inside recomputed modules);
+        * ZeRO-1, 2 and 3: ``4 P / N``, ``4 P / N``, ``8 P / N``. FSDP reduce-scatters each
+          block's gradient as soon as the backward has produced it, so ZeRO-1 runs with
+          ZeRO-2's holdings and is charged exactly those;
+        * ``unsharded`` (ZeRO-1/2): every whole compute-dtype weight ``c P``, kept between
+          forward and backward; ZeRO-3: the root module (embedding, head, final norm: FSDP does
+          not re-shard the root after forward) and two blocks (the one in its backward and the
+          one prefetched). Both: the whole gradients not yet reduce-scattered at the peak, the
+          LM head's (from the start of the backward) and one block's, in ``c``.
+        """
+        dp = dp or self.num_units
+        m, tp = self.model, self.tp
+        P = m.num_params() / tp
+        c = self.compute_bytes
+        block = m.params_per_layer() / tp
+        root = (m.num_params() - m.num_layers * m.params_per_layer()) / tp
+        out = (m.vocab_size * m.hidden + m.hidden) / tp        # LM head (or tied embedding) + final norm
+        if self.zero_stage == 0:
+            copies = 0.0
+            if c < 4:
+                h, kv, f = m.hidden, m.kv_dim, m.ffn_hidden
+                attn_w = h * (h + 2 * kv) + h * h
+                mlp_w = (3 if m.mlp == "swiglu" else 2) * h * f
+                kept = {"none": attn_w + mlp_w, "selective": attn_w, "full": 0}[self.recompute]
+                copies = c * (m.num_layers * kept + m.vocab_size * h) / tp
+            return {"params": 4.0 * P, "grads": 4.0 * P, "optimizer": 8.0 * P, "unsharded": copies}
+        pending = c * (out + block)
+        whole = c * P if self.zero_stage in (1, 2) else c * (root + 2 * block)
+        return {"params": 4.0 * P / dp, "grads": 4.0 * P / dp, "optimizer": 8.0 * P / dp,
+                "unsharded": whole + pending}
+
+    def model_state_bytes(self, dp: int | None = None) -> float:
+        """Everything but the activations: :meth:`model_state_components` summed."""
+        return float(sum(self.model_state_components(dp).values()))
+
+    def memory_components(self, tokens_held) -> dict[str, np.ndarray]:
+        """Predicted peak bytes of one GPU holding ``tokens_held`` tokens, by component (the
+        names the runtime's metrics measure: ``MEMORY_COMPONENTS``)."""
+        T = as_array(tokens_held)
+        act, rec = self.activation_split
+        out = {k: np.full_like(T, v) for k, v in self.model_state_components().items()}
+        out["activations"] = T * act
+        out["recompute"] = np.where(T > 0, T * rec, 0.0)
+        return out
+
+    @cached_property
+    def gpu_capacity_bytes(self) -> float:
+        return (self.cluster.gpu.memory_gb - self.profile.memory_reserved_gb) * 1e9
+
+    @cached_property
+    def token_capacity(self) -> int:
+        """Tokens one GPU (unit member) can hold for activations after model states."""
+        free = self.gpu_capacity_bytes - self.model_state_bytes()
+        return max(int(free / self.activation_bytes_per_token), 0)
+
+    def memory_bytes(self, tokens_held) -> np.ndarray:
+        """Predicted peak bytes of one GPU holding ``tokens_held`` tokens (all components)."""
+        return self.model_state_bytes() + as_array(tokens_held) * self.activation_bytes_per_token
