@@ -415,11 +415,11 @@ def run_check(directory: str | os.PathLike, update: bool = False, workers: int =
 DEFAULT_TOLERANCE = 0.01
 
 
-def check_case_flags(target: Path, unsupported: dict[str, Any], inputs: list) -> None:
-    """Refuse ``--save-case`` with a flag a check case cannot hold, or a target that is not DIR/NAME."""
+def check_case_flags(target: Path, given: list[str], inputs: list) -> None:
+    """Refuse ``--save-case`` with flags a check case cannot hold (``given``), or a target that is not
+    DIR/NAME."""
     from zeppelin.planner.core.inputs import check_path_writable
 
-    given = [flag for flag, value in unsupported.items() if value]
     if given:
         raise InputError(f"--save-case: a check case holds cluster, model, manifest, planner and its options, "
                          f"steps, seed, tokens per step, max sequence length and tp; drop {', '.join(given)}")
