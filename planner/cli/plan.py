@@ -50,8 +50,8 @@ def options_listing(planners: dict) -> str:
         for s in specs:
             allowed = f" {s.allowed};" if s.allowed else ""
             out.append(f"  {s.name} ({s.type_name};{allowed} default {s.default_text}): {s.help}\n")
-    out.append("Set them in a check case's \"options\", with `zeppelin plan --option NAME=VALUE`, or as keyword "
-               "arguments of get_planner(NAME, ...).\n")
+    out.append("Set them in a check case's \"options\", with `zeppelin plan --option NAME=VALUE` (compare and demo: "
+               "-O PLANNER.NAME=VALUE), or as keyword arguments of get_planner(NAME, ...).\n")
     return "".join(out)
 
 

@@ -284,8 +284,10 @@ def _stage_plan(ctx: DemoContext) -> None:
     doc["verdict"] = verdict(doc, pctx, steps, baseline=ctx.baseline)
     for line in verdict_lines(doc["verdict"]):
         con.print(line, highlight=False, markup=False)
-    con.print(f"te-cp's CP size is set by the longest allowed sequence, {pctx.max_seq_len:,} tokens, as "
-              f"TransformerEngine jobs run; planner names and terms: docs/CONCEPTS.md", highlight=False)
+    te_cp = next((r for r in doc["verdict"].get("rows", []) if r["baseline"] == "te-cp"), None)
+    if te_cp is not None and "cp" not in te_cp["options"]:  # (-O te-cp.cp=N sets it)
+        con.print(f"te-cp's CP size is set by the longest allowed sequence, {pctx.max_seq_len:,} tokens, as "
+                  f"TransformerEngine jobs run; planner names and terms: docs/CONCEPTS.md", highlight=False)
     if ctx.png is not None:
         _draw_picture(ctx, pctx, runs, doc)
 
