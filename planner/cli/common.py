@@ -68,4 +68,4 @@ def generated(command: str, **callbacks: Callable[..., Any]):
 
 
 # reading a manifest with the field flags (in planner.core, below the tools that read manifests too)
-from zeppelin.planner.core.inputs import load_dataset  # noqa: E402,F401
+from zeppelin.planner.core.inputs import load_dataset  # noqa: F401

@@ -11,7 +11,14 @@ import typer
 
 from zeppelin.planner.cli import common
 from zeppelin.planner.tools.config import CompareConfig
-from zeppelin.schemas.common import MAX_STEPS, MAX_WORKERS, InputError, atomic_write_text, check_int, same_file
+from zeppelin.schemas.common import (
+    MAX_STEPS,
+    MAX_WORKERS,
+    InputError,
+    atomic_write_text,
+    check_int,
+    same_file,
+)
 
 
 def _emit_json(doc: dict, output: Path | None) -> None:

@@ -30,7 +30,15 @@ from pydantic import BaseModel, ConfigDict, create_model
 from zeppelin.planner.core.options import PlannerOptions
 from zeppelin.planner.tools.demo import DEMO_STAGES
 from zeppelin.planner.zeppelin.options import ZeppelinOptions
-from zeppelin.schemas.common import MAX_SEED, MAX_STEPS, MAX_TOKENS, MAX_WORKERS, InputError, check_float, check_int
+from zeppelin.schemas.common import (
+    MAX_SEED,
+    MAX_STEPS,
+    MAX_TOKENS,
+    MAX_WORKERS,
+    InputError,
+    check_float,
+    check_int,
+)
 from zeppelin.schemas.plan import OVERFLOW_MODES, RECOMPUTE_MODES, ZERO_STAGES
 
 __all__ = ["COMMANDS", "PLANNING", "CompareConfig", "Config", "DemoConfig", "Flag", "PlanConfig", "SetsOption",

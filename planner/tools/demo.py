@@ -10,8 +10,9 @@ The stages share a :class:`DemoContext`; :func:`run_demo` runs the ones asked fo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 
 @dataclass
@@ -113,10 +114,10 @@ def _sampled_steps(ctx: DemoContext) -> list[dict[str, Any]]:
         total = float(work.sum())
         longest = int(L.max())
         need = min(int(np.ceil(longest / cap)), cm.num_units) if cap > 0 else cm.num_units
-        row = dict(step=i, seqs=int(L.size), tokens=int(L.sum()), longest=longest,
-                   attn_flop_share=attn / (attn + lin), top5_work_share=float(order[:top].sum() / total),
-                   longest_work_share=float(order[0] / total), gpus_to_hold_longest=need,
-                   ideal_step_s=total / cm.num_units, longest_alone_s=cm.best_time_of_sequence(longest, need))
+        row = {"step": i, "seqs": int(L.size), "tokens": int(L.sum()), "longest": longest,
+               "attn_flop_share": attn / (attn + lin), "top5_work_share": float(order[:top].sum() / total),
+               "longest_work_share": float(order[0] / total), "gpus_to_hold_longest": need,
+               "ideal_step_s": total / cm.num_units, "longest_alone_s": cm.best_time_of_sequence(longest, need)}
         rows.append(row)
         t.add_row(str(i), f"{row['seqs']:,}", fmt_tokens(row["tokens"]), fmt_tokens(longest),
                   f"{100 * row['attn_flop_share']:.1f}", f"{100 * row['top5_work_share']:.1f}",
@@ -328,7 +329,12 @@ DEMO_STAGES: dict[str, Callable[[DemoContext], None]] = {
 # ------------------------------------------------------------------ the whole demo
 def run_demo(cfg: Any) -> DemoContext:
     """The stages ``cfg`` (a ``DemoConfig``) asks for; their results are in the returned context."""
-    from zeppelin.planner.core.inputs import check_path_writable, resolve_cluster, resolve_model, resolve_profile
+    from zeppelin.planner.core.inputs import (
+        check_path_writable,
+        resolve_cluster,
+        resolve_model,
+        resolve_profile,
+    )
     from zeppelin.planner.tools.tables import console
     from zeppelin.schemas.common import InputError
 
@@ -358,9 +364,9 @@ def run_demo(cfg: Any) -> DemoContext:
                       cost=pctx.cost, dataset=ds, sampler=cfg.sampler(pctx), num_steps=cfg.steps, planners=names,
                       workers=cfg.workers, png=cfg.png, profile_given=cfg.profile is not None,
                       baseline=cfg.baseline, options=options)
-    for name in DEMO_STAGES:
+    for name, stage in DEMO_STAGES.items():
         if name in wanted:
-            DEMO_STAGES[name](ctx)
+            stage(ctx)
     return ctx
 
 

@@ -76,7 +76,7 @@ def test_each_planner_gets_the_options_its_own_options_class_declares(monkeypatc
     ("te-cp.cp=x", "planner 'te-cp': bad option (invalid literal for int() with base 10: 'x')"),
 ])
 def test_compare_refuses_a_bad_planner_option_in_one_line(option, message, capsys):
-    code, out, err = run_cli(["compare", *SMALL, "--planners", "te-cp,zeppelin", "-O", option], capsys)
+    code, _, err = run_cli(["compare", *SMALL, "--planners", "te-cp,zeppelin", "-O", option], capsys)
     assert (code, err) == (2, f"zeppelin: error: {message}\n")
 
 
@@ -114,5 +114,5 @@ def test_demo_takes_the_planning_flags(capsys):
     want = PlanContext(cl, resolve_model("tiny"), resolve_profile(None, cl), zero_stage=3, recompute="full")
     assert f"(ZeRO-3, 4-way DP): {want.cost.token_capacity:,} tokens" in out
     code, out, err = run_cli(["demo", *SMALL, "-O", "nope.x=1"], capsys)
-    assert (code, err) == (2, "zeppelin: error: --option nope.x: 'nope' is not among the demo's planners "
-                              "(zeppelin, te-cp, te-cp-tuned, ulysses, hybrid-dp, megatron-dcp, flexsp, hydraulis)\n")
+    assert (code, err) == (2, ("zeppelin: error: --option nope.x: 'nope' is not among the demo's planners "
+                               "(zeppelin, te-cp, te-cp-tuned, ulysses, hybrid-dp, megatron-dcp, flexsp, hydraulis)\n"))
