@@ -271,6 +271,14 @@ class InputHashes(Strict):
     manifest: str
 
 
+#: how a sample longer than ``--max-seq-len`` is handled (the first: the default)
+OVERFLOW_MODES = ("truncate", "reject", "skip")
+#: the activation recomputation a plan's memory model assumes and ``zeppelin run`` uses (the first: the default)
+RECOMPUTE_MODES = ("none", "selective", "full")
+#: the ZeRO stages of the memory model and of ``zeppelin run``'s sharding
+ZERO_STAGES = (0, 1, 2, 3)
+
+
 class ManifestRef(Strict):
     path: str = ""
     format: str = ""
@@ -294,7 +302,7 @@ class SamplerConfig(Strict):
     shuffle: bool = True
     seed: int = Field(default=0, ge=0, le=2**63 - 1)
     max_seq_len: int | None = Field(default=None, ge=1)
-    overflow: Literal["truncate", "reject", "skip"] = "truncate"
+    overflow: Literal[OVERFLOW_MODES] = "truncate"
     start_sample: int = Field(default=0, ge=0)
 
 
@@ -310,8 +318,8 @@ class PlanHeader(Doc):
     world_size: int = Field(ge=1, description="GPU ranks")
     tp: int = Field(default=1, ge=1, description="default tensor-parallel degree of a unit")
     tp_overlap: Literal["none", "slicing", "commfuse"] = "none"
-    zero_stage: int = Field(default=1, ge=0, le=3)
-    recompute: Literal["none", "selective", "full"] = Field(
+    zero_stage: int = Field(default=1, ge=ZERO_STAGES[0], le=ZERO_STAGES[-1])
+    recompute: Literal[RECOMPUTE_MODES] = Field(
         default="none", description="activation recomputation the memory model assumed (zeppelin run must match)")
     cluster: ClusterSpec
     model: ModelSpec

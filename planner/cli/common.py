@@ -1,23 +1,26 @@
 """The options every command shares: one name, one short form, one help text and one default.
 
-``plan``, ``compare``, ``demo``, ``simulate``, ``show`` and ``data stats`` build their shared options
-here, so that ``-m`` is the manifest and ``-c`` the cluster wherever they appear, and every command
-reading a manifest takes the same ``--length-field / --ids-field / --text-field / --tokenizer``.
-Spellings of an older release still work for one release: :func:`deprecated` prints one note on
-stderr naming the new spelling (the names are listed in :data:`DEPRECATED`).
+The flags of ``plan``, ``compare`` and ``demo`` are declared in :mod:`zeppelin.planner.tools.config`
+(the planning flags once, shared by the three). :func:`generated` makes a command's parameters from
+them, and :func:`option` one parameter of another command that takes a planning flag (``validate``,
+``data stats``, ``profile``), so that ``-m`` is the manifest and ``-c`` the cluster wherever they
+appear, and every command reading a manifest takes the same ``--length-field / --ids-field /
+--text-field / --tokenizer``. These two functions are the only places a planning flag becomes a
+typer option (``tests/cli/test_cli_surface.py`` enforces it). Spellings of an older release still
+work for one release: :func:`deprecated` prints one note on stderr naming the new spelling (the names
+are listed in :data:`DEPRECATED`).
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import typer
 
-#: the default token budget of a step, in every command: what the cluster's activation memory holds
-#: at once (per-GPU token capacity after model states x data-parallel units)
-TOKENS_HELP = ("token budget of a step (default: what the cluster's activation memory holds at once - a GPU's "
-               "token capacity after model states x the data-parallel units; docs/CONCEPTS.md)")
+from zeppelin.planner.tools.config import COMMANDS, Flag, default_tokens_per_step  # noqa: F401 (re-exported)
 
 #: old spelling -> (command, the spelling that replaces it); each prints one note and still works
 DEPRECATED = {
@@ -43,80 +46,25 @@ def deprecated(command: str, old: str) -> None:
           file=sys.stderr)
 
 
-def default_tokens_per_step(token_capacity: int, num_units: int) -> int:
-    """The one default token budget (:data:`TOKENS_HELP`)."""
-    return max(int(token_capacity) * int(num_units), 1)
+# ------------------------------------------------------------------ typer parameters from the declared flags
+def option(flag: Flag, callback: Callable[..., Any] | None = None) -> Any:
+    """The typer option of one declared flag (an eager flag acts in ``callback`` and passes no value)."""
+    if flag.eager:
+        return typer.Option(flag.default, *flag.flags, help=flag.help, is_eager=True, expose_value=False,
+                            callback=callback)
+    return typer.Option(flag.default, *flag.flags, help=flag.help, metavar=flag.metavar, hidden=flag.hidden)
 
 
-# ------------------------------------------------------------------ option factories
-def manifest_option(help_extra: str = "") -> Any:
-    return typer.Option(None, "--manifest", "-m",
-                        help="dataset manifest: file, directory, glob or *.manifest.json (default: the shipped "
-                             "sample)" + help_extra)
-
-
-def cluster_option(default: Any = ...) -> Any:
-    return typer.Option(default, "--cluster", "-c", help="cluster preset (zeppelin-a, zeppelin-a:4, local-cpu:2x2, "
-                                                         "...) or JSON file")
-
-
-def model_option(default: Any = ...) -> Any:
-    return typer.Option(default, "--model", help="model preset (llama-7b, tiny, ...) or JSON file")
-
-
-def profile_option() -> Any:
-    return typer.Option(None, "--profile", help="cost profile JSON from `zeppelin profile` (default: the preset "
-                                                "curves of the cluster's GPU)")
-
-
-def tokens_option() -> Any:
-    return typer.Option(None, "--tokens-per-step", help=TOKENS_HELP)
-
-
-def max_seq_len_option(default: Any = None) -> Any:
-    return typer.Option(default, "--max-seq-len", help="longest sequence to train on; longer samples are truncated "
-                                                       "(default: the longest sample)")
-
-
-def steps_option(default: int) -> Any:
-    return typer.Option(default, "--steps", help="number of steps to sample and plan")
-
-
-def seed_option() -> Any:
-    return typer.Option(0, "--seed", help="sampler (shuffle) seed")
-
-
-def time_limit_option() -> Any:
-    return typer.Option(None, "--time-limit",
-                        help="optional wall-clock safety net per solve, seconds, for the planners that solve ILPs "
-                             "(zeppelin, flexsp, hydraulis; off by default: the solvers stop at deterministic limits)")
-
-
-def output_option(what: str) -> Any:
-    return typer.Option(None, "-o", "--output", help=what)
-
-
-def json_option(what: str = "also print the results as JSON (on stdout; the tables then go to stderr)") -> Any:
-    return typer.Option(False, "--json", help=what)
-
-
-def length_field_option() -> Any:
-    return typer.Option(None, "--length-field", help="manifest field/column holding each sample's length "
-                                                     "(default: length)")
-
-
-def ids_field_option() -> Any:
-    return typer.Option(None, "--ids-field", help="manifest field/column holding token-id lists (the length is "
-                                                  "their count)")
-
-
-def text_field_option() -> Any:
-    return typer.Option(None, "--text-field", help="manifest field/column holding raw text (needs --tokenizer)")
-
-
-def tokenizer_option() -> Any:
-    return typer.Option(None, "--tokenizer", help="for --text-field: whitespace, bytes or a Hugging Face "
-                                                  "tokenizer.json (file or directory)")
+def generated(command: str, **callbacks: Callable[..., Any]):
+    """Decorator: the parameters of ``command`` are the flags ``COMMANDS[command]`` declares (the
+    function takes them as keyword arguments); ``callbacks``: the eager flags' actions, by name."""
+    def wrap(fn):
+        fn.__signature__ = inspect.Signature([
+            inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=bool if f.eager else f.annotation,
+                              default=option(f, callbacks.get(f.name)))
+            for f in COMMANDS[command]])
+        return fn
+    return wrap
 
 
 # reading a manifest with the field flags (in planner.core, below the tools that read manifests too)

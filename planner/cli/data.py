@@ -4,78 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import typer
 
 from zeppelin.planner.cli import common
+from zeppelin.planner.tools import config
+from zeppelin.planner.tools.tables import fmt_tokens, print_stats, stats_payload  # noqa: F401 (the tables of data stats)
 from zeppelin.schemas.common import InputError
-
-BAR_WIDTH = 14
-
-
-def fmt_tokens(n: float) -> str:
-    """Compact token counts: 512, 4K, 1.5K, 128K, 2M (K = 1024)."""
-    n = float(n)
-    for div, suf in ((1 << 30, "G"), (1 << 20, "M"), (1 << 10, "K")):
-        if n >= div:
-            v = n / div
-            return f"{v:.0f}{suf}" if abs(v - round(v)) < 0.05 or v >= 100 else f"{v:.1f}{suf}"
-    return f"{n:.0f}"
-
-
-def _bar(share: float, top: float) -> str:
-    if top <= 0:
-        return ""
-    cells = share / top * BAR_WIDTH
-    full = int(cells)
-    frac = cells - full
-    partial = " ▏▎▍▌▋▊▉"[int(frac * 8)] if full < BAR_WIDTH else ""
-    return ("█" * full + partial).rstrip()
-
-
-def stats_payload(dataset) -> dict[str, Any]:
-    """Everything `data stats --json` prints: the dataset description plus the histogram."""
-    from zeppelin.schemas.datasets import length_histogram
-
-    d = dataset.describe()
-    d["histogram"] = length_histogram(dataset.lengths)
-    return d
-
-
-def print_stats(dataset, console=None, title: str | None = None) -> None:
-    """Summary table and log2 length histogram with rich (shared with `zeppelin demo`)."""
-    from rich.table import Table
-
-    from zeppelin.planner.tools.tables import console as make_console
-    from zeppelin.planner.tools.tables import table
-
-    con = console or make_console()
-    d = stats_payload(dataset)
-    t = Table(title=title or f"manifest {dataset.source}", show_header=False, title_justify="left")
-    t.add_column("", style="bold")
-    t.add_column("")
-    t.add_row("format", f"{d['format']} ({d['shards']} shard{'s' if d['shards'] != 1 else ''})"
-              + (", token ids" if d["has_tokens"] else ""))
-    t.add_row("samples", f"{d['num_samples']:,}")
-    t.add_row("tokens", f"{d['num_tokens']:,}")
-    t.add_row("mean length", f"{d['mean']:,.1f}")
-    t.add_row("min / max", f"{d['min']:,} / {d['max']:,}")
-    t.add_row("percentiles", "  ".join(f"{k} {v:,.0f}" for k, v in d["percentiles"].items()))
-    t.add_row("content hash", d["content_hash"])
-    con.print(t)
-    hist = d["histogram"]
-    top_s = max(b["sample_share"] for b in hist)
-    top_t = max(b["token_share"] for b in hist)
-    h = table("length histogram (log2 buckets)", [("length", "right"), "samples", "% samples", ("", "left"),
-                                                  "% tokens", ("", "left")])
-    h.columns[3].style, h.columns[3].min_width = "cyan", BAR_WIDTH
-    h.columns[5].style, h.columns[5].min_width = "magenta", BAR_WIDTH
-    for b in hist:
-        h.add_row(f"{fmt_tokens(b['lo'])}-{fmt_tokens(b['hi'])}", f"{b['samples']:,}",
-                  f"{100 * b['sample_share']:.2f}", _bar(b["sample_share"], top_s),
-                  f"{100 * b['token_share']:.2f}", _bar(b["token_share"], top_t))
-    con.print(h)
 
 
 def write_histogram_png(path: Path, dataset) -> None:
@@ -156,20 +91,20 @@ def stats(
     manifest_arg: str | None = typer.Argument(None, metavar="[MANIFEST]",
                                               help="a file, directory, glob ('data/*.jsonl') or *.manifest.json "
                                                    "(or -m/--manifest; default: the shipped sample)"),
-    manifest: str | None = common.manifest_option(),
-    length_field: str | None = common.length_field_option(),
-    ids_field: str | None = common.ids_field_option(),
+    manifest: str | None = common.option(config.MANIFEST),
+    length_field: str | None = common.option(config.LENGTH_FIELD),
+    ids_field: str | None = common.option(config.IDS_FIELD),
     tokens_field: str | None = typer.Option(None, "--tokens-field", hidden=True, help="old spelling of --ids-field"),
-    text_field: str | None = common.text_field_option(),
-    tokenizer: str | None = common.tokenizer_option(),
+    text_field: str | None = common.option(config.TEXT_FIELD),
+    tokenizer: str | None = common.option(config.TOKENIZER),
     python_tokenizer: str | None = typer.Option(
         None, "--python-tokenizer", metavar="MODULE:CALLABLE",
         help="for --text-field: IMPORTS AND RUNS this Python code as the tokenizer (callable(text) -> token ids "
              "or a count). Only this option runs code; a manifest never can."),
     png: Path | None = typer.Option(None, "--png", help="also write the histogram as a PNG picture"),
-    as_json: bool = common.json_option("print machine-readable statistics instead of tables"),
-    output: Path | None = common.output_option("write the --json statistics to this file (the tables stay on "
-                                               "the terminal)"),
+    as_json: bool = typer.Option(False, "--json", help="print machine-readable statistics instead of tables"),
+    output: Path | None = typer.Option(None, "-o", "--output", help="write the --json statistics to this file (the "
+                                                                    "tables stay on the terminal)"),
 ) -> None:
     """Length statistics of a dataset manifest: count, tokens, percentiles, a log2 length histogram."""
     from zeppelin.schemas.common import atomic_write_text, check_output

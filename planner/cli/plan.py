@@ -1,24 +1,22 @@
-"""`zeppelin plan` and `zeppelin validate`."""
+"""`zeppelin plan` and `zeppelin validate`.
+
+``plan``'s flags are declared in :mod:`zeppelin.planner.tools.config` (:data:`PlanConfig`); this
+module resolves the inputs, plans the steps and writes the plan.
+"""
 
 from __future__ import annotations
 
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import typer
 
 from zeppelin.planner.cli import common
-from zeppelin.planner.zeppelin.options import ZeppelinOptions
-from zeppelin.schemas.common import (
-    MAX_SEED,
-    MAX_STEPS,
-    MAX_TOKENS,
-    MAX_WORKERS,
-    InputError,
-    check_float,
-    check_int,
-)
+from zeppelin.planner.tools import config
+from zeppelin.planner.tools.config import PlanConfig
+from zeppelin.schemas.common import InputError
 
 
 def _planner(name: str, options: dict):
@@ -28,13 +26,6 @@ def _planner(name: str, options: dict):
     if name in PLANNERS:  # the zeppelin planners: no need to import every baseline
         return construct_planner(name, **options)
     return get_planner(name, **options)
-
-
-def _zeppelin_flag(name: str, *flags: str):
-    """A ``zeppelin plan`` flag that sets a Zeppelin option: its default and help from
-    :class:`ZeppelinOptions`."""
-    spec = ZeppelinOptions.spec(name)
-    return typer.Option(spec.default, *flags, help=f"zeppelin: {spec.help}")
 
 
 def _list_options(value: bool) -> None:
@@ -59,262 +50,197 @@ def options_listing(planners: dict) -> str:
         for s in specs:
             allowed = f" {s.allowed};" if s.allowed else ""
             out.append(f"  {s.name} ({s.type_name};{allowed} default {s.default_text}): {s.help}\n")
-    out.append("Set them in a check case's \"options\", with `zeppelin plan --option NAME=VALUE`, or as keyword "
-               "arguments of get_planner(NAME, ...).\n")
+    out.append("Set them in a check case's \"options\", with `zeppelin plan --option NAME=VALUE` (compare and demo: "
+               "-O PLANNER.NAME=VALUE), or as keyword arguments of get_planner(NAME, ...).\n")
     return "".join(out)
 
 
-def plan(
-    manifest: str | None = common.manifest_option(),
-    cluster: str = common.cluster_option(),
-    model: str = common.model_option(),
-    output: Path | None = common.output_option("plan file to write"),
-    planner: str = typer.Option("zeppelin", "--planner", help="planner name (zeppelin, zeppelin-no-routing, "
-                                                               "zeppelin-no-remap, zeppelin-tiers-only, baselines)"),
-    tokens_per_step: int | None = common.tokens_option(),
-    seqs_per_step: int | None = typer.Option(None, "--seqs-per-step", help="sequences per step"),
-    steps: int = common.steps_option(10),
-    seed: int = common.seed_option(),
-    no_shuffle: bool = typer.Option(False, "--no-shuffle", help="take samples in manifest order"),
-    max_seq_len: int | None = common.max_seq_len_option(),
-    overflow: str = typer.Option("truncate", "--overflow", help="longer samples: truncate, reject or skip"),
-    tp: int = typer.Option(1, "--tp", help="tensor-parallel degree of a unit"),
-    zero_stage: int = typer.Option(1, "--zero-stage", help="ZeRO stage (0-3) for the memory model"),
-    recompute: str = typer.Option("none", "--recompute",
-                                  help="none | selective | full: activation recomputation `zeppelin run` will use "
-                                       "(sets the activation memory per token)"),
-    profile: str | None = common.profile_option(),
-    length_field: str | None = common.length_field_option(),
-    ids_field: str | None = common.ids_field_option(),
-    text_field: str | None = common.text_field_option(),
-    tokenizer: str | None = common.tokenizer_option(),
-    ilp_nodes: int = _zeppelin_flag("ilp_nodes", "--ilp-nodes"),
-    time_limit: float | None = common.time_limit_option(),
-    ilp: str = _zeppelin_flag("ilp", "--ilp"),
-    solver: str = _zeppelin_flag("solver", "--solver"),
-    intra: str = _zeppelin_flag("intra", "--intra"),
-    families: str = _zeppelin_flag("families", "--families"),
-    option: list[str] = typer.Option([], "--option", "-O", metavar="NAME=VALUE",
-                                     help="a planner option (repeatable; `--list-options` lists them)"),
-    list_options: bool = typer.Option(False, "--list-options", is_eager=True, expose_value=False,
-                                      callback=_list_options, help="list every planner's options and exit"),
-    workers: int = typer.Option(1, "--workers", "-j", help="plan steps in this many processes"),
-    fmt: str = typer.Option("jsonl", "--format", help="jsonl (compact) or pretty (readable, diffable)"),
-    explain: bool = typer.Option(False, "--explain", help="print the tier thresholds and how they were derived"),
-    save_case: Path | None = typer.Option(None, "--save-case", metavar="DIR/NAME",
-                                          help="also write a `zeppelin check` case DIR/NAME.json from these flags "
-                                               "and its golden plan DIR/NAME.plan (README: plan checks in CI)"),
-    json_out: bool = common.json_option("print the summary as JSON"),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar or summary"),
-    stream: bool = typer.Option(False, "--stream",
-                                help="write each step as soon as it is planned (with PLAN.chain, the chained digest "
-                                     "of every step, removed at the end), for `zeppelin run PLAN --follow`; the "
-                                     "finished plan is the same bytes"),
-) -> None:
+@common.generated("plan", list_options=_list_options)
+def plan(**values: Any) -> None:
     """Plan training steps: manifest + cluster + model -> plan file."""
-    from zeppelin.planner.core.base import PlanContext, PlanningError
-    from zeppelin.planner.core.driver import check_steps, make_header, plan_steps
-    from zeppelin.planner.core.inputs import (
-        check_path_writable,
-        input_refs,
-        resolve_cluster,
-        resolve_model,
-        resolve_profile,
-    )
-    from zeppelin.schemas.plan import PlanWriter, SamplerConfig
-
-    if fmt not in ("jsonl", "pretty"):
-        raise InputError(f"--format must be jsonl or pretty (got {fmt!r})")
-    if overflow not in ("truncate", "reject", "skip"):
-        raise InputError(f"--overflow must be truncate, reject or skip (got {overflow!r})")
-    check_int("--steps", steps, 1, MAX_STEPS)
-    check_int("--tokens-per-step", tokens_per_step, 1, MAX_TOKENS)
-    check_int("--seqs-per-step", seqs_per_step, 1, 2**31)
-    check_int("--max-seq-len", max_seq_len, 1, 2**31)
-    check_int("--seed", seed, 0, MAX_SEED)
-    check_int("--tp", tp, 1, 256)
-    check_int("--workers", workers, 1, MAX_WORKERS)
-    check_float("--time-limit", time_limit, 0.0, 3600.0, lo_open=True)
-    if not 0 <= zero_stage <= 3:
-        raise InputError(f"--zero-stage must be 0, 1, 2 or 3 (got {zero_stage})")
-    if recompute not in ("none", "selective", "full"):
-        raise InputError(f"--recompute must be none, selective or full (got {recompute!r})")
-    if output is None and not explain and save_case is None:
-        raise InputError("missing -o/--output PLAN (or use --explain alone to see the tier thresholds)")
-    if output is not None:
-        check_path_writable(output, [manifest, *input_refs(cluster, model, profile)])
-        if stream:
-            from zeppelin.schemas.stream import chain_path
-
-            check_path_writable(chain_path(output), [manifest, *input_refs(cluster, model, profile)])
-    if save_case is not None:
-        from zeppelin.planner.tools.check import check_case_flags
-
-        check_case_flags(save_case, {"--profile": profile, "--zero-stage": zero_stage != 1,
-                                     "--recompute": recompute != "none", "--no-shuffle": no_shuffle,
-                                     "--overflow": overflow != "truncate", "--seqs-per-step": seqs_per_step,
-                                     "--length-field": length_field, "--ids-field": ids_field,
-                                     "--text-field": text_field, "--tokenizer": tokenizer},
-                         [output, manifest, *input_refs(cluster, model)])
-    cl = resolve_cluster(cluster)
-    md = resolve_model(model)
-    pf = resolve_profile(profile, cl)
-    if cl.gpus_per_node % tp:
-        raise PlanningError(f"--tp {tp} does not divide the {cl.gpus_per_node} GPUs per node of {cl.name}")
-    from zeppelin.schemas.runnable import HF_TP_REASON, model_runs_tp
-
-    if tp > 1 and not model_runs_tp(md):
-        raise PlanningError(f"--tp {tp}: {HF_TP_REASON} (plan with --tp 1)")
-    ctx = PlanContext(cl, md, pf, tp=tp, zero_stage=zero_stage, seed=seed, recompute=recompute)
-    if ilp_nodes < 0:
-        raise InputError(f"--ilp-nodes must be >= 0 (got {ilp_nodes})")
-    options = ({"ilp": ilp, "ilp_nodes": ilp_nodes, "solver": solver, "intra": intra}
-               if planner.startswith("zeppelin") else {})
-    if families != "all" and planner.startswith("zeppelin"):  # (only a value other than the default is recorded)
-        options["families"] = families
-    if time_limit is not None and (planner.startswith("zeppelin") or planner in ("flexsp", "hydraulis")):
-        options["time_limit"] = time_limit
-    options.update(_named_options(planner, option))
-    pl = _planner(planner, options)
-    if explain:
-        from zeppelin.planner.tools.explain import explain_text
-
-        typer.echo(explain_text(ctx))
-        if output is None and save_case is None:
-            return
+    from zeppelin.planner.core.driver import check_steps, make_header
     from zeppelin.planner.core.sampler import StepSampler, run_max_seq_len
     from zeppelin.schemas.hf import check_positions
 
-    ds = common.load_dataset(manifest, length_field, ids_field, text_field, tokenizer)
-    if tokens_per_step is None and seqs_per_step is None:
-        tokens_per_step = common.default_tokens_per_step(ctx.cost.token_capacity, ctx.num_units)
-    if save_case is not None:
-        from zeppelin.planner.tools.check import save_case as write_case
+    cfg = PlanConfig.from_flags(values)
+    _check_outputs(cfg)
+    ctx, pl = _context_and_planner(cfg)
+    if cfg.explain:
+        from zeppelin.planner.tools.explain import explain_text
 
-        for line in write_case(save_case, cluster=cluster, model=model, manifest=manifest, planner=planner,
-                               options=options, steps=steps, seed=seed, tokens_per_step=tokens_per_step,
-                               max_seq_len=max_seq_len, tp=tp):
-            typer.echo(line)
-        if output is None:
+        typer.echo(explain_text(ctx))
+        if cfg.output is None and cfg.save_case is None:
             return
-    cfg = SamplerConfig(tokens_per_step=tokens_per_step, seqs_per_step=seqs_per_step, shuffle=not no_shuffle,
-                        seed=seed, max_seq_len=max_seq_len, overflow=overflow)
-    ctx.max_seq_len = run_max_seq_len(ds, cfg)
-    check_positions(model, ctx.max_seq_len)  # an hf:DIR model's max_position_embeddings
+    ds = common.load_dataset(cfg.manifest, *cfg.field_flags)
+    sampler = cfg.sampler(ctx)
+    if cfg.save_case is not None:
+        from zeppelin.planner.tools.check import save_case
+
+        for line in save_case(cfg.save_case, cluster=cfg.cluster, model=cfg.model, manifest=cfg.manifest,
+                              planner=cfg.planner, options=pl.options, steps=cfg.steps, seed=cfg.seed,
+                              tokens_per_step=sampler.tokens_per_step, max_seq_len=cfg.max_seq_len, tp=cfg.tp):
+            typer.echo(line)
+        if cfg.output is None:
+            return
+    ctx.max_seq_len = run_max_seq_len(ds, sampler)
+    check_positions(cfg.model, ctx.max_seq_len)  # an hf:DIR model's max_position_embeddings
+
     # the steps are drawn again for each pass (the sampler is deterministic and cheap): checking
     # every step before any work, then planning and writing one step at a time, keeps a single
     # step's sequences and plan in memory however many steps the plan file holds
     def step_seqs():
-        return StepSampler(ds, cfg).steps(steps)
+        return StepSampler(ds, sampler).steps(cfg.steps)
 
-    check_steps(step_seqs(), cfg)
+    check_steps(step_seqs(), sampler)
     if hasattr(pl, "check_feasible"):
         for seqs in step_seqs():
             pl.check_feasible(ctx, seqs)
-    header = make_header(ctx, pl, ds, cfg, steps)
-    show = not quiet and sys.stderr.isatty()
+    header = make_header(ctx, pl, ds, sampler, cfg.steps)
     t0 = time.perf_counter()
+    tally = _write_plan(cfg, ctx, pl, header, step_seqs())
+    if tally.wall_hit:
+        typer.echo(f"warning: step(s) {', '.join(map(str, tally.wall_hit))} hit the --time-limit wall-clock safety "
+                   f"net: their plans depend on this machine's load and are not reproducible", err=True)
+    if cfg.explain:
+        from zeppelin.planner.tools.explain import plan_against_thresholds
+
+        for line in plan_against_thresholds(ctx, tally.counts):
+            typer.echo(line)
+    if not cfg.quiet:
+        _print_summary(cfg, ctx, pl, sampler, tally, time.perf_counter() - t0 - tally.counting_s)
+
+
+def _check_outputs(cfg: PlanConfig) -> None:
+    """Before any work: an output to write, files that can be written and are no input, and a
+    ``--save-case`` a check case can hold."""
+    from zeppelin.planner.core.inputs import check_path_writable, input_refs
+
+    if cfg.output is None and not cfg.explain and cfg.save_case is None:
+        raise InputError("missing -o/--output PLAN (or use --explain alone to see the tier thresholds)")
+    inputs = [cfg.manifest, *input_refs(cfg.cluster, cfg.model, cfg.profile)]
+    if cfg.output is not None:
+        check_path_writable(cfg.output, inputs)
+        if cfg.stream:
+            from zeppelin.schemas.stream import chain_path
+
+            check_path_writable(chain_path(cfg.output), inputs)
+    if cfg.save_case is not None:
+        from zeppelin.planner.tools.check import check_case_flags
+
+        check_case_flags(cfg.save_case, cfg.beyond_case(),
+                         [cfg.output, cfg.manifest, *input_refs(cfg.cluster, cfg.model)])
+
+
+def _context_and_planner(cfg: PlanConfig):
+    """The planning context (cluster, model, profile, tp, memory setting) and the planner with its options."""
+    from zeppelin.planner.core.base import PlanningError
+    from zeppelin.planner.core.inputs import resolve_cluster, resolve_model, resolve_profile
+    from zeppelin.schemas.runnable import HF_TP_REASON, model_runs_tp
+
+    cl = resolve_cluster(cfg.cluster)
+    md = resolve_model(cfg.model)
+    pf = resolve_profile(cfg.profile, cl)
+    if cl.gpus_per_node % cfg.tp:
+        raise PlanningError(f"--tp {cfg.tp} does not divide the {cl.gpus_per_node} GPUs per node of {cl.name}")
+    if cfg.tp > 1 and not model_runs_tp(md):
+        raise PlanningError(f"--tp {cfg.tp}: {HF_TP_REASON} (plan with --tp 1)")
+    ctx = cfg.context(cl, md, pf)
+    return ctx, _planner(cfg.planner, cfg.planner_options(cfg.planner))
+
+
+class _Tally:
+    """What ``plan`` counts while it writes: step / lower-bound ratios, solvers, wall-clock hits and
+    the plan summary (the time spent counting it is left out of the planning time)."""
+
+    def __init__(self) -> None:
+        from zeppelin.planner.sim.summary import PlanSummary
+
+        self.ratios: list[float] = []
+        self.solvers: dict[str, int] = {}
+        self.wall_hit: list[int] = []
+        self.counts = PlanSummary()
+        self.counting_s = 0.0
+
+    def add(self, st, sim) -> None:
+        if st.prediction is not None and st.prediction.lower_bound_s > 0:
+            self.ratios.append(st.prediction.step_time_s / st.prediction.lower_bound_s)
+        if st.solver is not None:
+            self.solvers[st.solver.name] = self.solvers.get(st.solver.name, 0) + 1
+            if st.solver.status == "wall_clock_limit":
+                self.wall_hit.append(st.step)
+        if sim is not None:
+            from zeppelin.planner.sim.summary import step_summary
+
+            t1 = time.perf_counter()
+            self.counts.add(step_summary(sim.ctx, st, sim))
+            self.counting_s += time.perf_counter() - t1
+
+
+def _write_plan(cfg: PlanConfig, ctx, pl, header, steps) -> _Tally:
+    """Plan ``steps`` one at a time and write each (streamed with ``--stream``)."""
+    from zeppelin.planner.core.base import PlanningError
+    from zeppelin.planner.core.driver import plan_steps
     from zeppelin.planner.sim.simulate import Simulator, context_from_header
-    from zeppelin.planner.sim.summary import PlanSummary, step_summary, summary_lines
-
-    ratios, solvers, wall_hit = [], {}, []
-    counts, t_counts = PlanSummary(), 0.0
-    sim = None if quiet and not explain else Simulator(context_from_header(header))
-    if stream:
-        from zeppelin.schemas.stream import StreamingPlanWriter
-
-        writer = StreamingPlanWriter(output, header, fmt)
-    else:
-        writer = PlanWriter(output, header, fmt)
+    from zeppelin.schemas.plan import PlanWriter
     from zeppelin.schemas.runnable import step_problem
 
+    tally = _Tally()
+    sim = None if cfg.quiet and not cfg.explain else Simulator(context_from_header(header))
+    if cfg.stream:
+        from zeppelin.schemas.stream import StreamingPlanWriter
+
+        writer = StreamingPlanWriter(cfg.output, header, cfg.fmt)
+    else:
+        writer = PlanWriter(cfg.output, header, cfg.fmt)
+    show = not cfg.quiet and sys.stderr.isatty()
     with writer as w:
-        for st in plan_steps(ctx, pl, step_seqs(), workers=workers, progress=show, total=steps):
+        for st in plan_steps(ctx, pl, steps, workers=cfg.workers, progress=show, total=cfg.steps):
             why = step_problem(header, st)  # a plan file holds only steps zeppelin run executes
             if why:
                 raise PlanningError(f"planner {pl.name} made a step zeppelin run cannot execute: {why}")
             w.write(st)
-            if st.prediction is not None and st.prediction.lower_bound_s > 0:
-                ratios.append(st.prediction.step_time_s / st.prediction.lower_bound_s)
-            if st.solver is not None:
-                solvers[st.solver.name] = solvers.get(st.solver.name, 0) + 1
-                if st.solver.status == "wall_clock_limit":
-                    wall_hit.append(st.step)
-            if sim is not None:  # (the planning time reported below leaves this counting out)
-                t1 = time.perf_counter()
-                counts.add(step_summary(sim.ctx, st, sim))
-                t_counts += time.perf_counter() - t1
-    if wall_hit:
-        typer.echo(f"warning: step(s) {', '.join(map(str, wall_hit))} hit the --time-limit wall-clock safety net: "
-                   f"their plans depend on this machine's load and are not reproducible", err=True)
-    if explain:
-        from zeppelin.planner.tools.explain import plan_against_thresholds
+            tally.add(st, sim)
+    return tally
 
-        for line in plan_against_thresholds(ctx, counts):
-            typer.echo(line)
-    if quiet:
-        return
+
+def _print_summary(cfg: PlanConfig, ctx, pl, sampler, tally: _Tally, el: float) -> None:
     import numpy as np
 
-    el = time.perf_counter() - t0 - t_counts
-    if json_out:
+    from zeppelin.planner.sim.summary import summary_lines
+
+    cl, md, ratios = ctx.cluster, ctx.model, tally.ratios
+    if cfg.json_out:
         import json
 
         typer.echo(json.dumps({
-            "output": str(output), "steps": steps, "planner": pl.name, "model": md.name, "cluster": cl.name,
-            "world_size": cl.world_size, "tokens_per_step": cfg.tokens_per_step, "planning_s": el,
+            "output": str(cfg.output), "steps": cfg.steps, "planner": pl.name, "model": md.name, "cluster": cl.name,
+            "world_size": cl.world_size, "tokens_per_step": sampler.tokens_per_step, "planning_s": el,
             "step_over_lower_bound_median": float(np.median(ratios)) if ratios else None,
             "step_over_lower_bound_worst": float(max(ratios)) if ratios else None,
-            "counts": counts.to_dict(), "solvers": solvers}, indent=1))
+            "counts": tally.counts.to_dict(), "solvers": tally.solvers}, indent=1))
         return
-    typer.echo(f"wrote {output}: {steps} steps planned by {pl.name} for {md.name} on {cl.name} "
-               f"({cl.world_size} GPUs) in {el:.2f} s ({el / steps * 1e3:.0f} ms/step)")
+    typer.echo(f"wrote {cfg.output}: {cfg.steps} steps planned by {pl.name} for {md.name} on {cl.name} "
+               f"({cl.world_size} GPUs) in {el:.2f} s ({el / cfg.steps * 1e3:.0f} ms/step)")
     if ratios:
         r = np.array(ratios)
         typer.echo(f"predicted step / lower bound: median {np.median(r):.3f}, worst {r.max():.3f}")
-    for line in summary_lines(counts):
+    for line in summary_lines(tally.counts):
         typer.echo(line)
-    if solvers:
-        typer.echo("solver: " + ", ".join(f"{k} x{v}" for k, v in sorted(solvers.items())))
-
-
-# the Zeppelin options ``zeppelin plan`` sets with flags of their own (--time-limit also for flexsp, hydraulis)
-_FLAGS = {"ilp": "--ilp", "ilp_nodes": "--ilp-nodes", "solver": "--solver", "intra": "--intra",
-          "families": "--families", "time_limit": "--time-limit"}
-
-
-def _named_options(planner: str, given: list[str]) -> dict:
-    """``--option NAME=VALUE`` pairs as the planner's typed values (checked by its ``Options``)."""
-    from zeppelin.planner.core import registry  # noqa: F401 (imports every planner module: they register)
-    from zeppelin.planner.core.base import PLANNERS
-
-    flagged = set(_FLAGS) if planner.startswith("zeppelin") else {"time_limit"} if planner in (
-        "flexsp", "hydraulis") else set()
-    out = {}
-    for item in given:
-        name, eq, value = item.partition("=")
-        name = name.strip()
-        if not eq or not name:
-            raise InputError(f"--option must be NAME=VALUE (got {item!r})")
-        if name in flagged:
-            raise InputError(f"--option {name}: use {_FLAGS[name]}")
-        out[name] = value
-    if not out or planner not in PLANNERS:
-        return out  # (an unknown planner is refused with the list of known ones)
-    typed = PLANNERS[planner].Options.parse(planner, out)
-    return {k: getattr(typed, k) for k in out}
+    if tally.solvers:
+        typer.echo("solver: " + ", ".join(f"{k} x{v}" for k, v in sorted(tally.solvers.items())))
 
 
 def validate(
     plan_path: Path = typer.Argument(..., metavar="PLAN", help="plan file"),
-    cluster: str | None = typer.Option(None, "--cluster", "-c", help="check the plan was made for this cluster"),
-    model: str | None = typer.Option(None, "--model", help="check the plan was made for this model"),
-    profile: str | None = typer.Option(None, "--profile", help="check the plan was made with this profile"),
-    manifest: str | None = typer.Option(None, "--manifest", "-m", help="check the plan was made from this manifest"),
-    length_field: str | None = common.length_field_option(),
-    ids_field: str | None = common.ids_field_option(),
-    text_field: str | None = common.text_field_option(),
-    tokenizer: str | None = common.tokenizer_option(),
+    cluster: str | None = common.option(config.CLUSTER.but(default=None,
+                                                           help="check the plan was made for this cluster")),
+    model: str | None = common.option(config.MODEL.but(default=None, help="check the plan was made for this model")),
+    profile: str | None = common.option(config.PROFILE.but(help="check the plan was made with this profile")),
+    manifest: str | None = common.option(config.MANIFEST.but(help="check the plan was made from this manifest")),
+    length_field: str | None = common.option(config.LENGTH_FIELD),
+    ids_field: str | None = common.option(config.IDS_FIELD),
+    text_field: str | None = common.option(config.TEXT_FIELD),
+    tokenizer: str | None = common.option(config.TOKENIZER),
     limit: int = typer.Option(10, "--limit", help="problems to print at most"),
 ) -> None:
     """Check a plan's invariants (coverage, memory, routes, ring order, input hashes) and that

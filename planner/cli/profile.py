@@ -11,6 +11,8 @@ from typing import Optional
 
 import typer
 
+from zeppelin.planner.cli import common
+from zeppelin.planner.tools import config
 from zeppelin.schemas.common import InputError, check_int
 
 
@@ -19,7 +21,7 @@ def profile(
     output: Path = typer.Option(..., "-o", "--output", help="profile JSON to write (use with `zeppelin plan --profile`)"),
     nproc: Optional[int] = typer.Option(None, "--nproc", help="processes on this node (default: GPUs, or 2 on CPU)"),
     nodes: int = typer.Option(1, "--nodes", help="on one CPU machine: how many 'nodes' the processes form"),
-    model: str = typer.Option("small", "--model", help="model preset or JSON whose kernels are timed"),
+    model: str = common.option(config.MODEL.but(default="small", help="model preset or JSON whose kernels are timed")),
     quick: bool = typer.Option(False, "--quick", help="small grids: under two minutes on a laptop-class CPU"),
     cluster_name: str = typer.Option("", "--cluster-name", help="name recorded in the profile"),
     check: bool = typer.Option(True, "--check/--no-check",

@@ -5,18 +5,17 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import typer
 
 from zeppelin.planner.cli import common
+from zeppelin.planner.tools.config import CompareConfig
 from zeppelin.schemas.common import (
-    MAX_SEED,
     MAX_STEPS,
-    MAX_TOKENS,
     MAX_WORKERS,
     InputError,
     atomic_write_text,
-    check_float,
     check_int,
     same_file,
 )
@@ -141,147 +140,93 @@ def show(
         con.print(f"wrote {png}")
 
 
-def compare(
-    manifest: str | None = common.manifest_option(
-        "; or a synthetic length mix: short, mixed, long, longtail"),
-    cluster: str = common.cluster_option("zeppelin-a:2"),
-    model: str = common.model_option("llama-7b"),
-    profile: Path | None = common.profile_option(),
-    tokens_per_step: int | None = common.tokens_option(),
-    max_seq_len: int | None = common.max_seq_len_option(),
-    steps: int = common.steps_option(10),
-    seed: int = common.seed_option(),
-    time_limit: float | None = common.time_limit_option(),
-    length_field: str | None = common.length_field_option(),
-    ids_field: str | None = common.ids_field_option(),
-    text_field: str | None = common.text_field_option(),
-    tokenizer: str | None = common.tokenizer_option(),
-    planners: str | None = typer.Option(None, "--planners", help="comma-separated planners (default: all)"),
-    baseline: str | None = typer.Option(None, "--baseline", metavar="NAME",
-                                        help="the planner closest to what you run today (docs/CONCEPTS.md: "
-                                             "te-cp = TransformerEngine/Megatron CP, ...): the verdict leads with it"),
-    tp: int = typer.Option(1, "--tp", help="tensor-parallel degree of a unit"),
-    workers: int = typer.Option(0, "--workers", "-j", help="worker processes (0: one per CPU)"),
-    json_out: bool = common.json_option(),
-    output: Path | None = common.output_option("write the JSON to this file (the table stays on the terminal)"),
-    png: Path | None = typer.Option(None, "--png", help="bar charts of step time and speedup"),
-    dataset: str | None = typer.Option(None, "--dataset", "-d", hidden=True, help="old spelling of -m/--manifest"),
-    steps_n: int | None = typer.Option(None, "-n", hidden=True, help="old spelling of --steps"),
-    tokens_per_gpu: int | None = typer.Option(None, "--tokens-per-gpu", hidden=True,
-                                              help="old: tokens per step per GPU (use --tokens-per-step)"),
-    solver_time_limit: float | None = typer.Option(None, "--solver-time-limit", hidden=True,
-                                                   help="old spelling of --time-limit"),
-) -> None:
+@common.generated("compare")
+def compare(**values: Any) -> None:
     """Plan the same steps with zeppelin and every baseline, simulate them side by side, and say what
     zeppelin would buy over each baseline (the verdict)."""
     from zeppelin.planner.core.inputs import check_path_writable, input_refs
-
-    manifest, model = _old_model_flag(manifest, model)
-    if dataset is not None:
-        common.deprecated("compare", "--dataset")
-        if manifest is not None:
-            raise InputError("--dataset is the old spelling of -m/--manifest: give one of them")
-        manifest = dataset
-    if steps_n is not None:
-        common.deprecated("compare", "-n")
-        steps = steps_n
-    if solver_time_limit is not None:
-        common.deprecated("compare", "--solver-time-limit")
-        check_float("--solver-time-limit", solver_time_limit, 0.0, 3600.0, lo_open=True)
-        time_limit = solver_time_limit
-    if tokens_per_gpu is not None:
-        common.deprecated("compare", "--tokens-per-gpu")
-        check_int("--tokens-per-gpu", tokens_per_gpu, 1, MAX_TOKENS)
-    check_int("--steps", steps, 1, MAX_STEPS)
-    check_int("--tokens-per-step", tokens_per_step, 1, MAX_TOKENS)
-    check_int("--max-seq-len", max_seq_len, 1, 2**31)
-    check_int("--tp", tp, 1, 256)
-    check_int("--seed", seed, 0, MAX_SEED)
-    check_int("--workers", workers, 0, MAX_WORKERS)
-    check_float("--time-limit", time_limit, 0.0, 3600.0, lo_open=True)
-    for p in (output, png):
-        if p is not None:
-            check_path_writable(p, [profile, *input_refs(cluster, model), manifest])
-    if output is not None and png is not None and (str(output) == str(png) or same_file(output, png)):
-        raise InputError("-o and --png name the same file", source=output)
     from zeppelin.planner.tools.compare import DEFAULT_PLANNERS
 
-    names = DEFAULT_PLANNERS if planners is None else [x.strip() for x in planners.split(",") if x.strip()]
+    cfg = CompareConfig.from_flags(_old_spellings(values))
+    if cfg.solver_time_limit is not None:
+        cfg.time_limit = cfg.solver_time_limit
+    for p in (cfg.output, cfg.png):
+        if p is not None:
+            check_path_writable(p, [cfg.profile, *input_refs(cfg.cluster, cfg.model), cfg.manifest])
+    if cfg.output is not None and cfg.png is not None and (str(cfg.output) == str(cfg.png)
+                                                           or same_file(cfg.output, cfg.png)):
+        raise InputError("-o and --png name the same file", source=cfg.output)
+    names = DEFAULT_PLANNERS if cfg.planners is None else [x.strip() for x in cfg.planners.split(",") if x.strip()]
     if not names:
         raise InputError("--planners is empty")
-    if baseline is not None and baseline not in names:
-        raise InputError(f"--baseline {baseline!r} is not among the compared planners ({', '.join(names)})")
-    fields = (length_field, ids_field, text_field, tokenizer)
-    _run_compare_command(dict(
-        manifest=manifest, fields=fields, cluster=cluster, model=model, profile=profile, tp=tp, seed=seed,
-        tokens_per_step=tokens_per_step, tokens_per_gpu=tokens_per_gpu, max_seq_len=max_seq_len, steps=steps,
-        names=names, time_limit=time_limit, workers=workers, baseline=baseline, json_out=json_out,
-        output=output, png=png))
+    if cfg.baseline is not None and cfg.baseline not in names:
+        raise InputError(f"--baseline {cfg.baseline!r} is not among the compared planners ({', '.join(names)})")
+    _run_compare_command(cfg, names, cfg.options_by_planner(names, "the compared planners"))
 
 
-def _old_model_flag(manifest: str | None, model: str) -> tuple[str | None, str]:
-    """``compare -m llama-7b``: ``-m`` named the model in an older release; a value that is a model
-    preset (and no file) is still read as the model, with a note."""
+def _old_spellings(values: dict[str, Any]) -> dict[str, Any]:
+    """``compare``'s flags with the spellings of the previous release read as the new ones (one note each)."""
     import os
 
     from zeppelin.schemas.model import MODEL_PRESETS
 
-    if manifest is not None and manifest in MODEL_PRESETS and not os.path.exists(manifest):
+    v = dict(values)
+    # ``-m`` named the model in an older release: a value that is a model preset (and no file) still is
+    if v["manifest"] is not None and v["manifest"] in MODEL_PRESETS and not os.path.exists(v["manifest"]):
         common.deprecated("compare", "-m MODEL")
-        return None, manifest
-    return manifest, model
+        v["manifest"], v["model"] = None, v["manifest"]
+    if v["dataset"] is not None:
+        common.deprecated("compare", "--dataset")
+        if v["manifest"] is not None:
+            raise InputError("--dataset is the old spelling of -m/--manifest: give one of them")
+        v["manifest"] = v["dataset"]
+    if v["steps_n"] is not None:
+        common.deprecated("compare", "-n")
+        v["steps"] = v["steps_n"]
+    if v["solver_time_limit"] is not None:
+        common.deprecated("compare", "--solver-time-limit")
+    if v["tokens_per_gpu"] is not None:
+        common.deprecated("compare", "--tokens-per-gpu")
+    return v
 
 
-def _run_compare_command(a: dict) -> None:
+def _run_compare_command(cfg: CompareConfig, names: list[str], options: dict[str, dict[str, Any]]) -> None:
     """`zeppelin compare` once its flags are checked: sample, plan, simulate, print table and verdict."""
-    from zeppelin.planner.core.base import PlanContext, PlanningError
     from zeppelin.planner.core.inputs import resolve_cluster, resolve_model, resolve_profile
     from zeppelin.planner.core.sampler import run_max_seq_len, sample_steps
     from zeppelin.planner.tools import compare as cmp
     from zeppelin.planner.tools.tables import console as make_console
-    from zeppelin.schemas.plan import SamplerConfig
 
-    cl = resolve_cluster(a["cluster"])
-    md = resolve_model(a["model"])
-    prof = resolve_profile(str(a["profile"]) if a["profile"] else None, cl)
-    try:
-        ctx = PlanContext(cl, md, prof, tp=a["tp"], seed=a["seed"])
-    except ValueError as e:
-        raise PlanningError(str(e)) from None
-    ds = cmp.resolve_dataset(a["manifest"], *a["fields"])
-    tokens = a["tokens_per_step"]
-    if tokens is None:
-        tokens = (a["tokens_per_gpu"] * cl.world_size if a["tokens_per_gpu"] is not None
-                  else common.default_tokens_per_step(ctx.cost.token_capacity, ctx.num_units))
-    cfg = SamplerConfig(tokens_per_step=tokens, seed=a["seed"], max_seq_len=a["max_seq_len"])
-    ctx.max_seq_len = run_max_seq_len(ds, cfg)
-    step_seqs = sample_steps(ds, cfg, a["steps"])
-    tl = a["time_limit"]
-    options = {p: {"time_limit": tl} for p in a["names"] if tl and (p in cmp.SOLVER_PLANNERS or p == "zeppelin")}
+    cl = resolve_cluster(cfg.cluster)
+    md = resolve_model(cfg.model)
+    prof = resolve_profile(cfg.profile, cl)
+    ctx = cfg.context(cl, md, prof)
+    ds = cmp.resolve_dataset(cfg.manifest, *cfg.field_flags)
+    sampler = cfg.sampler(ctx, None if cfg.tokens_per_gpu is None or cfg.tokens_per_step is not None
+                          else cfg.tokens_per_gpu * cl.world_size)
+    ctx.max_seq_len = run_max_seq_len(ds, sampler)
+    step_seqs = sample_steps(ds, sampler, cfg.steps)
     t0 = time.perf_counter()
-    runs = cmp.run_compare(ctx, step_seqs, a["names"], options, workers=a["workers"] or cmp.default_workers(),
+    runs = cmp.run_compare(ctx, step_seqs, names, options, workers=cfg.workers or cmp.default_workers(),
                            progress=True)
     wall = time.perf_counter() - t0
     doc = cmp.comparison(runs)
-    data = a["manifest"] or "the shipped sample"
-    title = (f"{cl.name} ({cl.world_size} GPUs), {md.name}, tp={a['tp']}, {data}, {a['steps']} steps of "
-             f"{cfg.tokens_per_step:,} tokens")
-    doc.update({"cluster": cl.name, "world_size": cl.world_size, "model": md.name, "tp": a["tp"],
-                "dataset": a["manifest"] or "sample", "steps": a["steps"], "tokens_per_step": cfg.tokens_per_step,
-                "seed": a["seed"], "wall_s": wall,
-                "prediction_error": cmp.prediction_error(prof, given=a["profile"] is not None)})
-    doc["verdict"] = cmp.verdict(doc, ctx, step_seqs, baseline=a["baseline"])
-    if a["png"] is not None:
-        cmp.draw_png(doc, title, a["png"])
-    if a["output"] is not None or a["json_out"]:
-        _emit_json(doc, a["output"])
+    title = cmp.compare_title(ctx, cfg.manifest, cfg.steps, sampler)
+    doc.update(cmp.setting(ctx, cfg.manifest or "sample", cfg.steps, sampler))
+    doc.update({"seed": cfg.seed, "wall_s": wall,
+                "prediction_error": cmp.prediction_error(prof, given=cfg.profile is not None)})
+    doc["verdict"] = cmp.verdict(doc, ctx, step_seqs, baseline=cfg.baseline)
+    if cfg.png is not None:
+        cmp.draw_png(doc, title, cfg.png)
+    if cfg.output is not None or cfg.json_out:
+        _emit_json(doc, cfg.output)
     # the table and the verdict always reach the terminal: on stderr when stdout carries the JSON
-    con = make_console(stderr=a["json_out"] and a["output"] is None)
+    con = make_console(stderr=cfg.json_out and cfg.output is None)
     con.print(cmp.render_table(doc, title))
     for line in cmp.verdict_lines(doc["verdict"]):
         con.print(line, highlight=False, markup=False)
     con.print(f"(planned and simulated in {wall:.1f} s)", highlight=False)
-    for p in (a["output"], a["png"]):
+    for p in (cfg.output, cfg.png):
         if p is not None:
             con.print(f"wrote {p}", highlight=False, markup=False)
 

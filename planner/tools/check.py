@@ -210,16 +210,14 @@ def non_reproducible(steps) -> list[str]:
 
 # ------------------------------------------------------------------ one case
 def run_case(case: Case, update: bool = False, exact: bool = False) -> CaseResult:
+    from zeppelin.planner.core.base import get_planner
     from zeppelin.planner.core.driver import make_header
     from zeppelin.planner.sim.simulate import Simulator
     from zeppelin.planner.tools.validate import step_problems
-    from zeppelin.schemas.plan import PlanReader, PlanWriter
 
     s = case.spec
     res = CaseResult(case.name, s.planner, s.tolerance)
     ctx, ds, cfg, step_seqs = _inputs(case)
-    from zeppelin.planner.core.base import get_planner
-
     planner = get_planner(s.planner, **s.options)
     header = make_header(ctx, planner, ds, cfg, s.steps, planner_options=dict(s.options), created_at="")
     # golden headers name the dataset as the case does (not this checkout's absolute path of it), so
@@ -249,60 +247,69 @@ def run_case(case: Case, update: bool = False, exact: bool = False) -> CaseResul
     res.new_mean_s = sum(res.new_times_s) / len(res.new_times_s)
     preds = [sp.prediction.step_time_s for sp in plans if sp.prediction is not None]
     res.predicted_mean_s = sum(preds) / len(preds) if len(preds) == len(plans) else None
-
-    golden_steps = None
     if case.golden.exists():
-        try:
-            reader = PlanReader(case.golden)
-            golden_steps = list(reader)
-            gh = reader.header
-        except InputError as e:
-            res.failures.append(f"{case.name}: unreadable golden plan: {e}")
-            gh = None
-        if gh is not None:
-            stale = _stale(gh, header, golden_steps, plans)
-            if not stale and gh.hashes.profile != header.hashes.profile:
-                res.notes.append(f"{case.name}: the golden plan was made with another cost profile; both plans "
-                                 f"are simulated with the current one")
-            if stale:
-                res.failures.append(f"{case.name}: golden plan {case.golden.name} is stale ({stale}); review the "
-                                    f"change and run `zeppelin check --update`")
-            else:
-                res.golden_times_s = [sim.simulate_step(sp).step_time_s for sp in golden_steps]
-                res.golden_mean_s = sum(res.golden_times_s) / len(res.golden_times_s)
-                if regressed(res.golden_mean_s, res.new_mean_s, s.tolerance):
-                    res.failures.append(
-                        f"{case.name}: {s.planner} mean step time {res.new_mean_s * 1e3:.2f} ms is "
-                        f"{res.change * 100:+.2f}% against the golden {res.golden_mean_s * 1e3:.2f} ms "
-                        f"(tolerance {s.tolerance * 100:g}%); {_regression_detail(res, gh, header)}")
-            # byte for byte: what --update would write against the golden file
-            res.unchanged = golden_steps is not None and gh is not None and case.golden.read_bytes() == _plan_bytes(
-                header, plans)
-            if golden_steps is not None:
-                for what in non_reproducible(golden_steps):
-                    res.notes.append(f"{case.name}: {what} of the golden plan hit a wall-clock safety net "
-                                     f"when it was made")
-            if exact and not stale and golden_steps is not None and not res.unchanged:
-                differ = [sp.step for g, sp in zip(golden_steps, plans)
-                          if g.model_dump(mode="json") != sp.model_dump(mode="json")]
-                where = f"steps {', '.join(map(str, differ))}" if differ else "the header"
-                res.failures.append(f"{case.name}: the new plan is not byte-identical to the golden ({where} "
-                                    f"differ); plans are deterministic, so the planner changed: review and run "
-                                    f"`zeppelin check --update`")
+        _against_golden(case, res, header, plans, sim, exact)
     elif not update:
         res.failures.append(f"{case.name}: no golden plan {case.golden.name} (create it with "
                             f"`zeppelin check --update`)")
     if update:
-        res.failures = [f for f in res.failures if ": golden plan " not in f and ": no golden plan " not in f
-                        and ": unreadable golden plan" not in f and " against the golden " not in f
-                        and " byte-identical to the golden " not in f]
-        if not res.unchanged:
-            with PlanWriter(case.golden, header, "pretty", replaces=True) as w:
-                for sp in plans:
-                    w.write(sp)
-            res.written = True
-            res.notes = [n for n in res.notes if "another cost profile" not in n]  # the new golden has this one
+        _update_golden(case, res, header, plans)
     return res
+
+
+def _against_golden(case: Case, res: CaseResult, header, plans: list, sim, exact: bool) -> None:
+    """The new plan against the case's golden: stale inputs, a slower mean step, a changed byte."""
+    from zeppelin.schemas.plan import PlanReader
+
+    s = case.spec
+    try:
+        reader = PlanReader(case.golden)
+        golden_steps = list(reader)
+        gh = reader.header
+    except InputError as e:
+        res.failures.append(f"{case.name}: unreadable golden plan: {e}")
+        return
+    stale = _stale(gh, header, golden_steps, plans)
+    if not stale and gh.hashes.profile != header.hashes.profile:
+        res.notes.append(f"{case.name}: the golden plan was made with another cost profile; both plans "
+                         f"are simulated with the current one")
+    if stale:
+        res.failures.append(f"{case.name}: golden plan {case.golden.name} is stale ({stale}); review the "
+                            f"change and run `zeppelin check --update`")
+    else:
+        res.golden_times_s = [sim.simulate_step(sp).step_time_s for sp in golden_steps]
+        res.golden_mean_s = sum(res.golden_times_s) / len(res.golden_times_s)
+        if regressed(res.golden_mean_s, res.new_mean_s, s.tolerance):
+            res.failures.append(
+                f"{case.name}: {s.planner} mean step time {res.new_mean_s * 1e3:.2f} ms is "
+                f"{res.change * 100:+.2f}% against the golden {res.golden_mean_s * 1e3:.2f} ms "
+                f"(tolerance {s.tolerance * 100:g}%); {_regression_detail(res, gh, header)}")
+    # byte for byte: what --update would write against the golden file
+    res.unchanged = case.golden.read_bytes() == _plan_bytes(header, plans)
+    for what in non_reproducible(golden_steps):
+        res.notes.append(f"{case.name}: {what} of the golden plan hit a wall-clock safety net when it was made")
+    if exact and not stale and not res.unchanged:
+        differ = [sp.step for g, sp in zip(golden_steps, plans)
+                  if g.model_dump(mode="json") != sp.model_dump(mode="json")]
+        where = f"steps {', '.join(map(str, differ))}" if differ else "the header"
+        res.failures.append(f"{case.name}: the new plan is not byte-identical to the golden ({where} "
+                            f"differ); plans are deterministic, so the planner changed: review and run "
+                            f"`zeppelin check --update`")
+
+
+def _update_golden(case: Case, res: CaseResult, header, plans: list) -> None:
+    """``--update``: the golden's own failures are dropped, and a changed plan is written as the golden."""
+    from zeppelin.schemas.plan import PlanWriter
+
+    res.failures = [f for f in res.failures if ": golden plan " not in f and ": no golden plan " not in f
+                    and ": unreadable golden plan" not in f and " against the golden " not in f
+                    and " byte-identical to the golden " not in f]
+    if not res.unchanged:
+        with PlanWriter(case.golden, header, "pretty", replaces=True) as w:
+            for sp in plans:
+                w.write(sp)
+        res.written = True
+        res.notes = [n for n in res.notes if "another cost profile" not in n]  # the new golden has this one
 
 
 def _regression_detail(res: CaseResult, golden_header, header) -> str:
@@ -415,11 +422,11 @@ def run_check(directory: str | os.PathLike, update: bool = False, workers: int =
 DEFAULT_TOLERANCE = 0.01
 
 
-def check_case_flags(target: Path, unsupported: dict[str, Any], inputs: list) -> None:
-    """Refuse ``--save-case`` with a flag a check case cannot hold, or a target that is not DIR/NAME."""
+def check_case_flags(target: Path, given: list[str], inputs: list) -> None:
+    """Refuse ``--save-case`` with flags a check case cannot hold (``given``), or a target that is not
+    DIR/NAME."""
     from zeppelin.planner.core.inputs import check_path_writable
 
-    given = [flag for flag, value in unsupported.items() if value]
     if given:
         raise InputError(f"--save-case: a check case holds cluster, model, manifest, planner and its options, "
                          f"steps, seed, tokens per step, max sequence length and tp; drop {', '.join(given)}")

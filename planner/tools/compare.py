@@ -82,6 +82,8 @@ class PlannerRun:
     plan_cpu: list[float] = field(default_factory=list)
     sim_cpu: list[float] = field(default_factory=list)
     plans: dict = field(default_factory=dict)  # step -> StepPlan, for the (planner, step) pairs asked to keep
+    options: dict = field(default_factory=dict)  # the options the planner was given
+    layout: dict = field(default_factory=dict)  # group kind -> [fewest, most] units of its groups, over the steps
     error: str | None = None
 
     def stats(self) -> dict[str, Any]:
@@ -101,7 +103,39 @@ class PlannerRun:
             "plan_cpu_mean_s": float(np.mean(self.plan_cpu)) if self.plan_cpu else math.nan,
             "simulate_cpu_mean_s": float(np.mean(self.sim_cpu)) if self.sim_cpu else math.nan,
             "step_times_s": [float(x) for x in t],
+            "options": dict(self.options), "layout": dict(self.layout),
         }
+
+    def add_layout(self, layout: dict[str, list[int]]) -> None:
+        for kind, (lo, hi) in layout.items():
+            was = self.layout.get(kind, [lo, hi])
+            self.layout[kind] = [min(was[0], lo), max(was[1], hi)]
+
+
+def _layout(sp) -> dict[str, list[int]]:
+    """A step plan's attention groups: per kind (local, ring, allgather, ulysses), the fewest and
+    most units one group of that kind spans."""
+    out: dict[str, list[int]] = {}
+    for mb in sp.microbatches:
+        for g in mb.groups:
+            n = len(g.units)
+            was = out.get(g.kind, [n, n])
+            out[g.kind] = [min(was[0], n), max(was[1], n)]
+    return out
+
+
+#: how a configuration names the groups of each kind
+_KIND_NAMES = {"local": "local", "ring": "CP", "allgather": "CP (all-gather)", "ulysses": "SP"}
+
+
+def layout_text(layout: dict[str, list[int]]) -> str:
+    """``CP 16``, ``local + CP 2-8``, ``SP 4``: the groups a planner used, with their sizes in units."""
+    parts = []
+    for kind in sorted(layout, key=lambda k: list(_KIND_NAMES).index(k) if k in _KIND_NAMES else len(_KIND_NAMES)):
+        lo, hi = layout[kind]
+        name = _KIND_NAMES.get(kind, kind)
+        parts.append(name if kind == "local" else f"{name} {lo}" if lo == hi else f"{name} {lo}-{hi}")
+    return " + ".join(parts) or "-"
 
 
 # ------------------------------------------------------------------ worker side
@@ -165,7 +199,7 @@ def _job(arg: tuple[str, int]) -> tuple[str, int, dict[str, Any]]:
     r = _W["sims"].simulate_step(sp)
     kept = {"plan": sp} if (name, k) in _W.get("keep", ()) else {}
     return name, k, {**kept, "time": r.step_time_s, "lb": r.lower_bound_s, "exposed": r.exposed_comm_s, "latency": lat,
-                     "span_nodes": _max_group_nodes(ctx, sp),
+                     "span_nodes": _max_group_nodes(ctx, sp), "layout": _layout(sp),
                      "predicted": sp.prediction.step_time_s if sp.prediction else r.step_time_s,
                      "plan_cpu": plan_cpu, "sim_cpu": time.process_time() - c1}
 
@@ -199,6 +233,9 @@ def run_compare(ctx: PlanContext, steps: list[list], planners: list[str],
     jobs = job_order(planners, len(steps))
     note = Progress(len(jobs)) if progress else None
     runs = {p: PlannerRun(p) for p in planners}
+    for p, given in options.items():
+        if p in runs:
+            runs[p].options = dict(given)
     out: dict[tuple[str, int], dict] = {}
     failed_at: dict[str, int] = {}  # planner -> smallest failing step seen so far
     if workers <= 1 or len(jobs) <= 1:
@@ -252,6 +289,7 @@ def run_compare(ctx: PlanContext, steps: list[list], planners: list[str],
             run.predicted.append(res["predicted"])
             run.plan_cpu.append(res["plan_cpu"])
             run.sim_cpu.append(res["sim_cpu"])
+            run.add_layout(res["layout"])
             if "plan" in res:
                 run.plans[k] = res["plan"]
     return [runs[p] for p in planners]
@@ -486,6 +524,24 @@ def draw_png(doc: dict[str, Any], title: str, path) -> None:
     save_png(fig, path, dpi=100)
 
 
+def setting(ctx: PlanContext, dataset: str, steps: int, sampler) -> dict[str, Any]:
+    """What a comparison was made for (the top-level fields of ``compare --json``)."""
+    return {"cluster": ctx.cluster.name, "world_size": ctx.cluster.world_size, "model": ctx.model.name, "tp": ctx.tp,
+            "zero_stage": ctx.zero_stage, "recompute": ctx.recompute, "dataset": dataset, "steps": steps,
+            "tokens_per_step": sampler.tokens_per_step, "seqs_per_step": sampler.seqs_per_step}
+
+
+def compare_title(ctx: PlanContext, manifest: str | None, steps: int, sampler) -> str:
+    """The title of ``compare``'s table: the setting, the data and the step budget."""
+    cl = ctx.cluster
+    memory = "" if (ctx.zero_stage, ctx.recompute) == (1, "none") else \
+        f", ZeRO-{ctx.zero_stage}, recompute {ctx.recompute}"
+    budget = (f"{sampler.tokens_per_step:,} tokens" if sampler.tokens_per_step is not None
+              else f"{sampler.seqs_per_step:,} sequences")
+    return (f"{cl.name} ({cl.world_size} GPUs), {ctx.model.name}, tp={ctx.tp}{memory}, "
+            f"{manifest or 'the shipped sample'}, {steps} steps of {budget}")
+
+
 def default_workers() -> int:
     return max(1, os.cpu_count() or 1)
 
@@ -534,7 +590,10 @@ def verdict(doc: dict[str, Any], ctx: PlanContext, steps: list[list], baseline: 
         b = by[name]
         lo, hi = spread(step_ratios(b["step_times_s"], z["step_times_s"]))
         out["rows"].append({"baseline": name, "system": BASELINE_SYSTEMS.get(name, name),
-                            "speedup": b["mean_s"] / z["mean_s"], f"p{SPREAD[0]}": lo, f"p{SPREAD[1]}": hi})
+                            "speedup": b["mean_s"] / z["mean_s"], f"p{SPREAD[0]}": lo, f"p{SPREAD[1]}": hi,
+                            "layout": layout_text(b.get("layout", {})),
+                            "options": _set_options(name, b.get("options", {}))})
+    out["setting"] = {"tp": ctx.tp, "zero_stage": ctx.zero_stage, "recompute": ctx.recompute}
     ref = baseline or ("te-cp" if "te-cp" in names else names[0] if names else None)
     ar = float(ctx.cost.step_collectives_time(1, ctx.num_units))
     for name in ["zeppelin", *([ref] if ref else [])]:
@@ -545,6 +604,35 @@ def verdict(doc: dict[str, Any], ctx: PlanContext, steps: list[list], baseline: 
                      "gpus_to_hold_longest": -(-longest // cap) if cap > 0 else None}
     out["assumptions"] = doc.get("prediction_error") or {}
     return out
+
+
+def _set_options(planner: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The options of ``planner`` that are not at their default (what the user set)."""
+    from zeppelin.planner.core.base import PLANNERS
+
+    specs = {s.name: s for s in PLANNERS[planner].Options.specs()} if planner in PLANNERS else {}
+    return {k: v for k, v in options.items() if k not in specs or specs[k].default != v}
+
+
+def _value_text(v: Any) -> str:
+    return ",".join(map(str, v)) if isinstance(v, (list, tuple)) else f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def configuration_lines(v: dict[str, Any], width: int = 80) -> list[str]:
+    """Each baseline as it ran: the groups it split sequences into (CP / SP sizes in units) and the
+    options set, after the setting every planner shared (tp, ZeRO stage, recompute)."""
+    import textwrap
+
+    s = v.get("setting")
+    if not s or not v["rows"]:
+        return []
+    items = []
+    for r in v["rows"]:
+        opts = ", ".join(f"{k}={_value_text(x)}" for k, x in r["options"].items())
+        items.append(f"{r['baseline']} {r['layout']}" + (f" ({opts})" if opts else ""))
+    text = (f"as run (tp={s['tp']}, ZeRO-{s['zero_stage']}, recompute {s['recompute']}; sizes in units): "
+            + "; ".join(items))
+    return textwrap.wrap(text, width, subsequent_indent="  ", break_on_hyphens=False)
 
 
 def verdict_lines(v: dict[str, Any]) -> list[str]:
@@ -558,6 +646,7 @@ def verdict_lines(v: dict[str, Any]) -> list[str]:
         mine = "  (yours)" if r["baseline"] == v["baseline"] else ""
         lines.append(f"  {r['speedup']:5.2f}x  {r[f'p{lo_q}']:.2f}-{r[f'p{hi_q}']:.2f}  {r['baseline']:<{width}}  "
                      f"{r['system']}{mine}")
+    lines += configuration_lines(v)
     a = v.get("assumptions") or {}
     if a.get("given"):
         lines.append("assumes: " + prediction_error_text(a))

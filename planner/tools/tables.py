@@ -19,7 +19,8 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["console", "render_text", "simulate_step_tables", "simulate_summary_table", "table"]
+__all__ = ["console", "fmt_tokens", "print_stats", "render_text", "simulate_step_tables", "simulate_summary_table",
+           "stats_payload", "table"]
 
 
 @functools.cache
@@ -198,3 +199,68 @@ def simulate_step_tables(r):
     for k, v in r.nics.items():
         nt.add_row(k, f"{v.bytes / 1e9:.3f}", _ms(v.busy_s), f"{v.busy_frac * 100:.1f}", f"{v.util * 100:.1f}")
     return t, nt
+
+
+# ------------------------------------------------------------------ a dataset's statistics (data stats, demo)
+BAR_WIDTH = 14
+
+
+def fmt_tokens(n: float) -> str:
+    """Compact token counts: 512, 4K, 1.5K, 128K, 2M (K = 1024)."""
+    n = float(n)
+    for div, suf in ((1 << 30, "G"), (1 << 20, "M"), (1 << 10, "K")):
+        if n >= div:
+            v = n / div
+            return f"{v:.0f}{suf}" if abs(v - round(v)) < 0.05 or v >= 100 else f"{v:.1f}{suf}"
+    return f"{n:.0f}"
+
+
+def _bar(share: float, top: float) -> str:
+    if top <= 0:
+        return ""
+    cells = share / top * BAR_WIDTH
+    full = int(cells)
+    frac = cells - full
+    partial = " ▏▎▍▌▋▊▉"[int(frac * 8)] if full < BAR_WIDTH else ""
+    return ("█" * full + partial).rstrip()
+
+
+def stats_payload(dataset) -> dict[str, Any]:
+    """Everything `data stats --json` prints: the dataset description plus the histogram."""
+    from zeppelin.schemas.datasets import length_histogram
+
+    d = dataset.describe()
+    d["histogram"] = length_histogram(dataset.lengths)
+    return d
+
+
+def print_stats(dataset, con=None, title: str | None = None) -> None:
+    """Summary table and log2 length histogram with rich, on ``con`` (default: :func:`console`)."""
+    from rich.table import Table
+
+    con = con or console()
+    d = stats_payload(dataset)
+    t = Table(title=title or f"manifest {dataset.source}", show_header=False, title_justify="left")
+    t.add_column("", style="bold")
+    t.add_column("")
+    t.add_row("format", f"{d['format']} ({d['shards']} shard{'s' if d['shards'] != 1 else ''})"
+              + (", token ids" if d["has_tokens"] else ""))
+    t.add_row("samples", f"{d['num_samples']:,}")
+    t.add_row("tokens", f"{d['num_tokens']:,}")
+    t.add_row("mean length", f"{d['mean']:,.1f}")
+    t.add_row("min / max", f"{d['min']:,} / {d['max']:,}")
+    t.add_row("percentiles", "  ".join(f"{k} {v:,.0f}" for k, v in d["percentiles"].items()))
+    t.add_row("content hash", d["content_hash"])
+    con.print(t)
+    hist = d["histogram"]
+    top_s = max(b["sample_share"] for b in hist)
+    top_t = max(b["token_share"] for b in hist)
+    h = table("length histogram (log2 buckets)", [("length", "right"), "samples", "% samples", ("", "left"),
+                                                  "% tokens", ("", "left")])
+    h.columns[3].style, h.columns[3].min_width = "cyan", BAR_WIDTH
+    h.columns[5].style, h.columns[5].min_width = "magenta", BAR_WIDTH
+    for b in hist:
+        h.add_row(f"{fmt_tokens(b['lo'])}-{fmt_tokens(b['hi'])}", f"{b['samples']:,}",
+                  f"{100 * b['sample_share']:.2f}", _bar(b["sample_share"], top_s),
+                  f"{100 * b['token_share']:.2f}", _bar(b["token_share"], top_t))
+    con.print(h)

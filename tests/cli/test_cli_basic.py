@@ -113,7 +113,7 @@ def test_demo_stage_selection_and_crossovers():
     """The cost stage's crossovers agree with the cost model they are derived from."""
     from rich.console import Console
 
-    from zeppelin.planner.cli.basic import DEMO_STAGES, DemoContext
+    from zeppelin.planner.tools.demo import DEMO_STAGES, DemoContext
     from zeppelin.planner.costmodel.cost import CostModel
     from zeppelin.schemas.cluster import cluster_preset
     from zeppelin.schemas.model import model_preset
@@ -141,7 +141,7 @@ def test_demo_stage_selection_and_crossovers():
 
 
 def test_demo_bad_inputs(capsys):
-    from zeppelin.planner.cli.basic import DEMO_STAGES
+    from zeppelin.planner.tools.demo import DEMO_STAGES
 
     assert run(["demo", "--cluster", "nope"], capsys)[2] == (
         "zeppelin: error: unknown cluster preset 'nope' (known: zeppelin-a, zeppelin-b, zeppelin-c, flexsp-a100, "

@@ -11,6 +11,10 @@
   something else; every command reading a manifest takes the field flags. Spellings of the previous
   release are listed in ``planner/cli/common.py`` (``DEPRECATED``).
 
+* The flags of ``plan``, ``compare`` and ``demo`` are declared only in ``planner/tools/config.py``
+  (the planning flags once, shared by the three) and generated from there (``planner/cli/common.py``);
+  no module declares a planning flag by hand.
+
 * Planner options are declared only by each planner's ``Options`` dataclass
   (``planner/core/options.py``), and ``zeppelin run``'s flags only by the fields of
   ``RunConfig`` / ``LaunchConfig`` (``runtime/config.py``): no module reads options with
@@ -148,6 +152,83 @@ def test_zeppelin_plan_flags_come_from_zeppelin_options():
                        ("--intra", "intra"), ("--families", "families"), ("--time-limit", "time_limit")):
         assert flag in plan[name]["names"]
         assert plan[name]["default"] == ZeppelinOptions.spec(name).default, flag
+
+
+# ------------------------------------------------------------------ plan, compare, demo: one declared source
+#: the functions that turn a declared flag into a typer option (planner/cli/common.py for the
+#: planning commands, planner/cli/run.py for `zeppelin run`): no other code may
+GENERATORS = {("planner/cli/common.py", "option"), ("planner/cli/run.py", "_parameter")}
+
+
+def hand_declared(source: str, rel: str, spellings: set[str]) -> list[str]:
+    """The typer options and arguments of ``source`` (module ``rel``) declared outside the generators
+    that name a planning flag, or whose names are not written out (only a generator reads them from
+    a declaration)."""
+    tree = ast.parse(source)
+    found = []
+
+    def visit(node, func: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            name = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else func
+            if (isinstance(child, ast.Call) and ast.unparse(child.func) in ("typer.Option", "typer.Argument",
+                                                                             "Option", "Argument")
+                    and (rel, func) not in GENERATORS):
+                names = [a.value for a in child.args[1:] if isinstance(a, ast.Constant)]
+                where = f"{rel}:{child.lineno} in {func or 'the module'}"
+                if any(not isinstance(a, ast.Constant) for a in child.args[1:]):
+                    found.append(f"{where}: {ast.unparse(child.func)}(...) with names that are not written out")
+                found.extend(f"{where}: {n} (a planning flag)" for n in names if n in spellings)
+            visit(child, name)
+
+    visit(tree, "")
+    return found
+
+
+def _planning_spellings() -> set[str]:
+    from zeppelin.planner.tools.config import PLANNING
+
+    return {n for f in PLANNING for n in f.flags}
+
+
+def test_planning_flags_are_declared_only_in_the_planning_config():
+    """Every flag of plan, compare and demo is declared in planner/tools/config.py and generated from
+    there; no module of planner/cli/ declares a planning flag (--cluster, --zero-stage, -O, ...) by
+    hand, whatever command it is for."""
+    spellings = _planning_spellings()
+    found = []
+    for path in sorted((ROOT / "planner").rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        found += hand_declared(path.read_text(), rel, spellings)
+    assert not found, "planning flags declared outside planner/tools/config.py:\n  " + "\n  ".join(found)
+
+    from zeppelin.planner.tools.config import COMMANDS, PLANNING
+
+    surf = surface()
+    for cmd, flags in COMMANDS.items():
+        params = {p["name"]: p for p in surf[f"zeppelin {cmd}"]}
+        assert list(params) == [f.name for f in flags], cmd  # exactly the declared flags, in their order
+        for f in flags:
+            assert params[f.name]["names"] == sorted(f.flags), (cmd, f.name)
+            assert params[f.name]["flag"] == (f.kind is bool), (cmd, f.name)
+            if f.default is not ...:
+                assert params[f.name]["default"] == _default(f.default), (cmd, f.name)
+        # the planning flags: all of them in each of the three, with the same names and kind
+        shared = {f.name: f for f in PLANNING}
+        assert all(name in params and params[name]["names"] == sorted(f.flags) for name, f in shared.items()), cmd
+
+
+def test_a_hand_declared_planning_flag_is_caught():
+    spellings = _planning_spellings()
+    src = ("import typer\n"
+           "def plan(zero: int = typer.Option(1, '--zero-stage', help='ZeRO stage'),\n"
+           "         png: str = typer.Option(None, '--png')):\n    pass\n"
+           "def other(x=typer.Option(None, *FLAGS)):\n    pass\n")
+    assert hand_declared(src, "planner/cli/plan.py", spellings) == [
+        "planner/cli/plan.py:2 in plan: --zero-stage (a planning flag)",
+        "planner/cli/plan.py:5 in other: typer.Option(...) with names that are not written out"]
+    assert hand_declared(src, "planner/cli/common.py", spellings)[:1] == [
+        "planner/cli/common.py:2 in plan: --zero-stage (a planning flag)"]  # only the generator function may
+    assert "--recompute" in spellings and "-O" in spellings and "--png" not in spellings
 
 
 def test_run_flags_are_declared_only_by_the_config_dataclasses():

@@ -141,18 +141,27 @@ def test_readme_and_architecture_page_match_the_tree():
         assert f"\n{folder}/" in readme, f"README layout misses {folder}/"
 
 
-#: the longest function or method (lines, decorators excluded) allowed in planner/zeppelin/
+#: the longest function or method (lines, decorators excluded) allowed in planner/zeppelin/,
+#: planner/tools/ and planner/cli/
 MAX_FUNCTION_LINES = 80
+#: the folders held to it, and the functions allowed longer (each with the reason)
+SHORT_FUNCTION_FOLDERS = ("zeppelin", "tools", "cli")
+LONG_FUNCTIONS_ALLOWED = {
+    "planner/cli/run.py:run": "zeppelin run's launcher, being split with the runtime's reorganisation",
+}
 
 
-def test_zeppelin_planner_functions_are_short():
-    """Every function and method of planner/zeppelin/ (nested ones included) fits on a screen, so
-    each does one job (docs/ARCHITECTURE.md: stages, candidate families and the one selector)."""
+def test_planner_functions_are_short():
+    """Every function and method of planner/zeppelin/, planner/tools/ and planner/cli/ (nested ones
+    included) fits on a screen, so each does one job (docs/ARCHITECTURE.md: stages, candidate
+    families and the one selector; commands generated from their declared flags)."""
     long = []
-    for path in sorted((ROOT / "planner" / "zeppelin").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                lines = node.end_lineno - node.lineno + 1
-                if lines > MAX_FUNCTION_LINES:
-                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    for folder in SHORT_FUNCTION_FOLDERS:
+        for path in sorted((ROOT / "planner" / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT)
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    lines = node.end_lineno - node.lineno + 1
+                    if lines > MAX_FUNCTION_LINES and f"{rel}:{node.name}" not in LONG_FUNCTIONS_ALLOWED:
+                        long.append(f"{rel}:{node.lineno} {node.name} ({lines} lines)")
     assert not long, "\n".join(long)
