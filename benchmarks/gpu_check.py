@@ -84,7 +84,7 @@ class Check:
         self.dry = args.dry_run
         self.size = SIZES["dry" if self.dry else "gpu"]
         self.t0 = time.monotonic()
-        self.budget = args.budget_s
+        self.budget = args.budget_s or (1200.0 if self.dry else 450.0)
         self.out = Path(args.out or os.environ.get("OUT") or "gpu_check_out").resolve()
         self.out.mkdir(parents=True, exist_ok=True)
         self.work = Path(tempfile.mkdtemp(prefix="zeppelin-gpu-check-"))
@@ -662,7 +662,8 @@ def section_two_ranks(chk: Check) -> dict:
 
 # ---------------------------------------------------------------------------------------- report
 def table(results: dict) -> str:
-    """The short table: one line per figure the GPU issue checks."""
+    """The short table: one line per figure the GPU issue checks (a section whose figures are
+    missing says so instead)."""
     lines = [f"{'section':<12} {'figure':<44} value"]
 
     def add(sec, what, val):
@@ -671,41 +672,48 @@ def table(results: dict) -> str:
     for sec in SECTIONS:
         r = results.get(sec, {})
         if not r.get("ok"):
-            add(sec, "FAILED" if "error" in r else "SKIPPED", (r.get("error") or r.get("skipped") or "")[:120])
+            add(sec, "FAILED" if "error" in r else "SKIPPED", (r.get("error") or r.get("skipped") or "not run")[:120])
             continue
-        if sec == "environment":
-            add(sec, "device / torch / cuda", f"{r['device']} / {r['torch']} / {r['cuda']}")
-            add(sec, "dispatch bf16 (diag, full, varlen, mask)", ", ".join(r["dispatch"]["bfloat16"].values()))
-        elif sec == "kernels":
-            for name, row in r["local"].items():
-                add(sec, f"local {name}: runtime / sdpa / varlen TF/s", f"{row['runtime_tflops']:.1f} / "
-                    f"{row['sdpa_flash_tflops']:.1f} / {row['torch_varlen'].get('tflops', float('nan')):.1f} "
-                    f"(ratio {row['runtime_vs_best_torch']:.2f}, {row['kernel']})")
-            for n, row in r["ring_blocks"].items():
-                add(sec, f"ring block {n}: full / diag vs local", f"{row['full']['vs_local']:.2f} / {row['diag']['vs_local']:.2f}")
-            worst = max(r["errors"].items(), key=lambda kv: kv[1]["worst_rel"])
-            add(sec, "bf16 vs fp32, worst relative error", f"{worst[1]['worst_rel']:.2e} ({worst[0]})")
-        elif sec in ("whole_step", "cost_model"):
-            st = r if sec == "whole_step" else r["with_profile"]
-            if sec == "whole_step":
-                mfu = "-" if st["mfu"] is None else f"{st['mfu']:.1%}"
-                add(sec, "tokens/s, MFU", f"{st['tokens_per_s']:,.0f}, {mfu}")
-                ratio = st["memory_measured_over_predicted"]
-                add(sec, "peak memory measured / predicted", "-" if ratio is None else f"{ratio:.3f}")
-            err = st["step_error"]["median_abs"]
-            add(sec, "step time prediction error (median |err|)", "-" if err is None else f"{err:.1%}")
-        elif sec == "two_ranks":
-            for n in ("runtime", "gloo_cuda"):
-                a = r.get(n) or {}
-                add(sec, f"2-rank ring --verify ({n})", "ok" if a.get("ok") else (a.get("error") or "-")[:100])
+        try:
+            _table_rows(sec, r, lambda what, val, sec=sec: add(sec, what, val))
+        except (KeyError, TypeError, ValueError) as e:
+            add(sec, "figures missing", f"{type(e).__name__}: {e}")
     return "\n".join(lines) + "\n"
+
+
+def _table_rows(sec: str, r: dict, add) -> None:
+    if sec == "environment":
+        add("device / torch / cuda", f"{r['device']} / {r['torch']} / {r['cuda']}")
+        add("dispatch bf16 (diag, full, varlen, mask)", ", ".join(r["dispatch"]["bfloat16"].values()))
+    elif sec == "kernels":
+        for name, row in r["local"].items():
+            add(f"local {name}: runtime / sdpa / varlen TF/s", f"{row['runtime_tflops']:.1f} / "
+                f"{row['sdpa_flash_tflops']:.1f} / {row['torch_varlen'].get('tflops', float('nan')):.1f} "
+                f"(ratio {row['runtime_vs_best_torch']:.2f}, {row['kernel']})")
+        for n, row in r["ring_blocks"].items():
+            add(f"ring block {n}: full / diag vs local", f"{row['full']['vs_local']:.2f} / {row['diag']['vs_local']:.2f}")
+        worst = max(r["errors"].items(), key=lambda kv: kv[1]["worst_rel"])
+        add("bf16 vs fp32, worst relative error", f"{worst[1]['worst_rel']:.2e} ({worst[0]})")
+    elif sec in ("whole_step", "cost_model"):
+        st = r if sec == "whole_step" else r["with_profile"]
+        if sec == "whole_step":
+            add("tokens/s, MFU", f"{st['tokens_per_s']:,.0f}, {'-' if st['mfu'] is None else format(st['mfu'], '.1%')}")
+            ratio = st["memory_measured_over_predicted"]
+            add("peak memory measured / predicted", "-" if ratio is None else f"{ratio:.3f}")
+        err = st["step_error"]["median_abs"]
+        add("step time prediction error (median |err|)", "-" if err is None else f"{err:.1%}")
+    elif sec == "two_ranks":
+        for n in ("runtime", "gloo_cuda"):
+            if n in r:
+                add(f"2-rank ring --verify ({n})", "ok" if r[n].get("ok") else (r[n].get("error") or "-")[:100])
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: every code path, meaningless figures")
     ap.add_argument("--out", help="output folder (default: $OUT, else ./gpu_check_out)")
-    ap.add_argument("--budget-s", type=float, default=450.0, help="global time budget in seconds (default 450)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="global time budget in seconds (default 450; the dry run, on a loaded CPU: 1200)")
     ap.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated sections to run")
     args = ap.parse_args(argv)
     chk = Check(args)

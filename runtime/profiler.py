@@ -59,7 +59,7 @@ FULL = dict(att=[16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192],
 # the fewest points each fit takes, timed twice: seconds on a CPU, for checking that profiling runs
 # end to end (benchmarks/gpu_check.py --dry-run); its fits are rough
 SMOKE = dict(att=[64, 128, 256, 512], lin=[64, 256, 1024], tp_lin=[256, 1024, 2048], tp_reps=1,
-             p2p=[2**10, 2**14, 2**17], remap=[16, 128, 512], fsdp=256, reps=2, warmup=1)
+             p2p=[2**10, 2**14, 2**17], remap=[16, 128, 512], fsdp=256, mem=(32, 64), reps=2, warmup=1)
 
 
 class Timer:
@@ -808,7 +808,7 @@ def main(argv=None) -> int:
         say(f"decoder layer without attention under tensor parallelism (TP {', '.join(map(str, tp_degrees(gpn, model)))}) ...")
         tp_lin = measure_tp_layer(model, grid["tp_lin"], gpn, dev, timer, grid["tp_reps"], warm)
     say("activation memory per token by recompute mode ...")
-    act_mem = measure_activation_memory(model, dev)
+    act_mem = measure_activation_memory(model, dev, grid.get("mem", MEMORY_TOKENS))
     say("optimizer step and gradient all-reduce ...")
     opt_s, nparams = measure_optimizer(model, dev, timer, reps, warm)
     ar = measure_grad_allreduce(model, dev, reps, warm) if world > 1 else {}
