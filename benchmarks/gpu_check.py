@@ -118,7 +118,7 @@ class Check:
         self.log.flush()
         t1 = time.monotonic()
         try:
-            r = subprocess.run(cmd, cwd=self.work, env=env, capture_output=True, text=True, timeout=t)
+            r = subprocess.run(cmd, cwd=self.work, env=env, capture_output=True, text=True, timeout=t, check=False)
         except subprocess.TimeoutExpired as e:
             raise OutOfTime(f"zeppelin {args[0]} did not finish within {t:.0f} s") from e
         self.log.write(r.stdout + r.stderr + f"[exit {r.returncode} after {time.monotonic() - t1:.1f} s]\n")
@@ -173,7 +173,7 @@ def section_environment(chk: Check) -> dict:
                    "aten_flash": caps.aten_flash, "aten_efficient": caps.aten_efficient})
         with contextlib.suppress(Exception):
             q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                               capture_output=True, text=True, timeout=20)
+                               capture_output=True, text=True, timeout=20, check=False)
             res["nvidia_smi"] = q.stdout.strip()
     res["dispatch"] = {dt: {k: kernels.choose(dev, getattr(torch, dt), k, chk.size["head_dim"])
                             for k in ("diag", "full", "varlen", "mask")} for dt in ("bfloat16", "float16", "float32")}
@@ -649,7 +649,7 @@ def _probe(chk: Check, backend: str) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), dev, "nccl"]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=min(120, chk.left()), cwd=chk.work,
-                           env=_shim_env(backend))
+                           env=_shim_env(backend), check=False)
     except subprocess.TimeoutExpired:
         return {"error": "the probe hung (killed after its timeout)"}
     chk.log.write(f"\n$ probe {backend} on {dev}\n{r.stdout}{r.stderr}[exit {r.returncode}]\n")
@@ -680,7 +680,7 @@ def section_two_ranks(chk: Check) -> dict:
     for name, backend in attempts.items():
         try:
             # a rank that cannot start must not hold the budget: 60 s per collective, 240 s in all
-            report, metrics = _run_plan(chk, plan, "tiny", f"ring2-{name}", "--verify", "--timeout", "60",
+            _, metrics = _run_plan(chk, plan, "tiny", f"ring2-{name}", "--verify", "--timeout", "60",
                                         env=_shim_env(backend) if backend else None, timeout=240)
             v = metrics[-1].get("verify") or {}
             res[name] = {"ok": bool(v.get("ok")), "verify": v, "step_time_s": metrics[-1]["step_time_s"],

@@ -65,7 +65,7 @@ def wheel_metadata(path: Path) -> tuple[str, list[str]]:
     with zipfile.ZipFile(path) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
         text = z.read(meta).decode()
-    name = re.search(r"^Name: (.+)$", text, re.M).group(1).strip()
+    name = re.search(r"^Name: (.+)$", text, re.MULTILINE).group(1).strip()
     return norm(name), [ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("Requires-Dist:")]
 
 

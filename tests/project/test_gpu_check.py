@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import gpu_check  # noqa: E402
+import gpu_check
 
 
 @pytest.fixture(scope="module")

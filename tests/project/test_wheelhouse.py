@@ -7,14 +7,15 @@ import importlib.metadata as md
 import json
 import subprocess
 import sys
-import tomllib
 import zipfile
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import wheelhouse  # noqa: E402
+import wheelhouse
 
 PROVIDED = {"torch", "transformers", "safetensors", "tokenizers", "numpy", "triton"}
 
