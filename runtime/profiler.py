@@ -56,6 +56,10 @@ FULL = dict(att=[16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192],
             tp_lin=[64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384], tp_reps=10,
             p2p=[2**10, 2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24], remap=[16, 64, 256, 1024, 4096, 16384],
             fsdp=1024, reps=10, warmup=3)
+# the fewest points each fit takes, timed twice: seconds on a CPU, for checking that profiling runs
+# end to end (benchmarks/gpu_check.py --dry-run); its fits are rough
+SMOKE = dict(att=[64, 128, 256, 512], lin=[64, 256, 1024], tp_lin=[256, 1024, 2048], tp_reps=1,
+             p2p=[2**10, 2**14, 2**17], remap=[16, 128, 512], fsdp=256, mem=(32, 64), reps=2, warmup=1)
 
 
 class Timer:
@@ -762,6 +766,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="small")
     ap.add_argument("--nodes", type=int, default=1, help="how many 'nodes' the processes form (local-cpu)")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="the smallest grids (seconds; rough fits)")
     ap.add_argument("-o", "--output", required=True)
     ap.add_argument("--cluster-name", default="")
     a = ap.parse_args(argv)
@@ -781,7 +786,7 @@ def main(argv=None) -> int:
         dist.destroy_process_group()
         return 2
     gpn = world // a.nodes
-    grid = QUICK if a.quick else FULL
+    grid = SMOKE if a.smoke else QUICK if a.quick else FULL
     reps, warm = grid["reps"], grid["warmup"]
     timer = Timer(dev)
 
@@ -790,7 +795,7 @@ def main(argv=None) -> int:
             print(f"[profile] {msg}", file=sys.stderr, flush=True)
 
     t_start = time.perf_counter()
-    say(f"{world} ranks ({a.nodes} node(s) x {gpn}), model {model.name}, {'quick' if a.quick else 'full'} grid")
+    say(f"{world} ranks ({a.nodes} node(s) x {gpn}), model {model.name}, {'smoke' if a.smoke else 'quick' if a.quick else 'full'} grid")
     say("attention forward+backward ...")
     att, att_packs = measure_attention(model, grid["att"], dev, timer, reps, warm)
     blocks = grid["att"][:-1]
@@ -803,7 +808,7 @@ def main(argv=None) -> int:
         say(f"decoder layer without attention under tensor parallelism (TP {', '.join(map(str, tp_degrees(gpn, model)))}) ...")
         tp_lin = measure_tp_layer(model, grid["tp_lin"], gpn, dev, timer, grid["tp_reps"], warm)
     say("activation memory per token by recompute mode ...")
-    act_mem = measure_activation_memory(model, dev)
+    act_mem = measure_activation_memory(model, dev, grid.get("mem", MEMORY_TOKENS))
     say("optimizer step and gradient all-reduce ...")
     opt_s, nparams = measure_optimizer(model, dev, timer, reps, warm)
     ar = measure_grad_allreduce(model, dev, reps, warm) if world > 1 else {}

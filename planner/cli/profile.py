@@ -23,6 +23,8 @@ def profile(
     nodes: int = typer.Option(1, "--nodes", help="on one CPU machine: how many 'nodes' the processes form"),
     model: str = common.option(config.MODEL.but(default="small", help="model preset or JSON whose kernels are timed")),
     quick: bool = typer.Option(False, "--quick", help="small grids: under two minutes on a laptop-class CPU"),
+    smoke: bool = typer.Option(False, "--smoke", help="the smallest grids (seconds): checks that profiling runs "
+                                                      "end to end; the fits are rough"),
     cluster_name: str = typer.Option("", "--cluster-name", help="name recorded in the profile"),
     check: bool = typer.Option(True, "--check/--no-check",
                                help="after fitting, plan a few short steps with the profile, run them here and "
@@ -57,7 +59,7 @@ def profile(
         extra = ["--standalone"] + extra
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", *extra,
            "-m", "zeppelin.runtime.profiler", "--model", model, "--nodes", str(nodes), "-o", str(output),
-           "--cluster-name", cluster_name] + (["--quick"] if quick else [])
+           "--cluster-name", cluster_name] + (["--quick"] if quick else []) + (["--smoke"] if smoke else [])
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
     proc = subprocess.run(cmd, env=env, capture_output=False, stdout=subprocess.PIPE, text=True)
     if proc.returncode != 0:
