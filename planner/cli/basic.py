@@ -10,7 +10,8 @@ from typing import Any, Callable, Optional
 import typer
 
 from zeppelin.planner.cli import common
-from zeppelin.schemas.common import MAX_SEED, MAX_TOKENS, InputError, atomic_write_text, check_float, check_int
+from zeppelin.schemas.common import MAX_SEED, MAX_TOKENS, InputError, check_float, check_int
+from zeppelin.schemas.io.safefiles import atomic_write_text
 
 SCHEMAS = ("cluster", "model", "manifest", "profile", "plan", "step", "case")
 

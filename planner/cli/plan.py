@@ -144,7 +144,7 @@ def plan(
     if output is not None:
         check_path_writable(output, [manifest, *input_refs(cluster, model, profile)])
         if stream:
-            from zeppelin.schemas.stream import chain_path
+            from zeppelin.schemas.io.stream import chain_path
 
             check_path_writable(chain_path(output), [manifest, *input_refs(cluster, model, profile)])
     if save_case is not None:
@@ -221,7 +221,7 @@ def plan(
     counts, t_counts = PlanSummary(), 0.0
     sim = None if quiet and not explain else Simulator(context_from_header(header))
     if stream:
-        from zeppelin.schemas.stream import StreamingPlanWriter
+        from zeppelin.schemas.io.stream import StreamingPlanWriter
 
         writer = StreamingPlanWriter(output, header, fmt)
     else:
@@ -328,7 +328,7 @@ def validate(
     md = resolve_model(model) if model else None
     pf = None
     if profile:
-        from zeppelin.schemas.common import load_doc
+        from zeppelin.schemas.io.documents import load_doc
         from zeppelin.schemas.profile import CostProfile
 
         pf = load_doc(CostProfile, profile)

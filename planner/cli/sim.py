@@ -15,11 +15,10 @@ from zeppelin.schemas.common import (
     MAX_TOKENS,
     MAX_WORKERS,
     InputError,
-    atomic_write_text,
     check_float,
     check_int,
-    same_file,
 )
+from zeppelin.schemas.io.safefiles import atomic_write_text, same_file
 
 
 def _emit_json(doc: dict, output: Path | None) -> None:
