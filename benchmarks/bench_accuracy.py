@@ -79,7 +79,7 @@ def _with_second_profile(row: dict, profile_path: Path) -> None:
     """Predict the row's steps again with a profile taken after the runs: the relative error
     against the measurements, and the drift between the two profiles' predictions."""
     from zeppelin.planner.sim.report import build_report, error_summary, load_metrics
-    from zeppelin.schemas.common import load_doc
+    from zeppelin.schemas.io.documents import load_doc
     from zeppelin.schemas.plan import PlanReader
     from zeppelin.schemas.profile import CostProfile
 

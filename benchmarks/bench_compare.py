@@ -642,7 +642,7 @@ def main(argv=None) -> None:
         command = ".venv/bin/python benchmarks/bench_compare.py" + (f" {argv_s}" if argv_s else "")
     summ, lines = findings(cells)
     out_dir = args.out_dir
-    from zeppelin.schemas.common import atomic_write_text
+    from zeppelin.schemas.io.safefiles import atomic_write_text
 
     (out_dir / "img").mkdir(parents=True, exist_ok=True)
     for k, cl in CLUSTERS.items():

@@ -1,7 +1,7 @@
 """Manifest loading at scale: 10 million samples as JSONL, Parquet and .npy.
 
 Writes each manifest to a temporary directory, then loads it through
-``zeppelin.schemas.datasets.load_manifest`` in a fresh subprocess per format: the median of
+``zeppelin.schemas.io.datasets.load_manifest`` in a fresh subprocess per format: the median of
 ``--repeats`` load times, and the peak resident memory the load added over the process's
 footprint just before the load (Linux ``VmHWM`` after resetting it through
 ``/proc/self/clear_refs``; the largest over the repeats). Prints one JSON object.
@@ -26,7 +26,7 @@ import numpy as np
 
 CHILD = r"""
 import json, statistics, sys, time
-from zeppelin.schemas.datasets import load_manifest
+from zeppelin.schemas.io.datasets import load_manifest
 import numpy as np
 
 def status(key):

@@ -226,8 +226,8 @@ def main(argv=None) -> int:
     from zeppelin.planner.core.base import PlanContext
     from zeppelin.planner.core.sampler import run_max_seq_len, sample_steps
     from zeppelin.schemas.cluster import cluster_preset
-    from zeppelin.schemas.common import load_doc
-    from zeppelin.schemas.datasets import load_manifest
+    from zeppelin.schemas.io.datasets import load_manifest
+    from zeppelin.schemas.io.documents import load_doc
     from zeppelin.schemas.model import model_preset
     from zeppelin.schemas.plan import SamplerConfig
     from zeppelin.schemas.profile import CostProfile

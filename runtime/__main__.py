@@ -34,7 +34,7 @@ def _report(rank: int, message: str, code: int, tb: str | None = None) -> None:
     sys.stderr.flush()
     d = os.environ.get("ZEPPELIN_ERROR_DIR")
     if d:
-        from zeppelin.schemas.safeio import ManagedDir
+        from zeppelin.schemas.io.safefiles import ManagedDir
 
         try:
             rec = {"rank": rank, "time": time.time(), "message": message, "code": code, "traceback": tb}

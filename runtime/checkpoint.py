@@ -37,8 +37,9 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from zeppelin.schemas.common import InputError, parse_json
-from zeppelin.schemas.safeio import ManagedDir, kind_of
+from zeppelin.schemas.common import InputError
+from zeppelin.schemas.io.documents import parse_json
+from zeppelin.schemas.io.safefiles import ManagedDir, kind_of
 
 CKPT_VERSION = 2
 _NAME = re.compile(r"^ckpt-(\d{6,})$")

@@ -231,9 +231,9 @@ class RunConfig:
     def input_files(self) -> list[Path]:
         """Every file the run reads: the plan, the model's file(s) (a spec file; every file of an
         ``hf:DIR``), the manifest document, each data shard and the tokenizer. Each is checked to be
-        a regular file and noted as an input (:func:`zeppelin.schemas.common.note_input`); no output
+        a regular file and noted as an input (:func:`zeppelin.schemas.io.safefiles.note_input`); no output
         of the run may be one of them (same device and inode)."""
-        from zeppelin.schemas.common import check_input_file
+        from zeppelin.schemas.io.safefiles import check_input_file
 
         files = [check_input_file(self.plan, "plan")]
         if self.model is not None:
@@ -244,7 +244,7 @@ class RunConfig:
             elif self.model.lower().endswith(".json") or "/" in self.model:
                 files.append(check_input_file(self.model, "model"))
         if self.data is not None:
-            from zeppelin.schemas.datasets import manifest_files
+            from zeppelin.schemas.io.datasets import manifest_files
 
             files += manifest_files(self.data)
         return files
@@ -253,8 +253,8 @@ class RunConfig:
         """The checks of the run's files before any work: usable weights, sequences within the
         model's positions, an export directory that can be made, a metrics file that is no input.
         Returns the input files."""
-        from zeppelin.schemas.common import check_output
         from zeppelin.schemas.hf import check_positions, hf_dir, hf_weight_files, is_hf_ref
+        from zeppelin.schemas.io.safefiles import check_output
 
         files = self.input_files()
         if is_hf_ref(self.model):
@@ -281,7 +281,7 @@ class RunConfig:
         under a file, not inside the checkpoint directory, in a writable directory."""
         import os
 
-        from zeppelin.schemas.common import same_file
+        from zeppelin.schemas.io.safefiles import same_file
 
         if self.export is None:
             return

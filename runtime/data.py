@@ -80,7 +80,7 @@ class TokenSource:
     """Token ids of a step's sequences: from the manifest when it has ids, else synthetic.
 
     ``manifest`` is an object with ``tokens(sample_id) -> sequence of ints or None`` (the loaded
-    manifest of :mod:`zeppelin.schemas.datasets`) or None. Whole token lists of the samples a rank
+    manifest of :mod:`zeppelin.schemas.io.datasets`) or None. Whole token lists of the samples a rank
     touches are cached per step (``clear()`` between steps).
     """
 
@@ -183,7 +183,7 @@ def load_token_source(vocab: int, seed: int, manifest_ref: str | None) -> tuple[
     """A TokenSource for ``--data MANIFEST`` (or synthetic ids when None) and the manifest's content hash."""
     if manifest_ref is None:
         return TokenSource(vocab, seed), None
-    from zeppelin.schemas import datasets  # written by the data helper
+    from zeppelin.schemas.io import datasets  # written by the data helper
 
     man = datasets.load_manifest(manifest_ref)
     h = getattr(man, "content_hash", None)

@@ -545,9 +545,9 @@ def startup_checks(cfg: RunConfig, world_size: int, rank: int = 0) -> tuple[Plan
     """Everything a rank can decide alone, before any collective. Returns
     (reader, token source, first step, end step). Raises InputError.
 
-    ``--follow``: the plan is read while it is written (:class:`zeppelin.schemas.stream.FollowReader`);
+    ``--follow``: the plan is read while it is written (:class:`zeppelin.schemas.io.stream.FollowReader`);
     the checks of each step (:func:`step_checks`) then run when it arrives, before it runs."""
-    from zeppelin.schemas.stream import open_plan_reader, waiting_line
+    from zeppelin.schemas.io.stream import open_plan_reader, waiting_line
 
     cfg.check()  # the options' own bounds (a config may have been changed since it was made)
     reader = open_plan_reader(cfg.plan, follow=cfg.follow, digest=cfg.plan_digest,

@@ -80,7 +80,7 @@ def torchrun_argv(*, nproc_per_node: int, nnodes: int = 1, node_rank: int | None
 
 def _read_errors(err_dir: Path) -> dict[int, dict]:
     from zeppelin.schemas.common import InputError
-    from zeppelin.schemas.safeio import read_small
+    from zeppelin.schemas.io.safefiles import read_small
 
     errs = {}
     for f in err_dir.glob("rank*.json"):

@@ -234,7 +234,7 @@ class Heartbeat:
 
 
 def read_heartbeat(directory: str | os.PathLike, rank: int) -> tuple[str, int, float] | None:
-    from zeppelin.schemas.safeio import read_small
+    from zeppelin.schemas.io.safefiles import read_small
 
     try:
         what, k, t = read_small(Path(directory) / f"rank{rank}.step", "heartbeat", limit=4096).decode().split()[:3]
@@ -270,14 +270,14 @@ def prepare_checkpoint_dir(directory: str | os.PathLike) -> CheckpointLock:
     import errno
     import fcntl
 
-    from zeppelin.schemas.safeio import ManagedDir
+    from zeppelin.schemas.io.safefiles import ManagedDir
 
     from .checkpoint import clean_interrupted_saves
 
     d = Path(directory)
     if os.path.lexists(d) and not d.is_dir():
         raise InputError("--checkpoint-dir is not a directory", source=d)
-    # every name inside is opened relative to the directory and never followed (zeppelin.schemas.safeio)
+    # every name inside is opened relative to the directory and never followed (zeppelin.schemas.io.safefiles)
     with ManagedDir(d, "--checkpoint-dir") as md:
         md.probe_writable()
         fd = md.open_lock(LOCK_NAME)
@@ -332,7 +332,7 @@ def inspect_checkpoint_dir(directory: str | os.PathLike) -> None:
     locking would write through)."""
     import stat
 
-    from zeppelin.schemas.safeio import ManagedDir
+    from zeppelin.schemas.io.safefiles import ManagedDir
 
     d = Path(directory)
     if not os.path.lexists(d):

@@ -42,7 +42,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from zeppelin.schemas.common import InputError, atomic_write_text
+from zeppelin.schemas.common import InputError
+from zeppelin.schemas.io.safefiles import atomic_write_text
 from zeppelin.schemas.model import ModelSpec, model_preset
 
 # tp_lin / tp_reps: the TP layer's grid, timed once per TP degree in four variants (its compute

@@ -62,7 +62,7 @@ def write_trace(rank: int) -> None:
     t0 = os.environ.get(T0_ENV)
     doc = {"t0": float(t0) if t0 else None, "marks": dict(_marks),
            "phases_s": phases()}
-    from zeppelin.schemas.common import atomic_write_text
+    from zeppelin.schemas.io.safefiles import atomic_write_text
 
     atomic_write_text(path, json.dumps(doc))
 

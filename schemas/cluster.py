@@ -139,26 +139,31 @@ def _local_cpu(nodes: int = 1, procs: int = 4) -> ClusterSpec:
     )
 
 
+# name -> description, nodes (of 8 GPUs), GPU, intra-node link (kind, GB/s; 2 us latency), NICs per node,
+# GB/s per NIC
 _PRESETS = {
-    "zeppelin-a": lambda: _cluster(
-        "zeppelin-a", "Zeppelin cluster A: 8x A800-80G per node, NVLink, 4x 200 Gb/s RoCE NICs per node",
-        2, 8, A800, LinkSpec(kind="nvlink", bandwidth_GBps=200.0, latency_us=2.0), 4, 25.0),
-    "zeppelin-b": lambda: _cluster(
-        "zeppelin-b", "Zeppelin cluster B: 8x H800 per node, NVLink, 8x 200 Gb/s RoCE NICs per node",
-        2, 8, H800, LinkSpec(kind="nvlink", bandwidth_GBps=200.0, latency_us=2.0), 8, 25.0),
-    "zeppelin-c": lambda: _cluster(
-        "zeppelin-c", "Zeppelin cluster C: 8x H200 per node, NVSwitch, 8x 400 Gb/s CX7 NICs per node",
-        2, 8, H200, LinkSpec(kind="nvswitch", bandwidth_GBps=450.0, latency_us=2.0), 8, 50.0),
-    "flexsp-a100": lambda: _cluster(
-        "flexsp-a100", "FlexSP testbed: 8x A100-40GB per node, NVLink, 400 Gb/s InfiniBand per node",
-        8, 8, A100_40, LinkSpec(kind="nvlink", bandwidth_GBps=300.0, latency_us=2.0), 1, 50.0),
-    "h100": lambda: _cluster(
-        "h100", "generic H100 SXM node: 8 GPUs, NVSwitch, 8x 400 Gb/s NICs",
-        1, 8, H100, LinkSpec(kind="nvswitch", bandwidth_GBps=450.0, latency_us=2.0), 8, 50.0),
-    "local-cpu": _local_cpu,
+    "zeppelin-a": ("Zeppelin cluster A: 8x A800-80G per node, NVLink, 4x 200 Gb/s RoCE NICs per node",
+                   2, A800, "nvlink", 200.0, 4, 25.0),
+    "zeppelin-b": ("Zeppelin cluster B: 8x H800 per node, NVLink, 8x 200 Gb/s RoCE NICs per node",
+                   2, H800, "nvlink", 200.0, 8, 25.0),
+    "zeppelin-c": ("Zeppelin cluster C: 8x H200 per node, NVSwitch, 8x 400 Gb/s CX7 NICs per node",
+                   2, H200, "nvswitch", 450.0, 8, 50.0),
+    "flexsp-a100": ("FlexSP testbed: 8x A100-40GB per node, NVLink, 400 Gb/s InfiniBand per node",
+                    8, A100_40, "nvlink", 300.0, 1, 50.0),
+    "h100": ("generic H100 SXM node: 8 GPUs, NVSwitch, 8x 400 Gb/s NICs",
+             1, H100, "nvswitch", 450.0, 8, 50.0),
 }
 
-CLUSTER_PRESETS = tuple(_PRESETS)
+
+def _preset(name: str) -> ClusterSpec:
+    if name == "local-cpu":
+        return _local_cpu()
+    desc, nodes, gpu, kind, bw, n_nic, nic_bw = _PRESETS[name]
+    link = LinkSpec(kind=kind, bandwidth_GBps=bw, latency_us=2.0)
+    return _cluster(name, desc, nodes, 8, gpu, link, n_nic, nic_bw)
+
+
+CLUSTER_PRESETS = (*_PRESETS, "local-cpu")
 
 _NAME_RE = re.compile(r"^(?P<base>[a-z0-9][a-z0-9-]*)(?::(?P<nodes>\d+)(?:x(?P<gpn>\d+))?)?$")
 
@@ -169,9 +174,9 @@ def cluster_preset(name: str) -> ClusterSpec:
     Examples: ``zeppelin-a:8`` (64 GPUs), ``local-cpu:2x2`` (two 'nodes' of two processes).
     """
     m = _NAME_RE.match(name.strip())
-    if not m or m.group("base") not in _PRESETS:
+    if not m or m.group("base") not in CLUSTER_PRESETS:
         raise InputError(f"unknown cluster preset {name!r} (known: {', '.join(CLUSTER_PRESETS)})")
-    base = _PRESETS[m.group("base")]()
+    base = _preset(m.group("base"))
     nodes = int(m.group("nodes")) if m.group("nodes") else base.num_nodes
     gpn = int(m.group("gpn")) if m.group("gpn") else base.gpus_per_node
     if nodes < 1 or gpn < 1:

@@ -1,8 +1,9 @@
-"""Shared plumbing of the contracts: strict base model, input errors, hashing, atomic writes.
+"""The contracts' bases: the strict pydantic models, the input error, bounds and hashing.
 
 Every document zeppelin reads or writes is a pydantic v2 model derived from :class:`Doc`:
 unknown fields are rejected, values are validated strictly, and each document carries a
-``schema_version`` so that readers can refuse documents they do not understand.
+``schema_version`` so that readers can refuse documents they do not understand. Reading and
+writing files is the I/O floor's (:mod:`zeppelin.schemas.io`).
 """
 
 from __future__ import annotations
@@ -11,14 +12,7 @@ import hashlib
 import json
 import math
 import os
-import re
-import secrets
-import signal
-import stat
-import threading
-from contextlib import contextmanager
-from pathlib import Path
-from typing import Any, Iterator, TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -27,11 +21,11 @@ __all__ = [
     "Strict",
     "InputError",
     "canonical_json",
+    "check_float",
+    "check_int",
     "content_hash",
-    "atomic_write",
-    "atomic_write_text",
     "format_validation_error",
-    "load_doc",
+    "validate_doc",
 ]
 
 
@@ -123,294 +117,9 @@ def content_hash(obj: Any) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()[:16]
 
 
-# ---------------------------------------------------------------------------------------------
-# Files: every input is a regular file, every output is written atomically and never clobbers an input
-# ---------------------------------------------------------------------------------------------
-
-MAX_JSON_DEPTH = 64
-"""Deepest JSON nesting any zeppelin document may have (plans need about 10 levels)."""
-
-_INPUTS: list[str] = []  # paths read as input by the running command (see note_input)
-_TRACKING = [False]
-
-
-@contextmanager
-def tracking_inputs() -> Iterator[None]:
-    """While a command runs: remember every file read as input, so that no output replaces one."""
-    _INPUTS.clear()
-    _TRACKING[0] = True
-    try:
-        yield
-    finally:
-        _TRACKING[0] = False
-        _INPUTS.clear()
-
-
-def note_input(path: str | os.PathLike) -> None:
-    """Remember ``path`` as an input of the running command: :func:`atomic_write` refuses to write over it."""
-    if not _TRACKING[0]:
-        return
-    p = os.fspath(path)  # kept as named (messages show it so); compared by device and inode
-    if all(os.path.abspath(p) != os.path.abspath(q) for q in _INPUTS):
-        _INPUTS.append(p)
-
-
-def _reason(e: OSError) -> str:
-    return e.strerror or e.__class__.__name__
-
-
-def _kind(mode: int) -> str:
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    if stat.S_ISCHR(mode):
-        return "a character device"
-    if stat.S_ISBLK(mode):
-        return "a block device"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    return "not a regular file"
-
-
-def check_input_file(path: str | os.PathLike, what: str = "input") -> Path:
-    """Refuse an input that is missing or not a regular file (devices, FIFOs, directories; symlinks
-    are followed and the target decides) before anything opens it; note it as an input."""
-    p = Path(path)
-    try:
-        st = os.stat(p)
-    except FileNotFoundError:
-        raise InputError("file not found", source=p) from None
-    except OSError as e:
-        raise InputError(f"cannot read {what}: {_reason(e)}", source=p) from None
-    if not stat.S_ISREG(st.st_mode):
-        raise InputError(f"{what} is {_kind(st.st_mode)}, not a regular file", source=p)
-    note_input(p)
-    return p
-
-
-def read_input_bytes(path: str | os.PathLike, what: str = "input") -> bytes:
-    p = check_input_file(path, what)
-    try:
-        return p.read_bytes()
-    except OSError as e:
-        raise InputError(f"cannot read {what}: {_reason(e)}", source=p) from None
-
-
-def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
-    """True when both paths exist and name the same file (symlinks followed)."""
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False
-
-
-def check_output(path: str | os.PathLike, inputs: Any = (), what: str = "output", *, replaces: bool = False) -> Path:
-    """Refuse an output path that is the same file as an input (those given and those noted by
-    :func:`note_input`), or that exists and is not a regular file (symlinks followed), or whose
-    directory is not a directory. ``replaces=True``: the output is meant to replace the input read from
-    the same path (``check --update`` rewriting a golden plan). Returns the path to write (a symlink's
-    target)."""
-    p = Path(path)
-    if not str(path) or str(path).endswith(os.sep):
-        raise InputError(f"{what} path names a directory", source=path)
-    try:
-        st = os.stat(p)
-    except FileNotFoundError:
-        st = None
-    except OSError as e:
-        raise InputError(f"cannot write {what}: {_reason(e)}", source=p) from None
-    if st is not None:
-        if stat.S_ISDIR(st.st_mode):
-            raise InputError(f"{what} path is a directory", source=p)
-        if not stat.S_ISREG(st.st_mode):
-            raise InputError(f"{what} path is {_kind(st.st_mode)}, not a regular file", source=p)
-        for src in [*(x for x in inputs if x is not None), *_INPUTS]:
-            if not replaces and same_file(p, src):
-                raise InputError(f"{what} would overwrite an input file ({src})"
-                                 if os.path.abspath(os.fspath(src)) != os.path.abspath(p)
-                                 else f"{what} would overwrite an input file", source=p)
-    elif os.path.islink(p):
-        raise InputError(f"{what} path is a dangling symbolic link", source=p)
-    target = Path(os.path.realpath(p)) if os.path.islink(p) else p
-    parent = target.parent
-    try:
-        pst = os.stat(parent)
-    except FileNotFoundError:
-        pst = None
-    except OSError as e:
-        raise InputError(f"cannot write {what}: {_reason(e)}", source=p) from None
-    if pst is not None and not stat.S_ISDIR(pst.st_mode):
-        raise InputError(f"cannot write {what}: {parent} is not a directory", source=p)
-    return target
-
-
-class Terminated(BaseException):
-    """Raised by the signal handlers :func:`atomic_write` installs (SIGTERM, SIGHUP) while it writes."""
-
-    def __init__(self, signum: int):
-        self.signum = signum
-        super().__init__(f"terminated by {signal.Signals(signum).name}")
-
-
-def _raise_terminated(signum, frame):
-    raise Terminated(signum)
-
-
-@contextmanager
-def _cleanup_signals() -> Iterator[None]:
-    """Turn SIGTERM/SIGHUP into :class:`Terminated` while writing (so the temporary file is removed),
-    restoring the previous handlers afterwards. Only the main thread can install handlers."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = {}
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        try:
-            old[sig] = signal.signal(sig, _raise_terminated)
-        except (ValueError, OSError):
-            pass
-    try:
-        yield
-    finally:
-        for sig, h in old.items():
-            signal.signal(sig, h)
-
-
-def _temp_name(target: Path) -> str:
-    return str(target.parent / f".{target.name[:40]}.{secrets.token_hex(6)}.tmp")
-
-
-_TEMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-
-
-@contextmanager
-def atomic_write(path: str | os.PathLike, mode: str = "w", *, inputs: Any = (), what: str = "output",
-                 replaces: bool = False) -> Iterator[Any]:
-    """Write to a temporary file next to ``path`` and rename it into place on success.
-
-    The one way zeppelin writes a file: :func:`check_output` runs first (never over an input, never over
-    a device or FIFO, a symlink's target is replaced); any ``OSError`` becomes an :class:`InputError`
-    naming the path and the reason; on any exception, SIGTERM and SIGHUP included, the temporary file
-    is removed and ``path`` is left untouched.
-    """
-    target = check_output(path, inputs, what, replaces=replaces)
-    shown = Path(path)
-    try:
-        if not target.parent.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise InputError(f"cannot write {what}: {_reason(e)}", source=shown) from None
-    tmp: str | None = None
-    try:
-        with _cleanup_signals():
-            try:
-                while True:  # the name is known before the file exists: a signal in between still removes it
-                    tmp = _temp_name(target)
-                    try:
-                        fd = os.open(tmp, _TEMP_FLAGS, 0o600)
-                        break
-                    except FileExistsError:
-                        continue
-                with os.fdopen(fd, mode) as fh:
-                    yield fh
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                # mkstemp creates 0600; give the file the permissions a plain open() would have
-                umask = os.umask(0)
-                os.umask(umask)
-                os.chmod(tmp, 0o666 & ~umask)
-                os.replace(tmp, target)
-                tmp = None
-            except OSError as e:
-                raise InputError(f"cannot write {what}: {_reason(e)}", source=shown) from None
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-
-
-def atomic_write_text(path: str | os.PathLike, text: str, *, inputs: Any = (), what: str = "output") -> None:
-    with atomic_write(path, inputs=inputs, what=what) as fh:
-        fh.write(text)
-
-
-_STRING_OR_BRACKET = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
-
-
-def json_depth_exceeds(data: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
-    """True when the JSON text nests arrays/objects deeper than ``limit`` (checked before parsing, so a
-    hostile file cannot exhaust the parser's recursion)."""
-    import numpy as np
-
-    a = np.frombuffer(data, dtype=np.uint8)
-    step = (a == 0x5B).astype(np.int32) + (a == 0x7B) - (a == 0x5D) - (a == 0x7D)
-    if step.size == 0 or int(np.cumsum(step).max()) <= limit:
-        return False  # brackets inside strings can only raise this bound, never lower it below the truth
-    depth = 0
-    for m in _STRING_OR_BRACKET.finditer(data):
-        c = m.group()
-        if c in (b"[", b"{"):
-            depth += 1
-            if depth > limit:
-                return True
-        elif c in (b"]", b"}"):
-            depth -= 1
-    return False
-
-
-def parse_json(data: bytes | str, source: str | os.PathLike | None = None, what: str = "") -> Any:
-    """``json.loads`` for untrusted input: nesting depth bounded, non-finite numbers and malformed
-    text reported as one-line :class:`InputError`."""
-    raw = data.encode() if isinstance(data, str) else bytes(data)
-    prefix = f"{what}: " if what else ""
-    if json_depth_exceeds(raw):
-        raise InputError(f"{prefix}JSON nested deeper than {MAX_JSON_DEPTH} levels", source=source)
-    try:
-        return json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
-    except json.JSONDecodeError as e:
-        raise InputError(f"{prefix}malformed JSON at line {e.lineno} column {e.colno}: {e.msg}", source=source) from None
-    except UnicodeDecodeError:
-        raise InputError(f"{prefix}not UTF-8 text", source=source) from None
-    except _NonFinite as e:
-        raise InputError(f"{prefix}{e.args[0]} is not a finite number (JSON numbers must be finite)",
-                         source=source) from None
-    except RecursionError:
-        raise InputError(f"{prefix}JSON nested too deeply", source=source) from None
-
-
-class _NonFinite(ValueError):
-    pass
-
-
-def _refuse_constant(name: str):
-    raise _NonFinite(name)
-
-
-def _finite_float(text: str) -> float:
-    v = float(text)
-    if not math.isfinite(v):
-        raise _NonFinite(text)
-    return v
-
-
-MAX_DOC_BYTES = 64 << 20
-"""Largest spec document (cluster, model, profile, manifest spec) read: real ones are a few KB."""
-
-
-def load_doc(cls: type[T], path: str | os.PathLike) -> T:
-    """Read and validate a JSON document, raising :class:`InputError` with a one-line message."""
-    path = Path(path)
-    size = check_input_file(path, "input").stat().st_size
-    if size > MAX_DOC_BYTES:
-        raise InputError(f"{cls.__name__} document of {size:,} bytes is larger than the {MAX_DOC_BYTES >> 20} MiB "
-                         f"zeppelin reads", source=path)
-    return validate_doc(cls, parse_json(read_input_bytes(path, "input"), source=path), source=path)
-
-
 def validate_doc(cls: type[T], data: Any, *, source: str | os.PathLike | None = None) -> T:
+    """Validate parsed JSON as document ``cls``: its ``schema_version`` must be the one this zeppelin
+    reads; any problem is one :class:`InputError` line."""
     if not isinstance(data, dict):
         raise InputError(f"expected a JSON object for {cls.__name__}, got {type(data).__name__}", source=source)
     expected = cls.model_fields["schema_version"].default if "schema_version" in cls.model_fields else None

@@ -17,7 +17,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from .common import InputError, content_hash, format_validation_error, note_input, parse_json
+from .common import InputError, content_hash, format_validation_error
+from .io.documents import MAX_DOC_BYTES, parse_json
+from .io.safefiles import note_input, read_small, stat_regular
 from .model_spec import ModelSpec
 
 HF_PREFIX = "hf:"
@@ -75,23 +77,12 @@ def hf_weight_files(d: Path) -> list[Path]:
     file. Weights that are present but unusable are an error - a dangling link, a device, a
     directory, or weights only in a format zeppelin does not load (``pytorch_model.bin`` is a
     pickle); an empty list means the directory holds no weight file at all."""
-    import stat as _stat
-
-    from .safeio import kind_of
-
     found, unusable = [], []
     for name in sorted(os.listdir(d)):
         if not name.endswith(_WEIGHT_SUFFIXES) or name.startswith("."):
             continue
         p = d / name
-        try:
-            st = os.stat(p)
-        except FileNotFoundError:
-            raise InputError("weight file is a dangling symbolic link", source=p) from None
-        except OSError as e:
-            raise InputError(f"cannot read weight file ({e.strerror or e.__class__.__name__})", source=p) from None
-        if not _stat.S_ISREG(st.st_mode):
-            raise InputError(f"weight file is {kind_of(st.st_mode)}, not a regular file", source=p)
+        st = stat_regular(p, "weight file", missing="weight file is a dangling symbolic link")
         if name.endswith(".safetensors"):
             _check_safetensors_size(p, st.st_size)
         (found if name.endswith(".safetensors") else unusable).append(p)
@@ -131,9 +122,6 @@ def hf_input_files(d: Path) -> list[Path]:
 
 
 def read_hf_config(d: Path) -> dict[str, Any]:
-    from .common import MAX_DOC_BYTES
-    from .safeio import read_small
-
     path = d / "config.json"
     cfg = parse_json(read_small(path, "config.json", limit=MAX_DOC_BYTES), source=path)  # a regular file, bounded
     note_input(path)

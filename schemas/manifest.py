@@ -3,7 +3,7 @@
 A manifest can be named on the command line directly (a file, a directory or a glob of shards;
 the format is detected from the extension) or through a small JSON document of this schema when
 the defaults do not fit (a different length field, token-id lists, text with a tokenizer).
-The readers live in :mod:`zeppelin.schemas.datasets`.
+The readers live in :mod:`zeppelin.schemas.io.datasets`.
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ def resolve_model_ref(ref: str) -> ModelSpec:
     :mod:`zeppelin.schemas.hf`), a ModelSpec JSON file, or a preset name."""
     import os
 
-    from .common import load_doc
+    from .io.documents import load_doc
 
     if ref.startswith("hf:"):
         from .hf import hf_model_spec

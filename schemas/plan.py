@@ -46,17 +46,10 @@ from typing import Annotated, Any, Iterator, Literal
 from pydantic import Field, ValidationError, model_serializer, model_validator
 
 from .cluster import ClusterSpec
-from .common import (
-    Doc,
-    InputError,
-    Strict,
-    atomic_write,
-    check_input_file,
-    content_hash,
-    format_validation_error,
-    parse_json,
-)
+from .common import Doc, InputError, Strict, content_hash, format_validation_error
 from .invariants import structural_problems  # the checks every read runs (also imported from here)
+from .io.documents import parse_json
+from .io.safefiles import atomic_write, check_input_file
 from .model import ModelSpec
 from .profile import CostProfile
 

@@ -22,6 +22,11 @@ from .common import Doc, Strict
 PROFILE_SCHEMA = "zeppelin.profile/1"
 
 
+def _by_key(description: str):
+    """A measured table keyed by a string (a group size, a mode, a stage): empty until measured."""
+    return Field(default_factory=dict, description=description)
+
+
 class KernelEfficiency(Strict):
     eff_max: float = Field(gt=0, le=1.0, description="fraction of peak reached by large problems")
     n_half: float = Field(ge=0, le=1e12, description="size at which half of eff_max is reached")
@@ -70,20 +75,16 @@ class ModelFits(Strict):
                                  "once per model (not per layer)")
     optimizer_s: float | None = Field(
         default=None, ge=0, description="AdamW step over the whole model replica, seconds (measured)")
-    grad_allreduce_s: dict[str, float] = Field(
-        default_factory=dict,
-        description="all-reduce of the model's gradients by group size, seconds (keys: '2','4',...)")
-    ring_attention: dict[str, PolyFit] = Field(
-        default_factory=dict,
-        description="t(L) of the runtime's ring attention of one sequence of length L split (zigzag) over G "
+    grad_allreduce_s: dict[str, float] = _by_key(
+        "all-reduce of the model's gradients by group size, seconds (keys: '2','4',...)")
+    ring_attention: dict[str, PolyFit] = _by_key(
+        "t(L) of the runtime's ring attention of one sequence of length L split (zigzag) over G "
         "ranks, forward + backward per layer, exchanges and their waits included, by G (keys: '2','4',...)")
-    ring_compute: dict[str, PolyFit] = Field(
-        default_factory=dict,
-        description="the same rings with their exchanges short-circuited: the ring's compute alone (blocks, "
+    ring_compute: dict[str, PolyFit] = _by_key(
+        "the same rings with their exchanges short-circuited: the ring's compute alone (blocks, "
         "log-sum-exp merges, accumulators); ring_attention minus this is what the exchanges cost")
-    ring_sync_s: dict[str, float] = Field(
-        default_factory=dict,
-        description="per ring round of G ranks (keys: '2','4',...), the time the runtime's exchanges add to the "
+    ring_sync_s: dict[str, float] = _by_key(
+        "per ring round of G ranks (keys: '2','4',...), the time the runtime's exchanges add to the "
         "ring beyond its compute (forward and backward exchanges of the round, waits included), seconds: the "
         "median over the measured lengths of (ring_attention - ring_compute) / (G - 1)")
     remap_exchange: list[Annotated[float, Field(ge=0, le=1e3)]] | None = Field(
@@ -91,19 +92,16 @@ class ModelFits(Strict):
         description="[seconds, seconds per byte]: what one exchange of the runtime's remap (one direction, one "
         "pass, bytes sent per rank) adds to the compute around it, waits included; replaces the link model "
         "for remaps")
-    fsdp_microbatch_s: dict[str, float] = Field(
-        default_factory=dict,
-        description="seconds FSDP2 adds to each micro-batch of the whole model (parameter gathers, gradient "
+    fsdp_microbatch_s: dict[str, float] = _by_key(
+        "seconds FSDP2 adds to each micro-batch of the whole model (parameter gathers, gradient "
         "reduce-scatters, their waits) on the profiled ranks, by ZeRO stage (keys: '1' for ZeRO-1 and 2, "
         "'3'); replaces the once-per-step gradient all-reduce for FSDP plans")
-    linear_tp_comm: dict[str, PolyFit] = Field(
-        default_factory=dict,
-        description="tp > 1: t(T) of the same TP-SP layer with the runtime's real collectives, by --tp-overlap "
+    linear_tp_comm: dict[str, PolyFit] = _by_key(
+        "tp > 1: t(T) of the same TP-SP layer with the runtime's real collectives, by --tp-overlap "
         "mode (keys: 'none', 'slicing', 'commfuse'), forward + backward per layer; minus `linear` it is the "
         "exposed TP communication of that mode")
-    activation_memory: dict[str, ActivationMemory] = Field(
-        default_factory=dict,
-        description="measured activation bytes per token by recompute mode (keys: 'none', 'selective', 'full'); "
+    activation_memory: dict[str, ActivationMemory] = _by_key(
+        "measured activation bytes per token by recompute mode (keys: 'none', 'selective', 'full'); "
         "the cost model uses them instead of its analytic figures")
 
     @model_serializer(mode="wrap")

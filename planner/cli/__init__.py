@@ -21,7 +21,9 @@ from zeppelin.planner.cli import plan as cmd_plan
 from zeppelin.planner.cli import profile as cmd_profile
 from zeppelin.planner.cli import run as cmd_run
 from zeppelin.planner.cli import sim as cmd_sim
-from zeppelin.schemas.common import InputError, Terminated, tracking_inputs
+from zeppelin.schemas.common import InputError
+from zeppelin.schemas.io.safefiles import tracking_inputs
+from zeppelin.schemas.io.signals import Terminated
 
 app = typer.Typer(
     name="zeppelin",

@@ -10,7 +10,8 @@ import typer
 
 from zeppelin.planner.cli import common
 from zeppelin.planner.tools.config import DemoConfig
-from zeppelin.schemas.common import InputError, atomic_write_text
+from zeppelin.schemas.common import InputError
+from zeppelin.schemas.io.safefiles import atomic_write_text
 
 SCHEMAS = ("cluster", "model", "manifest", "profile", "plan", "step", "case")
 

@@ -21,7 +21,7 @@ def write_histogram_png(path: Path, dataset) -> None:
     import matplotlib.pyplot as plt
 
     from zeppelin.planner.tools.show import save_png
-    from zeppelin.schemas.datasets import length_histogram
+    from zeppelin.schemas.io.datasets import length_histogram
 
     hist = length_histogram(dataset.lengths)
     x = [b["lo"] for b in hist]
@@ -69,7 +69,7 @@ def load_for_cli(manifest: str | None, length_field: str | None, ids_field: str 
     if tokenizer and python_tokenizer:
         raise InputError("--tokenizer and --python-tokenizer exclude each other")
     if text_field and not (tokenizer or python_tokenizer):
-        from zeppelin.schemas.datasets import TOKENIZER_HINT
+        from zeppelin.schemas.io.tokenizers import TOKENIZER_HINT
 
         raise InputError(f"--text-field needs --tokenizer ({TOKENIZER_HINT}) or --python-tokenizer MODULE:CALLABLE")
     if (tokenizer or python_tokenizer) and not text_field:
@@ -79,7 +79,7 @@ def load_for_cli(manifest: str | None, length_field: str | None, ids_field: str 
 
 
 def check_png_path(png: Path, inputs=()) -> Path:
-    from zeppelin.schemas.common import check_output
+    from zeppelin.schemas.io.safefiles import check_output
 
     if png.suffix.lower() != ".png":
         raise InputError("--png needs a file name ending in .png", source=png)
@@ -107,7 +107,7 @@ def stats(
                                                                     "tables stay on the terminal)"),
 ) -> None:
     """Length statistics of a dataset manifest: count, tokens, percentiles, a log2 length histogram."""
-    from zeppelin.schemas.common import atomic_write_text, check_output
+    from zeppelin.schemas.io.safefiles import atomic_write_text, check_output
 
     if manifest_arg is not None and manifest is not None:
         raise InputError("give the manifest once: as the argument or as -m/--manifest")

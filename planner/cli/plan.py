@@ -121,7 +121,7 @@ def _check_outputs(cfg: PlanConfig) -> None:
     if cfg.output is not None:
         check_path_writable(cfg.output, inputs)
         if cfg.stream:
-            from zeppelin.schemas.stream import chain_path
+            from zeppelin.schemas.io.stream import chain_path
 
             check_path_writable(chain_path(cfg.output), inputs)
     if cfg.save_case is not None:
@@ -187,7 +187,7 @@ def _write_plan(cfg: PlanConfig, ctx, pl, header, steps) -> _Tally:
     tally = _Tally()
     sim = None if cfg.quiet and not cfg.explain else Simulator(context_from_header(header))
     if cfg.stream:
-        from zeppelin.schemas.stream import StreamingPlanWriter
+        from zeppelin.schemas.io.stream import StreamingPlanWriter
 
         writer = StreamingPlanWriter(cfg.output, header, cfg.fmt)
     else:
@@ -254,7 +254,7 @@ def validate(
     md = resolve_model(model) if model else None
     pf = None
     if profile:
-        from zeppelin.schemas.common import load_doc
+        from zeppelin.schemas.io.documents import load_doc
         from zeppelin.schemas.profile import CostProfile
 
         pf = load_doc(CostProfile, profile)

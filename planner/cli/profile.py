@@ -85,7 +85,8 @@ def check_step_times(output: Path, nproc: int, nodes: int, model: str, cluster_n
     import statistics
     import tempfile
 
-    from zeppelin.schemas.common import atomic_write, load_doc
+    from zeppelin.schemas.io.documents import load_doc
+    from zeppelin.schemas.io.safefiles import atomic_write
     from zeppelin.schemas.profile import CostProfile, StepTimeCheck
 
     cluster = cluster_name or f"local-cpu:{nodes}x{nproc // nodes}"

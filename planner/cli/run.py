@@ -31,7 +31,7 @@ def run(ctx: typer.Context, **values: Any) -> None:
     """Execute a plan with torch (launched through torchrun): train, report metrics, verify."""
     from zeppelin.runtime.launch import torchrun_argv  # torch-free module top
     from zeppelin.runtime.lifecycle import run_owned
-    from zeppelin.schemas.common import check_input_file, check_output
+    from zeppelin.schemas.io.safefiles import check_input_file, check_output
     from zeppelin.schemas.plan import check_embedded_specs
 
     from zeppelin.runtime.startup import T0_ENV
@@ -40,7 +40,7 @@ def run(ctx: typer.Context, **values: Any) -> None:
     cfg = RunConfig(**{s.name: values.pop(s.name) for s in flag_specs(RunConfig)})  # checks every option
     launch = LaunchConfig(**values)
     plan = Path(cfg.plan)
-    from zeppelin.schemas.stream import open_plan_reader, waiting_line
+    from zeppelin.schemas.io.stream import open_plan_reader, waiting_line
 
     # every record against the plan's digest before any process starts (--follow: the header
     # only; each step is checked by the ranks when it arrives)
@@ -180,7 +180,7 @@ def _check_runnable(reader, cfg: RunConfig) -> None:
 
 
 def same_path(a: Path, b: Path) -> bool:
-    from zeppelin.schemas.common import same_file
+    from zeppelin.schemas.io.safefiles import same_file
 
     return os.path.abspath(a) == os.path.abspath(b) or same_file(a, b)
 
@@ -191,7 +191,7 @@ def _report(plan: Path, metrics_path: Path, skip: int, tp_overlap: str | None,
     import json
 
     from zeppelin.planner.sim.report import render, report_for_plan
-    from zeppelin.schemas.common import atomic_write_text
+    from zeppelin.schemas.io.safefiles import atomic_write_text
 
     rep = report_for_plan(plan, metrics_path, skip=skip, tp_overlap=tp_overlap)
     render(rep)

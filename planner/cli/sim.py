@@ -11,14 +11,8 @@ import typer
 
 from zeppelin.planner.cli import common
 from zeppelin.planner.tools.config import CompareConfig
-from zeppelin.schemas.common import (
-    MAX_STEPS,
-    MAX_WORKERS,
-    InputError,
-    atomic_write_text,
-    check_int,
-    same_file,
-)
+from zeppelin.schemas.common import MAX_STEPS, MAX_WORKERS, InputError, check_int
+from zeppelin.schemas.io.safefiles import atomic_write_text, same_file
 
 
 def _emit_json(doc: dict, output: Path | None) -> None:

@@ -35,7 +35,7 @@ def input_hashes(ctx: PlanContext, manifest_hash: str) -> InputHashes:
 
 def make_header(ctx: PlanContext, planner: Planner, dataset: Any, sampler_cfg: SamplerConfig, num_steps: int,
                 *, planner_options: dict[str, Any] | None = None, created_at: str = "") -> PlanHeader:
-    """``dataset``: a :class:`zeppelin.schemas.datasets.Dataset` (or None for synthetic steps).
+    """``dataset``: a :class:`zeppelin.schemas.io.datasets.Dataset` (or None for synthetic steps).
 
     ``created_at`` stays empty by default: the same inputs give the same plan bytes, whenever made."""
     if dataset is not None:

@@ -6,7 +6,9 @@ import os
 from pathlib import Path
 
 from zeppelin.schemas.cluster import ClusterSpec, cluster_preset
-from zeppelin.schemas.common import InputError, check_output, load_doc
+from zeppelin.schemas.common import InputError
+from zeppelin.schemas.io.documents import load_doc
+from zeppelin.schemas.io.safefiles import check_output
 from zeppelin.schemas.model import ModelSpec, resolve_model_ref
 from zeppelin.schemas.profile import CostProfile, default_profile
 
@@ -51,7 +53,8 @@ def resolve_profile(ref: str | None, cluster: ClusterSpec) -> CostProfile:
 
 
 def check_path_writable(path: str | Path, inputs=()) -> Path:
-    """Refuse an output path up front (before any work): see :func:`zeppelin.schemas.common.check_output`."""
+    """Refuse an output path up front (before any work): see
+    :func:`zeppelin.schemas.io.safefiles.check_output`."""
     check_output(path, inputs)
     return Path(path)
 
@@ -65,7 +68,8 @@ def load_dataset(manifest: str | None, length_field: str | None = None, ids_fiel
                  text_field: str | None = None, tokenizer=None):
     """The manifest named on the command line (the shipped sample when none), its fields overridden by
     the field flags. An error about a missing field names the flag that picks another one."""
-    from zeppelin.schemas.datasets import TOKENIZER_HINT, default_manifest_path, load_manifest
+    from zeppelin.schemas.io.datasets import default_manifest_path, load_manifest
+    from zeppelin.schemas.io.tokenizers import TOKENIZER_HINT
 
     if text_field and not tokenizer:
         raise InputError(f"--text-field needs --tokenizer ({TOKENIZER_HINT})")

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from zeppelin.schemas.common import InputError
-from zeppelin.schemas.datasets import Dataset
+from zeppelin.schemas.io.datasets import Dataset
 from zeppelin.schemas.plan import SamplerConfig, Sequence
 
 __all__ = ["StepSampler", "run_max_seq_len", "sample_steps"]

@@ -43,7 +43,9 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
-from zeppelin.schemas.common import InputError, Strict, format_validation_error, parse_json, read_input_bytes
+from zeppelin.schemas.common import InputError, Strict, format_validation_error
+from zeppelin.schemas.io.documents import parse_json
+from zeppelin.schemas.io.safefiles import read_input_bytes
 
 CASE_SCHEMA = "zeppelin.check-case/1"
 SETTING_FIELDS = ("cluster", "model", "dataset", "steps", "seed", "tokens_per_step", "max_seq_len", "tp")
@@ -161,7 +163,7 @@ def load_cases(directory: str | os.PathLike, only: list[str] | None = None) -> l
 
 def _dataset(case: Case):
     from zeppelin.planner.tools.compare import MIXES, mix_dataset
-    from zeppelin.schemas.datasets import default_manifest_path, load_manifest
+    from zeppelin.schemas.io.datasets import default_manifest_path, load_manifest
 
     ref = case.spec.dataset
     if ref == "sample":
@@ -444,7 +446,7 @@ def save_case(target: Path, *, cluster: str, model: str, manifest: str | None, p
     to print. A manifest path is stored relative to the case's directory, as ``zeppelin check`` reads it."""
     import json
 
-    from zeppelin.schemas.common import atomic_write_text
+    from zeppelin.schemas.io.safefiles import atomic_write_text
 
     d = Path(target).parent
     if manifest is None:

@@ -43,7 +43,7 @@ SOLVER_PLANNERS = ("flexsp", "hydraulis")  # planners whose optional wall-clock 
 
 def mix_dataset(name: str, num_samples: int = 20000, seed: int = 0):
     """A deterministic synthetic dataset of one of the :data:`MIXES`."""
-    from zeppelin.schemas.datasets import Dataset
+    from zeppelin.schemas.io.datasets import Dataset
 
     if name not in MIXES:
         raise InputError(f"unknown length mix {name!r} (known: {', '.join(MIXES)})")

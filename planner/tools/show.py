@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from zeppelin.planner.sim.simulate import SimResult
-from zeppelin.schemas.common import atomic_write
+from zeppelin.schemas.io.safefiles import atomic_write
 from zeppelin.schemas.plan import PlanHeader, Prediction, StepPlan
 
 __all__ = ["draw_demo_png", "draw_png", "gantt", "load_heatmap", "timeline_boxes", "group_rows", "load_rows", "render_step", "step_prediction"]

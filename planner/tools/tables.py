@@ -227,7 +227,7 @@ def _bar(share: float, top: float) -> str:
 
 def stats_payload(dataset) -> dict[str, Any]:
     """Everything `data stats --json` prints: the dataset description plus the histogram."""
-    from zeppelin.schemas.datasets import length_histogram
+    from zeppelin.schemas.io.datasets import length_histogram
 
     d = dataset.describe()
     d["histogram"] = length_histogram(dataset.lengths)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from zeppelin.planner.cli import main
-from zeppelin.schemas.datasets import default_manifest_path, load_manifest
+from zeppelin.schemas.io.datasets import default_manifest_path, load_manifest
 
 
 def run(argv, capsys) -> tuple[int, str, str]:

@@ -791,16 +791,16 @@ def test_every_file_write_goes_through_the_one_writer():
     allowed = {
         ("planner/tools/show.py", 'fig.savefig(fh, format="png", dpi=dpi)'),  # fh from atomic_write
         ("runtime/executor.py", 'mfh = metrics_path.open("a" if state is not None else "w")'),  # streamed metrics
-        ("schemas/common.py", "fd = os.open(tmp, _TEMP_FLAGS, 0o600)"),  # the writer itself
         ("planner/core/solver.py", 'with open(os.devnull, "wb") as null:'),  # silences the solver's banner
     }
     # whole modules whose writes are not outputs: checkpoint files (written inside atomic_write or by DCP),
     # the run's lock, heartbeat and writability probe files (lifecycle), /proc/self/clear_refs (memory),
-    # the writer of managed directories (schemas/safeio.py: no entry followed when a link) and a
+    # the one home of file safety (schemas/io/safefiles.py: the writer itself, and the writer of managed
+    # directories, where no entry is followed when a link) and a
     # streamed plan (checked by check_output, started as temporary files renamed into place, then
     # appended in place so that a follower reads it while it is written)
-    modules = {"runtime/checkpoint.py", "runtime/lifecycle.py", "runtime/memory.py", "schemas/safeio.py",
-               "schemas/stream.py"}
+    modules = {"runtime/checkpoint.py", "runtime/lifecycle.py", "runtime/memory.py",
+               "schemas/io/safefiles.py", "schemas/io/stream.py"}
     assert {x for x in found if x[0] not in modules} - allowed == set()
 
 

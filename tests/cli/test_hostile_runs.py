@@ -265,7 +265,7 @@ def test_managed_dir_never_follows_an_entry(tree, kind, op):
     """Every operation of the one writer of managed directories on every kind of foreign entry: the
     outside stays as it was; the entry is replaced (write, mkdir, remove, rename) or refused."""
     from zeppelin.schemas.common import InputError
-    from zeppelin.schemas.safeio import ManagedDir
+    from zeppelin.schemas.io.safefiles import ManagedDir
 
     d = tree / "w" / "md"
     d.mkdir()
@@ -570,7 +570,7 @@ def test_bad_latest_is_one_line_and_never_blocks(tree, capsys, how):
 ])
 def test_read_small_refuses_without_blocking(tmp_path, kind, words):
     from zeppelin.schemas.common import InputError
-    from zeppelin.schemas.safeio import read_small
+    from zeppelin.schemas.io.safefiles import read_small
 
     p = tmp_path / "f"
     if kind == "fifo":
@@ -694,7 +694,7 @@ def _nan_checkpoint(w: Path) -> None:
 
 @pytest.mark.parametrize("policy", ["stop", "skip"])
 def test_non_finite_loss(tree, policy):
-    from zeppelin.schemas.common import parse_json
+    from zeppelin.schemas.io.documents import parse_json
 
     w = tree / "w"
     _nan_checkpoint(w)
@@ -1026,7 +1026,7 @@ def test_a_254_character_output_name_is_accepted(tree, capsys, argv):
 @pytest.mark.parametrize("stem", [10, 200, 241, 248, 250])
 def test_default_metrics_name_of_a_long_plan_name_is_legal(tmp_path, stem):
     from zeppelin.runtime.config import RunConfig
-    from zeppelin.schemas.common import check_output
+    from zeppelin.schemas.io.safefiles import check_output
 
     cfg = RunConfig(plan=str(tmp_path / ("p" * stem + ".jsonl")))
     name = cfg.metrics_path.name

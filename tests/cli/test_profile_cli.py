@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from zeppelin.schemas.common import load_doc
+from zeppelin.schemas.io.documents import load_doc
 from zeppelin.schemas.profile import CostProfile
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from zeppelin.planner.cli import main
-from zeppelin.schemas.datasets import default_manifest_path
+from zeppelin.schemas.io.datasets import default_manifest_path
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = str(default_manifest_path())

@@ -17,7 +17,7 @@ SMALL = ["-c", "local-cpu:2x2", "--model", "tiny", "--tokens-per-step", "16384",
 
 
 def test_the_six_commands_take_the_shared_flags(tmp_path, capsys):
-    from zeppelin.schemas.datasets import default_manifest_path
+    from zeppelin.schemas.io.datasets import default_manifest_path
 
     sample = str(default_manifest_path())
     plan, sim_json, stats_json = tmp_path / "p.plan", tmp_path / "s.json", tmp_path / "d.json"

@@ -9,7 +9,7 @@ import pytest
 
 from zeppelin.planner.core.sampler import StepSampler, sample_steps
 from zeppelin.schemas.common import InputError
-from zeppelin.schemas.datasets import Dataset, default_manifest_path, load_manifest
+from zeppelin.schemas.io.datasets import Dataset, default_manifest_path, load_manifest
 from zeppelin.schemas.plan import SamplerConfig
 
 

@@ -67,7 +67,7 @@ def test_dry_run_step_profile_and_two_ranks(dry_run):
     assert step["tokens_per_s"] > 0 and step["peak_memory_bytes"] > 0 and step["predicted_memory_bytes"] > 0
     assert set(step["phases"]) >= {"attention", "linear", "optimizer", "step"}
     cost = s["cost_model"]
-    from zeppelin.schemas.common import load_doc
+    from zeppelin.schemas.io.documents import load_doc
     from zeppelin.schemas.profile import CostProfile
 
     load_doc(CostProfile, out / cost["profile"])  # the saved profile is a valid one

@@ -25,8 +25,8 @@ import pytest
 from tests.runtime.test_fsdp import _plan
 from tests.runtime.test_hf import ZEPPELIN
 from zeppelin.schemas.common import InputError
+from zeppelin.schemas.io.stream import FollowReader, StreamingPlanWriter, chain_path
 from zeppelin.schemas.plan import plan_text
-from zeppelin.schemas.stream import FollowReader, StreamingPlanWriter, chain_path
 
 
 def _stream(path: Path, header, steps, delay: float, stop_after: int | None = None, edit=None) -> threading.Thread:

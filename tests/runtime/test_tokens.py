@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from zeppelin.schemas.common import InputError
-from zeppelin.schemas.datasets import load_manifest
+from zeppelin.schemas.io.datasets import load_manifest
 
 ZEPPELIN = str(Path(sys.executable).parent / "zeppelin")
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from zeppelin.schemas import datasets as dsm
 from zeppelin.schemas.common import InputError, content_hash
-from zeppelin.schemas.datasets import (
+from zeppelin.schemas.io import jsonl, readers
+from zeppelin.schemas.io.datasets import (
     Dataset,
     default_manifest_path,
     length_histogram,
@@ -103,13 +103,13 @@ def test_jsonl_fast_path_matches_json_reference_on_awkward_records(tmp_path):
 def test_common_records_take_the_vectorised_path(tmp_path, monkeypatch):
     """Only the header goes through json.loads for the usual record shapes (speed guard)."""
     calls = []
-    orig = dsm._JsonlReader._parse
+    orig = jsonl.JsonlReader._parse
 
     def counting(self, raw, lineno):
         calls.append(lineno)
         return orig(self, raw, lineno)
 
-    monkeypatch.setattr(dsm._JsonlReader, "_parse", counting)
+    monkeypatch.setattr(jsonl.JsonlReader, "_parse", counting)
     rng = np.random.default_rng(0)
     n = rng.integers(1, 10**9, size=600)  # 1 to 9 digits
     lines = ['{"_comment": "h"}'] + [
@@ -124,7 +124,7 @@ def test_jsonl_small_chunks_give_same_result_and_line_numbers(tmp_path, monkeypa
     lines = ['{"_comment": "h"}'] + [f'{{"length": {i + 1}, "pad": "{"x" * (i % 13)}"}}' for i in range(300)]
     p = write_lines(tmp_path / "m.jsonl", lines)
     whole = load_manifest(p).lengths
-    monkeypatch.setattr(dsm, "CHUNK_BYTES", 97)
+    monkeypatch.setattr(readers, "CHUNK_BYTES", 97)
     assert load_manifest(p).lengths.tolist() == whole.tolist() == list(range(1, 301))
     lines[250] = '{"length": 0, "pad": ""}'
     write_lines(p, lines)
@@ -282,7 +282,7 @@ def test_txt(tmp_path, monkeypatch):
     p.write_text("12\n\n5\n0\n")
     assert err(load_manifest, p) == f"{p}: non-positive length 0 at sample 2 (line 4)"
     q = tmp_path / "l.lengths"
-    monkeypatch.setattr(dsm, "CHUNK_BYTES", 8)
+    monkeypatch.setattr(readers, "CHUNK_BYTES", 8)
     q.write_text("".join(f"{i}\n" for i in range(1, 200)))
     assert load_manifest(q).lengths.tolist() == list(range(1, 200))
 

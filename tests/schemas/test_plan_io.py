@@ -249,7 +249,7 @@ def test_written_files_get_normal_permissions(tmp_path):
     import os
     import stat
 
-    from zeppelin.schemas.common import atomic_write_text
+    from zeppelin.schemas.io.safefiles import atomic_write_text
 
     p = tmp_path / "x.json"
     atomic_write_text(p, "{}")

@@ -6,7 +6,8 @@ import subprocess
 import pytest
 
 from zeppelin.schemas.cluster import CLUSTER_PRESETS, ClusterSpec, cluster_preset
-from zeppelin.schemas.common import InputError, content_hash, load_doc, validate_doc
+from zeppelin.schemas.common import InputError, content_hash, validate_doc
+from zeppelin.schemas.io.documents import load_doc
 from zeppelin.schemas.manifest import ManifestSpec
 from zeppelin.schemas.model import MODEL_PRESETS, ModelSpec, model_preset
 from zeppelin.schemas.plan import InputHashes, PlanHeader, StepPlan

@@ -33,8 +33,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
-from .common import _TEMP_FLAGS, InputError, _cleanup_signals, _temp_name, check_output
-from .plan import PlanHeader, PlanReader, StepPlan, _dump, end_record
+from ..common import InputError
+from ..plan import PlanHeader, PlanReader, StepPlan, _dump, end_record
+from .safefiles import check_output, open_temp, place
+from .signals import cleanup_signals
 
 __all__ = ["CHAIN_SUFFIX", "FollowReader", "StreamingPlanWriter", "chain_path", "open_plan_reader", "waiting_line"]
 
@@ -44,13 +46,6 @@ CHAIN_SUFFIX = ".chain"
 def chain_path(path: str | os.PathLike) -> Path:
     p = Path(path)
     return p.with_name(p.name + CHAIN_SUFFIX)
-
-
-def _placed(tmp: str, target: Path) -> None:
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    os.replace(tmp, target)
 
 
 class StreamingPlanWriter:
@@ -67,32 +62,21 @@ class StreamingPlanWriter:
     def __enter__(self) -> StreamingPlanWriter:
         target = check_output(self.path, what="plan")
         chain = check_output(chain_path(target), what="plan chain file")
-        self._signals = _cleanup_signals()
+        self._signals = cleanup_signals()
         self._signals.__enter__()
         tmps: list[str] = []
         try:
-            for _ in range(2):
-                while True:
-                    name = _temp_name(target)
-                    try:
-                        tmps.append(name)
-                        fd = os.open(name, _TEMP_FLAGS, 0o600)
-                        break
-                    except FileExistsError:
-                        tmps.pop()
-                if self._fh is None:
-                    self._fh = os.fdopen(fd, "wb")
-                else:
-                    self._ch = os.fdopen(fd, "wb")
+            self._fh = os.fdopen(open_temp(target, tmps), "wb")
+            self._ch = os.fdopen(open_temp(target, tmps), "wb")
             fcntl.flock(self._ch.fileno(), fcntl.LOCK_EX)  # held while the plan is being written
             head = _dump(self.header, self.fmt).encode()
             self._digest = hashlib.sha256(head)
             self._fh.write(head)
             self._sync()
             self._chain_line()
-            _placed(tmps[1], chain)
+            place(tmps[1], chain)
             self._targets.append(chain)
-            _placed(tmps[0], target)
+            place(tmps[0], target)
             self._targets.append(target)
         except BaseException as e:
             for t in tmps:
