@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tests.support.zeppelin_steps import record_results
 from zeppelin.planner.core.base import PlanContext
 from zeppelin.planner.zeppelin import families, step_searches
 from zeppelin.planner.zeppelin.planner import ZeppelinPlanner
@@ -43,15 +44,7 @@ def _example_family(tmp_path):
 def test_the_documented_example_family_is_offered_and_can_win(tmp_path, monkeypatch):
     example = _example_family(tmp_path)
     monkeypatch.setitem(families.REGISTRY, example.name, example)  # the one registry line
-    offered = []
-    real = example.candidates
-
-    def spy(*a, **k):
-        got = real(*a, **k)
-        offered.append(got)
-        return got
-
-    monkeypatch.setattr(example, "candidates", spy)
+    offered = record_results(monkeypatch, example, "candidates")
     cl = cluster_preset("zeppelin-a:1x4")
     ctx = PlanContext(cl, model_preset("llama-7b"), default_profile(cl.name, cl.device))
     seqs = [Sequence(sample_id=i, length=n) for i, n in enumerate([4096, 2048, 2048, 1024, 1024, 512])]

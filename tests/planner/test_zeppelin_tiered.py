@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.support.zeppelin_steps import check_plan, make_ctx, seqs_of
+from tests.support.zeppelin_steps import check_plan, make_ctx, record_results, seqs_of
 from zeppelin.planner.costmodel.predict import predict_step
 from zeppelin.planner.zeppelin.planner import (
     ZeppelinPlanner,
@@ -40,15 +40,7 @@ def test_plan_step_structure_and_tiers():
 def test_ilp_never_worse_than_greedy_inside_planner(monkeypatch):
     import zeppelin.planner.zeppelin.tiered as zp
 
-    seen = []
-    real = zp.pack
-
-    def spy(*a, **k):
-        r = real(*a, **k)
-        seen.append(r)
-        return r
-
-    monkeypatch.setattr(zp, "pack", spy)
+    seen = record_results(monkeypatch, zp, "pack")
     ctx = make_ctx("zeppelin-a:2x4")
     rng = np.random.default_rng(5)
     for _ in range(2):

@@ -30,6 +30,8 @@ def header_for(ctx: PlanContext, steps=1) -> PlanHeader:
 
 
 def check_plan(ctx, plan, lengths):
+    """The plan's structure: every sequence once, rings cut zigzag, no unit past its token capacity,
+    queues inter before intra before local, inter rings entering each node once."""
     hdr = header_for(ctx)
     assert structural_problems(hdr, plan) == []
     # every sequence exactly once
@@ -77,7 +79,23 @@ def grid_step(cluster: str, model: str, tp: int, mix: str, gpus: int, k: int):
 
 
 def valid_plan(ctx, plan):
+    """Every invariant ``zeppelin validate`` checks, and every sequence placed once."""
     from zeppelin.planner.tools.validate import step_problems
 
     assert step_problems(ctx, header_for(ctx), plan) == []
     assert sorted(p.seq for mb in plan.microbatches for p in mb.placements) == list(range(len(plan.sequences)))
+
+
+def record_results(monkeypatch, obj, name: str) -> list:
+    """Wraps ``obj.name`` (for the test) so that every result it returns is also appended to the
+    list returned."""
+    seen = []
+    real = getattr(obj, name)
+
+    def spy(*a, **k):
+        r = real(*a, **k)
+        seen.append(r)
+        return r
+
+    monkeypatch.setattr(obj, name, spy)
+    return seen

@@ -6,7 +6,7 @@ module with ``name`` and ``candidates``, and one line in :data:`REGISTRY`. A fam
 family: what two share lives in :mod:`.common` (whole-step dispatch over groups, micro-batch bins,
 prices) or :mod:`.aligned_rings` (rings on aligned blocks), which are not families. Boilerplate,
 alike in every family on purpose: the protocol's ``candidates`` signature and the import list of
-the shared helpers a family uses.
+the shared functions a family uses.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Rings on aligned power-of-two blocks of units, as the ``flop-share`` and ``wide-rings`` families
-place them (a shared helper module, not a family).
+place them (shared code, not a family).
 
 A sequence runs alone on one unit or as a zigzag ring over an aligned block of the power-of-two
 size its sizing gives it (:func:`memory_ring_sizes`, :func:`ring_sizes`), priced per unit by
