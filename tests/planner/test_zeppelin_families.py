@@ -8,9 +8,7 @@ import pytest
 from tests.support.zeppelin_steps import grid_step, make_ctx, seqs_of, valid_plan
 from zeppelin.planner.core.base import PlanningError
 from zeppelin.planner.costmodel.predict import predict_step
-from zeppelin.planner.zeppelin.planner import (
-    ZeppelinPlanner,
-)
+from zeppelin.planner.zeppelin.planner import ZeppelinPlanner
 
 
 @pytest.mark.parametrize("cell, family", [

@@ -9,9 +9,7 @@ import pytest
 from tests.support.zeppelin_steps import grid_step, valid_plan
 from zeppelin.planner.zeppelin.families import aligned_rings
 from zeppelin.planner.zeppelin.families import flop_share as F
-from zeppelin.planner.zeppelin.planner import (
-    ZeppelinPlanner,
-)
+from zeppelin.planner.zeppelin.planner import ZeppelinPlanner
 
 
 def _first_fit_only(n, cap, order, where, tl, m):

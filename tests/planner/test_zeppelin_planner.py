@@ -10,9 +10,7 @@ from hypothesis import strategies as st
 from tests.support.zeppelin_steps import check_plan, header_for, make_ctx, seqs_of
 from zeppelin.planner.core.base import PlanningError
 from zeppelin.planner.costmodel.predict import predict_step
-from zeppelin.planner.zeppelin.planner import (
-    ZeppelinPlanner,
-)
+from zeppelin.planner.zeppelin.planner import ZeppelinPlanner
 
 
 def test_sequence_larger_than_cluster_is_rejected():

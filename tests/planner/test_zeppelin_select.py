@@ -8,9 +8,7 @@ import pytest
 
 from tests.support.zeppelin_steps import check_plan, grid_step, make_ctx, seqs_of
 from zeppelin.planner.core.base import PlanningError
-from zeppelin.planner.zeppelin.planner import (
-    ZeppelinPlanner,
-)
+from zeppelin.planner.zeppelin.planner import ZeppelinPlanner
 from zeppelin.planner.zeppelin.protocols import Candidate
 
 

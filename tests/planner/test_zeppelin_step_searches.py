@@ -4,9 +4,7 @@ node-CP and node-major up to their unit limits, no per-step table outliving its 
 from __future__ import annotations
 
 from tests.support.zeppelin_steps import check_plan, header_for, make_ctx, seqs_of
-from zeppelin.planner.zeppelin.planner import (
-    ZeppelinPlanner,
-)
+from zeppelin.planner.zeppelin.planner import ZeppelinPlanner
 from zeppelin.schemas.plan import structural_problems
 
 

@@ -8,9 +8,7 @@ import pytest
 
 from tests.support.zeppelin_steps import check_plan, make_ctx, record_results, seqs_of
 from zeppelin.planner.costmodel.predict import predict_step
-from zeppelin.planner.zeppelin.planner import (
-    ZeppelinPlanner,
-)
+from zeppelin.planner.zeppelin.planner import ZeppelinPlanner
 from zeppelin.planner.zeppelin.tiering import Tiering
 
 
