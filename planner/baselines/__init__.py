@@ -16,6 +16,12 @@ Every planner here subclasses :class:`zeppelin.planner.core.base.Planner`, regis
 
 :mod:`.common` holds the step builder and packing helpers they share, :mod:`.milp` the sparse MILP
 model FlexSP and Hydraulis solve. Baselines never import the Zeppelin planner.
+
+Boilerplate, alike in several modules on purpose: the import lists of :mod:`.common`'s functions; a
+planner's ``Options`` dataclass and class header (``@register``, ``name``, ``Options``,
+``description``, and the first lines of ``plan_step``: ``Timer()`` and ``check_capacity``); and the
+solver-limit options (``milp_nodes``, ``milp_iterations``, ``time_limit``) that FlexSP and
+Hydraulis each declare with their own defaults and help.
 """
 
 from zeppelin.planner.baselines import (  # noqa: F401  (importing a module registers its planners)

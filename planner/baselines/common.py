@@ -11,10 +11,11 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from zeppelin.planner.core.base import PlanContext, PlanningError, pow2_sizes
 from zeppelin.planner.core.builder import StepBuilder, seq_label  # noqa: F401  (re-exported)
+from zeppelin.schemas.plan import Sequence
 
 # ---------------------------------------------------------------------------------------------
 # small helpers
@@ -126,3 +127,16 @@ def fitting_cp(length: int, cap: int, start: int = 1) -> int:
     while cp_padded(length, G) // G > cap:
         G *= 2
     return G
+
+
+def cp_sizes(sequences: list[Sequence], tokens: int, gmax: int, too_large: Callable[[int, Sequence, int], str]) -> list[int]:
+    """Each sequence's CP size: the smallest power of two whose padded per-rank share holds at most
+    ``tokens`` (:func:`fitting_cp`). Raises :class:`PlanningError` with ``too_large(i, sequence,
+    size)`` for the first sequence that needs more than ``gmax`` units."""
+    out = []
+    for i, s in enumerate(sequences):
+        g = fitting_cp(s.length, tokens)
+        if g > gmax:
+            raise PlanningError(too_large(i, s, g))
+        out.append(g)
+    return out

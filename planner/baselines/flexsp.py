@@ -204,34 +204,73 @@ def _solve_microbatch(model, lengths, sizes, n, cap, Q, limits, use_milp, auto_n
     if greedy is None:
         return None
     Cg, sg, ag = greedy
-    greedy_groups = [(sg, [i for i in range(len(lengths)) if ag[i] == g]) for g in range(n // sg)]
-    greedy_groups = [gr for gr in greedy_groups if gr[1]]
+    greedy_groups = _homogeneous_groups(sg, ag, n)
     rec = {"greedy_C": Cg, "greedy_size": sg}
     warm = _greedy_homogeneous(model, Ub, sizes, n, cap)
     if not use_milp or len(lengths) == 0 or warm is None:
         return greedy_groups, Cg, rec, None
     Cw, sw, aw = warm
-    warm_groups = [(sw, [i for i in range(len(lengths)) if aw[i] == g]) for g in range(n // sw)]
-    warm_groups = [gr for gr in warm_groups if gr[1]]
-    nq = len(bounds)
-    counts = np.bincount(np.asarray(bucket, dtype=np.int64), minlength=nq).astype(np.float64)
-    bvals = np.asarray(bounds, dtype=np.float64)
-    # valid lower bounds on C: the busiest group is at least the micro-batch's least total work
-    # spread over N units, and at least the group holding the longest bucket
-    least = np.full(nq, np.inf)
-    longest = np.inf
-    for s in sizes:
-        fits = np.array([ceil_div(b, s) <= cap for b in bounds])
-        least = np.where(fits, np.minimum(least, s * model.coef(bvals, s)), least)
-        if fits[-1]:
-            longest = min(longest, model.fixed[s] + float(model.coef(bvals[-1:], s)[0]))
-    bound = max(float(np.sum(counts * least)) / n, longest)
+    warm_groups = _homogeneous_groups(sw, aw, n)
+    counts = np.bincount(np.asarray(bucket, dtype=np.int64), minlength=len(bounds)).astype(np.float64)
+    bound = _lower_bound(model, bounds, counts, sizes, n, cap)
     rec["bound_C"], rec["warm_C"] = bound, Cw
     if Cw <= bound * (1.0 + limits.gap_rel):  # the warm start is optimal within the gap: no MILP to run
         rec["bound_met"] = True
         Cm = max(model.group_time([lengths[i] for i in members], s) for s, members in warm_groups)
         rec["milp_C"] = Cm
         return (warm_groups, Cm, rec, None) if Cm <= Cg else (greedy_groups, Cg, rec, None)
+    m, C, y, x = _milp(model, sizes, bounds, counts, n, cap, len(lengths), bound)
+    # warm start: the greedy homogeneous solution (slot j of size sg = greedy group j)
+    start = np.zeros(m.num_cols)
+    start[C] = max(Cw, m.lb[C])
+    for j, (s, members) in enumerate(warm_groups):
+        start[y[s, j]] = 1.0
+        for i in members:
+            start[x[bucket[i], s, j]] += 1.0
+    if auto_nodes and m.num_cols > MILP_BIG_COLS:
+        # a large MILP (64+ units): its root relaxation already dominates the planning time and the
+        # searched nodes rarely beat the warm start, so the search stops after the root
+        limits = dataclasses.replace(limits, nodes=0)
+    res, vals = m.solve(limits, start)
+    if not res.has_solution or vals is None:
+        return greedy_groups, Cg, rec, res
+    groups, rejected = _read_groups(vals, y, x, lengths, bucket, len(bounds), n, cap)
+    if rejected:
+        rec["milp_rejected"] = rejected
+        return greedy_groups, Cg, rec, res
+    Cm = max(model.group_time([lengths[i] for i in members], s) for s, members in groups)
+    rec["milp_C"] = Cm
+    if Cm > Cg:  # the bucketed optimum need not beat the exact-length greedy
+        return greedy_groups, Cg, rec, res
+    return groups, Cm, rec, res
+
+
+def _homogeneous_groups(s: int, owner: list[int], n: int) -> list[tuple[int, list[int]]]:
+    """A homogeneous solution's non-empty groups: (size ``s``, indices of its sequences)."""
+    groups = [(s, [i for i in range(len(owner)) if owner[i] == g]) for g in range(n // s)]
+    return [gr for gr in groups if gr[1]]
+
+
+def _lower_bound(model: _Model, bounds: list[int], counts: np.ndarray, sizes: list[int], n: int, cap: int) -> float:
+    """A valid lower bound on a micro-batch's C: the busiest group is at least the micro-batch's
+    least total work spread over N units, and at least the group holding the longest bucket."""
+    bvals = np.asarray(bounds, dtype=np.float64)
+    least = np.full(len(bounds), np.inf)
+    longest = np.inf
+    for s in sizes:
+        fits = np.array([ceil_div(b, s) <= cap for b in bounds])
+        least = np.where(fits, np.minimum(least, s * model.coef(bvals, s)), least)
+        if fits[-1]:
+            longest = min(longest, model.fixed[s] + float(model.coef(bvals[-1:], s)[0]))
+    return max(float(np.sum(counts * least)) / n, longest)
+
+
+def _milp(model: _Model, sizes: list[int], bounds: list[int], counts: np.ndarray, n: int, cap: int, n_seq: int,
+          bound: float):
+    """The micro-batch's MILP over group slots: (problem, column of C, ``y[s, j]`` slot used,
+    ``x[q, s, j]`` sequences of bucket ``q`` in slot ``j`` of size ``s``)."""
+    nq = len(bounds)
+    bvals = np.asarray(bounds, dtype=np.float64)
     m = bl_milp.SparseMilp()
     C = int(m.add_cols(1, bound, np.inf, cost=1.0)[0])
     y: dict[tuple[int, int], int] = {}
@@ -240,7 +279,7 @@ def _solve_microbatch(model, lengths, sizes, n, cap, Q, limits, use_milp, auto_n
         need = np.array([ceil_div(b, s) for b in bounds], dtype=np.float64)
         coef = model.coef(bvals, s)
         qs = np.flatnonzero(need <= cap)
-        for j in range(min(n // s, len(lengths))):
+        for j in range(min(n // s, n_seq)):
             yj = int(m.add_cols(1, 0, 1, integer=True)[0])
             y[s, j] = yj
             xs = m.add_cols(len(qs), 0, counts[qs], integer=True)
@@ -257,21 +296,12 @@ def _solve_microbatch(model, lengths, sizes, n, cap, Q, limits, use_milp, auto_n
         per_q[q].append(xi)
     for q in range(nq):
         m.add_row(per_q[q], 1.0, lo=counts[q], hi=counts[q])  # every sequence in exactly one group
-    # warm start: the greedy homogeneous solution (slot j of size sg = greedy group j)
-    start = np.zeros(m.num_cols)
-    start[C] = max(Cw, m.lb[C])
-    for j, (s, members) in enumerate(warm_groups):
-        start[y[s, j]] = 1.0
-        for i in members:
-            start[x[bucket[i], s, j]] += 1.0
-    if auto_nodes and m.num_cols > MILP_BIG_COLS:
-        # a large MILP (64+ units): its root relaxation already dominates the planning time and the
-        # searched nodes rarely beat the warm start, so the search stops after the root
-        limits = dataclasses.replace(limits, nodes=0)
-    res, vals = m.solve(limits, start)
-    if not res.has_solution or vals is None:
-        return greedy_groups, Cg, rec, res
-    # read the solution back into concrete groups (sequences of a bucket, longest first)
+    return m, C, y, x
+
+
+def _read_groups(vals, y: dict, x: dict, lengths: list[int], bucket: list[int], nq: int, n: int, cap: int):
+    """The MILP's solution as concrete groups (sequences of a bucket, longest first): (groups, None),
+    or (None, why it is rejected)."""
     pools = {q: sorted((i for i in range(len(lengths)) if bucket[i] == q), key=lambda i: -lengths[i])
              for q in range(nq)}
     groups = []
@@ -290,19 +320,11 @@ def _solve_microbatch(model, lengths, sizes, n, cap, Q, limits, use_milp, auto_n
         if members:
             groups.append((s, members))
     if not ok or any(pools[q] for q in pools) or sum(s for s, _ in groups) > n:
-        rec["milp_rejected"] = "solution does not cover the micro-batch"
-        return greedy_groups, Cg, rec, res
+        return None, "solution does not cover the micro-batch"
     for s, members in groups:
         if sum(ceil_div(lengths[i], s) for i in members) > cap:
-            rec["milp_rejected"] = "solution exceeds memory"
-            return greedy_groups, Cg, rec, res
-    Cm = max(model.group_time([lengths[i] for i in members], s) for s, members in groups)
-    rec["milp_C"] = Cm
-    if Cm > Cg:  # the bucketed optimum need not beat the exact-length greedy
-        return greedy_groups, Cg, rec, res
-    return groups, Cm, rec, res
-
-
+            return None, "solution exceeds memory"
+    return groups, None
 
 
 @dataclass(frozen=True)
@@ -334,65 +356,38 @@ class FlexSP(Planner):
         t = Timer()
         cap = check_capacity(ctx, self.name)
         o = self.opts
-        budget, Q, span, mode = o.milp_solves, o.buckets, o.mb_search, o.solver
         limits = SolveLimits(nodes=MILP_NODES if o.milp_nodes is None else o.milp_nodes,
                              iterations=o.milp_iterations, gap_rel=o.gap, wall_s=o.time_limit)
         n = ctx.num_units
-        heads = ctx.model.num_heads // ctx.tp
-        sizes = [s for s in pow2_sizes(n) if heads % s == 0]
-        smax = sizes[-1]
+        sizes = _group_sizes(ctx, sequences, cap)
         lengths = [s.length for s in sequences]
-        for i, s in enumerate(sequences):
-            if ceil_div(s.length, smax) > cap:
-                raise PlanningError(f"{seq_label(i, s)} does not fit flexsp: the largest Ulysses group "
-                                    f"({smax} units; the degree must divide the {heads} heads per unit) holds "
-                                    f"{smax * cap} tokens")
         model = _Model(ctx, sizes)
-        m_min = max(1, ceil_div(sum(lengths), n * cap))
-        # pass 1: dispatch + greedy for every M (cheap): the feasible counts and their greedy objective
-        cands = []
-        for M in range(m_min, m_min + span):
-            owner = lpt(lengths, M)
-            mbs = [[i for i in range(len(lengths)) if owner[i] == m] for m in range(M)]
-            mbs = [mb for mb in mbs if mb]
-            greedy = [_greedy_homogeneous(model, [lengths[i] for i in mb], sizes, n, cap) for mb in mbs]
-            if all(greedy):
-                cands.append((sum(g[0] for g in greedy), M, mbs))
-        if not cands:
-            raise PlanningError(f"flexsp: no micro-batch count in [{m_min}, {m_min + span}) fits the step's "
-                                f"{sum(lengths)} tokens into memory ({cap} tokens per GPU, {n} units)")
-        # pass 2: MILPs, most promising micro-batch count first, at most ``budget`` solves per step
-        # (each under deterministic work limits); past it the greedy solutions stand
-        cands.sort(key=lambda c: (c[0], c[1]))
-        skipped = 0
-        done = []  # per micro-batch count that completed: (objective, M, solution, records, MILP results)
-        records = []
-        for _, M, mbs in cands:
-            total, sol, recs, results = 0.0, [], [], []
-            for mb in mbs:
-                use_milp = mode == "milp" and budget > 0
-                skipped += mode == "milp" and not use_milp
-                out = _solve_microbatch(model, [lengths[i] for i in mb], sizes, n, cap, Q, limits, use_milp,
-                                        auto_nodes=o.milp_nodes is None)
-                if out is None:
-                    break
-                groups, Cm, rec, res = out
-                budget -= res is not None
-                total += Cm
-                sol.append([(s, [mb[i] for i in members]) for s, members in groups])
-                recs.append(rec)
-                if res is not None:
-                    results.append(res)
-            else:
-                records.append({"M": M, "objective_s": total})
-                done.append((total, M, sol, recs, results))
-        if not done:  # unreachable: pass 1 kept only M whose every micro-batch has a greedy solution
-            raise PlanningError("flexsp: internal error: no micro-batch count produced a plan")
-        done.sort(key=lambda d: (d[0], d[1]))
-        # candidates, judged by the planner-wide predictor: the best micro-batch counts of the MILP
-        # search (its objective charges every micro-batch its slowest group, as if micro-batches were
-        # separated by barriers), and the homogeneous whole-step configurations, which are in
-        # FlexSP's solution space (every micro-batch with the same groups) and are its warm start
+        cands = _greedy_counts(model, lengths, sizes, n, cap, o.mb_search)
+        search = _milp_counts(model, lengths, sizes, n, cap, cands, o, limits)
+        plans = self._candidate_plans(ctx, step, sequences, model, sizes, search.done, o.candidates)
+        _, chosen, plan = min(plans, key=lambda c: c[0])  # ties: the MILP's (listed first)
+        total, M, _, recs, _ = search.done[0]
+        plan.solver = search.solver_info(o, t.elapsed)
+        groups_per_mb = [sorted((len(g.units) for g in mb.groups), reverse=True) for mb in plan.microbatches]
+        plan.notes = {"microbatches": len(plan.microbatches), "chosen": chosen,
+                      "candidates_step_time_s": {label: p for p, label, _ in plans},
+                      # the MILP search: its best micro-batch count and objective (sum over micro-batches
+                      # of the slowest group; without the gradient all-reduce)
+                      "milp_microbatches": M, "objective_s": total, "m_search": search.records,
+                      "milp_solves": sum(len(dd[4]) for dd in search.done),
+                      "greedy_objective_s": sum(r["greedy_C"] for r in recs),
+                      "group_sizes": groups_per_mb}
+        return plan
+
+    def _candidate_plans(self, ctx: PlanContext, step: int, sequences: list[Sequence], model: _Model,
+                         sizes: list[int], done: list, top: int) -> list[tuple[float, str, StepPlan]]:
+        """The plans judged by the planner-wide predictor, as (predicted step time, label, plan): the
+        best micro-batch counts of the MILP search (its objective charges every micro-batch its
+        slowest group, as if micro-batches were separated by barriers), and the homogeneous
+        whole-step configurations, which are in FlexSP's solution space (every micro-batch with the
+        same groups) and are its warm start."""
+        n, cap = ctx.num_units, ctx.cost.token_capacity
+        lengths = [s.length for s in sequences]
         homog = []
         for s in sizes:
             for balance in ("time", "tokens"):
@@ -400,7 +395,6 @@ class FlexSP(Planner):
                 if h is not None:
                     homog.append((h[0], s, balance, h[1]))
         homog.sort(key=lambda h: (h[0], -h[1]))
-        top = o.candidates
         plans: list[tuple[float, str, StepPlan]] = []
         for d in done[:top]:
             layout = [_aligned(groups) for groups in d[2]]
@@ -412,38 +406,7 @@ class FlexSP(Planner):
                       for k in range(depth)]
             plan = self._build(ctx, step, sequences, layout)
             plans.append((plan.prediction.step_time_s, f"homogeneous sp={s} ({balance}-balanced)", plan))
-        _, chosen, plan = min(plans, key=lambda c: c[0])  # ties: the MILP's (listed first)
-        total, M, _, recs, _ = done[0]
-        results = [r for dd in done for r in dd[4]]
-        # micro-batches whose warm start met the lower bound within the gap (no MILP was run)
-        met = [r for dd in done for r in dd[3] if r.get("bound_met")]
-        if results or met:
-            solver_name = results[0].solver if results else "greedy"
-            status = merge_status([r.status for r in results]) if results else "optimal"  # bounds met: optimal
-            gaps = [r.gap for r in results] + [max(r["warm_C"] / r["bound_C"] - 1.0, 0.0) for r in met]
-            gap = None if any(g is None for g in gaps) else max(gaps)
-            fallback = None
-            if any(not r.has_solution for r in results):
-                fallback = "no MILP solution within the solver limits for some micro-batches: greedy kept"
-            if skipped:
-                fallback = (fallback + "; " if fallback else "") + (
-                    f"MILP budget ({o.milp_solves} solves) spent: greedy for "
-                    f"{skipped} micro-batch(es) of other micro-batch counts")
-        else:
-            solver_name, status, gap, fallback = "greedy", "ok", None, None
-            if mode == "milp":
-                fallback = "MILP budget of 0 solves: greedy only" if skipped else "every micro-batch was trivial"
-        plan.solver = SolverInfo(name=solver_name, status=status, gap=gap, time_s=t.elapsed, fallback_reason=fallback)
-        groups_per_mb = [sorted((len(g.units) for g in mb.groups), reverse=True) for mb in plan.microbatches]
-        plan.notes = {"microbatches": len(plan.microbatches), "chosen": chosen,
-                      "candidates_step_time_s": {label: p for p, label, _ in plans},
-                      # the MILP search: its best micro-batch count and objective (sum over micro-batches
-                      # of the slowest group; without the gradient all-reduce)
-                      "milp_microbatches": M, "objective_s": total, "m_search": records,
-                      "milp_solves": sum(len(dd[4]) for dd in done),
-                      "greedy_objective_s": sum(r["greedy_C"] for r in recs),
-                      "group_sizes": groups_per_mb}
-        return plan
+        return plans
 
     def _build(self, ctx: PlanContext, step: int, sequences: list[Sequence], layout) -> StepPlan:
         """A plan from per micro-batch ``(first unit, size, sequence indices)`` groups."""
@@ -463,3 +426,101 @@ def _aligned(groups: list[tuple[int, list[int]]]) -> list[tuple[int, int, list[i
         out.append((start, s, members))
         start += s
     return out
+
+
+def _group_sizes(ctx: PlanContext, sequences: list[Sequence], cap: int) -> list[int]:
+    """The Ulysses group sizes of a step (powers of two dividing the heads per unit); raises
+    :class:`PlanningError` where a sequence fits not even the largest group."""
+    heads = ctx.model.num_heads // ctx.tp
+    sizes = [s for s in pow2_sizes(ctx.num_units) if heads % s == 0]
+    smax = sizes[-1]
+    for i, s in enumerate(sequences):
+        if ceil_div(s.length, smax) > cap:
+            raise PlanningError(f"{seq_label(i, s)} does not fit flexsp: the largest Ulysses group "
+                                f"({smax} units; the degree must divide the {heads} heads per unit) holds "
+                                f"{smax * cap} tokens")
+    return sizes
+
+
+def _greedy_counts(model: _Model, lengths: list[int], sizes: list[int], n: int, cap: int, span: int) -> list:
+    """Pass 1, dispatch + greedy for every micro-batch count M (cheap): the feasible counts, as
+    (greedy objective, M, micro-batches), best first."""
+    m_min = max(1, ceil_div(sum(lengths), n * cap))
+    cands = []
+    for M in range(m_min, m_min + span):
+        owner = lpt(lengths, M)
+        mbs = [[i for i in range(len(lengths)) if owner[i] == m] for m in range(M)]
+        mbs = [mb for mb in mbs if mb]
+        greedy = [_greedy_homogeneous(model, [lengths[i] for i in mb], sizes, n, cap) for mb in mbs]
+        if all(greedy):
+            cands.append((sum(g[0] for g in greedy), M, mbs))
+    if not cands:
+        raise PlanningError(f"flexsp: no micro-batch count in [{m_min}, {m_min + span}) fits the step's "
+                            f"{sum(lengths)} tokens into memory ({cap} tokens per GPU, {n} units)")
+    cands.sort(key=lambda c: (c[0], c[1]))
+    return cands
+
+
+@dataclass
+class _CountSearch:
+    """Pass 2's result: per micro-batch count that completed, (objective, M, solution, records,
+    MILP results), best first; the counts' records; the micro-batches left greedy past the budget."""
+
+    done: list
+    records: list
+    skipped: int
+
+    def solver_info(self, o: FlexSPOptions, elapsed: float) -> SolverInfo:
+        results = [r for dd in self.done for r in dd[4]]
+        # micro-batches whose warm start met the lower bound within the gap (no MILP was run)
+        met = [r for dd in self.done for r in dd[3] if r.get("bound_met")]
+        if not (results or met):
+            fallback = None
+            if o.solver == "milp":
+                fallback = "MILP budget of 0 solves: greedy only" if self.skipped else "every micro-batch was trivial"
+            return SolverInfo(name="greedy", status="ok", gap=None, time_s=elapsed, fallback_reason=fallback)
+        solver_name = results[0].solver if results else "greedy"
+        status = merge_status([r.status for r in results]) if results else "optimal"  # bounds met: optimal
+        gaps = [r.gap for r in results] + [max(r["warm_C"] / r["bound_C"] - 1.0, 0.0) for r in met]
+        gap = None if any(g is None for g in gaps) else max(gaps)
+        fallback = None
+        if any(not r.has_solution for r in results):
+            fallback = "no MILP solution within the solver limits for some micro-batches: greedy kept"
+        if self.skipped:
+            fallback = (fallback + "; " if fallback else "") + (
+                f"MILP budget ({o.milp_solves} solves) spent: greedy for "
+                f"{self.skipped} micro-batch(es) of other micro-batch counts")
+        return SolverInfo(name=solver_name, status=status, gap=gap, time_s=elapsed, fallback_reason=fallback)
+
+
+def _milp_counts(model: _Model, lengths: list[int], sizes: list[int], n: int, cap: int, cands: list,
+                 o: FlexSPOptions, limits: SolveLimits) -> _CountSearch:
+    """Pass 2, the MILPs: most promising micro-batch count first, at most ``milp_solves`` solves per
+    step (each under deterministic work limits); past it the greedy solutions stand."""
+    budget, mode = o.milp_solves, o.solver
+    skipped = 0
+    done = []  # per micro-batch count that completed: (objective, M, solution, records, MILP results)
+    records = []
+    for _, M, mbs in cands:
+        total, sol, recs, results = 0.0, [], [], []
+        for mb in mbs:
+            use_milp = mode == "milp" and budget > 0
+            skipped += mode == "milp" and not use_milp
+            out = _solve_microbatch(model, [lengths[i] for i in mb], sizes, n, cap, o.buckets, limits, use_milp,
+                                    auto_nodes=o.milp_nodes is None)
+            if out is None:
+                break
+            groups, Cm, rec, res = out
+            budget -= res is not None
+            total += Cm
+            sol.append([(s, [mb[i] for i in members]) for s, members in groups])
+            recs.append(rec)
+            if res is not None:
+                results.append(res)
+        else:
+            records.append({"M": M, "objective_s": total})
+            done.append((total, M, sol, recs, results))
+    if not done:  # unreachable: pass 1 kept only M whose every micro-batch has a greedy solution
+        raise PlanningError("flexsp: internal error: no micro-batch count produced a plan")
+    done.sort(key=lambda d: (d[0], d[1]))
+    return _CountSearch(done=done, records=records, skipped=skipped)

@@ -13,12 +13,12 @@ from zeppelin.planner.baselines.common import (
     aligned_blocks,
     check_capacity,
     cp_padded,
-    fitting_cp,
+    cp_sizes,
     largest_pow2_block,
     next_pow2,
     seq_label,
 )
-from zeppelin.planner.core.base import PlanContext, Planner, PlanningError, register
+from zeppelin.planner.core.base import PlanContext, Planner, register
 from zeppelin.schemas.plan import Sequence, SolverInfo, StepPlan
 
 
@@ -43,14 +43,13 @@ class HybridDP(Planner):
         L = np.array([s.length for s in sequences], dtype=np.float64)
         work = ctx.cost.work(L)
         share = float(work.sum()) / n
+        g_mem = cp_sizes(sequences, cap, gmax, lambda i, s, g: (
+            f"{seq_label(i, s)} does not fit hybrid-dp: it needs a CP group of {g} units (capacity {cap} tokens "
+            f"per GPU), the largest aligned group has {gmax}"))
         sizes = []
-        for i, s in enumerate(sequences):
-            g_mem = fitting_cp(s.length, cap)
-            if g_mem > gmax:
-                raise PlanningError(f"{seq_label(i, s)} does not fit hybrid-dp: it needs a CP group of {g_mem} "
-                                    f"units (capacity {cap} tokens per GPU), the largest aligned group has {gmax}")
+        for i in range(len(sequences)):
             g_flop = next_pow2(int(np.ceil(work[i] / share))) if work[i] > share else 1
-            sizes.append(min(max(g_mem, g_flop), gmax))
+            sizes.append(min(max(g_mem[i], g_flop), gmax))
         load = np.zeros(n)
         b = StepBuilder(ctx, sequences, self.name)
         order = sorted(range(len(sequences)), key=lambda i: (-work[i], i))

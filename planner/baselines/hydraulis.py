@@ -35,7 +35,7 @@ The prediction uses one cost model per TP degree (:func:`predict_replicas`), sin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -48,15 +48,15 @@ from zeppelin.planner.baselines.common import (
     pow2_sizes,
     seq_label,
 )
-from zeppelin.planner.core.base import PlanContext, Planner, PlanningError, register
+from zeppelin.planner.core.base import PlanContext, Planner, PlanningError, register, zigzag_share
 from zeppelin.planner.core.options import INTS, PlannerOptions, option
 from zeppelin.planner.core.solver import SolveLimits, merge_status
-
-MILP_SOLVES = 4  # packing ILPs per step (deterministic budget; LPT packing for the rest)
-MILP_NODES = 50  # branch-and-bound nodes per ILP
 from zeppelin.planner.costmodel.cost import CostModel
 from zeppelin.planner.costmodel.predict import predict_replicas
 from zeppelin.schemas.plan import Replica, Sequence, SolverInfo, StepPlan
+
+MILP_SOLVES = 4  # packing ILPs per step (deterministic budget; LPT packing for the rest)
+MILP_NODES = 50  # branch-and-bound nodes per ILP
 
 
 def _cost_models(ctx: PlanContext, degrees: list[int]) -> dict[int, CostModel]:
@@ -72,15 +72,6 @@ def tp_comm_time(cm: CostModel, tokens) -> np.ndarray:
     return cm.model.num_layers * cm.tp_exposed_comm(T)
 
 
-def zigzag_share(L, G: int) -> np.ndarray:
-    """Tokens the fullest position of a zigzag ring of ``G`` holds of sequences ``L`` (as cut by
-    :func:`zeppelin.schemas.layout.zigzag_ranges`: 2G near-equal chunks, position i holds chunks i
-    and 2G-1-i, the first ``L mod 2G`` chunks one token longer)."""
-    L = np.asarray(L, dtype=np.int64)
-    if G <= 1:
-        return L
-    q, r = np.divmod(L, 2 * G)
-    return 2 * q + (r > 0) + (r > G)
 
 
 def replica_nic_sharers(ctx: PlanContext, ranks: list[int]) -> int:
@@ -221,148 +212,196 @@ class Hydraulis(Planner):
         t = Timer()
         check_capacity(ctx, self.name)
         o = self.opts
-        limits = SolveLimits(nodes=o.milp_nodes, iterations=o.milp_iterations, wall_s=o.time_limit)
-        budget = o.milp_solves
-        skipped = 0
-        restarts, v_span, use_cp = o.restarts, o.mb_search, o.cp
         degrees = self._degrees(ctx)
         cms = _cost_models(ctx, degrees)
-        cap = {d: cms[d].token_capacity for d in degrees}
-        world = ctx.cluster.world_size
         L = np.array([s.length for s in sequences], dtype=np.int64)
-        Lmax_i = int(np.argmax(L))
-        big_degrees = [d for d in degrees if cap[d] >= L[Lmax_i]]
-        D = degrees[-1]
-        cp = 1  # units per CP replica (1: no CP replica in this step)
-        if not big_degrees:
-            sizes = [g for g in pow2_sizes(world // D) if g > 1] if use_cp else []
-            fit = [g for g in sizes if zigzag_share(L[Lmax_i], g) <= cap[D]]
-            if not fit:
-                where = (f"the largest replica (tp={D}, context-parallel over {sizes[-1]} of them) holds "
-                         f"{sizes[-1] * cap[D]}" if sizes else f"the largest replica (tp={D}) holds {cap[D]}")
-                raise PlanningError(f"{seq_label(Lmax_i, sequences[Lmax_i])} does not fit hydraulis: {where} tokens")
-            cp = fit[0]
-        # a dispatch replica is (degree, cp): cp units of that degree ringing their sequences
-        seq_cost = {(d, 1): cms[d].seq_compute_time(L.astype(np.float64)) + tp_comm_time(cms[d], L) for d in degrees}
-        size = {(d, 1): L for d in degrees}
-        cap_of = {(d, 1): cap[d] for d in degrees}
-        if cp > 1:
-            ranks = list(range(cp * D))
-            tier = "inter" if ctx.cluster.node_of(ranks[0]) != ctx.cluster.node_of(ranks[-1]) else "intra"
-            sharers = replica_nic_sharers(ctx, list(range(D))) if tier == "inter" else 1
-            seq_cost[(D, cp)] = cp_seq_cost(ctx, cms[D], L, cp, tier, sharers)
-            size[(D, cp)] = zigzag_share(L, cp)
-            cap_of[(D, cp)] = cap[D]
+        kinds = _replica_kinds(ctx, cms, degrees, L, sequences, o.cp)
+        configs = _configs(ctx.cluster.world_size, degrees, kinds)
         rng = np.random.default_rng([ctx.seed, step])
-
-        # candidate configurations: k replicas of degree `hi` (fits the longest; or k CP replicas of
-        # degree D), the rest of degree `lo`
-        configs = []
-        for hi, c in ([(D, cp)] if cp > 1 else [(d, 1) for d in big_degrees]):
-            for lo in (d for d in degrees if d <= hi):
-                for k in pow2_sizes(world // (hi * c)):
-                    rest = world - k * hi * c
-                    if rest % lo:
-                        continue
-                    cfg = tuple([(hi, c)] * k + [(lo, 1)] * (rest // lo))
-                    if cfg not in configs:
-                        configs.append(cfg)
-
-        def evaluate(cfg, n_restarts):
-            cost = np.stack([seq_cost[r] for r in cfg], axis=1)
-            fits = np.stack([size[r] <= cap_of[r] for r in cfg], axis=1)
-            if cp > 1:
-                big = np.array([c > 1 for _, c in cfg])
-            else:
-                tps = np.array([d for d, _ in cfg])
-                big = tps == tps.max()
-            return _dispatch(cost, fits, big, rng, n_restarts)
-
-        scored = sorted(((evaluate(cfg, 1)[0], a, cfg) for a, cfg in enumerate(configs)))
+        scored = sorted(((_evaluate(kinds, cfg, rng, 1)[0], a, cfg) for a, cfg in enumerate(configs)))
         _, _, cfg = scored[0]
-        span, owner = evaluate(cfg, restarts)
-
-        # replicas: aligned blocks of ranks, largest degree first (a CP replica: cp consecutive ones)
-        replicas, units_of, r0 = [], [], 0
-        for d, c in cfg:
-            units_of.append(list(range(len(replicas), len(replicas) + c)))
-            for _ in range(c):
-                replicas.append(Replica(ranks=list(range(r0, r0 + d)), tp=d))
-                r0 += d
-        n = len(cfg)
-
+        span, owner = _evaluate(kinds, cfg, rng, o.restarts)
+        replicas, units_of = _replicas(cfg)
         # stage 2: per replica, pack into micro-batches
-        per_rep = [[i for i in range(len(sequences)) if owner[i] == r] for r in range(n)]
-        plans: list[list[list[int]]] = []
-        results, tasks = [], []
-        for r, items in enumerate(per_rep):
-            c = {i: float(seq_cost[cfg[r]][i]) for i in items}
-            Ld = {i: int(size[cfg[r]][i]) for i in items}  # tokens per unit (a CP replica: zigzag share)
-            v_min = max(1, ceil_div(sum(Ld.values()), cap_of[cfg[r]]))
-            tasks.append((r, items, c, Ld, v_min))
-        fallback = None
-        for r, items, c, Ld, v_min in tasks:
-            d, cpr = cfg[r]
-            cm = cms[d]
-            cap_r = cap_of[cfg[r]]
-            const = float(ctx.model.num_layers * cm.linear_time(1e-9) + cm.head_time(1e-9))  # fixed cost c
-            if not items:
-                plans.append([])
-                continue
-            if v_min == 1 or len(items) == 1:
-                plans.append([list(items)])
-                continue
-            best = None
-            for v in range(v_min, v_min + v_span):
-                if best is not None and (sum(c.values()) / v + const) * v >= best[0]:
-                    break  # (max + c) * v >= (mean + c) * v can no longer win
-                greedy = _lpt_pack(items, c, Ld, cap_r, v)
-                if budget > 0 or greedy is None:  # (past the budget only where LPT found no packing)
-                    bins, res = _pack_ilp(items, c, Ld, cap_r, v, greedy, limits)
-                    results.append(res)
-                    budget -= 1
-                else:
-                    bins, res = greedy, None
-                    skipped += 1
-                if bins is None:
-                    bins = greedy
-                    if res.has_solution is False and greedy is not None:
-                        fallback = "ILP found no packing within its limits for some replicas: greedy kept"
-                if bins is None:
-                    continue
-                zmax = max(sum(c[i] for i in b) for b in bins)
-                score = (zmax + const) * v
-                if best is None or score < best[0]:
-                    best = (score, [b for b in bins if b])
-            if best is None:
-                d_items = sum(Ld.values())
-                what = f"tp={d}" if cpr == 1 else f"tp={d}, cp={cpr}; tokens per unit"
-                raise PlanningError(f"hydraulis: replica {r} ({what}) cannot pack its {d_items} tokens into "
-                                    f"{v_min}..{v_min + v_span - 1} micro-batches of {cap_r} tokens")
-            plans.append(best[1])
-
-        b = StepBuilder(ctx, sequences, self.name, n_units=len(replicas), capacity=[cap[r.tp] for r in replicas],
-                        replicas=replicas)
+        packing = _Packing(SolveLimits(nodes=o.milp_nodes, iterations=o.milp_iterations, wall_s=o.time_limit),
+                           budget=o.milp_solves)
+        plans = [_pack_replica(ctx, packing, kinds, cms, r, cfg[r], [i for i in range(len(sequences)) if owner[i] == r],
+                               o.mb_search) for r in range(len(cfg))]
+        b = StepBuilder(ctx, sequences, self.name, n_units=len(replicas),
+                        capacity=[cms[r.tp].token_capacity for r in replicas], replicas=replicas)
         for r, bins in enumerate(plans):
             for k, bin_ in enumerate(bins):
                 for i in sorted(bin_, key=lambda i: -L[i]):
                     b.place(k, "ring" if len(units_of[r]) > 1 else "local", units_of[r], i)
-        if results:
-            status = merge_status([x.status for x in results])
-            gaps = [x.gap for x in results]
-            if skipped:
-                fallback = (fallback + "; " if fallback else "") + (
-                    f"ILP budget ({o.milp_solves} solves) spent: LPT packing for "
-                    f"{skipped} more (replica, micro-batch count) pair(s)")
-            solver = SolverInfo(name=results[0].solver, status=status,
-                                gap=None if any(g is None for g in gaps) else max(gaps), time_s=t.elapsed,
-                                fallback_reason=fallback)
-        else:
-            solver = SolverInfo(name="greedy", status="ok", time_s=t.elapsed)
         notes = {"replica_tp": [r.tp for r in replicas], "dispatch_makespan_s": span,
                  "configs_scored": len(configs), "microbatches": b.num_microbatches}
-        if cp > 1:
-            notes["cp_replicas"] = [units_of[r] for r in range(n) if len(units_of[r]) > 1]
-        plan = b.finish(step, solver, predict=predict_replicas, replicas=replicas, notes=notes)
+        if kinds.cp > 1:
+            notes["cp_replicas"] = [units for units in units_of if len(units) > 1]
+        plan = b.finish(step, packing.solver_info(o.milp_solves, t.elapsed), predict=predict_replicas,
+                        replicas=replicas, notes=notes)
         plan.solver.time_s = t.elapsed
         return plan
+
+
+@dataclass
+class _Kinds:
+    """The step's dispatch replica kinds, keyed ``(degree, cp)`` (``cp`` units of that degree ringing
+    their sequences; ``cp`` 1: a plain replica): each one's per-sequence cost, tokens per unit and
+    token capacity per unit. ``cp``: the units of the step's CP replica kind (1: none);
+    ``big_degrees``: the degrees whose single replica holds the step's longest sequence."""
+
+    cp: int
+    big_degrees: list[int]
+    cost: dict[tuple[int, int], np.ndarray]
+    size: dict[tuple[int, int], np.ndarray]
+    cap: dict[tuple[int, int], int]
+
+
+def _replica_kinds(ctx: PlanContext, cms: dict[int, CostModel], degrees: list[int], L: np.ndarray,
+                   sequences: list[Sequence], use_cp: bool) -> _Kinds:
+    """The replica kinds of a step: one per degree, and a CP replica of the largest degree ``D``
+    (the fewest replicas whose zigzag share of the longest sequence fits) where no single replica
+    holds the longest sequence. Raises :class:`PlanningError` where nothing holds it."""
+    cap = {d: cms[d].token_capacity for d in degrees}
+    world = ctx.cluster.world_size
+    Lmax_i = int(np.argmax(L))
+    big_degrees = [d for d in degrees if cap[d] >= L[Lmax_i]]
+    D = degrees[-1]
+    cp = 1  # units per CP replica (1: no CP replica in this step)
+    if not big_degrees:
+        sizes = [g for g in pow2_sizes(world // D) if g > 1] if use_cp else []
+        fit = [g for g in sizes if zigzag_share(L[Lmax_i], g) <= cap[D]]
+        if not fit:
+            where = (f"the largest replica (tp={D}, context-parallel over {sizes[-1]} of them) holds "
+                     f"{sizes[-1] * cap[D]}" if sizes else f"the largest replica (tp={D}) holds {cap[D]}")
+            raise PlanningError(f"{seq_label(Lmax_i, sequences[Lmax_i])} does not fit hydraulis: {where} tokens")
+        cp = fit[0]
+    seq_cost = {(d, 1): cms[d].seq_compute_time(L.astype(np.float64)) + tp_comm_time(cms[d], L) for d in degrees}
+    size = {(d, 1): L for d in degrees}
+    cap_of = {(d, 1): cap[d] for d in degrees}
+    if cp > 1:
+        ranks = list(range(cp * D))
+        tier = "inter" if ctx.cluster.node_of(ranks[0]) != ctx.cluster.node_of(ranks[-1]) else "intra"
+        sharers = replica_nic_sharers(ctx, list(range(D))) if tier == "inter" else 1
+        seq_cost[(D, cp)] = cp_seq_cost(ctx, cms[D], L, cp, tier, sharers)
+        size[(D, cp)] = zigzag_share(L, cp)
+        cap_of[(D, cp)] = cap[D]
+    return _Kinds(cp=cp, big_degrees=big_degrees, cost=seq_cost, size=size, cap=cap_of)
+
+
+def _configs(world: int, degrees: list[int], kinds: _Kinds) -> list[tuple]:
+    """Candidate configurations: k replicas of degree ``hi`` (it holds the longest sequence; or k CP
+    replicas of the largest degree), the rest of degree ``lo``; each a tuple of replica kinds."""
+    configs = []
+    cp, D = kinds.cp, degrees[-1]
+    for hi, c in ([(D, cp)] if cp > 1 else [(d, 1) for d in kinds.big_degrees]):
+        for lo in (d for d in degrees if d <= hi):
+            for k in pow2_sizes(world // (hi * c)):
+                rest = world - k * hi * c
+                if rest % lo:
+                    continue
+                cfg = tuple([(hi, c)] * k + [(lo, 1)] * (rest // lo))
+                if cfg not in configs:
+                    configs.append(cfg)
+    return configs
+
+
+def _evaluate(kinds: _Kinds, cfg: tuple, rng, n_restarts: int) -> tuple[float, list[int]]:
+    """Stage 1 on a configuration: (makespan, replica per sequence)."""
+    cost = np.stack([kinds.cost[r] for r in cfg], axis=1)
+    fits = np.stack([kinds.size[r] <= kinds.cap[r] for r in cfg], axis=1)
+    if kinds.cp > 1:
+        big = np.array([c > 1 for _, c in cfg])
+    else:
+        tps = np.array([d for d, _ in cfg])
+        big = tps == tps.max()
+    return _dispatch(cost, fits, big, rng, n_restarts)
+
+
+def _replicas(cfg: tuple) -> tuple[list[Replica], list[list[int]]]:
+    """Replicas as aligned blocks of ranks, largest degree first (a CP replica: ``cp`` consecutive
+    ones), and the units of each replica kind of ``cfg``."""
+    replicas, units_of, r0 = [], [], 0
+    for d, c in cfg:
+        units_of.append(list(range(len(replicas), len(replicas) + c)))
+        for _ in range(c):
+            replicas.append(Replica(ranks=list(range(r0, r0 + d)), tp=d))
+            r0 += d
+    return replicas, units_of
+
+
+@dataclass
+class _Packing:
+    """Stage 2's state over a step's replicas: the ILP budget left, the ILP results, the
+    (replica, micro-batch count) pairs packed by LPT past the budget and why a fallback ran."""
+
+    limits: SolveLimits
+    budget: int
+    results: list = field(default_factory=list)
+    skipped: int = 0
+    fallback: str | None = None
+
+    def bins(self, items: list[int], c: dict, Ld: dict, cap: int, v: int):
+        """``items`` packed into ``v`` micro-batches: by the ILP (LPT its warm start) within the
+        budget or where LPT finds no packing, else by LPT; None where neither packs them."""
+        greedy = _lpt_pack(items, c, Ld, cap, v)
+        if self.budget > 0 or greedy is None:  # (past the budget only where LPT found no packing)
+            bins, res = _pack_ilp(items, c, Ld, cap, v, greedy, self.limits)
+            self.results.append(res)
+            self.budget -= 1
+        else:
+            bins, res = greedy, None
+            self.skipped += 1
+        if bins is None:
+            bins = greedy
+            if res.has_solution is False and greedy is not None:
+                self.fallback = "ILP found no packing within its limits for some replicas: greedy kept"
+        return bins
+
+    def solver_info(self, milp_solves: int, elapsed: float) -> SolverInfo:
+        if not self.results:
+            return SolverInfo(name="greedy", status="ok", time_s=elapsed)
+        status = merge_status([x.status for x in self.results])
+        gaps = [x.gap for x in self.results]
+        fallback = self.fallback
+        if self.skipped:
+            fallback = (fallback + "; " if fallback else "") + (
+                f"ILP budget ({milp_solves} solves) spent: LPT packing for "
+                f"{self.skipped} more (replica, micro-batch count) pair(s)")
+        return SolverInfo(name=self.results[0].solver, status=status,
+                          gap=None if any(g is None for g in gaps) else max(gaps), time_s=elapsed,
+                          fallback_reason=fallback)
+
+
+def _pack_replica(ctx: PlanContext, packing: _Packing, kinds: _Kinds, cms: dict[int, CostModel], r: int,
+                  kind: tuple[int, int], items: list[int], v_span: int) -> list[list[int]]:
+    """Stage 2 for replica ``r`` (of ``kind``, holding sequences ``items``): the micro-batches, of
+    ``v_span`` counts from the fewest that fit, minimising ``(max + c) * v``."""
+    c = {i: float(kinds.cost[kind][i]) for i in items}
+    Ld = {i: int(kinds.size[kind][i]) for i in items}  # tokens per unit (a CP replica: zigzag share)
+    cap_r = kinds.cap[kind]
+    v_min = max(1, ceil_div(sum(Ld.values()), cap_r))
+    d, cpr = kind
+    cm = cms[d]
+    const = float(ctx.model.num_layers * cm.linear_time(1e-9) + cm.head_time(1e-9))  # fixed cost c
+    if not items:
+        return []
+    if v_min == 1 or len(items) == 1:
+        return [list(items)]
+    best = None
+    for v in range(v_min, v_min + v_span):
+        if best is not None and (sum(c.values()) / v + const) * v >= best[0]:
+            break  # (max + c) * v >= (mean + c) * v can no longer win
+        bins = packing.bins(items, c, Ld, cap_r, v)
+        if bins is None:
+            continue
+        zmax = max(sum(c[i] for i in b) for b in bins)
+        score = (zmax + const) * v
+        if best is None or score < best[0]:
+            best = (score, [b for b in bins if b])
+    if best is None:
+        d_items = sum(Ld.values())
+        what = f"tp={d}" if cpr == 1 else f"tp={d}, cp={cpr}; tokens per unit"
+        raise PlanningError(f"hydraulis: replica {r} ({what}) cannot pack its {d_items} tokens into "
+                            f"{v_min}..{v_min + v_span - 1} micro-batches of {cap_r} tokens")
+    return best[1]

@@ -15,7 +15,7 @@ from zeppelin.planner.baselines.common import (
     aligned_blocks,
     check_capacity,
     cp_padded,
-    fitting_cp,
+    cp_sizes,
     largest_pow2_block,
     seq_label,
 )
@@ -59,13 +59,9 @@ class MegatronDCP(Planner):
                                 f"{cap} tokens per GPU")
         n = ctx.num_units
         gmax = largest_pow2_block(n)
-        need = []
-        for i, s in enumerate(sequences):
-            g = fitting_cp(s.length, maxtok)
-            if g > gmax:
-                raise PlanningError(f"{seq_label(i, s)} does not fit megatron-dcp: it needs next_pow2(ceil("
-                                    f"{s.length} / {maxtok})) = {g} ranks, the largest aligned group has {gmax} units")
-            need.append(g)
+        need = cp_sizes(sequences, maxtok, gmax, lambda i, s, g: (
+            f"{seq_label(i, s)} does not fit megatron-dcp: it needs next_pow2(ceil({s.length} / {maxtok})) = {g} "
+            f"ranks, the largest aligned group has {gmax} units"))
         L = [s.length for s in sequences]
 
         def per_rank(i: int, g: int) -> int:

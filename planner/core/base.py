@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import numpy as np
+
 from zeppelin.planner.core.options import NoOptions, PlannerOptions
 from zeppelin.planner.costmodel.context import PlanContext, PlanningError
 from zeppelin.schemas.common import InputError
@@ -80,3 +82,14 @@ def pow2_sizes(limit: int) -> list[int]:
         out.append(g)
         g *= 2
     return out
+
+
+def zigzag_share(L, G: int) -> np.ndarray:
+    """Tokens the fullest position of a zigzag ring of ``G`` holds of sequences ``L`` (as cut by
+    :func:`zeppelin.schemas.layout.zigzag_ranges`: 2G near-equal chunks, position i holds chunks i
+    and 2G-1-i, the first ``L mod 2G`` chunks one token longer)."""
+    L = np.asarray(L, dtype=np.int64)
+    if G <= 1:
+        return L
+    q, r = np.divmod(L, 2 * G)
+    return 2 * q + (r > 0) + (r > G)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from zeppelin.planner.costmodel.context import PlanContext, PlanningError
+from zeppelin.schemas.invariants import inter_ring_transfers
 from zeppelin.schemas.layout import contiguous_ranges, ranges_tokens, zigzag_ranges
 from zeppelin.schemas.plan import (
     Group,
@@ -37,6 +38,21 @@ def record(cls, **fields):
     object.__setattr__(m, "__pydantic_extra__", None)
     object.__setattr__(m, "__pydantic_private__", None)
     return m
+
+
+def direct_routes(ctx: PlanContext, mb: MicroBatch) -> list[Route]:
+    """The direct routes of a micro-batch: one path over the pair's own NICs (no proxies) for every
+    node-crossing hop of every inter-node ring group that carries tokens
+    (:func:`zeppelin.schemas.invariants.inter_ring_transfers`), in group and ring order. A unit of
+    ``ctx.tp`` GPUs uses the NIC of its first GPU."""
+    per_node = ctx.units_per_node
+    node_of_unit = [u // per_node for u in range(ctx.num_units)]
+    routes: list[Route] = []
+    for (gi, src, dst), tokens in inter_ring_transfers(mb, node_of_unit).items():
+        nic_s, nic_d = ctx.cluster.nic_of(src * ctx.tp), ctx.cluster.nic_of(dst * ctx.tp)
+        routes.append(Route(group=gi, src=src, dst=dst, tokens=tokens, bytes=int(ctx.cost.kv_bytes(tokens)),
+                            paths=[RoutePath(via_src=src, via_dst=dst, nic_src=nic_s, nic_dst=nic_d, tokens=tokens)]))
+    return routes
 
 
 def seq_label(i: int, seq: Sequence) -> str:
@@ -126,31 +142,6 @@ class StepBuilder:
             held[u] += ranges_tokens(ranges[pos])
 
     # -- finishing --------------------------------------------------------------------------
-    def _routes(self, mb: dict, groups: list[Group]) -> list[Route]:
-        """Direct routes for every node-crossing hop of every inter-node ring group."""
-        ctx = self.ctx
-        if self.replicas is not None:
-            return []
-        per_group: dict[int, list[Placement]] = {}
-        for p in mb["placements"]:
-            per_group.setdefault(p.group, []).append(p)
-        routes: list[Route] = []
-        for gi, g in enumerate(groups):
-            if g.kind != "ring" or g.tier != "inter":
-                continue
-            G = len(g.units)
-            for pos in range(G):
-                src, dst = g.units[pos], g.units[(pos + 1) % G]
-                if self.node_of(src) == self.node_of(dst):
-                    continue
-                tokens = sum(ranges_tokens(p.ranges[pos]) for p in per_group.get(gi, ()))
-                nic_s, nic_d = ctx.cluster.nic_of(src * ctx.tp), ctx.cluster.nic_of(dst * ctx.tp)
-                routes.append(Route(group=gi, src=src, dst=dst, tokens=tokens,
-                                    bytes=int(ctx.cost.kv_bytes(tokens)),
-                                    paths=[RoutePath(via_src=src, via_dst=dst, nic_src=nic_s, nic_dst=nic_d,
-                                                     tokens=tokens)]))
-        return routes
-
     def microbatches(self, routes: bool = True) -> list[MicroBatch]:
         out = []
         for k, mb in enumerate(self.mbs):
@@ -166,8 +157,10 @@ class StepBuilder:
             for g in order:
                 for u in groups[g].units:
                     queues[u].append(g)
-            out.append(MicroBatch(groups=groups, placements=mb["placements"], queues=queues,
-                                  routes=self._routes(mb, groups) if routes else []))
+            m = MicroBatch(groups=groups, placements=mb["placements"], queues=queues, routes=[])
+            if routes and self.replicas is None:  # (replicas' ring transfers run direct, unrouted)
+                m.routes = direct_routes(self.ctx, m)
+            out.append(m)
         if not out:
             out.append(MicroBatch(queues=[[] for _ in range(self.n)]))
         return out

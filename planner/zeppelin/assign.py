@@ -173,6 +173,16 @@ def _local_search(out, loads, toks, cost, tokens, width, cap, max_iter: int | No
     tokens = np.asarray(tokens, dtype=np.float64).tolist()
     ld, tk = np.asarray(loads, dtype=np.float64).tolist(), np.asarray(toks, dtype=np.float64).tolist()
     max_iter = max_iter if max_iter is not None else 4 * B + 50
+
+    def shift(i: int, a: int, b: int) -> None:  # item i from bin a to bin b
+        members[a].remove(i)
+        members[b].append(i)
+        out[i] = [b]
+        ld[a] -= cost[i]
+        ld[b] += cost[i]
+        tk[a] -= tokens[i]
+        tk[b] += tokens[i]
+
     for _ in range(max_iter):
         arr = np.array(ld)
         hi = int(np.argmax(arr))
@@ -208,21 +218,9 @@ def _local_search(out, loads, toks, cost, tokens, width, cap, max_iter: int | No
             if best is None:
                 continue
             i, j = best
-            members[hi].remove(i)
-            members[lo].append(i)
-            out[i] = [lo]
-            ld[hi] -= cost[i]
-            ld[lo] += cost[i]
-            tk[hi] -= tokens[i]
-            tk[lo] += tokens[i]
+            shift(i, hi, lo)
             if j is not None:
-                members[lo].remove(j)
-                members[hi].append(j)
-                out[j] = [hi]
-                ld[lo] -= cost[j]
-                ld[hi] += cost[j]
-                tk[lo] -= tokens[j]
-                tk[hi] += tokens[j]
+                shift(j, lo, hi)
             improved = True
             break
         if not improved:

@@ -15,8 +15,10 @@ import numpy as np
 from zeppelin.planner.core.base import PlanContext
 from zeppelin.planner.core.builder import record as _record
 from zeppelin.planner.costmodel.predict import coupled_components
+from zeppelin.planner.zeppelin.remap import plan_remap
+from zeppelin.planner.zeppelin.routing import plan_routes
 from zeppelin.schemas.layout import contiguous_ranges, zigzag_ranges
-from zeppelin.schemas.plan import Group, MicroBatch, Placement, RemapInfo, Route, RoutePath
+from zeppelin.schemas.plan import Group, MicroBatch, Placement, RemapInfo
 
 
 def build_microbatch(search, idx: list[int], Ls: np.ndarray, spans, span_index, table, node_of, unit_of,
@@ -38,9 +40,8 @@ def build_microbatch(search, idx: list[int], Ls: np.ndarray, spans, span_index, 
     # built from validated parts; model_construct skips re-validating thousands of records
     mb = MicroBatch.model_construct(groups=groups, placements=placements, queues=queues, linear_layout=None,
                                     remap=RemapInfo(), routes=[])
-    mb.routes = _routes(ctx, mb, search.routing_layer, search.options.routing)
-    mb.linear_layout, mb.remap = _remap(ctx, search.sequences, mb, search.remap_layer, search.options.remap,
-                                        enable=remap)
+    mb.routes = plan_routes(ctx, mb, enable=search.options.routing)
+    mb.linear_layout, mb.remap = _remap(ctx, search.sequences, mb, search.options.remap, enable=remap)
     return mb
 
 
@@ -132,43 +133,10 @@ def _ulysses_choice(ctx: PlanContext, spans, span_index, table, unit_of, node_of
     return out
 
 
-def _routes(ctx: PlanContext, mb: MicroBatch, routing, routing_on: bool) -> list[Route]:
-    if routing is not None:
-        return routing.plan_routes(ctx, mb, enable=routing_on)
-    return direct_routes(ctx, mb)
-
-
-def _remap(ctx: PlanContext, sequences, mb: MicroBatch, remap, remap_on: bool, enable: bool):
-    if remap is None:
-        return None, RemapInfo(enabled=False, reason="remap layer not available in this build")
+def _remap(ctx: PlanContext, sequences, mb: MicroBatch, remap_on: bool, enable: bool):
+    """The micro-batch's linear layout and remap (:func:`.remap.plan_remap`; ``enable``: the layout
+    was balanced on attention alone, so a remap may pay)."""
     if remap_on and not enable:
         return None, RemapInfo(enabled=False, reason="layout balanced on attention + linear cost; "
                                                      "a remap would not pay")
-    return remap.plan_remap(ctx, sequences, mb, enable=enable)
-
-
-def direct_routes(ctx: PlanContext, mb: MicroBatch) -> list[Route]:
-    """Single-path routes for every inter-node hop of the inter-tier ring groups (no proxies)."""
-    per_node = ctx.units_per_node
-    held: dict[tuple[int, int], int] = {}
-    for p in mb.placements:
-        g = mb.groups[p.group]
-        if g.tier != "inter" or len(g.units) < 2:
-            continue
-        for pos, u in enumerate(g.units):
-            held[(p.group, u)] = held.get((p.group, u), 0) + sum(e - s for s, e in p.ranges[pos])
-    routes = []
-    for gi, g in enumerate(mb.groups):
-        if g.tier != "inter" or len(g.units) < 2:
-            continue
-        for pos, src in enumerate(g.units):
-            dst = g.units[(pos + 1) % len(g.units)]
-            if src // per_node == dst // per_node:
-                continue
-            tok = held.get((gi, src), 0)
-            nic_s = ctx.cluster.nic_of(src * ctx.tp)
-            nic_d = ctx.cluster.nic_of(dst * ctx.tp)
-            routes.append(Route(group=gi, src=src, dst=dst, tokens=tok, bytes=int(ctx.cost.kv_bytes(tok)),
-                                paths=[RoutePath(via_src=src, via_dst=dst, nic_src=nic_s, nic_dst=nic_d,
-                                                 tokens=tok)]))
-    return routes
+    return plan_remap(ctx, sequences, mb, enable=enable)

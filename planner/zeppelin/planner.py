@@ -32,24 +32,11 @@ from zeppelin.planner.core.base import PlanContext, Planner, PlanningError, regi
 from zeppelin.planner.core.solver import SolveLimits
 from zeppelin.planner.zeppelin import families as families_mod
 from zeppelin.planner.zeppelin.options import ZeppelinOptions
-from zeppelin.planner.zeppelin.record import tiered_finisher
-from zeppelin.planner.zeppelin.select import Own, select
-from zeppelin.planner.zeppelin.step_searches import as_plan, search_step
+from zeppelin.planner.zeppelin.select import select
+from zeppelin.planner.zeppelin.step_searches import search_step
 from zeppelin.planner.zeppelin.step_state import StepState
 from zeppelin.planner.zeppelin.tiering import Tiering
 from zeppelin.schemas.plan import Sequence, StepPlan
-
-
-def _optional(module: str):
-    """A layer of this package that a build may leave out (routing, remap), or None."""
-    import importlib
-
-    try:
-        return importlib.import_module(f"zeppelin.planner.zeppelin.{module}")
-    except ModuleNotFoundError as e:
-        if e.name == f"zeppelin.planner.zeppelin.{module}":
-            return None
-        raise
 
 
 def _fam_list(spec: str) -> tuple[str, ...]:
@@ -188,12 +175,9 @@ class ZeppelinPlanner(Planner):
             return self._oversize_step(ctx, step, sequences, t0)
         lengths = np.array([s.length for s in sequences], dtype=np.int64)
         state = StepState(options=self, ctx=ctx, tiering=tiering, sequences=sequences, lengths=lengths,
-                          ilp_left=self.ilp_budget_calls, routing_layer=_optional("routing"),
-                          remap_layer=_optional("remap"), collector=self.collector)
+                          ilp_left=self.ilp_budget_calls)
         judge = self._judge(ctx)
-        found = search_step(state, step, simulate=judge is not None)
-        own = [Own(t, partial(as_plan, ctx, step, sequences, lengths, built), tiered_finisher(state, [b[1] for b in built]))
-               for built, t in found]
+        own = search_step(state, step, simulate=judge is not None)
         if ctx.num_units <= self.families_max_units:
             margin, names = self.family_margin, self._family_names()
         else:
@@ -202,7 +186,7 @@ class ZeppelinPlanner(Planner):
             margin, names = None, self._family_names(only=self.large_families)
         return select(ctx, step, sequences, own, names, margin=margin, routing=self.routing,
                       simulator=self._confirmer(ctx), simulate_all=judge is not None, t0=t0,
-                      wall_hit=state.wall_hit, collector=state.collector)
+                      wall_hit=state.wall_hit, collector=self.collector)
 
     def _oversize_step(self, ctx: PlanContext, step: int, sequences: list[Sequence], t0: float) -> StepPlan:
         """A step with a sequence longer than the context's units can hold together, planned on

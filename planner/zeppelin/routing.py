@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from zeppelin.planner.core.base import PlanContext
+from zeppelin.planner.core.builder import direct_routes
 from zeppelin.schemas.cluster import ClusterSpec
 from zeppelin.schemas.invariants import inter_ring_transfers
 from zeppelin.schemas.invariants import route_problems as invariant_route_problems
@@ -268,9 +269,12 @@ def _spread(ctx: PlanContext, node: _Node, items: list[tuple[_Transfer, int]], s
 def plan_routes(ctx: PlanContext, mb: MicroBatch, enable: bool = True) -> list[Route]:
     """One :class:`Route` per node-crossing neighbour pair of every inter-node ring group.
 
-    ``enable=False`` gives the direct routes (one path over the pair's own NICs). See the module
-    docstring for the algorithm and why it is exact.
+    ``enable=False`` gives the direct routes (one path over the pair's own NICs:
+    :func:`zeppelin.planner.core.builder.direct_routes`). See the module docstring for the
+    algorithm and why it is exact.
     """
+    if not enable:
+        return direct_routes(ctx, mb)
     cost = ctx.cost
     transfers = _transfers(ctx, mb)
     if not transfers:
@@ -280,30 +284,29 @@ def plan_routes(ctx: PlanContext, mb: MicroBatch, enable: bool = True) -> list[R
     for t in transfers:
         t.send = {t.src: t.tokens}
         t.recv = {t.dst: t.tokens}
-    if enable:
-        inter_members = {u for g in mb.groups if g.tier == "inter" and g.kind == "ring" for u in g.units}
-        busy = {u for g in mb.groups if len(g.units) > 1 for u in g.units}
-        sends: dict[int, list[tuple[_Transfer, int]]] = defaultdict(list)
-        recvs: dict[int, list[tuple[_Transfer, int]]] = defaultdict(list)
-        for t in transfers:
-            sends[t.src // per_node].append((t, t.src))
-            recvs[t.dst // per_node].append((t, t.dst))
-        nodes: dict[int, _Node] = {}
-        for side, table in (("send", sends), ("recv", recvs)):
-            for k, items in table.items():
-                if k not in nodes:
-                    nodes[k] = _Node(ctx, k, inter_members, busy, nic_of)
-                _spread(ctx, nodes[k], items, side, inter_members, busy, nic_of)
+    inter_members = {u for g in mb.groups if g.tier == "inter" and g.kind == "ring" for u in g.units}
+    busy = {u for g in mb.groups if len(g.units) > 1 for u in g.units}
+    sends: dict[int, list[tuple[_Transfer, int]]] = defaultdict(list)
+    recvs: dict[int, list[tuple[_Transfer, int]]] = defaultdict(list)
+    for t in transfers:
+        sends[t.src // per_node].append((t, t.src))
+        recvs[t.dst // per_node].append((t, t.dst))
+    nodes: dict[int, _Node] = {}
+    for side, table in (("send", sends), ("recv", recvs)):
+        for k, items in table.items():
+            if k not in nodes:
+                nodes[k] = _Node(ctx, k, inter_members, busy, nic_of)
+            _spread(ctx, nodes[k], items, side, inter_members, busy, nic_of)
     nbytes = cost.kv_bytes(np.array([t.tokens for t in transfers], dtype=np.float64))
     routes = [Route(group=t.group, src=t.src, dst=t.dst, tokens=t.tokens, bytes=int(b), paths=_pair(nic_of, t))
               for t, b in zip(transfers, nbytes)]
-    if enable:  # whole-token splits of tiny transfers can load a NIC more than the direct paths: never worse
-        from zeppelin.planner.costmodel.predict import nic_loads
+    # whole-token splits of tiny transfers can load a NIC more than the direct paths: never worse
+    from zeppelin.planner.costmodel.predict import nic_loads
 
-        routed = mb.model_copy(update={"routes": routes})
-        ro, un = nic_loads(ctx, routed, routed=True), nic_loads(ctx, routed, routed=False)
-        if max(ro.values(), default=0) > max(un.values(), default=0) * (1 + 1e-9):
-            return plan_routes(ctx, mb, enable=False)
+    routed = mb.model_copy(update={"routes": routes})
+    ro, un = nic_loads(ctx, routed, routed=True), nic_loads(ctx, routed, routed=False)
+    if max(ro.values(), default=0) > max(un.values(), default=0) * (1 + 1e-9):
+        return direct_routes(ctx, mb)
     return routes
 
 

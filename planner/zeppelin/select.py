@@ -1,7 +1,8 @@
 """Choosing a step's plan: the one place where candidates are pruned, judged and recorded.
 
-The planner's own whole-step searches hand in their candidates (priced already); the families
-(:mod:`.families`) hand in scored configurations, of which only those that could win are built.
+The planner's own whole-step searches hand in their candidates (scored by their prediction
+already); the families (:mod:`.families`) hand in candidates scored by their own estimates, of
+which only those that could win are built; both as :class:`.protocols.Candidate`.
 Every built plan is then judged the same way - on small clusters by the event-driven simulator,
 which sees ring pipeline waits and NIC contention the prediction approximates; beyond, by the
 analytic prediction, whose few best are confirmed by the simulator - and the fastest wins; ties
@@ -12,12 +13,11 @@ order).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import NamedTuple
 
 from zeppelin.planner.core.base import PlanContext, PlanningError
 from zeppelin.planner.core.solver import WALL_CLOCK
 from zeppelin.planner.zeppelin.families import REGISTRY
+from zeppelin.planner.zeppelin.protocols import Candidate
 from zeppelin.schemas.plan import Sequence, SolverInfo, StepPlan
 
 #: beyond ``simulate_max_units`` units the plans are ranked by the prediction and this many of the
@@ -31,15 +31,6 @@ CONFIRM_MAX_UNITS = 32
 #: of each of the two best-scored families is built
 BUILD_ALL_MAX_UNITS = 32
 
-
-class Own(NamedTuple):
-    """A whole-step candidate of the planner's own searches: its predicted step time (no gradient
-    all-reduce), the function making its plan, and the function recording, once it has won, how
-    it was found (its :class:`SolverInfo` from the time spent on the step, and its notes)."""
-
-    time: float
-    build: Callable[[], StepPlan]
-    finish: Callable[[StepPlan, float], None]
 
 
 def family_plans(ctx: PlanContext, step: int, sequences: list[Sequence], families, bound: float | None = None,
@@ -60,28 +51,35 @@ def family_plans(ctx: PlanContext, step: int, sequences: list[Sequence], familie
         if not small and len(firsts) >= 2:
             # only the two best-scored families are built: a configuration scored above the
             # second-best family's best cannot be among them
-            second = sorted(c[0] for c in firsts.values())[1]
+            second = sorted(c.score for _, c in firsts.values())[1]
             limit = second if limit is None else min(limit, second)
         try:
             got = REGISTRY[name].candidates(ctx, step, sequences, limit=limit, routing=routing, top=2)
         except PlanningError:
             continue
-        mine = [(score, f, index, build) for score, index, build in got]
+        mine = [(f, c) for c in got]
         cands += mine
         if mine:
-            firsts[f] = min(mine, key=lambda c: (c[0], c[2]))
-    cands.sort(key=lambda c: (c[0], c[1], c[2]))
+            firsts[f] = min(mine, key=lambda fc: (fc[1].score, fc[1].index))
+    cands.sort(key=_ranked)
     if not small:
-        cands = sorted(firsts.values(), key=lambda c: (c[0], c[1], c[2]))[:2]
+        cands = sorted(firsts.values(), key=_ranked)[:2]
     out: list[StepPlan] = []
-    for score, _, _, build in cands:
-        if bound is not None and score > bound:
+    for _, c in cands:
+        if bound is not None and c.score > bound:
             continue
         try:
-            out.append(build())
+            out.append(c.build())
         except PlanningError:
             continue
     return out
+
+
+def _ranked(fc: tuple[int, Candidate]) -> tuple:
+    """The order families' candidates are built in: by score, then the family's place in the
+    list, then the candidate's index."""
+    f, c = fc
+    return c.score, f, c.index
 
 
 def _judge(ctx: PlanContext, entries: list, simulator, simulate_all: bool):
@@ -101,7 +99,7 @@ def _judge(ctx: PlanContext, entries: list, simulator, simulate_all: bool):
     return min(scored, key=lambda x: (x[0], x[1]))[2]
 
 
-def select(ctx: PlanContext, step: int, sequences: list[Sequence], own: list[Own], families, *,
+def select(ctx: PlanContext, step: int, sequences: list[Sequence], own: list[Candidate], families, *,
            margin: float | None, routing: bool, simulator=None, simulate_all: bool = True, t0: float,
            wall_hit: bool = False, collector=None) -> StepPlan | None:
     """The step's plan: the fastest of the planner's ``own`` candidates and the plans of
@@ -118,9 +116,9 @@ def select(ctx: PlanContext, step: int, sequences: list[Sequence], own: list[Own
     ``margin``: a family configuration whose own score is more than this share above the fastest
     own candidate is not built - it would not win (None: every family's best are built, as
     :func:`family_plans` prunes them)."""
-    bound = min(c.time for c in own) * (1 + margin) if margin is not None and own else None
+    bound = min(c.score for c in own) * (1 + margin) if margin is not None and own else None
     if not (simulator is not None and simulate_all) and own:
-        own = [min(own, key=lambda c: c.time)]
+        own = [min(own, key=lambda c: c.score)]
     entries = [(c.build(), c.finish) for c in own]
     fams = family_plans(ctx, step, sequences, families, bound, routing=routing) if families else []
     entries += [(f, None) for f in fams]

@@ -37,12 +37,6 @@ class StepState:
     # the last packing failure, for the error when nothing fits (its text: the exception itself would
     # keep the failed search's frames, and with them this state, alive)
     last_error: str | None = None
-    # the routing and remap layers of this package (None: left out of this build)
-    routing_layer: object | None = None
-    remap_layer: object | None = None
-    # called with every candidate plan the step builds (benchmarks and tests judge the choice
-    # against them); None: nothing is collected
-    collector: object | None = None
 
     # ILP work per step: every candidate layout may call the packing ILP; together they share a
     # budget of ``ilp_budget_calls`` solves, each under the planner's limits (``ilp=always``: no

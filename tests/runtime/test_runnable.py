@@ -52,7 +52,7 @@ def _hf_config(path: Path, **dims) -> str:
 
 def test_planner_makes_no_tp_replicas_for_hf_models(tmp_path):
     """A step where replicas of a larger TP degree win for llama-7b (the grid cell of
-    tests/planner/test_zeppelin_planner.py) is planned without them for the same architecture
+    tests/planner/test_zeppelin_families.py) is planned without them for the same architecture
     read from a Hugging Face config.json."""
     from zeppelin.planner.core.base import PlanContext
     from zeppelin.planner.core.sampler import sample_steps

@@ -2,7 +2,11 @@
 (:class:`zeppelin.planner.zeppelin.protocols.Family`), and their registry.
 
 Everything is deterministic (sorted orders, index tie-breaks, no clock). Adding a family: one
-module with ``name`` and ``candidates``, and one line in :data:`REGISTRY`.
+module with ``name`` and ``candidates``, and one line in :data:`REGISTRY`. A family imports no other
+family: what two share lives in :mod:`.common` (whole-step dispatch over groups, micro-batch bins,
+prices) or :mod:`.aligned_rings` (rings on aligned blocks), which are not families. Boilerplate,
+alike in every family on purpose: the protocol's ``candidates`` signature and the import list of
+the shared functions a family uses.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Helpers the candidate families share: whole-step dispatch of sequences over groups (with its
-lower bound, pruned search and local search), micro-batching a group's share, token shares of a
-zigzag ring and per-token prices."""
+lower bound, pruned search and local search), micro-batching a group's share and per-token prices.
+(A zigzag ring's token share is :func:`zeppelin.planner.core.base.zigzag_share`, shared with the
+baselines.)"""
 
 from __future__ import annotations
 
@@ -15,13 +16,6 @@ def ceil_div(a, b):
     return -(-np.asarray(a) // b)
 
 
-def zigzag_share(L: np.ndarray, G: int) -> np.ndarray:
-    """Tokens the fullest unit of a zigzag ring of ``G`` holds (schemas.layout.zigzag_ranges' cut)."""
-    L = np.asarray(L, dtype=np.int64)
-    if G <= 1:
-        return L
-    q, r = np.divmod(L, 2 * G)
-    return 2 * q + (r > 0) + (r > G)
 
 
 def group_counts(m: int) -> list[int]:

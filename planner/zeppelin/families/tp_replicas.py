@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from zeppelin.planner.core.base import PlanContext, pow2_sizes
+from zeppelin.planner.core.base import PlanContext, pow2_sizes, zigzag_share
 from zeppelin.planner.core.builder import StepBuilder
 from zeppelin.planner.costmodel.predict import predict_replicas
 from zeppelin.planner.zeppelin.families.common import (
@@ -22,7 +22,6 @@ from zeppelin.planner.zeppelin.families.common import (
     group_counts,
     pack_bins,
     refine,
-    zigzag_share,
 )
 from zeppelin.planner.zeppelin.protocols import Candidate
 from zeppelin.schemas.plan import Replica, Sequence, SolverInfo

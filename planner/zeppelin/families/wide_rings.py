@@ -16,8 +16,8 @@ of the step's lower bound by itself - that ring's units have almost no room left
 the step, so plans that keep it there tend to end well above the bound - and planning a step
 without such a sequence costs one pass over its lengths. The gate is the step's, not the caller's
 ``limit``: beyond 32 units that is lowered to other families' scores, and a search skipped on it
-would build other plans than the full search. The placement and pricing are FLOP-share's own
-(:mod:`.flop_share`), so the two families' scores and plans stay alike.
+would build other plans than the full search. The placement and pricing are FLOP-share's
+(:mod:`.aligned_rings`, shared by both), so the two families' scores and plans stay alike.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import numpy as np
 
 from zeppelin.planner.core.base import PlanContext, pow2_sizes
 from zeppelin.planner.costmodel.predict import lower_bounds
-from zeppelin.planner.zeppelin.families import flop_share as fs
+from zeppelin.planner.zeppelin.families import aligned_rings as rings
 from zeppelin.planner.zeppelin.families.common import token_slope
 from zeppelin.planner.zeppelin.protocols import Candidate
 from zeppelin.schemas.plan import Sequence
@@ -57,7 +57,7 @@ def wide_rings(ctx: PlanContext, step: int, sequences: list[Sequence], limit: fl
     L = np.array([s.length for s in sequences], dtype=np.int64)
     Lf = L.astype(np.float64)
     gmax = pow2_sizes(n)[-1]
-    g_mem = fs._memory_ring_sizes(L, cm.token_capacity, gmax)
+    g_mem = rings.memory_ring_sizes(L, cm.token_capacity, gmax)
     if g_mem.max() > gmax:
         return []
     slope = token_slope(ctx, cm, max(float(Lf.sum()) / n, 2.0))
@@ -79,7 +79,7 @@ def _search(ctx: PlanContext, step: int, sequences: list[Sequence], L: np.ndarra
     Lf = L.astype(np.float64)
     gmax = pow2_sizes(n)[-1]
     work = cm.work(Lf)
-    base = fs._ring_sizes(ctx, work, g_mem, gmax, 1.0)
+    base = rings.ring_sizes(ctx, work, g_mem, gmax, 1.0)
     order = sorted(range(len(L)), key=lambda i: (-work[i], i))
     if settle_rounds is None:
         # (FLOP-share's local search, off by default: it moves the long rings off their widths
@@ -96,11 +96,12 @@ def _search(ctx: PlanContext, step: int, sequences: list[Sequence], L: np.ndarra
         seen.append(sizes)
         # each width placed (and built) on its own: the family's per-unit score prices a ring's
         # hops, not how rings sharing nodes meet, so the judge compares the widths' plans
-        layouts = fs._placements(ctx, L, Lf, slope, [(sizes, f" (long sequences on rings of {G // upn} nodes)")],
-                                 order, gmax, settle_rounds, nic_share)
-        score = min(_coupled(ctx, lay, order, work) for lay in layouts)
+        layouts = rings.place(ctx, L, Lf, slope, [(sizes, f" (long sequences on rings of {G // upn} nodes)")],
+                              order, gmax, settle_rounds, nic_share)
+        score = min(rings.coupled_score(ctx, lay, order, work) for lay in layouts)
         if limit is None or score <= limit:
-            out.append(Candidate(score, len(out), partial(_build, ctx, step, sequences, layouts, order, work, routing)))
+            out.append(Candidate(score, len(out),
+                                 partial(rings.build, ctx, step, sequences, layouts, order, work, routing, name)))
     return sorted(out, key=lambda c: (c.score, c.index))[:top]
 
 
@@ -108,21 +109,6 @@ def far_from_bound(t_narrow: np.ndarray, bound: float) -> bool:
     """Whether the wide search runs: some sequence on its narrowest ring (``t_narrow``, at least a
     node) takes more than 1/GAP of the step's lower bound."""
     return bool(len(t_narrow)) and float(t_narrow.max()) * GAP > bound
-
-
-def _build(ctx, step, sequences, layouts, order, work, routing):
-    plan = fs._build(ctx, step, sequences, layouts, order, work, routing)
-    plan.notes["family"] = name
-    return plan
-
-
-def _coupled(ctx: PlanContext, layout, order: list[int], work: np.ndarray) -> float:
-    """A placement's slowest unit once ring partners' waits are charged, micro-batched by first
-    fit (FLOP-share's own measure when it chooses among its placements): the long rings share
-    their units with shorter sequences, and a top load alone misses the waits."""
-    where, sizes, _, _, t = layout
-    fit = fs._first_fit(ctx.num_units, ctx.cost.token_capacity, fs._micro_batch_order(order, work, sizes), where)
-    return fs._coupled_time(ctx.num_units, where, t.tolist(), *fit)
 
 
 def _widths(upn: int, gmax: int) -> list[int]:
@@ -137,5 +123,5 @@ def _narrow_times(ctx: PlanContext, Lf: np.ndarray, slope: float, g_mem: np.ndar
     out = np.zeros(len(Lf))
     for G in np.unique(sizes).tolist():
         sel = sizes == G
-        out[sel] = fs._unit_time(ctx, Lf[sel], slope, G, nic_share)
+        out[sel] = rings.unit_time(ctx, Lf[sel], slope, G, nic_share)
     return out

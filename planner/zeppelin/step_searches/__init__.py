@@ -1,41 +1,50 @@
-"""The planner's own whole-step searches, one module each (``name`` and ``search(state, parts,
-found)``), and the loop over micro-batch counts that runs them.
+"""The planner's own whole-step searches, one module each (:class:`.protocols.StepSearch`: ``name``
+and ``search(state, parts, found)``), their registry and the loop over micro-batch counts that runs
+them.
 
 Per micro-batch count (the fewest that fit first, :func:`split_microbatches`), every search in
-:data:`REGISTRY` adds its whole-step candidates to the count's :class:`.common.Round`, in order (a
-later search may read what the earlier ones found).
+:data:`REGISTRY` adds its whole-step layouts to the count's :class:`.protocols.Round`, in order (a
+later search may read what the earlier ones found); the step's layouts are handed on as
+:class:`.protocols.Candidate` s. Adding a search: one module with ``name`` and ``search``, and one
+line in :data:`REGISTRY`.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+from functools import partial
 
 import numpy as np
 
 from zeppelin.planner.core.base import PlanContext, PlanningError
 from zeppelin.planner.costmodel.predict import predict_from_terms
+from zeppelin.planner.zeppelin.protocols import Candidate, Round, StepSearch
+from zeppelin.planner.zeppelin.record import tiered_finisher
 from zeppelin.planner.zeppelin.step_searches import node_cp, node_major, tiered
-from zeppelin.planner.zeppelin.step_searches.common import Round
 from zeppelin.planner.zeppelin.step_state import StepState
 from zeppelin.schemas.plan import Sequence, StepPlan
 
 #: the whole-step searches, in the order they run per micro-batch count
-REGISTRY = (tiered, node_cp, node_major)
+REGISTRY: tuple[StepSearch, ...] = (tiered, node_cp, node_major)
 #: micro-batches are first counted for this share of the units' token capacity (slack for rings)
 FILL = 0.9
 
 
-def search_step(state: StepState, step: int, simulate: bool) -> list:
-    """Every whole-step candidate of the step, as (built micro-batches, predicted time): those of
-    the fewest micro-batches any search can plan (``simulate``: and of one more, which the
-    simulator may find runs rings more smoothly). Raises :class:`PlanningError` when none fits."""
+def search_step(state: StepState, step: int, simulate: bool) -> list[Candidate]:
+    """Every whole-step candidate of the step, scored by its predicted time (no gradient
+    all-reduce): the layouts of the fewest micro-batches any search can plan (``simulate``: and of
+    one more, which the simulator may find runs rings more smoothly). Raises
+    :class:`PlanningError` when none fits."""
     try:
-        return _search_counts(state, step, simulate)
+        found = _search_counts(state, step, simulate)
     finally:
         # span tables serve the step's candidate layouts (large on big clusters): none outlives the
         # search, so a long plan file streams with one step's memory
         state.span_tables.clear()
+    ctx, sequences, lengths = state.ctx, state.sequences, state.lengths
+    return [Candidate(t, a, partial(as_plan, ctx, step, sequences, lengths, built),
+                      tiered_finisher(state, [b[1] for b in built])) for a, (built, t) in enumerate(found)]
 
 
 def _search_counts(state: StepState, step: int, simulate: bool) -> list:

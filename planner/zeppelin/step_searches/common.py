@@ -1,9 +1,7 @@
-"""What the planner's own whole-step searches share: one micro-batch count's running best, and
-planning every micro-batch of a step with the tiered pipeline."""
+"""What the planner's own whole-step searches share: planning every micro-batch of a step with the
+tiered pipeline, and the choices of layout the searches read from the step's state."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -11,32 +9,12 @@ from zeppelin.planner.zeppelin.step_state import StepState
 from zeppelin.planner.zeppelin.tiered import best_microbatch
 
 
-@dataclass
-class Round:
-    """The whole-step candidates of one micro-batch count: every search adds to ``found`` (the
-    step's candidates over all counts, as (built micro-batches, predicted time)) and to the best
-    of this count."""
-
-    found: list = field(default_factory=list)
-    best_built: list | None = None
-    best_t: float = float("inf")
-    best_floors: list = field(default_factory=lambda: [None])  # span floors of the best tiered / node-CP layout
-
-    def offer(self, built, t: float, floors: list | None = None) -> None:
-        self.found.append((built, t))
-        if t < self.best_t:
-            self.best_built, self.best_t = built, t
-            if floors is not None:
-                self.best_floors = floors
-
-
 def balances(search: StepState) -> list[str]:
     """The objectives the tiered layouts balance: total per-unit cost, and (remap layer on, up to
     ``attention_max_units`` units: beyond, for planning latency, the FLOP-share family takes its
     place) attention alone with a remap evening out the linear tokens."""
     opts = search.options
-    return ["total"] + (["attention"] if opts.remap and search.remap_layer is not None
-                        and search.ctx.num_units <= opts.attention_max_units else [])
+    return ["total"] + (["attention"] if opts.remap and search.ctx.num_units <= opts.attention_max_units else [])
 
 
 def node_cp_floor(search: StepState) -> int | None:

@@ -6,7 +6,8 @@ one, and no unit waits on partners from rings of assorted widths."""
 from __future__ import annotations
 
 from zeppelin.planner.zeppelin.assign import PackInfeasible
-from zeppelin.planner.zeppelin.step_searches.common import Round, coupling_waste, node_cp_floor, whole_step
+from zeppelin.planner.zeppelin.protocols import Round
+from zeppelin.planner.zeppelin.step_searches.common import coupling_waste, node_cp_floor, whole_step
 from zeppelin.planner.zeppelin.step_state import StepState
 
 name = "node-cp"

@@ -10,7 +10,8 @@ import heapq
 import numpy as np
 
 from zeppelin.planner.zeppelin.assign import PackInfeasible
-from zeppelin.planner.zeppelin.step_searches.common import Round, balances, node_cp_floor, whole_step
+from zeppelin.planner.zeppelin.protocols import Round
+from zeppelin.planner.zeppelin.step_searches.common import balances, node_cp_floor, whole_step
 from zeppelin.planner.zeppelin.step_state import StepState
 from zeppelin.planner.zeppelin.tiering import zigzag_max_tokens_array
 

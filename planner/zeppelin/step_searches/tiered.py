@@ -4,7 +4,8 @@ better of balancing total cost or attention with a remap."""
 from __future__ import annotations
 
 from zeppelin.planner.zeppelin.assign import PackInfeasible
-from zeppelin.planner.zeppelin.step_searches.common import Round, balances, whole_step
+from zeppelin.planner.zeppelin.protocols import Round
+from zeppelin.planner.zeppelin.step_searches.common import balances, whole_step
 from zeppelin.planner.zeppelin.step_state import StepState
 
 name = "tiered"

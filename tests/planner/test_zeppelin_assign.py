@@ -1,0 +1,95 @@
+"""The two-level packing (assign.py): greedy with widths and token capacity, its lower bound, the
+ILP where it pays, placing by token room."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from zeppelin.planner.zeppelin.assign import greedy_pack, lower_bound, pack
+
+
+def test_greedy_pack_respects_widths_and_capacity():
+    pre = np.array([0.0, 1.0, 0.0, 2.0])
+    cost = np.array([3.0, 2.0, 2.0, 1.0, 1.0])
+    tokens = np.array([5, 5, 5, 5, 5.0])
+    width = np.array([2, 1, 1, 1, 1])
+    r = greedy_pack(pre, np.zeros(4), cost, tokens, width, cap=10)
+    assert [len(b) for b in r.bins] == [2, 1, 1, 1, 1]
+    assert len(set(r.bins[0])) == 2
+    loads = pre.copy()
+    toks = np.zeros(4)
+    for i, bs in enumerate(r.bins):
+        for b in bs:
+            loads[b] += cost[i]
+            toks[b] += tokens[i]
+    assert np.allclose(loads, r.loads) and (toks <= 10).all()
+    assert r.makespan == pytest.approx(loads.max())
+
+
+def test_lower_bound_hand_computed():
+    # avg = (0+1+0+2 + 3*2 + 2+2+1+1) / 4 = 15/4; heaviest item 3 on the 2 least preloaded bins (0, 0)
+    pre = np.array([0.0, 1.0, 0.0, 2.0])
+    assert lower_bound(pre, np.array([3.0, 2, 2, 1, 1]), np.array([2, 1, 1, 1, 1])) == pytest.approx(3.75)
+    # one item of 5 on a bin: LB = 5 + min preload
+    assert lower_bound(np.array([1.0, 3.0]), np.array([5.0]), np.array([1])) == pytest.approx(6.0)
+
+
+def test_ilp_finds_optimum_greedy_misses():
+    # classic LPT counterexample: {3,3,2,2,2} on 2 bins: LPT gives 7, optimum 6
+    cost = np.array([3.0, 3.0, 2.0, 2.0, 2.0])
+    args = (np.zeros(2), np.zeros(2), cost, np.ones(5), np.ones(5, dtype=int), 100.0)
+    g = greedy_pack(*args, search=False)
+    assert g.makespan == pytest.approx(7.0)
+    r = pack(*args, ilp="always")
+    assert r.makespan == pytest.approx(6.0)
+    assert r.solver == "highs" and r.status == "optimal" and r.gap == pytest.approx(0.0)
+    rc = pack(*args, ilp="always", solver="cbc")
+    assert rc.makespan == pytest.approx(6.0) and rc.solver == "cbc"
+
+
+def test_pack_memory_infeasible_raises():
+    from zeppelin.planner.zeppelin.assign import PackInfeasible
+
+    with pytest.raises(PackInfeasible, match="item 0"):
+        greedy_pack(np.zeros(2), np.zeros(2), np.array([1.0]), np.array([20.0]), np.array([1]), cap=10)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.floats(0.01, 10.0), min_size=1, max_size=9), st.integers(2, 4), st.data())
+def test_ilp_never_worse_than_greedy(costs, B, data):
+    m = len(costs)
+    width = np.array([data.draw(st.integers(1, B)) for _ in range(m)])
+    tokens = np.array([data.draw(st.integers(1, 5)) for _ in range(m)], dtype=float)
+    cap = float(tokens.sum())  # always feasible
+    args = (np.zeros(B), np.zeros(B), np.array(costs), tokens, width, cap)
+    g = pack(*args, ilp="never")
+    r = pack(*args, ilp="always")
+    assert r.makespan <= g.makespan + 1e-9
+    assert r.makespan >= r.lower_bound - 1e-9
+    for i, bs in enumerate(r.bins):
+        assert len(bs) == width[i] and len(set(bs)) == width[i]
+    assert (r.tokens <= cap + 1e-9).all()
+
+
+def test_pack_places_by_token_room_when_lpt_leaves_no_room():
+    from zeppelin.planner.zeppelin.assign import PackInfeasible
+
+    # LPT by cost puts A on bin 0, B and C on bin 1; D (7 tokens) then fits neither bin although
+    # the 19 tokens fit the 2 x 10: placing by token room gives {D, B | A, C} or {D, C | A, B}
+    cost = np.array([5.0, 4.0, 3.0, 1.0])
+    tokens = np.array([6.0, 3.0, 3.0, 7.0])
+    width = np.ones(4, dtype=np.int64)
+    with pytest.raises(PackInfeasible, match="item 3 \\(7 tokens\\) does not fit any bin"):
+        greedy_pack(np.zeros(2), np.zeros(2), cost, tokens, width, cap=10)
+    r = pack(np.zeros(2), np.zeros(2), cost, tokens, width, cap=10, ilp="never")
+    assert any("placed by token room" in n for n in r.notes)
+    toks = np.zeros(2)
+    for i, (b,) in enumerate(r.bins):
+        toks[b] += tokens[i]
+    assert (toks <= 10).all() and np.allclose(toks, r.tokens)
+    assert r.bins[3] != r.bins[0]  # D and A (13 tokens) cannot share a bin
+    # the only feasible splits have makespans 8 ({D,B}+{A,C}) and 9; the local search finds 8
+    assert r.makespan == pytest.approx(8.0)

@@ -1,0 +1,64 @@
+"""The candidate families (families/): each wins a step where it should, the families option,
+larger TP replicas for a sequence the context's units cannot hold."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.zeppelin_steps import grid_step, make_ctx, seqs_of, valid_plan
+from zeppelin.planner.core.base import PlanningError
+from zeppelin.planner.costmodel.predict import predict_step
+from zeppelin.planner.zeppelin.planner import ZeppelinPlanner
+
+
+@pytest.mark.parametrize("cell, family", [
+    (("zeppelin-c", "llama-7b", 1, "long", 64, 0), "ulysses-groups"),
+    (("zeppelin-c", "llama-13b", 2, "short", 64, 0), "flop-share"),
+    (("zeppelin-a", "llama-7b", 1, "long", 64, 1), "tp-replicas"),
+])
+def test_family_chosen_where_it_wins_by_the_cost_model(cell, family):
+    """Each family wins a step of the RESULTS grid by the prediction: the planner returns it, the
+    plan validates, and it is faster by the prediction than the tiered search alone."""
+    from zeppelin.planner.costmodel.predict import predict_replicas
+
+    ctx, seqs = grid_step(*cell)
+    plan = ZeppelinPlanner().plan_step(ctx, 0, seqs)
+    tiered = ZeppelinPlanner(families="none").plan_step(ctx, 0, seqs)
+    assert plan.notes["family"] == family
+    assert "family" not in tiered.notes and "tiers" in tiered.notes
+    assert plan.prediction.step_time_s < tiered.prediction.step_time_s
+    valid_plan(ctx, plan)
+    again = (predict_replicas if plan.replicas is not None else predict_step)(ctx, plan)
+    assert again.step_time_s == pytest.approx(plan.prediction.step_time_s, rel=1e-9)
+    if family == "tp-replicas":
+        assert max(r.tp for r in plan.replicas) > ctx.tp
+        assert sorted(g for r in plan.replicas for g in r.ranks) == list(range(ctx.cluster.world_size))
+    if family == "ulysses-groups":  # groups keep their units for the whole step
+        units_of = {}
+        for mb in plan.microbatches:
+            for g in mb.groups:
+                for u in g.units:
+                    assert units_of.setdefault(u, tuple(g.units)) == tuple(g.units)
+    # same inputs, same plan
+    assert ZeppelinPlanner().plan_step(ctx, 0, seqs).model_dump(exclude={"solver"}) == plan.model_dump(exclude={"solver"})
+
+
+def test_families_option_validated():
+    with pytest.raises(PlanningError, match=r"^families option: unknown family 'megatron' \(known: ulysses-groups, "
+                                            r"flop-share, tp-replicas, wide-rings, all, none\)$"):
+        ZeppelinPlanner(families="ulysses-groups,megatron")
+
+
+def test_sequence_longer_than_the_units_hold_runs_on_larger_tp_replicas():
+    """LLaMA-13B at tp=2 on 16 A800s: a 90,000-token sequence exceeds what the 8 units hold together
+    (8 x 9,567 tokens), and what 4 replicas of tp=4 hold (4 x 21,745), but replicas of tp=8 (model
+    states over 8 GPUs leave more room for activations, 2 x 46,099) hold it as a 2-replica ring;
+    without the family the step is rejected with the memory message."""
+    ctx = make_ctx("zeppelin-a:2", "llama-13b", tp=2)
+    lengths = [90000, 6000, 3000, 2000, 1500, 1000, 800, 500]
+    plan = ZeppelinPlanner().plan_step(ctx, 0, seqs_of(lengths))
+    assert plan.notes["family"] == "tp-replicas" and max(r.tp for r in plan.replicas) == 8
+    valid_plan(ctx, plan)
+    with pytest.raises(PlanningError, match=r"^sequence 0 \(sample 0\) has 90,000 tokens, more than the whole "
+                                            r"cluster can hold \(8 units x 9,567 tokens"):
+        ZeppelinPlanner(families="none").plan_step(ctx, 0, seqs_of(lengths))

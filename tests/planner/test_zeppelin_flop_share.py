@@ -1,0 +1,98 @@
+"""The flop-share family (families/flop_share.py): micro-batches chosen for coupling, its ring
+sizings, routed inter-node rings."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.support.zeppelin_steps import grid_step, valid_plan
+from zeppelin.planner.zeppelin.families import aligned_rings
+from zeppelin.planner.zeppelin.families import flop_share as F
+from zeppelin.planner.zeppelin.planner import ZeppelinPlanner
+
+
+def _first_fit_only(n, cap, order, where, tl, m):
+    return aligned_rings.first_fit(n, cap, order, where)
+
+
+@pytest.mark.parametrize("cell, fine_shares, with_fit, first_fit_only", [
+    # mixed step, rings of at most a quarter share: first fit spills local sequences into a second
+    # micro-batch while their ring partners wait in the first
+    (("zeppelin-c", "llama-13b", 2, "mixed", 64, 0), (0.25,), 4.29, 4.48),
+])
+def test_flop_share_micro_batches_chosen_for_coupling(monkeypatch, cell, fine_shares, with_fit, first_fit_only):
+    """LLaMA-13B on cluster C, steps that take two micro-batches by memory: with micro-batches
+    chosen for coupling beside first fit, FLOP-share's plan is ``with_fit`` s by the prediction;
+    with first fit alone, ``first_fit_only`` s."""
+    monkeypatch.setattr(F, "FINE_SHARES", fine_shares)  # (): whole-share rings alone
+    ctx, seqs = grid_step(*cell)
+    plan = ZeppelinPlanner().plan_step(ctx, 0, seqs)
+    valid_plan(ctx, plan)
+    assert plan.notes["family"] == "flop-share" and len(plan.microbatches) == 2
+    assert plan.prediction.step_time_s == pytest.approx(with_fit, abs=0.01)
+    monkeypatch.setattr(aligned_rings, "coupled_fit", _first_fit_only)
+    fams = F.flop_share(ctx, 0, seqs)
+    assert fams[0][2]().prediction.step_time_s == pytest.approx(first_fit_only, abs=0.01)
+
+
+@pytest.mark.parametrize("cell, fine, whole", [
+    (("zeppelin-c", "llama-13b", 2, "long", 128, 0), 5.36, 5.73),
+    (("zeppelin-c", "llama-13b", 2, "mixed", 64, 0), 4.29, 4.68),
+])
+def test_flop_share_fine_rings_pack_long_steps_evenly(monkeypatch, cell, fine, whole):
+    """LLaMA-13B on cluster C: rings of up to a unit's whole share each leave long steps lumpy;
+    rings of at most a quarter share, nearly free inside a node, pack evenly: ``fine`` s against
+    ``whole`` s (the best plan without them: another family's, or the tiered one)."""
+    ctx, seqs = grid_step(*cell)
+    monkeypatch.setattr(F, "FINE_SHARES", (0.25,))
+    plan = ZeppelinPlanner().plan_step(ctx, 0, seqs)
+    valid_plan(ctx, plan)
+    assert plan.notes["family"] == "flop-share" and "(rings <= 1/4 share)" in plan.notes["placement"]
+    assert plan.prediction.step_time_s == pytest.approx(fine, abs=0.01)
+    monkeypatch.setattr(F, "FINE_SHARES", ())
+    again = ZeppelinPlanner().plan_step(ctx, 0, seqs)
+    assert "share)" not in (again.notes.get("placement") or "")
+    assert again.prediction.step_time_s == pytest.approx(whole, abs=0.01)
+
+
+@pytest.mark.parametrize("cell, frac, ladder, quarter", [
+    # long step: rings of at most 1/16 share (eight-unit rings of the 65k-token sequences) even it out
+    (("zeppelin-c", "llama-13b", 2, "long", 64, 0), 16, 4.783, 4.915),
+    # mixed step: rings of at most 1/8 share beat the quarter-share sizing and the Ulysses groups
+    (("zeppelin-c", "llama-7b", 1, "mixed", 64, 0), 8, 2.562, 2.621),
+    # short step: half-share rings (fewer, smaller rings) pack best
+    (("zeppelin-c", "llama-7b", 1, "short", 16, 0), 2, 1.464, 1.492),
+])
+def test_flop_share_places_every_ring_fraction(monkeypatch, cell, frac, ladder, quarter):
+    """Which ring sizing packs a step best depends on its mix: FLOP-share places rings of at most
+    1/2, 1/4, 1/8 and 1/16 of a unit's share beside whole-share ones and builds the best. Each cell
+    here is won by a different fraction (``ladder`` s by the prediction), against ``quarter`` s
+    with the quarter-share sizing alone."""
+    ctx, seqs = grid_step(*cell)
+    plan = ZeppelinPlanner().plan_step(ctx, cell[-1], seqs)
+    valid_plan(ctx, plan)
+    assert plan.notes["family"] == "flop-share" and f"(rings <= 1/{frac} share)" in plan.notes["placement"]
+    assert plan.prediction.step_time_s == pytest.approx(ladder, abs=0.002)
+    monkeypatch.setattr(F, "FINE_SHARES", (0.25,))
+    again = ZeppelinPlanner().plan_step(ctx, cell[-1], seqs)
+    assert again.prediction.step_time_s == pytest.approx(quarter, abs=0.002)
+
+
+def test_flop_share_prices_inter_node_rings_as_routed(monkeypatch):
+    """FLOP-share routes its inter-node rings' boundary hops over every NIC of their nodes, and
+    prices them so: LLaMA-13B on 128 GPUs of cluster C (8 NICs a node), mixed step 0, plans at 3.88 s
+    by the prediction; priced as if each hop had one NIC, the placement built runs at 4.05 s."""
+    ctx, seqs = grid_step("zeppelin-c", "llama-13b", 2, "mixed", 128, 0)
+    t = aligned_rings.unit_time(ctx, np.array([60000.0]), 1e-5, 8, 1 / 8)
+    assert t == pytest.approx(ctx.model.num_layers * ctx.cost.ring_attention_time(np.array([60000.0]), 8, "inter", 1 / 8)
+                              + 1e-5 * 60000 / 8)
+    plan = ZeppelinPlanner().plan_step(ctx, 0, seqs)
+    valid_plan(ctx, plan)
+    assert plan.notes["family"] == "flop-share"
+    assert any(g.tier == "inter" for mb in plan.microbatches for g in mb.groups)
+    assert plan.prediction.step_time_s == pytest.approx(3.88, abs=0.01)
+    one_nic = aligned_rings.unit_time
+    monkeypatch.setattr(aligned_rings, "unit_time", lambda ctx, Lf, slope, G, nic_share=1.0: one_nic(ctx, Lf, slope, G))
+    again = ZeppelinPlanner().plan_step(ctx, 0, seqs)
+    assert again.prediction.step_time_s == pytest.approx(4.05, abs=0.01)

@@ -1,0 +1,104 @@
+"""The planner's own whole-step searches (step_searches/): the fewest micro-batches memory allows,
+node-CP and node-major up to their unit limits, no per-step table outliving its step."""
+
+from __future__ import annotations
+
+from tests.support.zeppelin_steps import check_plan, header_for, make_ctx, seqs_of
+from zeppelin.planner.zeppelin.planner import ZeppelinPlanner
+from zeppelin.schemas.plan import structural_problems
+
+
+def test_microbatches_when_step_exceeds_memory():
+    ctx = make_ctx()
+    cap_total = ctx.cost.token_capacity * ctx.num_units
+    lengths = [4000] * (2 * cap_total // 4000 + 3)
+    plan = ZeppelinPlanner().plan_step(ctx, 0, seqs_of(lengths))
+    assert len(plan.microbatches) >= 3
+    check_plan(ctx, plan, lengths)
+
+
+def test_fewest_microbatches_memory_allows_on_short_mix():
+    """A:8, short-heavy mix, 14K tokens per GPU (a GPU holds a little over 8K at once): two
+    micro-batches hold the step (the packer used to fail on token room with assorted ring widths
+    and fall back to more, slower)."""
+    from zeppelin.planner.core.sampler import sample_steps
+    from zeppelin.planner.tools.compare import resolve_dataset
+    from zeppelin.schemas.plan import SamplerConfig
+
+    ctx = make_ctx("zeppelin-a:8")
+    cfg = SamplerConfig(tokens_per_step=14336 * 64, seed=0, max_seq_len=65536)
+    pl = ZeppelinPlanner(select="predict", families="none")
+    for k, seqs in enumerate(sample_steps(resolve_dataset("short"), cfg, 3)):
+        total = sum(s.length for s in seqs)
+        need = -(-total // (ctx.num_units * pl.tiering(ctx).cap))
+        assert need == 2
+        plan = pl.plan_step(ctx, k, seqs)
+        assert len(plan.microbatches) == need
+        assert not structural_problems(header_for(ctx), plan)
+
+
+def test_node_cp_candidates_stop_at_node_cp_max_units(monkeypatch):
+    """Past ``node_cp_max_units`` units the whole-step search builds only the tiered layout (no
+    node-CP floors, no node-major micro-batches); up to it, both are built."""
+    from zeppelin.planner.zeppelin import step_searches
+
+    calls = []
+    real = step_searches.common.whole_step
+
+    def spy(state, parts, floors, balances, fixed_nodes=None):
+        calls.append((tuple(floors), fixed_nodes is not None))
+        return real(state, parts, floors, balances, fixed_nodes)
+
+    for search in step_searches.REGISTRY:
+        monkeypatch.setattr(search, "whole_step", spy)
+    ctx = make_ctx("zeppelin-a:2x4")
+    cap = ctx.cost.token_capacity
+    lengths = [cap // 3] * (3 * ctx.num_units)  # a step of about 1.1 micro-batches: two are needed
+    ref = None
+    for limit, node_cp in ((ctx.num_units, True), (ctx.num_units - 1, False)):
+        calls.clear()
+        plan = ZeppelinPlanner(families="none", node_cp_max_units=limit).plan_step(ctx, 0, seqs_of(lengths))
+        check_plan(ctx, plan, lengths)
+        assert len(plan.microbatches) >= 2
+        assert ((None,), False) in calls
+        assert any(nm for _, nm in calls) is node_cp
+        assert any(f != (None,) for f, _ in calls) is node_cp
+        # on 8 units the simulator judges the candidates: fewer candidates, never a faster plan by it
+        from zeppelin.planner.sim.simulate import Simulator
+
+        t = Simulator(ctx).simulate_step(plan).step_time_s
+        if ref is None:
+            ref = t
+        else:
+            assert t >= ref - 1e-12
+
+
+def test_plan_steps_streams_with_bounded_memory():
+    """A plan file streams: with a process pool at most 2 x workers steps are drawn ahead of the one
+    written, and the planner keeps no per-step tables once a step is planned."""
+    from zeppelin.planner.core.driver import plan_steps
+
+    ctx = make_ctx("local-cpu:2x2", "tiny")
+    pulled = []
+
+    def steps():
+        for k in range(8):
+            pulled.append(k)
+            yield seqs_of([1000 + 37 * k, 500, 300, 200])
+
+    pl = ZeppelinPlanner()
+    out = []
+    for plan in plan_steps(ctx, pl, steps(), workers=2, progress=False):
+        out.append(plan)
+        assert len(pulled) <= len(out) + 2 * 2
+    assert [p.step for p in out] == list(range(8))
+    assert ZeppelinPlanner().plan_step(ctx, 3, out[3].sequences).model_dump(exclude={"solver"}) == \
+        out[3].model_dump(exclude={"solver"})
+    import gc
+
+    from zeppelin.planner.zeppelin.step_state import StepState
+
+    pl.plan_step(ctx, 0, out[0].sequences)
+    gc.collect()
+    # no span table of the step outlives it
+    assert not [o for o in gc.get_objects() if isinstance(o, StepState) and o.options is pl and o.span_tables]

@@ -1,0 +1,80 @@
+"""One micro-batch through the tiered pipeline (tiered.py): spans by tier, the packing ILP inside
+the planner, the planner's prediction assembled from the winning layouts' terms."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.support.zeppelin_steps import check_plan, make_ctx, record_results, seqs_of
+from zeppelin.planner.costmodel.predict import predict_step
+from zeppelin.planner.zeppelin.planner import ZeppelinPlanner
+from zeppelin.planner.zeppelin.tiering import Tiering
+
+
+def test_plan_step_structure_and_tiers():
+    ctx = make_ctx()
+    tg = Tiering(ctx)
+    rng = np.random.default_rng(3)
+    # many short sequences (their rings would waste device time on small blocks) and two long ones
+    lengths = list(np.clip(rng.lognormal(7, 1, 600).astype(int), 16, 4000)) + [tg.cap * 5, tg.cap * 12]
+    plan = ZeppelinPlanner(intra="ring", families="none").plan_step(ctx, 0, seqs_of(lengths))
+    check_plan(ctx, plan, lengths)
+    tiers = plan.notes["tiers"]
+    assert tiers["inter"] >= 1 and tiers["local"] >= 1
+    # the sequence longer than a node is inter-node, the one longer than a unit is split
+    for mb in plan.microbatches:
+        for p in mb.placements:
+            g = mb.groups[p.group]
+            if p.seq == len(lengths) - 1:
+                assert g.tier == "inter"
+            if p.seq == len(lengths) - 2:
+                assert len(g.units) >= 5
+    pr = plan.prediction
+    assert pr is not None and pr.step_time_s >= pr.lower_bound_s * 0.98
+    assert plan.solver is not None and plan.solver.name in ("greedy", "highs", "cbc")
+
+
+def test_ilp_never_worse_than_greedy_inside_planner(monkeypatch):
+    import zeppelin.planner.zeppelin.tiered as zp
+
+    seen = record_results(monkeypatch, zp, "pack")
+    ctx = make_ctx("zeppelin-a:2x4")
+    rng = np.random.default_rng(5)
+    for _ in range(2):
+        lengths = np.clip(rng.lognormal(8, 1.2, 30).astype(int), 16, 30000)
+        plan = ZeppelinPlanner(ilp="always", families="none").plan_step(ctx, 0, seqs_of(lengths))
+        check_plan(ctx, plan, lengths)
+        # the chosen candidate may be node-major (whole-step node assignment, no packing ILP left)
+        assert plan.solver.name in ("highs", "greedy")
+    ilp_runs = [r for r in seen if r.solver == "highs"]
+    assert ilp_runs
+    for r in seen:
+        assert r.makespan <= r.greedy_makespan + 1e-9
+        assert r.makespan >= r.lower_bound - 1e-9
+
+
+def test_balanced_on_many_short_sequences():
+    ctx = make_ctx("zeppelin-c")
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(7, 1, 600).astype(int), 16, 16000)
+    plan = ZeppelinPlanner().plan_step(ctx, 0, seqs_of(lengths))
+    pr = plan.prediction
+    assert pr.step_time_s / pr.lower_bound_s < 1.05
+    tot = np.array(pr.per_unit.total_s)
+    assert tot.max() / tot.mean() < 1.03
+
+
+def test_planner_prediction_equals_predict_step_from_scratch():
+    """The planner assembles its prediction from the winning candidates' terms; it must equal a
+    fresh predict_step of the written plan (multi-micro-batch step, remap and routing on)."""
+    ctx = make_ctx("zeppelin-c:4", "llama-7b")
+    rng = np.random.default_rng(3)
+    lengths = np.clip(rng.lognormal(8.5, 1.2, 600).astype(int), 16, 65536)
+    plan = ZeppelinPlanner().plan_step(ctx, 0, seqs_of(lengths))
+    fresh = predict_step(ctx, plan.model_copy(update={"prediction": None}))
+    assert len(plan.microbatches) >= 2
+    assert fresh.nic_bytes.keys() == plan.prediction.nic_bytes.keys()
+    assert fresh.per_unit.tokens == plan.prediction.per_unit.tokens
+    assert np.allclose(fresh.per_unit.total_s, plan.prediction.per_unit.total_s, rtol=1e-12)
+    assert fresh.step_time_s == pytest.approx(plan.prediction.step_time_s, rel=1e-12)

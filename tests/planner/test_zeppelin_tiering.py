@@ -1,0 +1,100 @@
+"""Tiering: memory thresholds and hide crossovers from the cost model, the spans it chooses, the
+zigzag share of a span."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tests.support.zeppelin_steps import make_ctx
+from zeppelin.planner.zeppelin.tiering import Tiering, zigzag_max_tokens
+from zeppelin.schemas.layout import zigzag_ranges
+
+
+def test_zigzag_max_tokens_matches_layout():
+    for L in (1, 7, 15, 16, 17, 100, 1001, 4097):
+        for G in (1, 2, 3, 4, 8):
+            want = max(sum(e - s for s, e in rs) for rs in zigzag_ranges(L, G))
+            assert zigzag_max_tokens(L, G) == want, (L, G)
+
+
+def test_zigzag_max_tokens_array_matches_scalar():
+    from zeppelin.planner.zeppelin.tiering import zigzag_max_tokens_array
+
+    L = np.arange(0, 1200)
+    for G in (1, 2, 3, 8, 16, 64):
+        expect = [zigzag_max_tokens(int(x), G) for x in L]
+        assert zigzag_max_tokens_array(L, np.full(len(L), G)).tolist() == expect
+    # mixed spans in one call, e.g. 100 tokens over 4 units: 8 chunks of 12/13 -> a position holds 25
+    assert zigzag_max_tokens_array([100, 100, 7], [1, 4, 8]).tolist() == [100, 25, 1]
+
+
+def test_memory_thresholds_come_from_cost_model():
+    ctx = make_ctx()
+    tg = Tiering(ctx)
+    c = ctx.cost
+    # independent recomputation: (usable memory - model states) / activation bytes per token
+    free = (80.0 - 4.0) * 1e9 - c.model_state_bytes()
+    assert tg.memory_thresholds["unit"] == int(free / c.activation_bytes_per_token)
+    assert tg.memory_thresholds["node"] == 8 * tg.memory_thresholds["unit"]
+    assert tg.memory_thresholds["cluster"] == 16 * tg.memory_thresholds["unit"]
+
+
+def test_hide_threshold_is_the_crossover():
+    ctx = make_ctx()
+    tg = Tiering(ctx)
+    c = ctx.cost
+    ov = c.profile.attention.overhead_s
+    for G, tier in ((4, "intra"), (8, "intra"), (16, "inter")):
+        th = tg.hide_threshold(G, tier)
+        assert th is not None
+
+        def hidden(L, G=G, tier=tier):
+            # round 0: two causal diagonal chunks + one full block; later rounds: two full blocks of
+            # L/(2G) tokens, each round one call; the transfer of the next K/V block must fit in both
+            ch = L / (2 * G)
+            t0 = 2 * c.attn_block_time(ch, ch, causal=True) + c.attn_block_time(ch, ch) - 2 * ov
+            tr = 2 * c.attn_block_time(ch, ch) - ov
+            comm = c.p2p_time(c.ring_round_bytes(L / G), c.tier_link(tier))
+            return comm <= t0 and comm <= tr
+
+        assert hidden(th), (G, tier, th)
+        if th > 2 * G:  # above the search floor: one token shorter is exposed
+            assert not hidden(th - 1), (G, tier, th)
+        else:  # the whole range hides (launch overheads cover tiny transfers)
+            assert all(hidden(x) for x in (2 * G, 100, 1000, 5000)), (G, tier)
+        assert all(hidden(x) for x in (th * 2, th * 10))
+    # a slower link needs longer sequences to hide its transfer; more NICs need shorter ones
+    assert tg.hide_threshold(16, "inter") > tg.hide_threshold(8, "intra")
+    assert tg.hide_threshold(16, "inter", 4) < tg.hide_threshold(16, "inter", 1)
+
+
+def test_explain_prints_computed_thresholds():
+    from zeppelin.planner.tools.explain import explain_text
+
+    ctx = make_ctx("zeppelin-c")
+    tg = Tiering(ctx)
+    text = " ".join(explain_text(ctx).split())
+    assert f"one unit holds {tg.memory_thresholds['unit']:,} tokens" in text
+    assert f"{tg.hide_threshold(8, 'intra'):,}" in text
+    assert f"{tg.hide_threshold(16, 'inter', 1):,}" in text
+
+
+def test_choose_span_rules():
+    ctx = make_ctx()
+    tg = Tiering(ctx)
+    lin = 1e-4
+    # short sequence, large target: stays local
+    assert tg.choose_span(512, 100.0, lin).tier == "local"
+    # longer than a unit's memory: split at least enough to fit
+    L = tg.cap * 3
+    s = tg.choose_span(L, 1e9, lin)
+    assert s.G >= 3 and zigzag_max_tokens(L, s.G) <= tg.cap
+    # longer than a node: inter tier over whole nodes
+    s = tg.choose_span(tg.cap * 8 + 1000, 1e9, lin)
+    assert s.tier == "inter" and s.G == 16 and s.nodes == 2
+    # vectorised version agrees
+    Ls = np.array([100, 3000, 9000, 20000, 60000, 100000])
+    for target in (0.5, 5.0, 50.0):
+        a = tg.choose_spans(Ls, target, lin, 4)
+        b = [tg.choose_span(int(x), target, lin, 4) for x in Ls]
+        assert [(x.G, x.tier) for x in a] == [(x.G, x.tier) for x in b]
