@@ -89,18 +89,11 @@ class ProgressSink(MetricsSink):
         if mode == "auto":
             self.mode = "rich" if sys.stdout.isatty() else "plain"
         if self.mode == "rich":
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,
-                TimeRemainingColumn,
-            )
+            from rich import progress as rp
 
-            self.bar = Progress(TextColumn("[bold]zeppelin run"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("{task.description}"), TimeElapsedColumn(), TextColumn("ETA"),
-                                TimeRemainingColumn())
+            self.bar = rp.Progress(rp.TextColumn("[bold]zeppelin run"), rp.BarColumn(), rp.MofNCompleteColumn(),
+                                   rp.TextColumn("{task.description}"), rp.TimeElapsedColumn(), rp.TextColumn("ETA"),
+                                   rp.TimeRemainingColumn())
             self.bar.start()
             self.task = self.bar.add_task("", total=total, completed=start)
         self.total = total
