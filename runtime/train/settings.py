@@ -1,7 +1,7 @@
 """Every value a run takes either from its plan or from a flag, resolved once.
 
-The rule (docs/RUNTIME.md, "Plan or flag"): a flag left out takes the plan's value. A flag that
-changes a setting the plan's figures were computed for (:data:`PLANNED`: ``--zero-stage``, the
+The rule (docs/RUNTIME.md, "Plan or flag: one rule"): a flag left out takes the plan's value. A flag
+that changes a setting the plan's figures were computed for (:data:`PLANNED`: ``--zero-stage``, the
 model-state memory; ``--recompute``, the activation memory) must equal the plan's value, or the
 run is refused with one line of one shape, naming the flag that accepts it::
 
