@@ -13,22 +13,9 @@ loaded on first use, so ``import zeppelin.runtime`` stays cheap (no torch import
 
 from __future__ import annotations
 
-__all__ = [
-    "API_VERSION",
-    "IGNORE_INDEX",
-    "InputError",
-    "PLAN_FORMAT",
-    "AttentionContext",
-    "MicroBatch",
-    "PlanSteps",
-    "StepContext",
-    "attention",
-    "build_step",
-    "open_plan",
-    "register_hf_attention",
-    "to_attention_layout",
-    "to_linear_layout",
-]
+from .public import PUBLIC_NAMES
+
+__all__ = list(PUBLIC_NAMES)
 
 
 def __getattr__(name: str):

@@ -2,7 +2,7 @@
 
 ``zeppelin run`` launches this through torchrun; it can also be started by hand (torchrun, or a
 single plain ``python -m zeppelin.runtime PLAN`` for a one-rank plan). Every rank runs
-:func:`zeppelin.runtime.executor.run_job`. Failures are reported on the failing rank as one line
+:func:`zeppelin.runtime.train.loop.run_job`. Failures are reported on the failing rank as one line
 ``zeppelin: error: [rank R] ...`` on stderr and, when ``ZEPPELIN_ERROR_DIR`` is set (``zeppelin
 run`` sets it), as a JSON error file the launcher summarises; exit codes: 2 bad input, 1 runtime
 failure or ``--verify`` beyond tolerance, 128 + signal when stopped (SIGINT, SIGTERM, SIGHUP).
@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     args = vars(build_parser().parse_args(argv))  # the options of RunConfig (zeppelin.runtime.config)
     rank = int(os.environ.get("RANK", "0"))
     startup.one_line_warnings(rank)
-    from .executor import NonFiniteError, PeerStopped, VerifyError, run_job
+    from .train.loop import NonFiniteError, PeerStopped, run_job
+    from .train.verify import VerifyError
 
     startup.mark("imports")
 

@@ -37,26 +37,12 @@ from zeppelin.schemas.layout import split_even
 from zeppelin.schemas.plan import PLAN_SCHEMA, PlanHeader, PlanReader, StepPlan
 
 from .data import IGNORE_INDEX, TokenSource, load_token_source, predicted_tokens
+from .public import PUBLIC_NAMES
 
 if TYPE_CHECKING:  # pragma: no cover
     from .model import TPContext
 
-__all__ = [
-    "API_VERSION",
-    "IGNORE_INDEX",
-    "PLAN_FORMAT",
-    "AttentionContext",
-    "InputError",
-    "MicroBatch",
-    "PlanSteps",
-    "StepContext",
-    "attention",
-    "build_step",
-    "open_plan",
-    "register_hf_attention",
-    "to_attention_layout",
-    "to_linear_layout",
-]
+__all__ = list(PUBLIC_NAMES)
 
 #: Version of this API (``MAJOR.MINOR``). MINOR: additions only; MAJOR: a documented change.
 API_VERSION = "1.0"

@@ -73,6 +73,21 @@ class FlagSpec:
     def flag(self) -> str:
         return self.flags[0] if self.flags else self.name.upper()
 
+    @property
+    def bound(self) -> str | None:
+        """The range :meth:`check` enforces, in words (None: no range)."""
+        if self.lo is None or self.kind not in (int, float):
+            return None
+        if self.kind is int:
+            return f"at least {int(self.lo):,}" if self.hi is None else f"{int(self.lo):,} to {int(self.hi):,}"
+        low = f"greater than {self.lo:g}" if self.lo_open else f"at least {self.lo:g}"
+        return low if self.hi is None else f"{low}, at most {self.hi:g}"
+
+    @property
+    def help_text(self) -> str:
+        """The help with the range the option accepts (what ``--help`` and docs/RUNTIME.md show)."""
+        return self.help if self.bound is None else f"{self.help} ({self.bound})"
+
     def check(self, value: Any) -> None:
         """One-line InputError for a value out of range or not among the choices (None: not given)."""
         if value is None:
@@ -121,7 +136,8 @@ class RunConfig:
     model: str | None = flag(None, "--model", kind=str,
                              help="model preset, JSON file or hf:DIR (Hugging Face); must match the plan")
     data: str | None = flag(None, "--data", kind=str, help="dataset manifest (token ids); must match the plan")
-    steps: int | None = flag(None, "--steps", kind=int, help="run the first N steps (default: all)")
+    steps: int | None = flag(None, "--steps", kind=int,
+                             help="run the first N steps, 0 to N-1 (default: all; at most the plan's steps)")
     lr: float = flag(1e-3, "--lr", kind=float, help="AdamW learning rate", lo=0.0, hi=10.0, lo_open=True)
     weight_decay: float = flag(0.0, "--weight-decay", kind=float, help="AdamW weight decay (decoupled)",
                                lo=0.0, hi=10.0)
@@ -129,12 +145,15 @@ class RunConfig:
                       help="AdamW betas, two numbers in [0, 1) (torch's default is 0.9,0.999)")
     eps: float = flag(1e-8, "--eps", kind=float, help="AdamW epsilon", lo=0.0, hi=1.0, lo_open=True)
     lr_schedule: str = flag("constant", "--lr-schedule", kind=str, choices=LR_SCHEDULES,
-                            help="constant | linear | cosine: the decay after the warmup, to --min-lr at the "
-                                 "plan's last step")
-    warmup_steps: int = flag(0, "--warmup-steps", kind=int, help="linear warmup: step k < N runs at lr * (k+1)/N",
+                            help="constant | linear | cosine: after the warm-up, the decay from --lr toward --min-lr, "
+                                 "which it reaches at step N, the plan's step count (one past its last step, as "
+                                 "torch's schedulers count)")
+    warmup_steps: int = flag(0, "--warmup-steps", kind=int, metavar="W",
+                             help="linear warm-up: step k < W runs at lr * (k+1)/W (W = 1: step 0 at lr, no ramp)",
                              lo=0, hi=MAX_STEPS)
-    min_lr: float = flag(0.0, "--min-lr", kind=float, help="learning rate at the end of a linear or cosine decay",
-                         lo=0.0, hi=10.0)
+    min_lr: float = flag(0.0, "--min-lr", kind=float,
+                         help="the rate a linear or cosine decay reaches at step N, the plan's step count (the last "
+                              "step, N-1, runs one decay step above it)", lo=0.0, hi=10.0)
     grad_clip: float | None = flag(None, "--grad-clip", kind=float, metavar="MAX_NORM",
                                    help="clip the global gradient norm (over every shard and rank) to MAX_NORM "
                                         "(default: no clipping)", lo=0.0, hi=1e6, lo_open=True)
@@ -169,15 +188,18 @@ class RunConfig:
     dp: str = flag("fsdp", "--dp", kind=str, choices=DP_MODES,
                    help="fsdp (FSDP2 at the plan's ZeRO stage) | replicate (whole model on every rank, one gradient "
                         "all-reduce)")
-    zero_stage: int | None = flag(None, "--zero-stage", kind=int,
-                                  help="ZeRO stage 0-3 (default: the plan's)")
-    hsdp: int | None = flag(None, "--hsdp", kind=int,
+    zero_stage: int | None = flag(None, "--zero-stage", kind=int, lo=0, hi=3,
+                                  help="ZeRO stage (default: the plan's; another needs --zero-stage-override)")
+    zero_stage_override: bool = flag(False, "--zero-stage-override", kind=bool,
+                                     help="run a plan made for another --zero-stage")
+    hsdp: int | None = flag(None, "--hsdp", kind=int, lo=1,
                             help="hybrid sharding: shard inside groups of this many ranks (a node), replicate across "
                                  "them")
     dtype: str | None = flag(None, "--dtype", kind=str, choices=DTYPES,
                              help="fp32 | bf16 compute (default: bf16 on CUDA, fp32 on CPU)")
     recompute: str | None = flag(None, "--recompute", kind=str, choices=RECOMPUTE_MODES,
-                                 help="none | selective | full (default: the plan's)")
+                                 help="none | selective | full (default: the plan's; another needs "
+                                      "--recompute-override)")
     recompute_override: bool = flag(False, "--recompute-override", kind=bool,
                                     help="run a plan made for another --recompute setting")
     nan_policy: str = flag("stop", "--nan-policy", kind=str, choices=NAN_POLICIES,
@@ -196,12 +218,10 @@ class RunConfig:
 
     def check(self) -> None:
         """The options' own checks (no plan needed): one-line InputError."""
-        for spec in flag_specs(RunConfig):
-            spec.check(getattr(self, spec.name))
         if self.zero_stage is not None and not 0 <= self.zero_stage <= 3:
             raise InputError(f"--zero-stage must be 0, 1, 2 or 3 (got {self.zero_stage})")
-        if self.hsdp is not None and self.hsdp < 1:
-            raise InputError(f"--hsdp must be at least 1 (got {self.hsdp})")
+        for spec in flag_specs(RunConfig):
+            spec.check(getattr(self, spec.name))
         self.betas_pair  # noqa: B018 (checks --betas)
         if self.min_lr > self.lr:
             raise InputError(f"--min-lr {self.min_lr:g} is above --lr {self.lr:g}")
@@ -219,14 +239,13 @@ class RunConfig:
             raise InputError("--checkpoint-every/--resume need --checkpoint-dir")
 
     def check_plan(self, header: Any) -> None:
-        """The checks against the plan's header (the steps it has, its recompute setting)."""
+        """The checks against the plan's header: the steps it has, and the settings it was made for
+        (:func:`zeppelin.runtime.train.settings.check_planned`)."""
         if self.steps is not None and not 1 <= self.steps <= header.num_steps:
             raise InputError(f"--steps {self.steps} is out of range (the plan has {header.num_steps} steps)")
-        planned = getattr(header, "recompute", "none")
-        if self.recompute is not None and self.recompute != planned and not self.recompute_override:
-            raise InputError(f"the plan was made for --recompute {planned} (its activation memory per token), "
-                             f"not {self.recompute}; re-plan with `zeppelin plan --recompute {self.recompute}` "
-                             "or pass --recompute-override")
+        from zeppelin.runtime.train.settings import check_planned
+
+        check_planned(self, header)  # --zero-stage and --recompute as planned, or their override
 
     def input_files(self) -> list[Path]:
         """Every file the run reads: the plan, the model's file(s) (a spec file; every file of an
@@ -358,11 +377,11 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Run a zeppelin plan on this rank (start it with torchrun).")
     for spec in flag_specs(RunConfig):
         if not spec.flags:
-            p.add_argument(spec.name, help=spec.help)
+            p.add_argument(spec.name, help=spec.help_text)
         elif spec.kind is bool:
-            p.add_argument(*spec.flags, dest=spec.name, action="store_true", help=spec.help)
+            p.add_argument(*spec.flags, dest=spec.name, action="store_true", help=spec.help_text)
         else:
-            p.add_argument(*spec.flags, dest=spec.name, type=spec.kind, default=spec.default, help=spec.help,
+            p.add_argument(*spec.flags, dest=spec.name, type=spec.kind, default=spec.default, help=spec.help_text,
                            metavar=spec.metavar or (spec.name.upper() if spec.choices is None else
                                                     "{" + ",".join(spec.choices) + "}"))
     return p
@@ -376,7 +395,7 @@ class LaunchConfig:
     nproc_per_node: int | None = flag(None, "--nproc-per-node", kind=int, help="processes on this machine",
                                       lo=1, hi=1024)
     nnodes: int | None = flag(None, "--nnodes", kind=int, help="machines in the job", lo=1, hi=4096)
-    node_rank: int | None = flag(None, "--node-rank", kind=int, help="this machine's rank in the job")
+    node_rank: int | None = flag(None, "--node-rank", kind=int, help="this machine's rank in the job (0 to --nnodes - 1)")
     master_addr: str | None = flag(None, "--master-addr", kind=str, help="address of the machine of rank 0")
     master_port: int | None = flag(None, "--master-port", kind=int, help="port of rank 0's rendezvous",
                                    lo=1, hi=65535)

@@ -213,32 +213,12 @@ class _EngineFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, engine: AttentionEngine, items: list[_Item]):
         out = torch.zeros_like(q)
         lse = torch.zeros((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
-        row_shape = (2, k.shape[1], k.shape[2])
-        comm, local = _split_local(items)
 
-        def task(a, b, spec, tr):
-            def run():
-                o, l_ = ring_forward(q[a:b], k[a:b], v[a:b], spec, tr, engine.scale)
-                out[a:b] = o
-                lse[:, a:b] = l_
+        def ring(a, b, spec, tr, idle=None):
+            out[a:b], lse[:, a:b] = ring_forward(q[a:b], k[a:b], v[a:b], spec, tr, engine.scale, idle=idle)
 
-            return run
-
-        pack = LocalPack.of(((a, b, spec) for a, b, spec, _ in local), q, engine.window)
-        if pack is not None:  # a varlen kernel: the local sequences as ONE call
-            filler = _Filler([lambda: pack.forward(q, k, v, out, lse, engine.scale)])
-        else:
-            filler = _Filler(task(*t) for t in local)
-        for it in comm:
-            if it.kind == "relay":
-                ring_relay_forward(it.spec, it.transport, row_shape, k.dtype, k.device, idle=filler)
-                continue
-            a, b = it.row0, it.row1
-            o, l_ = ring_forward(q[a:b], k[a:b], v[a:b], it.spec, it.transport, engine.scale, idle=filler)
-            out[a:b] = o
-            lse[:, a:b] = l_
-        filler.drain()
-        engine.filled["forward"] += filler.filled
+        engine.filled["forward"] += _run_items(items, q, k, engine.window, ring, ring_relay_forward,
+                                               lambda pack: pack.forward(q, k, v, out, lse, engine.scale))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.engine, ctx.items = engine, items
         return out
@@ -248,39 +228,35 @@ class _EngineFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dout = dout.contiguous()
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        row_shape = (2, k.shape[1], k.shape[2])
         scale = ctx.engine.scale
-        comm, local = _split_local(ctx.items)
 
-        def task(a, b, spec, tr):
-            def run():
-                r = ring_backward(dout[a:b], q[a:b], k[a:b], v[a:b], out[a:b], lse[:, a:b], spec, tr, scale)
-                dq[a:b], dk[a:b], dv[a:b] = r
+        def ring(a, b, spec, tr, idle=None):
+            dq[a:b], dk[a:b], dv[a:b] = ring_backward(dout[a:b], q[a:b], k[a:b], v[a:b], out[a:b], lse[:, a:b],
+                                                      spec, tr, scale, idle=idle)
 
-            return run
-
-        pack = LocalPack.of(((a, b, spec) for a, b, spec, _ in local), q, ctx.engine.window)
-        if pack is not None:
-            filler = _Filler([lambda: pack.backward(dout, q, k, v, out, lse, dq, dk, dv, scale)])
-        else:
-            filler = _Filler(task(*t) for t in local)
-        for it in comm:
-            if it.kind == "relay":
-                ring_relay_backward(it.spec, it.transport, row_shape, k.dtype, k.device, idle=filler)
-                continue
-            a, b = it.row0, it.row1
-            dq[a:b], dk[a:b], dv[a:b] = ring_backward(
-                dout[a:b],
-                q[a:b],
-                k[a:b],
-                v[a:b],
-                out[a:b],
-                lse[:, a:b],
-                it.spec,
-                it.transport,
-                scale,
-                idle=filler,
-            )
-        filler.drain()
-        ctx.engine.filled["backward"] += filler.filled
+        ctx.engine.filled["backward"] += _run_items(
+            ctx.items, q, k, ctx.engine.window, ring, ring_relay_backward,
+            lambda pack: pack.backward(dout, q, k, v, out, lse, dq, dk, dv, scale))
         return dq, dk, dv, None, None
+
+
+def _run_items(items: list[_Item], q, k, window, ring, relay, packed) -> int:
+    """One engine call's work, forward or backward: the communicating items in the engine's global
+    order (``ring(a, b, spec, transport, idle)`` for a ring's rows, ``relay(spec, transport,
+    row_shape, dtype, device, idle)`` for a relay), the local sequences filling the waits of their
+    exchanges - as ONE varlen call (``packed(pack)``) where the device has one, else ``ring`` per
+    sequence - and whatever is left at the end. Returns how many local tasks filled a wait."""
+    comm, local = _split_local(items)
+    pack = LocalPack.of(((a, b, spec) for a, b, spec, _ in local), q, window)
+    if pack is not None:
+        filler = _Filler([lambda: packed(pack)])
+    else:
+        filler = _Filler((lambda t=t: ring(*t)) for t in local)
+    row_shape = (2, k.shape[1], k.shape[2])
+    for it in comm:
+        if it.kind == "relay":
+            relay(it.spec, it.transport, row_shape, k.dtype, k.device, idle=filler)
+        else:
+            ring(it.row0, it.row1, it.spec, it.transport, idle=filler)
+    filler.drain()
+    return filler.filled

@@ -786,17 +786,36 @@ def main(argv=None) -> int:
             print(f"zeppelin: error: --nodes {a.nodes} does not divide {world} processes", file=sys.stderr)
         dist.destroy_process_group()
         return 2
-    gpn = world // a.nodes
-    grid = SMOKE if a.smoke else QUICK if a.quick else FULL
-    reps, warm = grid["reps"], grid["warmup"]
-    timer = Timer(dev)
 
     def say(msg):
         if rank == 0:
             print(f"[profile] {msg}", file=sys.stderr, flush=True)
 
     t_start = time.perf_counter()
-    say(f"{world} ranks ({a.nodes} node(s) x {gpn}), model {model.name}, {'smoke' if a.smoke else 'quick' if a.quick else 'full'} grid")
+    grid_name = "smoke" if a.smoke else "quick" if a.quick else "full"
+    say(f"{world} ranks ({a.nodes} node(s) x {world // a.nodes}), model {model.name}, {grid_name} grid")
+    raw = _measure(model, {"smoke": SMOKE, "quick": QUICK, "full": FULL}[grid_name], a.nodes, dev, say)
+    if rank == 0:
+        from zeppelin.planner.costmodel.profile_fit import build_profile
+
+        raw["elapsed_s"] = time.perf_counter() - t_start
+        prof, report = build_profile(raw, model, cluster_name=a.cluster_name)
+        doc = json.loads(prof.model_dump_json())
+        atomic_write_text(a.output, json.dumps(doc, indent=2) + "\n")
+        atomic_write_text(a.output + ".raw.json", json.dumps(dict(raw, fit_report=report), indent=2) + "\n")
+        print(json.dumps(report))
+        say(f"wrote {a.output} (raw measurements: {a.output}.raw.json) in {time.perf_counter() - t_start:.1f} s")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _measure(model: ModelSpec, grid: dict, nodes: int, dev: torch.device, say) -> dict:
+    """Every measurement of the profile on this machine (collective), as the raw record the fit reads."""
+    world = dist.get_world_size()
+    gpn = world // nodes
+    reps, warm = grid["reps"], grid["warmup"]
+    timer = Timer(dev)
     say("attention forward+backward ...")
     att, att_packs = measure_attention(model, grid["att"], dev, timer, reps, warm)
     blocks = grid["att"][:-1]
@@ -816,7 +835,7 @@ def main(argv=None) -> int:
     pairs = {}
     if gpn >= 2:
         pairs["intra"] = (0, 1)
-    if a.nodes >= 2:
+    if nodes >= 2:
         pairs["inter"] = (0, gpn)
     say(f"point-to-point {', '.join(pairs) or '(single rank: none)'} ...")
     p2p = measure_p2p(pairs, grid["p2p"], dev, reps, warm) if pairs else {}
@@ -832,29 +851,14 @@ def main(argv=None) -> int:
     fsdp_mb = measure_fsdp_microbatch(model, grid["fsdp"], dev, timer, reps, warm) if world > 1 else {}
     say("the runtime's remap exchange by tokens moved ...")
     remap_ex = measure_remap_exchange(model, grid["remap"], dev, timer, reps, warm) if world > 1 else []
-    share = measure_concurrent_inter(gpn, grid["p2p"][-1], dev, reps, warm) if a.nodes >= 2 else None
-    topo = detect_topology(world, a.nodes)
-    if rank == 0:
-        from zeppelin.planner.costmodel.profile_fit import build_profile
-
-        raw = dict(model=model.name, dtype=model.dtype, world=world, nodes=a.nodes, attention_lengths=grid["att"],
-                   attention_s=att, attention_pack_counts=att_packs, attention_block_sizes=blocks, attention_block_s=att_block,
-                   linear_tokens=grid["lin"], linear_s=lin, head_s=head, tp_linear_s=tp_lin, optimizer_s=opt_s,
-                   num_params=nparams, grad_allreduce_s=ar, p2p_bytes=grid["p2p"], p2p_s=p2p,
-                   collectives_s=coll, collective_bytes=grid["p2p"][-1], ring_round_s=ring,
-                   ring_attention_s=ring_att, remap_exchange_s=remap_ex, fsdp_microbatch_s=fsdp_mb,
-                   activation_memory=act_mem,
-                   concurrent_inter_ratio=share, topology=topo,
-                   elapsed_s=time.perf_counter() - t_start)
-        prof, report = build_profile(raw, model, cluster_name=a.cluster_name)
-        doc = json.loads(prof.model_dump_json())
-        atomic_write_text(a.output, json.dumps(doc, indent=2) + "\n")
-        atomic_write_text(a.output + ".raw.json", json.dumps(dict(raw, fit_report=report), indent=2) + "\n")
-        print(json.dumps(report))
-        say(f"wrote {a.output} (raw measurements: {a.output}.raw.json) in {time.perf_counter() - t_start:.1f} s")
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    share = measure_concurrent_inter(gpn, grid["p2p"][-1], dev, reps, warm) if nodes >= 2 else None
+    return dict(model=model.name, dtype=model.dtype, world=world, nodes=nodes, attention_lengths=grid["att"],
+                attention_s=att, attention_pack_counts=att_packs, attention_block_sizes=blocks,
+                attention_block_s=att_block, linear_tokens=grid["lin"], linear_s=lin, head_s=head, tp_linear_s=tp_lin,
+                optimizer_s=opt_s, num_params=nparams, grad_allreduce_s=ar, p2p_bytes=grid["p2p"], p2p_s=p2p,
+                collectives_s=coll, collective_bytes=grid["p2p"][-1], ring_round_s=ring,
+                ring_attention_s=ring_att, remap_exchange_s=remap_ex, fsdp_microbatch_s=fsdp_mb,
+                activation_memory=act_mem, concurrent_inter_ratio=share, topology=detect_topology(world, nodes))
 
 
 if __name__ == "__main__":

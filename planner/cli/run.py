@@ -31,68 +31,16 @@ def run(ctx: typer.Context, **values: Any) -> None:
     """Execute a plan with torch (launched through torchrun): train, report metrics, verify."""
     from zeppelin.runtime.launch import torchrun_argv  # torch-free module top
     from zeppelin.runtime.lifecycle import run_owned
-    from zeppelin.schemas.io.safefiles import check_input_file, check_output
-    from zeppelin.schemas.plan import check_embedded_specs
-
     from zeppelin.runtime.startup import T0_ENV
 
     t0 = getattr(sys.modules.get("zeppelin.planner.cli"), "STARTED_AT", None)  # the ranks count from here
     cfg = RunConfig(**{s.name: values.pop(s.name) for s in flag_specs(RunConfig)})  # checks every option
     launch = LaunchConfig(**values)
-    plan = Path(cfg.plan)
-    from zeppelin.schemas.io.stream import open_plan_reader, waiting_line
-
-    # every record against the plan's digest before any process starts (--follow: the header
-    # only; each step is checked by the ranks when it arrives)
-    reader = open_plan_reader(plan, follow=cfg.follow, digest=cfg.plan_digest, on_wait=waiting_line,
-                              wait_s=cfg.timeout_s)
+    reader = _check_plan(cfg)
     header = reader.header
-    if not cfg.follow:
-        cfg.plan_digest = reader.digest  # the ranks run exactly the plan checked here
-    check_embedded_specs(reader)
-    if cfg.model is not None:
-        _check_model(cfg.model, header)
-    if not cfg.follow:
-        _check_runnable(reader, cfg)
-    cl = header.cluster
-    local = cl.device == "cpu" or cfg.device == "cpu"
-    nproc_per_node, nnodes = launch.nproc_per_node, launch.nnodes
-    if nproc_per_node is None:
-        nproc_per_node = header.world_size if local and nnodes in (None, 1) else cl.gpus_per_node
-    if nnodes is None:
-        nnodes = 1 if local else max(1, header.world_size // nproc_per_node)
-    if nproc_per_node < 1 or nnodes < 1:
-        raise InputError("--nproc-per-node and --nnodes must be at least 1")
-    if nproc_per_node * nnodes != header.world_size:
-        raise InputError(f"the plan is for {header.world_size} ranks but --nproc-per-node {nproc_per_node} x "
-                         f"--nnodes {nnodes} gives {nproc_per_node * nnodes}")
-    if nnodes > 1 and not (launch.master_addr or launch.rdzv_endpoint):
-        raise InputError(f"the plan spans {nnodes} machines: pass --master-addr (and --node-rank) or "
-                         f"--rdzv-endpoint on each of them, or run a local-cpu plan on one machine")
+    nproc_per_node, nnodes = _process_layout(cfg, launch, header)
     cfg.check_plan(header)
-    report_json = None if launch.report_json is None else Path(launch.report_json)
-    if report_json is not None and report_json.is_dir():
-        raise InputError("--report-json is a directory", source=report_json)
-    metrics_path = cfg.metrics_path
-    if cfg.data is not None and os.path.lexists(cfg.data) and not os.path.isdir(cfg.data):
-        check_input_file(cfg.data, "manifest")  # a device or FIFO is refused here, before any rank reads it
-    if cfg.checkpoint_dir is not None:  # the checkpoint directory and the checkpoint to resume, read-only
-        from zeppelin.runtime.checkpoint import plan_hash
-        from zeppelin.runtime.lifecycle import inspect_checkpoint_dir, resume_point
-
-        inspect_checkpoint_dir(cfg.checkpoint_dir)
-        if cfg.resume and os.path.isdir(cfg.checkpoint_dir):
-            hp = cfg.hyperparameters(header.seed)
-            resume_point(cfg.checkpoint_dir, plan_hash=plan_hash(header), world_size=header.world_size,
-                         end=header.num_steps if cfg.steps is None else cfg.steps, hparams=hp)
-    # every file the ranks will read (plan, model files, manifest, shards, tokenizer) against every output
-    # (--follow: the steps are not written yet; the planner refused sequences beyond the positions)
-    inputs = cfg.check_inputs(reader, 0 if cfg.follow else header.num_steps if cfg.steps is None else cfg.steps)
-    if report_json is not None:
-        check_output(report_json, [*inputs, metrics_path], "output")
-        cfg.check_outside_checkpoint_dir(report_json, "--report-json")
-        if same_path(report_json, metrics_path):
-            raise InputError("--report-json and the metrics file are the same file", source=report_json)
+    report_json = _check_files(cfg, launch, reader)
     report = launch.report
     if report and nnodes > 1 and launch.node_rank not in (None, 0):
         report = False  # rank 0 (node 0) writes the metrics; the other nodes have nothing to report
@@ -102,7 +50,7 @@ def run(ctx: typer.Context, **values: Any) -> None:
         # (imported here: the simulator's modules and numpy are not on the path to the first step)
         from zeppelin.planner.sim.report import count_lines
 
-        skip = count_lines(metrics_path)
+        skip = count_lines(cfg.metrics_path)
     trargs = torchrun_argv(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=launch.node_rank,
                            master_addr=launch.master_addr, master_port=launch.master_port,
                            rdzv_backend=launch.rdzv_backend, rdzv_endpoint=launch.rdzv_endpoint,
@@ -120,11 +68,83 @@ def run(ctx: typer.Context, **values: Any) -> None:
     # process of the job outlives the command (zeppelin.runtime.lifecycle)
     rc = run_owned(cmd, env, grace_s=min(cfg.timeout_s, 10.0) + 2.0, stall_s=cfg.timeout_s)
     if rc == 0 and report:
-        if cfg.resume and count_lines(metrics_path) <= skip:  # resumed at the end: no step ran, nothing to compare
+        if cfg.resume and count_lines(cfg.metrics_path) <= skip:  # resumed at the end: no step ran
             print("zeppelin run: --report: no step ran (the checkpoint is at the end of the run); nothing to report")
         else:
-            _report(plan, metrics_path, skip, cfg.tp_overlap, report_json)
+            _report(Path(cfg.plan), cfg.metrics_path, skip, cfg.tp_overlap, report_json)
     raise SystemExit(rc)
+
+
+def _check_plan(cfg: RunConfig):
+    """Every record of the plan against its digest before any process starts (``--follow``: the
+    header only; each step is checked by the ranks when it arrives); the model; every step runnable.
+    Returns the plan's reader."""
+    from zeppelin.schemas.plan import check_embedded_specs
+    from zeppelin.schemas.io.stream import open_plan_reader, waiting_line
+
+    reader = open_plan_reader(Path(cfg.plan), follow=cfg.follow, digest=cfg.plan_digest, on_wait=waiting_line,
+                              wait_s=cfg.timeout_s)
+    if not cfg.follow:
+        cfg.plan_digest = reader.digest  # the ranks run exactly the plan checked here
+    check_embedded_specs(reader)
+    if cfg.model is not None:
+        _check_model(cfg.model, reader.header)
+    if not cfg.follow:
+        _check_runnable(reader, cfg)
+    return reader
+
+
+def _process_layout(cfg: RunConfig, launch: LaunchConfig, header) -> tuple[int, int]:
+    """Processes per machine and machines: the options, else the plan's ranks on one machine for a
+    CPU run, else the plan's GPUs per node."""
+    cl = header.cluster
+    local = cl.device == "cpu" or cfg.device == "cpu"
+    nproc_per_node, nnodes = launch.nproc_per_node, launch.nnodes
+    if nproc_per_node is None:
+        nproc_per_node = header.world_size if local and nnodes in (None, 1) else cl.gpus_per_node
+    if nnodes is None:
+        nnodes = 1 if local else max(1, header.world_size // nproc_per_node)
+    if nproc_per_node < 1 or nnodes < 1:
+        raise InputError("--nproc-per-node and --nnodes must be at least 1")
+    if nproc_per_node * nnodes != header.world_size:
+        raise InputError(f"the plan is for {header.world_size} ranks but --nproc-per-node {nproc_per_node} x "
+                         f"--nnodes {nnodes} gives {nproc_per_node * nnodes}")
+    if nnodes > 1 and not (launch.master_addr or launch.rdzv_endpoint):
+        raise InputError(f"the plan spans {nnodes} machines: pass --master-addr (and --node-rank) or "
+                         f"--rdzv-endpoint on each of them, or run a local-cpu plan on one machine")
+    return nproc_per_node, nnodes
+
+
+def _check_files(cfg: RunConfig, launch: LaunchConfig, reader) -> Path | None:
+    """The run's files before any process starts: the manifest, the checkpoint directory and the
+    checkpoint to resume (read-only), every input against every output. Returns ``--report-json``."""
+    from zeppelin.schemas.io.safefiles import check_input_file, check_output
+
+    header = reader.header
+    report_json = None if launch.report_json is None else Path(launch.report_json)
+    if report_json is not None and report_json.is_dir():
+        raise InputError("--report-json is a directory", source=report_json)
+    metrics_path = cfg.metrics_path
+    if cfg.data is not None and os.path.lexists(cfg.data) and not os.path.isdir(cfg.data):
+        check_input_file(cfg.data, "manifest")  # a device or FIFO is refused here, before any rank reads it
+    end = header.num_steps if cfg.steps is None else cfg.steps
+    if cfg.checkpoint_dir is not None:
+        from zeppelin.runtime.checkpoint import plan_hash
+        from zeppelin.runtime.lifecycle import inspect_checkpoint_dir, resume_point
+
+        inspect_checkpoint_dir(cfg.checkpoint_dir)
+        if cfg.resume and os.path.isdir(cfg.checkpoint_dir):
+            resume_point(cfg.checkpoint_dir, plan_hash=plan_hash(header), world_size=header.world_size, end=end,
+                         hparams=cfg.hyperparameters(header.seed))
+    # every file the ranks will read (plan, model files, manifest, shards, tokenizer) against every output
+    # (--follow: the steps are not written yet; the planner refused sequences beyond the positions)
+    inputs = cfg.check_inputs(reader, 0 if cfg.follow else end)
+    if report_json is not None:
+        check_output(report_json, [*inputs, metrics_path], "output")
+        cfg.check_outside_checkpoint_dir(report_json, "--report-json")
+        if same_path(report_json, metrics_path):
+            raise InputError("--report-json and the metrics file are the same file", source=report_json)
+    return report_json
 
 
 def _parameter(spec: FlagSpec) -> inspect.Parameter:
@@ -132,11 +152,11 @@ def _parameter(spec: FlagSpec) -> inspect.Parameter:
     kind = Path if spec.path else spec.kind
     if not spec.flags:
         return inspect.Parameter(spec.name, inspect.Parameter.KEYWORD_ONLY, annotation=kind,
-                                 default=typer.Argument(..., help=spec.help))
+                                 default=typer.Argument(..., help=spec.help_text))
     optional = spec.default is None
     return inspect.Parameter(spec.name, inspect.Parameter.KEYWORD_ONLY,
                              annotation=Optional[kind] if optional else kind,  # noqa: UP045 (typer reads it)
-                             default=typer.Option(spec.default, *spec.flags, help=spec.help, metavar=spec.metavar))
+                             default=typer.Option(spec.default, *spec.flags, help=spec.help_text, metavar=spec.metavar))
 
 
 # the command's parameters come from RunConfig (the ranks' options) and LaunchConfig (zeppelin run's own)

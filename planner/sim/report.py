@@ -1,7 +1,7 @@
 """Measured vs predicted step and phase times of a `zeppelin run` (``zeppelin run --report``).
 
 The runtime writes one metrics record per step (JSON Lines, rank 0): per rank and per phase the
-measured wall time (:func:`zeppelin.runtime.executor._metrics_record`). This module predicts the
+measured wall time (:func:`zeppelin.runtime.train.metrics.metrics_record`). This module predicts the
 same steps of the same plan with the event-driven simulator (:mod:`zeppelin.planner.sim.simulate`)
 under the plan's own cost profile, and lines the two up.
 

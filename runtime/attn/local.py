@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import kernels as _k
+from .merge import out_lse_function
 
 __all__ = ["LocalPack", "flash_attn_available", "local_attention", "local_backward", "local_forward",
            "local_kernel"]
@@ -58,19 +59,7 @@ def local_backward(dout, q, k, v, out, lse, cu_seqlens, scale: float | None = No
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-class _LocalAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, bounds, scale, window):
-        out, lse = local_forward(q, k, v, bounds, scale, window)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.bounds, ctx.scale, ctx.window = bounds, scale, window
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = local_backward(dout.contiguous(), q, k, v, out, lse, ctx.bounds, ctx.scale, ctx.window)
-        return dq, dk, dv, None, None, None
+_LocalAttention = out_lse_function("_LocalAttention", local_forward, local_backward)
 
 
 def local_attention(q, k, v, cu_seqlens, scale: float | None = None, window: int | None = None):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["merge_partial", "new_accumulators"]
+__all__ = ["merge_partial", "new_accumulators", "out_lse_function"]
 
 
 def new_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,3 +34,23 @@ def merge_partial(
     wb = torch.exp(lse_b - safe).transpose(0, 1).unsqueeze(-1)
     out_acc.mul_(wa).add_(out_b.float() * wb)
     lse_acc.copy_(new)
+
+
+def out_lse_function(name: str, forward, backward) -> type[torch.autograd.Function]:
+    """An autograd function over ``(q, k, v, *args)`` from a no-autograd ``forward(q, k, v, *args)
+    -> (out, lse)`` and ``backward(dout, q, k, v, out, lse, *args) -> (dq, dk, dv)``: the forward
+    keeps q, k, v and its merged ``out``/``lse``, the backward recomputes from them (the form every
+    attention variant here shares). ``args`` (layouts, transports, scales) get no gradient."""
+
+    def fwd(ctx, q, k, v, *args):
+        out, lse = forward(q, k, v, *args)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = args
+        return out
+
+    def bwd(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
+        return (dq, dk, dv, *(None,) * len(ctx.args))
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})

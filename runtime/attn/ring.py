@@ -21,7 +21,7 @@ import torch
 
 from .. import kernels as _k
 from .blocks import attention_block, attention_block_backward, block_kind
-from .merge import merge_partial, new_accumulators
+from .merge import merge_partial, new_accumulators, out_lse_function
 from .transport import Transport
 
 __all__ = ["RingSpec", "ring_attention", "ring_backward", "ring_forward", "ring_relay_backward",
@@ -133,6 +133,13 @@ def _pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.stack([k, v], 1).contiguous()  # [T, 2, Hkv, D]
 
 
+def _send_kv(transport: Transport, spec: RingSpec, r: int, kv):
+    """Round ``r``'s K/V exchange, started (None after the last round, which sends nothing)."""
+    if r >= spec.size - 1:
+        return None
+    return transport.exchange(spec.kv_transfers(r), kv, kv.shape[1:], kv.dtype, kv.device).start()
+
+
 def ring_forward(q, k, v, spec: RingSpec, transport: Transport, scale: float | None = None, idle=None):
     """No-autograd ring attention forward: ``(out in q.dtype, lse [Hq, T] fp32)``.
 
@@ -147,11 +154,7 @@ def ring_forward(q, k, v, spec: RingSpec, transport: Transport, scale: float | N
     row_shape = kv.shape[1:]
     for r in range(g):
         j = (p - r) % g
-        ex = (
-            transport.exchange(spec.kv_transfers(r), kv, row_shape, kv.dtype, kv.device).start()
-            if r < g - 1
-            else None
-        )
+        ex = _send_kv(transport, spec, r, kv)
         for q0, q1, k0, k1, qr, kr in spec.pairs(p, j):
             o_b, l_b = attention_block(q[q0:q1], kv[k0:k1, 0], kv[k0:k1, 1], qr, kr, sc, spec.window)
             merge_partial(out[q0:q1], lse[:, q0:q1], o_b, l_b)
@@ -177,11 +180,7 @@ def ring_backward(
     returns = []
     for r in range(g):
         j = (p - r) % g
-        exkv = (
-            transport.exchange(spec.kv_transfers(r), kv, row_shape, kv.dtype, kv.device).start()
-            if r < g - 1
-            else None
-        )
+        exkv = _send_kv(transport, spec, r, kv)
         dkv = torch.zeros((spec.rows(j), *row_shape), dtype=torch.float32, device=q.device)
         for q0, q1, k0, k1, qr, kr in spec.pairs(p, j):
             a, b, c = attention_block_backward(
@@ -251,19 +250,7 @@ def ring_relay_backward(spec: RingSpec, transport: Transport, row_shape, dtype, 
         ex.finish(idle)
 
 
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, spec, transport, scale):
-        out, lse = ring_forward(q, k, v, spec, transport, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.spec, ctx.transport, ctx.scale = spec, transport, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.spec, ctx.transport, ctx.scale)
-        return dq, dk, dv, None, None, None
+_RingAttention = out_lse_function("_RingAttention", ring_forward, ring_backward)
 
 
 def ring_attention(q, k, v, ring: RingSpec, transport: Transport | None = None, scale: float | None = None):

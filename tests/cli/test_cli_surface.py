@@ -238,7 +238,8 @@ def test_run_flags_are_declared_only_by_the_config_dataclasses():
                 "parser.add_argument"}
     found = []
     for rel, allowed in (("planner/cli/run.py", {"_parameter"}), ("runtime/__main__.py", set()),
-                         ("runtime/executor.py", set()), ("runtime/launch.py", set())):
+                         ("runtime/executor.py", set()), ("runtime/launch.py", set()),
+                         *((f"runtime/train/{f.name}", set()) for f in sorted((ROOT / "runtime" / "train").glob("*.py")))):
         for func, callee, line in _calls(ROOT / rel):
             if (callee in declared or callee.endswith(".add_argument")) and func not in allowed:
                 found.append(f"{rel}:{line}: {callee}(...) in {func or 'the module'}")

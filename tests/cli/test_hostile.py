@@ -464,7 +464,8 @@ def test_run_compares_the_given_model_with_the_embedded_one(work, capsys, model,
 def test_sample_ids_are_checked_against_the_manifest(work):
     """A plan naming a sample beyond the manifest (or more tokens than a sample has) is refused before
     training, never fed synthetic tokens (the check every rank runs at start-up)."""
-    from zeppelin.runtime.executor import RunConfig, startup_checks
+    from zeppelin.runtime.config import RunConfig
+    from zeppelin.runtime.train.checks import startup_checks
     from zeppelin.schemas.common import InputError
 
     (work / "ids.jsonl").write_text("".join(json.dumps({"tokens": list(range(1, n + 1))}) + "\n"
@@ -790,7 +791,7 @@ def test_every_file_write_goes_through_the_one_writer():
                     found.add((str(f.relative_to(ROOT)), line.strip()))
     allowed = {
         ("planner/tools/show.py", 'fig.savefig(fh, format="png", dpi=dpi)'),  # fh from atomic_write
-        ("runtime/executor.py", 'mfh = metrics_path.open("a" if state is not None else "w")'),  # streamed metrics
+        ("runtime/train/metrics.py", 'self.fh = path.open("a" if append else "w")  # streamed: checked up front by check_output'),  # streamed metrics
         ("planner/core/solver.py", 'with open(os.devnull, "wb") as null:'),  # silences the solver's banner
     }
     # whole modules whose writes are not outputs: checkpoint files (written inside atomic_write or by DCP),

@@ -177,7 +177,8 @@ def test_run_refuses_every_input_as_an_output(tree, capsys, flag, command, path,
 @pytest.mark.parametrize("path", ["dplan.jsonl", "data.manifest.json", "t.jsonl", "s.parquet", "tok/tokenizer.json"])
 def test_ranks_started_by_hand_refuse_an_input_as_metrics(tree, path):
     """The ranks' own start-up check (torchrun started by hand, no ``zeppelin run``) is the same."""
-    from zeppelin.runtime.executor import RunConfig, startup_checks
+    from zeppelin.runtime.config import RunConfig
+    from zeppelin.runtime.train.checks import startup_checks
     from zeppelin.schemas.common import InputError
 
     before = snapshot(tree)
@@ -644,7 +645,8 @@ def test_unusable_weights_are_refused(tree, capsys, how):
 @pytest.mark.parametrize("how", ["dangling", "pickle-only", "dev-zero"])
 def test_unusable_weights_refused_by_the_runtime_too(tree, how):
     """The ranks' own start-up check (a job started without ``zeppelin run``) says the same."""
-    from zeppelin.runtime.executor import RunConfig, startup_checks
+    from zeppelin.runtime.config import RunConfig
+    from zeppelin.runtime.train.checks import startup_checks
     from zeppelin.schemas.common import InputError
 
     message = _weights(tree / "w", how)
@@ -700,7 +702,9 @@ def test_non_finite_loss(tree, policy):
     _nan_checkpoint(w)
     shutil.copy(w / "ck" / "ckpt-000001" / "state.json", w / "st.json")
     args = ["run", "one.jsonl", "--checkpoint-dir", "ck", "--resume", "--metrics", "nan.jsonl"]
-    p = _job(args + (["--nan-policy", "skip"] if policy == "skip" else []), w)
+    # a decaying rate: the skipped step reports its own (the schedule's), not the last one an update used
+    skip = ["--nan-policy", "skip", "--lr-schedule", "linear", "--min-lr", "1e-4"]
+    p = _job(args + (skip if policy == "skip" else []), w)
     recs = [parse_json(line) for line in (w / "nan.jsonl").read_text().splitlines()]  # strict JSON: no NaN token
     if policy == "stop":
         assert p.returncode == 1
@@ -712,6 +716,10 @@ def test_non_finite_loss(tree, policy):
     else:
         assert p.returncode == 0, p.stderr
         assert [(r["step"], r["loss"], r["skipped"]) for r in recs] == [(1, None, "non-finite loss on rank 0")]
+        from zeppelin.runtime.optim import LRSchedule
+
+        assert recs[0]["lr"] == LRSchedule(1e-3, 2, "linear", min_lr=1e-4)(1) == pytest.approx(5.5e-4)
+        assert recs[0]["grad_norm"] is None
         assert "(1 skipped by --nan-policy skip: loss or gradient norm not finite)" in p.stdout
 
 
@@ -720,7 +728,7 @@ def test_non_finite_loss(tree, policy):
     ({"a": [1.0, float("nan")], "b": {"c": float("inf")}}, {"a": [1.0, None], "b": {"c": None}}),
 ])
 def test_metrics_records_are_strict_json(value, clean):
-    from zeppelin.runtime.executor import finite_json
+    from zeppelin.runtime.train.metrics import finite_json
 
     assert finite_json(value) == clean
     json.dumps(finite_json(value), allow_nan=False)
@@ -826,7 +834,8 @@ def test_hf_config_refused_by_the_planner(tree, capsys, edit, message):
                          ids=[c[0] for c in HF_CONFIGS[:4] + HF_CONFIGS[6:8] + HF_CONFIGS[9:10]])
 def test_hf_config_refused_by_the_runtime_alike(tree, edit, message):
     """The runtime reads the config through the same parser: the same line, before any process group."""
-    from zeppelin.runtime.executor import RunConfig, startup_checks
+    from zeppelin.runtime.config import RunConfig
+    from zeppelin.runtime.train.checks import startup_checks
     from zeppelin.schemas.common import InputError
 
     _hf_config(tree / "w", edit)

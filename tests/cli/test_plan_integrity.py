@@ -55,7 +55,8 @@ def test_plan_without_end_record_is_refused(work, capsys, command, edit):
 
 @pytest.mark.parametrize("edit", [True, False], ids=["edited", "cut"])
 def test_validate_and_ranks_refuse_a_plan_without_end_record(work, capsys, edit):
-    from zeppelin.runtime.executor import RunConfig, startup_checks
+    from zeppelin.runtime.config import RunConfig
+    from zeppelin.runtime.train.checks import startup_checks
 
     _noend(work, edit)
     rc, _, err = run_cli(["validate", "noend.jsonl"], capsys)
@@ -108,7 +109,8 @@ def test_rewriting_the_file_in_place_is_detected(work):
 def test_ranks_run_only_the_plan_the_command_checked(work, capsys):
     """``zeppelin run`` passes the verified digest (``--plan-digest``); a rank whose file carries
     another digest (replaced in between by another valid plan) refuses it."""
-    from zeppelin.runtime.executor import RunConfig, startup_checks
+    from zeppelin.runtime.config import RunConfig
+    from zeppelin.runtime.train.checks import startup_checks
 
     r = PlanReader("base.jsonl")
     r.verify()

@@ -336,7 +336,8 @@ def test_zeppelin_run_verify_seed_system_plans(tmp_path, system):
 
 
 def test_startup_refuses_more_tp_ranks_than_heads(tmp_path):
-    from zeppelin.runtime.executor import RunConfig, startup_checks
+    from zeppelin.runtime.config import RunConfig
+    from zeppelin.runtime.train.checks import startup_checks
     from zeppelin.schemas.common import InputError
     from zeppelin.schemas.plan import write_plan
 

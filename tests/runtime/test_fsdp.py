@@ -44,6 +44,7 @@ def _train(rank: int, world: int, header_json: str, steps_json: list[str], dp: s
     from zeppelin.runtime.fsdp import full_params_and_grads
     from zeppelin.runtime.groups import GroupCache, set_default_cache
     from zeppelin.runtime.model import LlamaModel
+    from zeppelin.runtime.train.verify import verify_step
 
     header = PlanHeader.model_validate_json(header_json)
     steps = [StepPlan.model_validate_json(s) for s in steps_json]
@@ -69,7 +70,7 @@ def _train(rank: int, world: int, header_json: str, steps_json: list[str], dp: s
     for k in range(first, len(steps)):
         res = ex.forward_backward(steps[k], keep_hidden=verify)
         if verify:
-            reports.append(ex.verify(steps[k], res, tol))
+            reports.append(verify_step(ex, steps[k], res, tol))
         ex.optimizer_step()
         memory.append(ex.measured_memory(res) | {"tokens": res.tokens})
         losses.append(res.loss)
@@ -229,7 +230,8 @@ def test_no_pickle_loads_in_the_package():
 
 
 def test_run_refuses_a_plan_made_for_another_recompute(tmp_path):
-    from zeppelin.runtime.executor import RunConfig, startup_checks
+    from zeppelin.runtime.config import RunConfig
+    from zeppelin.runtime.train.checks import startup_checks
     from zeppelin.schemas.common import InputError
 
     header, steps = _plan("zeppelin")
@@ -248,7 +250,7 @@ def test_metrics_memory_record_and_report():
     """Each rank's measured memory sits beside the plan's prediction for its unit; a step over the
     GPU's memory is listed, and the report summarises measured vs predicted."""
     from zeppelin.planner.sim.report import memory_row, memory_summary
-    from zeppelin.runtime.executor import _memory_record
+    from zeppelin.runtime.train.metrics import memory_record
 
     header, steps = _plan("zeppelin")
     step = steps[0]
@@ -257,7 +259,7 @@ def test_metrics_memory_record_and_report():
              "activation_tokens": 100, "process_peak": 5000} for r in range(WORLD)]
     mems[2]["measured"] = int(cap) + 1
     per_rank = [({}, {}, 100, m) for m in mems]
-    rec = _memory_record(step, per_rank, header)
+    rec = memory_record(step, per_rank, header)
     gb = step.prediction.per_unit.memory_gb
     assert rec["predicted_bytes"] == [int(gb[r] * 1e9) for r in range(WORLD)]  # one rank per unit here
     assert rec["exceeds_capacity"] == [2]

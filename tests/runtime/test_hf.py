@@ -264,7 +264,8 @@ def test_hand_plan_equals_transformers(pool, hf_dirs, kind, tol, dp, zero):
 
 
 def test_run_refuses_another_model(hf_dirs, tmp_path):
-    from zeppelin.runtime.executor import RunConfig, startup_checks
+    from zeppelin.runtime.config import RunConfig
+    from zeppelin.runtime.train.checks import startup_checks
 
     spec = hf_model_spec(f"hf:{hf_dirs['llama']}")
     plan = tmp_path / "p.jsonl"
@@ -324,7 +325,8 @@ def test_export_round_trips_through_from_pretrained(hf_dirs, tmp_path, kind):
 
 
 def test_export_refusals(hf_dirs, tmp_path):
-    from zeppelin.runtime.executor import RunConfig, startup_checks
+    from zeppelin.runtime.config import RunConfig
+    from zeppelin.runtime.train.checks import startup_checks
     from zeppelin.runtime.hf import export_problem
     from zeppelin.schemas.model import model_preset
 
@@ -387,7 +389,8 @@ def test_run_cli_hf_verify(hf_dirs, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = tmp_path / "export"
     p = subprocess.run([ZEPPELIN, "run", str(plan), "--model", ref, "--verify", "--progress", "none",
-                        "--metrics", str(metrics), "--lr", "1e-3", "--export", str(out), "--zero-stage", "3"],
+                        "--metrics", str(metrics), "--lr", "1e-3", "--export", str(out), "--zero-stage", "3",
+                        "--zero-stage-override"],
                        capture_output=True, text=True, env=env, timeout=200)
     assert p.returncode == 0, p.stderr
     assert p.stdout.splitlines()[0].startswith("zeppelin run: synthetic token ids (no --data given; seed 0")

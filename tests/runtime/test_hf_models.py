@@ -194,7 +194,7 @@ def transformers_reference_with_router_loss(d: Path, header, step):
     from transformers import AutoModelForCausalLM
 
     from zeppelin.runtime.data import TokenSource, predicted_tokens
-    from zeppelin.runtime.executor import step_microbatches
+    from zeppelin.runtime.train.verify import step_microbatches
 
     model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32, attn_implementation="eager")
     source = TokenSource(header.model.vocab_size, header.seed)
@@ -239,7 +239,7 @@ def test_router_loss_equals_transformers(pool, model_dirs):
     assert 0.5 * min(auxes) > 0.1 * ref_loss
     # the runtime's own statistic, single process, on each micro-batch's sequences
     from zeppelin.runtime.data import TokenSource
-    from zeppelin.runtime.executor import step_microbatches
+    from zeppelin.runtime.train.verify import step_microbatches
     from zeppelin.runtime.hf import load_hf_model
     from zeppelin.runtime.model import ReferenceLayout
 

@@ -22,7 +22,7 @@ from zeppelin.schemas.plan import PlanReader
 def test_model_flops_by_hand():
     """6 per weight of the matmuls per token (norms left out), 12 q_dim per visible query-key pair;
     an MoE layer counts its active experts and router, a windowed layer its window's pairs."""
-    from zeppelin.runtime.executor import model_flops
+    from zeppelin.runtime.train.metrics import model_flops
 
     m = model_preset("tiny")
     h, f = m.hidden, m.ffn_hidden
@@ -42,9 +42,9 @@ def test_model_flops_by_hand():
 def test_progress_bar_has_an_eta():
     from rich.progress import TimeRemainingColumn
 
-    from zeppelin.runtime.executor import _Progress
+    from zeppelin.runtime.train.metrics import ProgressSink
 
-    p = _Progress("rich", 4, 1)
+    p = ProgressSink("rich", 4, 1)
     try:
         assert any(isinstance(c, TimeRemainingColumn) for c in p.bar.columns)
     finally:
@@ -91,7 +91,7 @@ def test_metrics_jsonl_and_tensorboard(run_dir):
 
 
 def _check_records(path: Path) -> list[dict]:
-    from zeppelin.runtime.executor import model_flops
+    from zeppelin.runtime.train.metrics import model_flops
 
     reader = PlanReader(path.parent / "p.jsonl")
     recs = [json.loads(x) for x in path.read_text().splitlines()]

@@ -145,7 +145,7 @@ def test_default_hf_plans_run_to_the_end(hf, tmp_path):
         p = _run(["validate", f"{name}.jsonl", "--model", f"hf:{hf}"], tmp_path)
         assert p.returncode == 0, p.stderr
         p = _run(["run", f"{name}.jsonl", "--model", f"hf:{hf}", "--verify", "--progress", "none",
-                  "--zero-stage", "3"], tmp_path)
+                  "--zero-stage", "3", "--zero-stage-override"], tmp_path)
         assert p.returncode == 0, p.stderr
         recs = [json.loads(x) for x in (tmp_path / f"{name}.metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in recs] == list(range(steps))
@@ -175,7 +175,8 @@ def test_hf_plan_with_wide_rings_runs(hf, tmp_path):
     assert "wide-rings" in fams, fams
     p = _run(["validate", "w.jsonl", "--model", f"hf:{hf}"], tmp_path)
     assert p.returncode == 0, p.stderr
-    p = _run(["run", "w.jsonl", "--model", f"hf:{hf}", "--verify", "--progress", "none", "--zero-stage", "3"], tmp_path)
+    p = _run(["run", "w.jsonl", "--model", f"hf:{hf}", "--verify", "--progress", "none", "--zero-stage", "3",
+              "--zero-stage-override"], tmp_path)
     assert p.returncode == 0, p.stderr
     recs = [json.loads(x) for x in (tmp_path / "w.metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [0, 1, 2, 3]

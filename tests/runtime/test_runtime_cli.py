@@ -62,6 +62,9 @@ def test_run_verify_trains_and_writes_metrics(hand_plan, tmp_path):
     assert "zeppelin run: 3 steps" in p.stdout and " - ok" in p.stdout
     recs = [json.loads(ln) for ln in metrics.read_text().splitlines()]
     assert [r["step"] for r in recs] == [0, 1, 2]
+    # the progress lines number the steps as the metrics do, from 0, then count them
+    assert [ln.split("  ")[0] for ln in p.stdout.splitlines() if ln.startswith("step ")] == [
+        "step 0 (1 of 3)", "step 1 (2 of 3)", "step 2 (3 of 3)"]
     for r in recs:
         v = r["verify"]
         assert v["ok"] and max(v["loss_rel"], v["hidden_rel"], v["grad_rel"]) <= 1e-5
@@ -144,9 +147,13 @@ def test_resume_is_bit_identical(small_plan, tmp_path):
     (b / "latest").write_text("ckpt-000002\n")
     metrics_b = tmp_path / "b.jsonl"
     metrics_b.write_text("".join((tmp_path / "a.jsonl").read_text().splitlines(keepends=True)[:2]))
-    p, _ = _run([small_plan, "--resume", "--checkpoint-dir", b, "--metrics", metrics_b])
+    p, _ = _run([small_plan, "--resume", "--checkpoint-dir", b, "--metrics", metrics_b, "--progress", "plain"])
     assert p.returncode == 0, p.stderr
     assert "zeppelin run: 2 steps" in p.stdout
+    # one step numbering: ckpt-000002 resumes at step 2, the third step, as the progress and metrics say
+    lines = p.stdout.splitlines()
+    assert lines[1] == f"zeppelin run: resuming at step 2 from {b / 'ckpt-000002'}"
+    assert [ln.split("  ")[0] for ln in lines if ln.startswith("step ")] == ["step 2 (3 of 4)", "step 3 (4 of 4)"]
     sa, sb = read_tensors(a / "ckpt-000004"), read_tensors(b / "ckpt-000004")
     assert sa.keys() == sb.keys()
     assert any(k.startswith("model.") for k in sa) and any(k.endswith(".exp_avg_sq") for k in sa)

@@ -163,7 +163,8 @@ def test_run_feeds_exactly_the_manifest_tokens(text_manifest, tmp_path):
     each planned sequence's tokenizer ids; a run without --data is refused."""
     from tokenizers import Tokenizer
 
-    from zeppelin.runtime.executor import RunConfig, startup_checks
+    from zeppelin.runtime.config import RunConfig
+    from zeppelin.runtime.train.checks import startup_checks
 
     spec, tok, texts = text_manifest
     header = _plan(spec, tmp_path / "p.jsonl", steps=2)
@@ -189,7 +190,8 @@ def test_run_feeds_exactly_the_manifest_tokens(text_manifest, tmp_path):
 
 
 def test_lengths_only_manifest_is_synthetic(tmp_path):
-    from zeppelin.runtime.executor import RunConfig, startup_checks
+    from zeppelin.runtime.config import RunConfig
+    from zeppelin.runtime.train.checks import startup_checks
 
     m = tmp_path / "lens.jsonl"
     m.write_text("".join(json.dumps({"length": n}) + "\n" for n in [30, 12, 50, 7, 22, 9]))
