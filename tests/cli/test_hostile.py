@@ -317,11 +317,9 @@ def test_no_import_or_unpickling_of_data_in_the_source():
                            "runpy", "marshal.load"):
                 if needle in text:
                     hits.setdefault(needle, []).append(str(f.relative_to(ROOT)))
-    assert hits.pop("import_module(", []) == ["planner/cli/data.py", "planner/core/registry.py",
-                                              "planner/zeppelin/planner.py"]
+    assert hits.pop("import_module(", []) == ["planner/cli/data.py", "planner/core/registry.py"]
     assert hits == {}
-    # the two fixed-name imports: string constants naming zeppelin's own modules
-    assert 'import_module(f"zeppelin.planner.zeppelin.{module}")' in (ROOT / "planner/zeppelin/planner.py").read_text()
+    # the fixed-name import: string constants naming zeppelin's own modules
     assert '"zeppelin.planner.baselines",' in (ROOT / "planner/core/registry.py").read_text()
 
 
