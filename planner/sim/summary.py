@@ -24,7 +24,7 @@ from typing import Any
 from zeppelin.planner.costmodel.context import PlanContext
 from zeppelin.schemas.plan import StepPlan
 
-__all__ = ["TIERS", "PlanSummary", "span_of_units", "step_summary", "summary_lines", "unit_nodes"]
+__all__ = ["TIERS", "PlanSummary", "span_of_units", "step_summary", "summary_lines", "unit_nodes", "units_line"]
 
 TIERS = ("local", "intra", "inter")
 KINDS = ("ring", "allgather", "ulysses", "local")
@@ -65,6 +65,12 @@ class PlanSummary:
     steps_with_traffic: int = 0
     #: NICs of the cluster (for "N of M NICs used")
     nics_in_cluster: int = 0
+    #: TP degree -> data-parallel units of that degree (the most of any step); a unit has that many GPUs
+    unit_tps: dict[int, int] = field(default_factory=dict)
+    #: (tier, group kind) -> [sequences, shortest, longest], each sequence at the group of its widest span
+    by_kind: dict[tuple[str, str], list[int]] = field(default_factory=dict)
+    #: TP degree -> [sequences, longest] of the sequences whole on one unit of that degree
+    local_by_tp: dict[int, list[int]] = field(default_factory=dict)
 
     def add(self, other: PlanSummary) -> PlanSummary:
         self.steps += other.steps
@@ -81,6 +87,14 @@ class PlanSummary:
                 self.traffic[kind][nic] += b
         self.steps_with_traffic += other.steps_with_traffic
         self.nics_in_cluster = max(self.nics_in_cluster, other.nics_in_cluster)
+        for tp, k in other.unit_tps.items():
+            self.unit_tps[tp] = max(self.unit_tps.get(tp, 0), k)
+        for key, (k, lo, hi) in other.by_kind.items():
+            cur = self.by_kind.get(key)
+            self.by_kind[key] = [cur[0] + k, min(lo, cur[1]), max(hi, cur[2])] if cur else [k, lo, hi]
+        for tp, (k, hi) in other.local_by_tp.items():
+            cur = self.local_by_tp.get(tp)
+            self.local_by_tp[tp] = [cur[0] + k, max(hi, cur[1])] if cur else [k, hi]
         return self
 
     # ------------------------------------------------------------------ derived
@@ -117,6 +131,7 @@ class PlanSummary:
             "nics_used": self.nics_used,
             "nics_in_cluster": self.nics_in_cluster,
             "steps_with_inter_node_traffic": self.steps_with_traffic,
+            "units_by_tp": {str(k): v for k, v in sorted(self.unit_tps.items())},
         }
 
 
@@ -127,7 +142,10 @@ def step_summary(ctx: PlanContext, step: StepPlan, sim=None,
     simulated already; otherwise ``sim`` (a :class:`Simulator` for ``ctx``, built when None) counts it."""
     nodes = unit_nodes(ctx, step)
     s = PlanSummary(steps=1, nics_in_cluster=ctx.cluster.num_nodes * len(ctx.cluster.nics))
-    tier_of_seq: dict[int, str] = {}
+    tps = [r.tp for r in step.replicas] if step.replicas is not None else [ctx.tp] * len(nodes)
+    for tp in tps:
+        s.unit_tps[tp] = s.unit_tps.get(tp, 0) + 1
+    widest: dict[int, tuple[str, str, int]] = {}  # sequence -> (span, kind, TP degree of its first unit)
     rank = {t: i for i, t in enumerate(TIERS)}
     for mb in step.microbatches:
         used = {p.group for p in mb.placements}
@@ -139,14 +157,19 @@ def step_summary(ctx: PlanContext, step: StepPlan, sim=None,
             if g.tier != spans[gi]:
                 s.mislabeled += 1
         for p in mb.placements:  # a sequence placed in pieces counts once, at its widest span
-            sp = spans[p.group]
-            if rank[sp] >= rank.get(tier_of_seq.get(p.seq, "local"), 0):
-                tier_of_seq[p.seq] = sp
-    for i, t in tier_of_seq.items():
+            sp, g = spans[p.group], mb.groups[p.group]
+            if rank[sp] >= rank[widest.get(p.seq, ("local",))[0]]:
+                widest[p.seq] = (sp, "local" if len(g.units) == 1 else g.kind, tps[g.units[0]])
+    for i, (t, kind, tp) in widest.items():
         s.sequences[t] += 1
         n = step.sequences[i].length
         lo_hi = s.lengths.get(t)
         s.lengths[t] = [min(n, lo_hi[0]), max(n, lo_hi[1])] if lo_hi else [n, n]
+        k = s.by_kind.get((t, kind))
+        s.by_kind[(t, kind)] = [k[0] + 1, min(n, k[1]), max(n, k[2])] if k else [1, n, n]
+        if t == "local":
+            k = s.local_by_tp.get(tp)
+            s.local_by_tp[tp] = [k[0] + 1, max(n, k[1])] if k else [1, n]
     if traffic is None:
         if sim is None:
             from zeppelin.planner.sim.simulate import Simulator
@@ -165,6 +188,13 @@ def _gb(b: float) -> str:
     return f"{b / 1e9:,.3f} GB"
 
 
+def units_line(unit_tps: dict[int, int]) -> str:
+    """The data-parallel units by tensor-parallel degree and GPUs, e.g. ``units: 2 TP-4 (4 GPUs each),
+    8 TP-1 (1 GPU each)``."""
+    return "units: " + ", ".join(f"{k:,} TP-{tp} ({tp} GPU{'s' if tp > 1 else ''} each)"
+                                 for tp, k in sorted(unit_tps.items(), reverse=True))
+
+
 def summary_lines(s: PlanSummary) -> list[str]:
     """The summary as lines of text (``zeppelin plan``, ``show`` and ``simulate`` print these)."""
     lines = ["sequences by tier: " + ", ".join(f"{t} {s.sequences.get(t, 0):,}" for t in TIERS)]
@@ -179,6 +209,9 @@ def summary_lines(s: PlanSummary) -> list[str]:
                 by_kind[kind].append(f"{t} {n:,}" if kind != "local" else f"{n:,}")
     lines.append("groups by kind and span: " + "; ".join(
         f"{k} {', '.join(v)}" for k, v in by_kind.items()) if by_kind else "groups by kind and span: none")
+    if s.unit_tps:
+        lines.append(units_line(s.unit_tps) + (" (per degree: the most of one step)"
+                                               if len(s.unit_tps) > 1 and s.steps > 1 else ""))
     if s.mislabeled:
         lines.append(f"  {s.mislabeled:,} group(s) labelled with another tier than their units span "
                      f"(counted by their units)")

@@ -4,6 +4,7 @@ zigzag share of a span."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from tests.support.zeppelin_steps import make_ctx
 from zeppelin.planner.zeppelin.tiering import Tiering, zigzag_max_tokens
@@ -69,14 +70,19 @@ def test_hide_threshold_is_the_crossover():
 
 
 def test_explain_prints_computed_thresholds():
-    from zeppelin.planner.tools.explain import explain_text
+    """The memory thresholds are the tiering's; the ring thresholds (crossovers of the prediction,
+    tests/planner/test_explain.py) agree within 10% with the tiering's zero-exposure crossovers its
+    span choice uses, for the NVLink ring and the one-NIC ring."""
+    from zeppelin.planner.tools.explain import explain_text, ring_crossover
 
     ctx = make_ctx("zeppelin-c")
     tg = Tiering(ctx)
     text = " ".join(explain_text(ctx).split())
     assert f"one unit holds {tg.memory_thresholds['unit']:,} tokens" in text
-    assert f"{tg.hide_threshold(8, 'intra'):,}" in text
-    assert f"{tg.hide_threshold(16, 'inter', 1):,}" in text
+    for G, tier in ((8, "intra"), (16, "inter")):
+        th = ring_crossover(ctx, G, tier, routed=False).threshold
+        assert f"from {th:,} tokens" in text
+        assert th == pytest.approx(tg.hide_threshold(G, tier), rel=0.1)
 
 
 def test_choose_span_rules():
