@@ -115,7 +115,7 @@ def show(
     h = reader.header
     con = make_console()
     con.print(f"plan [bold]{plan}[/bold]: planner {h.planner}, {h.cluster.name} ({h.cluster.num_nodes} nodes x "
-              f"{h.cluster.gpus_per_node} GPUs, tp={h.tp}), {h.model.name}, {h.num_steps} step(s)")
+              f"{h.cluster.gpus_per_node} GPUs, --tp {h.tp}), {h.model.name}, {h.num_steps} step(s)")
     from zeppelin.planner.sim.simulate import Simulator, context_from_header
     from zeppelin.planner.sim.summary import PlanSummary, summary_lines
 

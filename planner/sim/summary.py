@@ -210,8 +210,7 @@ def summary_lines(s: PlanSummary) -> list[str]:
     lines.append("groups by kind and span: " + "; ".join(
         f"{k} {', '.join(v)}" for k, v in by_kind.items()) if by_kind else "groups by kind and span: none")
     if s.unit_tps:
-        lines.append(units_line(s.unit_tps) + (" (per degree: the most of one step)"
-                                               if len(s.unit_tps) > 1 and s.steps > 1 else ""))
+        lines.append(units_line(s.unit_tps) + (", max per step" if len(s.unit_tps) > 1 and s.steps > 1 else ""))
     if s.mislabeled:
         lines.append(f"  {s.mislabeled:,} group(s) labelled with another tier than their units span "
                      f"(counted by their units)")

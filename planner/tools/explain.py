@@ -227,13 +227,15 @@ def plan_against_thresholds(ctx: PlanContext, counts: PlanSummary) -> list[str]:
         out.append("  " + units_line(counts.unit_tps))
     lo_hi = counts.lengths
     if "local" in lo_hi:
-        holds = ", ".join(f"one TP-{tp} unit holds {int(ctx.cost_for(tp).token_capacity):,}"
-                          for tp in sorted(counts.local_by_tp or {ctx.tp: 0}, reverse=True))
-        out.append(f"  whole on one unit: {counts.sequences['local']:,} sequences, up to {lo_hi['local'][1]:,} "
-                   f"({holds})")
-        if len(counts.local_by_tp) > 1:
-            out += [f"    on TP-{tp} units: {n:,}, up to {hi:,}"
-                    for tp, (n, hi) in sorted(counts.local_by_tp.items(), reverse=True)]
+        line = f"  whole on one unit: {counts.sequences['local']:,} sequences, up to {lo_hi['local'][1]:,}"
+        by_tp = counts.local_by_tp
+        if len(by_tp) > 1:  # units of several TP degrees: each degree holds its own length
+            out.append(line)
+            out += [f"    on TP-{tp} units: {n:,}, up to {hi:,} (one holds {int(ctx.cost_for(tp).token_capacity):,})"
+                    for tp, (n, hi) in sorted(by_tp.items(), reverse=True)]
+        else:
+            tp = next(iter(by_tp), ctx.tp)
+            out.append(line + f" (one unit holds {int(ctx.cost_for(tp).token_capacity):,})")
     if "intra" in lo_hi:
         a, b = lo_hi["intra"]
         out.append(f"  split inside a node: {counts.sequences['intra']:,} sequences, {a:,} to {b:,} "

@@ -109,7 +109,8 @@ def render_step(header: PlanHeader, step: StepPlan, console, sim=None, full: boo
     console.print(t)
     for line in summary_lines(counts):
         console.print(line, highlight=False)
-    console.print(load_table(pred, full))
+    tps = [r.tp for r in step.replicas] if step.replicas is not None else None
+    console.print(load_table(pred, full, tps=tps))
     routed = counts.nic_bytes()
     if routed:
         # the same step with every transfer on its ranks' own NICs: what routing saves
@@ -166,9 +167,10 @@ def summarised_groups(rows: list[dict]) -> list[dict]:
     return out
 
 
-def load_table(pred: Prediction, full: bool = False, top: int = 4):
+def load_table(pred: Prediction, full: bool = False, top: int = 4, tps: list[int] | None = None):
     """Per-unit predicted load bars: every unit with ``full`` or up to 16 units, else the ``top`` most
-    and least loaded (with the spread of the rest in the caption)."""
+    and least loaded (with the spread of the rest in the caption). ``tps``: per unit, its TP degree
+    (its GPUs), shown in a column when the step's units are replicas of their own degrees."""
     from rich.text import Text
 
     from zeppelin.planner.tools.tables import table
@@ -181,7 +183,8 @@ def load_table(pred: Prediction, full: bool = False, top: int = 4):
         shown = by[:top] + by[-top:]
     lt = table("per-unit predicted load (█ attention, ▓ linear, ░ exposed comm)"
                + ("" if shown is rows else f": the {top} most and least loaded of {len(rows)} units (--all: each)"),
-               [(c, "left" if c == "load" else "right") for c in ("unit", "tokens", "total ms", "load")])
+               [(c, "left" if c == "load" else "right")
+                for c in ("unit", *(("GPUs",) if tps else ()), "tokens", "total ms", "load")])
     for u, a, li, ex, tot, tok in shown:
         bar = Text()
         na = round(a / tmax * _BAR)
@@ -190,7 +193,7 @@ def load_table(pred: Prediction, full: bool = False, top: int = 4):
         bar.append("█" * na, style="cyan")
         bar.append("▓" * max(nl, 0), style="green")
         bar.append("░" * max(ne, 0), style="red")
-        lt.add_row(str(u), str(tok), f"{tot * 1e3:.2f}", bar)
+        lt.add_row(str(u), *((f"{tps[u]} (TP-{tps[u]})",) if tps else ()), str(tok), f"{tot * 1e3:.2f}", bar)
     if rows:
         tot = [r[4] for r in rows]
         lt.caption = f"all {len(rows)} units: {min(tot) * 1e3:.2f}-{max(tot) * 1e3:.2f} ms"
