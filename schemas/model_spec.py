@@ -173,6 +173,12 @@ class ModelSpec(Doc):
         qk = 2 * self.head_dim if self.qk_norm else 0
         return attn + mlp + 2 * h + qk  # + two norms
 
+    def active_params(self) -> int:
+        """Parameters one token runs through: :meth:`num_params` with only the top-k experts (and the
+        shared expert) of each MoE layer; all of them for a dense model."""
+        idle = self.mlp_ffn_params(active=False) - self.mlp_ffn_params(active=True)
+        return self.num_params() - self.num_layers * (3 if self.mlp == "swiglu" else 2) * self.hidden * idle
+
     def num_params(self) -> int:
         emb = self.vocab_size * self.hidden
         head = 0 if self.tie_embeddings else self.vocab_size * self.hidden

@@ -87,8 +87,18 @@ def presets(
         m = model_preset(n)
         p = m.num_params()
         t.add_row(n, str(m.num_layers), str(m.hidden), str(m.num_heads), str(m.num_kv_heads), str(m.ffn_hidden),
-                  str(m.vocab_size), m.mlp, m.dtype, f"{p / 1e9:.2f}B" if p > 1e8 else f"{p / 1e6:.2f}M")
+                  str(m.vocab_size), m.mlp, m.dtype, _params_text(p))
+    moe = [model_preset(n) for n in MODEL_PRESETS if model_preset(n).is_moe]
+    if moe:
+        t.caption = ("mixture of experts (ffn: one expert's width): " + "; ".join(
+            f"{m.name} {m.num_experts} experts, top-{m.experts_per_token}, {_params_text(m.active_params())} of "
+            f"{_params_text(m.num_params())} parameters active per token" for m in moe)
+            + "; planned without expert parallelism, experts evenly loaded (docs/HF.md)")
     con.print(t)
+
+
+def _params_text(p: int) -> str:
+    return f"{p / 1e9:.2f}B" if p > 1e8 else f"{p / 1e6:.2f}M"
 
 
 @common.generated("demo")

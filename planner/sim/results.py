@@ -103,8 +103,17 @@ class SimResult:
 
     @property
     def exposed_comm_s(self) -> float:
-        """Mean over units of exposed communication."""
+        """Mean over units of exposed communication: :attr:`exposed_transfers_s` + :attr:`allreduce_s`
+        (the one definition every command reports, its two parts labelled)."""
         return float(np.mean([u.exposed_comm_s for u in self.units])) if self.units else 0.0
+
+    @property
+    def exposed_transfers_s(self) -> float:
+        """The part of :attr:`exposed_comm_s` inside the micro-batches: attention transfers (ring
+        rounds, all-to-alls, all-gathers), their routing and the remap, where compute does not hide
+        them. The rest, :attr:`allreduce_s`, is the gradient sync (all-reduce, or FSDP's per
+        micro-batch gathers and reduce-scatters), which every unit waits for in full."""
+        return max(self.exposed_comm_s - self.allreduce_s, 0.0)
 
     @property
     def max_nic_busy_frac(self) -> float:

@@ -76,6 +76,7 @@ class PlannerRun:
     step_times: list[float] = field(default_factory=list)
     lower_bounds: list[float] = field(default_factory=list)
     exposed: list[float] = field(default_factory=list)
+    sync: list[float] = field(default_factory=list)  # per step: the gradient sync part of ``exposed``
     span_nodes: list[int] = field(default_factory=list)  # per step: most nodes one group spans
     latencies: list[float] = field(default_factory=list)
     predicted: list[float] = field(default_factory=list)
@@ -97,6 +98,10 @@ class PlannerRun:
             "ratio_to_lower_bound": float(np.mean(t / lb)) if np.all(lb > 0) else math.nan,
             "lower_bound_mean_s": float(np.mean(lb)),
             "exposed_comm_s": float(np.mean(self.exposed)),
+            # its two parts (SimResult.exposed_transfers_s, allreduce_s): the table and the verdict show them
+            "exposed_sync_s": float(np.mean(self.sync)) if self.sync else 0.0,
+            "exposed_transfers_s": max(float(np.mean(self.exposed)) - (float(np.mean(self.sync)) if self.sync else 0.0),
+                                       0.0),
             "steps_spanning_nodes": int(sum(x > 1 for x in self.span_nodes)),
             "predicted_mean_s": float(np.mean(self.predicted)),
             "plan_latency_mean_s": float(np.mean(self.latencies)), "plan_latency_max_s": float(np.max(self.latencies)),
@@ -198,7 +203,8 @@ def _job(arg: tuple[str, int]) -> tuple[str, int, dict[str, Any]]:
     c1 = time.process_time()
     r = _W["sims"].simulate_step(sp)
     kept = {"plan": sp} if (name, k) in _W.get("keep", ()) else {}
-    return name, k, {**kept, "time": r.step_time_s, "lb": r.lower_bound_s, "exposed": r.exposed_comm_s, "latency": lat,
+    return name, k, {**kept, "time": r.step_time_s, "lb": r.lower_bound_s, "exposed": r.exposed_comm_s, "sync": r.allreduce_s,
+                     "latency": lat,
                      "span_nodes": _max_group_nodes(ctx, sp), "layout": _layout(sp),
                      "predicted": sp.prediction.step_time_s if sp.prediction else r.step_time_s,
                      "plan_cpu": plan_cpu, "sim_cpu": time.process_time() - c1}
@@ -284,6 +290,7 @@ def run_compare(ctx: PlanContext, steps: list[list], planners: list[str],
             run.step_times.append(res["time"])
             run.lower_bounds.append(res["lb"])
             run.exposed.append(res["exposed"])
+            run.sync.append(res["sync"])
             run.span_nodes.append(res.get("span_nodes", 1))
             run.latencies.append(res["latency"])
             run.predicted.append(res["predicted"])
@@ -387,7 +394,7 @@ def render_table(doc: dict[str, Any], title: str):
     the mean and p90 simulated step time, speedups over each reference (te-cp; te-cp-tuned as
     "tuned") with their spread over the steps (p10-p90 of the per-step ratios), ratio to the lower
     bound, exposed communication and planning time per step (the p50 is in the JSON)."""
-    from zeppelin.planner.tools.tables import table
+    from zeppelin.planner.tools.tables import EXPOSED_NOTE, exposed_cell, table
 
     refs = doc.get("references", [doc["reference"]])
     keys = ["speedup_vs_" + r.replace("-", "_") for r in refs]
@@ -405,9 +412,10 @@ def render_table(doc: dict[str, Any], title: str):
             continue
         t.add_row(s["planner"], _ms(s["mean_s"]), _ms(s["p90_s"]),
                   *(_speedup_cell(s, k) for k in keys), f"{s['ratio_to_lower_bound']:.2f}",
-                  f"{s['exposed_comm_s'] * 1e3:.1f}", f"{s['plan_latency_mean_s'] * 1e3:.0f}")
+                  exposed_cell(s.get("exposed_transfers_s", s["exposed_comm_s"]), s.get("exposed_sync_s", 0.0), _ms),
+                  f"{s['plan_latency_mean_s'] * 1e3:.0f}")
     lo, hi = SPREAD
-    notes = [("mean, p90: simulated step time, ms; exposed: exposed communication, ms; plan: planning time per "
+    notes = [("mean, p90: simulated step time, ms; " + EXPOSED_NOTE + "; plan: planning time per "
               f"step, ms; vs: ratio of mean step times, below it p{lo}-p{hi} of the per-step ratios; x LB: "
               f"step time / lower bound (docs/CONCEPTS.md)")]
     if "te-cp-tuned" in refs:
@@ -562,13 +570,18 @@ BASELINE_SYSTEMS = {
 
 
 def _where(s: dict[str, Any], allreduce_s: float) -> dict[str, float]:
-    """A planner's mean step split into its lower bound (the step's work spread evenly, the gradient
-    all-reduce included), the communication exposed beyond that all-reduce, and the rest: compute
-    imbalance and idle waiting. The three add up to the step (a step at its bound has no rest)."""
-    step, lb = s["mean_s"], s["lower_bound_mean_s"]
-    rest = max(step - lb, 0.0)
-    exposed = min(max(s["exposed_comm_s"] - allreduce_s, 0.0), rest)
-    return {"step_s": step, "lower_bound_s": step - rest, "exposed_comm_s": exposed, "imbalance_s": rest - exposed}
+    """A planner's mean step in four parts that add up to it: its gradient sync and exposed transfers
+    (the two parts of the table's exposed communication, the same figures), the compute of the step's
+    lower bound (the bound without its gradient all-reduce, ``allreduce_s``) and the rest, compute
+    imbalance and idle waiting (none where the transfers already take the step past its bound)."""
+    step = s["mean_s"]
+    sync = s.get("exposed_sync_s", allreduce_s)
+    transfers = s.get("exposed_transfers_s", max(s["exposed_comm_s"] - sync, 0.0))
+    compute_bound = max(s["lower_bound_mean_s"] - allreduce_s, 0.0)
+    imbalance = max(step - compute_bound - sync - transfers, 0.0)
+    return {"step_s": step, "compute_s": step - sync - transfers - imbalance, "sync_s": sync,
+            "exposed_transfers_s": transfers, "imbalance_s": imbalance,
+            "lower_bound_s": s["lower_bound_mean_s"]}
 
 
 def verdict(doc: dict[str, Any], ctx: PlanContext, steps: list[list], baseline: str | None = None) -> dict[str, Any]:
@@ -603,6 +616,8 @@ def verdict(doc: dict[str, Any], ctx: PlanContext, steps: list[list], baseline: 
     out["memory"] = {"tokens_per_gpu": cap, "longest_sequence": longest,
                      "gpus_to_hold_longest": -(-longest // cap) if cap > 0 else None}
     out["assumptions"] = doc.get("prediction_error") or {}
+    if ctx.model.is_moe:
+        out["moe"] = {"experts": ctx.model.num_experts, "top_k": ctx.model.experts_per_token}
     return out
 
 
@@ -655,16 +670,21 @@ def verdict_lines(v: dict[str, Any]) -> list[str]:
         err = (f" (kernel curves fit within {fit:.1%})" if fit is not None else "")
         lines.append(f"assumes: cost profile {a['profile']}{err}")
         lines.append("  its step-time error is not measured: `zeppelin run --report` measures it")
+    if v.get("moe"):
+        from zeppelin.planner.tools.explain import moe_note
+
+        lines += moe_note(v["moe"]["experts"], v["moe"]["top_k"])
     if v["where"]:
-        lines.append("where the time goes, ms per step = lower bound + exposed comm + imbalance:")
+        lines.append("where the time goes, ms per step = compute + gradient sync + exposed transfers")
+        lines.append("  + imbalance (sync + transfers = the table's exposed; +N%: over the bound):")
         width = max(len(n) for n in v["where"])
         for name, w in v["where"].items():
-            lost = w["exposed_comm_s"] + w["imbalance_s"]
+            lost = w["step_s"] - w["lower_bound_s"]
             why = ("at the bound" if lost < 0.02 * w["step_s"] else
-                   f"{lost / w['step_s']:.0%} over the bound, mostly "
-                   + ("exposed comm" if w["exposed_comm_s"] > w["imbalance_s"] else "imbalance"))
-            lines.append(f"  {name:<{width}}  {_ms(w['step_s'])} = {_ms(w['lower_bound_s'])} + "
-                         f"{_ms(w['exposed_comm_s'])} + {_ms(w['imbalance_s'])}  ({why})")
+                   f"+{lost / w['step_s']:.0%}: "
+                   + ("transfers" if w["exposed_transfers_s"] > w["imbalance_s"] else "imbalance"))
+            lines.append(f"  {name:<{width}}  {_ms(w['step_s'])} = {_ms(w['compute_s'])} + {_ms(w['sync_s'])} + "
+                         f"{_ms(w['exposed_transfers_s'])} + {_ms(w['imbalance_s'])}  ({why})")
     m = v.get("memory")
     if m and m["gpus_to_hold_longest"]:
         lines.append(f"memory: a GPU holds {m['tokens_per_gpu']:,} tokens; the longest sequence "

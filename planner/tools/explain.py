@@ -28,10 +28,10 @@ HIDDEN = 1e-3
 _L_MAX = 1 << 24  # search ceiling (16M tokens)
 
 
-def _wrap(text: str, indent: str = "") -> list[str]:
+def _wrap(text: str, indent: str = "", width: int = 80) -> list[str]:
     import textwrap
 
-    return textwrap.wrap(text, 80, initial_indent=indent, subsequent_indent=indent)
+    return textwrap.wrap(text, width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False)
 
 
 def one_sequence_step(ctx: PlanContext, L: int, G: int, tier: str, routed: bool = True) -> StepPlan:
@@ -133,14 +133,17 @@ def _why_short_hide(ctx: PlanContext) -> list[str]:
         "one with more does not. Kernel times come from " + curve + ".")
 
 
-def moe_note(model) -> list[str]:
-    """The limits a mixture-of-experts model is planned under (empty for a dense model)."""
-    if not getattr(model, "num_experts", 0):
+def moe_note(experts: int, top_k: int, width: int = 80) -> list[str]:
+    """The limits a mixture-of-experts model of ``experts`` experts, ``top_k`` per token, is planned
+    under (``--explain``, ``compare``'s verdict); empty for a dense model (no experts)."""
+    if not experts:
         return []
-    return _wrap(f"MoE ({model.num_experts} experts, top-{model.experts_per_token}): planned without expert "
-                 "parallelism (every rank holds all experts of its shard) and with experts evenly loaded "
-                 "(each token's FLOPs are its top-k experts'); uneven routing makes the busiest expert's "
-                 "ranks slower than predicted. docs/HF.md, \"Mixture of experts\".")
+    return _wrap(f"MoE ({experts} experts, top-{top_k}): planned without expert "
+                 "parallelism (FSDP shards every expert over the ranks; each rank runs the experts its own "
+                 "tokens pick) and with experts evenly loaded (a token costs its top-k experts' FLOPs, each "
+                 "expert's GEMMs at an even share of the tokens): skewed routing leaves some experts few "
+                 "tokens, whose small GEMMs run slower than predicted. docs/HF.md, \"Mixture of experts\".",
+                 width=width)
 
 
 def _ring_lines(ctx: PlanContext, tg) -> list[str]:
@@ -199,12 +202,15 @@ def explain_text(ctx: PlanContext) -> str:
                "tiers are counted by the units each group spans, like every plan's, so short sequences "
                "can then be split too."),
     ]
-    moe = moe_note(m)
+    moe = moe_note(m.num_experts, m.experts_per_token)
     return "\n".join(lines + ([""] + moe if moe else []))
 
 
 _KIND_WORDS = {"ring": "rings", "ulysses": "Ulysses groups (heads split over the group)",
                "allgather": "all-gather groups", "local": "whole on one unit"}
+
+
+_FAMILY_WORDS = {"ulysses": "Ulysses groups", "allgather": "all-gather groups"}
 
 
 def _kinds(counts: PlanSummary, tier: str) -> list[str]:
@@ -222,7 +228,7 @@ def plan_against_thresholds(ctx: PlanContext, counts: PlanSummary) -> list[str]:
 
     tg = Tiering(ctx)
     mem = tg.memory_thresholds
-    out = ["This plan against the thresholds (tokens per sequence):"]
+    out = ["", "This plan against the thresholds (tokens per sequence):"]
     if counts.unit_tps:
         out.append("  " + units_line(counts.unit_tps))
     lo_hi = counts.lengths
@@ -245,9 +251,9 @@ def plan_against_thresholds(ctx: PlanContext, counts: PlanSummary) -> list[str]:
         a, b = lo_hi["inter"]
         out.append(f"  split across nodes: {counts.sequences['inter']:,} sequences, {a:,} to {b:,}")
         out += _kinds(counts, "inter")
-    short = [k for (t, k) in counts.by_kind if t != "local" and k != "ring"]
+    short = sorted({_FAMILY_WORDS.get(k, k) for (t, k) in counts.by_kind if t != "local" and k != "ring"})
     if short:
-        out += _wrap("Sequences below the thresholds are split here because the step took a whole-step "
-                     "family (" + ", ".join(sorted(set(short))) + " groups): it splits every sequence of a "
-                     "group, short ones included, where that prices the step lower than the tiers.", "  ")
+        out += _wrap("Sequences below the thresholds are split here because a step took a whole-step "
+                     "family (" + ", ".join(short) + "): it splits every sequence of a group, short ones "
+                     "included, where that prices the step lower than the tiers.", "  ")
     return out

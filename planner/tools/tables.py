@@ -19,7 +19,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["console", "fmt_tokens", "print_stats", "render_text", "simulate_step_tables", "simulate_summary_table",
+__all__ = ["EXPOSED_NOTE", "console", "exposed_cell", "fmt_tokens", "print_stats", "render_text", "simulate_step_tables", "simulate_summary_table",
            "stats_payload", "table"]
 
 
@@ -167,20 +167,32 @@ def _ms(x: float) -> str:
     return f"{x * 1e3:.2f}"
 
 
+def exposed_cell(transfers_s: float, sync_s: float, fmt=None) -> str:
+    """An exposed-communication cell in two labelled parts: the transfers compute does not hide
+    (attention, routing, remap), below it ``+`` the gradient sync (all-reduce or FSDP)."""
+    fmt = fmt or _ms
+    return f"{fmt(transfers_s)}\n+{fmt(sync_s)}"
+
+
+#: what an exposed-communication cell holds (captions of the tables that show one)
+EXPOSED_NOTE = ("exposed: communication no compute hides, ms, mean over units: transfers (attention, "
+                "routing, remap), below it + the gradient sync (all-reduce or FSDP)")
+
+
 def simulate_summary_table(header, results):
     """`zeppelin simulate`: one row per simulated step."""
     t = table(f"simulated steps: planner {header.planner}, {header.cluster.name} "
               f"({header.world_size} GPUs, tp={header.tp}), {header.model.name}",
               [(c, "right") for c in ("step", "sim ms", "pred ms", "LB ms", "xLB", "busy %", "exposed ms", "idle ms",
                                       "NIC busy %")],
-              caption="busy / exposed / idle: mean over units; NIC busy: the busiest NIC; xLB: simulated step / "
-                      "lower bound (docs/CONCEPTS.md)")
+              caption="busy / idle: mean over units; " + EXPOSED_NOTE + "; NIC busy: the busiest NIC; xLB: "
+                      "simulated step / lower bound (docs/CONCEPTS.md)")
     for r in results:
         busy = _np().mean([u.busy_s for u in r.units]) / r.step_time_s * 100 if r.step_time_s else 0.0
         t.add_row(
             str(r.step), _ms(r.step_time_s), _ms(r.predicted_s) if r.predicted_s is not None else "-",
             _ms(r.lower_bound_s), f"{r.step_time_s / r.lower_bound_s:.2f}" if r.lower_bound_s else "-",
-            f"{busy:.1f}", _ms(r.exposed_comm_s), _ms(float(_np().mean([u.idle_s for u in r.units]))),
+            f"{busy:.1f}", exposed_cell(r.exposed_transfers_s, r.allreduce_s), _ms(float(_np().mean([u.idle_s for u in r.units]))),
             f"{r.max_nic_busy_frac * 100:.1f}",
         )
     return t
@@ -189,7 +201,8 @@ def simulate_summary_table(header, results):
 def simulate_step_tables(r):
     """`zeppelin simulate --step K`: per unit, and per NIC."""
     t = table(f"step {r.step}: {_ms(r.step_time_s)} ms simulated "
-              f"(compute until {_ms(r.compute_end_s)} ms, gradient all-reduce {_ms(r.allreduce_s)} ms)",
+              f"(compute until {_ms(r.compute_end_s)} ms, gradient sync {_ms(r.allreduce_s)} ms: "
+              "exposed ms includes it)",
               [(c, "right") for c in ("unit", "tokens", "attn ms", "linear ms", "busy ms", "exposed ms", "idle ms",
                                       "busy %")])
     for u, s in enumerate(r.units):

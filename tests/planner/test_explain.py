@@ -97,3 +97,32 @@ def test_units_of_larger_tp_degree_are_shown_with_their_gpus(tmp_path, zeppelin_
     assert s.returncode == 0, s.stderr
     assert "--tp 1)" in s.stdout and "units: 1 TP-8 (8 GPUs each), 8 TP-1 (1 GPU each)" in s.stdout
     assert "GPUs  tokens" in s.stdout and "0  8 (TP-8)   40000" in s.stdout and "1  1 (TP-1)    1200" in s.stdout
+
+
+def test_moe_limits_are_said_where_decisions_are_shown():
+    """--explain, compare's verdict and the presets table state the MoE assumptions (no expert
+    parallelism, experts evenly loaded) with the experts, top-k and active parameters."""
+    from typer.testing import CliRunner
+
+    from zeppelin.planner.cli import app
+    from zeppelin.planner.tools.compare import verdict, verdict_lines
+    from zeppelin.schemas.model import model_preset
+
+    ctx = make_ctx("h100:1", "qwen3-30b-a3b")
+    text = " ".join(explain_text(ctx).split())
+    assert "MoE (128 experts, top-8): planned without expert parallelism" in text
+    assert "experts evenly loaded" in text
+    assert "MoE" not in explain_text(make_ctx("h100:1", "llama3-8b"))
+    z = {"planner": "zeppelin", "error": None, "mean_s": 1.0, "lower_bound_mean_s": 0.9, "exposed_comm_s": 0.1,
+         "exposed_sync_s": 0.05, "exposed_transfers_s": 0.05, "step_times_s": [1.0]}
+    v = verdict({"planners": [z]}, ctx, [])
+    flat = " ".join(" ".join(verdict_lines(v)).split())
+    assert "MoE (128 experts, top-8): planned without expert parallelism" in flat
+    assert all(len(ln) <= 80 for ln in verdict_lines(v))
+    assert "MoE" not in " ".join(verdict_lines(verdict({"planners": [z]}, make_ctx("h100:1", "llama3-8b"), [])))
+    m = model_preset("qwen3-30b-a3b")
+    assert m.num_params() == pytest.approx(30.5e9, rel=0.01) and m.active_params() == pytest.approx(3.35e9, rel=0.01)
+    assert model_preset("llama3-8b").active_params() == model_preset("llama3-8b").num_params()
+    out = CliRunner().invoke(app, ["presets"], env={"COLUMNS": "80"}).output
+    assert "qwen3-30b-a3b 128 experts, top-8, 3.35B of 30.53B parameters active per token" in " ".join(out.split())
+    assert "planned without expert parallelism, experts evenly loaded" in " ".join(out.split())
