@@ -129,9 +129,15 @@ def show(
         for line in summary_lines(total):
             con.print(line, highlight=False)
     if png is not None:
+        import sys
+
+        t0 = time.perf_counter()
+        if sys.stderr.isatty():  # a large step takes a while: say what is being done
+            typer.echo(f"simulating step {steps[0].step} for the picture ({len(sim.replicas(steps[0]))} units)...",
+                       err=True)
         res = sim.simulate_step(steps[0], timeline=True)
         draw_png(h, steps[0], res, png)
-        con.print(f"wrote {png}")
+        con.print(f"wrote {png} ({time.perf_counter() - t0:.1f} s)")
 
 
 @common.generated("compare")

@@ -11,7 +11,8 @@ from zeppelin.planner.sim.simulate import SimResult
 from zeppelin.schemas.io.safefiles import atomic_write
 from zeppelin.schemas.plan import PlanHeader, Prediction, StepPlan
 
-__all__ = ["draw_demo_png", "draw_png", "gantt", "load_heatmap", "timeline_boxes", "group_rows", "load_rows", "render_step", "step_prediction"]
+__all__ = ["DETAIL_MAX_UNITS", "draw_demo_png", "draw_png", "gantt", "group_rows", "load_heatmap", "load_rows",
+           "render_step", "step_prediction", "summary_boxes", "timeline_boxes"]
 
 _BAR = 40
 
@@ -204,7 +205,11 @@ _COLORS = {"attention": "#1f77b4", "linear": "#2ca02c", "ring-intra": "#ff7f0e",
            "dispatch-intra": "#9467bd", "combine-intra": "#8c564b", "remap-intra": "#e377c2",
            "remap-inter": "#e377c2", "ulysses-intra": "#bcbd22", "ulysses-inter": "#bcbd22",
            "allgather-intra": "#17becf", "allgather-inter": "#17becf", "head": "#7f7f7f",
-           "grad all-reduce": "#000000"}
+           "grad all-reduce": "#000000", "waiting": "#f2b8b5"}
+
+#: above this many units ``--png`` draws each micro-batch of a unit as its layers' time summed per kind
+#: (:func:`summary_boxes`): every layer's boxes would be millions of polygons, minutes to draw
+DETAIL_MAX_UNITS = 64
 
 
 def timeline_boxes(result: SimResult) -> tuple[dict[tuple[str, str], list[tuple[float, float, int]]], float]:
@@ -239,14 +244,54 @@ def timeline_boxes(result: SimResult) -> tuple[dict[tuple[str, str], list[tuple[
     return boxes, end + result.allreduce_s
 
 
-def gantt(ax, result: SimResult, title: str, legend: bool = True, xmax_ms: float | None = None) -> float:
+def summary_boxes(result: SimResult) -> tuple[dict[tuple[str, str], list[tuple[float, float, int]]], float]:
+    """:func:`timeline_boxes` at a glance, for large steps: per unit and micro-batch, one box per kind
+    of compute holding its time summed over the micro-batch's layers (attention, then linear), then
+    ``waiting`` for the rest of the micro-batch's layers (exposed communication and waiting for the
+    units it shares groups with), the output head and the gradient all-reduce. Same extent and
+    per-unit micro-batch boundaries as the detailed timeline; no communication lane."""
+    n = len(result.units)
+    L = result.num_layers
+    boxes: dict[tuple[str, str], list[tuple[float, float, int]]] = defaultdict(list)
+    clock = np.zeros(n)
+    for mb in result.timeline or []:
+        per: dict[str, np.ndarray] = defaultdict(lambda: np.zeros(n))
+        for iv in mb.intervals:
+            if iv.lane == "compute":
+                per[iv.cat][iv.unit] += iv.end - iv.start
+        period = mb.unit_period_s or [mb.layer_period_s] * n
+        head = mb.head_s or [0.0] * n
+        for u in range(n):
+            t, end = clock[u], clock[u] + L * period[u]
+            for cat in sorted(per):
+                d = L * float(per[cat][u])
+                if d > 0:
+                    boxes[(cat, "compute")].append((t, t + d, u))
+                    t += d
+            if end > t:
+                boxes[("waiting", "compute")].append((t, end, u))
+            if head[u] > 0:
+                boxes[("head", "compute")].append((end, end + head[u], u))
+            clock[u] = end + head[u]
+    end = float(clock.max()) if n else 0.0
+    if result.allreduce_s > 0:
+        for u in range(n):
+            boxes[("grad all-reduce", "compute")].append((end, end + result.allreduce_s, u))
+    return boxes, end + result.allreduce_s
+
+
+def gantt(ax, result: SimResult, title: str, legend: bool = True, xmax_ms: float | None = None,
+          summary: bool | None = None) -> float:
     """Per-unit Gantt of a whole simulated step (:func:`timeline_boxes`; compute full height, its
-    communication as a thin bar beneath) on ``ax``; returns the drawn extent in ms."""
+    communication as a thin bar beneath) on ``ax``; returns the drawn extent in ms. ``summary``
+    (default: above :data:`DETAIL_MAX_UNITS` units): :func:`summary_boxes` instead."""
     from matplotlib.collections import PolyCollection
     from matplotlib.patches import Patch
 
     n = len(result.units)
-    boxes, extent = timeline_boxes(result)
+    if summary is None:
+        summary = n > DETAIL_MAX_UNITS
+    boxes, extent = summary_boxes(result) if summary else timeline_boxes(result)
     seen = []
     for (cat, lane), spans in boxes.items():
         verts = []
@@ -260,8 +305,8 @@ def gantt(ax, result: SimResult, title: str, legend: bool = True, xmax_ms: float
     ax.set_xlim(0, max(xmax_ms or extent * 1e3, 1e-9))
     ax.set_ylim(n - 0.5, -0.5)
     ax.set_yticks(range(0, n, max(1, n // 32)))
-    ax.set_xlabel(f"time in the step, ms ({result.num_layers} layers per micro-batch, head, gradient all-reduce)",
-                  fontsize=8)
+    ax.set_xlabel(f"time in the step, ms ({result.num_layers} layers per micro-batch"
+                  + (", summed per kind" if summary else "") + ", head, gradient all-reduce)", fontsize=8)
     ax.set_ylabel("unit (data-parallel rank group)")
     ax.set_title(title, fontsize=9)
     handles = [Patch(color=_COLORS.get(c, "#7f7f7f"), label=c) for c in sorted(seen)]
@@ -283,9 +328,12 @@ def draw_png(header: PlanHeader, step: StepPlan, result: SimResult, path: str | 
     n = len(result.units)
     fig_h = min(max(3.5, 0.18 * n + 2.5), 18.0)
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(15, fig_h), gridspec_kw={"width_ratios": [3, 1.2]})
+    summary = n > DETAIL_MAX_UNITS
     gantt(ax, result, f"{header.planner}: step {step.step}, simulated {result.step_time_s * 1e3:,.1f} ms "
                       f"({len(result.timeline or [])} micro-batch(es) x {result.num_layers} layers + head "
-                      f"+ all-reduce)")
+                      f"+ all-reduce)" + (f"\nsummary of {n} units: each micro-batch's layers as their time "
+                                          f"per kind (every layer drawn up to {DETAIL_MAX_UNITS} units)"
+                                          if summary else ""), summary=summary)
     load_heatmap(fig, ax2, result, max(header.cluster.num_nodes, 1))
     fig.tight_layout()
     save_png(fig, path, dpi=110)

@@ -82,3 +82,36 @@ def test_show_png_axis_title_and_heatmap_scale(plan_file, tmp_path, monkeypatch)
     assert "ms" in ax.get_xlabel() and "unit" in ax.get_ylabel()
     assert ax2.images[0].get_clim()[0] == 0.0  # the load scale starts at 0
     assert "spread" in ax2.get_title() and "scale from 0" in ax2.get_title()
+
+
+def test_summary_timeline_keeps_the_truth(plan_file):
+    """The summary drawn for large steps (summary_boxes) has the detailed timeline's extent, each
+    unit's compute by kind and each unit's micro-batch ends: only the layers are merged."""
+    from zeppelin.planner.tools.show import summary_boxes
+
+    reader = PlanReader(plan_file)
+    res = Simulator(context_from_header(reader.header)).simulate_step(reader.step(0), timeline=True)
+    detail, extent = timeline_boxes(res)
+    summ, extent2 = summary_boxes(res)
+    assert extent2 == pytest.approx(extent, rel=1e-12)
+    n = len(res.units)
+
+    def per_kind(boxes):
+        out: dict[str, np.ndarray] = {}
+        for (cat, lane), spans in boxes.items():
+            if lane == "compute" and cat != "waiting":
+                a = out.setdefault(cat, np.zeros(n))
+                for x0, x1, u in spans:
+                    a[u] += x1 - x0
+        return out
+
+    want, got = per_kind(detail), per_kind(summ)
+    assert sorted(want) == sorted(got)
+    for cat in want:
+        assert got[cat] == pytest.approx(want[cat], rel=1e-9)
+    # a unit's boxes tile its time until the all-reduce: compute by kind + waiting + head, no gaps
+    for u in range(n):
+        spans = sorted((x0, x1) for (cat, _), sp in summ.items() if cat != "grad all-reduce"
+                       for x0, x1, v in sp if v == u)
+        assert spans[0][0] == 0.0 and all(a[1] == pytest.approx(b[0], abs=1e-12) for a, b in zip(spans, spans[1:]))
+    assert sum(len(v) for v in summ.values()) < sum(len(v) for v in detail.values()) / 10
