@@ -126,3 +126,35 @@ def test_moe_limits_are_said_where_decisions_are_shown():
     out = CliRunner().invoke(app, ["presets"], env={"COLUMNS": "80"}).output
     assert "qwen3-30b-a3b 128 experts, top-8, 3.35B of 30.53B parameters active per token" in " ".join(out.split())
     assert "planned without expert parallelism, experts evenly loaded" in " ".join(out.split())
+
+
+def test_short_sequences_split_by_a_family_are_explained():
+    """A 4,096-token sequence in a Ulysses group over two nodes and a 70,000-token one on a ring
+    across nodes: --explain's plan lines break "split across nodes" down by group kind and say that a
+    whole-step family split the short one (not a contradiction of the thresholds above it)."""
+    from tests.planner.test_summary import _hand_step
+    from zeppelin.planner.sim.summary import step_summary
+    from zeppelin.planner.tools.explain import plan_against_thresholds
+    from zeppelin.schemas.layout import zigzag_ranges
+    from zeppelin.schemas.plan import Group, Placement, Sequence
+
+    ctx, st = _hand_step("inter")
+    mb = st.microbatches[0]
+    ring = list(range(10, 16)) + [1, 2]  # two units of node 0 and six of node 1
+    groups = [*mb.groups, Group(kind="ring", tier="inter", units=ring)]
+    pls = [*mb.placements, Placement(seq=2, group=2, scheme="zigzag", ranges=zigzag_ranges(70_000, len(ring)))]
+    queues = [q + ([2] if u in ring else []) for u, q in enumerate(mb.queues)]
+    st = st.model_copy(update={"sequences": [*st.sequences, Sequence(sample_id=2, length=70_000)],
+                               "microbatches": [mb.model_copy(update={"groups": groups, "placements": pls,
+                                                                      "queues": queues})]})
+    counts = step_summary(ctx, st)
+    assert counts.by_kind == {("inter", "ulysses"): [1, 4096, 4096], ("inter", "ring"): [1, 70_000, 70_000],
+                              ("local", "local"): [1, 500, 500]}
+    lines = plan_against_thresholds(ctx, counts)
+    text = "\n".join(lines)
+    assert "  units: 16 TP-1 (1 GPU each)" in lines
+    assert "  split across nodes: 2 sequences, 4,096 to 70,000" in lines
+    assert "    in rings: 1, 70,000 to 70,000" in lines
+    assert "    in Ulysses groups (heads split over the group): 1, 4,096 to 4,096" in lines
+    assert "because a step took a whole-step family (Ulysses groups)" in " ".join(text.split())
+    assert all(len(line) <= 80 for line in lines)
