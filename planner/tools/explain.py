@@ -142,7 +142,7 @@ def moe_note(experts: int, top_k: int, width: int = 80) -> list[str]:
                  "parallelism (FSDP shards every expert over the ranks; each rank runs the experts its own "
                  "tokens pick) and with experts evenly loaded (a token costs its top-k experts' FLOPs, each "
                  "expert's GEMMs at an even share of the tokens): skewed routing leaves some experts few "
-                 "tokens, whose small GEMMs run slower than predicted. docs/HF.md, \"Mixture of experts\".",
+                 "tokens, whose small GEMMs run slower than predicted (docs/HF.md).",
                  width=width)
 
 
