@@ -58,8 +58,11 @@ def ring_exposure(ctx: PlanContext, L: int, G: int, tier: str, routed: bool = Tr
 
     st = one_sequence_step(ctx, L, G, tier, routed)
     t = microbatch_terms(ctx, [int(L)], st.microbatches[0], routed)
+    exposed = t.exposed[:G]
+    if ctx.tp > 1:  # the units' TP-SP collectives are no part of the ring
+        exposed = exposed - ctx.model.num_layers * np.asarray(ctx.cost.tp_exposed_comm(t.tokens[:G]))
     att = float(t.attn[:G].max())
-    return float(t.exposed[:G].max()) / att if att > 0 else 0.0
+    return float(exposed.max()) / att if att > 0 else 0.0
 
 
 @dataclass
