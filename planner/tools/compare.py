@@ -203,8 +203,8 @@ def _job(arg: tuple[str, int]) -> tuple[str, int, dict[str, Any]]:
     c1 = time.process_time()
     r = _W["sims"].simulate_step(sp)
     kept = {"plan": sp} if (name, k) in _W.get("keep", ()) else {}
-    return name, k, {**kept, "time": r.step_time_s, "lb": r.lower_bound_s, "exposed": r.exposed_comm_s, "sync": r.allreduce_s,
-                     "latency": lat,
+    return name, k, {**kept, "time": r.step_time_s, "lb": r.lower_bound_s, "exposed": r.exposed_comm_s,
+                     "sync": r.allreduce_s, "latency": lat,
                      "span_nodes": _max_group_nodes(ctx, sp), "layout": _layout(sp),
                      "predicted": sp.prediction.step_time_s if sp.prediction else r.step_time_s,
                      "plan_cpu": plan_cpu, "sim_cpu": time.process_time() - c1}
@@ -581,7 +581,7 @@ def _where(s: dict[str, Any], allreduce_s: float) -> dict[str, float]:
     imbalance = max(step - compute_bound - sync - transfers, 0.0)
     return {"step_s": step, "compute_s": step - sync - transfers - imbalance, "sync_s": sync,
             "exposed_transfers_s": transfers, "imbalance_s": imbalance,
-            "lower_bound_s": s["lower_bound_mean_s"]}
+            "lower_bound_s": s["lower_bound_mean_s"], "sync_beyond_bound_s": max(sync - allreduce_s, 0.0)}
 
 
 def verdict(doc: dict[str, Any], ctx: PlanContext, steps: list[list], baseline: str | None = None) -> dict[str, Any]:
@@ -680,9 +680,10 @@ def verdict_lines(v: dict[str, Any]) -> list[str]:
         width = max(len(n) for n in v["where"])
         for name, w in v["where"].items():
             lost = w["step_s"] - w["lower_bound_s"]
+            parts = {"transfers": w["exposed_transfers_s"], "imbalance": w["imbalance_s"],
+                     "sync": w.get("sync_beyond_bound_s", 0.0)}
             why = ("at the bound" if lost < 0.02 * w["step_s"] else
-                   f"+{lost / w['step_s']:.0%}: "
-                   + ("transfers" if w["exposed_transfers_s"] > w["imbalance_s"] else "imbalance"))
+                   f"+{lost / w['step_s']:.0%}: " + max(parts, key=parts.get))
             lines.append(f"  {name:<{width}}  {_ms(w['step_s'])} = {_ms(w['compute_s'])} + {_ms(w['sync_s'])} + "
                          f"{_ms(w['exposed_transfers_s'])} + {_ms(w['imbalance_s'])}  ({why})")
     m = v.get("memory")

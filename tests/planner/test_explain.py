@@ -31,7 +31,10 @@ def test_thresholds_match_the_simulated_crossover(model):
     seen = set()
     for G, tier, routed in _TIERS:
         x = ring_crossover(ctx, G, tier, routed)
-        ex = lambda L: _simulated_exposure(ctx, sim, int(L), G, tier, routed)  # noqa: E731
+
+        def ex(L, G=G, tier=tier, routed=routed):
+            return _simulated_exposure(ctx, sim, int(L), G, tier, routed)
+
         if x.exposed_from is None:
             assert all(ex(L) <= HIDDEN for L in np.geomspace(2 * G, 1 << 20, 6)), (model, G, tier, routed)
             seen.add("every length")

@@ -5,6 +5,7 @@ reports; the load heat-map's colour scale starts at 0 and its title states the s
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -113,5 +114,5 @@ def test_summary_timeline_keeps_the_truth(plan_file):
     for u in range(n):
         spans = sorted((x0, x1) for (cat, _), sp in summ.items() if cat != "grad all-reduce"
                        for x0, x1, v in sp if v == u)
-        assert spans[0][0] == 0.0 and all(a[1] == pytest.approx(b[0], abs=1e-12) for a, b in zip(spans, spans[1:]))
+        assert spans[0][0] == 0.0 and all(a[1] == pytest.approx(b[0], abs=1e-12) for a, b in itertools.pairwise(spans))
     assert sum(len(v) for v in summ.values()) < sum(len(v) for v in detail.values()) / 10
