@@ -2,9 +2,10 @@
 Qwen2-MoE, Qwen3-MoE) on a plan's layouts: ``--model hf:DIR``.
 
 The model is the ``transformers`` implementation itself (``AutoModelForCausalLM.from_config``),
-built from ``DIR/config.json`` in fp32 master weights; weights come from ``DIR/*.safetensors``
-through ``safetensors`` (never a pickle) or, without weight files, from the config's own
-initialisation under a fixed seed. The runtime's attention is registered with transformers'
+built from ``DIR/config.json`` in fp32 master weights on the meta device (:func:`build_hf_model`);
+once the executor has sharded it, each rank's rows come from ``DIR/*.safetensors`` through
+``safetensors`` (never a pickle) or, without weight files, from the config's own initialisation
+under a fixed seed (:mod:`zeppelin.runtime.weights`). The runtime's attention is registered with transformers'
 attention-function interface under the name ``"zeppelin"`` (:func:`register_attention`, i.e.
 :func:`zeppelin.runtime.api.register_hf_attention`); the micro-batch's attention context travels to
 it as the forward keyword ``zeppelin_context``. So the plan's layouts, remaps and rings are unchanged:

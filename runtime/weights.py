@@ -61,6 +61,10 @@ class _Files:
         self.bytes_read = 0
         self.tensors_read = 0
 
+    def close(self) -> None:
+        """Drop the open files (their mappings); the counts stay."""
+        self.handles, self.where = [], {}
+
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.where[key].get_slice(key).get_shape())
 
@@ -174,6 +178,7 @@ class WeightSources:
                 continue
             if b > a or local.dim() == 0:
                 local.copy_(self.rows(name, a, b).reshape(local.shape))
+        self.files.close()
 
 
 # ---------------------------------------------------------------------------------------------
