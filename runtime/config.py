@@ -207,7 +207,7 @@ class RunConfig:
                                 "(stop) or updates nothing (skip)")
     export: str | None = flag(None, "--export", kind=str, path=True, metavar="DIR",
                               help="after the run, write the model as a Hugging Face directory (config.json + "
-                                   "model.safetensors) that transformers' from_pretrained loads")
+                                   "safetensors files, one per rank) that transformers' from_pretrained loads")
 
     def __post_init__(self) -> None:
         for name in ("plan", "metrics", "checkpoint_dir", "export", "tensorboard"):  # paths are kept as text

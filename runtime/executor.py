@@ -146,6 +146,7 @@ class Executor:
         else:
             self.mesh = None
             fsdp.apply_recompute(model, recompute, self.activations)
+        fsdp.materialize(model, device)  # a model built on the meta device: this rank's rows only
         self.activations.watch_blocks(model)
 
         self.tp_overlap = header.tp_overlap if tp_overlap is None else tp_overlap

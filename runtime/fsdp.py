@@ -182,6 +182,39 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def local_rows(p: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """``(local tensor, first row, end row)``: the rows of dim 0 this rank holds of a parameter
+    (FSDP2 shards dim 0 only; a plain tensor is held whole)."""
+    if not hasattr(p, "to_local"):
+        return p, 0, p.shape[0] if p.dim() else 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    if tuple(shape[1:]) != tuple(p.shape[1:]) or any(offset[1:]):
+        raise RuntimeError(f"a parameter sharded beyond dim 0 ({tuple(p.shape)} -> {tuple(shape)})")
+    return p.to_local(), offset[0], offset[0] + shape[0]
+
+
+def on_meta(model: nn.Module) -> bool:
+    """Whether the model was built on the meta device and still waits for its weights."""
+    return any(p.is_meta for p in model.parameters())
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Storage and weights for a model built on the meta device, once sharded (or not: ``--dp
+    replicate`` and one-process use hold whole parameters): ``to_empty`` on ``device`` allocates
+    this rank's shards only, then ``model.fill_shards`` writes each parameter's rows from its
+    source (weight files or the seeded initialisation), reading no rows another rank holds.
+    A model with real weights is left as it is."""
+    if not on_meta(model):
+        return
+    model.to_empty(device=device)
+    targets = {canonical_name(n): local_rows(p.data if not hasattr(p, "to_local") else p)
+               for n, p in model.named_parameters()}
+    with torch.no_grad():
+        model.fill_shards(targets, device)
+
+
 def full_params_and_grads(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Whole parameters and gradients by canonical name (collective under FSDP)."""
     params, grads = {}, {}

@@ -2,9 +2,10 @@
 Qwen2-MoE, Qwen3-MoE) on a plan's layouts: ``--model hf:DIR``.
 
 The model is the ``transformers`` implementation itself (``AutoModelForCausalLM.from_config``),
-built from ``DIR/config.json`` in fp32 master weights; weights come from ``DIR/*.safetensors``
-through ``safetensors`` (never a pickle) or, without weight files, from the config's own
-initialisation under a fixed seed. The runtime's attention is registered with transformers'
+built from ``DIR/config.json`` in fp32 master weights on the meta device (:func:`build_hf_model`);
+once the executor has sharded it, each rank's rows come from ``DIR/*.safetensors`` through
+``safetensors`` (never a pickle) or, without weight files, from the config's own initialisation
+under a fixed seed (:mod:`zeppelin.runtime.weights`). The runtime's attention is registered with transformers'
 attention-function interface under the name ``"zeppelin"`` (:func:`register_attention`, i.e.
 :func:`zeppelin.runtime.api.register_hf_attention`); the micro-batch's attention context travels to
 it as the forward keyword ``zeppelin_context``. So the plan's layouts, remaps and rings are unchanged:
@@ -49,29 +50,6 @@ def register_attention() -> str:
     from .api import register_hf_attention
 
     return register_hf_attention()
-
-
-def _safetensors_files(d: Path) -> list[Path]:
-    """The weight files (an unusable weight file is an error, not a reason to start from random)."""
-    return hf_weight_files(d)
-
-
-def load_safetensors_state(d: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of ``DIR/*.safetensors`` (sharded checkpoints included), as CPU tensors."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    out: dict[str, torch.Tensor] = {}
-    for f in _safetensors_files(d):
-        try:
-            part = load_file(str(f), device="cpu")
-        except (SafetensorError, OSError, ValueError) as e:
-            raise InputError(f"cannot read safetensors weights ({e.__class__.__name__}: {e})", source=f) from None
-        dup = set(part) & set(out)
-        if dup:
-            raise InputError(f"tensor {sorted(dup)[0]!r} appears in two weight files", source=f)
-        out.update(part)
-    return out
 
 
 class HFCausalLM(nn.Module):
@@ -231,6 +209,31 @@ class HFCausalLM(nn.Module):
         own = torch.sum(slope * (local[E:2 * E] - local[E:2 * E].detach()))
         return self.aux_coef * pred * (self._aux_of(glob[:-1]) / world + own)
 
+    def fill_shards(self, targets: dict[str, tuple[torch.Tensor, int, int]], device) -> None:
+        """Each parameter's rows into its local tensor (:func:`zeppelin.runtime.fsdp.materialize`),
+        from the weight files or the replayed seeded initialisation, then the buffers (RoPE tables,
+        built by transformers' own rotary module: they are in no checkpoint)."""
+        from .weights import WeightSources
+
+        tied = bool(getattr(self.config, "tie_word_embeddings", False))
+        if isinstance(self.weights, WeightSources):
+            self.weights.fill(targets, tied)
+        else:
+            self.weights.fill(self.seed, targets)
+        emb = self.model.embed_tokens.weight
+        if tied and self.lm_head.weight is not emb and not hasattr(emb, "to_local"):
+            self.lm_head.weight = emb  # to_empty untied the whole model's head (FSDP keeps one parameter)
+        for mod in self.modules():
+            own = [k for k, b in mod._buffers.items() if b is not None]
+            if not own:
+                continue
+            if "RotaryEmbedding" not in type(mod).__name__:
+                raise RuntimeError(f"no rule to rebuild the buffers {own} of {type(mod).__name__}")
+            with torch.device("cpu"):
+                fresh = type(mod)(config=mod.config)
+            for k in own:
+                mod._buffers[k] = fresh._buffers[k].to(device)
+
     def reference_copy(self, device: torch.device | str = "cpu") -> HFCausalLM:
         """A new unsharded fp32 model of the same config and spec (transformers' initialisation,
         the global RNG left as it was): the frame a sharded model's whole parameters are copied
@@ -254,63 +257,43 @@ class HFCausalLM(nn.Module):
         return sd
 
 
-def load_hf_model(ref: str, seed: int = 0, device: torch.device | str = "cpu",
-                  spec: ModelSpec | None = None) -> HFCausalLM:
-    """Build the model of ``hf:DIR``: weights from ``DIR/*.safetensors`` when present, otherwise
-    the config's initialisation seeded with ``seed`` (the global RNG is left as it was)."""
+def build_hf_model(ref: str, seed: int = 0, spec: ModelSpec | None = None) -> HFCausalLM:
+    """The model of ``hf:DIR`` on the meta device (no storage): its weights come when
+    :func:`zeppelin.runtime.fsdp.materialize` gives it storage - once sharded, each rank's rows only
+    - from ``DIR/*.safetensors`` when present, otherwise from the config's initialisation seeded
+    with ``seed`` (:mod:`zeppelin.runtime.weights`). The files' tensors are checked here (names,
+    shapes) from their headers."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .weights import WeightSources, record_init
 
     d = hf_dir(ref)
     spec = spec or hf_model_spec(ref)
     name = register_attention()
     config = AutoConfig.from_pretrained(str(d), local_files_only=True)
     config._attn_implementation = name
-    files = _safetensors_files(d)
-    if files and spec.is_moe:
-        # transformers stores experts one by one and holds them fused: its own loader converts
-        # (safetensors only, local files only: nothing is unpickled or fetched)
-        from transformers.utils import logging as hf_logging
-
-        bar = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()
-        try:
-            causal = AutoModelForCausalLM.from_pretrained(str(d), config=config, dtype=torch.float32,
-                                                          use_safetensors=True, local_files_only=True)
-        finally:
-            if bar:
-                hf_logging.enable_progress_bar()
-        causal.train()
-        return HFCausalLM(causal, spec).to(device)
-    if files:  # every weight comes from the files: skip the (slow, large-model) random initialisation
-        from transformers.initialization import no_init_weights
-
-        with no_init_weights():
-            causal = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    else:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            causal = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    files = hf_weight_files(d)
     if files:
-        state = load_safetensors_state(d)
-        state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
-        own = causal.state_dict()
-        tied = bool(getattr(config, "tie_word_embeddings", False))
-        unexpected = sorted(set(state) - set(own))
-        if unexpected:
-            raise InputError(f"weights hold {len(unexpected)} tensors the model does not have "
-                             f"(first: {unexpected[0]!r})", source=d)
-        missing = sorted(set(own) - set(state) - ({"lm_head.weight"} if tied else set()))
-        if missing:
-            raise InputError(f"weights lack {len(missing)} tensors of the model (first: {missing[0]!r})", source=d)
-        for k, v in state.items():
-            if tuple(v.shape) != tuple(own[k].shape):
-                raise InputError(f"tensor {k!r} has shape {tuple(v.shape)}, the config gives "
-                                 f"{tuple(own[k].shape)}", source=d)
-        causal.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=False)
-        if tied:
-            causal.tie_weights()
+        with torch.device("meta"):
+            causal = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        source = WeightSources(d, files, {k: tuple(p.shape) for k, p in causal.named_parameters(remove_duplicate=False)},
+                               bool(getattr(config, "tie_word_embeddings", False)))
+    else:
+        causal, source = record_init(lambda: AutoModelForCausalLM.from_config(config, dtype=torch.float32))
     causal.train()
-    return HFCausalLM(causal, spec).to(device)
+    model = HFCausalLM(causal, spec)
+    model.weights, model.seed = source, seed
+    return model
+
+
+def load_hf_model(ref: str, seed: int = 0, device: torch.device | str = "cpu",
+                  spec: ModelSpec | None = None) -> HFCausalLM:
+    """The whole model of ``hf:DIR`` in one process (:func:`build_hf_model`, then every row)."""
+    from .fsdp import materialize
+
+    model = build_hf_model(ref, seed, spec)
+    materialize(model, torch.device(device))
+    return model
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,75 +353,149 @@ def llama_to_hf_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return out
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model state on CPU on rank 0 (an empty dict on the other ranks of a sharded
-    model): ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` with
-    ``full_state_dict=True, cpu_offload=True``. Collective for an FSDP model: call on every rank."""
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+def _file_tensors(name: str, value: torch.Tensor, mixtral: bool) -> list[tuple[str, torch.Tensor]]:
+    """A parameter as the checkpoint stores it: fused experts one by one (``experts.e.gate_proj``,
+    ``up_proj``, ``down_proj``; Mixtral: ``block_sparse_moe.experts.e.w1``, ``w3``, ``w2``)."""
+    fused = name.endswith((".experts.gate_up_proj", ".experts.down_proj"))
+    if mixtral and (fused or name.endswith(".mlp.gate.weight")):
+        name = name.replace(".mlp.", ".block_sparse_moe.")
+    if not fused:
+        return [(name, value)]
+    pre = name.rsplit(".", 1)[0]
+    names = {"gate": "w1", "up": "w3", "down": "w2"} if mixtral else {p: f"{p}_proj" for p in ("gate", "up", "down")}
+    out = []
+    for e in range(value.shape[0]):
+        if name.endswith("gate_up_proj"):
+            half = value.shape[1] // 2
+            out += [(f"{pre}.{e}.{names['gate']}.weight", value[e, :half]),
+                    (f"{pre}.{e}.{names['up']}.weight", value[e, half:])]
+        else:
+            out.append((f"{pre}.{e}.{names['down']}.weight", value[e]))
+    return out
 
-    if dist.is_initialized():
-        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    else:
-        sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    return {k.replace("_checkpoint_wrapped_module.", ""): v for k, v in sd.items()}
 
+def _export_config(model: nn.Module, spec: ModelSpec, dtype: torch.dtype):
+    import copy
 
-def export_model(model: nn.Module, spec: ModelSpec, out_dir: str | Path,
-                 state: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write a Hugging Face model directory (``config.json`` + consolidated ``model.safetensors``)
-    that ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)`` loads.
-
-    ``model``: an :class:`HFCausalLM` (its own config) or the runtime's Llama (a ``LlamaConfig``
-    from its ModelSpec, parameters renamed); ``state``: its full state dict when gathered from a
-    sharded model (:func:`full_state_dict`). Weights are written in the ModelSpec's dtype. The
-    directory is written under a temporary name next to ``out_dir`` and renamed into place; an
-    existing non-empty ``out_dir`` is refused."""
-    import os
-    import shutil
-    import tempfile
-
-    from transformers import AutoModelForCausalLM
-
-    out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise InputError("export directory exists and is not empty", source=out)
-    sd = state if state is not None else full_state_dict(model)
-    if isinstance(model, HFCausalLM):
-        import copy
-
-        config = copy.deepcopy(model.config)
-    else:
-        config = llama_config(spec)
-        sd = llama_to_hf_names(sd)
-    dtype = _TORCH_DTYPES[spec.dtype]
+    config = copy.deepcopy(model.config) if isinstance(model, HFCausalLM) else llama_config(spec)
     config._attn_implementation = "eager"
     config.dtype = dtype
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name[:40]}.", dir=out.parent))  # any legal name leaves room
-    try:
-        with torch.device("meta"):
-            shell = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        tied = bool(getattr(config, "tie_word_embeddings", False))
-        if tied:
-            sd = {k: v for k, v in sd.items() if k != "lm_head.weight"}
-        own = {k for k in shell.state_dict() if not (tied and k == "lm_head.weight")}
-        if set(sd) != own:
-            diff = sorted(set(sd) ^ own)
-            raise RuntimeError(f"export: the model's tensors differ from transformers' ({diff[0]!r})")
-        shell.load_state_dict({k: v.detach().to("cpu", dtype) for k, v in sd.items()}, strict=False, assign=True)
-        if tied:
-            shell.tie_weights()
-        for name, buf in list(shell.named_buffers()):  # non-persistent buffers (RoPE tables): rebuilt on load
-            if buf.is_meta:
-                mod, _, leaf = name.rpartition(".")
-                shell.get_submodule(mod).register_buffer(leaf, torch.zeros(buf.shape, dtype=buf.dtype),
-                                                         persistent=False)
-        shell.save_pretrained(str(tmp), safe_serialization=True)
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return config
+
+
+def _export_names(model: nn.Module) -> list[tuple[str, str, torch.Tensor]]:
+    """``(transformers name, canonical name, parameter)`` of every parameter to write (a tied LM
+    head once, under the embedding)."""
+    from .fsdp import canonical_name
+
+    params = [(canonical_name(n), p) for n, p in model.named_parameters()]
+    if isinstance(model, HFCausalLM):
+        tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        return [(n, n, p) for n, p in params if not (tied and n == "lm_head.weight")]
+    hf = llama_to_hf_names({n: n for n, _ in params})
+    own = dict(params)
+    return [(k, v, own[v]) for k, v in hf.items()]
+
+
+def _owners(items: list[tuple[str, str, torch.Tensor]], world: int) -> list[int]:
+    """The rank writing each parameter: the least loaded so far, by bytes (the same on every rank)."""
+    load = [0] * world
+    out = []
+    for _, _, p in items:
+        r = min(range(world), key=lambda i: (load[i], i))
+        load[r] += p.numel()
+        out.append(r)
     return out
+
+
+def _export_target(out: Path, rank: int, world: int) -> Path:
+    """Rank 0 checks ``out`` and makes the temporary directory next to it; every rank learns it."""
+    import tempfile
+
+    box: list = [None]
+    if rank == 0:
+        try:
+            if out.exists() and (not out.is_dir() or any(out.iterdir())):
+                raise InputError("export directory exists and is not empty", source=out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            box = [str(tempfile.mkdtemp(prefix=f".{out.name[:40]}.", dir=out.parent))]
+        except InputError as e:
+            box = [e]
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], InputError):
+        raise box[0]
+    return Path(box[0])
+
+
+def export_model(model: nn.Module, spec: ModelSpec, out_dir: str | Path) -> Path | None:
+    """Write a Hugging Face model directory (``config.json``, safetensors weights, their index)
+    that ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)`` loads; collective under
+    FSDP (call on every rank). No rank gathers the model: each parameter is all-gathered in turn
+    and kept by one rank (the least loaded), and each rank writes its own file of whole tensors,
+    so a rank holds about 1/N of the model. ``model``: an :class:`HFCausalLM` (its own config) or
+    the runtime's Llama (a ``LlamaConfig`` from its ModelSpec, parameters renamed); weights in the
+    ModelSpec's dtype. Written under a temporary name next to ``out_dir`` and renamed into place
+    by rank 0 (the directory is on a file system every rank sees); an existing non-empty
+    ``out_dir`` is refused. Returns the directory on rank 0, None on the others."""
+    import os
+    import shutil
+
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from .fsdp import full_tensor
+
+    on = dist.is_initialized() and dist.get_world_size() > 1
+    rank, world = (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
+    out = Path(out_dir)
+    tmp = _export_target(out, rank, world)
+    dtype = _TORCH_DTYPES[spec.dtype]
+    config = _export_config(model, spec, dtype)
+    mixtral = getattr(config, "model_type", "") == "mixtral"
+    items = _export_names(model)
+    owners = _owners(items, world)
+    writers = sorted(set(owners))
+    files = {r: ("model.safetensors" if len(writers) == 1 else
+                 f"model-{i + 1:05d}-of-{len(writers):05d}.safetensors") for i, r in enumerate(writers)}
+    try:
+        mine, weight_map, total = {}, {}, 0
+        for (name, _, p), owner in zip(items, owners):
+            whole = full_tensor(p.detach())  # collective for a sharded parameter
+            for key, v in _file_tensors(name, whole, mixtral):
+                weight_map[key] = files[owner]
+                total += v.numel() * dtype.itemsize
+                if owner == rank:
+                    mine[key] = v.to("cpu", dtype).contiguous()
+            del whole
+        if mine:
+            save_file(mine, str(tmp / files[rank]), metadata={"format": "pt"})
+        del mine
+        if rank == 0:
+            _write_export_config(tmp, config, weight_map, total, len(writers))
+        if on:
+            dist.barrier()
+        if rank == 0:
+            if out.exists():
+                out.rmdir()
+            os.replace(tmp, out)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out if rank == 0 else None
+
+
+def _write_export_config(tmp: Path, config, weight_map: dict[str, str], total: int, n_files: int) -> None:
+    """``config.json``, ``generation_config.json`` and, for several weight files, their index."""
+    import json
+
+    from transformers import GenerationConfig
+
+    config.save_pretrained(str(tmp))
+    GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
+    if n_files > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

@@ -24,6 +24,8 @@ dtype (weights cast on use) and norms, RoPE tables, softmax statistics and the l
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 import time
 from typing import Any
@@ -440,29 +442,50 @@ class Block(nn.Module):
 class LlamaModel(nn.Module):
     """Decoder-only transformer from a :class:`ModelSpec` (Llama: RMSNorm, RoPE, GQA, SwiGLU)."""
 
-    def __init__(self, spec: ModelSpec, seed: int = 0) -> None:
+    def __init__(self, spec: ModelSpec, seed: int = 0, meta: bool = False) -> None:
+        """``meta``: parameters on the meta device (no storage, no values) until
+        :func:`zeppelin.runtime.fsdp.materialize` gives each rank its shards of the seeded values."""
         super().__init__()
         self.spec = spec
         self.dtype = compute_dtype(spec)
-        self.embed = nn.Parameter(torch.empty(spec.vocab_size, spec.hidden))
-        self.layers = nn.ModuleList(Block(spec) for _ in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden, spec.norm_eps)
-        self.lm_head = None if spec.tie_embeddings else nn.Parameter(torch.empty(spec.vocab_size, spec.hidden))
-        self.reset_parameters(seed)
+        self.seed = seed
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            self.embed = nn.Parameter(torch.empty(spec.vocab_size, spec.hidden))
+            self.layers = nn.ModuleList(Block(spec) for _ in range(spec.num_layers))
+            self.norm = RMSNorm(spec.hidden, spec.norm_eps)
+            self.lm_head = None if spec.tie_embeddings else nn.Parameter(torch.empty(spec.vocab_size, spec.hidden))
+        #: the parameters in the order the seeded initialisation draws them
+        self.init_order = [(n, tuple(p.shape)) for n, p in self.named_parameters()]
+        if not meta:
+            self.reset_parameters(seed)
 
-    @torch.no_grad()
-    def reset_parameters(self, seed: int) -> None:
-        """Deterministic init from ``seed`` (independent of the global RNG): N(0, 0.02) for
-        matrices, output projections scaled by 1/sqrt(2*layers), ones for norms."""
+    def _seeded_values(self, seed: int):
+        """``(name, whole value)`` of every parameter in turn, one tensor alive at a time: N(0, 0.02)
+        for matrices, output projections scaled by 1/sqrt(2*layers), ones for norms (drawing nothing)."""
         g = torch.Generator(device="cpu").manual_seed(seed)
         std = 0.02
         out_std = std / math.sqrt(2 * self.spec.num_layers)
-        for name, p in self.named_parameters():
+        for name, shape in self.init_order:
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
+                yield name, torch.ones(shape)
             else:
                 s = out_std if name.endswith(("wo", "w2")) else std
-                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * s)
+                yield name, torch.randn(shape, generator=g, dtype=torch.float32) * s
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        """Deterministic init from ``seed`` (independent of the global RNG)."""
+        params = dict(self.named_parameters())
+        for name, value in self._seeded_values(seed):
+            params[name].copy_(value)
+
+    @torch.no_grad()
+    def fill_shards(self, targets: dict[str, tuple[torch.Tensor, int, int]], device) -> None:
+        """Each parameter's rows ``[a, b)`` of the seeded values into its local tensor (the values of
+        :meth:`reset_parameters`, each whole tensor drawn in turn and dropped)."""
+        for name, value in self._seeded_values(self.seed):
+            local, a, b = targets[name]
+            local.copy_(value[a:b])
 
     def hidden_states(self, tokens: torch.Tensor, layout: Layout, timer: PhaseTimer | None = None) -> torch.Tensor:
         """Final-norm hidden states ``[T, hidden]`` of the linear-layout ``tokens``."""

@@ -138,15 +138,16 @@ def prepare(cfg: RunConfig, rank: int, world: int, device: torch.device, reader:
 
 
 def build_model(ref: str | None, header: PlanHeader, seed: int, device: torch.device):
-    """The model a job trains: the transformers model of ``hf:DIR`` (:mod:`zeppelin.runtime.hf`)
-    or the runtime's own Llama built from the plan's ModelSpec."""
+    """The model a job trains, on the meta device (the executor shards it, then each rank fills its
+    own rows: :func:`zeppelin.runtime.fsdp.materialize`): the transformers model of ``hf:DIR``
+    (:mod:`zeppelin.runtime.hf`) or the runtime's own Llama built from the plan's ModelSpec."""
     from zeppelin.schemas.hf import is_hf_ref
 
     if is_hf_ref(ref):
-        from ..hf import load_hf_model
+        from ..hf import build_hf_model
 
-        return load_hf_model(ref, seed=seed, device=device, spec=header.model)
-    return LlamaModel(header.model, seed=seed).to(device)
+        return build_hf_model(ref, seed=seed, spec=header.model)
+    return LlamaModel(header.model, seed=seed, meta=True)
 
 
 def random_init_note(ref: str | None, seed: int) -> str | None:

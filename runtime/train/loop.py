@@ -154,12 +154,10 @@ def finish(job: Job) -> dict[str, Any]:
     any tears its groups down, the lock released; rank 0's summary (``{}`` elsewhere)."""
     exported = None
     if job.cfg.export:
-        from ..hf import export_model, full_state_dict
+        from ..hf import export_model
 
-        state_full = full_state_dict(job.ex.model)
-        if job.rank == 0:
-            exported = str(export_model(job.ex.model, job.header.model, job.cfg.export, state=state_full))
-        del state_full
+        done = export_model(job.ex.model, job.header.model, job.cfg.export)  # each rank writes its share
+        exported = str(done) if done is not None else None
     dist.barrier()
     job.ckpt.release()
     if job.rank != 0:

@@ -198,13 +198,13 @@ def _hf_step(rank: int, world: int, header_json: str, step_json: str, ref: str, 
     from zeppelin.runtime.executor import Executor
     from zeppelin.runtime.fsdp import full_params_and_grads
     from zeppelin.runtime.groups import GroupCache, set_default_cache
-    from zeppelin.runtime.hf import load_hf_model
+    from zeppelin.runtime.hf import build_hf_model
 
     header = PlanHeader.model_validate_json(header_json)
     step = StepPlan.model_validate_json(step_json)
     cache = GroupCache(world, header=header, steps=[step])
     set_default_cache(cache)
-    model = load_hf_model(ref, seed=0, spec=header.model)
+    model = build_hf_model(ref, seed=0, spec=header.model)  # on the meta device: the executor fills each rank's rows
     ex = Executor(header, model, TokenSource(header.model.vocab_size, header.seed), rank=rank, world_size=world,
                   device=torch.device("cpu"), groups=cache, dp=dp, zero_stage=zero_stage)
     res = ex.forward_backward(step)

@@ -1,0 +1,125 @@
+"""Peak host memory of a rank that loads a real-size Hugging Face model sharded: a Llama of about
+0.57 B parameters (hidden 1024, 32 layers, FFN 4096, 16 heads / 8 KV heads, vocab 32,000) with
+random weights written as safetensors (several files), on 4 CPU ranks at ZeRO-3.
+
+Each rank builds the model on the meta device, shards it (FSDP2), reads only its rows of the files
+(:mod:`zeppelin.runtime.weights`), runs one planned step (forward, backward, AdamW) and reports its
+RSS high-water mark (VmHWM: the whole process, torch's import included), the bytes it read and
+held, and the step's loss. The bound each rank must stay under is the memory model's prediction for
+its step (the plan's ``memory_gb``: sharded weights, gradients, AdamW moments, whole blocks and
+activations) + 25% of the model's fp32 size + 1 GB for the process itself. The whole-model loader
+this replaces held the fp32 model and a copy of the checkpoint in every rank: at least 2 x 4 P bytes.
+Prints one JSON object::
+
+    .venv/bin/python benchmarks/bench_sharded_load.py            # the 0.57 B model (needs ~16 GB)
+    .venv/bin/python benchmarks/bench_sharded_load.py --layers 2 # a quick check of the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ZEPPELIN = str(Path(sys.executable).parent / "zeppelin")
+
+
+def write_llama(path: Path, layers: int, per_file: int = 4) -> int:
+    """A Llama directory with random weights (N(0, 0.02), ones for norms) in several safetensors
+    files, one tensor generated at a time; returns the parameter count."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=layers,
+                      num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096,
+                      tie_word_embeddings=False)
+    path.mkdir(parents=True)
+    cfg.save_pretrained(str(path))
+    with torch.device("meta"):
+        shapes = {k: tuple(p.shape) for k, p in AutoModelForCausalLM.from_config(cfg).named_parameters()}
+    g = torch.Generator().manual_seed(0)
+    groups: dict[str, list[str]] = {}
+    for k in shapes:
+        i = int(k.split(".")[2]) // per_file if k.startswith("model.layers.") else -1
+        groups.setdefault(f"{i + 1}", []).append(k)
+    weight_map = {}
+    for n, (gname, keys) in enumerate(sorted(groups.items(), key=lambda kv: int(kv[0]))):
+        fname = f"model-{n + 1:05d}-of-{len(groups):05d}.safetensors"
+        part = {k: (torch.ones(shapes[k]) if k.endswith("norm.weight") else
+                    torch.randn(shapes[k], generator=g) * 0.02) for k in keys}
+        save_file(part, str(path / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in keys})
+        del part
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return sum(int(torch.Size(s).numel()) for s in shapes.values())
+
+
+def rank_step(rank: int, world: int, plan: str, ref: str) -> dict:
+    import torch
+
+    from zeppelin.runtime.data import TokenSource
+    from zeppelin.runtime.executor import Executor
+    from zeppelin.runtime.fsdp import local_tensor
+    from zeppelin.runtime.groups import GroupCache, set_default_cache
+    from zeppelin.runtime.hf import build_hf_model
+    from zeppelin.runtime.memory import cpu_peak_bytes
+    from zeppelin.schemas.plan import PlanReader
+
+    reader = PlanReader(plan)
+    header, step = reader.header, reader.step(0)
+    cache = GroupCache(world, header=header, steps=[step])
+    set_default_cache(cache)
+    t0 = time.time()
+    model = build_hf_model(ref, spec=header.model)
+    ex = Executor(header, model, TokenSource(header.model.vocab_size, header.seed), rank=rank, world_size=world,
+                  device=torch.device("cpu"), groups=cache, zero_stage=3)
+    t_load = time.time() - t0
+    loaded_peak = cpu_peak_bytes()
+    res = ex.forward_backward(step)
+    ex.optimizer.step()
+    return {"rank": rank, "load_s": round(t_load, 1), "step_s": round(time.time() - t0 - t_load, 1),
+            "peak_rss_after_load_bytes": loaded_peak, "peak_rss_bytes": cpu_peak_bytes(),
+            "bytes_read": model.weights.bytes_read, "tensors_read": model.weights.tensors_read,
+            "held_param_bytes": sum(local_tensor(p.detach()).numel() * 4 for p in model.parameters()),
+            "loss": res.loss, "predicted_bytes": int(step.prediction.per_unit.memory_gb[0] * 1e9)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--label", default="")
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from tests.support.dist_pool import run_distributed
+
+    with tempfile.TemporaryDirectory(prefix="zeppelin-sharded-") as tmp:
+        d = Path(tmp)
+        params = write_llama(d / "llama", args.layers)
+        ref = f"hf:{d / 'llama'}"
+        man = d / "m.jsonl"
+        man.write_text("".join(json.dumps({"length": n}) + "\n" for n in [64, 32, 16, 16] * 8))
+        plan = d / "p.plan"
+        subprocess.run([ZEPPELIN, "plan", "-m", str(man), "-c", "local-cpu:1x4", "--model", ref, "--steps", "1",
+                        "--tokens-per-step", "256", "--zero-stage", "3", "-q", "-o", str(plan)], check=True)
+        outs = run_distributed(rank_step, 4, str(plan), ref, timeout=1800)
+    fp32 = 4 * params
+    for o in outs:
+        o["bound_bytes"] = o["predicted_bytes"] + int(0.25 * fp32) + (1 << 30)
+        o["within_bound"] = o["peak_rss_bytes"] <= o["bound_bytes"]
+    print(json.dumps({"bench": "sharded_load", "label": args.label, "ranks": 4, "params": params,
+                      "fp32_model_bytes": fp32, "whole_model_loader_bytes_at_least": 2 * fp32,
+                      "cpus": os.cpu_count(), "load_avg_1min": os.getloadavg()[0],
+                      "all_within_bound": all(o["within_bound"] for o in outs),
+                      "same_loss_on_every_rank": len({o["loss"] for o in outs}) == 1, "ranks_detail": outs},
+                     indent=1))
+
+
+if __name__ == "__main__":
+    main()
