@@ -145,6 +145,36 @@ class MemoryCosts:
         return as_array(tokens) + as_array(ulysses_tokens) * extra
 
     @cached_property
+    def remap_split(self) -> tuple[float, float]:
+        """Bytes per token (``linear``, ``attention``) of a remapped micro-batch: what a token
+        costs in its linear layout and in its attention layout (their sum, a rank holding the
+        same tokens in both, is :attr:`activation_bytes_per_token` plus the int64 position each
+        layer's exchange orders rows by). With ``hidden`` payloads the attention layout holds
+        each layer's attention parts and the moved input of the Q/K/V projections (``c h``; the
+        norm's output in the linear layout is then kept by nothing); with ``qkv`` payloads the
+        attention parts, while the linear layout keeps the moved-back attention output the output
+        projection needs (``c q``). Inside a recomputed block (``full``) one layer counts."""
+        m, c = self.model, self.compute_bytes
+        attn = self.layer_attention_bytes()
+        if m.remap_payload == "qkv":
+            att, lin_extra = attn, c * m.q_dim
+        else:
+            att, lin_extra = attn + c * m.hidden, -c * m.hidden
+        layers = 1 if self.recompute == "full" else m.num_layers
+        total = self.activation_bytes_per_token
+        return total - layers * (attn - lin_extra) / self.tp, layers * (att + 8.0) / self.tp
+
+    def layer_attention_bytes(self) -> float:
+        """The attention part of one layer's activations per token (:meth:`layer_activation_parts`)."""
+        return self.layer_activation_parts()["attention"]
+
+    def remap_tokens(self, attention_tokens, linear_tokens) -> np.ndarray:
+        """Token-equivalents of a remapped micro-batch for :meth:`memory_bytes`: ``linear_tokens``
+        and ``attention_tokens`` held in the two layouts, each at its :attr:`remap_split` cost."""
+        lin, att = self.remap_split
+        return (as_array(linear_tokens) * lin + as_array(attention_tokens) * att) / self.activation_bytes_per_token
+
+    @cached_property
     def activation_bytes_per_token(self) -> float:
         """Activation memory per token held, all layers: what the forward keeps plus what one
         recomputation holds in the backward (:attr:`activation_split`)."""

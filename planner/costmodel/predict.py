@@ -340,10 +340,13 @@ def _ulysses_held_tokens(mb: MicroBatch, n: int) -> np.ndarray | None:
 
 
 def layout_memory_tokens(cost, mb: MicroBatch, held: np.ndarray, lin_held: np.ndarray) -> np.ndarray:
-    """Per unit: the token-equivalents its memory holds in the micro-batch (the larger of the
-    attention layout, Ulysses members' extra copies counted, and the linear layout)."""
+    """Per unit: the token-equivalents its memory holds in the micro-batch: its attention-layout
+    tokens (Ulysses members' extra copies counted), or with a remap both layouts' tokens, each at
+    its share of a token's bytes (:attr:`CostModel.remap_split`)."""
     uly = _ulysses_held_tokens(mb, len(held))
     att = held if uly is None else cost.layout_tokens(held, uly)
+    if mb.linear_layout is not None:  # each layout holds its own part of every layer
+        return cost.remap_tokens(att, lin_held)
     return np.maximum(att, lin_held)
 
 
