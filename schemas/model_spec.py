@@ -157,6 +157,11 @@ class ModelSpec(Doc):
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def tp_splits_heads(self, tp: int) -> bool:
+        """Whether a tensor-parallel degree ``tp`` splits both the query and the key/value heads
+        evenly (the only degrees the runtime shards the attention projections over)."""
+        return tp >= 1 and self.num_heads % tp == 0 and self.num_kv_heads % tp == 0
+
     def remap_widths(self) -> tuple[int, int]:
         """Values per token the remap moves (to the attention layout, back to the linear layout)."""
         if self.remap_payload == "qkv":

@@ -50,7 +50,7 @@ def step_problem(header, step, hf: bool | None = None) -> str | None:
             continue
         if not runs_tp:
             return f"step {step.step}: replica {u} has tp={rep.tp}; {HF_TP_REASON}"
-        if model.num_heads % rep.tp or model.num_kv_heads % rep.tp:
+        if not model.tp_splits_heads(rep.tp):
             return (f"step {step.step}: replica {u} has tp={rep.tp}, which does not divide the model's "
                     f"{model.num_heads} query and {model.num_kv_heads} key/value heads")
     return None

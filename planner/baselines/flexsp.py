@@ -354,7 +354,8 @@ class FlexSP(Planner):
 
     def plan_step(self, ctx: PlanContext, step: int, sequences: list[Sequence]) -> StepPlan:
         t = Timer()
-        cap = check_capacity(ctx, self.name)
+        check_capacity(ctx, self.name)
+        cap = ctx.cost.ulysses_token_capacity  # every group is a Ulysses group: its extra copies count
         o = self.opts
         limits = SolveLimits(nodes=MILP_NODES if o.milp_nodes is None else o.milp_nodes,
                              iterations=o.milp_iterations, gap_rel=o.gap, wall_s=o.time_limit)
@@ -386,7 +387,7 @@ class FlexSP(Planner):
         slowest group, as if micro-batches were separated by barriers), and the homogeneous
         whole-step configurations, which are in FlexSP's solution space (every micro-batch with the
         same groups) and are its warm start."""
-        n, cap = ctx.num_units, ctx.cost.token_capacity
+        n, cap = ctx.num_units, ctx.cost.ulysses_token_capacity
         lengths = [s.length for s in sequences]
         homog = []
         for s in sizes:

@@ -201,11 +201,12 @@ class Hydraulis(Planner):
     def _degrees(self, ctx: PlanContext) -> list[int]:
         want = sorted(set(self.opts.tp_degrees))
         raw = ",".join(map(str, want))
-        heads = ctx.model.num_heads
-        out = [t for t in want if t >= 1 and ctx.cluster.gpus_per_node % t == 0 and heads % t == 0]
+        md = ctx.model
+        out = [t for t in want if t >= 1 and ctx.cluster.gpus_per_node % t == 0 and md.tp_splits_heads(t)]
         if not out:
-            raise PlanningError(f"hydraulis: none of tp_degrees={raw!r} divides both the {ctx.cluster.gpus_per_node} "
-                                f"GPUs per node and the {heads} heads")
+            raise PlanningError(f"hydraulis: none of tp_degrees={raw!r} divides the {ctx.cluster.gpus_per_node} "
+                                f"GPUs per node, the {md.num_heads} query and the {md.num_kv_heads} "
+                                f"key/value heads")
         return out
 
     def plan_step(self, ctx: PlanContext, step: int, sequences: list[Sequence]) -> StepPlan:

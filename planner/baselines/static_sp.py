@@ -64,6 +64,8 @@ class _StaticSP(Planner):
         D = n // G
         padded = [cp_padded(s.length, G) if self.pad else s.length for s in sequences]
         per_rank = [ceil_div(p, G) for p in padded]  # tokens the fullest ring position holds
+        if self.kind == "ulysses" and G > 1:
+            cap = min(cap, ctx.cost.ulysses_token_capacity)
         if max(per_rank) > cap:
             return None
         owner = lpt(padded, D)  # token-balanced share of the step per DP replica

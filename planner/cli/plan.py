@@ -144,6 +144,9 @@ def _context_and_planner(cfg: PlanConfig):
         raise PlanningError(f"--tp {cfg.tp} does not divide the {cl.gpus_per_node} GPUs per node of {cl.name}")
     if cfg.tp > 1 and not model_runs_tp(md):
         raise PlanningError(f"--tp {cfg.tp}: {HF_TP_REASON} (plan with --tp 1)")
+    if not md.tp_splits_heads(cfg.tp):
+        raise PlanningError(f"--tp {cfg.tp} does not divide the model's {md.num_heads} query and "
+                            f"{md.num_kv_heads} key/value heads")
     ctx = cfg.context(cl, md, pf)
     return ctx, _planner(cfg.planner, cfg.planner_options(cfg.planner))
 

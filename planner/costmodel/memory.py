@@ -49,17 +49,40 @@ class MemoryCosts:
         The residual stream, RoPE rotations by constant tables and the casts keep nothing."""
         m, c = self.model, self.compute_bytes
         mlp = (4 if m.mlp == "swiglu" else 2) * c * m.mlp_ffn_params(active=True)
-        if m.is_moe:  # the router's fp32 logits and probabilities, the token's copy per expert it runs
-            mlp += 8 * m.num_experts + c * m.hidden * m.experts_per_token
+        if m.is_moe:
+            mlp += self.moe_routing_bytes_per_token()
         attn = c * (2 * m.q_dim + 2 * m.kv_dim) + 4.0 * m.num_heads
-        if m.qk_norm:  # the normed queries and keys beside their inputs
-            attn += c * (m.q_dim + m.kv_dim)
+        if m.qk_norm:
+            attn += self.qk_norm_bytes_per_token()
         parts = {"norms": 2 * self.norm_bytes_per_token(), "attention": attn, "mlp": float(mlp)}
         measured = self.profile.activation_bytes_per_token_layer
         if measured:  # a whole-layer figure: keep the analytic split
             scale = measured / sum(parts.values())
             parts = {k: v * scale for k, v in parts.items()}
         return parts
+
+    def qk_norm_bytes_per_token(self) -> float:
+        """What the per-head RMSNorms of queries and keys (Qwen3) keep per token of one layer:
+        each keeps its input in fp32 (``4`` per channel: the cast, or the input itself in fp32),
+        its normalised rows cast to ``c`` (the weight's product needs them) and its inverse RMS
+        per head: ``(4 + c)(q + kv) + 4 (heads + kv heads)``. The rotary embedding and the
+        attention keep their own outputs (counted with the attention)."""
+        m, c = self.model, self.compute_bytes
+        return (4.0 + c) * (m.q_dim + m.kv_dim) + 4.0 * (m.num_heads + m.num_kv_heads)
+
+    def moe_routing_bytes_per_token(self) -> float:
+        """What a mixture-of-experts layer keeps per token beyond its experts' MLP parts: the
+        router's fp32 logits and probabilities (``8 E``), the normalised top-k weights and their
+        sum (``4 k + 4``), and for each of the ``k`` experts the token runs: its copy of the
+        token (``c h``, the experts' input), the expert's output (``c h``, kept for the product
+        with the routing weight), that weight (``c``) and the int64 positions the dispatch and
+        the combine index with (``24``). A shared expert adds its output and its fp32 gate
+        (``c h + 4``)."""
+        m, c, k = self.model, self.compute_bytes, self.model.experts_per_token
+        out = 8.0 * m.num_experts + 4.0 * k + 4.0 + k * (2.0 * c * m.hidden + c + 24.0)
+        if m.shared_expert_ffn_hidden:
+            out += c * m.hidden + 4.0
+        return out
 
     def head_activation_bytes(self) -> float:
         """Per token, once per model: the final norm, the fp32 log-softmax of the logits
@@ -98,6 +121,58 @@ class MemoryCosts:
         else:
             raise ValueError(f"unknown recompute mode {self.recompute!r} (none, selective, full)")
         return act / tp, rec / tp
+
+    @cached_property
+    def ulysses_extra_split(self) -> tuple[float, float]:
+        """Bytes per token a Ulysses group member holds beyond a local layout's, split as
+        :attr:`activation_split` (``activations``, ``recompute``). Per layer the all-to-alls
+        leave two more ``c q``-wide tensors alive: the attention's output in the head layout (its
+        own backward keeps it) beside its copy in the sequence layout (the output projection
+        keeps that), and the head-layout query beside the sequence-layout query the rotary
+        embedding made; plus the int64 permutations that order the group's rows (``16``). Inside
+        a recomputed block (``full``) only the layer being recomputed holds them."""
+        m, c = self.model, self.compute_bytes
+        per_layer = (2.0 * c * m.q_dim + 16.0) / self.tp
+        if self.recompute == "full":
+            return 0.0, per_layer
+        return m.num_layers * per_layer, 0.0
+
+    def layout_tokens(self, tokens, ulysses_tokens) -> np.ndarray:
+        """Token-equivalents of an attention layout for :meth:`memory_bytes`: ``tokens`` held,
+        ``ulysses_tokens`` of them in Ulysses groups (each counted with
+        :attr:`ulysses_extra_split` on top)."""
+        extra = sum(self.ulysses_extra_split) / self.activation_bytes_per_token
+        return as_array(tokens) + as_array(ulysses_tokens) * extra
+
+    @cached_property
+    def remap_split(self) -> tuple[float, float]:
+        """Bytes per token (``linear``, ``attention``) of a remapped micro-batch: what a token
+        costs in its linear layout and in its attention layout (their sum, a rank holding the
+        same tokens in both, is :attr:`activation_bytes_per_token` plus the int64 position each
+        layer's exchange orders rows by). With ``hidden`` payloads the attention layout holds
+        each layer's attention parts and the moved input of the Q/K/V projections (``c h``; the
+        norm's output in the linear layout is then kept by nothing); with ``qkv`` payloads the
+        attention parts, while the linear layout keeps the moved-back attention output the output
+        projection needs (``c q``). Inside a recomputed block (``full``) one layer counts."""
+        m, c = self.model, self.compute_bytes
+        attn = self.layer_attention_bytes()
+        if m.remap_payload == "qkv":
+            att, lin_extra = attn, c * m.q_dim
+        else:
+            att, lin_extra = attn + c * m.hidden, -c * m.hidden
+        layers = 1 if self.recompute == "full" else m.num_layers
+        total = self.activation_bytes_per_token
+        return total - layers * (attn - lin_extra) / self.tp, layers * (att + 8.0) / self.tp
+
+    def layer_attention_bytes(self) -> float:
+        """The attention part of one layer's activations per token (:meth:`layer_activation_parts`)."""
+        return self.layer_activation_parts()["attention"]
+
+    def remap_tokens(self, attention_tokens, linear_tokens) -> np.ndarray:
+        """Token-equivalents of a remapped micro-batch for :meth:`memory_bytes`: ``linear_tokens``
+        and ``attention_tokens`` held in the two layouts, each at its :attr:`remap_split` cost."""
+        lin, att = self.remap_split
+        return (as_array(linear_tokens) * lin + as_array(attention_tokens) * att) / self.activation_bytes_per_token
 
     @cached_property
     def activation_bytes_per_token(self) -> float:
@@ -167,6 +242,13 @@ class MemoryCosts:
         """Tokens one GPU (unit member) can hold for activations after model states."""
         free = self.gpu_capacity_bytes - self.model_state_bytes()
         return max(int(free / self.activation_bytes_per_token), 0)
+
+    @cached_property
+    def ulysses_token_capacity(self) -> int:
+        """Tokens one member of a Ulysses group (two or more units) can hold: each also holds
+        :attr:`ulysses_extra_split`."""
+        free = self.gpu_capacity_bytes - self.model_state_bytes()
+        return max(int(free / (self.activation_bytes_per_token + sum(self.ulysses_extra_split))), 0)
 
     def memory_bytes(self, tokens_held) -> np.ndarray:
         """Predicted peak bytes of one GPU holding ``tokens_held`` tokens (all components)."""

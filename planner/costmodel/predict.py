@@ -324,6 +324,32 @@ def _held_tokens(mb: MicroBatch, n: int) -> np.ndarray:
     return held
 
 
+def _ulysses_held_tokens(mb: MicroBatch, n: int) -> np.ndarray | None:
+    """Per unit: the tokens it holds in Ulysses groups of two or more units (None: the
+    micro-batch has none)."""
+    groups = mb.groups
+    if not any(g.kind == "ulysses" and len(g.units) > 1 for g in groups):
+        return None
+    held = np.zeros(n)
+    for p in mb.placements:
+        g = groups[p.group]
+        if g.kind == "ulysses" and len(g.units) > 1:
+            for u, rs in zip(g.units, p.ranges):
+                held[u] += ranges_tokens(rs)
+    return held
+
+
+def layout_memory_tokens(cost, mb: MicroBatch, held: np.ndarray, lin_held: np.ndarray) -> np.ndarray:
+    """Per unit: the token-equivalents its memory holds in the micro-batch: its attention-layout
+    tokens (Ulysses members' extra copies counted), or with a remap both layouts' tokens, each at
+    its share of a token's bytes (:attr:`CostModel.remap_split`)."""
+    uly = _ulysses_held_tokens(mb, len(held))
+    att = held if uly is None else cost.layout_tokens(held, uly)
+    if mb.linear_layout is not None:  # each layout holds its own part of every layer
+        return cost.remap_tokens(att, lin_held)
+    return np.maximum(att, lin_held)
+
+
 def _ring_terms(cost, mb: MicroBatch, ga: _GroupArrays, inter_round: dict[int, float], nic_floor: dict[int, float],
                 t_att: np.ndarray, t_comm: np.ndarray, t_exp: np.ndarray) -> None:
     """Fills the ring groups' attention, communication and exposed time per layer."""
@@ -460,7 +486,7 @@ def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool
     labels = coupled_components(n, links)
     coupled = component_max(labels, attn + lin - head + exposed) + head
     return MBTerms(attn=attn, lin=lin, comm=comm, exposed=exposed,
-                   tokens=lin_held.astype(np.int64), mem_tokens=np.maximum(held, lin_held),
+                   tokens=lin_held.astype(np.int64), mem_tokens=layout_memory_tokens(cost, mb, held, lin_held),
                    nic_routed=nic_loads(ctx, mb, routed=True), nic_unrouted=nic_loads(ctx, mb, routed=False),
                    coupled=coupled)
 

@@ -62,20 +62,26 @@ def memory_problems(ctx: PlanContext, step: StepPlan, mbi: int, mb: MicroBatch) 
     costs = [ctx.cost] * ctx.num_units if reps is None else [ctx.cost_for(r.tp) for r in reps]
     n = len(costs)
     att = [0] * n
+    uly = [0] * n  # of them, tokens in Ulysses groups of two or more units (their extra copies count)
     for p in mb.placements:
         if not 0 <= p.group < len(mb.groups):
             continue
-        units = mb.groups[p.group].units
+        g = mb.groups[p.group]
+        units = g.units
         for pos, rs in enumerate(p.ranges):
             if pos < len(units) and 0 <= units[pos] < n:
-                att[units[pos]] += sum(max(e - s, 0) for s, e in rs)
+                t = sum(max(e - s, 0) for s, e in rs)
+                att[units[pos]] += t
+                if g.kind == "ulysses" and len(units) > 1:
+                    uly[units[pos]] += t
     lin = att if mb.linear_layout is None else [sum(max(e - s, 0) for _, s, e in segs) for segs in mb.linear_layout]
     probs = []
     for what, held in (("attention", att), ("linear", lin)):
         for u, t in enumerate(held):
             cm = costs[u] if u < n else ctx.cost
             cap = cm.token_capacity
-            if t > cap:
+            extra = what == "attention" and uly[u] and t > cm.ulysses_token_capacity
+            if t > cap or (extra and float(cm.layout_tokens(t, uly[u])) >= cap + 1):
                 gb = float(cm.memory_bytes(t)) / 1e9
                 probs.append(f"memory: step {step.step} microbatch {mbi} unit {u} holds {t:,} tokens in the {what} "
                              f"layout, more than the {cap:,} its memory allows ({gb:.1f} GB > "

@@ -171,7 +171,7 @@ def _replica_degrees(ctx: PlanContext) -> list[int]:
     if not model_runs_tp(ctx.model):
         return [ctx.tp]
     return [d for d in pow2_sizes(cl.gpus_per_node) if d >= ctx.tp and d % ctx.tp == 0
-            and cl.gpus_per_node % d == 0 and ctx.model.num_heads % d == 0]
+            and cl.gpus_per_node % d == 0 and ctx.model.tp_splits_heads(d)]
 
 
 def replicas_hold(ctx: PlanContext, length: int) -> bool:

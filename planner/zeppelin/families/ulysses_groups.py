@@ -88,7 +88,7 @@ def _group_prices(ctx: PlanContext, L: np.ndarray):
         slope = token_slope(ctx, cm, T_avg, s, link)
         cost[s] = ctx.model.num_layers * cm.ulysses_attn_time(Lf, s) + slope * Lf / s
         need[s] = ceil_div(L, s)
-        fits[s] = need[s] <= cm.token_capacity
+        fits[s] = need[s] <= (cm.ulysses_token_capacity if s > 1 else cm.token_capacity)
     return sizes, cost, fits, need
 
 
@@ -107,7 +107,8 @@ def _build(ctx: PlanContext, step: int, sequences: list[Sequence], cost, need, c
         members.setdefault(key, []).append(i)
     for key in sorted(members):
         t = key[0]
-        for k, bin_ in enumerate(pack_bins(members[key], need[t], cost[t], ctx.cost.token_capacity)):
+        cap = ctx.cost.ulysses_token_capacity if t > 1 else ctx.cost.token_capacity
+        for k, bin_ in enumerate(pack_bins(members[key], need[t], cost[t], cap)):
             for i in sorted(bin_, key=lambda i: (-sequences[i].length, i)):
                 b.place(k, "ulysses" if t > 1 else "local", blocks[key], i)
     desc = " + ".join(f"{cfg[t]} x sp={t}" for t in sorted(cfg, reverse=True))
