@@ -103,6 +103,12 @@ def plan_rank_sets(header: PlanHeader | None, steps: Iterable[StepPlan] = (),
                     if all(0 <= u < len(reps) for u in g.units):
                         for rs in _per_tp_index(g.units, reps):
                             add(rs)
+                elif g.kind == "usp" and g.shape is not None and g.shape[0] >= 2:
+                    u = g.shape[0]  # the all-to-all of each row
+                    for i in range(0, len(g.units), u):
+                        if all(0 <= x < len(reps) for x in g.units[i:i + u]):
+                            for rs in _per_tp_index(g.units[i:i + u], reps):
+                                add(rs)
     return list(sets)
 
 
