@@ -59,6 +59,10 @@ class _StaticSP(Planner):
     def _limit_note(self, ctx: PlanContext) -> str:
         return ""
 
+    def group_size(self, ctx: PlanContext, G: int) -> int:
+        """Units of one group at size option ``G`` (the CP / SP size itself here)."""
+        return G
+
     def build(self, ctx: PlanContext, sequences: list[Sequence], G: int, cap: int) -> StepBuilder | None:
         n = ctx.num_units
         D = n // G
@@ -94,7 +98,8 @@ class _StaticSP(Planner):
             if b is None:
                 continue
             plan = b.finish(step, SolverInfo(name="greedy"),
-                            notes={self.option: G, "dp": ctx.num_units // G, "microbatches": b.num_microbatches})
+                            notes={self.option: G, "dp": ctx.num_units // self.group_size(ctx, G),
+                                   "microbatches": b.num_microbatches})
             tried[str(G)] = plan.prediction.step_time_s
             if best is None or plan.prediction.step_time_s < best.prediction.step_time_s:
                 best = plan
