@@ -177,8 +177,8 @@ def render_usp_cells(ucells: list[dict], args) -> list[str]:
     names = list(ucells[0]["mean_s"]) if ucells else []
     out = ["## Sequence parallelism past the KV heads", "",
            "Beside the grid: models with few KV heads (Llama-3-8B and Qwen3-8B: 32 query / 8 KV heads; "
-           "Qwen2.5-3B: 16 / 2) on the `long` mix, where some sequences must be split across nodes (4 steps "
-           "each, the grid's sampling, tp=1). Mean simulated step time in seconds per family: rings only "
+           "Qwen2.5-3B: 16 / 2) on the `long` mix, where some sequences must be split across nodes "
+           f"({args.steps} steps each, the grid's sampling, tp=1). Mean simulated step time in seconds per family: rings only "
            "(`te-cp-tuned`; zeppelin with rings only), Ulysses up to the KV heads (static Ulysses, the best SP "
            "degree <= KV heads), Ulysses with K/V heads replicated (degrees up to the query heads), the `usp` "
            "baseline (long-context-attention's USP: Ulysses inside a node x a ring over nodes, one shape for "

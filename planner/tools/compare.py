@@ -558,6 +558,7 @@ BASELINE_SYSTEMS = {
     "megatron-dcp": "Megatron dynamic CP",
     "flexsp": "FlexSP",
     "hydraulis": "Hydraulis",
+    "usp": "long-context-attention USP (Ulysses x ring)",
 }
 
 
