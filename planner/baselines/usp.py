@@ -12,12 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zeppelin.planner.baselines.common import StepBuilder, ceil_div, cp_padded, ffd, lpt, pow2_sizes
+from zeppelin.planner.baselines.common import pow2_sizes
 from zeppelin.planner.baselines.static_sp import _StaticSP
 from zeppelin.planner.core.base import PlanContext, PlanningError, register
 from zeppelin.planner.core.options import PlannerOptions, option
 from zeppelin.schemas.invariants import kv_replication
-from zeppelin.schemas.plan import Sequence
 
 
 @dataclass(frozen=True)
@@ -55,21 +54,5 @@ class USP(_StaticSP):
     def group_size(self, ctx: PlanContext, G: int) -> int:
         return self.degree(ctx) * G
 
-    def build(self, ctx: PlanContext, sequences: list[Sequence], G: int, cap: int) -> StepBuilder | None:
-        u, r = self.degree(ctx), G
-        size = u * r
-        D = ctx.num_units // size
-        padded = [cp_padded(s.length, size) for s in sequences]
-        per_rank = [ceil_div(p, size) for p in padded]
-        if max(per_rank) > cap:
-            return None
-        owner = lpt(padded, D)
-        b = StepBuilder(ctx, sequences, self.name)
-        for d in range(D):
-            units = list(range(d * size, (d + 1) * size))
-            mine = [i for i in range(len(sequences)) if owner[i] == d]
-            for k, bin_ in enumerate(ffd(mine, per_rank, cap)):
-                for i in bin_:
-                    b.place(k, "usp" if r > 1 or u > 1 else "local", units, i, shape=(u, r),
-                            padded_length=padded[i] if padded[i] != sequences[i].length else None)
-        return b
+    def shape(self, ctx: PlanContext, G: int) -> tuple[int, int]:
+        return self.degree(ctx), G
