@@ -17,7 +17,8 @@ What is pre-created (GPU ranks; "unit" = data-parallel replica of ``tp`` ranks, 
 * the tensor-parallel group of every replica (uniform ``header.tp``, and every ``replicas`` list of
   the steps given — Hydraulis plans mix TP degrees);
 * the unit groups of ``ulysses`` / ``allgather`` groups of the steps given that are not aligned
-  blocks (expanded per TP index as above);
+  blocks, and the rows of their ``usp`` groups (each row's all-to-all), expanded per TP index as
+  above;
 * any ``extra`` rank lists the caller adds (e.g. gradient-synchronisation groups).
 
 Group identity is the *set* of ranks (torch orders a group's ranks ascending); a single rank has
