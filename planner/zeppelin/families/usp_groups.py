@@ -1,8 +1,8 @@
 """Candidate family ``usp-groups``: 2-D sequence parallelism (Ulysses x ring, ``usp`` groups) for
 the sequences long enough to be split across nodes.
 
-A sequence too long for one node's units - by memory, or because alone on a node it takes longer
-than the step's average load per unit - must cross nodes. A ring over its units sends all of its
+A sequence too long for one node's units - by memory, or because alone on a node it takes more than
+half the step's average load per unit - must cross nodes. A ring over its units sends all of its
 K/V through the NICs; a Ulysses group cannot grow past the heads (nor, without replication, past
 the KV heads); a usp group of ``u x r`` runs Ulysses over ``u`` units inside a node and a ring over
 ``r`` such rows, so only ``1/u`` of the K/V (one KV head where ``u`` exceeds them) crosses the NICs
@@ -127,9 +127,14 @@ def _slope(ctx: PlanContext, T: float, u: int) -> float:
     return (f(T) - f(T / 2)) / (T / 2)
 
 
+#: a sequence is long when on its best group inside a node it alone takes more than this share of
+#: the step's average load per unit (a node's units then have little room left for the rest)
+LONG_SHARE = 0.5
+
+
 def _has_long(L: np.ndarray, small: list[int], cost, fits, n: int) -> bool:
     """Whether some sequence must cross nodes: it fits no group inside a node, or on its best one
-    it alone takes longer than the step's average load per unit."""
+    it alone takes more than :data:`LONG_SHARE` of the step's average load per unit."""
     best = np.full(len(L), np.inf)
     area = np.full(len(L), np.inf)
     for s in small:
@@ -137,7 +142,7 @@ def _has_long(L: np.ndarray, small: list[int], cost, fits, n: int) -> bool:
         best, area = np.minimum(best, c), np.minimum(area, s * c)
     if not np.isfinite(best).all():
         return True
-    return bool(best.max() > area.sum() / n)
+    return bool(best.max() > LONG_SHARE * area.sum() / n)
 
 
 def _build(ctx: PlanContext, step: int, sequences: list[Sequence], shape, cost, need, cfg, owner):
