@@ -39,6 +39,11 @@ TABLE_MIXES = MIXES + sorted({c[2] for c in LONG_TAIL_CELLS})
 #: (cluster key, model, tensor-parallel degree, ZeRO stage, mix, GPUs); each is also planned by
 #: zeppelin blind to what sets the model apart (the window; the active experts) and simulated as it is
 MODEL_CELLS = [("A", "mistral-7b", 1, 1, "long", 32), ("A", "qwen3-30b-a3b", 1, 3, "mixed", 32)]
+#: beside the grid: models with few KV heads on the long mix, where sequences must cross nodes, as
+#: (cluster key, model, GPUs): the sequence-parallel families side by side (:func:`run_usp_cell`)
+USP_CELLS = [("A", m, g) for m in ("llama3-8b", "qwen3-8b", "qwen2.5-3b") for g in (32, 64)]
+#: the zeppelin families without usp groups (the best plan without them)
+FAMILIES_BEFORE_USP = "ulysses-groups,flop-share,tp-replicas,wide-rings"
 PLANNERS = ["te-cp", "te-cp-tuned", "llama3-cp", "ulysses", "hybrid-dp", "megatron-dcp", "flexsp", "hydraulis", "packed-dp",
             "zeppelin", "zeppelin-no-routing", "zeppelin-no-remap"]
 
@@ -114,6 +119,85 @@ def run_model_cell(cluster: str, model: str, tp: int, zero_stage: int, mix: str,
     except InputError as e:
         doc["zeppelin_blind_error"] = str(e)
     return doc
+
+
+def _usp_variants(ctx) -> dict[str, list[tuple[str, dict]]]:
+    """The families a :data:`USP_CELLS` cell compares, each as the planner runs it chooses from:
+    rings only; Ulysses up to the KV heads; Ulysses with K/V replication (up to the query heads);
+    the usp baseline; zeppelin without usp groups; zeppelin."""
+    from zeppelin.planner.baselines.static_sp import Ulysses
+    from zeppelin.planner.core.base import get_planner
+
+    sizes = Ulysses.sizes(get_planner("ulysses"), ctx)
+    kv = max(1, ctx.model.num_kv_heads // ctx.tp)
+    return {"te-cp-tuned": [("te-cp-tuned", {})],
+            "ulysses <= kv": [("ulysses", {"sp": g}) for g in sizes if g <= kv],
+            "ulysses + replication": [("ulysses", {})],
+            "usp": [("usp", {})],
+            "zeppelin rings only": [("zeppelin", {"families": "none", "intra": "ring"})],
+            "zeppelin without usp": [("zeppelin", {"families": FAMILIES_BEFORE_USP})],
+            "zeppelin": [("zeppelin", {})]}
+
+
+def run_usp_cell(cluster: str, model: str, gpus: int, args) -> dict:
+    """A :data:`USP_CELLS` cell: every variant of :func:`_usp_variants` plans the cell's steps (a
+    variant of several runs keeps, per cell, the run of the lowest mean simulated step time), every
+    plan simulated; and where zeppelin's plans put usp groups (their shapes)."""
+    from zeppelin.planner.core.base import get_planner
+    from zeppelin.planner.sim.simulate import Simulator
+    from zeppelin.schemas.common import InputError
+
+    ctx, _, steps = cell_steps(cluster, model, 1, "long", gpus, args)
+    sim = Simulator(ctx)
+    doc: dict = {"cluster": cluster, "model": model, "gpus": gpus, "mix": "long", "steps": args.steps,
+                 "kv_heads": ctx.model.num_kv_heads, "heads": ctx.model.num_heads, "mean_s": {}}
+    for name, runs in _usp_variants(ctx).items():
+        best = None
+        for planner, opts in runs:
+            try:
+                plans = [get_planner(planner, **opts).plan_step(ctx, k, seqs) for k, seqs in enumerate(steps)]
+            except InputError:
+                continue
+            t = float(np.mean([sim.simulate_step(p).step_time_s for p in plans]))
+            if best is None or t < best[0]:
+                best = (t, plans)
+        doc["mean_s"][name] = None if best is None else best[0]
+        if name == "zeppelin" and best is not None:
+            shapes = sorted({f"{g.shape[0]}x{g.shape[1]}" for p in best[1] for mb in p.microbatches
+                             for g in mb.groups if g.kind == "usp"})
+            doc["usp_steps"] = sum(any(g.kind == "usp" for mb in p.microbatches for g in mb.groups)
+                                   for p in best[1])
+            doc["usp_shapes"] = shapes
+    return doc
+
+
+def render_usp_cells(ucells: list[dict], args) -> list[str]:
+    """The section of the page on :data:`USP_CELLS`: the families side by side, where usp groups are
+    chosen and what they gain over the best plan without them."""
+    names = list(ucells[0]["mean_s"]) if ucells else []
+    out = ["## Sequence parallelism past the KV heads", "",
+           "Beside the grid: models with few KV heads (Llama-3-8B and Qwen3-8B: 32 query / 8 KV heads; "
+           "Qwen2.5-3B: 16 / 2) on the `long` mix, where some sequences must be split across nodes "
+           f"({args.steps} steps each, the grid's sampling, tp=1). Mean simulated step time in seconds per family: rings only "
+           "(`te-cp-tuned`; zeppelin with rings only), Ulysses up to the KV heads (static Ulysses, the best SP "
+           "degree <= KV heads), Ulysses with K/V heads replicated (degrees up to the query heads), the `usp` "
+           "baseline (long-context-attention's USP: Ulysses inside a node x a ring over nodes, one shape for "
+           "every sequence), zeppelin without usp groups, and zeppelin, which chooses usp shapes u x r per "
+           "step beside its other layouts. \"gain\": zeppelin over zeppelin without usp groups; \"vs usp\": "
+           "zeppelin over the `usp` baseline.", "",
+           "| model | GPUs | " + " | ".join(names) + " | usp in steps (shapes) | gain | vs usp |",
+           "|---|---:|" + "---:|" * len(names) + "---|---:|---:|"]
+    for c in ucells:
+        m = c["mean_s"]
+        cells = [f"{m[n]:.2f}" if m[n] is not None else "fail" for n in names]
+        gain = m["zeppelin without usp"] / m["zeppelin"] if m.get("zeppelin") and m.get("zeppelin without usp") else None
+        vs = m["usp"] / m["zeppelin"] if m.get("zeppelin") and m.get("usp") else None
+        where = f"{c.get('usp_steps', 0)} of {c['steps']} ({', '.join(c.get('usp_shapes', [])) or '-'})"
+        out.append(f"| {c['model']} | {c['gpus']} | " + " | ".join(cells) + f" | {where} | "
+                   + (f"{gain:.3f}x" if gain else "-") + " | " + (f"{vs:.3f}x" if vs else "-") + " |")
+    out += ["", f"Command: `.venv/bin/python benchmarks/bench_compare.py --usp-cells-only` ({args.machine}; "
+            f"code at `{args.code}`)."]
+    return out
 
 
 def render_model_cells(mcells: list[dict], args) -> list[str]:
@@ -586,6 +670,10 @@ def main(argv=None) -> None:
                     help="of MODEL_CELLS' models, those to run (empty: none)")
     ap.add_argument("--model-cells-only", action="store_true",
                     help="run only --model-cells and print their section of the page (writes nothing)")
+    ap.add_argument("--usp-cells", default=",".join(sorted({c[1] for c in USP_CELLS})),
+                    help="of USP_CELLS' models, those to run (empty: none)")
+    ap.add_argument("--usp-cells-only", action="store_true",
+                    help="run only --usp-cells and print their section of the page (writes nothing)")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "docs", help="RESULTS.md, results.json and img/ go here")
     ap.add_argument("--from-json", type=Path, default=None,
                     help="re-render the page and charts from a previous run's results.json (no planning)")
@@ -612,6 +700,15 @@ def main(argv=None) -> None:
     todo += [(CLUSTERS[k], model, mix, g) for k, model, mix, g in LONG_TAIL_CELLS
              if CLUSTERS[k] in cls and model in models and mix in mixes and g in gpus]
     mtodo = [c for c in MODEL_CELLS if c[1] in args.model_cells.split(",")]
+    utodo = [c for c in USP_CELLS if c[1] in args.usp_cells.split(",")]
+    if args.usp_cells_only:
+        ucells = []
+        for k, model, g in utodo:
+            ucells.append(run_usp_cell(CLUSTERS[k], model, g, args))
+            print(f"[{time.perf_counter() - t0:6.0f} s] {model} {g} GPUs: {ucells[-1]['mean_s']}", file=sys.stderr,
+                  flush=True)
+        print("\n".join(render_usp_cells(ucells, args)))
+        return
     if args.model_cells_only:
         mcells = [run_model_cell(CLUSTERS[k], model, tp, zs, mix, g, args) for k, model, tp, zs, mix, g in mtodo]
         print("\n".join(render_model_cells(mcells, args)))

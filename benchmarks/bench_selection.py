@@ -15,7 +15,9 @@ truth"):
 Cells: the RESULTS grid (``benchmarks/bench_compare.py``: clusters A and C x LLaMA-7B tp 1 /
 LLaMA-13B tp 2 x the short / mixed / long mixes x 16 / 32 / 64 / 128 GPUs, 4 steps each) and
 slow-network long-tail cells (``zeppelin-a:8``, LLaMA-13B, ZeRO-3, 512K-token steps: the mixed and
-long mixes, and steps of several 131,072-token sequences among short ones). Every exception is
+long mixes, and steps of several 131,072-token sequences among short ones) and the usp cells
+(models with few KV heads, the long mix on 32 and 64 GPUs, where usp groups are candidates and
+the ``usp`` baseline's plans are judged too). Every exception is
 listed with the terms of both models (``--detail``: every candidate).
 """
 
@@ -53,6 +55,19 @@ def longtail_cells(steps: int = 4) -> list[dict]:
         out.append({"name": f"A8 llama-13b tp{tp} tail 512K", "cluster": "zeppelin-a:8", "model": "llama-13b",
                     "tp": tp, "zero": 3, "mix": "tail", "tokens": 524288, "steps": steps})
     return out
+
+
+#: models with few KV heads for the usp cells: Llama-3-8B and Qwen3-8B (8), Qwen2.5-3B (2)
+USP_MODELS = ("llama3-8b", "qwen3-8b", "qwen2.5-3b")
+
+
+def usp_cells(steps: int = 4) -> list[dict]:
+    """Cells where sequences must cross nodes and usp groups are candidates: the long mix on 32 and
+    64 GPUs of cluster A for models with few KV heads. Beside the Zeppelin planner's candidates,
+    the ``usp`` baseline's plan of each step is judged too (its fixed u x r groups)."""
+    return [{"name": f"A {m} long {g}", "cluster": f"zeppelin-a:{g // 8}", "model": m, "tp": 1, "zero": 1,
+             "mix": "long", "tokens": 16384 * g, "steps": steps, "extra": ["usp"]}
+            for m in USP_MODELS for g in (32, 64)]
 
 
 def tail_steps(tokens: int, steps: int, seed: int = 0) -> list[list]:
@@ -130,6 +145,10 @@ def run_cell(cell: dict, detail: bool = False, seed: int = 0) -> dict:
         except InputError as e:  # no layout holds the step (the cell reports why; no statistic counts it)
             out["unplannable"] = f"step {k}: {e}"
             break
+        for name in cell.get("extra", ()):  # other planners' plans, judged like the candidates
+            from zeppelin.planner.core.base import get_planner
+
+            built.append(get_planner(name).plan_step(ctx, k, seqs))
         rows = []
         for plan in built:
             r = sim.simulate_step(plan)
@@ -158,7 +177,7 @@ def run_cell(cell: dict, detail: bool = False, seed: int = 0) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cells", default="grid,longtail", help="grid, longtail or both (comma list)")
+    ap.add_argument("--cells", default="grid,longtail,usp", help="grid, longtail, usp (comma list)")
     ap.add_argument("--steps", type=int, default=4, help="steps per cell")
     ap.add_argument("--only", default="", help="only the cells whose name contains this text")
     ap.add_argument("--detail", action="store_true", help="list every candidate, not only the exceptions")
@@ -168,6 +187,8 @@ def main(argv=None) -> None:
         cells += grid_cells(args.steps)
     if "longtail" in args.cells:
         cells += longtail_cells(args.steps)
+    if "usp" in args.cells:
+        cells += usp_cells(args.steps)
     cells = [c for c in cells if args.only in c["name"]]
     t0 = time.perf_counter()
     res = []

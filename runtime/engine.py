@@ -11,7 +11,9 @@ ranges in listed order):
   schedule — K/V blocks pass around the group, partial results merge by log-sum-exp) through
   :func:`zeppelin.runtime.attn.ring.ring_forward` / ``ring_backward``;
 * ``local`` groups: one-rank rings (whole sequences, no communication);
-* ``ulysses`` groups: delegated to :func:`zeppelin.runtime.attn.ulysses.ulysses_attention`.
+* ``ulysses`` groups: delegated to :func:`zeppelin.runtime.attn.ulysses.ulysses_attention`;
+* ``usp`` groups (Ulysses rows x a ring across them): delegated to
+  :func:`zeppelin.runtime.attn.usp.usp_attention`.
 
 Communication-free work (sequences of one-rank groups) fills the waits: while a ring exchange is
 still in flight, the engine runs queued local sequences — all of them as ONE varlen kernel call
@@ -42,6 +44,7 @@ from .attn.local import LocalPack
 from .attn.ring import RingSpec, ring_backward, ring_forward, ring_relay_backward, ring_relay_forward
 from .attn.schedule import PHASES, Schedule, compile_schedule
 from .attn.transport import Transport
+from .attn.usp import UspSpec
 
 __all__ = ["PHASES", "AttentionEngine", "local_sequences"]
 
@@ -49,7 +52,7 @@ __all__ = ["PHASES", "AttentionEngine", "local_sequences"]
 @dataclass
 class _Item:
     group: int
-    kind: str  # "ring" (ring/allgather/local) | "relay" | "ulysses"
+    kind: str  # "ring" (ring/allgather/local) | "relay" | "ulysses" | "usp"
     spec: object
     row0: int  # rows of this group in the attention buffer (members only)
     row1: int
@@ -100,7 +103,7 @@ class AttentionEngine:
                 f"{self.rows} attention rows, got q/k/v with {q.shape[0]}/{k.shape[0]}/{v.shape[0]}"
             )
         ring_items = [it for it in self.items if it.kind in ("ring", "relay")]
-        uly_items = [it for it in self.items if it.kind == "ulysses"]
+        uly_items = [it for it in self.items if it.kind in ("ulysses", "usp")]
         if not uly_items:
             return _EngineFunction.apply(q, k, v, self, ring_items)
         # Ulysses groups (collectives on their own process groups, autograd through ulysses.py);
@@ -112,6 +115,9 @@ class AttentionEngine:
         if ring_items:
             pieces.append((-1, _EngineFunction.apply(q, k, v, self, ring_items)))
         for it in uly_items:
+            if it.kind == "usp":
+                pieces.append((it.group, self._usp(it, q, k, v)))
+                continue
             pg = self.groups.get(it.spec.ranks) if self.groups is not None else None
             o = ulysses_attention(
                 q[it.row0 : it.row1],
@@ -134,10 +140,22 @@ class AttentionEngine:
             out = out.index_copy(0, idx, torch.cat(vals, 0))
         return out
 
+    def _usp(self, it: _Item, q, k, v) -> torch.Tensor:
+        from .attn.usp import usp_attention
+
+        row = it.spec.row.ranks
+        pg = self.groups.get(row) if self.groups is not None and len(row) > 1 else None
+        return usp_attention(q[it.row0:it.row1], k[it.row0:it.row1], v[it.row0:it.row1], it.spec, group=pg,
+                             transport=it.transport, scale=self.scale)
+
 
 def _windowed(spec, window: int | None):
-    """A ring spec with the layers' window (Ulysses specs carry none: the engine passes it)."""
-    if window is None or not isinstance(spec, RingSpec):
+    """A ring or usp spec with the layers' window (Ulysses specs carry none: the engine passes it)."""
+    if window is None:
+        return spec
+    if isinstance(spec, UspSpec):
+        return UspSpec(ranks=spec.ranks, shape=spec.shape, pos=spec.pos, seqs=spec.seqs, window=window)
+    if not isinstance(spec, RingSpec):
         return spec
     return RingSpec(ranks=spec.ranks, pos=spec.pos, seqs=spec.seqs, window=window)
 

@@ -17,7 +17,8 @@ What is pre-created (GPU ranks; "unit" = data-parallel replica of ``tp`` ranks, 
 * the tensor-parallel group of every replica (uniform ``header.tp``, and every ``replicas`` list of
   the steps given — Hydraulis plans mix TP degrees);
 * the unit groups of ``ulysses`` / ``allgather`` groups of the steps given that are not aligned
-  blocks (expanded per TP index as above);
+  blocks, and the rows of their ``usp`` groups (each row's all-to-all), expanded per TP index as
+  above;
 * any ``extra`` rank lists the caller adds (e.g. gradient-synchronisation groups).
 
 Group identity is the *set* of ranks (torch orders a group's ranks ascending); a single rank has
@@ -103,6 +104,12 @@ def plan_rank_sets(header: PlanHeader | None, steps: Iterable[StepPlan] = (),
                     if all(0 <= u < len(reps) for u in g.units):
                         for rs in _per_tp_index(g.units, reps):
                             add(rs)
+                elif g.kind == "usp" and g.shape is not None and g.shape[0] >= 2:
+                    u = g.shape[0]  # the all-to-all of each row
+                    for i in range(0, len(g.units), u):
+                        if all(0 <= x < len(reps) for x in g.units[i:i + u]):
+                            for rs in _per_tp_index(g.units[i:i + u], reps):
+                                add(rs)
     return list(sets)
 
 

@@ -14,7 +14,11 @@ empty: the step satisfies it) with a name, in :data:`INVARIANTS`, in the order t
                  the queues is acyclic, so no two units wait on each other in opposite orders (what
                  makes a run free of deadlocks).
 * ``kinds``      (:func:`kind_family_problems`) a unit runs one family of attention groups per
-                 micro-batch: Ulysses groups, or rings / all-gathers (local work goes with either).
+                 micro-batch: Ulysses and usp groups, or rings / all-gathers (local work goes with
+                 either).
+* ``heads``      (:func:`head_problems`) a usp group's rows split the query heads of a unit evenly
+                 (u divides them), and a stated ``kv_replication`` is the number of row positions
+                 each KV head lands on (u / KV heads of a unit when u exceeds them, else 1).
 * ``tp``         (:func:`tp_problems`) an attention group joins units of one tensor-parallel
                  degree, and so do the proxies relaying its transfers.
 * ``routes``     (:func:`step_route_problems`) every node-crossing transfer of an inter-node ring
@@ -37,7 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .layout import ranges_tokens, zigzag_ranges
+from .layout import ranges_tokens, usp_ranges, zigzag_ranges
 
 if TYPE_CHECKING:  # pragma: no cover
     from .cluster import ClusterSpec
@@ -47,7 +51,9 @@ __all__ = [
     "INVARIANTS",
     "RUNTIME_INVARIANTS",
     "Invariant",
+    "head_problems",
     "inter_ring_transfers",
+    "kv_replication",
     "kind_family_problems",
     "plan_problems",
     "ring_edges",
@@ -255,8 +261,15 @@ def zigzag_problems(step: StepPlan, mbi: int, mb: MicroBatch) -> list[str]:
     for p in mb.placements:
         if p.scheme != "zigzag":
             continue
-        G = len(mb.groups[p.group].units)
-        want = zigzag_ranges(p.padded_length or step.sequences[p.seq].length, G)
+        g = mb.groups[p.group]
+        G = len(g.units)
+        L = p.padded_length or step.sequences[p.seq].length
+        if g.kind == "usp" and g.shape is not None:
+            if [[list(r) for r in rs] for rs in p.ranges] != usp_ranges(L, g.shape[0], g.shape[1]):
+                probs.append(f"{_where(step, mbi)}: sequence {p.seq} is not cut into 2r={2 * g.shape[1]} zigzag "
+                             f"chunks split over the {g.shape[0]} positions of each row of usp group {p.group}")
+            continue
+        want = zigzag_ranges(L, G)
         if [[list(r) for r in rs] for rs in p.ranges] != want:
             probs.append(f"{_where(step, mbi)}: sequence {p.seq} is not cut into 2G={2 * G} zigzag chunks in ring "
                          f"order of group {p.group} (position i must hold chunks i and 2G-1-i)")
@@ -304,9 +317,45 @@ def kind_family_problems(header: PlanHeader, step: StepPlan) -> list[str]:
     for mbi, mb in enumerate(step.microbatches):
         for u, q in enumerate(mb.queues):
             kinds = {mb.groups[g].kind for g in q}
-            if "ulysses" in kinds and kinds & {"ring", "allgather"}:
+            if kinds & {"ulysses", "usp"} and kinds & {"ring", "allgather"}:
                 probs.append(f"{_where(step, mbi)}: unit {u} runs Ulysses and ring groups in one micro-batch "
                              "(the runtime runs one family per unit: Ulysses, or rings/all-gathers)")
+    return probs
+
+
+def kv_replication(num_heads: int, num_kv_heads: int, tp: int, u: int) -> int | None:
+    """Row positions each KV head lands on when a Ulysses row of ``u`` units splits the heads of a
+    unit of tensor-parallel degree ``tp`` (1: no replication); None when ``u`` does not split the
+    unit's query heads evenly or exceeds its KV heads by no whole factor."""
+    hq, hkv = num_heads // tp, max(1, num_kv_heads // tp)
+    if u < 1 or hq % u:
+        return None
+    if u <= hkv:
+        return 1
+    return u // hkv if u % hkv == 0 else None
+
+
+def head_problems(header: PlanHeader, step: StepPlan) -> list[str]:
+    """The ``heads`` invariant: usp rows split a unit's query heads evenly, and every stated
+    ``kv_replication`` is what the row's size implies (:func:`kv_replication`)."""
+    reps = header.replicas(step)
+    m = header.model
+    probs = []
+    for mbi, mb in enumerate(step.microbatches):
+        for gi, g in enumerate(mb.groups):
+            if g.kind not in ("ulysses", "usp") or (g.kind == "ulysses" and g.kv_replication is None):
+                continue
+            tp = reps[g.units[0]].tp
+            u = g.row_size()
+            want = kv_replication(m.num_heads, m.num_kv_heads, tp, u)
+            if want is None:
+                probs.append(f"{_where(step, mbi)}: group {gi} splits the {m.num_heads // tp} query heads of a unit "
+                             f"over {u} positions per row; a {g.kind} row needs a size that divides them (and is "
+                             f"a multiple of the {max(1, m.num_kv_heads // tp)} KV heads when larger)")
+            elif g.kv_replication != want:
+                probs.append(f"{_where(step, mbi)}: group {gi} states kv_replication {g.kv_replication}, but rows "
+                             f"of {u} positions over {max(1, m.num_kv_heads // tp)} KV heads replicate each "
+                             f"{want}x")
     return probs
 
 
@@ -460,6 +509,7 @@ INVARIANTS: tuple[Invariant, ...] = (
     Invariant("ring-order", ring_order_problems),
     Invariant("kinds", kind_family_problems),
     Invariant("tp", tp_problems),
+    Invariant("heads", head_problems),
     Invariant("routes", step_route_problems),
 )
 
@@ -467,7 +517,7 @@ INVARIANTS: tuple[Invariant, ...] = (
 #: a unit runs, and rings over ranks of one tensor-parallel index. (Zigzag layouts and routes are
 #: what a plan promises, not what execution needs: the runtime runs any disjoint ranges and sends
 #: an unrouted transfer direct.)
-RUNTIME_INVARIANTS: tuple[str, ...] = ("coverage", "kinds", "tp")
+RUNTIME_INVARIANTS: tuple[str, ...] = ("coverage", "kinds", "tp", "heads")
 
 
 def plan_problems(header: PlanHeader, step: StepPlan, limit: int = 20,

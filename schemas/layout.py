@@ -38,3 +38,38 @@ def ranges_tokens(ranges: list[list[int]]) -> int:
     for s, e in ranges:  # (a loop: one or two ranges, where a generator costs more than the sum)
         n += e - s
     return n
+
+
+def usp_ranges(length: int, u: int, r: int, scheme: str = "zigzag") -> list[list[list[int]]]:
+    """Ranges of a usp (Ulysses x ring) group of ``u x r`` positions, row by row (position
+    ``i*u + j``: row i, Ulysses position j). Row i holds the ring chunk(s) of ring position i
+    (zigzag: chunks i and 2r-1-i of 2r; contiguous: the i-th of r), and Ulysses position j holds the
+    j-th of u contiguous near-equal parts of each of the row's chunks."""
+    if scheme not in ("zigzag", "contiguous"):
+        raise ValueError(f"usp groups cut sequences zigzag or contiguous, not {scheme!r}")
+    rows = zigzag_ranges(length, r) if scheme == "zigzag" else contiguous_ranges(length, r)
+    out: list[list[list[int]]] = []
+    for chunks in rows:
+        parts = [[[s, s + n] for s, n in _cuts(a, b, u)] for a, b in chunks]
+        out += [[p[j] for p in parts] for j in range(u)]
+    return out
+
+
+def _cuts(a: int, b: int, u: int) -> list[tuple[int, int]]:
+    """``(start, size)`` of ``u`` contiguous near-equal parts of ``[a, b)``."""
+    out, s = [], a
+    for n in split_even(b - a, u):
+        out.append((s, n))
+        s += n
+    return out
+
+
+def merged_ranges(ranges) -> list[list[int]]:
+    """Sorted, merged non-empty ``[start, end)`` ranges (a usp row's ring chunk from its positions')."""
+    out: list[list[int]] = []
+    for s, e in sorted((s, e) for s, e in ranges if e > s):
+        if out and out[-1][1] == s:
+            out[-1][1] = e
+        else:
+            out.append([s, e])
+    return out

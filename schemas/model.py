@@ -31,6 +31,9 @@ _PRESETS = {
         update={"sliding_window": 4096}),
     "qwen3-8b": lambda: _llama("qwen3-8b", 4096, 36, 32, 8, 12288, vocab=151936, theta=1e6).model_copy(
         update={"qk_norm": True, "norm_eps": 1e-6}),
+    # Qwen2.5-3B: 16 query heads over 2 KV heads (Ulysses past 2 ranks replicates K/V heads)
+    "qwen2.5-3b": lambda: _llama("qwen2.5-3b", 2048, 36, 16, 2, 11008, vocab=151936, theta=1e6).model_copy(
+        update={"norm_eps": 1e-6, "tie_embeddings": True}),
     # mixture of experts: memory holds every expert, a token runs top-k of them
     "qwen3-30b-a3b": lambda: _llama("qwen3-30b-a3b", 2048, 48, 32, 4, 768, vocab=151936, theta=1e6).model_copy(
         update={"qk_norm": True, "norm_eps": 1e-6, "head_size": 128, "num_experts": 128, "experts_per_token": 8,

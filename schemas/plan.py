@@ -23,7 +23,11 @@ Vocabulary
          (Hydraulis plans mix replicas of different TP degree in one step).
 *group*  A set of units that run attention for some sequences together, in ring order:
          ``local`` (one unit, whole sequences), ``ring`` (zigzag ring attention, P2P K/V passing),
-         ``allgather`` (LLaMA-3 style all-gather of K/V), ``ulysses`` (all-to-all head scatter).
+         ``allgather`` (LLaMA-3 style all-gather of K/V), ``ulysses`` (all-to-all head scatter),
+         ``usp`` (2-D: ``shape = [u, r]``, Ulysses inside each of r rows of u units, a ring across
+         the rows; units listed row by row, position ``i*u + j`` is row i, Ulysses position j).
+         ``kv_replication`` (Ulysses and usp groups) states on how many positions of a row each
+         KV head lands when the row has more positions than the unit has KV heads.
 *placement*  Where one sequence's attention runs: its group and, for each ring position of the
          group, the token ranges ``[start, end)`` held there (zigzag: position i holds chunks i and
          2G-1-i of 2G equal chunks).
@@ -83,7 +87,7 @@ def format_version_message(version: Any) -> str:
     return (f"plan format {version!r} is newer than {mine} reads ({PLAN_SCHEMA!r}); it was written by a later "
             "zeppelin: upgrade zeppelin to read it")
 
-GroupKind = Literal["local", "ring", "allgather", "ulysses"]
+GroupKind = Literal["local", "ring", "allgather", "ulysses", "usp"]
 MAX_LENGTH = 1 << 40  # longest sequence a plan may name (the manifest readers' bound too)
 MAX_INDEX = 1 << 48  # largest sample id
 Tier = Literal["local", "intra", "inter"]
@@ -111,7 +115,11 @@ class Replica(Strict):
 class Group(Strict):
     kind: GroupKind
     tier: Tier
-    units: list[int] = Field(min_length=1, description="ring order")
+    units: list[int] = Field(min_length=1, description="ring order (usp: row by row)")
+    shape: list[int] | None = Field(default=None, min_length=2, max_length=2,
+                                    description="usp only: [u, r], Ulysses over u units inside each of r ring rows")
+    kv_replication: int | None = Field(default=None, ge=1, le=1024,
+                                       description="ulysses/usp: positions of a Ulysses row holding each KV head")
 
     @model_validator(mode="after")
     def _check(self) -> "Group":
@@ -119,7 +127,32 @@ class Group(Strict):
             raise ValueError(f"group lists a unit twice: {self.units}")
         if self.kind == "local" and len(self.units) != 1:
             raise ValueError("a local group has exactly one unit")
+        if self.kind == "usp":
+            if self.shape is None or self.kv_replication is None:
+                raise ValueError("a usp group states its shape [u, r] and its kv_replication")
+            u, r = self.shape
+            if u < 1 or r < 1 or u * r != len(self.units):
+                raise ValueError(f"usp group shape {self.shape} does not arrange its {len(self.units)} units")
+        elif self.shape is not None:
+            raise ValueError(f"a {self.kind} group has no shape (only usp groups do)")
+        if self.kv_replication is not None and self.kind not in ("ulysses", "usp"):
+            raise ValueError(f"a {self.kind} group has no kv_replication (only ulysses and usp groups do)")
         return self
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler):
+        """Plans without usp groups or stated replication keep their bytes: unset fields are left out."""
+        data = handler(self)
+        for key in ("shape", "kv_replication"):
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
+
+    def row_size(self) -> int:
+        """Positions of one Ulysses row (usp: u; ulysses: the group; others: 1)."""
+        if self.kind == "usp":
+            return self.shape[0]  # type: ignore[index]
+        return len(self.units) if self.kind == "ulysses" else 1
 
 
 class Placement(Strict):

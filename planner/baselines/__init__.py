@@ -13,6 +13,7 @@ Every planner here subclasses :class:`zeppelin.planner.core.base.Planner`, regis
 ``megatron-dcp``  :mod:`.megatron_dcp`  Megatron-Core dynamic CP (``BalancedCPScheduler``).
 ``flexsp``        :mod:`.flexsp`        FlexSP's MILP over heterogeneous Ulysses groups.
 ``hydraulis``     :mod:`.hydraulis`     Hydraulis' heterogeneous replicas + two-stage assignment.
+``usp``           :mod:`.usp`           USP (long-context-attention): fixed Ulysses u x ring r groups.
 
 :mod:`.common` holds the step builder and packing helpers they share, :mod:`.milp` the sparse MILP
 model FlexSP and Hydraulis solve. Baselines never import the Zeppelin planner.
@@ -31,4 +32,5 @@ from zeppelin.planner.baselines import (  # noqa: F401  (importing a module regi
     megatron_dcp,
     packed,
     static_sp,
+    usp,
 )

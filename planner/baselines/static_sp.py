@@ -59,8 +59,18 @@ class _StaticSP(Planner):
     def _limit_note(self, ctx: PlanContext) -> str:
         return ""
 
+    def group_size(self, ctx: PlanContext, G: int) -> int:
+        """Units of one group at size option ``G`` (the CP / SP size itself here)."""
+        return G
+
+    def shape(self, ctx: PlanContext, G: int) -> tuple[int, int] | None:
+        """A usp group's (u, r) at size option ``G`` (None: not a usp planner)."""
+        return None
+
     def build(self, ctx: PlanContext, sequences: list[Sequence], G: int, cap: int) -> StepBuilder | None:
         n = ctx.num_units
+        shape = self.shape(ctx, G)
+        G = self.group_size(ctx, G)
         D = n // G
         padded = [cp_padded(s.length, G) if self.pad else s.length for s in sequences]
         per_rank = [ceil_div(p, G) for p in padded]  # tokens the fullest ring position holds
@@ -75,7 +85,7 @@ class _StaticSP(Planner):
             mine = [i for i in range(len(sequences)) if owner[i] == d]
             for k, bin_ in enumerate(ffd(mine, per_rank, cap)):
                 for i in bin_:
-                    b.place(k, self.kind, units, i,
+                    b.place(k, self.kind, units, i, shape=shape,
                             padded_length=padded[i] if padded[i] != sequences[i].length else None)
         return b
 
@@ -96,7 +106,8 @@ class _StaticSP(Planner):
             if b is None:
                 continue
             plan = b.finish(step, SolverInfo(name="greedy"),
-                            notes={self.option: G, "dp": ctx.num_units // G, "microbatches": b.num_microbatches})
+                            notes={self.option: G, "dp": ctx.num_units // self.group_size(ctx, G),
+                                   "microbatches": b.num_microbatches})
             tried[str(G)] = plan.prediction.step_time_s
             if best is None or plan.prediction.step_time_s < best.prediction.step_time_s:
                 best = plan

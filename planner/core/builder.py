@@ -12,8 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from zeppelin.planner.costmodel.context import PlanContext, PlanningError
-from zeppelin.schemas.invariants import inter_ring_transfers
-from zeppelin.schemas.layout import contiguous_ranges, ranges_tokens, zigzag_ranges
+from zeppelin.schemas.invariants import inter_ring_transfers, kv_replication
+from zeppelin.schemas.layout import contiguous_ranges, ranges_tokens, usp_ranges, zigzag_ranges
 from zeppelin.schemas.plan import (
     Group,
     MicroBatch,
@@ -33,11 +33,24 @@ def record(cls, **fields):
     given: pydantic's validation (or model_construct) costs microseconds per call, and a step at
     4,096 GPUs builds tens of thousands of groups and placements."""
     m = cls.__new__(cls)
-    object.__setattr__(m, "__dict__", fields)
+    defaults = _defaults(cls)
+    object.__setattr__(m, "__dict__", {**defaults, **fields} if defaults else fields)
     object.__setattr__(m, "__pydantic_fields_set__", set(fields))
     object.__setattr__(m, "__pydantic_extra__", None)
     object.__setattr__(m, "__pydantic_private__", None)
     return m
+
+
+_DEFAULTS: dict[type, dict] = {}
+
+
+def _defaults(cls) -> dict:
+    """The defaults of ``cls``'s optional fields that :func:`record` callers may leave out (a
+    group's usp shape and K/V replication): the others are always given."""
+    if cls not in _DEFAULTS:
+        _DEFAULTS[cls] = {k: f.default for k, f in cls.model_fields.items()
+                          if k in ("shape", "kv_replication") and not f.is_required()}
+    return _DEFAULTS[cls]
 
 
 def direct_routes(ctx: PlanContext, mb: MicroBatch) -> list[Route]:
@@ -100,15 +113,20 @@ class StepBuilder:
             return self.ctx.cluster.node_of(self.replicas[unit].ranks[0])
         return self.ctx.cost.node_of_unit(unit)
 
-    def group(self, k: int, kind: str, units: list[int]) -> int:
-        """Index of the group of ``kind`` over ``units`` (ring order) in micro-batch ``k``; created on demand."""
+    def group(self, k: int, kind: str, units: list[int], shape: tuple[int, int] | None = None) -> int:
+        """Index of the group of ``kind`` over ``units`` (ring order; usp: row by row, ``shape = (u,
+        r)``) in micro-batch ``k``; created on demand."""
         mb = self._mb(k)
         if len(units) == 1:
-            kind = "local"
-        key = (kind, tuple(units))
+            kind, shape = "local", None
+        key = (kind, tuple(units), shape)
         if key not in mb["key"]:
             mb["key"][key] = len(mb["groups"])
-            mb["groups"].append(Group(kind=kind, tier=self.tier_of(units), units=list(units)))
+            extra = {}
+            if kind == "usp" and shape is not None:
+                m, tp = self.ctx.model, self.ctx.tp
+                extra = {"shape": list(shape), "kv_replication": kv_replication(m.num_heads, m.num_kv_heads, tp, shape[0])}
+            mb["groups"].append(Group(kind=kind, tier=self.tier_of(units), units=list(units), **extra))
         return mb["key"][key]
 
     def fits(self, k: int, units: list[int], per_unit_tokens: list[int]) -> bool:
@@ -119,19 +137,22 @@ class StepBuilder:
         return True
 
     def place(self, k: int, kind: str, units: list[int], seq: int, scheme: str | None = None,
-              padded_length: int | None = None) -> None:
-        """Place sequence ``seq`` on ``units`` in micro-batch ``k`` (zigzag for ring/allgather,
-        contiguous for ulysses, whole for one unit)."""
+              padded_length: int | None = None, shape: tuple[int, int] | None = None) -> None:
+        """Place sequence ``seq`` on ``units`` in micro-batch ``k`` (zigzag for ring/allgather/usp,
+        contiguous for ulysses, whole for one unit; ``shape``: a usp group's (u, r))."""
         G = len(units)
         length = self.sequences[seq].length
         total = int(padded_length) if padded_length is not None else length
         if G == 1:
             scheme, ranges = "whole", [[[0, total]]]
+        elif kind == "usp" and shape is not None:
+            scheme = scheme or "zigzag"
+            ranges = usp_ranges(total, shape[0], shape[1], scheme)
         elif (scheme or ("contiguous" if kind == "ulysses" else "zigzag")) == "contiguous":
             scheme, ranges = "contiguous", contiguous_ranges(total, G)
         else:
             scheme, ranges = "zigzag", zigzag_ranges(total, G)
-        gi = self.group(k, kind, units)
+        gi = self.group(k, kind, units, shape if G > 1 else None)
         mb = self._mb(k)
         # (indices and ranges the builder derived itself: recorded without re-validation)
         mb["placements"].append(record(Placement, seq=int(seq), group=gi, scheme=scheme,

@@ -159,6 +159,58 @@ class CommCosts:
         per = as_array(tokens_per_rank) * (2 * m.hidden + 2 * m.kv_dim) * self.act_bytes / self.tp
         return 2.0 * self.alltoall_time(per, G, cls)
 
+    def kv_replication(self, u: int) -> float:
+        """Row positions each KV head lands on when u positions split a unit's heads (1: none)."""
+        return max(1.0, u / max(1, self.model.num_kv_heads // self.tp))
+
+    def ulysses_rep_comm_time(self, tokens_per_rank, u: int, cls: str = "intra") -> np.ndarray:
+        """Per-layer fwd+bwd all-to-alls of a Ulysses row of u positions whose K/V heads are replicated
+        where u exceeds the unit's KV heads: each position receives whole KV heads, so a rank sends
+        ``kv_replication(u)`` times its K/V (and the backward returns as many dK/dV)."""
+        m = self.model
+        per = as_array(tokens_per_rank) * (2 * m.hidden + 2 * m.kv_dim * self.kv_replication(u)) * self.act_bytes / self.tp
+        return 2.0 * self.alltoall_time(per, u, cls)
+
+    def usp_ring_sharers(self, u: int, ring_cls: str) -> float:
+        """Transfers sharing one NIC in a round of a usp group's rings: the u columns' hops leave
+        every node at once, one per GPU of the row, each GPU on its own NIC."""
+        if ring_cls != "inter" or not self.profile.nic_shared_by_concurrent_transfers:
+            return 1.0
+        return float(min(self._gpus_per_nic, u * self.tp))
+
+    def usp_seq_time(self, L, u: int, r: int, ring_cls: str) -> np.ndarray:
+        """Per sequence ``L`` alone on a usp group of u x r: per-layer fwd+bwd attention on 1/u of
+        the heads plus its ring's exposed K/V transfers (the rows' all-to-alls excluded: they
+        scale with a unit's tokens, see :meth:`ulysses_rep_comm_time`)."""
+        L = as_array(L)
+        t0, tr = self.ring_round_compute(L, r)
+        t0, tr = t0 / u, tr / u
+        if r <= 1:
+            return t0
+        comm = self.p2p_time(self.ring_round_bytes(L / r) * self.kv_replication(u) / u, ring_cls,
+                             self.usp_ring_sharers(u, ring_cls))
+        ex = self.ring_exchanges(L, r) if self.window_mix is not None else None
+        return t0 + (r - 1) * tr + self.ring_round_exposure(comm, t0, tr, r, ex)
+
+    def usp_terms(self, L, u: int, r: int, row_cls: str, ring_cls: str) -> tuple[float, float, float]:
+        """Per-layer fwd+bwd ``(attention, communication, exposed)`` of one position of a usp group
+        of u x r over sequences ``L``: the rows' all-to-alls (replicated K/V; in the exposed time,
+        nothing overlaps them), and a ring over r positions on 1/u of the heads (its rounds'
+        compute, its K/V blocks of 1/u of the heads - one KV head when u exceeds them - hidden
+        behind the rounds as a ring's are)."""
+        L = as_array(L)
+        tot = float(np.sum(L))
+        kv_frac = self.kv_replication(u) / u
+        a2a = float(self.ulysses_rep_comm_time(tot / (u * r), u, row_cls)) if u > 1 else 0.0
+        t0, tr = self.ring_round_compute(L, r)
+        g_t0, g_tr = float(np.sum(t0)) / u, float(np.sum(tr)) / u
+        if r <= 1:
+            return g_t0, a2a, a2a
+        ex = float(np.max(self.ring_exchanges(L, r))) if self.window_mix is not None else None
+        comm = float(self.p2p_time(self.ring_round_bytes(tot / r) * kv_frac, ring_cls, self.usp_ring_sharers(u, ring_cls)))
+        exposed = float(self.ring_round_exposure(comm, g_t0, g_tr, r, ex))
+        return g_t0 + (r - 1) * g_tr, a2a + comm * (r - 1 if ex is None else ex), a2a + exposed
+
     def allgather_kv_time(self, tokens_per_rank, G: int, cls: str = "intra") -> np.ndarray:
         """Per-layer fwd+bwd of all-gather CP: all-gather K,V forward; all-gather + reduce-scatter dK,dV backward."""
         if G <= 1:

@@ -405,8 +405,21 @@ def _collective_terms(cost, mb: MicroBatch, ga: _GroupArrays, t_att: np.ndarray,
         if g.kind == "allgather":
             t_att[gi] = ga.g_att[gi] / Gi
             t_comm[gi] = t_exp[gi] = float(cost.allgather_kv_time(ga.g_len[gi] / Gi, int(Gi), cost.tier_link(g.tier)))
+        elif g.kind == "usp":
+            u, r = g.shape
+            Ls = ga.pL[ga.pg == gi]
+            t_att[gi], t_comm[gi], t_exp[gi] = cost.usp_terms(Ls, u, r, cost.tier_link(usp_row_tier(g, cost)),
+                                                               cost.tier_link(g.tier))
         else:  # ulysses
             t_comm[gi] = t_exp[gi] = float(cost.ulysses_comm_time(ga.g_len[gi] / Gi, int(Gi), cost.tier_link(g.tier)))
+
+
+def usp_row_tier(g, cost) -> str:
+    """``intra`` when every row of a usp group sits on one node (the all-to-all stays on the
+    intra-node links), else ``inter``."""
+    u = g.shape[0]
+    rows = [g.units[i:i + u] for i in range(0, len(g.units), u)]
+    return "intra" if all(len({cost.node_of_unit(x) for x in row}) == 1 for row in rows) else "inter"
 
 
 def _attention_sets(mb: MicroBatch, n: int):

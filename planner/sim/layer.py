@@ -15,7 +15,7 @@ import numpy as np
 from zeppelin.planner.costmodel.cost import CostModel
 from zeppelin.planner.sim.engine import Engine
 from zeppelin.planner.sim.results import Interval
-from zeppelin.schemas.layout import ranges_tokens
+from zeppelin.schemas.layout import merged_ranges, ranges_tokens
 from zeppelin.schemas.plan import MicroBatch, Placement, Replica, StepPlan
 
 if TYPE_CHECKING:
@@ -188,6 +188,8 @@ class LayerGraph:
                 self._ring(gi, U, pls, qpos, routes)
             elif g.kind == "allgather":
                 self._allgather(gi, U, pls, qpos, routes)
+            elif g.kind == "usp":
+                self._usp(gi, g, pls, qpos)
             else:
                 self._ulysses(gi, U, pls, qpos)
         # linear modules and remap
@@ -242,11 +244,17 @@ class LayerGraph:
             self.attn_tasks[u].append(tid)
             prev = [tid]
 
-    def _ring(self, gi: int, U: list[int], pls: list[Placement], qpos, routes) -> None:
+    def _ring(self, gi: int, U: list[int], pls: list[Placement], qpos, routes, share: tuple[float, float] = (1.0, 1.0),
+              start: list[list[int]] | None = None) -> list[int]:
+        """A ring's rounds and K/V transfers. ``share``: the part of a unit's (query heads, K/V
+        heads) it computes on and moves (a usp column: 1/u of the query heads, 1/u of the K/V or
+        one KV head where replicated); ``start``: per position, what its first round waits for.
+        Returns each position's last round."""
         G = len(U)
         eng = self.engine
         costs = [self.sim.cost_for(self.reps[u].tp) for u in U]
         tt, tok, calls = self._block_times(pls, G, costs[0])
+        tt = tt * share[0]
         c0 = costs[0]
         # [owner position, round]: some position computes on the owner's block in that round; a
         # block travels on only while a later round still needs it (windows end rings early)
@@ -276,7 +284,7 @@ class LayerGraph:
         for r in range(G):
             for i in range(G):
                 u = U[i]
-                deps = []
+                deps = list(start[i]) if start is not None and r == 0 else []
                 if r >= 1:
                     deps.append(comp_t[i][r - 1])
                     deps.append(send[(i - 1) % G][r - 1])
@@ -293,8 +301,9 @@ class LayerGraph:
                 if not still[src_pos, r]:  # no later position sees this block: the ring does not send it
                     send[i][r] = eng.mark(deps)
                     continue
-                nb = float(costs[i].ring_round_bytes(pos_tok[src_pos]))
+                nb = float(costs[i].ring_round_bytes(pos_tok[src_pos])) * share[1]
                 send[i][r] = self.transfer(U[i], U[k], nb, deps, "ring", route=routes.get((gi, U[i], U[k])))
+        return [comp_t[i][G - 1] for i in range(G)]
 
     def _allgather(self, gi: int, U: list[int], pls: list[Placement], qpos, routes) -> None:
         G = len(U)
@@ -319,6 +328,52 @@ class LayerGraph:
             tid = eng.compute(u, float(comp[i]), (qpos.get((u, gi), 0), 0), [done], cat="attention")
             self.attn_tasks[u].append(tid)
 
+    def _a2a(self, U: list[int], held: list[float], per_tok: float, deps_of) -> dict[int, list[int]]:
+        """One all-to-all over units ``U`` (position i holds ``held[i]`` tokens of ``per_tok``
+        bytes and keeps 1/G of them); per position, its flows."""
+        G = len(U)
+        eff = self.sim.cost_for(self.reps[U[0]].tp).profile.alltoall_efficiency.get(str(G), 1.0)
+        out: dict[int, list[int]] = defaultdict(list)
+        for i in range(G):
+            for k in range(G):
+                if i == k:
+                    continue
+                f = self.transfer(U[i], U[k], held[i] * per_tok / G, deps_of(i, k), "ulysses", work_factor=1.0 / eff,
+                                  latency_mult=float(G - 1))
+                out[i].append(f)
+                out[k].append(f)
+        return out
+
+    def _usp(self, gi: int, g, pls: list[Placement], qpos) -> None:
+        """A usp group: each row's all-to-all (replicated K/V), a ring per column on 1/u of the
+        heads over the rows' chunks, each row's all-to-all back."""
+        u, r = g.shape
+        U = g.units
+        m = self.sim.ctx.model
+        cost = self.sim.cost_for(self.reps[U[0]].tp)
+        rep = cost.kv_replication(u)
+        per_tok = (2 * m.hidden + 2 * m.kv_dim * rep) * m.dtype_bytes / cost.tp
+        held = [sum(ranges_tokens(p.ranges[i]) for p in pls) for i in range(u * r)]
+        first: dict[int, list[int]] = {}
+        for i in range(r):
+            got = self._a2a(U[i * u:(i + 1) * u], held[i * u:(i + 1) * u], per_tok, lambda a, b: [])
+            for j in range(u):
+                first[i * u + j] = got.get(j, [])
+        chunks = [p.model_copy(update={"ranges": [merged_ranges(rg for jj in range(u) for rg in p.ranges[i * u + jj])
+                                                  for i in range(r)]}) for p in pls]
+        last: dict[int, int] = {}
+        for j in range(u):
+            col = [i * u + j for i in range(r)]
+            ends = self._ring(gi, [U[x] for x in col], chunks, qpos, {}, (1.0 / u, rep / u),
+                              [first[x] for x in col])
+            last.update(zip(col, ends))
+        for i in range(r):
+            row = list(range(i * u, (i + 1) * u))
+            got = self._a2a([U[x] for x in row], [held[x] for x in row], per_tok,
+                            lambda a, b, row=row: [last[row[a]], last[row[b]]])
+            for j, x in enumerate(row):
+                self.attn_tasks[U[x]].append(self.engine.mark(got.get(j, [])))
+
     def _ulysses(self, gi: int, U: list[int], pls: list[Placement], qpos) -> None:
         G = len(U)
         eng = self.engine
@@ -327,21 +382,10 @@ class LayerGraph:
         lengths = np.array([float(p.padded_length or self.step.sequences[p.seq].length) for p in pls])
         t_att = float(np.sum(cost.ulysses_attn_time(lengths, G))) if self.compute else 0.0  # 1/G of the heads
         held = [sum(ranges_tokens(p.ranges[i]) for p in pls) for i in range(G)]
-        eff = cost.profile.alltoall_efficiency.get(str(G), 1.0)
         per_tok = (2 * m.hidden + 2 * m.kv_dim) * m.dtype_bytes / cost.tp
 
         def a2a(deps_of) -> dict[int, list[int]]:
-            out: dict[int, list[int]] = defaultdict(list)
-            for i in range(G):
-                for k in range(G):
-                    if i == k:
-                        continue
-                    nb = held[i] * per_tok / G
-                    f = self.transfer(U[i], U[k], nb, deps_of(i, k), "ulysses", work_factor=1.0 / eff,
-                                      latency_mult=float(G - 1))
-                    out[i].append(f)
-                    out[k].append(f)
-            return out
+            return self._a2a(U, held, per_tok, deps_of)
 
         first = a2a(lambda i, k: [])
         comps = {}

@@ -8,7 +8,7 @@ three agree on every count:
   group and the nodes their GPU ranks sit on: ``local`` (one unit), ``intra`` (several units of one
   node), ``inter`` (units of several nodes). A group's ``tier`` field is the planner's label and is
   not trusted: a Ulysses or family group spanning nodes is ``inter`` whatever it says.
-* **groups by kind and span** (ring / allgather / ulysses / local, by the same three spans);
+* **groups by kind and span** (ring / allgather / ulysses / usp / local, by the same three spans);
 * **inter-node traffic**: the bytes per step each NIC sends and receives, by transfer kind (ring
   rounds, routed or direct; Ulysses all-to-alls; all-gathers; remap moves), exactly the flows the
   simulator puts on the NICs (:meth:`~zeppelin.planner.sim.simulate.Simulator.nic_traffic`), and
@@ -27,7 +27,7 @@ from zeppelin.schemas.plan import StepPlan
 __all__ = ["TIERS", "PlanSummary", "span_of_units", "step_summary", "summary_lines", "unit_nodes", "units_line"]
 
 TIERS = ("local", "intra", "inter")
-KINDS = ("ring", "allgather", "ulysses", "local")
+KINDS = ("ring", "allgather", "ulysses", "usp", "local")
 
 
 def unit_nodes(ctx: PlanContext, step: StepPlan) -> list[frozenset[int]]:

@@ -566,6 +566,7 @@ BASELINE_SYSTEMS = {
     "megatron-dcp": "Megatron dynamic CP",
     "flexsp": "FlexSP",
     "hydraulis": "Hydraulis",
+    "usp": "long-context-attention USP (Ulysses x ring)",
 }
 
 

@@ -8,7 +8,8 @@ which makes the P2P schedule free of deadlocks: a rank waiting inside group g on
 that have finished every group ordered before g.
 
 Tasks. ``ring``: a ring, all-gather (run with the same exact ring schedule) or local (one-rank
-ring) group this rank's unit belongs to; ``ulysses``: a Ulysses group; ``relay``: a ring this
+ring) group this rank's unit belongs to; ``ulysses``: a Ulysses group; ``usp``: a 2-D (Ulysses x
+ring) group (:mod:`.usp`); ``relay``: a ring this
 rank's unit is not a member of but relays routed transfers for, as a proxy.
 
 Units and tensor parallelism: plans name units; this rank is TP index ``t`` of its unit, and its
@@ -27,6 +28,7 @@ from zeppelin.schemas.plan import PlanHeader, StepPlan
 from .ring import RingSpec
 from .transport import RouteTable, hop_chain
 from .ulysses import UlyssesSpec
+from .usp import UspSpec
 
 __all__ = ["PHASES", "Schedule", "Task", "compile_schedule"]
 
@@ -40,10 +42,10 @@ class Task:
     transfer goes direct)."""
 
     group: int
-    kind: str  # "ring" | "relay" | "ulysses"
+    kind: str  # "ring" | "relay" | "ulysses" | "usp"
     tier: str
     rank: int
-    spec: RingSpec | UlyssesSpec
+    spec: RingSpec | UlyssesSpec | UspSpec
     row0: int
     row1: int
     routes: RouteTable
@@ -53,6 +55,8 @@ class Task:
         ranks = self.spec.ranks
         if self.kind == "ulysses":
             return set(ranks) - {self.rank}
+        if self.kind == "usp":
+            return self.spec.peers
         out: set[int] = set()
         G = len(ranks)
         if G < 2:
@@ -140,7 +144,10 @@ def compile_schedule(header: PlanHeader, step: StepPlan, mb_index: int, rank: in
         if mine:
             r0, r1 = offsets[gi]
             pos = g.units.index(unit)
-            if g.kind == "ulysses":
+            if g.kind == "usp":
+                tasks.append((key, Task(gi, "usp", g.tier, rank,
+                                        UspSpec(ranks=ranks, shape=tuple(g.shape), pos=pos, seqs=seqs), r0, r1, rt)))
+            elif g.kind == "ulysses":
                 tasks.append((key, Task(gi, "ulysses", g.tier, rank, UlyssesSpec(ranks=ranks, pos=pos, seqs=seqs),
                                         r0, r1, rt)))
             else:

@@ -29,7 +29,7 @@ from zeppelin.schemas.layout import split_even
 
 from .local import local_attention
 
-__all__ = ["UlyssesSpec", "ulysses_attention", "head_split"]
+__all__ = ["UlyssesSpec", "expand_kv", "ulysses_attention", "head_split"]
 
 
 def head_split(hq: int, hkv: int, G: int) -> list[tuple[int, int, int, int]]:
@@ -248,6 +248,17 @@ class _HeadToSeq(torch.autograd.Function):
         return _h2s_backward(fctx.c, dout.contiguous()), None
 
 
+def expand_kv(kf, vf, ctx: _Ctx):
+    """This position's K/V heads for its query heads: as received when the query heads cover whole
+    KV groups (GQA as is), else one KV head per query head (a split through a KV group)."""
+    q0, q1, k0, _ = ctx.heads[ctx.spec.pos]
+    r = ctx.hq // ctx.hkv
+    if q0 % r == 0 and q1 % r == 0:
+        return kf, vf
+    idx = torch.arange(q0, q1, device=kf.device) // r - k0
+    return kf.index_select(1, idx), vf.index_select(1, idx)
+
+
 def ulysses_attention(q, k, v, spec: UlyssesSpec, group=None, scale: float | None = None,
                       window: int | None = None):
     """Causal attention of a Ulysses group's sequences from sequence-sharded ``q [T, Hq, D]``,
@@ -277,12 +288,7 @@ def ulysses_attention(q, k, v, spec: UlyssesSpec, group=None, scale: float | Non
         # no query head here: relay only, but keep k/v in the graph so the backward all-to-all runs
         of = qf + (kf.sum() + vf.sum()) * 0
     else:
-        r = hq // hkv
-        if q0 % r == 0 and q1 % r == 0:
-            ke, ve = kf, vf  # whole KV groups: GQA as is
-        else:
-            idx = torch.arange(q0, q1, device=q.device) // r - k0
-            ke, ve = kf.index_select(1, idx), vf.index_select(1, idx)
+        ke, ve = expand_kv(kf, vf, ctx)
         of = local_attention(qf, ke, ve, spec.cu_seqlens(), scale, window)
     og = of[inv]
     return _HeadToSeq.apply(og, ctx)

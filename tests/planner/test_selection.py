@@ -114,3 +114,18 @@ def test_overlapping_inter_node_rings_are_priced_as_the_simulator_plays_them(ben
     assert inter
     for p in inter:
         assert p.prediction.step_time_s == pytest.approx(sim.simulate_step(p).step_time_s, rel=0.05)
+
+
+def test_usp_groups_are_priced_as_the_simulator_plays_them(bench):
+    """The usp cells (models with 8 and 2 KV heads, sequences that must cross nodes), 1 step each:
+    the Zeppelin planner's candidates - usp groups among them - and the ``usp`` baseline's plans are
+    predicted within 5% of the simulator for at least 95% of them, every usp plan within 5%, and the
+    chosen plan simulates within 0.5% of the fastest of them all (the baseline's included)."""
+    cells = [{**c, "steps": 1} for c in bench.usp_cells() if c["name"].endswith(" 32")]
+    res = [bench.run_cell(c, detail=True) for c in cells]
+    rows = [e for r in res for e in r["exceptions"] if e["kind"] in ("fidelity", "candidate")]
+    usp = [e for e in rows if "usp-" in e["plan"]]
+    assert len(cells) == 3 and len(usp) >= 2 * len(cells), [e["plan"] for e in rows]
+    assert all(abs(e["ratio"] - 1) <= bench.FIDELITY_TOL for e in usp), usp
+    assert sum(r["fidelity_ok"] for r in res) >= 0.95 * sum(r["candidates"] for r in res)
+    assert all(s["ok"] for r in res for s in r["steps"]), [r["steps"] for r in res]

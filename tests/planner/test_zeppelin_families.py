@@ -11,18 +11,23 @@ from zeppelin.planner.costmodel.predict import predict_step
 from zeppelin.planner.zeppelin.planner import ZeppelinPlanner
 
 
-@pytest.mark.parametrize("cell, family", [
-    (("zeppelin-c", "llama-7b", 1, "long", 64, 0), "ulysses-groups"),
-    (("zeppelin-c", "llama-13b", 2, "short", 64, 0), "flop-share"),
-    (("zeppelin-a", "llama-7b", 1, "long", 64, 1), "tp-replicas"),
+BEFORE_USP = "ulysses-groups,flop-share,tp-replicas,wide-rings"
+
+
+@pytest.mark.parametrize("cell, family, families", [
+    (("zeppelin-c", "llama-7b", 1, "long", 64, 0), "ulysses-groups", BEFORE_USP),
+    (("zeppelin-c", "llama-7b", 1, "long", 64, 0), "usp-groups", "all"),
+    (("zeppelin-c", "llama-13b", 2, "short", 64, 0), "flop-share", BEFORE_USP),
+    (("zeppelin-a", "llama-7b", 1, "long", 64, 1), "tp-replicas", BEFORE_USP),
 ])
-def test_family_chosen_where_it_wins_by_the_cost_model(cell, family):
+def test_family_chosen_where_it_wins_by_the_cost_model(cell, family, families):
     """Each family wins a step of the RESULTS grid by the prediction: the planner returns it, the
-    plan validates, and it is faster by the prediction than the tiered search alone."""
+    plan validates, and it is faster by the prediction than the tiered search alone (Ulysses groups
+    win a long-mix step, TP replicas another, where usp groups, which win them now, are left out)."""
     from zeppelin.planner.costmodel.predict import predict_replicas
 
     ctx, seqs = grid_step(*cell)
-    plan = ZeppelinPlanner().plan_step(ctx, 0, seqs)
+    plan = ZeppelinPlanner(families=families).plan_step(ctx, 0, seqs)
     tiered = ZeppelinPlanner(families="none").plan_step(ctx, 0, seqs)
     assert plan.notes["family"] == family
     assert "family" not in tiered.notes and "tiers" in tiered.notes
@@ -40,12 +45,16 @@ def test_family_chosen_where_it_wins_by_the_cost_model(cell, family):
                 for u in g.units:
                     assert units_of.setdefault(u, tuple(g.units)) == tuple(g.units)
     # same inputs, same plan
-    assert ZeppelinPlanner().plan_step(ctx, 0, seqs).model_dump(exclude={"solver"}) == plan.model_dump(exclude={"solver"})
+    again = ZeppelinPlanner(families=families).plan_step(ctx, 0, seqs)
+    assert again.model_dump(exclude={"solver"}) == plan.model_dump(exclude={"solver"})
+    if family == "usp-groups":
+        usp = [g for mb in plan.microbatches for g in mb.groups if g.kind == "usp"]
+        assert usp and all(g.tier == "inter" and g.shape[0] * g.shape[1] == len(g.units) for g in usp)
 
 
 def test_families_option_validated():
     with pytest.raises(PlanningError, match=r"^families option: unknown family 'megatron' \(known: ulysses-groups, "
-                                            r"flop-share, tp-replicas, wide-rings, all, none\)$"):
+                                            r"flop-share, tp-replicas, wide-rings, usp-groups, all, none\)$"):
         ZeppelinPlanner(families="ulysses-groups,megatron")
 
 

@@ -1,0 +1,169 @@
+"""Candidate family ``usp-groups``: 2-D sequence parallelism (Ulysses x ring, ``usp`` groups) for
+the sequences long enough to be split across nodes.
+
+A sequence too long for one node's units - by memory, or because alone on a node it takes more than
+half the step's average load per unit - must cross nodes. A ring over its units sends all of its
+K/V through the NICs; a Ulysses group cannot grow past the heads (nor, without replication, past
+the KV heads); a usp group of ``u x r`` runs Ulysses over ``u`` units inside a node and a ring over
+``r`` such rows, so only ``1/u`` of the K/V (one KV head where ``u`` exceeds them) crosses the NICs
+per hop. The family tries ``k`` usp groups of a size ``S`` spanning nodes (per size, the ``u`` whose
+groups price cheapest for the step's sequences) for the long sequences, and the rest of the units
+as Ulysses groups of a size ``s`` inside a node (or whole-sequence units), sequences dealt
+whole-step to the group where they finish earliest (cost-model time), each group's share cut into
+micro-batches first-fit-decreasing under the memory cap; also every unit in usp groups of one
+size. Steps without a long sequence get no candidate (one pass over the lengths).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from zeppelin.planner.core.base import PlanContext, pow2_sizes
+from zeppelin.planner.core.builder import StepBuilder
+from zeppelin.planner.zeppelin.families.common import (
+    best_dispatches,
+    ceil_div,
+    dispatch,
+    dispatch_bound,
+    group_counts,
+    pack_bins,
+    refine,
+    token_slope,
+)
+from zeppelin.planner.zeppelin.protocols import Candidate
+from zeppelin.schemas.invariants import kv_replication
+from zeppelin.schemas.plan import Sequence, SolverInfo
+
+name = "usp-groups"
+
+
+def candidates(ctx: PlanContext, step: int, sequences: list[Sequence], limit: float | None = None,
+               routing: bool = True, top: int = 2) -> list[Candidate]:
+    """The family's best ``top`` configurations (``limit``: none scored above it)."""
+    return usp_groups(ctx, step, sequences, top=top, limit=limit)
+
+
+def usp_groups(ctx: PlanContext, step: int, sequences: list[Sequence], top: int = 2, limit: float | None = None):
+    n, upn = ctx.num_units, ctx.units_per_node
+    if n < 2 * upn or not _row_sizes(ctx):
+        return []
+    L = np.array([s.length for s in sequences], dtype=np.int64)
+    small, big, shape, cost, fits, need = _prices(ctx, L)
+    if not big or not _has_long(L, small, cost, fits, n):
+        return []
+
+    def run(cfg):
+        return dispatch({t: cost[t] for t in cfg}, {t: fits[t] for t in cfg}, cfg)
+
+    def bound(cfg):
+        return dispatch_bound(cost, fits, cfg, {t: t for t in cfg})
+
+    homo = [{S: n // S} for S in big]
+    mixed = [{S: k, s: (n - k * S) // s} for S in big for s in small for k in group_counts(n // S)
+             if k * S < n and (n - k * S) // s > 0]
+    # every homogeneous shape (few: one per usp size) and the best few mixed configurations: the
+    # family's score ranks usp sizes only roughly (it prices each sequence alone), the prediction decides
+    found = best_dispatches(homo, run, bound, len(homo), limit)
+    found += [(x[0], len(homo) + x[1], *x[2:]) for x in best_dispatches(mixed, run, bound, top + 1, limit)]
+    refined = []
+    for _, a, cfg, owner, loads in found:
+        span, owner = refine(cost, fits, owner, loads)
+        refined.append((span, a, cfg, owner))
+    refined.sort(key=lambda x: (x[0], x[1]))
+    keep = [x for x in refined if x[1] < len(homo)] + [x for x in refined if x[1] >= len(homo)][:top]
+    return [Candidate(span, a, (lambda cfg=cfg, owner=owner: _build(ctx, step, sequences, shape, cost, need,
+                                                                  cfg, owner)))
+            for span, a, cfg, owner in sorted(keep, key=lambda x: (x[0], x[1]))]
+
+
+def _row_sizes(ctx: PlanContext) -> list[int]:
+    """Ulysses degrees u of a usp row: powers of two >= 2 dividing a node's units and the heads
+    per unit, K/V heads replicated by a whole factor where u exceeds them."""
+    m, upn = ctx.model, ctx.units_per_node
+    return [u for u in pow2_sizes(upn) if u >= 2 and upn % u == 0
+            and kv_replication(m.num_heads, m.num_kv_heads, ctx.tp, u) is not None]
+
+
+def _prices(ctx: PlanContext, L: np.ndarray):
+    """Group types: ``small`` sizes inside a node (1: whole sequences; else Ulysses), ``big`` usp
+    sizes spanning nodes with their best ``shape[S] = (u, r)``; per type each sequence's time on
+    one group, whether it fits, and its tokens per unit."""
+    n, upn, cm, layers = ctx.num_units, ctx.units_per_node, ctx.cost, ctx.model.num_layers
+    heads = max(1, ctx.model.num_heads // ctx.tp)
+    Lf = L.astype(np.float64)
+    T_avg = max(float(Lf.sum()) / n, 2.0)
+    small = [s for s in pow2_sizes(upn) if heads % s == 0]
+    cost, fits, need, shape = {}, {}, {}, {}
+    for s in small:
+        cost[s] = layers * cm.ulysses_attn_time(Lf, s) + token_slope(ctx, cm, T_avg, s, "intra") * Lf / s
+        need[s] = ceil_div(L, s)
+        fits[s] = need[s] <= cm.token_capacity
+    big = []
+    for S in (x for x in pow2_sizes(n) if x > upn and n % x == 0):
+        best = None
+        for u in _row_sizes(ctx):
+            c = layers * cm.usp_seq_time(Lf, u, S // u, "inter") + _slope(ctx, T_avg, u) * Lf / S
+            if best is None or float(c.sum()) < float(best[1].sum()):
+                best = (u, c)
+        if best is None:
+            continue
+        big.append(S)
+        shape[S], cost[S] = (best[0], S // best[0]), best[1]
+        need[S] = ceil_div(L, S)
+        fits[S] = need[S] <= cm.token_capacity
+    return small, big, shape, cost, fits, need
+
+
+def _slope(ctx: PlanContext, T: float, u: int) -> float:
+    """Marginal time per token of a unit in a usp row of u (linear modules, LM head, TP, the rows'
+    all-to-alls with replicated K/V): the secant between T/2 and T."""
+    cm = ctx.cost
+
+    def f(x):
+        tp = cm.tp_exposed_comm(x) if cm.tp > 1 else 0.0
+        return float(ctx.model.num_layers * (cm.linear_time(x) + cm.ulysses_rep_comm_time(x, u, "intra") + tp)
+                     + cm.head_time(x))
+
+    return (f(T) - f(T / 2)) / (T / 2)
+
+
+#: a sequence is long when on its best group inside a node it alone takes more than this share of
+#: the step's average load per unit (a node's units then have little room left for the rest)
+LONG_SHARE = 0.5
+
+
+def _has_long(L: np.ndarray, small: list[int], cost, fits, n: int) -> bool:
+    """Whether some sequence must cross nodes: it fits no group inside a node, or on its best one
+    it alone takes more than :data:`LONG_SHARE` of the step's average load per unit."""
+    best = np.full(len(L), np.inf)
+    area = np.full(len(L), np.inf)
+    for s in small:
+        c = np.where(fits[s], cost[s], np.inf)
+        best, area = np.minimum(best, c), np.minimum(area, s * c)
+    if not np.isfinite(best).all():
+        return True
+    return bool(best.max() > LONG_SHARE * area.sum() / n)
+
+
+def _build(ctx: PlanContext, step: int, sequences: list[Sequence], shape, cost, need, cfg, owner):
+    """The plan of a dispatch: groups on aligned blocks (largest first; a usp group's rows are u
+    consecutive units), each group's sequences cut into micro-batches under the memory cap."""
+    blocks: dict[tuple[int, int], list[int]] = {}
+    u0 = 0
+    for t in sorted(cfg, reverse=True):
+        for g in range(cfg[t]):
+            blocks[(t, g)] = list(range(u0, u0 + t))
+            u0 += t
+    b = StepBuilder(ctx, sequences, "zeppelin")
+    members: dict[tuple[int, int], list[int]] = {}
+    for i, key in enumerate(owner):
+        members.setdefault(key, []).append(i)
+    for key in sorted(members):
+        t = key[0]
+        kind = "usp" if t in shape else ("ulysses" if t > 1 else "local")
+        for k, bin_ in enumerate(pack_bins(members[key], need[t], cost[t], ctx.cost.token_capacity)):
+            for i in sorted(bin_, key=lambda i: (-sequences[i].length, i)):
+                b.place(k, kind, blocks[key], i, shape=shape.get(t))
+    desc = " + ".join(f"{cfg[t]} x usp={shape[t][0]}x{shape[t][1]}" if t in shape else f"{cfg[t]} x sp={t}"
+                      for t in sorted(cfg, reverse=True))
+    return b.finish(step, SolverInfo(name="greedy"), notes={"family": "usp-groups", "groups": desc})
