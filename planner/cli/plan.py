@@ -121,8 +121,9 @@ def _check_outputs(cfg: PlanConfig) -> None:
     if cfg.output is not None:
         check_path_writable(cfg.output, inputs)
         if cfg.stream:
-            from zeppelin.schemas.io.stream import chain_path
+            from zeppelin.schemas.io.stream import chain_path, check_stream_target
 
+            check_stream_target(cfg.output)  # no live stream, nothing foreign at the chain's name
             check_path_writable(chain_path(cfg.output), inputs)
     if cfg.save_case is not None:
         from zeppelin.planner.tools.check import check_case_flags
