@@ -272,7 +272,7 @@ class RunConfig:
         model's positions, an export directory that can be made, a metrics file that is no input.
         Returns the input files."""
         from zeppelin.schemas.hf import check_positions, hf_dir, hf_weight_files, is_hf_ref
-        from zeppelin.schemas.io.safefiles import check_output
+        from zeppelin.schemas.io.safefiles import check_output, check_writable_dir
 
         files = self.input_files()
         if is_hf_ref(self.model):
@@ -281,6 +281,7 @@ class RunConfig:
             check_positions(self.model, longest)
         self.check_export_dir(files)
         check_output(self.metrics_path, files)
+        check_writable_dir(self.metrics_path, "the metrics file")
         self.check_outside_checkpoint_dir(self.metrics_path, "the metrics file")
         return files
 

@@ -467,7 +467,7 @@ def run_check(directory: str | os.PathLike, update: bool = False, workers: int =
 DEFAULT_TOLERANCE = 0.01
 
 
-def check_case_flags(target: Path, given: list[str], inputs: list) -> None:
+def check_case_flags(target: str | Path, given: list[str], inputs: list) -> None:
     """Refuse ``--save-case`` with flags a check case cannot hold (``given``), or a target that is not
     DIR/NAME."""
     from zeppelin.planner.core.inputs import check_path_writable
@@ -487,7 +487,7 @@ def check_case_flags(target: Path, given: list[str], inputs: list) -> None:
         check_path_writable(path, [p for p in inputs if p is not None])
 
 
-def save_case(target: Path, *, cluster: str, model: str, manifest: str | None, planner: str,
+def save_case(target: str | Path, *, cluster: str, model: str, manifest: str | None, planner: str,
               options: dict[str, Any], steps: int, seed: int, tokens_per_step: int, max_seq_len: int | None,
               tp: int) -> list[str]:
     """Write ``target.json`` (a check case of these settings) and its golden ``target.plan``; the lines

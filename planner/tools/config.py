@@ -197,7 +197,7 @@ PLAN_ONLY = (
     Flag("fmt", ("--format",), str, "jsonl", "jsonl (compact) or pretty (readable, diffable)",
          choices=("jsonl", "pretty")),
     Flag("explain", ("--explain",), bool, False, "print the tier thresholds and how they were derived"),
-    Flag("save_case", ("--save-case",), Path, None, "also write a `zeppelin check` case DIR/NAME.json from these "
+    Flag("save_case", ("--save-case",), str, None, "also write a `zeppelin check` case DIR/NAME.json from these "
          "flags and its golden plan DIR/NAME.plan (README: plan checks in CI)", metavar="DIR/NAME"),
     JSON.but(help="print the summary as JSON"),
     Flag("quiet", ("--quiet", "-q"), bool, False, "no progress bar or summary"),

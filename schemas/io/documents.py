@@ -54,6 +54,8 @@ def parse_json(data: bytes | str, source: str | os.PathLike | None = None, what:
     if json_depth_exceeds(raw):
         raise InputError(f"{prefix}JSON nested deeper than {MAX_JSON_DEPTH} levels", source=source)
     try:
+        if _MAY_OVERFLOW.search(raw) is None:  # no number can overflow to infinity: the parser's own floats
+            return json.loads(raw, parse_constant=_refuse_constant)
         return json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
     except json.JSONDecodeError as e:
         raise InputError(f"{prefix}malformed JSON at line {e.lineno} column {e.colno}: {e.msg}", source=source) from None
@@ -64,6 +66,12 @@ def parse_json(data: bytes | str, source: str | os.PathLike | None = None, what:
                          source=source) from None
     except RecursionError:
         raise InputError(f"{prefix}JSON nested too deeply", source=source) from None
+
+
+#: what a number that overflows a float needs: an exponent of three digits or more, or (with an exponent
+#: below 100) more than 200 digits before its point; a run of 100 digits is enough to take the checking parse
+#: (text inside strings may match too: that only costs the slower, checking parse)
+_MAY_OVERFLOW = re.compile(rb"[eE]\+?\d{3}|\d{100}")
 
 
 class _NonFinite(ValueError):

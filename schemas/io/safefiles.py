@@ -50,6 +50,7 @@ __all__ = [
     "check_input_file",
     "check_output",
     "check_side_file",
+    "check_writable_dir",
     "kind_of",
     "note_input",
     "open_temp",
@@ -196,6 +197,23 @@ def check_output(path: str | os.PathLike, inputs: Any = (), what: str = "output"
     if pst is not None and not stat.S_ISDIR(pst.st_mode):
         raise InputError(f"cannot write {what}: {parent} is not a directory", source=p)
     return target
+
+
+def check_writable_dir(path: str | os.PathLike, what: str = "output") -> None:
+    """Refuse, before any work, an output whose directory (or the nearest one that exists) is on a
+    read-only filesystem or not writable: one line naming the path and the errno's text."""
+    import errno
+
+    anc = Path(os.path.abspath(path)).parent
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    try:
+        readonly = bool(os.statvfs(anc).f_flag & getattr(os, "ST_RDONLY", 1))
+    except OSError as e:
+        raise InputError(f"cannot write {what}: {_why(e)}", source=path) from None
+    if readonly or not os.access(anc, os.W_OK | os.X_OK):
+        raise InputError(f"cannot write {what}: {os.strerror(errno.EROFS if readonly else errno.EACCES)}",
+                         source=path)
 
 
 def _temp_basename(name: str) -> str:
