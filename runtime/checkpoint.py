@@ -130,6 +130,7 @@ def save_checkpoint(directory: str | os.PathLike, *, next_step: int, model, opti
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.api import CheckpointException
 
     d = Path(directory)
     name = checkpoint_name(next_step)
@@ -145,7 +146,8 @@ def save_checkpoint(directory: str | os.PathLike, *, next_step: int, model, opti
         flat, _msd, osd = _flat_state(model, optimizer)
         try:
             dcp.save(flat, storage_writer=HuggingFaceStorageWriter(str(tmp), save_distributed=True))
-        except Exception as e:  # noqa: BLE001 - DCP wraps every rank's failure (disk full, ...) in its own type
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps every rank's failure (disk full,
+            # ...) in its CheckpointException, a BaseException: caught here, or it escapes as a traceback per rank
             raise CheckpointError(f"cannot write checkpoint {final}: {_first_cause(e)}") from None
         if md is not None:
             state = {"version": CKPT_VERSION, "next_step": next_step, "plan_hash": plan_hash,

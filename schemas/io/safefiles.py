@@ -325,12 +325,13 @@ def atomic_write(path: str | os.PathLike, mode: str = "w", *, inputs: Any = (), 
         raise InputError(f"cannot write {what}: {_why(e)}", source=shown) from None
     tmps: list[str] = []
     try:
-        with cleanup_signals():
+        with cleanup_signals() as signals:
             try:
                 with os.fdopen(open_temp(target, tmps), mode) as fh:
                     yield fh
                     fh.flush()
                     os.fsync(fh.fileno())
+                signals.check()  # a signal swallowed on its way still leaves the output untouched
                 place(tmps[0], target)
                 tmps.clear()
             except OSError as e:

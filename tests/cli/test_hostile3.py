@@ -389,3 +389,37 @@ def test_moe_preset_that_does_not_fit_names_no_budget(tree, capsys):
             "model mixtral-8x7b does not fit on cluster local-cpu: no token of activations fits in a GPU's memory "
             "beside its share of the weights, so there is no default --tokens-per-step (use more GPUs, a larger --tp "
             "or a smaller model)")
+
+
+# =============================================================================================
+# 8. signals: a SIGTERM while a file is written is never lost
+# =============================================================================================
+
+def test_a_signal_whose_exception_is_swallowed_still_stops_the_write(tmp_path):
+    import signal
+
+    from zeppelin.schemas.io.safefiles import atomic_write
+    from zeppelin.schemas.io.signals import Terminated
+
+    out = tmp_path / "o.txt"
+    out.write_text("old\n")
+    with pytest.raises(Terminated):
+        with atomic_write(out) as fh:
+            fh.write("new\n")
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # the handler raises here ...
+            except BaseException:  # noqa: BLE001 - ... and this code swallows it, as a __del__ would
+                pass
+    assert out.read_text() == "old\n" and os.listdir(tmp_path) == ["o.txt"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_checkpoint_save_on_a_full_disk_is_one_line(tree):
+    w = tree / "w"
+    p = _limited(["run", "one.jsonl", "--checkpoint-dir", "ck2", "--progress", "none"], w, 100_000)
+    assert p.returncode == 1
+    assert p.stderr.splitlines()[-1] == ("zeppelin: error: job failed: rank 0: CheckpointError: cannot write checkpoint "
+                                         "ck2/ckpt-000002: File too large")
+    assert all(line.startswith("zeppelin: error: ") for line in p.stderr.splitlines()), p.stderr  # no traceback
+    assert sorted(os.listdir(w / "ck2")) == [".zeppelin.lock"]  # nothing half-written, no "latest"
