@@ -423,3 +423,20 @@ def test_checkpoint_save_on_a_full_disk_is_one_line(tree):
                                          "ck2/ckpt-000002: File too large")
     assert all(line.startswith("zeppelin: error: ") for line in p.stderr.splitlines()), p.stderr  # no traceback
     assert sorted(os.listdir(w / "ck2")) == [".zeppelin.lock"]  # nothing half-written, no "latest"
+
+
+@pytest.mark.parametrize("model", ["model.json", "hf:hf"])
+def test_old_compare_spelling_reads_any_model_reference(tree, capsys, monkeypatch, model):
+    from tests.cli.test_hostile_runs import _zep
+    from zeppelin.planner.cli import common
+
+    _zep("presets", "--dump", "tiny", "-o", "model.json")
+    monkeypatch.setattr(common, "_noted", set())
+    rest = ["--steps", "1", "--tokens-per-step", "512", "--planners", "te-cp", "-j", "1", "--json"]
+    code, new, err = run_cli(["compare", "-c", "local-cpu:1x1", "--model", model, "-m", "m.jsonl", *rest], capsys)
+    assert code == 0 and "note:" not in err, err
+    code, old, err = run_cli(["compare", "-c", "local-cpu:1x1", "-d", "m.jsonl", "-m", model, *rest], capsys)
+    assert code == 0, err
+    assert "zeppelin: note: `compare -m MODEL` is deprecated and goes in the next release; use --model MODEL" in err
+    a, b = json.loads(new), json.loads(old)
+    assert [s["step_times_s"] for s in a["planners"]] == [s["step_times_s"] for s in b["planners"]]
