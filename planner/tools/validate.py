@@ -111,8 +111,6 @@ def validate_plan(path: str | os.PathLike, cluster=None, model=None, profile=Non
     totals = _Totals(ctx, header) if summary is not None else None
     try:
         for step in reader:
-            if totals is not None:
-                totals.add(step)
             probs += step_problems(ctx, header, step, limit=limit)
             why = step_problem(header, step, hf)
             if why:
@@ -121,6 +119,8 @@ def validate_plan(path: str | os.PathLike, cluster=None, model=None, profile=Non
                 probs += [f"inputs: {p}" for p in sample_problems(step, manifest.lengths)]
             if len(probs) >= limit:
                 break
+            if totals is not None and not probs:  # the totals matter only for a valid plan
+                totals.add(step)
     except InputError as e:
         probs.append(f"format: {e.problem}")
     if totals is not None:
