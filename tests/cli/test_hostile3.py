@@ -351,19 +351,15 @@ def test_case_files_are_never_followed(tree, capsys, kind):
 # =============================================================================================
 
 def test_sliding_window_zero_is_full_attention_in_the_runtime_too():
-    import torch
-
-    from zeppelin.runtime.api import HF_ATTENTION_NAME  # noqa: F401 (the module registers the wrapper)
-    from zeppelin.schemas.hf import sliding_window
-
-    assert sliding_window({"model_type": "mistral", "sliding_window": 0}) is None
+    """The parser reads 0 as full attention (the plan is made so); the runtime's HF attention reads the
+    window transformers passes the same way instead of refusing it on every rank."""
     import inspect
 
     import zeppelin.runtime.api as api
+    from zeppelin.schemas.hf import sliding_window
 
-    src = inspect.getsource(api)
-    assert 'window = kwargs.get("sliding_window") or None' in src
-    assert torch is not None
+    assert sliding_window({"model_type": "mistral", "sliding_window": 0}) is None
+    assert 'window = kwargs.get("sliding_window") or None' in inspect.getsource(api)
 
 
 # =============================================================================================
