@@ -473,7 +473,9 @@ def _hf_attention_forward(module, query, key, value, attention_mask=None, dropou
         qkv = region("remap", lambda x: to_attention_layout(x, ctx), torch.cat([q, k, v], dim=1))
         q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
     layer = getattr(module, "layer_idx", None)
-    window = kwargs.get("sliding_window")  # transformers passes the layer's window (None: full attention)
+    # transformers passes the layer's window (None: full attention); 0 is full attention too, as the one
+    # parser of HF configs (zeppelin.schemas.hf.sliding_window) reads it and as the plan was made
+    window = kwargs.get("sliding_window") or None
     o = region("attention", lambda a, b, c: attention(a, b, c, ctx, layer, scale=scaling, window=window), q, k, v)
     o = region("remap", lambda x: to_linear_layout(x, ctx), o)
     if pad:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import math
 import os
 import random
 import re
@@ -129,6 +130,7 @@ def save_checkpoint(directory: str | os.PathLike, *, next_step: int, model, opti
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.api import CheckpointException
 
     d = Path(directory)
     name = checkpoint_name(next_step)
@@ -144,7 +146,8 @@ def save_checkpoint(directory: str | os.PathLike, *, next_step: int, model, opti
         flat, _msd, osd = _flat_state(model, optimizer)
         try:
             dcp.save(flat, storage_writer=HuggingFaceStorageWriter(str(tmp), save_distributed=True))
-        except Exception as e:  # noqa: BLE001 - DCP wraps every rank's failure (disk full, ...) in its own type
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps every rank's failure (disk full,
+            # ...) in its CheckpointException, a BaseException: caught here, or it escapes as a traceback per rank
             raise CheckpointError(f"cannot write checkpoint {final}: {_first_cause(e)}") from None
         if md is not None:
             state = {"version": CKPT_VERSION, "next_step": next_step, "plan_hash": plan_hash,
@@ -234,6 +237,86 @@ def plan_hash(header: Any) -> str:
     return content_hash(header.model_dump(mode="json", exclude={"created_at"}))
 
 
+def _is_int(v: Any, lo: int, hi: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _b64_problem(v: Any, size: int | None) -> bool:
+    if not isinstance(v, str):
+        return True
+    try:
+        raw = base64.b64decode(v, validate=True)
+    except ValueError:
+        return True
+    return size is not None and len(raw) != size
+
+
+def _rng_problem(st: Any) -> str | None:
+    """Why one rank's RNG record cannot be restored (None: it can): the shapes :func:`rng_state` writes."""
+    import torch
+
+    if not isinstance(st, dict) or not {"torch", "python", "numpy"} <= set(st) or set(st) - {"torch", "python", "numpy",
+                                                                                            "cuda"}:
+        return "expected torch, python and numpy states"
+    if _b64_problem(st["torch"], torch.get_rng_state().numel()):
+        return "torch: not the base64 of a CPU generator state"
+    py = st["python"]
+    if not (isinstance(py, list) and len(py) == 3 and py[0] == 3 and isinstance(py[1], list) and len(py[1]) == 625
+            and all(_is_int(x, 0, 2**32 - 1) for x in py[1][:624]) and _is_int(py[1][624], 0, 624)
+            and (py[2] is None or _is_number(py[2]))):
+        return "python: not a Mersenne Twister state"
+    npst = st["numpy"]
+    if not (isinstance(npst, list) and len(npst) == 5 and npst[0] == "MT19937" and isinstance(npst[1], list)
+            and len(npst[1]) == 624 and all(_is_int(x, 0, 2**32 - 1) for x in npst[1]) and _is_int(npst[2], 0, 624)
+            and _is_int(npst[3], 0, 1) and _is_number(npst[4])):
+        return "numpy: not an MT19937 state"
+    if "cuda" in st and _b64_problem(st["cuda"], None):
+        return "cuda: not base64"
+    return None
+
+
+#: hyperparameters every checkpoint records (``--resume`` compares them with the run's)
+REQUIRED_HYPERPARAMETERS = ("lr", "weight_decay", "seed")
+
+
+def state_problem(state: dict[str, Any]) -> str | None:
+    """The first field of a checkpoint's state that is missing or malformed, as ``'NAME'`` (with a
+    reason where one helps); None when every field is what :func:`save_checkpoint` writes. Every rank
+    restores from this state, so it is checked in full before any rank starts."""
+    if not _is_int(state.get("next_step"), 0, 1_000_000):
+        return "'next_step'"
+    if not isinstance(state.get("plan_hash"), str):
+        return "'plan_hash'"
+    if not _is_int(state.get("world_size"), 1, 1 << 22):
+        return "'world_size'"
+    keys = state.get("keys")
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        return "'keys'"
+    groups = state.get("param_groups")
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        return "'param_groups'"
+    rng = state.get("rng")
+    if not isinstance(rng, list) or not rng:
+        return "'rng'"
+    for r, st in enumerate(rng):
+        why = _rng_problem(st)
+        if why:
+            return f"'rng' (rank {r}: {why})"
+    extra = state.get("extra")
+    hp = extra.get("hyperparameters") if isinstance(extra, dict) else None
+    if not isinstance(hp, dict):
+        return "'extra.hyperparameters' (the run's hyperparameters, which --resume compares)"
+    for key in REQUIRED_HYPERPARAMETERS:
+        ok = _is_int(hp.get(key), 0, 2**63 - 1) if key == "seed" else _is_number(hp.get(key))
+        if not ok:
+            return f"'extra.hyperparameters.{key}'"
+    return None
+
+
 def read_checkpoint_state(path: str | os.PathLike, *, plan_hash: str, world_size: int) -> dict[str, Any]:
     """The checkpoint's JSON state, checked against the job (no tensors are read)."""
     path = Path(path)
@@ -243,19 +326,19 @@ def read_checkpoint_state(path: str | os.PathLike, *, plan_hash: str, world_size
     state = parse_json(raw, source=f, what="checkpoint state")
     if not isinstance(state, dict) or state.get("version") != CKPT_VERSION:
         raise InputError("not a zeppelin checkpoint (or an unsupported version)", source=f)
-    for key, typ in (("next_step", int), ("plan_hash", str), ("world_size", int), ("rng", list)):
-        if not isinstance(state.get(key), typ):
-            raise InputError(f"checkpoint state lacks a valid {key!r}", source=f)
+    problem = state_problem(state)
+    if problem:
+        raise InputError(f"checkpoint state lacks a valid {problem}", source=f)
     if state["plan_hash"] != plan_hash:
         raise InputError(f"checkpoint was written for another plan (plan header {state['plan_hash']}, "
                          f"this plan {plan_hash})", source=f)
     if state["world_size"] != world_size:
         raise InputError(f"checkpoint was written by {state['world_size']} ranks, this job has {world_size}",
                          source=f)
-    keys = state.get("keys")
-    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-        raise InputError("checkpoint state lacks a valid 'keys'", source=f)
-    check_checkpoint_files(path, keys)
+    if len(state["rng"]) != world_size:
+        raise InputError(f"checkpoint state lacks a valid 'rng' ({len(state['rng'])} entries for {world_size} ranks)",
+                         source=f)
+    check_checkpoint_files(path, state["keys"])
     return state
 
 

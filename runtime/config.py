@@ -231,10 +231,9 @@ class RunConfig:
         if self.tensorboard is not None:
             import importlib.util
 
+            self.check_tensorboard_dir()
             if importlib.util.find_spec("tensorboard") is None:
                 raise InputError("--tensorboard needs the tensorboard package (pip install tensorboard)")
-            if Path(self.tensorboard).exists() and not Path(self.tensorboard).is_dir():
-                raise InputError("--tensorboard names a file, not a directory", source=self.tensorboard)
         if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
             raise InputError("--checkpoint-every/--resume need --checkpoint-dir")
 
@@ -273,7 +272,7 @@ class RunConfig:
         model's positions, an export directory that can be made, a metrics file that is no input.
         Returns the input files."""
         from zeppelin.schemas.hf import check_positions, hf_dir, hf_weight_files, is_hf_ref
-        from zeppelin.schemas.io.safefiles import check_output
+        from zeppelin.schemas.io.safefiles import check_output, check_writable_dir
 
         files = self.input_files()
         if is_hf_ref(self.model):
@@ -282,6 +281,7 @@ class RunConfig:
             check_positions(self.model, longest)
         self.check_export_dir(files)
         check_output(self.metrics_path, files)
+        check_writable_dir(self.metrics_path, "the metrics file")
         self.check_outside_checkpoint_dir(self.metrics_path, "the metrics file")
         return files
 
@@ -294,6 +294,25 @@ class RunConfig:
         ck = os.path.realpath(self.checkpoint_dir)
         if os.path.commonpath([ck, os.path.realpath(path)]) == ck:
             raise InputError(f"{what} is inside --checkpoint-dir; name a file outside it", source=path)
+
+    def check_tensorboard_dir(self) -> None:
+        """``--tensorboard DIR`` obeys the rule of every output: not over or inside an input (an
+        ``hf:DIR`` model directory), not inside ``--checkpoint-dir``, not a link, not a file."""
+        import os
+
+        tb = Path(self.tensorboard)
+        if os.path.islink(tb):
+            raise InputError("--tensorboard is a symbolic link; name a directory", source=tb)
+        if tb.exists() and not tb.is_dir():
+            raise InputError("--tensorboard names a file, not a directory", source=tb)
+        self.check_outside_checkpoint_dir(tb, "--tensorboard")
+        from zeppelin.schemas.hf import hf_dir, is_hf_ref
+
+        if self.model is not None and is_hf_ref(self.model):
+            model_dir = os.path.realpath(hf_dir(self.model))
+            if os.path.commonpath([model_dir, os.path.realpath(tb)]) == model_dir:
+                raise InputError(f"--tensorboard is inside the model directory {self.model}, an input; name a "
+                                 "directory outside it", source=tb)
 
     def check_export_dir(self, inputs: Any = ()) -> None:
         """``--export`` names a new or empty directory that can be made: no link, no input, not

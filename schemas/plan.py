@@ -477,6 +477,10 @@ def write_plan(path, header: PlanHeader, steps, fmt: Literal["jsonl", "pretty"] 
             w.write(s)
 
 
+#: records this short are parsed by the verifying scan in case they are the end record (which the writer
+#: writes in about 110 bytes); longer ones only when they contain ``"end"``
+_END_RECORD_MAX = 1024
+
 #: the integrity problem of a plan of this format without its end record
 NO_END_RECORD = ("integrity check failed: no end record (the plan is truncated or was edited; a plan ends with "
                  "the digest of its records)")
@@ -522,7 +526,9 @@ class PlanReader:
 
     # A record is either one JSON line, or a pretty block ending with a line that is exactly "}".
     # ``self._raw`` keeps the bytes of the record just read (for the integrity digest).
-    def _read_record(self, fh, offset: int, what: str) -> tuple[dict | None, int]:
+    def _read_raw(self, fh, offset: int, what: str) -> tuple[bytes | None, int]:
+        """The bytes of the record at ``offset`` (also kept as ``self._raw``) and the next offset;
+        None at the end of the file. Nothing is parsed."""
         self._raw = b""
         fh.seek(offset)
         line = fh.readline()
@@ -530,10 +536,10 @@ class PlanReader:
             line = fh.readline()
         if not line:
             return None, fh.tell()
-        buf = [line]
         if line.rstrip(b"\r\n") != b"{":
             text = line
         else:
+            buf = [line]
             while True:
                 nxt = fh.readline()
                 if not nxt:
@@ -543,6 +549,12 @@ class PlanReader:
                     break
             text = b"".join(buf)
         self._raw = text
+        return text, fh.tell()
+
+    def _read_record(self, fh, offset: int, what: str) -> tuple[dict | None, int]:
+        text, nxt = self._read_raw(fh, offset, what)
+        if text is None:
+            return None, nxt
         try:
             rec = parse_json(text, source=self.path, what=what)
         except InputError as e:
@@ -552,7 +564,7 @@ class PlanReader:
             raise
         if not isinstance(rec, dict):
             raise InputError(f"{what}: record is not a JSON object", source=self.path)
-        return rec, fh.tell()
+        return rec, nxt
 
     def _parse_step(self, rec: dict, k: int) -> StepPlan:
         try:
@@ -629,17 +641,20 @@ class PlanReader:
             k = 0
             self._integrity = NO_END_RECORD  # until the end record vouches for every record before it
             while True:
-                fh.seek(off)
                 pos = off
-                rec, nxt = self._read_record(fh, off, what=f"step {k}")
-                if rec is None:
+                raw, nxt = self._read_raw(fh, off, what=f"step {k}")
+                if raw is None:
                     break
-                if rec.get("kind") == "end":
-                    fh.seek(nxt)
-                    self._integrity = self._end_problem(rec, k, digest, fh)
-                    break
-                digest.update(self._raw)
-                self._record_digests.append(hashlib.sha256(self._raw).digest())
+                # only a record that can be the end record is parsed here: the end record is short and
+                # names "end"; a step record is parsed when it is read (after this scan vouched for it)
+                if len(raw) <= _END_RECORD_MAX or b'"end"' in raw:
+                    rec, nxt = self._read_record(fh, off, what=f"step {k}")
+                    if rec.get("kind") == "end":
+                        fh.seek(nxt)
+                        self._integrity = self._end_problem(rec, k, digest, fh)
+                        break
+                digest.update(raw)
+                self._record_digests.append(hashlib.sha256(raw).digest())
                 offs.append(pos)
                 off = nxt
                 k += 1

@@ -121,8 +121,9 @@ def _check_outputs(cfg: PlanConfig) -> None:
     if cfg.output is not None:
         check_path_writable(cfg.output, inputs)
         if cfg.stream:
-            from zeppelin.schemas.io.stream import chain_path
+            from zeppelin.schemas.io.stream import chain_path, check_stream_target
 
+            check_stream_target(cfg.output)  # no live stream, nothing foreign at the chain's name
             check_path_writable(chain_path(cfg.output), inputs)
     if cfg.save_case is not None:
         from zeppelin.planner.tools.check import check_case_flags
@@ -251,7 +252,7 @@ def validate(
 
     Exit 0 when valid, 1 with the first problems when not, 2 when the inputs cannot be read."""
     from zeppelin.planner.core.inputs import resolve_cluster, resolve_model
-    from zeppelin.planner.tools.validate import validate_plan, validate_summary
+    from zeppelin.planner.tools.validate import validate_plan
 
     cl = resolve_cluster(cluster) if cluster else None
     md = resolve_model(model) if model else None
@@ -266,15 +267,15 @@ def validate(
         ds = common.load_dataset(manifest, length_field, ids_field, text_field, tokenizer)
     from zeppelin.schemas.hf import is_hf_ref
 
+    s: dict = {}  # the totals, from the same single pass over the plan
     probs = validate_plan(plan_path, cluster=cl, model=md, profile=pf, manifest=ds, limit=max(limit, 1),
-                          hf=is_hf_ref(model) if model else None)
+                          hf=is_hf_ref(model) if model else None, summary=s)
     if probs:
         typer.echo(f"{plan_path}: INVALID ({len(probs)}{'+' if len(probs) >= limit else ''} problem"
                    f"{'s' if len(probs) != 1 else ''})", err=True)
         for p in probs[:limit]:
             typer.echo(f"  {p}", err=True)
         raise typer.Exit(1)
-    s = validate_summary(plan_path)
     msg = (f"{plan_path}: valid - {s['steps']} steps by {s['planner']}, {s['sequences']:,} sequences, "
            f"{s['tokens']:,} tokens on {s['world_size']} GPUs")
     if s["ratios"]:

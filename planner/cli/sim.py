@@ -171,8 +171,13 @@ def _old_spellings(values: dict[str, Any]) -> dict[str, Any]:
     from zeppelin.schemas.model import MODEL_PRESETS
 
     v = dict(values)
-    # ``-m`` named the model in an older release: a value that is a model preset (and no file) still is
-    if v["manifest"] is not None and v["manifest"] in MODEL_PRESETS and not os.path.exists(v["manifest"]):
+    # ``-m`` named the model in an older release: a value that is a model preset (and no file) still is, and
+    # so is any model reference (``hf:DIR``, a model JSON file) next to the old ``-d DATA``
+    m = v["manifest"]
+    old_model = m is not None and ((m in MODEL_PRESETS and not os.path.exists(m)) or (
+        v["dataset"] is not None and (m.startswith("hf:") or (m.lower().endswith(".json")
+                                                               and not m.lower().endswith(".manifest.json")))))
+    if old_model:
         common.deprecated("compare", "-m MODEL")
         v["manifest"], v["model"] = None, v["manifest"]
     if v["dataset"] is not None:

@@ -43,9 +43,9 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
-from zeppelin.schemas.common import InputError, Strict, format_validation_error
-from zeppelin.schemas.io.documents import parse_json
-from zeppelin.schemas.io.safefiles import read_input_bytes
+from zeppelin.schemas.common import MAX_SEED, InputError, Strict, format_validation_error
+from zeppelin.schemas.io.documents import MAX_DOC_BYTES, parse_json
+from zeppelin.schemas.io.safefiles import ManagedDir, note_input
 
 CASE_SCHEMA = "zeppelin.check-case/1"
 SETTING_FIELDS = ("cluster", "model", "dataset", "steps", "seed", "tokens_per_step", "max_seq_len", "tp")
@@ -61,10 +61,10 @@ class CheckCase(Strict):
     planner: str
     options: dict[str, Any] = Field(default_factory=dict, description="planner options")
     steps: int = Field(ge=1, le=64)
-    seed: int = Field(default=0, ge=0)
+    seed: int = Field(default=0, ge=0, le=MAX_SEED)
     tokens_per_step: int = Field(ge=1, le=2**40)
-    max_seq_len: int | None = Field(default=None, ge=1)
-    tp: int = Field(default=1, ge=1)
+    max_seq_len: int | None = Field(default=None, ge=1, le=2**31)
+    tp: int = Field(default=1, ge=1, le=256)
     tolerance: float = Field(ge=0, le=10, description="allowed relative increase of the mean step time")
     description: str = ""
 
@@ -133,8 +133,11 @@ def load_cases(directory: str | os.PathLike, only: list[str] | None = None) -> l
     if not files:
         raise InputError("no check cases (*.json) in this directory", source=d)
     cases = []
-    for f in files:
-        data = parse_json(read_input_bytes(f, "check case"), source=f)
+    with ManagedDir(d, "check directory", create=False) as md:  # case files are never read through a link
+        raws = [(f, md.read_small(f.name, "check case", limit=MAX_DOC_BYTES)) for f in files]
+    for f, raw in raws:
+        note_input(f)
+        data = parse_json(raw, source=f)
         if not isinstance(data, dict):
             raise InputError(f"expected a JSON object, got {type(data).__name__}", source=f)
         if data.get("schema_version", CASE_SCHEMA) != CASE_SCHEMA:
@@ -176,6 +179,33 @@ def _dataset(case: Case):
     return load_manifest(str(p))
 
 
+def case_ref(case: Case, ref: str) -> str:
+    """A case's ``cluster`` / ``model`` reference as this process opens it: a file path (``hf:DIR``
+    included) is relative to the case's directory, as its manifest path is; a preset name is kept."""
+    from zeppelin.planner.core.inputs import _looks_like_file
+
+    hf = ref.startswith("hf:")
+    path = ref[3:] if hf else ref
+    if not (hf or _looks_like_file(ref)) or os.path.isabs(path) or path.startswith("~"):
+        return ref
+    return ("hf:" if hf else "") + os.path.join(case.path.parent, path)
+
+
+def portable_ref(ref: str, directory: Path) -> str:
+    """``ref`` as typed on the command line, stored in a case in ``directory`` (:func:`case_ref`
+    reverses it): a relative file path is rewritten relative to the case's directory."""
+    from zeppelin.planner.core.inputs import _looks_like_file
+
+    hf = ref.startswith("hf:")
+    path = ref[3:] if hf else ref
+    if not (hf or _looks_like_file(ref)) or os.path.isabs(path) or path.startswith("~"):
+        return ref
+    rel = os.path.relpath(os.path.abspath(path), os.path.abspath(directory))
+    if not hf and not _looks_like_file(rel):
+        rel = os.path.join(".", rel)  # still a path, not a preset name
+    return ("hf:" if hf else "") + rel
+
+
 def _inputs(case: Case):
     from zeppelin.planner.core.base import PlanContext, PlanningError
     from zeppelin.planner.core.inputs import resolve_cluster, resolve_model, resolve_profile
@@ -184,8 +214,8 @@ def _inputs(case: Case):
 
     s = case.spec
     try:
-        cl = resolve_cluster(s.cluster)
-        md = resolve_model(s.model)
+        cl = resolve_cluster(case_ref(case, s.cluster))
+        md = resolve_model(case_ref(case, s.model))
         ctx = PlanContext(cl, md, resolve_profile(None, cl), tp=s.tp, seed=s.seed)
         ds = _dataset(case)
     except ValueError as e:
@@ -249,7 +279,7 @@ def run_case(case: Case, update: bool = False, exact: bool = False) -> CaseResul
     res.new_mean_s = sum(res.new_times_s) / len(res.new_times_s)
     preds = [sp.prediction.step_time_s for sp in plans if sp.prediction is not None]
     res.predicted_mean_s = sum(preds) / len(preds) if len(preds) == len(plans) else None
-    if case.golden.exists():
+    if os.path.lexists(case.golden):
         _against_golden(case, res, header, plans, sim, exact)
     elif not update:
         res.failures.append(f"{case.name}: no golden plan {case.golden.name} (create it with "
@@ -265,6 +295,9 @@ def _against_golden(case: Case, res: CaseResult, header, plans: list, sim, exact
 
     s = case.spec
     try:
+        if os.path.islink(case.golden):  # a case directory is managed: its entries are never followed
+            raise InputError("a symbolic link, not a file zeppelin wrote (remove it, or rewrite it with `zeppelin "
+                             "check --update`)", source=case.golden.name)
         reader = PlanReader(case.golden)
         golden_steps = list(reader)
         gh = reader.header
@@ -301,17 +334,27 @@ def _against_golden(case: Case, res: CaseResult, header, plans: list, sim, exact
 
 def _update_golden(case: Case, res: CaseResult, header, plans: list) -> None:
     """``--update``: the golden's own failures are dropped, and a changed plan is written as the golden."""
-    from zeppelin.schemas.plan import PlanWriter
-
     res.failures = [f for f in res.failures if ": golden plan " not in f and ": no golden plan " not in f
                     and ": unreadable golden plan" not in f and " against the golden " not in f
                     and " byte-identical to the golden " not in f]
     if not res.unchanged:
-        with PlanWriter(case.golden, header, "pretty", replaces=True) as w:
-            for sp in plans:
-                w.write(sp)
+        write_case_file(case.golden, _plan_bytes(header, plans), "golden plan")
         res.written = True
         res.notes = [n for n in res.notes if "another cost profile" not in n]  # the new golden has this one
+
+
+def write_case_file(path: Path, data: bytes, what: str) -> None:
+    """Replace ``path``, an entry of a case directory, with ``data``. The directory is managed like a
+    checkpoint directory (:class:`~zeppelin.schemas.io.safefiles.ManagedDir`): a fresh temporary file
+    is renamed over the name, so a link there is replaced, never written through; an ``OSError`` is
+    one line; SIGTERM / SIGHUP remove the temporary file."""
+    from zeppelin.schemas.io.signals import cleanup_signals
+
+    try:
+        with ManagedDir(path.parent, "check directory", create=False) as md, cleanup_signals():
+            md.write_atomic(path.name, data)
+    except OSError as e:
+        raise InputError(f"cannot write {what}: {e.strerror or e}", source=path) from None
 
 
 def _regression_detail(res: CaseResult, golden_header, header) -> str:
@@ -424,7 +467,7 @@ def run_check(directory: str | os.PathLike, update: bool = False, workers: int =
 DEFAULT_TOLERANCE = 0.01
 
 
-def check_case_flags(target: Path, given: list[str], inputs: list) -> None:
+def check_case_flags(target: str | Path, given: list[str], inputs: list) -> None:
     """Refuse ``--save-case`` with flags a check case cannot hold (``given``), or a target that is not
     DIR/NAME."""
     from zeppelin.planner.core.inputs import check_path_writable
@@ -433,21 +476,25 @@ def check_case_flags(target: Path, given: list[str], inputs: list) -> None:
         raise InputError(f"--save-case: a check case holds cluster, model, manifest, planner and its options, "
                          f"steps, seed, tokens per step, max sequence length and tp; drop {', '.join(given)}")
     name = Path(target).name
-    if not name or name in (".", "..") or name.endswith((".json", ".plan")):
+    if (not name or name in (".", "..") or name.endswith((".json", ".plan"))
+            or str(target).endswith(("/", os.sep))):
         raise InputError(f"--save-case takes DIR/NAME (NAME without an extension; got {str(target)!r})")
     for suffix in (".json", ".plan"):
-        check_path_writable(Path(str(target) + suffix), [p for p in inputs if p is not None])
+        path = Path(str(target) + suffix)
+        if os.path.lexists(path):
+            raise InputError(f"--save-case: case {name!r} exists ({path}); refresh its golden with `zeppelin check "
+                             f"{path.parent} --update -k {name}`, or remove it")
+        check_path_writable(path, [p for p in inputs if p is not None])
 
 
-def save_case(target: Path, *, cluster: str, model: str, manifest: str | None, planner: str,
+def save_case(target: str | Path, *, cluster: str, model: str, manifest: str | None, planner: str,
               options: dict[str, Any], steps: int, seed: int, tokens_per_step: int, max_seq_len: int | None,
               tp: int) -> list[str]:
     """Write ``target.json`` (a check case of these settings) and its golden ``target.plan``; the lines
     to print. A manifest path is stored relative to the case's directory, as ``zeppelin check`` reads it."""
     import json
 
-    from zeppelin.schemas.io.safefiles import atomic_write_text
-
+    check_case_flags(target, [], [])  # again: a case may have appeared meanwhile
     d = Path(target).parent
     if manifest is None:
         dataset = "sample"
@@ -456,19 +503,25 @@ def save_case(target: Path, *, cluster: str, model: str, manifest: str | None, p
     else:
         dataset = os.path.relpath(os.path.abspath(manifest), os.path.abspath(d))
     try:
-        spec = CheckCase(cluster=cluster, model=model, dataset=dataset, planner=planner,
-                         options=_json_options(planner, options), steps=steps, seed=seed, tokens_per_step=tokens_per_step,
-                         max_seq_len=max_seq_len, tp=tp, tolerance=DEFAULT_TOLERANCE,
+        spec = CheckCase(cluster=portable_ref(cluster, d), model=portable_ref(model, d), dataset=dataset,
+                         planner=planner, options=_json_options(planner, options), steps=steps, seed=seed,
+                         tokens_per_step=tokens_per_step, max_seq_len=max_seq_len, tp=tp, tolerance=DEFAULT_TOLERANCE,
                          description=f"saved by `zeppelin plan --save-case {target}`")
     except ValidationError as e:
         raise InputError(f"--save-case: {format_validation_error(e)}") from None
-    d.mkdir(parents=True, exist_ok=True)
+    ManagedDir(d, "--save-case directory").close()  # made with its parents, one line when it cannot be
     path = Path(str(target) + ".json")
     case = Case(path.stem, path, spec)
     res = run_case(case, update=True)
     if res.failures:
         raise InputError(f"--save-case: {res.failures[0]}")
-    atomic_write_text(path, json.dumps(spec.model_dump(exclude={"schema_version"}), indent=1) + "\n")
+    try:
+        write_case_file(path, (json.dumps(spec.model_dump(exclude={"schema_version"}), indent=1) + "\n").encode(),
+                        "check case")
+    except BaseException:
+        with ManagedDir(d, "check directory", create=False) as md:  # no golden without its case
+            md.remove(case.golden.name)
+        raise
     return [f"wrote {path} and its golden {case.golden} (mean simulated step {res.new_mean_s * 1e3:.2f} ms, "
             f"tolerance {DEFAULT_TOLERANCE:.0%}); check it with `zeppelin check {d} -k {case.name}`"]
 

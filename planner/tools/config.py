@@ -197,7 +197,7 @@ PLAN_ONLY = (
     Flag("fmt", ("--format",), str, "jsonl", "jsonl (compact) or pretty (readable, diffable)",
          choices=("jsonl", "pretty")),
     Flag("explain", ("--explain",), bool, False, "print the tier thresholds and how they were derived"),
-    Flag("save_case", ("--save-case",), Path, None, "also write a `zeppelin check` case DIR/NAME.json from these "
+    Flag("save_case", ("--save-case",), str, None, "also write a `zeppelin check` case DIR/NAME.json from these "
          "flags and its golden plan DIR/NAME.plan (README: plan checks in CI)", metavar="DIR/NAME"),
     JSON.but(help="print the summary as JSON"),
     Flag("quiet", ("--quiet", "-q"), bool, False, "no progress bar or summary"),
@@ -301,6 +301,10 @@ class Config(BaseModel):
 
         tokens = self.tokens_per_step if tokens_per_step is None else tokens_per_step
         if tokens is None and self.seqs_per_step is None:
+            if int(ctx.cost.token_capacity) < 1:  # the default budget would be no token at all
+                raise InputError(f"model {ctx.model.name} does not fit on cluster {ctx.cluster.name}: no token of "
+                                 "activations fits in a GPU's memory beside its share of the weights, so there is no "
+                                 "default --tokens-per-step (use more GPUs, a larger --tp or a smaller model)")
             tokens = default_tokens_per_step(ctx.cost.token_capacity, ctx.num_units)
         return SamplerConfig(tokens_per_step=tokens, seqs_per_step=self.seqs_per_step, shuffle=not self.no_shuffle,
                              seed=self.seed, max_seq_len=self.max_seq_len, overflow=self.overflow)

@@ -103,16 +103,18 @@ def step_problems(ctx: PlanContext, header: PlanHeader, step: StepPlan, limit: i
 
 
 def validate_plan(path: str | os.PathLike, cluster=None, model=None, profile=None, manifest: Any = None,
-                  limit: int = 20, hf: bool | None = None) -> list[str]:
+                  limit: int = 20, hf: bool | None = None, summary: dict[str, Any] | None = None) -> list[str]:
     """All problems of the plan at ``path`` (empty: valid). Raises InputError if it cannot be read.
     ``hf``: the run trains a Hugging Face model (``--model hf:DIR``; None: as the plan's model
-    name says) - the ``runnable`` check (:mod:`zeppelin.schemas.runnable`)."""
+    name says) - the ``runnable`` check (:mod:`zeppelin.schemas.runnable`). ``summary``: filled with
+    :func:`validate_summary`'s totals in the same pass (complete when the plan is valid)."""
     from zeppelin.schemas.runnable import step_problem
 
     reader = PlanReader(path, check=False)
     header = reader.header
     ctx = header_context(header)
     probs = input_problems(header, cluster, model, profile, manifest)
+    totals = _Totals(ctx, header) if summary is not None else None
     try:
         for step in reader:
             probs += step_problems(ctx, header, step, limit=limit)
@@ -123,26 +125,45 @@ def validate_plan(path: str | os.PathLike, cluster=None, model=None, profile=Non
                 probs += [f"inputs: {p}" for p in sample_problems(step, manifest.lengths)]
             if len(probs) >= limit:
                 break
+            if totals is not None and not probs:  # the totals matter only for a valid plan
+                totals.add(step)
     except InputError as e:
         probs.append(f"format: {e.problem}")
+    if totals is not None:
+        summary.update(totals.result())
     return probs[:limit]
+
+
+class _Totals:
+    """The totals :func:`validate_summary` reports, step by step."""
+
+    def __init__(self, ctx, header: PlanHeader) -> None:
+        from zeppelin.planner.sim.summary import PlanSummary
+
+        self.ctx, self.header = ctx, header
+        self.steps = self.seqs = self.tokens = 0
+        self.counts = PlanSummary()
+        self.ratios: list[float] = []
+
+    def add(self, st: StepPlan) -> None:
+        from zeppelin.planner.sim.summary import step_summary
+
+        self.steps += 1
+        self.seqs += len(st.sequences)
+        self.tokens += st.tokens
+        self.counts.add(step_summary(self.ctx, st, traffic={}))  # tiers by the units' span; no traffic needed
+        if st.prediction is not None and st.prediction.lower_bound_s > 0:
+            self.ratios.append(st.prediction.step_time_s / st.prediction.lower_bound_s)
+
+    def result(self) -> dict[str, Any]:
+        return {"planner": self.header.planner, "steps": self.steps, "sequences": self.seqs, "tokens": self.tokens,
+                "tiers": dict(self.counts.sequences), "ratios": self.ratios, "world_size": self.header.world_size}
 
 
 def validate_summary(path: str | os.PathLike) -> dict[str, Any]:
     """Totals of a valid plan for the CLI's report."""
-    from zeppelin.planner.sim.summary import PlanSummary, step_summary
-
     reader = PlanReader(path, check=False)
-    ctx = header_context(reader.header)
-    steps = seqs = tokens = 0
-    counts = PlanSummary()
-    ratios = []
+    totals = _Totals(header_context(reader.header), reader.header)
     for st in reader:
-        steps += 1
-        seqs += len(st.sequences)
-        tokens += st.tokens
-        counts.add(step_summary(ctx, st, traffic={}))  # tiers by the units' span; traffic is not needed here
-        if st.prediction is not None and st.prediction.lower_bound_s > 0:
-            ratios.append(st.prediction.step_time_s / st.prediction.lower_bound_s)
-    return {"planner": reader.header.planner, "steps": steps, "sequences": seqs, "tokens": tokens,
-            "tiers": dict(counts.sequences), "ratios": ratios, "world_size": reader.header.world_size}
+        totals.add(st)
+    return totals.result()

@@ -118,7 +118,13 @@ def train(job: Job, sinks: Sinks) -> None:
                                         skipped=None if bad is None else f"non-finite {bad[1]} on rank {bad[0]}"))
             if k - job.start < 3:  # the first steps' ends: the warm-up in the start-up trace
                 startup.mark(f"step{k - job.start + 1}")
-            job.ckpt.after_step(k, job.end, ex.model, ex.optimizer, job.settings.hparams)
+            if job.losses:  # --nan-policy skip: no checkpoint of a model this run has not trained
+                job.ckpt.after_step(k, job.end, ex.model, ex.optimizer, job.settings.hparams)
+        if job.skipped and job.skipped == job.end - job.start:
+            if job.rank != 0:
+                raise PeerStopped()
+            raise NonFiniteError(f"every step of the run ({job.skipped}) had a non-finite loss or gradient norm and "
+                                 "was skipped (--nan-policy skip): nothing was trained and no checkpoint was written")
     finally:
         heartbeat.close()
         startup.write_trace(job.rank)

@@ -47,12 +47,23 @@ class JsonlSink(MetricsSink):
     resumed run appends to the file of the run it continues."""
 
     def __init__(self, path, append: bool) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.fh = path.open("a" if append else "w")  # streamed: checked up front by check_output
+        self.path = path
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.fh = path.open("a" if append else "w")  # streamed: checked up front by check_output
+        except OSError as e:
+            raise self._error(e) from None
+
+    def _error(self, e: OSError) -> InputError:
+        """A failed open or write (full disk, read-only filesystem): one line naming the file and why."""
+        return InputError(f"cannot write the metrics file: {e.strerror or e}", source=self.path)
 
     def write(self, rec: dict[str, Any]) -> None:
-        self.fh.write(json.dumps(finite_json(rec), allow_nan=False) + "\n")
-        self.fh.flush()
+        try:
+            self.fh.write(json.dumps(finite_json(rec), allow_nan=False) + "\n")
+            self.fh.flush()
+        except OSError as e:
+            raise self._error(e) from None
 
     def close(self) -> None:
         self.fh.close()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gzip
 from array import array
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -245,7 +245,7 @@ def read_parquet(path: Path, mode: str, field: str, tok: Callable[[str], Any] | 
     if mode == "text" and not (pa.types.is_string(typ) or pa.types.is_large_string(typ)):
         raise InputError(f"column {field!r} has type {typ}, expected strings", source=path)
     row0 = 0
-    for batch in pf.iter_batches(columns=[field], batch_size=1 << 20):
+    for batch in _parquet_batches(pf, field, path, pa.ArrowException):
         col = batch.column(0)
         if col.null_count:
             i = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
@@ -263,6 +263,23 @@ def read_parquet(path: Path, mode: str, field: str, tok: Callable[[str], Any] | 
         check_positive(vals, sink.count, path)
         sink.add_lengths(vals)
         row0 += len(col)
+
+
+def _parquet_batches(pf, field: str, path: Path, arrow_error: type) -> Iterator[Any]:
+    """The column's record batches; a page that cannot be decoded (damaged, truncated) is one line."""
+    batches = pf.iter_batches(columns=[field], batch_size=1 << 20)
+    row0 = 0
+    while True:
+        try:
+            batch = next(batches, None)
+        except (arrow_error, OSError, ValueError) as e:
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise InputError(f"damaged Parquet data after row {row0:,} ({e.__class__.__name__}: {first})",
+                             source=path) from None
+        if batch is None:
+            return
+        row0 += batch.num_rows
+        yield batch
 
 
 # =============================================================================================

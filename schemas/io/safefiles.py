@@ -49,12 +49,15 @@ __all__ = [
     "atomic_write_text",
     "check_input_file",
     "check_output",
+    "check_side_file",
+    "check_writable_dir",
     "kind_of",
     "note_input",
     "open_temp",
     "place",
     "read_input_bytes",
     "read_small",
+    "remove_own",
     "same_file",
     "stat_regular",
     "tracking_inputs",
@@ -196,6 +199,23 @@ def check_output(path: str | os.PathLike, inputs: Any = (), what: str = "output"
     return target
 
 
+def check_writable_dir(path: str | os.PathLike, what: str = "output") -> None:
+    """Refuse, before any work, an output whose directory (or the nearest one that exists) is on a
+    read-only filesystem or not writable: one line naming the path and the errno's text."""
+    import errno
+
+    anc = Path(os.path.abspath(path)).parent
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    try:
+        readonly = bool(os.statvfs(anc).f_flag & getattr(os, "ST_RDONLY", 1))
+    except OSError as e:
+        raise InputError(f"cannot write {what}: {_why(e)}", source=path) from None
+    if readonly or not os.access(anc, os.W_OK | os.X_OK):
+        raise InputError(f"cannot write {what}: {os.strerror(errno.EROFS if readonly else errno.EACCES)}",
+                         source=path)
+
+
 def _temp_basename(name: str) -> str:
     return f".{name[:40]}.{secrets.token_hex(6)}.tmp"
 
@@ -212,13 +232,78 @@ def open_temp(target: Path, names: list[str]) -> int:
             names.pop()
 
 
-def place(tmp: str, target: Path) -> None:
+def place(tmp: str, target: Path, *, link: bool = False, what: str = "file", busy: str = "in use") -> None:
     """Rename a finished temporary file over ``target``, with the permissions a plain ``open()``
-    would have given it (temporary files are created 0600)."""
+    would have given it (temporary files are created 0600).
+
+    ``link=True`` (a side file zeppelin keeps open and locked, such as a plan stream's chain): the
+    file is hard-linked at ``target`` instead, which fails when anything is at that name and never
+    follows a link there, and the temporary name is removed. An entry already at ``target`` is
+    taken over only when it is a regular file of one link whose ``flock`` is free (left behind by a
+    writer that was killed); a locked one is refused with ``busy``, anything else (a symbolic link,
+    a FIFO, a hard link to another file) as not zeppelin's."""
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o666 & ~umask)
-    os.replace(tmp, target)
+    if not link:
+        os.replace(tmp, target)
+        return
+    for _ in range(3):
+        try:
+            os.link(tmp, target, follow_symlinks=False)
+            break
+        except FileExistsError:
+            _clear_stale(target, what, busy)
+    else:
+        raise InputError(f"{what} keeps reappearing: {busy}", source=target)
+    os.unlink(tmp)
+
+
+def check_side_file(path: str | os.PathLike, what: str, busy: str) -> None:
+    """Refuse, before any work, a side file name (see :func:`place`) held by a live writer or by
+    something zeppelin did not write; nothing is removed."""
+    _clear_stale(Path(path), what, busy, remove=False)
+
+
+def _clear_stale(path: Path, what: str, busy: str, remove: bool = True) -> None:
+    """Remove a side file left by a killed writer (see :func:`place`); refuse a live or foreign one."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC)
+    except FileNotFoundError:
+        return
+    except OSError:
+        st = os.lstat(path)
+        raise InputError(f"{what} is {kind_of(st.st_mode)}, not a file zeppelin wrote (remove it)",
+                         source=path) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InputError(f"{what} is {kind_of(st.st_mode)}, not a file zeppelin wrote (remove it)",
+                             source=path)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise InputError(busy, source=path) from None
+        if st.st_nlink != 1:
+            raise InputError(f"{what} has {st.st_nlink} hard links, not a file zeppelin wrote (remove it)",
+                             source=path)
+        if remove:
+            remove_own(path, (st.st_dev, st.st_ino))
+    finally:
+        os.close(fd)
+
+
+def remove_own(path: str | os.PathLike, ident: tuple[int, int]) -> None:
+    """Unlink ``path`` if it still names the file ``ident`` (device, inode) that zeppelin made there:
+    a file another writer has put at the name since, or a link planted there, is left alone."""
+    try:
+        st = os.lstat(path)
+        if (st.st_dev, st.st_ino) == ident and stat.S_ISREG(st.st_mode):
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 @contextmanager
@@ -240,12 +325,13 @@ def atomic_write(path: str | os.PathLike, mode: str = "w", *, inputs: Any = (), 
         raise InputError(f"cannot write {what}: {_why(e)}", source=shown) from None
     tmps: list[str] = []
     try:
-        with cleanup_signals():
+        with cleanup_signals() as signals:
             try:
                 with os.fdopen(open_temp(target, tmps), mode) as fh:
                     yield fh
                     fh.flush()
                     os.fsync(fh.fileno())
+                signals.check()  # a signal swallowed on its way still leaves the output untouched
                 place(tmps[0], target)
                 tmps.clear()
             except OSError as e:

@@ -8,7 +8,7 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator
 
-__all__ = ["Terminated", "cleanup_signals"]
+__all__ = ["SignalState", "Terminated", "cleanup_signals"]
 
 
 class Terminated(BaseException):
@@ -20,25 +20,46 @@ class Terminated(BaseException):
         super().__init__(f"terminated by {signal.Signals(signum).name}")
 
 
-def _raise_terminated(signum, frame):
-    raise Terminated(signum)
+class SignalState:
+    """What :func:`cleanup_signals` yields: the first signal received while it was installed."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+
+    def check(self) -> None:
+        """Raise :class:`Terminated` if a signal came (call it before the step that makes a write
+        visible: a signal whose exception some code swallowed still stops the write)."""
+        if self.received is not None:
+            raise Terminated(self.received)
 
 
 @contextmanager
-def cleanup_signals() -> Iterator[None]:
+def cleanup_signals() -> Iterator[SignalState]:
     """Turn SIGTERM/SIGHUP into :class:`Terminated` while writing (so the temporary file is removed),
-    restoring the previous handlers afterwards. Only the main thread can install handlers."""
+    restoring the previous handlers afterwards. Only the main thread can install handlers.
+
+    A signal is never lost: the handlers are installed inside the ``try`` that restores them, and a
+    signal whose exception was swallowed on its way (a ``__del__``, a callback that ignores
+    exceptions) raises :class:`Terminated` again when the block ends."""
+    state = SignalState()
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield state
         return
+
+    def handler(signum, frame):
+        if state.received is None:
+            state.received = signum
+        raise Terminated(signum)
+
     old = {}
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        try:
-            old[sig] = signal.signal(sig, _raise_terminated)
-        except (ValueError, OSError):
-            pass
     try:
-        yield
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            try:
+                old[sig] = signal.signal(sig, handler)
+            except (ValueError, OSError):
+                pass
+        yield state
     finally:
         for sig, h in old.items():
             signal.signal(sig, h)
+    state.check()

@@ -28,6 +28,7 @@ import errno
 import fcntl
 import hashlib
 import os
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,10 +36,11 @@ from typing import Literal
 
 from ..common import InputError
 from ..plan import PlanHeader, PlanReader, StepPlan, _dump, end_record
-from .safefiles import check_output, open_temp, place
+from .safefiles import check_output, check_side_file, kind_of, open_temp, place, remove_own
 from .signals import cleanup_signals
 
-__all__ = ["CHAIN_SUFFIX", "FollowReader", "StreamingPlanWriter", "chain_path", "open_plan_reader", "waiting_line"]
+__all__ = ["CHAIN_SUFFIX", "FollowReader", "StreamingPlanWriter", "chain_path", "check_stream_target", "open_plan_reader",
+           "waiting_line"]
 
 CHAIN_SUFFIX = ".chain"
 
@@ -46,6 +48,22 @@ CHAIN_SUFFIX = ".chain"
 def chain_path(path: str | os.PathLike) -> Path:
     p = Path(path)
     return p.with_name(p.name + CHAIN_SUFFIX)
+
+
+CHAIN_WHAT = "plan chain file"
+
+
+def busy_line(plan: Path) -> str:
+    """Why a second stream of ``plan`` is refused while the first one writes it."""
+    return (f"{plan.name} is being written by another `zeppelin plan --stream` (a live stream); wait for it "
+            "to end or write another file")
+
+
+def check_stream_target(plan: str | os.PathLike) -> None:
+    """Before any planning: the chain name of ``plan`` is free, left by a killed planner, or refused
+    (a live stream, a link or anything zeppelin did not write there)."""
+    target = Path(os.path.realpath(plan)) if os.path.islink(plan) else Path(plan)
+    check_side_file(chain_path(target), CHAIN_WHAT, busy_line(target))
 
 
 class StreamingPlanWriter:
@@ -56,12 +74,12 @@ class StreamingPlanWriter:
         self.path, self.header, self.fmt = Path(path), header, fmt
         self.count = 0
         self._fh = self._ch = None
-        self._targets: list[Path] = []
+        self._targets: list[tuple[Path, tuple[int, int]]] = []
         self._signals = None
 
     def __enter__(self) -> StreamingPlanWriter:
         target = check_output(self.path, what="plan")
-        chain = check_output(chain_path(target), what="plan chain file")
+        chain = chain_path(target)
         self._signals = cleanup_signals()
         self._signals.__enter__()
         tmps: list[str] = []
@@ -74,10 +92,10 @@ class StreamingPlanWriter:
             self._fh.write(head)
             self._sync()
             self._chain_line()
-            place(tmps[1], chain)
-            self._targets.append(chain)
+            place(tmps[1], chain, link=True, what=CHAIN_WHAT, busy=busy_line(target))  # appears locked
+            self._own(chain, self._ch)
             place(tmps[0], target)
-            self._targets.append(target)
+            self._own(target, self._fh)
         except BaseException as e:
             for t in tmps:
                 with contextlib.suppress(OSError):
@@ -87,6 +105,12 @@ class StreamingPlanWriter:
                 raise InputError(f"cannot write plan: {e.strerror or e}", source=self.path) from None
             raise
         return self
+
+    def _own(self, name: Path, fh) -> None:
+        """``name`` now holds the file open as ``fh``: it is removed (on failure; the chain at the end)
+        only while it still does, so a file another writer put at the name is never removed."""
+        st = os.fstat(fh.fileno())
+        self._targets.append((name, (st.st_dev, st.st_ino)))
 
     def _sync(self) -> None:
         self._fh.flush()
@@ -100,27 +124,33 @@ class StreamingPlanWriter:
         if step.step != self.count:
             raise ValueError(f"steps must be written in order: expected step {self.count}, got {step.step}")
         data = _dump(step, self.fmt).encode()
-        self._fh.write(data)
-        self._sync()  # the record is in the file before its chain line vouches for it
-        self._digest.update(data)
-        self.count += 1
-        self._chain_line()
+        try:
+            self._fh.write(data)
+            self._sync()  # the record is in the file before its chain line vouches for it
+            self._digest.update(data)
+            self.count += 1
+            self._chain_line()
+        except OSError as e:
+            self._abort()
+            raise InputError(f"cannot write plan: {e.strerror or e}", source=self.path) from None
 
     def _abort(self) -> None:
         """Remove what was written (a follower keeps its open descriptors and sees the stream end)."""
-        for t in self._targets:
-            with contextlib.suppress(OSError):
-                os.unlink(t)
+        for name, ident in self._targets:
+            remove_own(name, ident)
         self._targets = []
         for f in (self._fh, self._ch):
             if f is not None:
                 with contextlib.suppress(OSError):
                     f.close()
+        self._fh = self._ch = None
         if self._signals is not None:
             sig, self._signals = self._signals, None
             sig.__exit__(None, None, None)
 
     def __exit__(self, et, ev, tb):
+        if self._fh is None:  # a failed write has removed everything already
+            return False
         if et is None and self.count != self.header.num_steps:
             self._abort()
             raise ValueError(f"header promises {self.header.num_steps} steps, {self.count} written")
@@ -130,8 +160,7 @@ class StreamingPlanWriter:
         try:
             self._fh.write(end_record(self.count, self._digest).encode())
             self._sync()
-            with contextlib.suppress(OSError):
-                os.unlink(self._targets[0])  # the chain: the end record vouches for the finished plan
+            remove_own(*self._targets[0])  # the chain: the end record vouches for the finished plan
             self._fh.close()
             self._ch.close()  # releases the lock: the stream is complete
         except OSError as e:
@@ -152,15 +181,13 @@ class FollowReader(PlanReader):
     step). A plan that is already complete (no chain file) is read and verified as a whole."""
 
     def __init__(self, path: str | os.PathLike, *, check: bool = True, poll_s: float = 0.05, notice_s: float = 1.0,
-                 on_wait: Callable[[int, float], None] | None = None):
+                 on_wait: Callable[[int, float], None] | None = None, stall_s: float = 300.0):
         super().__init__(path, check=check)
-        self.poll_s, self.notice_s, self.on_wait = poll_s, notice_s, on_wait
+        self.poll_s, self.notice_s, self.on_wait, self.stall_s = poll_s, notice_s, on_wait, stall_s
         self._chain: list[str] = []
         self._buf = b""
-        try:
-            self._cfh = chain_path(self.path).open("rb")
-        except FileNotFoundError:
-            self._cfh = None  # a finished plan: its end record vouches for it
+        self._chain_bytes = 0
+        self._cfh = open_chain(chain_path(self.path))  # None: a finished plan, its end record vouches for it
         self.following = self._cfh is not None
         if not self.following:
             self.verify()
@@ -175,7 +202,16 @@ class FollowReader(PlanReader):
         self._last: StepPlan | None = None
 
     def _read_chain(self) -> None:
-        self._buf += self._cfh.read()
+        limit = CHAIN_LINE_BYTES * (self.header.num_steps + 1)
+        try:
+            more = self._cfh.read(limit + 1 - self._chain_bytes)
+        except OSError as e:
+            raise InputError(f"cannot read the plan chain file: {e.strerror or e}", source=chain_path(self.path)) from None
+        self._chain_bytes += len(more or b"")
+        if self._chain_bytes > limit:
+            raise InputError(f"chain file is larger than the {limit:,} bytes a plan of {self.header.num_steps} steps "
+                             "has (not a chain zeppelin wrote)", source=chain_path(self.path))
+        self._buf += more or b""
         *lines, self._buf = self._buf.split(b"\n")
         for ln in lines:
             count, _, digest = ln.decode("ascii", "replace").partition(" ")
@@ -196,12 +232,20 @@ class FollowReader(PlanReader):
 
     def _wait(self, count: int, what: str) -> None:
         """Until the chain vouches for ``count`` step records (0: the header)."""
-        t0 = time.monotonic()
+        t0 = last = time.monotonic()
         told = False
+        have = len(self._chain)
         while True:
             self._read_chain()
             if len(self._chain) > count:
                 return
+            now = time.monotonic()
+            if len(self._chain) > have:
+                have, last = len(self._chain), now
+            elif now - last > self.stall_s:
+                raise InputError(f"{what}: the planner wrote nothing for {self.stall_s:g} s (--timeout); it is "
+                                 f"stopped or stuck (the plan stream holds {max(have - 1, 0)} of "
+                                 f"{self.header.num_steps} steps)", source=self.path)
             if not self._writer_alive():
                 self._read_chain()
                 if len(self._chain) > count:
@@ -209,7 +253,7 @@ class FollowReader(PlanReader):
                 have = len(self._chain) - 1
                 raise InputError(f"{what}: the planner stopped before writing it (the plan stream holds "
                                  f"{max(have, 0)} of {self.header.num_steps} steps)", source=self.path)
-            waited = time.monotonic() - t0
+            waited = now - t0
             if not told and waited >= self.notice_s and self.on_wait is not None and count > 0:
                 self.on_wait(count - 1, waited)
                 told = True
@@ -249,6 +293,28 @@ class FollowReader(PlanReader):
             self._cfh.close()
 
 
+#: the longest line of a chain file: ``COUNT sha256:HEX`` (a count of at most 7 digits)
+CHAIN_LINE_BYTES = 7 + 1 + 7 + 64 + 1
+
+
+def open_chain(path: Path):
+    """The chain file opened for reading like the other small files zeppelin reads: non-blocking (a FIFO
+    cannot hang the follower), a regular file only (a link to ``/dev/zero`` is refused); None when
+    there is none."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise InputError(f"cannot read the plan chain file: {e.strerror or e}", source=path) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise InputError(f"plan chain file is {kind_of(st.st_mode)}, not a regular file", source=path)
+    return os.fdopen(fd, "rb")
+
+
 def waiting_line(k: int, waited: float) -> None:
     """``zeppelin run --follow``'s line when training waits for the planner (step ``k``; -1: the file)."""
     what = "to create the plan" if k < 0 else f"to write step {k}"
@@ -274,4 +340,4 @@ def open_plan_reader(path: str | os.PathLike, *, follow: bool = False, digest: s
             on_wait(-1, waited)
             told = True
         time.sleep(0.1)
-    return FollowReader(path, on_wait=on_wait)
+    return FollowReader(path, on_wait=on_wait, stall_s=wait_s)

@@ -713,14 +713,18 @@ def test_non_finite_loss(tree, policy):
             "(--nan-policy stop; --nan-policy skip leaves such steps out)")
         assert recs == []
         assert (w / "ck" / "latest").read_text() == "ckpt-000001\n"  # no checkpoint of a non-finite state
-    else:
-        assert p.returncode == 0, p.stderr
+    else:  # every step of this run is skipped: it fails rather than report success for nothing
+        assert p.returncode == 1, p.stderr
+        assert p.stderr.splitlines()[-1] == (
+            "zeppelin: error: job failed: rank 0: every step of the run (1) had a non-finite loss or gradient norm "
+            "and was skipped (--nan-policy skip): nothing was trained and no checkpoint was written")
         assert [(r["step"], r["loss"], r["skipped"]) for r in recs] == [(1, None, "non-finite loss on rank 0")]
         from zeppelin.runtime.optim import LRSchedule
 
         assert recs[0]["lr"] == LRSchedule(1e-3, 2, "linear", min_lr=1e-4)(1) == pytest.approx(5.5e-4)
         assert recs[0]["grad_norm"] is None
-        assert "(1 skipped by --nan-policy skip: loss or gradient norm not finite)" in p.stdout
+        assert (w / "ck" / "latest").read_text() == "ckpt-000001\n"  # no checkpoint of an untrained model
+        assert sorted(p.name for p in (w / "ck").iterdir() if p.name.startswith("ckpt-")) == ["ckpt-000001"]
 
 
 @pytest.mark.parametrize("value,clean", [
