@@ -39,6 +39,7 @@ from zeppelin.planner.costmodel.compute import (
     window_pairs_between,
 )
 from zeppelin.planner.costmodel.memory import MemoryCosts
+from zeppelin.planner.costmodel.recompute import RecomputeCosts
 from zeppelin.schemas.cluster import ClusterSpec
 from zeppelin.schemas.model import ModelSpec
 from zeppelin.schemas.profile import CostProfile, default_profile
@@ -55,7 +56,7 @@ __all__ = [
 
 
 @dataclass
-class CostModel(ComputeCosts, CommCosts, MemoryCosts):
+class CostModel(ComputeCosts, CommCosts, MemoryCosts, RecomputeCosts):
     """The cost model of one unit (``tp`` GPUs) of a cluster running a model, priced from a profile."""
 
     cluster: ClusterSpec
