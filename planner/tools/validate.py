@@ -74,9 +74,9 @@ def memory_problems(ctx: PlanContext, step: StepPlan, mbi: int, mb: MicroBatch) 
     for what, held in (("attention", att), ("linear", lin)):
         for u, t in enumerate(held):
             cm = costs[u] if u < n else ctx.cost
-            cap = cm.token_capacity
+            cap = cm.recompute_capacity(mb.recompute)  # the micro-batch's recomputation (None: the plan's)
             if t > cap:
-                gb = float(cm.memory_bytes(t)) / 1e9
+                gb = float(cm.recompute_memory_bytes(t, mb.recompute)) / 1e9
                 probs.append(f"memory: step {step.step} microbatch {mbi} unit {u} holds {t:,} tokens in the {what} "
                              f"layout, more than the {cap:,} its memory allows ({gb:.1f} GB > "
                              f"{ctx.cluster.gpu.memory_gb - ctx.profile.memory_reserved_gb:g} GB usable)")
