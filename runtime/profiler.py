@@ -51,7 +51,7 @@ from zeppelin.schemas.model import ModelSpec, model_preset
 QUICK = dict(att=[16, 32, 64, 128, 256, 512, 1024, 2048], lin=[64, 256, 1024, 2048, 4096],
              tp_lin=[256, 1024, 2048, 4096], tp_reps=2,
              p2p=[2**10, 2**14, 2**17, 2**20, 2**22], remap=[16, 128, 512, 2048], fsdp=512, reps=5,
-             warmup=1)
+             warmup=1, recompute_tokens=256)
 FULL = dict(att=[16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192],
             lin=[64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
             tp_lin=[64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384], tp_reps=10,
@@ -60,7 +60,8 @@ FULL = dict(att=[16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192],
 # the fewest points each fit takes, timed twice: seconds on a CPU, for checking that profiling runs
 # end to end (benchmarks/gpu_check.py --dry-run); its fits are rough
 SMOKE = dict(att=[64, 128, 256, 512], lin=[64, 256, 1024], tp_lin=[256, 1024, 2048], tp_reps=1,
-             p2p=[2**10, 2**14, 2**17], remap=[16, 128, 512], fsdp=256, mem=(32, 64), reps=2, warmup=1)
+             p2p=[2**10, 2**14, 2**17], remap=[16, 128, 512], fsdp=256, mem=(32, 64), reps=2, warmup=1,
+             recompute_tokens=256)
 
 
 class Timer:
@@ -397,7 +398,7 @@ def measure_activation_memory(model: ModelSpec, dev, tokens=MEMORY_TOKENS) -> di
     return out
 
 
-RECOMPUTE_TIME_TOKENS = 1024  # one sequence, as long as the CPU times in seconds
+RECOMPUTE_TIME_TOKENS = 1024  # one sequence (the quick and smoke grids: 256, a few seconds on a CPU)
 
 
 def measure_recompute_time(model: ModelSpec, dev, timer, reps, warmup, tokens: int = RECOMPUTE_TIME_TOKENS
