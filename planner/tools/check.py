@@ -39,7 +39,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
@@ -48,7 +48,7 @@ from zeppelin.schemas.io.documents import parse_json
 from zeppelin.schemas.io.safefiles import read_input_bytes
 
 CASE_SCHEMA = "zeppelin.check-case/1"
-SETTING_FIELDS = ("cluster", "model", "dataset", "steps", "seed", "tokens_per_step", "max_seq_len", "tp")
+SETTING_FIELDS = ("cluster", "model", "dataset", "steps", "seed", "tokens_per_step", "max_seq_len", "tp", "recompute")
 
 
 class CheckCase(Strict):
@@ -65,6 +65,8 @@ class CheckCase(Strict):
     tokens_per_step: int = Field(ge=1, le=2**40)
     max_seq_len: int | None = Field(default=None, ge=1)
     tp: int = Field(default=1, ge=1)
+    recompute: Literal["auto", "none", "selective", "full"] = Field(
+        default="auto", description="--recompute (auto: zeppelin's planners choose per micro-batch)")
     tolerance: float = Field(ge=0, le=10, description="allowed relative increase of the mean step time")
     description: str = ""
 
@@ -186,7 +188,7 @@ def _inputs(case: Case):
     try:
         cl = resolve_cluster(s.cluster)
         md = resolve_model(s.model)
-        ctx = PlanContext(cl, md, resolve_profile(None, cl), tp=s.tp, seed=s.seed)
+        ctx = PlanContext(cl, md, resolve_profile(None, cl), tp=s.tp, seed=s.seed, recompute=s.recompute)
         ds = _dataset(case)
     except ValueError as e:
         raise PlanningError(str(e)) from None
@@ -441,7 +443,7 @@ def check_case_flags(target: Path, given: list[str], inputs: list) -> None:
 
 def save_case(target: Path, *, cluster: str, model: str, manifest: str | None, planner: str,
               options: dict[str, Any], steps: int, seed: int, tokens_per_step: int, max_seq_len: int | None,
-              tp: int) -> list[str]:
+              tp: int, recompute: str = "auto") -> list[str]:
     """Write ``target.json`` (a check case of these settings) and its golden ``target.plan``; the lines
     to print. A manifest path is stored relative to the case's directory, as ``zeppelin check`` reads it."""
     import json
@@ -458,7 +460,7 @@ def save_case(target: Path, *, cluster: str, model: str, manifest: str | None, p
     try:
         spec = CheckCase(cluster=cluster, model=model, dataset=dataset, planner=planner,
                          options=_json_options(planner, options), steps=steps, seed=seed, tokens_per_step=tokens_per_step,
-                         max_seq_len=max_seq_len, tp=tp, tolerance=DEFAULT_TOLERANCE,
+                         max_seq_len=max_seq_len, tp=tp, recompute=recompute, tolerance=DEFAULT_TOLERANCE,
                          description=f"saved by `zeppelin plan --save-case {target}`")
     except ValidationError as e:
         raise InputError(f"--save-case: {format_validation_error(e)}") from None
