@@ -16,11 +16,12 @@ Formulas (h hidden, g KV heads, d head dim, f FFN, m = 3 for SwiGLU / 2 for GELU
 * kernel time = overhead + FLOPs / (peak * eff_max * n / (n + n_half))
 * link time   = alpha + bytes / bandwidth
 
-The formulas live in three parts, one mixin each, that :class:`CostModel` (the facade every caller
+The formulas live in four parts, one mixin each, that :class:`CostModel` (the facade every caller
 imports) puts together: :mod:`~zeppelin.planner.costmodel.compute` (kernel FLOPs and times, ring
 rounds' compute), :mod:`~zeppelin.planner.costmodel.comm` (links, rings' exchanges, all-to-alls,
-remap, data- and tensor-parallel collectives) and :mod:`~zeppelin.planner.costmodel.memory` (peak
-bytes per GPU by component).
+remap, data- and tensor-parallel collectives), :mod:`~zeppelin.planner.costmodel.memory` (peak
+bytes per GPU by component) and :mod:`~zeppelin.planner.costmodel.recompute` (the memory and time
+of each recomputation choice).
 """
 
 from __future__ import annotations

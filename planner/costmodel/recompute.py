@@ -1,7 +1,7 @@
 """Activation recomputation as a choice per micro-batch: the memory and the extra time of each
 choice. A mixin of :class:`~zeppelin.planner.costmodel.cost.CostModel`.
 
-The choices (``MicroBatch.recompute``; docs/RUNTIME.md, "Recomputation"):
+The choices (``MicroBatch.recompute``; docs/RUNTIME.md, "Activation recomputation"):
 
 * ``none``       every activation is kept;
 * ``selective``  each block's MLP is recomputed in the backward (its forward runs twice);
