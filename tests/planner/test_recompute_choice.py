@@ -136,3 +136,23 @@ def test_a_step_that_fits_without_recompute_in_one_micro_batch_is_unchanged():
     auto = get_planner("zeppelin").plan_step(PlanContext(cl, md, CostModel(cl, md).profile, recompute="auto"), 0, seqs)
     none = get_planner("zeppelin").plan_step(PlanContext(cl, md, CostModel(cl, md).profile), 0, seqs)
     assert isinstance(auto, StepPlan) and auto.model_dump_json() == none.model_dump_json()
+
+
+def test_run_report_sets_each_choice_beside_its_prediction():
+    from zeppelin.planner.sim.report import Predictor, recompute_summary, recompute_table
+
+    header = _header()
+    step = mixed_step(header)
+    pred = Predictor(header)
+    per_rank = [[{"recompute": mb.recompute or "none", "tokens": 192 - 7 * r, "activations": 1000 * (i + 1),
+                  "recompute_bytes": 10, "forward_s": 0.01, "backward_s": 0.02}
+                 for i, mb in enumerate(step.microbatches)] for r in range(4)]
+    rows = recompute_summary(pred, {0: step}, [{"step": 0, "memory": {"microbatches": per_rank}}])
+    by = {r["recompute"]: r for r in rows}
+    assert sorted(by) == ["full", "full:2", "none", "selective"] and all(r["microbatches"] == 4 for r in rows)
+    assert by["selective"]["measured_bytes"] == 4 * 2010
+    cm = pred.cost
+    want = sum((192 - 7 * r) * cm.recompute_bytes_per_token("full:2") for r in range(4))
+    assert by["full:2"]["predicted_bytes"] == pytest.approx(want)
+    assert by["full"]["predicted_s"] > by["none"]["predicted_s"] > 0  # full's micro-batch runs its forward again
+    assert recompute_table(rows)[2].split()[:2] == ["none", "4"]
