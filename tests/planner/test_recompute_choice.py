@@ -156,3 +156,21 @@ def test_run_report_sets_each_choice_beside_its_prediction():
     assert by["full:2"]["predicted_bytes"] == pytest.approx(want)
     assert by["full"]["predicted_s"] > by["none"]["predicted_s"] > 0  # full's micro-batch runs its forward again
     assert recompute_table(rows)[2].split()[:2] == ["none", "4"]
+
+
+def test_profile_times_each_recompute_mode(tmp_path):
+    """`zeppelin profile`'s full grid times each mode against none on the runtime's model (one process)."""
+    import torch
+    import torch.distributed as dist
+
+    from zeppelin.runtime.profiler import Timer, measure_recompute_time
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        got = measure_recompute_time(model_preset("tiny"), torch.device("cpu"), Timer(torch.device("cpu")), 1, 0,
+                                     tokens=64)
+    finally:
+        dist.destroy_process_group()
+    assert sorted(got) == ["full", "selective"] and all(0 <= v <= 10 for v in got.values())
+    # what the cost model reads back from a profile
+    assert ActivationMemory(activations=1.0, time_factor=got["full"]).time_factor == got["full"]
