@@ -174,3 +174,11 @@ def test_profile_times_each_recompute_mode(tmp_path):
     assert sorted(got) == ["full", "selective"] and all(0 <= v <= 10 for v in got.values())
     # what the cost model reads back from a profile
     assert ActivationMemory(activations=1.0, time_factor=got["full"]).time_factor == got["full"]
+
+
+def test_compare_says_which_mode_each_planner_ran_with():
+    from zeppelin.planner.tools.compare import recompute_note
+
+    stats = [{"planner": "zeppelin", "recompute": "per-microbatch"}, {"planner": "te-cp", "recompute": "none"},
+             {"planner": "flexsp", "recompute": "none"}]
+    assert recompute_note(stats) == "recompute: per micro-batch (zeppelin), none (te-cp, flexsp)"
