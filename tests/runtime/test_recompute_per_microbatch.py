@@ -48,25 +48,15 @@ def mixed_step(header: PlanHeader, modes=MODES, length: int = LENGTH) -> StepPla
 
 
 def _run(rank: int, world: int, header_json: str, step_json: str, hf: str | None):
-    from zeppelin.runtime.data import TokenSource
-    from zeppelin.runtime.executor import Executor
+    from tests.runtime.test_memory_model import step_executor
     from zeppelin.runtime.fsdp import decoder_blocks
-    from zeppelin.runtime.groups import GroupCache, set_default_cache
-    from zeppelin.runtime.model import LlamaModel
     from zeppelin.runtime.train.verify import verify_step
 
     header = PlanHeader.model_validate_json(header_json)
     step = StepPlan.model_validate_json(step_json)
-    cache = GroupCache(world, header=header, steps=[step])
-    set_default_cache(cache)
-    if hf is not None:
-        from zeppelin.runtime.hf import load_hf_model
-
-        model = load_hf_model(hf, seed=0, spec=header.model)
-    else:
-        model = LlamaModel(header.model, seed=3)
-    ex = Executor(header, model, TokenSource(header.model.vocab_size, header.seed), rank=rank, world_size=world,
-                  device=torch.device("cpu"), groups=cache, zero_stage=header.zero_stage, recompute=header.recompute)
+    ex = step_executor(rank, world, header, step, hf, seed=3, zero_stage=header.zero_stage,
+                       recompute=header.recompute)
+    model = ex.model
     before = [id(m) for m in model.modules()]
     res = ex.forward_backward(step, keep_hidden=True)
     report = verify_step(ex, step, res, 1e-5)
