@@ -48,8 +48,10 @@ PLANNERS = ["te-cp", "te-cp-tuned", "llama3-cp", "ulysses", "hybrid-dp", "megatr
             "zeppelin", "zeppelin-no-routing", "zeppelin-no-remap"]
 
 
-def cell_steps(cluster: str, model: str, tp: int, mix: str, gpus: int, args, zero_stage: int = 1):
-    """A cell's planning context, sampler settings and sampled steps."""
+def cell_steps(cluster: str, model: str, tp: int, mix: str, gpus: int, args, zero_stage: int = 1,
+               recompute: str = "auto"):
+    """A cell's planning context, sampler settings and sampled steps (``recompute``: ``auto``, zeppelin
+    chooses per micro-batch and the baselines run none, or one global mode for every planner)."""
     from zeppelin.planner.core.base import PlanContext
     from zeppelin.planner.core.inputs import resolve_cluster, resolve_model, resolve_profile
     from zeppelin.planner.core.sampler import run_max_seq_len, sample_steps
@@ -58,7 +60,7 @@ def cell_steps(cluster: str, model: str, tp: int, mix: str, gpus: int, args, zer
 
     cl = resolve_cluster(f"{cluster}:{gpus // 8}")
     ctx = PlanContext(cl, resolve_model(model), resolve_profile(None, cl), tp=tp, seed=args.seed,
-                      zero_stage=zero_stage)
+                      zero_stage=zero_stage, recompute=recompute)
     cfg = SamplerConfig(tokens_per_step=args.tokens_per_gpu * gpus, seed=args.seed, max_seq_len=args.max_seq_len)
     ds = mix_dataset(mix)
     ctx.max_seq_len = run_max_seq_len(ds, cfg)
@@ -72,11 +74,55 @@ def run_cell(cluster: str, model: str, tp: int, mix: str, gpus: int, args, zero_
     options = ({p: {"time_limit": args.solver_time_limit} for p in SOLVER_PLANNERS}
                if args.solver_time_limit else {})
     t0 = time.perf_counter()
-    runs = run_compare(ctx, steps, args.planners, options, workers=args.workers)
+    keep = {("zeppelin", k) for k in range(len(steps))} if "zeppelin" in args.planners else set()
+    runs = run_compare(ctx, steps, args.planners, options, workers=args.workers, keep=keep)
     doc = comparison(runs)
     doc.update({"cluster": cluster, "gpus": gpus, "model": model, "tp": tp, "mix": mix, "steps": args.steps,
-                "tokens_per_step": cfg.tokens_per_step, "wall_s": time.perf_counter() - t0})
+                "tokens_per_step": cfg.tokens_per_step})
+    if keep and not getattr(args, "no_recompute_modes", False):
+        z = next(r for r in runs if r.planner == "zeppelin")
+        doc["recompute"] = recompute_modes(cluster, model, tp, mix, gpus, args, zero_stage, {"auto": _mode_stats(ctx, z)})
+    doc["wall_s"] = time.perf_counter() - t0
     return doc
+
+
+def recompute_modes(cluster: str, model: str, tp: int, mix: str, gpus: int, args, zero_stage: int = 1,
+                    done: dict | None = None) -> dict:
+    """Zeppelin on a cell's steps under ``auto`` and each global mode (:func:`_mode_stats` of each;
+    ``done``: the modes already run)."""
+    from zeppelin.planner.tools.compare import run_compare
+
+    out = dict(done or {})
+    for mode in ("auto", *RECOMPUTE_GLOBAL):
+        if mode in out:
+            continue
+        mctx, _, steps = cell_steps(cluster, model, tp, mix, gpus, args, zero_stage, recompute=mode)
+        keep = {("zeppelin", k) for k in range(len(steps))}
+        (mz,) = run_compare(mctx, steps, ["zeppelin"], workers=args.workers, keep=keep)
+        out[mode] = _mode_stats(mctx, mz)
+    return out
+
+
+#: the global recompute modes zeppelin's ``auto`` is compared with on every cell
+RECOMPUTE_GLOBAL = ("none", "selective", "full")
+
+
+def _mode_stats(ctx, run) -> dict:
+    """Zeppelin's run of a cell under one recompute setting: mean step time, its ratio to the lower
+    bound, the predicted peak memory of a GPU over its usable capacity, and the share of micro-batches
+    with each choice (``auto``)."""
+    if run.error is not None or not run.step_times:
+        return {"error": run.error or "no steps"}
+    plans = [run.plans[k] for k in sorted(run.plans)]
+    peak = max(max(p.prediction.per_unit.memory_gb) for p in plans) * 1e9
+    choices: dict[str, int] = {}
+    for p in plans:
+        for mb in p.microbatches:
+            c = (mb.recompute or "none").partition(":")[0] + (":k" if ":" in (mb.recompute or "") else "")
+            choices[c] = choices.get(c, 0) + 1
+    return {"mean_s": float(np.mean(run.step_times)),
+            "ratio_to_lower_bound": float(np.mean(np.array(run.step_times) / np.array(run.lower_bounds))),
+            "memory_over_capacity": peak / ctx.cost.gpu_capacity_bytes, "microbatches": choices}
 
 
 def blind_spec(md):
@@ -257,6 +303,118 @@ def render_model_cells(mcells: list[dict], args) -> list[str]:
                      "compute from the active ones is what makes the step plannable and priced right. No expert "
                      "parallelism: FSDP shards the experts like other weights."), ""]
     return out
+
+
+#: the long-tailed mixes, where a few long sequences need recomputation and most micro-batches do not
+LONG_TAILED = ("mixed", "long", "longtail")
+
+
+def recompute_summary(cells: list[dict]) -> dict:
+    """``auto`` against zeppelin's global modes over the cells: where auto is slower than the best
+    global mode by more than 0.5%, and where it is faster than global ``selective`` on the long-tailed
+    mixes."""
+    rows = [c for c in cells if "recompute" in c and "mean_s" in c["recompute"]["auto"]]
+    slower, faster_sel, long_cells = [], 0, 0
+    for c in rows:
+        rc = c["recompute"]
+        best = min((rc[m]["mean_s"], m) for m in RECOMPUTE_GLOBAL if "mean_s" in rc[m])
+        if rc["auto"]["mean_s"] > best[0] * 1.005:
+            slower.append(f"{c['cluster']} {c['model']} {c['mix']} {c['gpus']} GPUs ({best[1]})")
+        if c["mix"] in LONG_TAILED:
+            long_cells += 1
+            sel = rc["selective"].get("mean_s")
+            faster_sel += sel is None or rc["auto"]["mean_s"] < sel
+    return {"cells": len(rows), "auto_slower_than_best_global": slower, "long_tailed_cells": long_cells,
+            "auto_faster_than_selective_long_tailed": faster_sel,
+            "auto_over_best_global_geomean": _gmean([
+                c["recompute"]["auto"]["mean_s"] / min(c["recompute"][m]["mean_s"] for m in RECOMPUTE_GLOBAL
+                                                       if "mean_s" in c["recompute"][m]) for c in rows])}
+
+
+RECOMPUTE_MARKERS = ("<!-- recompute section: generated by benchmarks/bench_compare.py -->",
+                     "<!-- end of the recompute section -->")
+
+
+def recompute_only(args) -> None:
+    """``--recompute-only``: zeppelin's recompute modes on the cells asked for, written into the
+    recomputation section of RESULTS.md (the rest of the page is left as it is)."""
+    t0 = time.perf_counter()
+    cells = []
+    for cl in [CLUSTERS[k] for k in args.clusters.split(",")]:
+        for model in args.models.split(","):
+            for mix in [m for m in args.mixes.split(",") if m in MIXES]:
+                for g in [int(x) for x in args.gpus.split(",")]:
+                    rc = recompute_modes(cl, model, MODELS[model], mix, g, args)
+                    cells.append({"cluster": cl, "model": model, "mix": mix, "gpus": g, "recompute": rc})
+                    print(f"[{time.perf_counter() - t0:6.0f} s] {cl} {model} {mix} {g} GPUs", file=sys.stderr,
+                          flush=True)
+    argv_s = " ".join(sys.argv[1:])
+    command = f".venv/bin/python benchmarks/bench_compare.py {argv_s}".strip()
+    wall = time.perf_counter() - t0
+    write_recompute_section(args.out_dir, cells, command, wall, args.steps, _git_describe())
+
+
+def write_recompute_section(out_dir: Path, cells: list[dict], command: str, wall: float, steps: int,
+                            code: str) -> None:
+    """The recomputation section of ``out_dir/RESULTS.md`` (between its markers) and
+    ``results_recompute.json``."""
+    from zeppelin.schemas.io.safefiles import atomic_write_text
+
+    machine = f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.system()}"
+    head = (f"Generated by `{command}` ({len(cells)} cells, {steps} steps per cell, {wall / 60:.1f} minutes "
+            f"wall on {machine}, under load; code at commit `{code}`). It rewrites this section only: "
+            "the grid above keeps the figures of its own run (the command at the top of the page), in which a cell "
+            "no global mode without recomputation can plan is listed as unplannable; with `--recompute auto` "
+            "zeppelin plans every cell below.")
+    section = [RECOMPUTE_MARKERS[0], *render_recompute(cells, head), RECOMPUTE_MARKERS[1]]
+    page_path = out_dir / "RESULTS.md"
+    page = page_path.read_text() if page_path.exists() else ""
+    if RECOMPUTE_MARKERS[0] in page:
+        before, rest = page.split(RECOMPUTE_MARKERS[0], 1)
+        page = before + "\n".join(section) + rest.split(RECOMPUTE_MARKERS[1], 1)[1]
+    else:
+        page = page.rstrip("\n") + "\n\n" + "\n".join(section) + "\n"
+    atomic_write_text(page_path, page)
+    atomic_write_text(out_dir / "results_recompute.json",
+                      json.dumps({"summary": recompute_summary(cells), "cells": cells, "command": command,
+                                  "wall_s": wall, "steps": steps, "code": code}, indent=1) + "\n")
+    print(json.dumps(recompute_summary(cells), indent=1))
+
+
+def render_recompute(cells: list[dict], head: str | None = None) -> list[str]:
+    """The section of the page comparing zeppelin's ``--recompute auto`` with each global mode."""
+    rows = [c for c in cells if "recompute" in c]
+    if not rows:
+        return []
+    rs = recompute_summary(cells)
+    out = ["## Activation recomputation: chosen per micro-batch against one global mode", "",
+           *([head, ""] if head else []),
+           ("Zeppelin plans each cell's steps with `--recompute auto` (its choice per micro-batch; the baselines "
+            "run `none` under it) and with one global mode for the whole run (`--recompute none`, `selective`, "
+            "`full`), and the simulator judges every plan. Per mode: step time over the lower bound (mean over the "
+            "steps; the bound is the work without recomputation) / the predicted peak memory of a GPU over its "
+            "usable capacity; auto's micro-batches by choice (`full:k`: full recomputation of the first k layers). "
+            "docs/CONCEPTS.md, \"When recompute pays\", says why."), "",
+           (f"- auto is slower than the best global mode by more than 0.5% in "
+            f"{len(rs['auto_slower_than_best_global'])} of {rs['cells']} cells"
+            + (": " + "; ".join(rs["auto_slower_than_best_global"]) if rs["auto_slower_than_best_global"] else "")
+            + f"; auto / best global mode, geometric mean {rs['auto_over_best_global_geomean']:.4f}."),
+           (f"- auto is faster than global `selective` in {rs['auto_faster_than_selective_long_tailed']} of "
+            f"{rs['long_tailed_cells']} cells of the long-tailed mixes ({', '.join(LONG_TAILED)})."), "",
+           "| cluster | model | mix | GPUs | auto | none | selective | full | auto's micro-batches |",
+           "|---|---|---|---:|---:|---:|---:|---:|---|"]
+
+    def cell(st: dict) -> str:
+        if "mean_s" not in st:
+            return "cannot plan"
+        return f"{st['ratio_to_lower_bound']:.3f} / {st['memory_over_capacity']:.2f}"
+
+    for c in rows:
+        rc = c["recompute"]
+        mbs = ", ".join(f"{k} {v}" for k, v in sorted(rc["auto"].get("microbatches", {}).items()))
+        out.append("| " + " | ".join([c["cluster"], c["model"], c["mix"], str(c["gpus"]), cell(rc["auto"]),
+                                      *(cell(rc[m]) for m in RECOMPUTE_GLOBAL), mbs]) + " |")
+    return out + [""]
 
 
 def _stat(doc: dict, planner: str) -> dict | None:
@@ -683,11 +841,19 @@ def main(argv=None) -> None:
     ap.add_argument("--no-cbc-fallback", action="store_true",
                     help="with --speed: make PuLP's CBC unavailable (the zeppelin planner's ILP then falls back "
                          "to its greedy packing instead of a CBC subprocess)")
+    ap.add_argument("--no-recompute-modes", action="store_true",
+                    help="leave out zeppelin's runs under each global recompute mode beside auto")
+    ap.add_argument("--recompute-only", action="store_true",
+                    help="only zeppelin under auto and each global recompute mode on the cells asked for: writes "
+                         "the recomputation section of RESULTS.md (between its markers) and results_recompute.json")
     args = ap.parse_args(argv)
     if args.speed:
         print(json.dumps(speed(args), indent=1))
         return
     args.planners = [p for p in args.planners.split(",") if p]
+    if args.recompute_only:
+        recompute_only(args)
+        return
     args.machine = f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.system()}"
     args.code = _git_describe()
     cls = [CLUSTERS[k] for k in args.clusters.split(",")]
@@ -738,6 +904,8 @@ def main(argv=None) -> None:
         argv_s = " ".join(sys.argv[1:] if argv is None else argv)
         command = ".venv/bin/python benchmarks/bench_compare.py" + (f" {argv_s}" if argv_s else "")
     summ, lines = findings(cells)
+    if any("recompute" in c for c in cells):
+        summ["recompute"] = recompute_summary(cells)
     out_dir = args.out_dir
     from zeppelin.schemas.io.safefiles import atomic_write_text
 
@@ -752,6 +920,8 @@ def main(argv=None) -> None:
                                                             "wall_s": wall, "command": command, "args": run_args},
                                                            indent=1) + "\n")
     page = render_page(cells, summ, lines, args, wall, command)
+    if any("recompute" in c for c in cells):
+        page = page.rstrip("\n") + "\n\n" + "\n".join(render_recompute(cells))
     if mcells:
         page = page.rstrip("\n") + "\n\n" + "\n".join(render_model_cells(mcells, args))
     atomic_write_text(out_dir / "RESULTS.md", page)

@@ -44,7 +44,7 @@ DEVICES = ("auto", "cpu", "cuda")
 TP_OVERLAP_MODES = ("none", "slicing", "commfuse")
 DP_MODES = ("fsdp", "replicate")
 DTYPES = ("fp32", "bf16")
-RECOMPUTE_MODES = ("none", "selective", "full")
+RECOMPUTE_MODES = ("none", "selective", "full", "per-microbatch")
 NAN_POLICIES = ("stop", "skip")
 
 
@@ -198,7 +198,7 @@ class RunConfig:
     dtype: str | None = flag(None, "--dtype", kind=str, choices=DTYPES,
                              help="fp32 | bf16 compute (default: bf16 on CUDA, fp32 on CPU)")
     recompute: str | None = flag(None, "--recompute", kind=str, choices=RECOMPUTE_MODES,
-                                 help="none | selective | full (default: the plan's; another needs "
+                                 help="none | selective | full | per-microbatch (default: the plan's; another needs "
                                       "--recompute-override)")
     recompute_override: bool = flag(False, "--recompute-override", kind=bool,
                                     help="run a plan made for another --recompute setting")

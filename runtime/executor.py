@@ -101,6 +101,9 @@ class StepResult:
     hidden: list[tuple[list[list[int]], torch.Tensor]] = field(default_factory=list)
     memory: dict[str, int] = field(default_factory=dict)
     local_loss: float = 0.0  # this rank's share of the loss (before the sum over ranks)
+    #: per micro-batch: its recomputation, tokens, bytes saved for the backward (``activations``), the
+    #: most one recomputation held (``recompute_bytes``), forward and backward seconds
+    microbatches: list[dict] = field(default_factory=list)
 
 
 #: the components of a step's memory the runtime measures (bytes, per rank), in the order the
@@ -201,7 +204,9 @@ class Executor:
         sc = build_step(self.header, step, rank=self.rank, source=self.source, device=self.device,
                         groups=self.groups, tp_group=tpg, tp_mode=self.tp_overlap, tp_chunks=self.tp_chunks)
         phases["data"] = self._now() - t0
-        for mb in sc.microbatches:
+        per_mb = []  # each micro-batch's choice, tokens, bytes held and times (``run --report``)
+        for mbi, mb in enumerate(sc.microbatches):
+            mode = self._set_recompute(step, mbi)
             t1 = self._now()
             with self.activations.hooks():
                 layout = PlanLayout(mb.context, mb.position_ids,
@@ -210,12 +215,14 @@ class Executor:
             loss = loss_sum / mb.loss_normaliser
             t2 = self._now()
             loss.backward()
-            held_mb = self.activations.release()
+            held_mb, rec_mb = self.activations.release()
             if held_mb >= act_peak[0]:
                 act_peak = (held_mb, mb.num_tokens)
             t3 = self._now()
             phases["forward"] += t2 - t1
             phases["backward"] += t3 - t2
+            per_mb.append({"recompute": mode, "tokens": mb.num_tokens, "activations": held_mb,
+                           "recompute_bytes": rec_mb, "forward_s": t2 - t1, "backward_s": t3 - t2})
             loss_local += loss.detach().double().cpu()
             tokens += mb.num_tokens
             _add_bytes(nbytes, mb.context.bytes_sent())
@@ -239,7 +246,19 @@ class Executor:
                   "activation_tokens": act_peak[1], "unsharded": self.activations.unsharded_peak,
                   "recompute": self.activations.recompute_peak}
         return StepResult(loss=float(loss_local), phases=phases, bytes=nbytes, tokens=tokens, hidden=hidden,
-                          memory=memory, local_loss=local_loss)
+                          memory=memory, local_loss=local_loss, microbatches=per_mb)
+
+    def _set_recompute(self, step: StepPlan, mbi: int) -> str:
+        """Set the model's recomputation for micro-batch ``mbi`` of ``step`` and return it: its own
+        choice in a plan of choices per micro-batch (the switches of the wrappers set once at
+        start-up), else the run's one mode."""
+        if self.recompute != "per-microbatch":
+            return self.recompute
+        from .fsdp import set_recompute
+
+        mode = step.microbatches[mbi].recompute or "none"
+        set_recompute(self.model, mode)
+        return mode
 
     def nonfinite(self, result: StepResult) -> tuple[int, str, float] | None:
         """``(rank, "loss" | "gradient norm", value)`` of the first rank whose share of the step's
@@ -322,6 +341,7 @@ class Executor:
 
         mem = dict(result.memory)
         mem["optimizer"] = held_bytes(self.model, self.optimizer)["optimizer"]
+        mem["microbatches"] = [dict(m) for m in result.microbatches]
         mem["measured"] = (int(torch.cuda.max_memory_allocated(self.device)) if self.cuda else
                            sum(mem.get(k, 0) for k in MEMORY_COMPONENTS))
         return mem

@@ -60,6 +60,8 @@ from torch import nn
 
 DP_MODES = ("fsdp", "replicate")
 RECOMPUTE_MODES = ("none", "selective", "full")
+#: a plan whose micro-batches each name their recomputation (:func:`set_recompute`)
+PER_MICROBATCH = "per-microbatch"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -69,7 +71,7 @@ def check_modes(*, dp: str | None = None, dtype: str | None = None, recompute: s
     from zeppelin.schemas.common import InputError
 
     for flag, value, known in (("--dp", dp, DP_MODES), ("--dtype", dtype, tuple(DTYPES)),
-                               ("--recompute", recompute, RECOMPUTE_MODES)):
+                               ("--recompute", recompute, (*RECOMPUTE_MODES, PER_MICROBATCH))):
         if value is not None and value not in known:
             raise InputError(f"{flag} {value!r} is not one of {', '.join(known)}")
 
@@ -95,30 +97,71 @@ def _set_blocks(model: nn.Module, blocks: nn.ModuleList) -> None:
         model.model.layers = blocks
 
 
+def _switchable_class():
+    """:class:`SwitchableCheckpoint`, defined once torch's checkpoint wrapper is imported."""
+    global _SWITCHABLE
+    if _SWITCHABLE is None:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+        class SwitchableCheckpoint(CheckpointWrapper):
+            """A non-reentrant checkpoint wrapper whose checkpointing each micro-batch switches
+            on or off (``checkpointing``): off, the wrapped module runs as if unwrapped. The
+            model is wrapped once; a micro-batch's choice only sets the switches."""
+
+            checkpointing = True
+
+            def forward(self, *args, **kwargs):
+                if self.checkpointing:
+                    return super().forward(*args, **kwargs)
+                return self._checkpoint_wrapped_module(*args, **kwargs)
+
+        _SWITCHABLE = SwitchableCheckpoint
+    return _SWITCHABLE
+
+
+_SWITCHABLE = None
+
+
 def apply_recompute(model: nn.Module, mode: str, tracker: SavedActivations | None = None) -> None:
     """Wrap the decoder blocks (``full``) or their MLPs (``selective``) with non-reentrant
-    activation checkpointing. ``none`` leaves the model as it is. ``tracker``: counts what each
+    activation checkpointing; ``per-microbatch``: both, switched per micro-batch by
+    :func:`set_recompute`. ``none`` leaves the model as it is. ``tracker``: counts what each
     recomputation holds (the backward's transient working set)."""
-    if mode not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute mode {mode!r} is not one of {', '.join(RECOMPUTE_MODES)}")
+    if mode not in (*RECOMPUTE_MODES, PER_MICROBATCH):
+        raise ValueError(f"recompute mode {mode!r} is not one of {', '.join(RECOMPUTE_MODES)}, {PER_MICROBATCH}")
     if mode == "none":
         return
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl
 
     extra = {} if tracker is None else {"context_fn": tracker.checkpoint_contexts}
 
     def wrap(m: nn.Module) -> nn.Module:
-        return checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=False, **extra)
+        return _switchable_class()(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=False, **extra)
 
     blocks = decoder_blocks(model)
-    if mode == "full":
+    if mode in ("selective", PER_MICROBATCH):
+        for b in blocks:
+            if not isinstance(getattr(b, "mlp", None), nn.Module):
+                raise ValueError(f"selective recomputation needs a block with an .mlp module ({type(b).__name__})")
+            b.mlp = wrap(b.mlp)
+    if mode in ("full", PER_MICROBATCH):
         _set_blocks(model, nn.ModuleList(wrap(b) for b in blocks))
-        return
-    for b in blocks:
-        name = "mlp" if isinstance(getattr(b, "mlp", None), nn.Module) else None
-        if name is None:
-            raise ValueError(f"selective recomputation needs a block with an .mlp module ({type(b).__name__})")
-        setattr(b, name, wrap(getattr(b, name)))
+    if mode == PER_MICROBATCH:
+        set_recompute(model, "none")
+
+
+def set_recompute(model: nn.Module, mode: str) -> None:
+    """Set the switches of a model wrapped ``per-microbatch`` for one micro-batch's choice:
+    ``none``, ``selective`` (each MLP), ``full`` (each block) or ``full:k`` (the first ``k``
+    blocks; the others keep everything)."""
+    kind, _, k = mode.partition(":")
+    if kind not in RECOMPUTE_MODES or (k and kind != "full"):
+        raise ValueError(f"recompute {mode!r} is not one of none, selective, full, full:k")
+    blocks = decoder_blocks(model)
+    n_full = (int(k) if k else len(blocks)) if kind == "full" else 0
+    for i, b in enumerate(blocks):
+        b.checkpointing = i < n_full
+        b._checkpoint_wrapped_module.mlp.checkpointing = kind == "selective"
 
 
 def dp_mesh(world_size: int, device_type: str, hsdp: int | None = None):
@@ -326,6 +369,7 @@ class SavedActivations:
         self.peak = 0
         self.mb_peak = 0
         self.recompute_peak = 0
+        self.mb_recompute_peak = 0
         self.unsharded_peak = 0
         self.copies: dict[Any, int] = {}
         self.copies_held = 0
@@ -354,7 +398,7 @@ class SavedActivations:
         def pre(module, args, kwargs):
             if not torch.is_grad_enabled():
                 return
-            if self._active and hasattr(module, "_checkpoint_wrapped_module"):
+            if self._active and getattr(module, "checkpointing", False):
                 for a in (*args, *kwargs.values()):
                     for t in (a if isinstance(a, (tuple, list)) else (a,)):
                         if isinstance(t, torch.Tensor):
@@ -406,6 +450,7 @@ class SavedActivations:
         if s is not None and (alive is None or alive() is None):
             rec[s[0]] = s[1]
             self.recompute_peak = max(self.recompute_peak, sum(rec.values()))
+            self.mb_recompute_peak = max(self.mb_recompute_peak, sum(rec.values()))
 
     def checkpoint_contexts(self):
         """``context_fn`` of ``torch.utils.checkpoint``: nothing in the forward; in the
@@ -422,14 +467,15 @@ class SavedActivations:
         finally:
             self._active = False
 
-    def release(self) -> int:
+    def release(self) -> tuple[int, int]:
         """After a micro-batch's backward: its saved tensors are gone. Returns the most that
-        micro-batch held."""
+        micro-batch held, and the most one of its recomputations held."""
         self.live.clear()
         self.copies.clear()
         self.held = self.copies_held = 0
         mb, self.mb_peak = self.mb_peak, 0
-        return mb
+        rec, self.mb_recompute_peak = self.mb_recompute_peak, 0
+        return mb, rec
 
 
 class _CountRecomputation:

@@ -51,7 +51,7 @@ from zeppelin.schemas.model import ModelSpec, model_preset
 QUICK = dict(att=[16, 32, 64, 128, 256, 512, 1024, 2048], lin=[64, 256, 1024, 2048, 4096],
              tp_lin=[256, 1024, 2048, 4096], tp_reps=2,
              p2p=[2**10, 2**14, 2**17, 2**20, 2**22], remap=[16, 128, 512, 2048], fsdp=512, reps=5,
-             warmup=1)
+             warmup=1, recompute_tokens=None)
 FULL = dict(att=[16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192],
             lin=[64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
             tp_lin=[64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384], tp_reps=10,
@@ -60,7 +60,8 @@ FULL = dict(att=[16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192],
 # the fewest points each fit takes, timed twice: seconds on a CPU, for checking that profiling runs
 # end to end (benchmarks/gpu_check.py --dry-run); its fits are rough
 SMOKE = dict(att=[64, 128, 256, 512], lin=[64, 256, 1024], tp_lin=[256, 1024, 2048], tp_reps=1,
-             p2p=[2**10, 2**14, 2**17], remap=[16, 128, 512], fsdp=256, mem=(32, 64), reps=2, warmup=1)
+             p2p=[2**10, 2**14, 2**17], remap=[16, 128, 512], fsdp=256, mem=(32, 64), reps=2, warmup=1,
+             recompute_tokens=None)
 
 
 class Timer:
@@ -382,7 +383,7 @@ def measure_activation_memory(model: ModelSpec, dev, tokens=MEMORY_TOKENS) -> di
         with tracker.hooks():  # labels apart from the inputs, as the executor has them
             loss, _ = lm(toks, toks.roll(-1), _Local(T))
         loss.backward()
-        return tracker.release(), tracker.recompute_peak
+        return tracker.release()[0], tracker.recompute_peak
 
     out = {}
     t1, t2 = tokens
@@ -395,6 +396,48 @@ def measure_activation_memory(model: ModelSpec, dev, tokens=MEMORY_TOKENS) -> di
         out[mode] = {"activations": max(model.num_layers * layer + per[1][0] - layer, 0.0),
                      "recompute": max(per[2][1], 0.0)}
     return out
+
+
+RECOMPUTE_TIME_TOKENS = 1024  # one sequence; the quick and smoke grids leave the measurement out (too noisy
+# at their sizes on a CPU: the cost model then prices the forward each mode runs again from the kernels)
+
+
+def measure_recompute_time(model: ModelSpec, dev, timer, reps, warmup, tokens: int = RECOMPUTE_TIME_TOKENS
+                           ) -> dict[str, float]:
+    """The time each recompute mode adds to the forward and backward of the decoder layers, as a
+    fraction of their time without it (``ActivationMemory.time_factor``): one sequence of
+    ``tokens`` through the runtime's model of one and of two layers (the difference is one layer;
+    the head is left out), each mode on two layers. Returns ``{mode: fraction}``."""
+    from zeppelin.runtime.attn.local import local_attention
+    from zeppelin.runtime.fsdp import RECOMPUTE_MODES, apply_recompute
+    from zeppelin.runtime.model import Layout, LlamaModel
+
+    class _Local(Layout):
+        def __init__(self, T):
+            self.attn_positions = torch.arange(T, device=dev)
+
+        def attention(self, q, k, v):
+            return local_attention(q, k, v, [0, q.shape[0]])
+
+    toks = torch.randint(model.vocab_size, (tokens,), device=dev)
+    lay = _Local(tokens)
+
+    def step_of(layers: int, mode: str):
+        lm = LlamaModel(model.model_copy(update={"num_layers": layers}), seed=0).to(dev)
+        apply_recompute(lm, mode)
+
+        def run():
+            loss, _ = lm(toks, toks.roll(-1), lay)
+            loss.backward()
+            lm.zero_grad(set_to_none=True)
+
+        return run
+
+    cases = [(1, "none"), *((2, m) for m in RECOMPUTE_MODES)]
+    t = dict(zip(cases, timer.sweep([step_of(*c) for c in cases], reps, warmup, sync=dist.barrier)))
+    layers_s = 2 * max(t[(2, "none")] - t[(1, "none")], 1e-12)
+    # noise can make the one-layer difference tiny: the fraction stays within the profile's bound
+    return {m: min(max((t[(2, m)] - t[(2, "none")]) / layers_s, 0.0), 10.0) for m in RECOMPUTE_MODES if m != "none"}
 
 
 def _model_grads(model: ModelSpec, dev):
@@ -829,6 +872,11 @@ def _measure(model: ModelSpec, grid: dict, nodes: int, dev: torch.device, say) -
         tp_lin = measure_tp_layer(model, grid["tp_lin"], gpn, dev, timer, grid["tp_reps"], warm)
     say("activation memory per token by recompute mode ...")
     act_mem = measure_activation_memory(model, dev, grid.get("mem", MEMORY_TOKENS))
+    rec_tokens = grid.get("recompute_tokens", RECOMPUTE_TIME_TOKENS)
+    if rec_tokens:
+        say("the time each recompute mode adds ...")
+        for mode, frac in measure_recompute_time(model, dev, timer, reps, warm, rec_tokens).items():
+            act_mem[mode]["time_factor"] = frac
     say("optimizer step and gradient all-reduce ...")
     opt_s, nparams = measure_optimizer(model, dev, timer, reps, warm)
     ar = measure_grad_allreduce(model, dev, reps, warm) if world > 1 else {}

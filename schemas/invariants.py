@@ -103,6 +103,7 @@ def index_problems(header: PlanHeader, step: StepPlan, mbi: int, mb: MicroBatch,
     if probs:
         return probs
     probs += route_reference_problems(header, mb, n_units, where)
+    probs += recompute_problems(header, mb, where)
     for u, q in enumerate(mb.queues):
         for g in q:
             if not 0 <= g < len(mb.groups) or u not in mb.groups[g].units:
@@ -121,6 +122,21 @@ def index_problems(header: PlanHeader, step: StepPlan, mbi: int, mb: MicroBatch,
             probs.append(f"{where}: sequence {p.seq} has ranges for {len(p.ranges)} ring positions, "
                          f"group {p.group} has {len(mb.groups[p.group].units)}")
     return probs
+
+
+def recompute_problems(header: PlanHeader, mb: MicroBatch, where: str) -> list[str]:
+    """A micro-batch names its recomputation only in a plan whose header says ``per-microbatch``,
+    and ``full:k`` recomputes fewer layers than the model has (all of them: ``full``)."""
+    if mb.recompute is None:
+        return []
+    if header.recompute != "per-microbatch":
+        return [f"{where}: says recompute {mb.recompute!r} but the plan's header says recompute "
+                f"{header.recompute!r} for every micro-batch (per-microbatch lets each say its own)"]
+    _, sep, k = mb.recompute.partition(":")
+    if sep and int(k) >= header.model.num_layers:
+        return [f"{where}: recompute {mb.recompute!r} names {k} layers, the model has {header.model.num_layers} "
+                f"(all of them: 'full')"]
+    return []
 
 
 def route_reference_problems(header: PlanHeader, mb: MicroBatch, n_units: int, where: str) -> list[str]:

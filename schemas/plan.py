@@ -91,6 +91,8 @@ GroupKind = Literal["local", "ring", "allgather", "ulysses", "usp"]
 MAX_LENGTH = 1 << 40  # longest sequence a plan may name (the manifest readers' bound too)
 MAX_INDEX = 1 << 48  # largest sample id
 Tier = Literal["local", "intra", "inter"]
+#: a micro-batch's recomputation: a global mode, or full recomputation of its first k layers
+MICROBATCH_RECOMPUTE = r"^(none|selective|full|full:[1-9][0-9]{0,5})$"
 
 
 class Sequence(Strict):
@@ -202,6 +204,10 @@ class RemapInfo(Strict):
 
 class MicroBatch(Strict):
     groups: list[Group] = Field(default_factory=list)
+    #: this micro-batch's activation recomputation (:data:`MICROBATCH_RECOMPUTE`); only in a plan whose
+    #: header says ``recompute: per-microbatch``, and written only when set (None: ``none``)
+    recompute: str | None = Field(default=None, pattern=MICROBATCH_RECOMPUTE,
+                                  description="none | selective | full | full:k (the first k layers)")
     placements: list[Placement] = Field(default_factory=list)
     queues: list[list[int]] = Field(description="per unit: group indices in execution order")
     linear_layout: list[list[list[int]]] | None = Field(
@@ -209,6 +215,15 @@ class MicroBatch(Strict):
     )
     remap: RemapInfo = RemapInfo()
     routes: list[Route] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _omit_unset_recompute(self, handler):
+        # per micro-batch recomputation came after plans were first written: left out when unset, so
+        # every other plan keeps its bytes
+        d = handler(self)
+        if isinstance(d, dict) and d.get("recompute", 0) is None:
+            d.pop("recompute")
+        return d
 
     def attention_segments(self, unit: int) -> list[list[int]]:
         """The unit's attention buffer as ``[seq, start, end]`` segments, in execution order."""
@@ -301,6 +316,20 @@ class InputHashes(Strict):
 OVERFLOW_MODES = ("truncate", "reject", "skip")
 #: the activation recomputation a plan's memory model assumes and ``zeppelin run`` uses (the first: the default)
 RECOMPUTE_MODES = ("none", "selective", "full")
+#: the header's value when each micro-batch carries its own choice (``MicroBatch.recompute``)
+PER_MICROBATCH = "per-microbatch"
+#: what a plan header's ``recompute`` may say
+HEADER_RECOMPUTE = (*RECOMPUTE_MODES, PER_MICROBATCH)
+
+
+def parse_recompute(mode: str) -> tuple[str, int | None]:
+    """``"full:k"`` -> ``("full", k)``; a global mode -> ``(mode, None)``. ValueError otherwise."""
+    kind, sep, k = mode.partition(":")
+    if not sep and kind in RECOMPUTE_MODES:
+        return kind, None
+    if kind == "full" and k.isdigit() and int(k) >= 1:
+        return "full", int(k)
+    raise ValueError(f"recompute {mode!r} is not one of none, selective, full, full:k")
 #: the ZeRO stages of the memory model and of ``zeppelin run``'s sharding
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -345,8 +374,9 @@ class PlanHeader(Doc):
     tp: int = Field(default=1, ge=1, description="default tensor-parallel degree of a unit")
     tp_overlap: Literal["none", "slicing", "commfuse"] = "none"
     zero_stage: int = Field(default=1, ge=ZERO_STAGES[0], le=ZERO_STAGES[-1])
-    recompute: Literal[RECOMPUTE_MODES] = Field(
-        default="none", description="activation recomputation the memory model assumed (zeppelin run must match)")
+    recompute: Literal[HEADER_RECOMPUTE] = Field(
+        default="none", description="activation recomputation the memory model assumed (zeppelin run must match); "
+                                    "per-microbatch: each micro-batch says its own")
     cluster: ClusterSpec
     model: ModelSpec
     profile: CostProfile

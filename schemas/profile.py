@@ -58,6 +58,17 @@ class ActivationMemory(Strict):
     activations: float = Field(ge=0, le=1e12, description="what the forward keeps for the backward")
     recompute: float = Field(default=0.0, ge=0, le=1e12,
                              description="what one recomputation holds in the backward (selective/full)")
+    time_factor: float | None = Field(
+        default=None, ge=0, le=10, description="the time the mode adds to a micro-batch's forward and backward, as "
+        "a fraction of that time without recomputation (measured by `zeppelin profile`)")
+
+    @model_serializer(mode="wrap")
+    def _omit_unmeasured_time(self, handler):
+        # measured later than the bytes: left out while unmeasured, so older profiles keep their hash
+        d = handler(self)
+        if isinstance(d, dict) and d.get("time_factor", 0) is None:
+            d.pop("time_factor")
+        return d
 
 
 class ModelFits(Strict):

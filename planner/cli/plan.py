@@ -78,7 +78,8 @@ def plan(**values: Any) -> None:
 
         for line in save_case(cfg.save_case, cluster=cfg.cluster, model=cfg.model, manifest=cfg.manifest,
                               planner=cfg.planner, options=pl.options, steps=cfg.steps, seed=cfg.seed,
-                              tokens_per_step=sampler.tokens_per_step, max_seq_len=cfg.max_seq_len, tp=cfg.tp):
+                              tokens_per_step=sampler.tokens_per_step, max_seq_len=cfg.max_seq_len, tp=cfg.tp,
+                              recompute=cfg.recompute):
             typer.echo(line)
         if cfg.output is None:
             return

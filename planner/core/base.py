@@ -31,6 +31,9 @@ class Planner:
     #: the names of ``Options``; any other option is refused (a misspelt option would otherwise be
     #: silently ignored and plan with the default)
     option_names: ClassVar[tuple[str, ...]] = ()
+    #: whether ``--recompute auto`` lets the planner choose per micro-batch; a planner that does not
+    #: (the baselines: their systems apply one mode) plans it as ``none``
+    chooses_recompute: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -44,6 +47,14 @@ class Planner:
 
     def plan_step(self, ctx: PlanContext, step: int, sequences: list[Sequence]) -> StepPlan:
         raise NotImplementedError
+
+    def recompute_mode(self, recompute: str) -> str:
+        """The recomputation this planner's plans run for the ``--recompute`` value given (what
+        their header says): ``auto`` is ``per-microbatch`` for a planner that chooses, else
+        ``none``; a global mode is itself."""
+        if recompute not in ("auto", "per-microbatch"):
+            return recompute
+        return "per-microbatch" if self.chooses_recompute else "none"
 
 
 PLANNERS: dict[str, Callable[..., Planner]] = {}

@@ -56,7 +56,7 @@ def make_header(ctx: PlanContext, planner: Planner, dataset: Any, sampler_cfg: S
         tp=ctx.tp,
         tp_overlap=ctx.tp_overlap,
         zero_stage=ctx.zero_stage,
-        recompute=ctx.recompute,
+        recompute=planner.recompute_mode(ctx.recompute),
         cluster=ctx.cluster,
         model=ctx.model,
         profile=ctx.profile,

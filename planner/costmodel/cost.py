@@ -16,11 +16,12 @@ Formulas (h hidden, g KV heads, d head dim, f FFN, m = 3 for SwiGLU / 2 for GELU
 * kernel time = overhead + FLOPs / (peak * eff_max * n / (n + n_half))
 * link time   = alpha + bytes / bandwidth
 
-The formulas live in three parts, one mixin each, that :class:`CostModel` (the facade every caller
+The formulas live in four parts, one mixin each, that :class:`CostModel` (the facade every caller
 imports) puts together: :mod:`~zeppelin.planner.costmodel.compute` (kernel FLOPs and times, ring
 rounds' compute), :mod:`~zeppelin.planner.costmodel.comm` (links, rings' exchanges, all-to-alls,
-remap, data- and tensor-parallel collectives) and :mod:`~zeppelin.planner.costmodel.memory` (peak
-bytes per GPU by component).
+remap, data- and tensor-parallel collectives), :mod:`~zeppelin.planner.costmodel.memory` (peak
+bytes per GPU by component) and :mod:`~zeppelin.planner.costmodel.recompute` (the memory and time
+of each recomputation choice).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from zeppelin.planner.costmodel.compute import (
     window_pairs_between,
 )
 from zeppelin.planner.costmodel.memory import MemoryCosts
+from zeppelin.planner.costmodel.recompute import RecomputeCosts
 from zeppelin.schemas.cluster import ClusterSpec
 from zeppelin.schemas.model import ModelSpec
 from zeppelin.schemas.profile import CostProfile, default_profile
@@ -55,7 +57,7 @@ __all__ = [
 
 
 @dataclass
-class CostModel(ComputeCosts, CommCosts, MemoryCosts):
+class CostModel(ComputeCosts, CommCosts, MemoryCosts, RecomputeCosts):
     """The cost model of one unit (``tp`` GPUs) of a cluster running a model, priced from a profile."""
 
     cluster: ClusterSpec

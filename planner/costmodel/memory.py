@@ -104,7 +104,8 @@ class MemoryCosts:
 
         A profile that measured this model's figures (``fits.activation_memory``) replaces them."""
         f = self._fits
-        got = f.activation_memory.get(self.recompute) if f is not None else None
+        mode = self.global_recompute  # a plan of choices per micro-batch: ``none`` (the others: recompute.py)
+        got = f.activation_memory.get(mode) if f is not None else None
         if got is not None:
             return got.activations, got.recompute
         m, c = self.model, self.compute_bytes
@@ -112,11 +113,11 @@ class MemoryCosts:
         layer = sum(parts.values())
         head = self.head_activation_bytes()
         L, tp = m.num_layers, self.tp
-        if self.recompute == "none":
+        if mode == "none":
             act, rec = L * layer + head, 0.0
-        elif self.recompute == "selective":
+        elif mode == "selective":
             act, rec = L * (layer - parts["mlp"]) + head, parts["mlp"]
-        elif self.recompute == "full":
+        elif mode == "full":
             act, rec = L * c * m.hidden + head, layer - (4.0 * m.hidden if c == 4 else 0.0)
         else:
             raise ValueError(f"unknown recompute mode {self.recompute!r} (none, selective, full)")
@@ -211,7 +212,7 @@ class MemoryCosts:
                 h, kv, f = m.hidden, m.kv_dim, m.ffn_hidden
                 attn_w = h * (h + 2 * kv) + h * h
                 mlp_w = (3 if m.mlp == "swiglu" else 2) * h * f
-                kept = {"none": attn_w + mlp_w, "selective": attn_w, "full": 0}[self.recompute]
+                kept = {"none": attn_w + mlp_w, "selective": attn_w, "full": 0}.get(self.global_recompute, attn_w + mlp_w)
                 copies = c * (m.num_layers * kept + m.vocab_size * h) / tp
             return {"params": 4.0 * P, "grads": 4.0 * P, "optimizer": 8.0 * P, "unsharded": copies}
         pending = c * (out + block)

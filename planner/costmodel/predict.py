@@ -201,6 +201,8 @@ class MBTerms:
     #: units that exchange data (ring / all-gather / all-to-all partners, remap peers) waits, every
     #: layer, for the slowest of the set; plus the unit's own LM head. None: not computed (= busy)
     coupled: np.ndarray | None = None
+    #: the micro-batch's own recomputation (``MicroBatch.recompute``; None: the plan's global mode)
+    recompute: str | None = None
 
     @property
     def busy(self) -> np.ndarray:
@@ -494,6 +496,8 @@ def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool
     exposed = layers * _attention_exposure(n, gu, gi_rep, t_att, t_exp, ga.is_ring)
     # ---- linear modules, TP, remap
     lin_held, head, lin, comm, exposed, links = _linear_terms(ctx, mb, held, comm, exposed)
+    if (mb.recompute or cost.global_recompute) != "none":  # the forward its recomputation runs again
+        lin = lin + cost.recompute_extra_time(mb.recompute, attn, lin - head)
     # coupling: partners meet every layer, so per layer a unit waits for its component's slowest
     # member (the LM head runs once per micro-batch, after the last layer, on each unit's own tokens)
     labels = coupled_components(n, links)
@@ -501,7 +505,7 @@ def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool
     return MBTerms(attn=attn, lin=lin, comm=comm, exposed=exposed,
                    tokens=lin_held.astype(np.int64), mem_tokens=layout_memory_tokens(cost, mb, held, lin_held),
                    nic_routed=nic_loads(ctx, mb, routed=True), nic_unrouted=nic_loads(ctx, mb, routed=False),
-                   coupled=coupled)
+                   coupled=coupled, recompute=mb.recompute)
 
 
 def predict_from_terms(ctx: PlanContext, lengths, terms: list[MBTerms]) -> Prediction:
@@ -543,11 +547,20 @@ def predict_from_terms(ctx: PlanContext, lengths, terms: list[MBTerms]) -> Predi
         per_unit=RankLoads(
             attention_s=attn.tolist(), linear_s=lin.tolist(), comm_s=comm.tolist(),
             exposed_comm_s=exposed.tolist(), total_s=total.tolist(),
-            tokens=tokens.tolist(), memory_gb=(np.asarray(cost.memory_bytes(mem_tokens), dtype=np.float64) / 1e9).tolist(),
+            tokens=tokens.tolist(), memory_gb=(_peak_memory_bytes(cost, terms, mem_tokens) / 1e9).tolist(),
         ),
         nic_bytes=dict(nic_r),
         nic_bytes_unrouted=dict(nic_u),
     )
+
+
+def _peak_memory_bytes(cost, terms: list[MBTerms], mem_tokens: np.ndarray) -> np.ndarray:
+    """Per unit, the most bytes any micro-batch holds: under one global mode, the bytes of the most
+    tokens held; with choices per micro-batch, the most over the micro-batches of each one's own."""
+    if all(t.recompute is None for t in terms):
+        return np.asarray(cost.memory_bytes(mem_tokens), dtype=np.float64)
+    return np.max([np.asarray(cost.recompute_memory_bytes(t.mem_tokens, t.recompute), dtype=np.float64)
+                   for t in terms], axis=0)
 
 
 def predict_step(ctx: PlanContext, step: StepPlan, routed: bool = True) -> Prediction:
@@ -704,6 +717,8 @@ def _replica_microbatch(ctx: PlanContext, step: StepPlan, mb: MicroBatch, cms: d
         cm = cms[reps[u].tp]
         head_mb[u] = float(cm.head_time(held[u]))
         lin_mb[u] = float(layers * cm.linear_time(held[u]) + cm.head_time(held[u]))
+        if cm.global_recompute != "none":  # the forward its recomputation runs again
+            lin_mb[u] += float(cm.recompute_extra_time(None, a_mb[u], lin_mb[u] - head_mb[u]))
         tp_mb[u] = float(cm.model.num_layers * cm.tp_exposed_comm(held[u])) if cm.tp > 1 else 0.0
     tot.ring_exp += e_mb
     tot.lin += lin_mb

@@ -214,6 +214,9 @@ class LayerGraph:
             cost = self.sim.cost_for(self.reps[u].tp)
             dur = float(cost.linear_time(lin_tok[u]))
             lin_task[u] = eng.compute(u, dur, (10**9, 0), [attn_done[u]] + in_deps.get(u, []), cat="linear")
+            extra = self._recompute_time(cost, u, dur)
+            if extra > 0:  # the forward the micro-batch's recomputation runs again in the backward
+                lin_task[u] = eng.compute(u, extra, (10**9, 0), [lin_task[u]], cat="recompute")
             if cost.tp > 1:  # TP-SP all-gathers / reduce-scatters the GEMMs cannot hide (per overlap mode)
                 tp_exp = float(cost.tp_exposed_comm(lin_tok[u]))
                 if tp_exp > 0:
@@ -222,6 +225,15 @@ class LayerGraph:
             nb = 2.0 * tokens * to_attn_w * self.sim.ctx.model.dtype_bytes / self.reps[b].tp
             self._remap_transfer(b, a, nb, [lin_task[a], lin_task[b]])
         self.lin_task = lin_task
+
+    def _recompute_time(self, cost, u: int, linear_s: float) -> float:
+        """The forward unit ``u``'s recomputation runs again in this layer: its attention compute
+        (the layer's attention tasks) and ``linear_s`` priced by the micro-batch's choice."""
+        if (self.mb.recompute or cost.global_recompute) == "none":
+            return 0.0
+        tasks = self.engine.tasks
+        attn = sum(tasks[t].dur for t in self.attn_tasks.get(u, ()) if tasks[t].kind == "compute")
+        return float(cost.recompute_extra_time(self.mb.recompute, attn, linear_s))
 
     def _remap_transfer(self, a: int, b: int, nbytes: float, deps) -> int:
         """One remap move (``nbytes``: its forward and backward passes together). With a profile
@@ -428,7 +440,7 @@ class LayerGraph:
         iv: dict[int, list[tuple[float, float]]] = defaultdict(list)
         for t in tasks:
             if t.kind == "compute":
-                if t.cat == "linear":
+                if t.cat in ("linear", "recompute"):  # recomputation is charged as the predictor does
                     comp_l[t.unit] += t.dur
                 elif t.cat != "tp-comm":  # exposed TP communication counts as exposed, not busy
                     comp_a[t.unit] += t.dur

@@ -134,7 +134,7 @@ class Predictor:
                 u = iv.unit
                 fin[u] = max(fin[u], iv.end)
                 if iv.lane == "compute":
-                    if iv.cat == "linear":
+                    if iv.cat in ("linear", "recompute"):
                         lin[u] += iv.end - iv.start
                     else:
                         a_end[u] = max(a_end[u], iv.end)
@@ -189,6 +189,7 @@ def build_report(header, steps: dict[int, Any], records: list[dict[str, Any]],
             "memory": memory_row(rec, pred.memory_model(steps[k], rec)),
         })
     step_err = [r["rel_error"]["step"] for r in rows]
+    by_choice = recompute_summary(pred, steps, records)
     out = {
         "predictor": PREDICTOR,
         "profile": _profile_label(header.profile),
@@ -201,9 +202,58 @@ def build_report(header, steps: dict[int, Any], records: list[dict[str, Any]],
             "phases": {ph: error_summary([r["rel_error"][ph] for r in rows])
                        for ph in PHASES if ph != "step"},
             "memory": memory_summary([r["memory"] for r in rows]),
+            "recompute": by_choice,
         },
     }
     return out
+
+
+def recompute_summary(pred: Predictor, steps: dict[int, Any], records: list[dict[str, Any]]) -> list[dict] | None:
+    """Per recomputation choice, over every rank's micro-batches of the records: how many, the
+    activation bytes they held (kept for the backward plus one recomputation) measured and as the
+    cost model predicts for their tokens under that choice, and their forward and backward time
+    measured and predicted (:func:`~zeppelin.planner.costmodel.predict.microbatch_terms`: the
+    unit's attention, linear modules, recomputation and exposed communication). None: the records
+    have no micro-batches (runs before they were recorded)."""
+    from zeppelin.planner.costmodel.predict import microbatch_terms
+
+    acc: dict[str, dict[str, float]] = {}
+    for rec in records:
+        per_rank = (rec.get("memory") or {}).get("microbatches") or []
+        step = steps[int(rec["step"])]
+        lengths = [q.length for q in step.sequences]
+        unit_of = {r: u for u, rep in enumerate(pred.header.replicas(step)) for r in rep.ranks}
+        busy = [microbatch_terms(pred.ctx, lengths, mb).busy for mb in step.microbatches] \
+            if step.replicas is None else None
+        for r, mbs in enumerate(per_rank):
+            u = unit_of.get(r)
+            for i, m in enumerate(mbs):
+                if u is None or i >= len(step.microbatches):
+                    continue
+                a = acc.setdefault(m["recompute"], {"microbatches": 0, "measured_bytes": 0.0, "predicted_bytes": 0.0,
+                                                    "measured_s": 0.0, "predicted_s": 0.0})
+                a["microbatches"] += 1
+                a["measured_bytes"] += m["activations"] + m["recompute_bytes"]
+                a["predicted_bytes"] += m["tokens"] * pred.cost.recompute_bytes_per_token(m["recompute"])
+                a["measured_s"] += m["forward_s"] + m["backward_s"]
+                a["predicted_s"] += float(busy[i][u]) if busy is not None else math.nan
+    return [{"recompute": k, **v} for k, v in acc.items()] or None
+
+
+def recompute_table(rows: list[dict]) -> list[str]:
+    """The lines ``run --report`` prints for :func:`recompute_summary`."""
+    def err(p, m):
+        return "-" if not m or not math.isfinite(p) else f"{(p - m) / m:+.1%}"
+
+    lines = ["per recomputation choice, every rank's micro-batches (activations: kept + one recomputation, MB; "
+             "forward + backward, ms):",
+             f"  {'choice':<12}{'mbs':>5}{'act pred':>10}{'measured':>10}{'error':>8}"
+             f"{'time pred':>11}{'measured':>10}{'error':>8}"]
+    for r in rows:
+        pb, mbytes, ps, ms = r["predicted_bytes"], r["measured_bytes"], r["predicted_s"], r["measured_s"]
+        lines.append(f"  {r['recompute']:<12}{r['microbatches']:>5}{pb / 1e6:>10,.2f}{mbytes / 1e6:>10,.2f}"
+                     f"{err(pb, mbytes):>8}{ps * 1e3:>11,.1f}{ms * 1e3:>10,.1f}{err(ps, ms):>8}")
+    return lines
 
 
 #: memory components: (name in the metrics record, name in the cost model, label)
@@ -367,6 +417,9 @@ def render(report: dict[str, Any], console=None) -> None:
         con.print(line)
         if mem.get("peak_step_components"):
             for line in memory_table(mem["peak_step_components"]):
+                con.print(line, highlight=False)
+        if report["summary"].get("recompute"):
+            for line in recompute_table(report["summary"]["recompute"]):
                 con.print(line, highlight=False)
         if mem["steps_exceeding_capacity"]:
             steps = [report["steps"][i]["step"] for i in mem["steps_exceeding_capacity"]]

@@ -39,7 +39,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
@@ -48,7 +48,7 @@ from zeppelin.schemas.io.documents import MAX_DOC_BYTES, parse_json
 from zeppelin.schemas.io.safefiles import ManagedDir, note_input
 
 CASE_SCHEMA = "zeppelin.check-case/1"
-SETTING_FIELDS = ("cluster", "model", "dataset", "steps", "seed", "tokens_per_step", "max_seq_len", "tp")
+SETTING_FIELDS = ("cluster", "model", "dataset", "steps", "seed", "tokens_per_step", "max_seq_len", "tp", "recompute")
 
 
 class CheckCase(Strict):
@@ -65,6 +65,8 @@ class CheckCase(Strict):
     tokens_per_step: int = Field(ge=1, le=2**40)
     max_seq_len: int | None = Field(default=None, ge=1, le=2**31)
     tp: int = Field(default=1, ge=1, le=256)
+    recompute: Literal["auto", "none", "selective", "full"] = Field(
+        default="auto", description="--recompute (auto: zeppelin's planners choose per micro-batch)")
     tolerance: float = Field(ge=0, le=10, description="allowed relative increase of the mean step time")
     description: str = ""
 
@@ -216,7 +218,7 @@ def _inputs(case: Case):
     try:
         cl = resolve_cluster(case_ref(case, s.cluster))
         md = resolve_model(case_ref(case, s.model))
-        ctx = PlanContext(cl, md, resolve_profile(None, cl), tp=s.tp, seed=s.seed)
+        ctx = PlanContext(cl, md, resolve_profile(None, cl), tp=s.tp, seed=s.seed, recompute=s.recompute)
         ds = _dataset(case)
     except ValueError as e:
         raise PlanningError(str(e)) from None
@@ -489,7 +491,7 @@ def check_case_flags(target: str | Path, given: list[str], inputs: list) -> None
 
 def save_case(target: str | Path, *, cluster: str, model: str, manifest: str | None, planner: str,
               options: dict[str, Any], steps: int, seed: int, tokens_per_step: int, max_seq_len: int | None,
-              tp: int) -> list[str]:
+              tp: int, recompute: str = "auto") -> list[str]:
     """Write ``target.json`` (a check case of these settings) and its golden ``target.plan``; the lines
     to print. A manifest path is stored relative to the case's directory, as ``zeppelin check`` reads it."""
     import json
@@ -505,7 +507,8 @@ def save_case(target: str | Path, *, cluster: str, model: str, manifest: str | N
     try:
         spec = CheckCase(cluster=portable_ref(cluster, d), model=portable_ref(model, d), dataset=dataset,
                          planner=planner, options=_json_options(planner, options), steps=steps, seed=seed,
-                         tokens_per_step=tokens_per_step, max_seq_len=max_seq_len, tp=tp, tolerance=DEFAULT_TOLERANCE,
+                         tokens_per_step=tokens_per_step, max_seq_len=max_seq_len, tp=tp, recompute=recompute,
+                         tolerance=DEFAULT_TOLERANCE,
                          description=f"saved by `zeppelin plan --save-case {target}`")
     except ValidationError as e:
         raise InputError(f"--save-case: {format_validation_error(e)}") from None

@@ -86,14 +86,15 @@ class PlannerRun:
     options: dict = field(default_factory=dict)  # the options the planner was given
     layout: dict = field(default_factory=dict)  # group kind -> [fewest, most] units of its groups, over the steps
     error: str | None = None
+    recompute: str = "none"  # the recomputation the planner ran with (its plans' header)
 
     def stats(self) -> dict[str, Any]:
         if self.error is not None or not self.step_times:
-            return {"planner": self.planner, "error": self.error or "no steps"}
+            return {"planner": self.planner, "error": self.error or "no steps", "recompute": self.recompute}
         t = np.array(self.step_times)
         lb = np.array(self.lower_bounds)
         return {
-            "planner": self.planner, "error": None, "steps": len(t),
+            "planner": self.planner, "error": None, "steps": len(t), "recompute": self.recompute,
             "mean_s": float(t.mean()), "p50_s": float(np.percentile(t, 50)), "p90_s": float(np.percentile(t, 90)),
             "ratio_to_lower_bound": float(np.mean(t / lb)) if np.all(lb > 0) else math.nan,
             "lower_bound_mean_s": float(np.mean(lb)),
@@ -233,12 +234,11 @@ def run_compare(ctx: PlanContext, steps: list[list], planners: list[str],
     keep = frozenset(keep)
     from zeppelin.planner.core.base import get_planner
 
-    for p in planners:
-        get_planner(p)  # unknown names fail before any work
+    modes = {p: get_planner(p).recompute_mode(ctx.recompute) for p in planners}  # unknown names fail here
     options = options or {}
     jobs = job_order(planners, len(steps))
     note = Progress(len(jobs)) if progress else None
-    runs = {p: PlannerRun(p) for p in planners}
+    runs = {p: PlannerRun(p, recompute=modes[p]) for p in planners}
     for p, given in options.items():
         if p in runs:
             runs[p].options = dict(given)
@@ -420,11 +420,22 @@ def render_table(doc: dict[str, Any], title: str):
               f"step time / lower bound (docs/CONCEPTS.md)")]
     if "te-cp-tuned" in refs:
         notes.append("tuned: te-cp-tuned")
+    notes.append(recompute_note(doc["planners"]))
     if failed:
         notes.append("failed: " + "; ".join(failed))
     if notes:
         t.caption = "; ".join(notes)
     return t
+
+
+def recompute_note(stats: list[dict[str, Any]]) -> str:
+    """Which recomputation each planner ran with: ``recompute: per micro-batch (zeppelin), none
+    (te-cp, flexsp)``."""
+    by: dict[str, list[str]] = {}
+    for s in stats:
+        mode = s.get("recompute", "none")
+        by.setdefault("per micro-batch" if mode == "per-microbatch" else mode, []).append(s["planner"])
+    return "recompute: " + ", ".join(f"{m} ({', '.join(ps)})" for m, ps in by.items())
 
 
 def _ms(seconds: float) -> str:
@@ -542,7 +553,7 @@ def setting(ctx: PlanContext, dataset: str, steps: int, sampler) -> dict[str, An
 def compare_title(ctx: PlanContext, manifest: str | None, steps: int, sampler) -> str:
     """The title of ``compare``'s table: the setting, the data and the step budget."""
     cl = ctx.cluster
-    memory = "" if (ctx.zero_stage, ctx.recompute) == (1, "none") else \
+    memory = "" if (ctx.zero_stage, ctx.recompute) in ((1, "none"), (1, "auto")) else \
         f", ZeRO-{ctx.zero_stage}, recompute {ctx.recompute}"
     budget = (f"{sampler.tokens_per_step:,} tokens" if sampler.tokens_per_step is not None
               else f"{sampler.seqs_per_step:,} sequences")

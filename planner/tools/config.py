@@ -155,9 +155,10 @@ OVERFLOW = Flag("overflow", ("--overflow",), str, OVERFLOW_MODES[0],
 TP = Flag("tp", ("--tp",), int, 1, "tensor-parallel degree of a unit", lo=1, hi=256)
 ZERO_STAGE = Flag("zero_stage", ("--zero-stage",), int, 1,
                   f"ZeRO stage ({ZERO_STAGES[0]}-{ZERO_STAGES[-1]}) for the memory model", choices=ZERO_STAGES)
-RECOMPUTE = Flag("recompute", ("--recompute",), str, RECOMPUTE_MODES[0],
-                 f"{' | '.join(RECOMPUTE_MODES)}: activation recomputation `zeppelin run` will use (sets the "
-                 "activation memory per token)", choices=RECOMPUTE_MODES)
+RECOMPUTE = Flag("recompute", ("--recompute",), str, "auto",
+                 f"auto | {' | '.join(RECOMPUTE_MODES)}: activation recomputation `zeppelin run` will use (sets the "
+                 "activation memory per token); auto: zeppelin's planners choose per micro-batch the cheapest "
+                 "that fits, the baselines run none", choices=("auto", *RECOMPUTE_MODES))
 
 ILP_NODES = _zeppelin("ilp_nodes", "--ilp-nodes").but(lo=0, below="{flag} must be >= {lo:g} (got {value})")
 TIME_LIMIT = Flag("time_limit", ("--time-limit",), float, None,

@@ -79,10 +79,12 @@ def memory_problems(ctx: PlanContext, step: StepPlan, mbi: int, mb: MicroBatch) 
     for what, held in (("attention", att), ("linear", lin)):
         for u, t in enumerate(held):
             cm = costs[u] if u < n else ctx.cost
-            cap = cm.token_capacity
-            extra = what == "attention" and uly[u] and t > cm.ulysses_token_capacity
-            if t > cap or (extra and float(cm.layout_tokens(t, uly[u])) >= cap + 1):
-                gb = float(cm.memory_bytes(t)) / 1e9
+            cap = cm.recompute_capacity(mb.recompute)  # the micro-batch's recomputation (None: the plan's)
+            # Ulysses members also hold their extra copies: counted as token-equivalents of this mode
+            extra = sum(cm.ulysses_extra_split) / cm.recompute_bytes_per_token(mb.recompute)
+            held_eq = t + (uly[u] * extra if what == "attention" else 0)
+            if t > cap or held_eq >= cap + 1:
+                gb = float(cm.recompute_memory_bytes(held_eq, mb.recompute)) / 1e9
                 probs.append(f"memory: step {step.step} microbatch {mbi} unit {u} holds {t:,} tokens in the {what} "
                              f"layout, more than the {cap:,} its memory allows ({gb:.1f} GB > "
                              f"{ctx.cluster.gpu.memory_gb - ctx.profile.memory_reserved_gb:g} GB usable)")

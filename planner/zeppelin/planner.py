@@ -31,6 +31,7 @@ import numpy as np
 from zeppelin.planner.core.base import PlanContext, Planner, PlanningError, register
 from zeppelin.planner.core.solver import SolveLimits
 from zeppelin.planner.zeppelin import families as families_mod
+from zeppelin.planner.zeppelin import recompute as recompute_mod
 from zeppelin.planner.zeppelin.options import ZeppelinOptions
 from zeppelin.planner.zeppelin.select import select
 from zeppelin.planner.zeppelin.step_searches import search_step
@@ -61,6 +62,8 @@ class ZeppelinPlanner(Planner):
     Options = ZeppelinOptions
     #: called with every candidate plan a step builds (see :func:`.select.select`); None: none
     collector = None
+    #: ``--recompute auto``: a choice per micro-batch (:mod:`.recompute`)
+    chooses_recompute = True
 
     def __init__(self, **options):
         super().__init__(**options)  # checks and types the options: self.opts
@@ -160,6 +163,10 @@ class ZeppelinPlanner(Planner):
         gc_was_on = gc.isenabled()
         gc.disable()
         try:
+            if recompute_mod.chooses(ctx):
+                judge = self._judge(ctx)
+                score = (lambda p: judge.simulate_step(p).step_time_s) if judge is not None else None
+                return recompute_mod.plan_step(ctx, step, sequences, self._plan_step, score)
             return self._plan_step(ctx, step, sequences)
         finally:
             if gc_was_on:

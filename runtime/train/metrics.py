@@ -245,6 +245,9 @@ def memory_record(step: StepPlan, per_rank: list, header: PlanHeader | None) -> 
         "process_peak_bytes": [int(m.get("process_peak", 0)) for m in mems],
         "activation_bytes_per_token": [round(int(m.get("activations", 0)) / m["activation_tokens"], 3)
                                        if m.get("activation_tokens") else 0.0 for m in mems],
+        # per rank, per micro-batch: its recomputation, tokens, bytes held, forward and backward seconds
+        "microbatches": [[{k: (round(v, 6) if isinstance(v, float) else v) for k, v in mb.items()}
+                          for mb in m.get("microbatches", [])] for m in mems],
         "predicted_bytes": None,
         "capacity_bytes": None,
         "exceeds_capacity": [],

@@ -52,6 +52,8 @@ def check_planned(cfg: Any, header: Any) -> None:
     for p in PLANNED:
         given, planned = getattr(cfg, p.name), p.planned(header)
         if given is not None and given != planned and not getattr(cfg, p.override):
+            # a plan whose micro-batches each chose their recomputation was made with --recompute auto
+            planned = "auto" if planned == "per-microbatch" else planned
             raise InputError(f"the plan was made for {p.flag} {planned} ({p.sizes}), not {given}; re-plan with "
                              f"`zeppelin plan {p.flag} {given}` or pass {p.override_flag}")
 

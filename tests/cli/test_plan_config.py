@@ -20,7 +20,7 @@ ZEPPELIN_FLAGS = {"ilp": "auto", "ilp_nodes": 10, "solver": "highs", "intra": "a
 @pytest.mark.parametrize("cls,values,message", [
     (PlanConfig, {"zero_stage": 4}, "--zero-stage must be 0, 1, 2 or 3 (got 4)"),
     (CompareConfig, {"zero_stage": -1}, "--zero-stage must be 0, 1, 2 or 3 (got -1)"),
-    (DemoConfig, {"recompute": "some"}, "--recompute must be none, selective or full (got 'some')"),
+    (DemoConfig, {"recompute": "some"}, "--recompute must be auto, none, selective or full (got 'some')"),
     (CompareConfig, {"overflow": "wrap"}, "--overflow must be truncate, reject or skip (got 'wrap')"),
     (PlanConfig, {"ilp_nodes": -1}, "--ilp-nodes must be >= 0 (got -1)"),
     (PlanConfig, {"fmt": "yaml"}, "--format must be jsonl or pretty (got 'yaml')"),

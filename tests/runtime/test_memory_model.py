@@ -37,13 +37,22 @@ LAYOUTS = {"local": ("packed-dp", {}), "ring": ("te-cp", {"cp": 2}), "ulysses": 
 
 def _measure(rank: int, world: int, header_json: str, step_json: str, zero: int, recompute: str, dtype: str,
              hf: str | None):
+    header = PlanHeader.model_validate_json(header_json)
+    step = StepPlan.model_validate_json(step_json)
+    ex = step_executor(rank, world, header, step, hf, zero_stage=zero, dtype=dtype, recompute=recompute)
+    res = ex.forward_backward(step)
+    ex.optimizer_step()
+    return ex.measured_memory(res)
+
+
+def step_executor(rank: int, world: int, header: PlanHeader, step: StepPlan, hf: str | None, seed: int = 0, **kw):
+    """An executor of ``step`` on this rank (inside the pool's process group): the built-in model of
+    the header (``seed``), or the Hugging Face model ``hf``; ``kw``: the executor's settings."""
     from zeppelin.runtime.data import TokenSource
     from zeppelin.runtime.executor import Executor
     from zeppelin.runtime.groups import GroupCache, set_default_cache
     from zeppelin.runtime.model import LlamaModel
 
-    header = PlanHeader.model_validate_json(header_json)
-    step = StepPlan.model_validate_json(step_json)
     cache = GroupCache(world, header=header, steps=[step])
     set_default_cache(cache)
     if hf is not None:
@@ -51,12 +60,9 @@ def _measure(rank: int, world: int, header_json: str, step_json: str, zero: int,
 
         model = load_hf_model(hf, seed=0, spec=header.model)
     else:
-        model = LlamaModel(header.model, seed=0)
-    ex = Executor(header, model, TokenSource(header.model.vocab_size, header.seed), rank=rank, world_size=world,
-                  device=torch.device("cpu"), groups=cache, zero_stage=zero, dtype=dtype, recompute=recompute)
-    res = ex.forward_backward(step)
-    ex.optimizer_step()
-    return ex.measured_memory(res)
+        model = LlamaModel(header.model, seed=seed)
+    return Executor(header, model, TokenSource(header.model.vocab_size, header.seed), rank=rank, world_size=world,
+                    device=torch.device("cpu"), groups=cache, **kw)
 
 
 @pytest.fixture(scope="module")

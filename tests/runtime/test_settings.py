@@ -23,7 +23,7 @@ ZEPPELIN = str(Path(sys.executable).parent / "zeppelin")
 
 @pytest.fixture(scope="module")
 def plan(tmp_path_factory) -> Path:
-    """A 4-step plan made at ZeRO-1 without recomputation (the planner's defaults)."""
+    """A 4-step plan made at ZeRO-1 with recomputation chosen per micro-batch (the planner's defaults)."""
     d = tmp_path_factory.mktemp("settings")
     p = subprocess.run([ZEPPELIN, "plan", "-c", "local-cpu:1x2", "--model", "tiny", "--steps", "4",
                         "--tokens-per-step", "2048", "--max-seq-len", "1024", "-q", "-o", "p.jsonl"], cwd=d,
@@ -35,7 +35,7 @@ def plan(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("argv,line", [
     (["--zero-stage", "3"], ("the plan was made for --zero-stage 1 (its model-state memory per GPU), not 3; "
                             "re-plan with `zeppelin plan --zero-stage 3` or pass --zero-stage-override")),
-    (["--recompute", "full"], ("the plan was made for --recompute none (its activation memory per token), not full; "
+    (["--recompute", "full"], ("the plan was made for --recompute auto (its activation memory per token), not full; "
                               "re-plan with `zeppelin plan --recompute full` or pass --recompute-override")),
 ])
 def test_a_flag_that_differs_from_the_plan_needs_its_override(plan, capsys, monkeypatch, argv, line):

@@ -1,0 +1,131 @@
+"""Recomputation chosen per micro-batch (``--recompute auto``, docs/CONCEPTS.md, "When recompute pays").
+
+A step is planned under the token capacity of each global mode (``none``, then ``selective`` and
+``full`` where they may help); in each candidate every micro-batch then takes, of the choices
+under which all its units fit (``none``, ``selective``, ``full:k`` with the fewest layers k that
+fit), the one whose slowest unit is fastest with the forward it runs again, and the candidate
+judged fastest (by the simulator where the planner selects by it, else by the prediction) is the
+step's plan. So the micro-batching itself trades "one micro-batch with recomputation" (the
+larger capacity) against "two without" (the smaller) by predicted time. A step whose plan without
+recomputation has one micro-batch is that plan: recomputation could only add time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from zeppelin.planner.costmodel.context import PlanContext, PlanningError
+from zeppelin.planner.costmodel.predict import microbatch_terms, predict_step
+from zeppelin.schemas.plan import PER_MICROBATCH, MicroBatch, Sequence, StepPlan
+
+#: the ``--recompute`` value that lets a planner choose per micro-batch
+AUTO = "auto"
+#: the global modes a step is planned under, in the order tried
+CANDIDATE_MODES = ("none", "selective", "full")
+
+
+def chooses(ctx: PlanContext) -> bool:
+    """Whether the context asks for a choice per micro-batch."""
+    return ctx.recompute in (AUTO, PER_MICROBATCH)
+
+
+def mode_context(ctx: PlanContext, mode: str) -> PlanContext:
+    """``ctx`` under the global ``mode`` (built once per mode, kept on ``ctx``)."""
+    cache = ctx.__dict__.setdefault("_by_recompute", {})
+    if mode not in cache:
+        cache[mode] = PlanContext(ctx.cluster, ctx.model, ctx.profile, tp=ctx.tp, zero_stage=ctx.zero_stage,
+                                  tp_overlap=ctx.tp_overlap, seed=ctx.seed, recompute=mode,
+                                  options=ctx.options, max_seq_len=ctx.max_seq_len)
+    return cache[mode]
+
+
+def held_tokens(mb: MicroBatch, n: int) -> np.ndarray:
+    """Per unit, the most tokens it holds in the micro-batch (attention or linear layout)."""
+    att = np.zeros(n)
+    for p in mb.placements:
+        units = mb.groups[p.group].units
+        for pos, rs in enumerate(p.ranges):
+            att[units[pos]] += sum(e - s for s, e in rs)
+    if mb.linear_layout is None:
+        return att
+    lin = np.array([sum(e - s for _, s, e in segs) for segs in mb.linear_layout], dtype=np.float64)
+    return np.maximum(att, lin)
+
+
+def _fitting(ctx: PlanContext, costs: list, held: np.ndarray) -> list[str]:
+    """The choices under which every unit holding tokens fits: ``none``, ``selective``, and of
+    ``full:1`` .. ``full`` only the fewest layers that fit (more only add time)."""
+    def fits(mode: str) -> bool:
+        return all(held[u] <= costs[u].recompute_capacity(mode) for u in range(len(held)) if held[u] > 0)
+
+    out = [m for m in ("none", "selective") if fits(m)]
+    L = ctx.model.num_layers
+    lo, hi = 1, L  # the fewest layers k of full:k that fit (full:L is full)
+    if not fits("full"):
+        return out
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(f"full:{mid}"):
+            hi = mid
+        else:
+            lo = mid + 1
+    return out + ["full" if lo >= L else f"full:{lo}"]
+
+
+def choose_microbatch(ctx: PlanContext, step: StepPlan, mb: MicroBatch) -> str:
+    """The choice under which every unit of ``mb`` fits and the micro-batch's slowest unit is
+    fastest (its attention and linear work plus the forward the choice runs again); ``full``
+    when none fits (the plan's memory check then names the unit)."""
+    reps = step.replicas
+    n = len(mb.queues)
+    costs = [ctx.cost] * n if reps is None else [ctx.cost_for(r.tp) for r in reps]
+    held = held_tokens(mb, n)
+    choices = _fitting(ctx, costs, held)
+    if len(choices) <= 1:
+        return choices[0] if choices else "full"
+    mb.recompute = None
+    lengths = [q.length for q in step.sequences]
+    terms = microbatch_terms(ctx, lengths, mb) if reps is None else None
+    if terms is None:  # replicas of mixed TP: the choice that adds the least forward
+        return min(choices, key=lambda m: ctx.cost.recompute_extra_time(m, 0.0, 1.0).item())
+    lin = terms.lin - np.asarray(ctx.cost.head_time(terms.tokens), dtype=np.float64)
+    busy = terms.busy
+    return min(choices, key=lambda m: float(np.max(busy + ctx.cost.recompute_extra_time(m, terms.attn, lin))))
+
+
+def assign(ctx: PlanContext, plan: StepPlan) -> StepPlan:
+    """``plan`` with each micro-batch's choice set (left out where it is ``none``) and its
+    prediction under those choices."""
+    for mb in plan.microbatches:
+        mode = choose_microbatch(ctx, plan, mb)
+        mb.recompute = None if mode == "none" else mode
+    plan.prediction = predict_step(ctx, plan)
+    return plan
+
+
+def plan_step(ctx: PlanContext, step: int, sequences: list[Sequence],
+              plan_one: Callable[[PlanContext, int, list[Sequence]], StepPlan],
+              score: Callable[[StepPlan], float] | None = None) -> StepPlan:
+    """The step planned with a choice per micro-batch (module docstring); ``plan_one`` plans it
+    under one global mode's context, ``score`` judges the candidates (default: their predicted
+    step time). The plan's header says ``per-microbatch``."""
+    score = score or (lambda p: p.prediction.step_time_s)
+    best: StepPlan | None = None
+    best_t = 0.0
+    error: PlanningError | None = None
+    for mode in CANDIDATE_MODES:
+        try:
+            plan = assign(ctx, plan_one(mode_context(ctx, mode), step, sequences))
+        except PlanningError as e:
+            error = error or e
+            continue
+        t = score(plan)
+        if best is None or t < best_t:
+            best, best_t = plan, t
+        if mode == "none" and len(plan.microbatches) == 1:
+            break  # one micro-batch without recomputation: nothing to save
+    if best is None:
+        raise error
+    return best

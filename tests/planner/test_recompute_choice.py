@@ -1,0 +1,184 @@
+"""Recomputation chosen per micro-batch: the plan format, the cost of each choice, and the planner's
+``--recompute auto`` (which may trade one micro-batch with recomputation against two without)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from tests.runtime.test_flexsp_hydraulis_tp_plans import tight_cluster
+from tests.runtime.test_recompute_per_microbatch import mixed_step
+from tests.runtime.test_runtime_dist import make_header
+from zeppelin.planner.core.base import PlanContext, get_planner
+from zeppelin.planner.costmodel.cost import CostModel
+from zeppelin.planner.costmodel.predict import predict_step
+from zeppelin.schemas.cluster import cluster_preset
+from zeppelin.schemas.invariants import plan_problems
+from zeppelin.schemas.model import model_preset
+from zeppelin.schemas.plan import MicroBatch, Sequence, StepPlan, plan_text, read_plan, write_plan
+from zeppelin.schemas.profile import ActivationMemory, ModelFits
+
+
+def _header(recompute: str = "per-microbatch"):
+    h = make_header(cluster_preset("local-cpu:1x4"), model_preset("small"), 1)
+    return h.model_copy(update={"recompute": recompute})
+
+
+def test_choices_round_trip_and_unset_ones_are_not_written(tmp_path):
+    header = _header()
+    step = mixed_step(header)
+    text = plan_text(header, [step])
+    assert '"recompute":"full:2"' in text and '"recompute":"none"' not in text.split("\n", 1)[1]
+    write_plan(tmp_path / "p.jsonl", header, [step])
+    h2, (s2,) = read_plan(tmp_path / "p.jsonl")
+    assert h2.recompute == "per-microbatch"
+    assert [mb.recompute for mb in s2.microbatches] == [None, "selective", "full", "full:2"]
+    # a plan without choices keeps its bytes: no "recompute" key in any micro-batch
+    plain = step.model_copy(update={"microbatches": [mb.model_copy(update={"recompute": None})
+                                                     for mb in step.microbatches]})
+    assert '"recompute"' not in plan_text(_header("none"), [plain])
+
+
+@pytest.mark.parametrize("bad", ["full:0", "full:", "partial", "selective:2", "full:x"])
+def test_an_unknown_choice_is_refused(bad):
+    with pytest.raises(ValidationError):
+        MicroBatch(queues=[[]], recompute=bad)
+
+
+def test_choices_need_a_per_microbatch_header_and_fewer_layers_than_the_model():
+    step = mixed_step(_header())
+    assert plan_problems(_header(), step) == []
+    assert plan_problems(_header("full"), step)[0] == (
+        "coverage: step 0 microbatch 1: says recompute 'selective' but the plan's header says recompute 'full' "
+        "for every micro-batch (per-microbatch lets each say its own)")
+    step.microbatches[3].recompute = "full:4"
+    assert plan_problems(_header(), step) == [
+        "coverage: step 0 microbatch 3: recompute 'full:4' names 4 layers, the model has 4 (all of them: 'full')"]
+
+
+def test_memory_and_time_of_each_choice():
+    cm = CostModel(cluster_preset("zeppelin-a:2"), model_preset("llama-7b"), recompute="per-microbatch")
+    b = {m: cm.recompute_bytes_per_token(m) for m in ("none", "selective", "full", "full:8", "full:16")}
+    assert b["none"] > b["selective"] > b["full"] and b["none"] > b["full:8"] > b["full:16"] > b["full"]
+    # full:k keeps k/L of the way from none to full (the forward's share; one layer recomputed)
+    act = {m: cm.recompute_split(m)[0] for m in ("none", "full", "full:8")}
+    assert act["full:8"] == pytest.approx(act["none"] - 8 / 32 * (act["none"] - act["full"]))
+    assert cm.recompute_capacity("full") > cm.recompute_capacity("selective") > cm.recompute_capacity("none")
+    assert cm.recompute_capacity(None) == cm.token_capacity == cm.recompute_capacity("none")
+    x = {m: float(cm.recompute_extra_time(m, 1.0, 2.0)) for m in ("none", "selective", "full", "full:16")}
+    bl, ba = cm.profile.backward_linear_factor, cm.profile.backward_attention_factor
+    assert x["none"] == 0.0
+    assert x["full"] == pytest.approx(1.0 / (1 + ba) + 2.0 / (1 + bl))
+    assert x["full:16"] == pytest.approx(x["full"] / 2)
+    assert 0 < x["selective"] < 2.0 / (1 + bl)
+
+
+def test_a_profiled_time_factor_replaces_the_analytic_one():
+    cl, md = cluster_preset("local-cpu:1x4"), model_preset("small")
+    base = CostModel(cl, md)
+    fits = ModelFits(model=md.name, dtype=md.dtype, activation_memory={
+        "full": ActivationMemory(activations=1.0, recompute=1.0, time_factor=0.5)})
+    prof = base.profile.model_copy(update={"fits": [fits]})
+    cm = CostModel(cl, md, prof, recompute="per-microbatch")
+    assert float(cm.recompute_extra_time("full", 1.0, 3.0)) == pytest.approx(2.0)
+    assert float(cm.recompute_extra_time("full:2", 1.0, 3.0)) == pytest.approx(1.0)
+    assert '"time_factor"' not in ActivationMemory(activations=1.0).model_dump_json()
+
+
+def test_prediction_charges_each_micro_batch_its_choice():
+    header = _header()
+    step = mixed_step(header)
+    ctx = PlanContext(header.cluster, header.model, header.profile, recompute="per-microbatch")
+    with_choices = predict_step(ctx, step)
+    plain = step.model_copy(update={"microbatches": [mb.model_copy(update={"recompute": None})
+                                                     for mb in step.microbatches]})
+    without = predict_step(ctx, plain)
+    assert with_choices.step_time_s > without.step_time_s
+    assert with_choices.lower_bound_s == without.lower_bound_s  # the bound is the work without recomputation
+    assert max(with_choices.per_unit.memory_gb) == pytest.approx(max(without.per_unit.memory_gb))  # none's mb
+
+
+def _auto_plan(lengths, memory_gb):
+    """Planned by zeppelin under ``auto`` without its candidate families (the tp-replicas family would
+    hold a sequence too long for the units on replicas of a larger TP degree instead)."""
+    cl = tight_cluster(memory_gb)
+    md = model_preset("small")
+    ctx = PlanContext(cl, md, CostModel(cl, md).profile, recompute="auto")
+    seqs = [Sequence(sample_id=i, length=n) for i, n in enumerate(lengths)]
+    return ctx, get_planner("zeppelin", families="none").plan_step(ctx, 0, seqs)
+
+
+def test_auto_plans_what_no_global_mode_without_recompute_can_and_every_micro_batch_fits():
+    from zeppelin.planner.tools.validate import memory_problems
+
+    cm = CostModel(tight_cluster(0.56), model_preset("small"))
+    cap_none = cm.token_capacity
+    lengths = [5 * cap_none] + [cap_none // 4] * 6  # the longest needs more than the 4 units hold without
+    ctx, plan = _auto_plan(lengths, 0.56)
+    assert any(mb.recompute for mb in plan.microbatches)
+    for i, mb in enumerate(plan.microbatches):
+        assert memory_problems(ctx, plan, i, mb) == []
+    with pytest.raises(Exception, match="more than the whole cluster can hold"):
+        get_planner("zeppelin", families="none").plan_step(PlanContext(ctx.cluster, ctx.model, ctx.profile, recompute="none"), 0,
+                                          [Sequence(sample_id=i, length=n) for i, n in enumerate(lengths)])
+
+
+def test_baselines_run_none_under_auto_and_the_header_says_each_planners_mode():
+    hp = get_planner("zeppelin")
+    assert hp.recompute_mode("auto") == "per-microbatch" and hp.recompute_mode("full") == "full"
+    assert get_planner("te-cp").recompute_mode("auto") == "none"
+    assert get_planner("flexsp").recompute_mode("selective") == "selective"
+
+
+def test_a_step_that_fits_without_recompute_in_one_micro_batch_is_unchanged():
+    cl, md = cluster_preset("local-cpu:1x4"), model_preset("small")
+    seqs = [Sequence(sample_id=i, length=n) for i, n in enumerate([300, 200, 100, 50])]
+    auto = get_planner("zeppelin").plan_step(PlanContext(cl, md, CostModel(cl, md).profile, recompute="auto"), 0, seqs)
+    none = get_planner("zeppelin").plan_step(PlanContext(cl, md, CostModel(cl, md).profile), 0, seqs)
+    assert isinstance(auto, StepPlan) and auto.model_dump_json() == none.model_dump_json()
+
+
+def test_run_report_sets_each_choice_beside_its_prediction():
+    from zeppelin.planner.sim.report import Predictor, recompute_summary, recompute_table
+
+    header = _header()
+    step = mixed_step(header)
+    pred = Predictor(header)
+    per_rank = [[{"recompute": mb.recompute or "none", "tokens": 192 - 7 * r, "activations": 1000 * (i + 1),
+                  "recompute_bytes": 10, "forward_s": 0.01, "backward_s": 0.02}
+                 for i, mb in enumerate(step.microbatches)] for r in range(4)]
+    rows = recompute_summary(pred, {0: step}, [{"step": 0, "memory": {"microbatches": per_rank}}])
+    by = {r["recompute"]: r for r in rows}
+    assert sorted(by) == ["full", "full:2", "none", "selective"] and all(r["microbatches"] == 4 for r in rows)
+    assert by["selective"]["measured_bytes"] == 4 * 2010
+    cm = pred.cost
+    want = sum((192 - 7 * r) * cm.recompute_bytes_per_token("full:2") for r in range(4))
+    assert by["full:2"]["predicted_bytes"] == pytest.approx(want)
+    assert by["full"]["predicted_s"] > by["none"]["predicted_s"] > 0  # full's micro-batch runs its forward again
+    assert recompute_table(rows)[2].split()[:2] == ["none", "4"]
+
+
+def test_profile_times_each_recompute_mode(tmp_path):
+    """`zeppelin profile`'s full grid times each mode against none on the runtime's model (one process)."""
+    import torch
+    import torch.distributed as dist
+
+    from zeppelin.runtime.profiler import Timer, measure_recompute_time
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        got = measure_recompute_time(model_preset("tiny"), torch.device("cpu"), Timer(torch.device("cpu")), 1, 0,
+                                     tokens=64)
+    finally:
+        dist.destroy_process_group()
+    assert sorted(got) == ["full", "selective"] and all(0 <= v <= 10 for v in got.values())
+    # what the cost model reads back from a profile
+    assert ActivationMemory(activations=1.0, time_factor=got["full"]).time_factor == got["full"]
+
+
+def test_compare_says_which_mode_each_planner_ran_with():
+    from zeppelin.planner.tools.compare import recompute_note
+
+    stats = [{"planner": "zeppelin", "recompute": "per-microbatch"}, {"planner": "te-cp", "recompute": "none"},
+             {"planner": "flexsp", "recompute": "none"}]
+    assert recompute_note(stats) == "recompute: per micro-batch (zeppelin), none (te-cp, flexsp)"
