@@ -65,7 +65,7 @@ class PlanContext:
         collective before the slowest asks for it. At ZeRO-0 (``--dp replicate``) the weights are
         whole on every rank and the gradients are all-reduced once, after the last micro-batch:
         a unit runs its next micro-batch as soon as the units it exchanges data with are done
-        (docs/CONCEPTS.md, "micro-batch"; measured by ``benchmarks/bench_coupling.py``)."""
+        (docs/CONCEPTS.md, "Micro-batch coupling"; measured by ``benchmarks/bench_coupling.py``)."""
         return self.zero_stage >= 1 and self.num_units > 1
 
     @property

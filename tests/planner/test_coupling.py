@@ -78,8 +78,10 @@ def test_no_plan_relies_on_decoupled_microbatches(zero):
     from zeppelin.planner.costmodel.predict import microbatch_terms
 
     ctx = make_ctx("local-cpu:1x2", "small", zero_stage=zero)
+    ctx.cost.token_capacity = HEAVY + LIGHT // 2  # one heavy sequence per unit and micro-batch
     seqs = seqs_of([HEAVY, LIGHT, LIGHT, HEAVY])
     plan = get_planner("zeppelin").plan_step(ctx, 0, seqs)
+    assert len(plan.microbatches) == 2
     sim = Simulator(ctx).simulate_step(plan).step_time_s
     lengths = [s.length for s in seqs]
     terms = [microbatch_terms(ctx, lengths, mb) for mb in plan.microbatches]
