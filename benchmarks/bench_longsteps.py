@@ -102,11 +102,8 @@ def main(argv=None) -> int:
         z = c["planners"].get("zeppelin", {})
         print(f"{name}: zeppelin x bound {z.get('x_bound_mean')} (worst {z.get('x_bound_worst')}), beats every "
               f"baseline: {c['zeppelin_beats_every_baseline']}", file=sys.stderr, flush=True)
-    text = json.dumps({"target_x_bound": TARGET, "steps": args.steps, "cells": cells}, indent=1)
-    if args.output is not None:
-        args.output.write_text(text + "\n")
-    else:
-        print(text)
+    text = json.dumps({"target_x_bound": TARGET, "steps": args.steps, "cells": cells}, indent=1) + "\n"
+    (sys.stdout.write if args.output is None else args.output.write_text)(text)
     return 0
 
 
