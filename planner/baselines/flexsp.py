@@ -407,6 +407,9 @@ class FlexSP(Planner):
                       for k in range(depth)]
             plan = self._build(ctx, step, sequences, layout)
             plans.append((plan.prediction.step_time_s, f"homogeneous sp={s} ({balance}-balanced)", plan))
+        static = _static_ulysses(ctx, step, sequences)
+        if static is not None:
+            plans.append((static.prediction.step_time_s, "homogeneous (static Ulysses' deal)", static))
         return plans
 
     def _build(self, ctx: PlanContext, step: int, sequences: list[Sequence], layout) -> StepPlan:
@@ -525,3 +528,18 @@ def _milp_counts(model: _Model, lengths: list[int], sizes: list[int], n: int, ca
         raise PlanningError("flexsp: internal error: no micro-batch count produced a plan")
     done.sort(key=lambda d: (d[0], d[1]))
     return _CountSearch(done=done, records=records, skipped=skipped)
+
+
+def _static_ulysses(ctx: PlanContext, step: int, sequences: list[Sequence]) -> StepPlan | None:
+    """Static DeepSpeed-Ulysses' plan of the step (one SP degree, the same groups in every
+    micro-batch, each micro-batch balanced on its own), which is in FlexSP's solution space: under
+    FSDP every unit waits for the slowest in each micro-batch, so the whole-step balance of the
+    homogeneous configurations above can lose to it. None where static Ulysses cannot plan it."""
+    from zeppelin.planner.baselines.static_sp import Ulysses
+
+    try:
+        plan = Ulysses().plan_step(ctx, step, sequences)
+    except PlanningError:
+        return None
+    plan.notes = {}
+    return plan

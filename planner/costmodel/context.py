@@ -57,5 +57,17 @@ class PlanContext:
         return self.cost.num_units
 
     @property
+    def microbatches_coupled(self) -> bool:
+        """Whether every unit waits for the slowest one in each layer of each micro-batch. At ZeRO
+        1-3 the runtime runs FSDP2, which all-gathers every block's parameters and reduce-scatters
+        its gradients in every micro-batch over the whole shard group (with hybrid sharding it also
+        all-reduces them across the groups in every micro-batch): no unit finishes a block's
+        collective before the slowest asks for it. At ZeRO-0 (``--dp replicate``) the weights are
+        whole on every rank and the gradients are all-reduced once, after the last micro-batch:
+        a unit runs its next micro-batch as soon as the units it exchanges data with are done
+        (docs/CONCEPTS.md, "Micro-batch coupling"; measured by ``benchmarks/bench_coupling.py``)."""
+        return self.zero_stage >= 1 and self.num_units > 1
+
+    @property
     def units_per_node(self) -> int:
         return self.cost.units_per_node

@@ -240,6 +240,15 @@ def coupled_components(n: int, pairs) -> np.ndarray:
     return np.fromiter((find(u) for u in range(n)), dtype=np.int64, count=n)
 
 
+def microbatch_components(ctx: PlanContext, n: int, links) -> np.ndarray:
+    """Component label of each of ``n`` units in one micro-batch: the units that wait for each
+    other every layer. Under FSDP (:attr:`PlanContext.microbatches_coupled`) every unit waits for
+    the slowest, each layer; else the units that exchange data (``links``) do."""
+    if ctx.microbatches_coupled:
+        return np.zeros(n, dtype=np.int64)
+    return coupled_components(n, links)
+
+
 def component_max(labels: np.ndarray, x: np.ndarray) -> np.ndarray:
     """Per unit: the maximum of ``x`` over the unit's component."""
     m = np.full(len(x), -np.inf)
@@ -499,8 +508,9 @@ def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool
     if (mb.recompute or cost.global_recompute) != "none":  # the forward its recomputation runs again
         lin = lin + cost.recompute_extra_time(mb.recompute, attn, lin - head)
     # coupling: partners meet every layer, so per layer a unit waits for its component's slowest
-    # member (the LM head runs once per micro-batch, after the last layer, on each unit's own tokens)
-    labels = coupled_components(n, links)
+    # member (the LM head runs once per micro-batch, after the last layer, on each unit's own tokens);
+    # under FSDP every unit is one component (:attr:`PlanContext.microbatches_coupled`)
+    labels = microbatch_components(ctx, n, links)
     coupled = component_max(labels, attn + lin - head + exposed) + head
     return MBTerms(attn=attn, lin=lin, comm=comm, exposed=exposed,
                    tokens=lin_held.astype(np.int64), mem_tokens=layout_memory_tokens(cost, mb, held, lin_held),
@@ -539,7 +549,8 @@ def predict_from_terms(ctx: PlanContext, lengths, terms: list[MBTerms]) -> Predi
     total = attn + lin + exposed
     work_b, long_b = lower_bounds(ctx, np.asarray(lengths, dtype=np.float64))
     return Prediction(
-        # units that exchange data wait for each other every layer of every micro-batch
+        # units that exchange data (under FSDP: every unit) wait for each other every layer of
+        # every micro-batch
         step_time_s=float(max((period + ar).max(), total.max())),
         lower_bound_s=max(work_b, long_b),
         work_bound_s=work_b,
@@ -724,7 +735,7 @@ def _replica_microbatch(ctx: PlanContext, step: StepPlan, mb: MicroBatch, cms: d
     tot.lin += lin_mb
     tot.tpc += tp_mb
     # ring members meet every layer: each waits for the slowest of its ring(s)
-    labels = coupled_components(n, links)
+    labels = microbatch_components(ctx, n, links)
     tot.period += component_max(labels, a_mb + e_mb + lin_mb - head_mb + tp_mb) + head_mb
     tot.tokens += held.astype(np.int64)
     tot.mem_tok = np.maximum(tot.mem_tok, held)
@@ -743,7 +754,8 @@ def predict_replicas(ctx: PlanContext, step: StepPlan) -> Prediction:
         _replica_microbatch(ctx, step, mb, cms, tot)
     attn, lin, tokens, mem_tok, period = tot.attn, tot.lin, tot.tokens, tot.mem_tok, tot.period
     ar = np.array([cms[r.tp].step_collectives_time(len(step.microbatches), n) for r in reps])
-    rings = any(g.kind == "ring" for mb in step.microbatches for g in mb.groups)
+    # units wait for each other where rings couple them, or every unit under FSDP
+    rings = ctx.microbatches_coupled or any(g.kind == "ring" for mb in step.microbatches for g in mb.groups)
     comm = ar + tot.tpc + tot.ring_comm
     exposed = ar + tot.tpc + tot.ring_exp
     total = attn + lin + exposed

@@ -25,10 +25,14 @@ supplying every kernel and link time:
     all-gather of K/V (fwd) plus all-gather and reduce-scatter of dK/dV (bwd) before the compute.
   - the compute stream runs, among the tasks that are ready, the earliest in plan order: inter
     work first, then intra, then local, and local work fills the gaps while transfers are in flight.
-* **Step.** Units coupled by communication in a micro-batch advance layer by layer together, so a
-  unit's layer period is the latest finish among the units it exchanges data with; the step is
-  ``sum over micro-batches of (num_layers x period + embedding/LM head)`` per unit, then the
-  gradient all-reduce (``CostModel.grad_allreduce_time``) once every unit is done.
+* **Step.** Units coupled in a micro-batch advance layer by layer together, so a unit's layer
+  period is the latest finish among the units it is coupled with; the step is ``sum over
+  micro-batches of (num_layers x period + embedding/LM head)`` per unit, then the data-parallel
+  collectives (``CostModel.step_collectives_time``) once every unit is done. Coupled are, at ZeRO
+  1-3, every unit (FSDP2 all-gathers and reduce-scatters each block over the whole shard group in
+  every micro-batch: ``PlanContext.microbatches_coupled``), so the step is the sum over
+  micro-batches of the slowest unit; at ZeRO-0 (replicated weights, one gradient all-reduce), the
+  units that exchange data in the micro-batch, so a unit alone runs its micro-batches back to back.
 
 Output per step (:class:`SimResult`): step time, per-unit busy / exposed-communication / idle
 breakdown, per-NIC bytes and busy fraction, and optionally the timeline of the simulated layers.
@@ -185,6 +189,8 @@ class Simulator:
             lay.build()
             lay.engine.run()
             f, comp_a, comp_l, comm, comps = lay.unit_results()
+            if self.ctx.microbatches_coupled:  # FSDP's collectives: every unit waits for the slowest
+                comps = [list(range(n))]
             period_u = np.zeros(n)
             for comp in comps:
                 m = max(f[u] for u in comp)

@@ -44,13 +44,14 @@ def test_microbatch_terms_hand_computed():
 
 
 def test_prediction_charges_waits_for_coupled_partners():
-    """Units that share a ring wait for each other every layer: a micro-batch's period on a unit is
-    the slowest busy time of its coupled set (chained through shared rings) plus its own LM head;
-    an uncoupled unit keeps its own busy time, and the step is the largest summed period."""
+    """With replicated weights (ZeRO-0) units that share a ring wait for each other every layer: a
+    micro-batch's period on a unit is the slowest busy time of its coupled set (chained through
+    shared rings) plus its own LM head; an uncoupled unit keeps its own busy time, and the step is
+    the largest summed period. Under FSDP (ZeRO 1-3) every unit waits for the slowest."""
     from zeppelin.planner.costmodel.predict import microbatch_terms, predict_from_terms
     from zeppelin.schemas.plan import Group, MicroBatch, Placement
 
-    ctx = make_ctx("zeppelin-a", "llama-7b")
+    ctx = make_ctx("zeppelin-a", "llama-7b", zero_stage=0)
     c, n = ctx.cost, ctx.num_units
     lengths = [8000, 2000, 500]
     mb = MicroBatch(
@@ -72,3 +73,5 @@ def test_prediction_charges_waits_for_coupled_partners():
     ar = float(c.grad_allreduce_time(n))
     assert pred.step_time_s == pytest.approx(float((2 * t.period).max()) + ar, rel=1e-12)
     assert pred.per_unit.total_s[2] == pytest.approx(2 * float(t.busy[2]) + ar, rel=1e-12)  # its own work
+    fsdp = microbatch_terms(make_ctx("zeppelin-a", "llama-7b", zero_stage=1), lengths, mb)
+    assert fsdp.period == pytest.approx(slowest + head, rel=1e-12)  # idle units wait too

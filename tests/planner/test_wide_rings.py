@@ -58,11 +58,13 @@ def repro():
 
 
 def test_long_sequences_get_side_by_side_rings_of_whole_nodes(repro):
-    """The step's plan is within 1.2x its bound by prediction and by simulation, each maximum-length
+    """The step's plan is within 1.35x its bound by prediction and by simulation, each maximum-length
     sequence on a ring across nodes; the wide-rings family's own best puts them on disjoint aligned
-    blocks of two whole nodes within the same bound, and the planner keeps whichever is faster."""
+    blocks of two whole nodes within the same bound, and the planner keeps whichever is faster.
+    (1.2x before FSDP's coupling of micro-batches was charged: every unit now waits for the slowest
+    in each micro-batch, which the bound, priced as one micro-batch, does not see.)"""
     ctx, seqs, plan = repro
-    bound = _bound(ctx, seqs)
+    bound = 1.35 / 1.2 * _bound(ctx, seqs)
     sim = Simulator(ctx)
     assert plan.prediction.step_time_s <= 1.2 * bound
     assert sim.simulate_step(plan).step_time_s <= 1.2 * bound
@@ -98,7 +100,9 @@ def test_a_step_near_its_bound_does_not_start_the_wide_search(monkeypatch):
     real = wide_rings._search
     monkeypatch.setattr(wide_rings, "_search", lambda *a, **k: searched.append(1) or real(*a, **k))
     plan = ZeppelinPlanner().plan_step(ctx, 0, seqs)
-    assert plan.prediction.step_time_s <= 1.1 * _bound(ctx, seqs)
+    # 1.17x: memory makes the step two micro-batches, each waiting for its slowest unit under FSDP,
+    # which the bound (one micro-batch) does not see (1.1x when that wait was not charged)
+    assert plan.prediction.step_time_s <= 1.2 * _bound(ctx, seqs)
     assert not searched
     # the gate: some sequence on its narrowest ring more than 1/1.1 of the bound
     assert not wide_rings.far_from_bound(np.array([1.0, 9.0]), 10.0)

@@ -60,7 +60,9 @@ def test_balanced_on_many_short_sequences():
     lengths = np.clip(rng.lognormal(7, 1, 600).astype(int), 16, 16000)
     plan = ZeppelinPlanner().plan_step(ctx, 0, seqs_of(lengths))
     pr = plan.prediction
-    assert pr.step_time_s / pr.lower_bound_s < 1.05
+    # memory makes it 5 micro-batches, each waiting for its slowest unit (FSDP couples them), which
+    # the bound does not see: the plan that balanced only whole-step totals priced 1.086x coupled
+    assert pr.step_time_s / pr.lower_bound_s < 1.06
     tot = np.array(pr.per_unit.total_s)
     assert tot.max() / tot.mean() < 1.03
 

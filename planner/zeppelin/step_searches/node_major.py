@@ -1,7 +1,11 @@
-"""Whole-step search ``node-major``: with no barrier between micro-batches, what must balance is
-each node's whole step, not each micro-batch - so sequences are assigned to nodes for the whole
-step, then each node's share is cut into micro-batches that fit its memory, each laid out by the
-tiered pipeline with those nodes fixed."""
+"""Whole-step search ``node-major``: sequences are assigned to nodes for the whole step (each
+node's whole step balanced), then each node's share is cut into micro-batches that fit its memory
+and carry equal shares of the node's work, each laid out by the tiered pipeline with those nodes
+fixed. Micro-batches are coupled (:attr:`~zeppelin.planner.costmodel.context.PlanContext.microbatches_coupled`:
+under FSDP every unit waits for the slowest in each layer of each micro-batch), so the cut must
+balance every micro-batch across the nodes too, which equal per-node shares of balanced node
+loads approach; what they leave unbalanced the prediction and the simulator charge, and the
+plans compete with the micro-batch-major ones on that."""
 
 from __future__ import annotations
 
