@@ -76,9 +76,11 @@ def plan(**values: Any) -> None:
     if cfg.save_case is not None:
         from zeppelin.planner.tools.check import save_case
 
-        for line in save_case(cfg.save_case, cluster=cfg.cluster, model=cfg.model, manifest=cfg.manifest,
-                              planner=cfg.planner, options=pl.options, steps=cfg.steps, seed=cfg.seed,
-                              tokens_per_step=sampler.tokens_per_step, max_seq_len=cfg.max_seq_len, tp=cfg.tp):
+        held = ("cluster", "model", "steps", "seed", "max_seq_len", "tp", "zero_stage", "recompute", "overflow",
+                *(f.name for f in config.FIELD_FLAGS))
+        for line in save_case(cfg.save_case, manifest=cfg.manifest, planner=cfg.planner, options=pl.options,
+                              tokens_per_step=sampler.tokens_per_step, shuffle=not cfg.no_shuffle,
+                              **{k: getattr(cfg, k) for k in held}):
             typer.echo(line)
         if cfg.output is None:
             return

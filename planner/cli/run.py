@@ -41,6 +41,12 @@ def run(ctx: typer.Context, **values: Any) -> None:
     nproc_per_node, nnodes = _process_layout(cfg, launch, header)
     cfg.check_plan(header)
     report_json = _check_files(cfg, launch, reader)
+    if not cfg.follow:
+        # what every rank checks before its first collective, checked once here: a refusal is
+        # printed once, before any process starts
+        from zeppelin.runtime.train.checks import startup_checks
+
+        startup_checks(cfg, header.world_size)
     report = launch.report
     if report and nnodes > 1 and launch.node_rank not in (None, 0):
         report = False  # rank 0 (node 0) writes the metrics; the other nodes have nothing to report

@@ -1,0 +1,79 @@
+"""What a new user meets in the first hour: a model that does not fit is refused in one line with
+the real reason and a remedy the command takes; a measured profile of another device or model is
+refused (``--force-profile`` uses it anyway); ``run`` reads text data with ``plan``'s field flags
+and a bad ``--data`` is refused once, by the launcher, before any process starts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+from tests.support.cli import run_cli
+from zeppelin.schemas.profile import ModelFits, PolyFit, ProfileSource, default_profile
+
+
+def test_a_model_that_does_not_fit_is_refused_with_the_reason_and_a_remedy(tmp_path, capsys):
+    out_file = tmp_path / "p.jsonl"
+    code, out, err = run_cli(["plan", "-c", "h100:1x1", "--model", "llama-30b", "--steps", "2", "-o", str(out_file)],
+                             capsys)
+    assert (code, err) == (2, "zeppelin: error: model llama-30b does not fit cluster h100:1x1: its model states take "
+                              "587.0 GB of a GPU's 76.0 GB (ZeRO stage 1, tp 1, 1 data-parallel unit(s)), leaving no "
+                              "room for activations; no ZeRO stage or TP degree within a node makes room: use a "
+                              "cluster with more GPUs or more memory\n")
+    assert not out_file.exists()
+    code, out, err = run_cli(["compare", "-c", "h100:1x2", "--model", "llama3-8b", "--steps", "2"], capsys)
+    assert (code, out) == (2, "")
+    assert err == ("zeppelin: error: model llama3-8b does not fit cluster h100:1x2: its model states take 81.8 GB of "
+                   "a GPU's 76.0 GB (ZeRO stage 1, tp 1, 2 data-parallel unit(s)), leaving no room for activations; "
+                   "--zero-stage 3 leaves 972 tokens per GPU\n")
+    # the remedy named is one the command takes: the same problem now has room
+    code, out, err = run_cli(["plan", "-c", "h100:1x2", "--model", "llama3-8b", "--zero-stage", "3", "--explain"],
+                             capsys)
+    assert code == 0, err
+
+
+def _measured(tmp_path, machine: str, model: str = "tiny"):
+    prof = default_profile("local-cpu", "cpu").model_copy(update={
+        "source": ProfileSource(kind="measured", machine=machine, created_at="2026-01-01"),
+        "fits": [ModelFits(model=model, dtype="float32", attention=PolyFit(coeffs=[0.0, 1e-6]),
+                           linear=PolyFit(coeffs=[0.0, 1e-7]))]})
+    path = tmp_path / "prof.json"
+    path.write_text(prof.model_dump_json())
+    return path
+
+
+def test_a_profile_of_another_device_or_model_is_refused(tmp_path, capsys):
+    prof = _measured(tmp_path, "box (cpu, 2 ranks)")
+    flags = ["--steps", "1", "--tokens-per-step", "4096", "--max-seq-len", "2048", "--profile", str(prof), "--explain"]
+    code, out, err = run_cli(["plan", "-c", "h100:2", "--model", "tiny", *flags], capsys)
+    assert (code, err) == (2, f"zeppelin: error: --profile {prof} was measured on CPUs (box (cpu, 2 ranks)) but "
+                              f"--cluster h100:2 has GPUs: profile the cluster's machines; or pass --force-profile to "
+                              f"use it anyway\n")
+    code, out, err = run_cli(["compare", "-c", "local-cpu:1x2", "--model", "small", *flags[:-1]], capsys)
+    assert (code, err) == (2, f"zeppelin: error: --profile {prof} holds kernel fits of model tiny, not of --model "
+                              f"small (small): measure it with `zeppelin profile --model small`; or pass "
+                              f"--force-profile to use it anyway\n")
+    code, out, err = run_cli(["plan", "-c", "h100:2", "--model", "tiny", *flags, "--force-profile"], capsys)
+    assert code == 0, err
+    code, out, err = run_cli(["plan", "-c", "local-cpu:1x2", "--model", "tiny", *flags], capsys)  # the same kind
+    assert code == 0, err
+
+
+def test_run_reads_text_data_with_the_field_flags_and_refuses_once(zeppelin_bin, tmp_path):
+    data = tmp_path / "code.jsonl"
+    words = "def f ( x ) : return x + 1".split()
+    data.write_text("".join(json.dumps({"text": " ".join(words * (3 + k % 5))}) + "\n" for k in range(64)))
+    plan = tmp_path / "p.jsonl"
+    fields = ["--text-field", "text", "--tokenizer", "whitespace"]
+    r = subprocess.run([zeppelin_bin, "plan", "-c", "local-cpu:1x2", "--model", "tiny", "-m", str(data), *fields,
+                        "--steps", "1", "--tokens-per-step", "256", "-q", "-o", str(plan)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([zeppelin_bin, "run", str(plan), "--data", str(data), "--progress", "none"],
+                       capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stderr) == (2, f"zeppelin: error: {data}: field 'length' not found (fields: text); "
+                                           f"read --data with the field flags `zeppelin plan` took (--length-field, "
+                                           f"--ids-field, or --text-field with --tokenizer)\n")
+    r = subprocess.run([zeppelin_bin, "run", str(plan), "--data", str(data), *fields, "--progress", "none"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
