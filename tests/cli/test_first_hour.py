@@ -71,7 +71,8 @@ def test_run_reads_text_data_with_the_field_flags_and_refuses_once(zeppelin_bin,
     assert r.returncode == 0, r.stderr
     r = subprocess.run([zeppelin_bin, "run", str(plan), "--data", str(data), "--progress", "none"],
                        capture_output=True, text=True, timeout=120)
-    assert (r.returncode, r.stderr) == (2, f"zeppelin: error: {data}: field 'length' not found (fields: text); "
+    assert (r.returncode, r.stderr) == (2, f"zeppelin: error: {data}: field 'length' not found at line 1 (fields: "
+                                           f"text); "
                                            f"read --data with the field flags `zeppelin plan` took (--length-field, "
                                            f"--ids-field, or --text-field with --tokenizer)\n")
     r = subprocess.run([zeppelin_bin, "run", str(plan), "--data", str(data), *fields, "--progress", "none"],

@@ -74,7 +74,7 @@ def test_every_readme_command_block_runs_verbatim(tmp_path):
         (work / name).symlink_to(ROOT / name)
     _data(work)
     text = script(command_blocks((ROOT / "README.md").read_text()))
-    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="80", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="80", PYTHONUNBUFFERED="1", PS4="+ [$SECONDS s] ")
     r = subprocess.run(["bash", "-x", "-c", text], cwd=work, env=env, capture_output=True, text=True, timeout=1150)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-4000:])
     for made in ("plan.jsonl", "plan.png", "cpu.jsonl", "prof.json", "ci/plans/a16.json", "ci/plans/a16.plan"):
