@@ -135,13 +135,13 @@ def _check_files(cfg: RunConfig, launch: LaunchConfig, reader) -> Path | None:
         check_input_file(cfg.data, "manifest")  # a device or FIFO is refused here, before any rank reads it
     end = header.num_steps if cfg.steps is None else cfg.steps
     if cfg.checkpoint_dir is not None:
-        from zeppelin.runtime.checkpoint import plan_hash
+        from zeppelin.runtime.checkpoint import plan_hash, plan_prefix
         from zeppelin.runtime.lifecycle import inspect_checkpoint_dir, resume_point
 
         inspect_checkpoint_dir(cfg.checkpoint_dir)
         if cfg.resume and os.path.isdir(cfg.checkpoint_dir):
             resume_point(cfg.checkpoint_dir, plan_hash=plan_hash(header), world_size=header.world_size, end=end,
-                         hparams=cfg.hyperparameters(header.seed))
+                         hparams=cfg.hyperparameters(header.seed), prefix=lambda n: plan_prefix(reader, n))
     # every file the ranks will read (plan, model files, manifest, shards, tokenizer) against every output
     # (--follow: the steps are not written yet; the planner refused sequences beyond the positions)
     inputs = cfg.check_inputs(reader, 0 if cfg.follow else end)

@@ -78,3 +78,66 @@ def test_run_reads_text_data_with_the_field_flags_and_refuses_once(zeppelin_bin,
     r = subprocess.run([zeppelin_bin, "run", str(plan), "--data", str(data), *fields, "--progress", "none"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+JOB = """
+[plan]
+cluster = "local-cpu:1x2"
+model = "tiny"
+steps = 2
+tokens_per_step = 1024
+max_seq_len = 512
+families = "none"
+output = "job.plan.jsonl"
+quiet = true
+
+[run]
+lr = 3e-3
+progress = "none"
+checkpoint_dir = "ck"
+"""
+
+
+def _losses(path) -> list[float]:
+    return [json.loads(ln)["loss"] for ln in path.read_text().splitlines() if '"loss"' in ln]
+
+
+def test_a_job_file_drives_plan_and_run_and_a_longer_plan_resumes(zeppelin_bin, tmp_path):
+    """One job file for plan and run (a flag wins over it); the run continues with --resume on the
+    plan extended by two steps (its first steps byte-identical) and gives the losses of an
+    uninterrupted run of the longer plan."""
+    from zeppelin.schemas.plan import PlanReader
+
+    (tmp_path / "job.toml").write_text(JOB)
+
+    def z(*args, timeout=300):
+        r = subprocess.run([zeppelin_bin, *args], cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
+        assert r.returncode == 0, (args, r.stderr[-2000:])
+        return r
+
+    z("plan", "--config", "job.toml")
+    z("plan", "--config", "job.toml", "--steps", "4", "-o", "long.plan.jsonl")  # the flag wins over the file
+    short, long_ = PlanReader(tmp_path / "job.plan.jsonl"), PlanReader(tmp_path / "long.plan.jsonl")
+    assert (short.header.num_steps, long_.header.num_steps) == (2, 4)
+    assert [s.model_dump_json() for s in short] == [s.model_dump_json() for s in list(long_)[:2]]
+    z("run", "--config", "job.toml")                                    # job.plan.jsonl, checkpoint after step 1
+    r = z("run", "long.plan.jsonl", "--config", "job.toml", "--resume")  # steps 2 and 3 on the longer plan
+    assert "resuming at step 2" in r.stdout + r.stderr
+    z("run", "long.plan.jsonl", "--config", "job.toml", "--checkpoint-dir", "ck2", "--metrics", "full.jsonl")
+    full = _losses(tmp_path / "full.jsonl")
+    assert _losses(tmp_path / "job.plan.metrics.jsonl") + _losses(tmp_path / "long.plan.metrics.jsonl") == full
+    assert len(full) == 4
+
+
+def test_config_dump_and_a_bad_job_file(tmp_path, capsys):
+    code, out, err = run_cli(["config", "--dump"], capsys)
+    assert code == 0 and "[plan]\n" in out and "[run]\n" in out and 'planner = "zeppelin"\n' in out
+    assert "\n# tokens_per_step =\n" in out and "\nlr = 0.001\n" in out
+    import tomllib
+
+    assert set(tomllib.loads(out)) == {"plan", "compare", "demo", "run"}
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[plan]\nclusters = "h100"\n')
+    code, out, err = run_cli(["plan", "--config", str(bad)], capsys)
+    assert (code, err) == (2, f"zeppelin: error: {bad}: [plan] has no key 'clusters' (`zeppelin config --dump` "
+                              f"lists them)\n")
