@@ -133,7 +133,7 @@ def expand(args: list[str]) -> list[str]:
 def dump() -> str:
     """Every key of every table at its default (a key without one is commented out), with its help."""
     lines = ["# zeppelin job file: `zeppelin plan|compare|demo|run --config FILE`; a flag",
-             "# on the command line wins over the file. Keys commented out take their defaults."]
+             "# on the command line wins over the file. Keys commented out: their defaults."]
     for section in SECTIONS:
         lines += ["", f"[{section}]"]
         for key, (flag, kind, default, help_text) in keys_of(section).items():
@@ -155,4 +155,20 @@ def _toml(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
-    return json.dumps(str(value))
+    text = json.dumps(str(value))
+    if len(text) <= 60 or "," not in text:
+        return text
+    # a long list of names: a multi-line string whose line-ending backslashes join the lines again
+    parts = [p + "," for p in str(value).split(",")]
+    parts[-1] = parts[-1][:-1]
+    return '"""\\\n' + "\\\n".join(_lines(parts)) + '"""'
+
+
+def _lines(parts: list[str], width: int = 70) -> list[str]:
+    """``parts`` joined into lines of at most ``width`` characters (no part split)."""
+    lines = [""]
+    for p in parts:
+        if lines[-1] and len(lines[-1]) + len(p) > width:
+            lines.append("")
+        lines[-1] += p
+    return lines

@@ -145,6 +145,17 @@ def console(stderr: bool = False, **kw: Any):
     return Console(stderr=stderr, **kw)
 
 
+def wrapped(text: str, indent: str = "  ", width: int | None = None) -> str:
+    """``text`` wrapped at the terminal's width (``COLUMNS`` when set; 80 on a pipe), the lines after
+    the first indented by ``indent``; words are not broken."""
+    import shutil
+    import textwrap
+
+    width = width or shutil.get_terminal_size((80, 24)).columns
+    return textwrap.fill(text, max(width, 40), subsequent_indent=indent, break_long_words=False,
+                         break_on_hyphens=False)
+
+
 def render_text(renderable, width: int = 80) -> str:
     """``renderable`` as plain text at ``width`` columns (no colour)."""
     import io

@@ -114,7 +114,12 @@ class ProgressSink(MetricsSink):
         if self.mode == "rich":
             self.bar.update(self.task, advance=1, description=f"step {rec['step']}  {desc}")
         elif self.mode == "plain":
-            print(f"{progress_label(rec['step'], self.total)}  {desc}", flush=True)
+            import shutil
+            import textwrap
+
+            width = max(shutil.get_terminal_size((80, 24)).columns, 40)  # COLUMNS when set; 80 on a pipe
+            print(textwrap.fill(f"{progress_label(rec['step'], self.total)}  {desc}", width, subsequent_indent="  ",
+                                break_long_words=False, break_on_hyphens=False), flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
