@@ -124,7 +124,8 @@ MANIFEST = Flag("manifest", ("--manifest", "-m"), str, None,
                 "dataset manifest: file, directory, glob or *.manifest.json (default: the shipped sample)")
 CLUSTER = Flag("cluster", ("--cluster", "-c"), str, ...,
                "cluster preset (zeppelin-a, zeppelin-a:4, local-cpu:2x2, ...) or JSON file")
-MODEL = Flag("model", ("--model",), str, ..., "model preset (llama-7b, tiny, ...) or JSON file")
+MODEL = Flag("model", ("--model",), str, ..., "model preset (llama-7b, tiny, ...), JSON file or hf:DIR (a Hugging "
+             "Face model directory, docs/HF.md)")
 PROFILE = Flag("profile", ("--profile",), str, None,
                "cost profile JSON from `zeppelin profile` (default: the preset curves of the cluster's GPU)")
 FORCE_PROFILE = Flag("force_profile", ("--force-profile",), bool, False,

@@ -19,6 +19,8 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
+from zeppelin.schemas.common import fit_width as wrapped  # noqa: F401 (the commands' line wrapping)
+
 __all__ = ["console", "fmt_tokens", "print_stats", "render_text", "simulate_step_tables", "simulate_summary_table",
            "stats_payload", "table"]
 
@@ -143,17 +145,6 @@ def console(stderr: bool = False, **kw: Any):
     from rich.console import Console
 
     return Console(stderr=stderr, **kw)
-
-
-def wrapped(text: str, indent: str = "  ", width: int | None = None) -> str:
-    """``text`` wrapped at the terminal's width (``COLUMNS`` when set; 80 on a pipe), the lines after
-    the first indented by ``indent``; words are not broken."""
-    import shutil
-    import textwrap
-
-    width = width or shutil.get_terminal_size((80, 24)).columns
-    return textwrap.fill(text, max(width, 40), subsequent_indent=indent, break_long_words=False,
-                         break_on_hyphens=False)
 
 
 def render_text(renderable, width: int = 80) -> str:

@@ -114,12 +114,9 @@ class ProgressSink(MetricsSink):
         if self.mode == "rich":
             self.bar.update(self.task, advance=1, description=f"step {rec['step']}  {desc}")
         elif self.mode == "plain":
-            import shutil
-            import textwrap
+            from zeppelin.schemas.common import fit_width
 
-            width = max(shutil.get_terminal_size((80, 24)).columns, 40)  # COLUMNS when set; 80 on a pipe
-            print(textwrap.fill(f"{progress_label(rec['step'], self.total)}  {desc}", width, subsequent_indent="  ",
-                                break_long_words=False, break_on_hyphens=False), flush=True)
+            print(fit_width(f"{progress_label(rec['step'], self.total)}  {desc}"), flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

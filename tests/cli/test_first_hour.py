@@ -141,3 +141,14 @@ def test_config_dump_and_a_bad_job_file(tmp_path, capsys):
     code, out, err = run_cli(["plan", "--config", str(bad)], capsys)
     assert (code, err) == (2, f"zeppelin: error: {bad}: [plan] has no key 'clusters' (`zeppelin config --dump` "
                               f"lists them)\n")
+
+
+def test_a_model_directory_is_pointed_to_hf(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "Llama-3-8B").mkdir()
+    (tmp_path / "Llama-3-8B" / "config.json").write_text("{}")
+    code, out, err = run_cli(["plan", "-c", "h100:1", "--model", "Llama-3-8B", "--explain"], capsys)
+    assert (code, err) == (2, "zeppelin: error: model 'Llama-3-8B' is a directory: a Hugging Face model directory is "
+                              "named hf:DIR; did you mean hf:Llama-3-8B?\n")
+    code, out, err = run_cli(["plan", "--help"], capsys)
+    assert "hf:DIR" in out
