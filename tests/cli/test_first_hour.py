@@ -152,3 +152,23 @@ def test_a_model_directory_is_pointed_to_hf(tmp_path, capsys, monkeypatch):
                               "named hf:DIR; did you mean hf:Llama-3-8B?\n")
     code, out, err = run_cli(["plan", "--help"], capsys)
     assert "hf:DIR" in out
+
+
+def test_compare_answers_for_the_users_baseline_as_planned_by_hand(tmp_path, capsys):
+    """compare with the job's memory setting and the baseline's CP size (-O te-cp.cp=8) gives the
+    speedup that planning both by hand and simulating them gives, and prints the CP size."""
+    flags = ["-c", "zeppelin-a:2", "--model", "llama-7b", "--steps", "2", "--tokens-per-step", "131072",
+             "--max-seq-len", "32768", "--recompute", "selective"]
+    means = {}
+    for planner, option in (("zeppelin", []), ("te-cp", ["-O", "cp=8"])):
+        out_file = tmp_path / f"{planner}.jsonl"
+        code, out, err = run_cli(["plan", *flags, "--planner", planner, *option, "-q", "-o", str(out_file)], capsys)
+        assert code == 0, err
+        code, out, err = run_cli(["simulate", str(out_file), "--json"], capsys)
+        means[planner] = json.loads(out)["summary"]["mean_step_time_s"]
+    code, out, err = run_cli(["compare", *flags, "--planners", "zeppelin,te-cp", "--baseline", "te-cp",
+                              "-O", "te-cp.cp=8", "-j", "1", "--json"], capsys)
+    assert code == 0, err
+    row = json.loads(out)["verdict"]["rows"][0]
+    assert row["baseline"] == "te-cp" and abs(row["speedup"] - means["te-cp"] / means["zeppelin"]) < 1e-9
+    assert "recompute selective" in err and "te-cp CP 8 (cp=8)" in " ".join(err.split())
