@@ -301,7 +301,7 @@ class Progress:
 
     QUIET_S = 2.0
 
-    def __init__(self, total: int, what: str = "planned and simulated"):
+    def __init__(self, total: int, what: str = "steps done"):
         import sys
 
         self.total, self.what, self.done = total, what, 0
@@ -317,8 +317,8 @@ class Progress:
         if now - self.t0 < self.QUIET_S or now - self.last < (0.2 if self.tty else 5.0):
             return
         self.last, self.shown = now, True
-        line = (f"compare: {self.done}/{self.total} (planner, step) pairs {self.what}, last {planner} step "
-                f"{step}, {now - self.t0:.0f} s")
+        line = (f"compare: {self.done}/{self.total} {self.what} (last: {planner} step {step}), "
+                f"{now - self.t0:.0f} s")
         print(("\r" + line + "\x1b[K") if self.tty else line, end="" if self.tty else "\n", file=sys.stderr,
               flush=True)
 
