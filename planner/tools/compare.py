@@ -487,8 +487,9 @@ def prediction_error_text(err: dict[str, Any]) -> str:
 
 
 def draw_png(doc: dict[str, Any], title: str, path) -> None:
-    """Bar charts: mean step time (p50-p90 whiskers) and speedup over the reference (whiskers: the
-    p10-p90 of the per-step ratios)."""
+    """Bar charts: mean step time (whiskers: the fastest and the slowest step) and speedup over the
+    reference (whiskers: the p10-p90 of the per-step ratios); planners that failed are named under
+    the charts."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -500,12 +501,12 @@ def draw_png(doc: dict[str, Any], title: str, path) -> None:
     names = [s["planner"] for s in ok]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.6))
     mean = np.array([s["mean_s"] * 1e3 for s in ok])
-    lo = mean - np.array([s["p50_s"] * 1e3 for s in ok])
-    hi = np.array([s["p90_s"] * 1e3 for s in ok]) - mean
+    lo = mean - np.array([min(s["step_times_s"], default=s["mean_s"]) * 1e3 for s in ok])
+    hi = np.array([max(s["step_times_s"], default=s["mean_s"]) * 1e3 for s in ok]) - mean
     colors = ["#d62728" if n.startswith("zeppelin") else "#1f77b4" for n in names]
     a1.bar(names, mean, color=colors, yerr=[np.maximum(lo, 0), np.maximum(hi, 0)], capsize=3)
     a1.set_ylabel("simulated step time, ms")
-    a1.set_title("bars: mean; whiskers: p50..p90 over steps", fontsize=9)
+    a1.set_title("bars: mean; whiskers: fastest..slowest step", fontsize=9)
     key = "speedup_vs_" + doc["reference"].replace("-", "_")
     sp = np.array([s.get(key, 0.0) for s in ok])
     lo_q, hi_q = SPREAD
@@ -520,7 +521,11 @@ def draw_png(doc: dict[str, Any], title: str, path) -> None:
         for lab in ax.get_xticklabels():
             lab.set_ha("right")
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    failed = [s["planner"] for s in doc["planners"] if s.get("error")]
+    fig.tight_layout(rect=(0, 0.05 if failed else 0, 1, 1))
+    if failed:
+        fig.text(0.01, 0.01, f"not shown, failed to plan these steps: {', '.join(failed)} (the table says why)",
+                 fontsize=9, color="#d62728")
     save_png(fig, path, dpi=100)
 
 
