@@ -317,8 +317,22 @@ def state_problem(state: dict[str, Any]) -> str | None:
     return None
 
 
-def read_checkpoint_state(path: str | os.PathLike, *, plan_hash: str, world_size: int) -> dict[str, Any]:
-    """The checkpoint's JSON state, checked against the job (no tensors are read)."""
+def plan_prefix(reader: Any, steps: int) -> str:
+    """The hash of a plan's first ``steps`` steps and its header but for its step count: a plan
+    extended by more steps (the same inputs planned for longer) has the same prefix, so a checkpoint
+    of the shorter plan continues on the longer one."""
+    from zeppelin.schemas.common import content_hash
+
+    head = reader.header.model_dump(mode="json", exclude={"created_at", "num_steps"})
+    return content_hash({"header": head, "steps": [content_hash(reader.step(k).model_dump(mode="json"))
+                                                   for k in range(steps)]})
+
+
+def read_checkpoint_state(path: str | os.PathLike, *, plan_hash: str, world_size: int,
+                          prefix: Any = None) -> dict[str, Any]:
+    """The checkpoint's JSON state, checked against the job (no tensors are read). ``prefix``:
+    ``steps -> plan_prefix(this plan, steps)``; a checkpoint of another plan whose steps so far
+    are this plan's first steps (an extended plan) is accepted."""
     path = Path(path)
     f = path / STATE_FILE
     with ManagedDir(path, "checkpoint", create=False) as md:
@@ -329,7 +343,9 @@ def read_checkpoint_state(path: str | os.PathLike, *, plan_hash: str, world_size
     problem = state_problem(state)
     if problem:
         raise InputError(f"checkpoint state lacks a valid {problem}", source=f)
-    if state["plan_hash"] != plan_hash:
+    was = (state.get("extra") or {}).get("plan_prefix")
+    extended = prefix is not None and isinstance(was, str) and was == prefix(state["next_step"])
+    if state["plan_hash"] != plan_hash and not extended:
         raise InputError(f"checkpoint was written for another plan (plan header {state['plan_hash']}, "
                          f"this plan {plan_hash})", source=f)
     if state["world_size"] != world_size:

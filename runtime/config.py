@@ -122,6 +122,10 @@ def flag_specs(cls) -> tuple[FlagSpec, ...]:
     return tuple(out)
 
 
+#: the options that say how ``--data`` is read (as ``zeppelin plan``'s field flags)
+DATA_FIELDS = ("length_field", "ids_field", "text_field", "tokenizer")
+
+
 @dataclass
 class RunConfig:
     """What a rank runs: the plan and the training, checking and output options."""
@@ -136,6 +140,14 @@ class RunConfig:
     model: str | None = flag(None, "--model", kind=str,
                              help="model preset, JSON file or hf:DIR (Hugging Face); must match the plan")
     data: str | None = flag(None, "--data", kind=str, help="dataset manifest (token ids); must match the plan")
+    # how --data is read: the field flags `zeppelin plan` took
+    length_field: str | None = flag(None, "--length-field", kind=str,
+                                    help="--data's field/column holding each sample's length (default: length)")
+    ids_field: str | None = flag(None, "--ids-field", kind=str, help="--data's field/column holding token-id lists")
+    text_field: str | None = flag(None, "--text-field", kind=str,
+                                  help="--data's field/column holding raw text (needs --tokenizer)")
+    tokenizer: str | None = flag(None, "--tokenizer", kind=str,
+                                 help="for --text-field: whitespace, bytes or a Hugging Face tokenizer.json")
     steps: int | None = flag(None, "--steps", kind=int,
                              help="run the first N steps, 0 to N-1 (default: all; at most the plan's steps)")
     lr: float = flag(1e-3, "--lr", kind=float, help="AdamW learning rate", lo=0.0, hi=10.0, lo_open=True)
@@ -234,8 +246,19 @@ class RunConfig:
             self.check_tensorboard_dir()
             if importlib.util.find_spec("tensorboard") is None:
                 raise InputError("--tensorboard needs the tensorboard package (pip install tensorboard)")
+        if bool(self.text_field) != bool(self.tokenizer):
+            raise InputError("--text-field and --tokenizer go together (as `zeppelin plan` took them)")
+        if self.data is None and any(getattr(self, f) for f in DATA_FIELDS):
+            raise InputError("--length-field, --ids-field, --text-field and --tokenizer say how --data is read: "
+                             "pass --data")
         if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
             raise InputError("--checkpoint-every/--resume need --checkpoint-dir")
+
+    @property
+    def data_fields(self) -> dict[str, str | None]:
+        """How ``--data`` is read (the keywords of ``load_manifest``)."""
+        return {"length_field": self.length_field, "tokens_field": self.ids_field, "text_field": self.text_field,
+                "tokenizer": self.tokenizer}
 
     def check_plan(self, header: Any) -> None:
         """The checks against the plan's header: the steps it has, and the settings it was made for

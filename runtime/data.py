@@ -179,13 +179,16 @@ def predicted_tokens(sequences) -> int:
     return sum(max(s.length - 1, 0) for s in sequences)
 
 
-def load_token_source(vocab: int, seed: int, manifest_ref: str | None) -> tuple[TokenSource, str | None]:
-    """A TokenSource for ``--data MANIFEST`` (or synthetic ids when None) and the manifest's content hash."""
+def load_token_source(vocab: int, seed: int, manifest_ref: str | None,
+                      fields: dict[str, str | None] | None = None) -> tuple[TokenSource, str | None]:
+    """A TokenSource for ``--data MANIFEST`` (or synthetic ids when None) and the manifest's content
+    hash. ``fields``: how the manifest is read (``length_field``, ``tokens_field``, ``text_field``,
+    ``tokenizer`` of :func:`zeppelin.schemas.io.datasets.load_manifest`)."""
     if manifest_ref is None:
         return TokenSource(vocab, seed), None
     from zeppelin.schemas.io import datasets  # written by the data helper
 
-    man = datasets.load_manifest(manifest_ref)
+    man = datasets.load_manifest(manifest_ref, **(fields or {}))
     h = getattr(man, "content_hash", None)
     if callable(h):
         h = h()

@@ -349,7 +349,7 @@ def inspect_checkpoint_dir(directory: str | os.PathLike) -> None:
 
 
 def resume_point(directory: str | os.PathLike, *, plan_hash: str, world_size: int, end: int,
-                 hparams: dict) -> tuple[Path, dict[str, Any]] | None:
+                 hparams: dict, prefix: Any = None) -> tuple[Path, dict[str, Any]] | None:
     """The checkpoint a ``--resume`` continues from and its checked state (None: start afresh).
     Read-only; the command line runs it before any process starts, rank 0 again under the lock."""
     from .checkpoint import latest_checkpoint, read_checkpoint_state
@@ -357,7 +357,7 @@ def resume_point(directory: str | os.PathLike, *, plan_hash: str, world_size: in
     path = latest_checkpoint(directory)
     if path is None:
         return None
-    state = read_checkpoint_state(path, plan_hash=plan_hash, world_size=world_size)
+    state = read_checkpoint_state(path, plan_hash=plan_hash, world_size=world_size, prefix=prefix)
     if not 0 <= state["next_step"] <= end:
         raise InputError(f"checkpoint resumes at step {state['next_step']}, beyond --steps {end}", source=path)
     check_resume_hyperparameters((state.get("extra") or {}).get("hyperparameters"), hparams, source=path)

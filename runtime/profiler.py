@@ -814,6 +814,12 @@ def main(argv=None) -> int:
     ap.add_argument("-o", "--output", required=True)
     ap.add_argument("--cluster-name", default="")
     a = ap.parse_args(argv)
+    # torch renames these collectives; the TP timings call them through the runtime's own layer,
+    # and the rename's notice (once per rank and name) is not for the user of `zeppelin profile`
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
+                            r"is deprecated", category=FutureWarning)
 
     model = model_preset(a.model) if not a.model.endswith(".json") else ModelSpec.model_validate_json(open(a.model).read())
     cuda = torch.cuda.is_available()

@@ -44,7 +44,10 @@ def line() -> str:
     ph = phases()
     total = sum(ph.values())
     parts = ", ".join(f"{k} {v:.1f} s" for k, v in ph.items())
-    return f"zeppelin run: ranks ready after {total:.1f} s ({parts}); first step next (it includes warm-up)"
+    from zeppelin.schemas.common import fit_width
+
+    return fit_width(f"zeppelin run: ranks ready after {total:.1f} s ({parts}); first step next (it includes "
+                     f"warm-up)")
 
 
 def report(rank: int, show: bool) -> None:

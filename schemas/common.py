@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 __all__ = [
+    "fit_width",
     "Doc",
     "Strict",
     "InputError",
@@ -70,6 +71,17 @@ def check_int(flag: str, value: int | None, lo: int, hi: int | None = None) -> N
         raise InputError(f"{flag} must be at least {lo:,} (got {value:,})")
     if hi is not None and value > hi:
         raise InputError(f"{flag} must be at most {hi:,} (got {value:,})")
+
+
+def fit_width(text: str, indent: str = "  ", width: int | None = None) -> str:
+    """``text`` wrapped at the terminal's width (``COLUMNS`` when set; 80 on a pipe), the lines after
+    the first indented by ``indent``; words are not broken."""
+    import shutil
+    import textwrap
+
+    width = width or shutil.get_terminal_size((80, 24)).columns
+    return textwrap.fill(text, max(width, 40), subsequent_indent=indent, break_long_words=False,
+                         break_on_hyphens=False)
 
 
 def check_float(flag: str, value: float | None, lo: float, hi: float, *, lo_open: bool = False) -> None:

@@ -75,6 +75,9 @@ def resolve_model_ref(ref: str) -> ModelSpec:
         from .hf import hf_model_spec
 
         return hf_model_spec(ref)
+    if os.path.isdir(ref):
+        hint = f"; did you mean hf:{ref}?" if os.path.isfile(os.path.join(ref, "config.json")) else ""
+        raise InputError(f"model {ref!r} is a directory: a Hugging Face model directory is named hf:DIR{hint}")
     if ref.lower().endswith(".json") or "/" in ref or os.sep in ref:  # a bare name is always a preset
         return load_doc(ModelSpec, ref)
     return model_preset(ref)

@@ -45,6 +45,7 @@ app.add_typer(data_app, name="data")
 
 app.command("demo")(cmd_basic.demo)
 app.command("presets")(cmd_basic.presets)
+app.command("config")(cmd_basic.config)
 app.command("schema")(cmd_basic.schema)
 data_app.command("stats")(cmd_data.stats)
 app.command("plan")(cmd_plan.plan)
@@ -86,6 +87,9 @@ def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         with tracking_inputs():  # outputs are checked against every file the command reads
+            from zeppelin.planner.cli.jobfile import expand
+
+            args = expand(args)  # --config JOB.toml: the job file's flags, before the command line's
             rv = app(args=args, prog_name="zeppelin", standalone_mode=False)
     except cx.NoArgsIsHelpError:
         app(args=[*args, "--help"], prog_name="zeppelin")  # a bare command group prints its help

@@ -47,6 +47,24 @@ def schema(
         typer.echo(text, nl=False)
 
 
+def config(
+    dump: bool = typer.Option(False, "--dump", help="write every key of a job file at its default"),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="with --dump: write to this file"),
+) -> None:
+    """The job file of `plan`, `compare`, `demo` and `run` (`--config FILE`): `--dump` writes
+    every key at its default; a flag on the command line wins over the file."""
+    from zeppelin.planner.cli.jobfile import dump as dump_text
+
+    if not dump:
+        raise InputError("zeppelin config takes --dump (and -o FILE)")
+    text = dump_text()
+    if output:
+        atomic_write_text(output, text)
+        typer.echo(f"wrote {output}")
+    else:
+        typer.echo(text, nl=False)
+
+
 def presets(
     dump: Optional[str] = typer.Option(None, "--dump", help="print one preset as JSON (cluster or model name)"),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="with --dump: write to this file"),

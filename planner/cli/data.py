@@ -24,13 +24,20 @@ def write_histogram_png(path: Path, dataset) -> None:
     from zeppelin.schemas.io.datasets import length_histogram
 
     hist = length_histogram(dataset.lengths)
+    longest = int(max(dataset.lengths))
     x = [b["lo"] for b in hist]
-    w = [b["hi"] - b["lo"] for b in hist]
+    # each bucket drawn up to the longest sample, not to the power of two past it
+    w = [min(b["hi"], longest + 1) - b["lo"] for b in hist]
+    if w[-1] < x[-1] // 4:  # a top bucket of (nearly) one length: a visible sliver at the longest
+        x[-1], w[-1] = longest * 7 // 8, longest // 8
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
     for ax, key, label, color in ((axes[0], "sample_share", "% of samples", "tab:blue"),
                                   (axes[1], "token_share", "% of tokens", "tab:purple")):
         ax.bar(x, [100 * b[key] for b in hist], width=w, align="edge", color=color, edgecolor="white")
         ax.set_xscale("log", base=2)
+        ax.set_xlim(x[0], longest * 1.05)
+        ax.axvline(longest, color="black", linestyle="--", linewidth=0.8)
+        ax.text(longest, ax.get_ylim()[1] * 0.95, f"longest {longest:,} ", ha="right", va="top", fontsize=8)
         ax.set_xlabel("sequence length (tokens)")
         ax.set_ylabel(label)
         ax.grid(axis="y", alpha=0.3)

@@ -43,15 +43,18 @@ def options_listing(planners: dict) -> str:
     groups: dict[type, list[str]] = {}
     for name in sorted(planners):
         groups.setdefault(planners[name].Options, []).append(name)
+    from zeppelin.planner.tools.tables import wrapped
+
     out = []
     for opts, names in sorted(groups.items(), key=lambda g: g[1][0]):
         specs = opts.specs()
-        out.append(f"{', '.join(names)}:" + ("" if specs else " no options") + "\n")
+        out.append(wrapped(f"{', '.join(names)}:" + ("" if specs else " no options")) + "\n")
         for s in specs:
             allowed = f" {s.allowed};" if s.allowed else ""
-            out.append(f"  {s.name} ({s.type_name};{allowed} default {s.default_text}): {s.help}\n")
-    out.append("Set them in a check case's \"options\", with `zeppelin plan --option NAME=VALUE` (compare and demo: "
-               "-O PLANNER.NAME=VALUE), or as keyword arguments of get_planner(NAME, ...).\n")
+            out.append(wrapped(f"  {s.name} ({s.type_name};{allowed} default {s.default_text}): {s.help}",
+                               indent="      ") + "\n")
+    out.append(wrapped("Set them in a check case's \"options\", with `zeppelin plan --option NAME=VALUE` (compare "
+                       "and demo: -O PLANNER.NAME=VALUE), or as keyword arguments of get_planner(NAME, ...).") + "\n")
     return "".join(out)
 
 
@@ -76,10 +79,11 @@ def plan(**values: Any) -> None:
     if cfg.save_case is not None:
         from zeppelin.planner.tools.check import save_case
 
-        for line in save_case(cfg.save_case, cluster=cfg.cluster, model=cfg.model, manifest=cfg.manifest,
-                              planner=cfg.planner, options=pl.options, steps=cfg.steps, seed=cfg.seed,
-                              tokens_per_step=sampler.tokens_per_step, max_seq_len=cfg.max_seq_len, tp=cfg.tp,
-                              recompute=cfg.recompute):
+        held = ("cluster", "model", "steps", "seed", "max_seq_len", "tp", "zero_stage", "recompute", "overflow",
+                *(f.name for f in config.FIELD_FLAGS))
+        for line in save_case(cfg.save_case, manifest=cfg.manifest, planner=cfg.planner, options=pl.options,
+                              tokens_per_step=sampler.tokens_per_step, shuffle=not cfg.no_shuffle,
+                              **{k: getattr(cfg, k) for k in held}):
             typer.echo(line)
         if cfg.output is None:
             return
@@ -224,8 +228,10 @@ def _print_summary(cfg: PlanConfig, ctx, pl, sampler, tally: _Tally, el: float) 
             "step_over_lower_bound_worst": float(max(ratios)) if ratios else None,
             "counts": tally.counts.to_dict(), "solvers": tally.solvers}, indent=1))
         return
-    typer.echo(f"wrote {cfg.output}: {cfg.steps} steps planned by {pl.name} for {md.name} on {cl.name} "
-               f"({cl.world_size} GPUs) in {el:.2f} s ({el / cfg.steps * 1e3:.0f} ms/step)")
+    from zeppelin.planner.tools.tables import wrapped
+
+    typer.echo(wrapped(f"wrote {cfg.output}: {cfg.steps} steps planned by {pl.name} for {md.name} on {cl.name} "
+                       f"({cl.world_size} GPUs) in {el:.2f} s ({el / cfg.steps * 1e3:.0f} ms/step)"))
     if ratios:
         r = np.array(ratios)
         typer.echo(f"predicted step / lower bound: median {np.median(r):.3f}, worst {r.max():.3f}")
@@ -282,5 +288,5 @@ def validate(
     if s["ratios"]:
         import numpy as np
 
-        msg += f"; predicted step / lower bound median {float(np.median(s['ratios'])):.3f}"
+        msg += f";\n  predicted step / lower bound median {float(np.median(s['ratios'])):.3f}"
     typer.echo(msg)

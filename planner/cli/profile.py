@@ -21,7 +21,9 @@ def profile(
     output: Path = typer.Option(..., "-o", "--output", help="profile JSON to write (use with `zeppelin plan --profile`)"),
     nproc: Optional[int] = typer.Option(None, "--nproc", help="processes on this node (default: GPUs, or 2 on CPU)"),
     nodes: int = typer.Option(1, "--nodes", help="on one CPU machine: how many 'nodes' the processes form"),
-    model: str = common.option(config.MODEL.but(default="small", help="model preset or JSON whose kernels are timed")),
+    model: str = common.option(config.MODEL.but(
+        default="small", help="model preset or JSON whose kernels are timed: the model you will plan (`plan "
+                              "--profile` refuses another)")),
     quick: bool = typer.Option(False, "--quick", help="small grids: under two minutes on a laptop-class CPU"),
     smoke: bool = typer.Option(False, "--smoke", help="the smallest grids (seconds): checks that profiling runs "
                                                       "end to end; the fits are rough"),
@@ -61,6 +63,9 @@ def profile(
            "-m", "zeppelin.runtime.profiler", "--model", model, "--nodes", str(nodes), "-o", str(output),
            "--cluster-name", cluster_name] + (["--quick"] if quick else []) + (["--smoke"] if smoke else [])
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
+    # the fits are of this model: planning another one with the profile is refused (--force-profile)
+    print(f"[profile] timing the kernels of model {model} (plan it with --profile {output}; another model: "
+          f"--model NAME)", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, env=env, capture_output=False, stdout=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         print(f"zeppelin: error: profiling failed (torchrun exit code {proc.returncode})", file=sys.stderr)

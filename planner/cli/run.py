@@ -41,6 +41,12 @@ def run(ctx: typer.Context, **values: Any) -> None:
     nproc_per_node, nnodes = _process_layout(cfg, launch, header)
     cfg.check_plan(header)
     report_json = _check_files(cfg, launch, reader)
+    if not cfg.follow:
+        # what every rank checks before its first collective, checked once here: a refusal is
+        # printed once, before any process starts
+        from zeppelin.runtime.train.checks import startup_checks
+
+        startup_checks(cfg, header.world_size)
     report = launch.report
     if report and nnodes > 1 and launch.node_rank not in (None, 0):
         report = False  # rank 0 (node 0) writes the metrics; the other nodes have nothing to report
@@ -129,13 +135,13 @@ def _check_files(cfg: RunConfig, launch: LaunchConfig, reader) -> Path | None:
         check_input_file(cfg.data, "manifest")  # a device or FIFO is refused here, before any rank reads it
     end = header.num_steps if cfg.steps is None else cfg.steps
     if cfg.checkpoint_dir is not None:
-        from zeppelin.runtime.checkpoint import plan_hash
+        from zeppelin.runtime.checkpoint import plan_hash, plan_prefix
         from zeppelin.runtime.lifecycle import inspect_checkpoint_dir, resume_point
 
         inspect_checkpoint_dir(cfg.checkpoint_dir)
         if cfg.resume and os.path.isdir(cfg.checkpoint_dir):
             resume_point(cfg.checkpoint_dir, plan_hash=plan_hash(header), world_size=header.world_size, end=end,
-                         hparams=cfg.hyperparameters(header.seed))
+                         hparams=cfg.hyperparameters(header.seed), prefix=lambda n: plan_prefix(reader, n))
     # every file the ranks will read (plan, model files, manifest, shards, tokenizer) against every output
     # (--follow: the steps are not written yet; the planner refused sequences beyond the positions)
     inputs = cfg.check_inputs(reader, 0 if cfg.follow else end)

@@ -264,12 +264,14 @@ def check(
     else:
         from zeppelin.planner.tools.tables import console as make_console
 
+        from zeppelin.planner.tools.tables import wrapped
+
         con = make_console()
         con.print(render(report, update))
         for row in report.beats:
             mark = "ok" if row["ok"] else "FAIL"
-            typer.echo(f"{mark}: {row['zeppelin_case']} {row['zeppelin_s'] * 1e3:.2f} ms vs {row['baseline']} "
-                       f"{row['baseline_s'] * 1e3:.2f} ms ({row['speedup']:.3f}x)")
+            typer.echo(wrapped(f"{mark}: {row['zeppelin_case']} {row['zeppelin_s'] * 1e3:.2f} ms vs "
+                               f"{row['baseline']} {row['baseline_s'] * 1e3:.2f} ms ({row['speedup']:.3f}x)"))
         if update:
             for r in report.results:
                 if r.written:
@@ -281,7 +283,7 @@ def check(
             for note in r.notes:
                 typer.echo(f"note: {note}")
         for f in report.failures:
-            typer.echo(f"FAIL {f}")
+            typer.echo(wrapped(f"FAIL {f}"))
         n = len(report.results)
         verdict = f"{len(report.failures)} failure(s)" if report.failures else "passed"
         typer.echo(f"{n} case(s) checked in {report.wall_s:.1f} s: {verdict}")

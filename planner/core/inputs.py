@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from zeppelin.schemas.cluster import ClusterSpec, cluster_preset
@@ -52,6 +53,26 @@ def resolve_profile(ref: str | None, cluster: ClusterSpec) -> CostProfile:
     return prof
 
 
+def profile_mismatch(prof: CostProfile, ref: str, cluster: ClusterSpec, cluster_ref: str, model: ModelSpec,
+                     model_ref: str) -> str | None:
+    """Why the measured profile ``prof`` (file ``ref``) does not describe planning ``model`` on
+    ``cluster`` (one line naming both sides), or None. A preset profile always fits; a measured one
+    must come from the cluster's kind of device and hold kernel fits of the model."""
+    if prof.source.kind != "measured":
+        return None
+    m = re.search(r"\((cpu|cuda)\b", prof.source.machine)
+    device = m.group(1) if m else None
+    if device is not None and device != cluster.device:
+        what = {"cpu": "CPUs", "cuda": "GPUs"}
+        return (f"--profile {ref} was measured on {what[device]} ({prof.source.machine}) but --cluster "
+                f"{cluster_ref} has {what[cluster.device]}: profile the cluster's machines")
+    fitted = sorted({f.model for f in prof.fits})
+    if fitted and model.name not in fitted:
+        return (f"--profile {ref} holds kernel fits of model {', '.join(fitted)}, not of --model {model_ref} "
+                f"({model.name}): measure it with `zeppelin profile --model {model_ref}`")
+    return None
+
+
 def check_path_writable(path: str | Path, inputs=()) -> Path:
     """Refuse an output path up front (before any work): see
     :func:`zeppelin.schemas.io.safefiles.check_output`."""
@@ -60,7 +81,7 @@ def check_path_writable(path: str | Path, inputs=()) -> Path:
 
 
 __all__ = ["input_refs", "resolve_cluster", "resolve_model", "resolve_profile", "check_path_writable", "InputError",
-           "load_dataset"]
+           "load_dataset", "profile_mismatch"]
 
 
 # ------------------------------------------------------------------ a manifest from command-line flags

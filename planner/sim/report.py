@@ -387,14 +387,21 @@ def render(report: dict[str, Any], console=None) -> None:
     con.print(t)
     # the phases: medians over the steps (each step's phases are in --report-json)
     pt = table("per phase, median over the steps, ms", ["phase", "measured", "predicted", "median |error|"])
+    # a phase under 1% of the step: its relative error (of a near-zero time) says nothing
+    step_s = float(np.median([r["measured_s"]["step"] for r in report["steps"]])) if report["steps"] else 0.0
+    tiny = False
     for ph in PHASES[:-1]:
         meas = [r["measured_s"][ph] for r in report["steps"] if r["measured_s"].get(ph) is not None]
         pred = [r["predicted_s"][ph] for r in report["steps"] if r["predicted_s"].get(ph) is not None]
         e = report["summary"]["phases"].get(ph, {})
+        small = bool(meas) and bool(pred) and max(np.median(meas), np.median(pred)) < 0.01 * step_s
+        tiny |= small
         pt.add_row(ph.replace("grad_", ""), _ms(float(np.median(meas))) if meas else "-",
                    _ms(float(np.median(pred))) if pred else "-",
-                   f"{e['median_abs']:.0%}" if e.get("steps") else "-")
+                   "(tiny)" if small else f"{e['median_abs']:.0%}" if e.get("steps") else "-")
     con.print(pt)
+    if tiny:
+        con.print("(tiny): the phase takes under 1% of the step; its relative error is not shown", highlight=False)
     s = report["summary"]["step"]
     con.print("* first step of the run (includes one-time warm-up costs); measured allreduce: the rank that "
               "waited least (the others also wait for stragglers)")

@@ -46,9 +46,15 @@ from pydantic import Field, ValidationError
 from zeppelin.schemas.common import MAX_SEED, InputError, Strict, format_validation_error
 from zeppelin.schemas.io.documents import MAX_DOC_BYTES, parse_json
 from zeppelin.schemas.io.safefiles import ManagedDir, note_input
+from zeppelin.schemas.plan import OVERFLOW_MODES, RECOMPUTE_MODES, ZERO_STAGES
 
 CASE_SCHEMA = "zeppelin.check-case/1"
 SETTING_FIELDS = ("cluster", "model", "dataset", "steps", "seed", "tokens_per_step", "max_seq_len", "tp", "recompute")
+
+
+#: the fields of the first cases (a saved case writes them all; the later ones only when set)
+_FIRST_FIELDS = ("cluster", "model", "dataset", "planner", "options", "steps", "seed", "tokens_per_step",
+                 "max_seq_len", "tp", "tolerance", "description")
 
 
 class CheckCase(Strict):
@@ -65,10 +71,22 @@ class CheckCase(Strict):
     tokens_per_step: int = Field(ge=1, le=2**40)
     max_seq_len: int | None = Field(default=None, ge=1, le=2**31)
     tp: int = Field(default=1, ge=1, le=256)
-    recompute: Literal["auto", "none", "selective", "full"] = Field(
+    zero_stage: int = Field(default=1, ge=ZERO_STAGES[0], le=ZERO_STAGES[-1], description="ZeRO stage of the "
+                            "memory model")
+    recompute: Literal[("auto", *RECOMPUTE_MODES)] = Field(
         default="auto", description="--recompute (auto: zeppelin's planners choose per micro-batch)")
+    overflow: Literal[OVERFLOW_MODES] = Field(default="truncate", description="samples longer than max_seq_len")
+    shuffle: bool = Field(default=True, description="draw samples shuffled (false: in manifest order)")
+    length_field: str | None = Field(default=None, description="manifest field holding each sample's length")
+    ids_field: str | None = Field(default=None, description="manifest field holding token-id lists")
+    text_field: str | None = Field(default=None, description="manifest field holding raw text (needs tokenizer)")
+    tokenizer: str | None = Field(default=None, description="whitespace, bytes or a tokenizer.json path "
+                                  "(relative to the case file)")
     tolerance: float = Field(ge=0, le=10, description="allowed relative increase of the mean step time")
     description: str = ""
+
+
+_DEFAULTS = {name: f.default for name, f in CheckCase.model_fields.items()}
 
 
 @dataclass
@@ -167,18 +185,24 @@ def load_cases(directory: str | os.PathLike, only: list[str] | None = None) -> l
 
 
 def _dataset(case: Case):
+    from zeppelin.planner.core.inputs import load_dataset
     from zeppelin.planner.tools.compare import MIXES, mix_dataset
-    from zeppelin.schemas.io.datasets import default_manifest_path, load_manifest
 
-    ref = case.spec.dataset
-    if ref == "sample":
-        return load_manifest(default_manifest_path())
+    s = case.spec
+    ref = s.dataset
     if ref.removeprefix("mix:") in MIXES:
         return mix_dataset(ref.removeprefix("mix:"))
+    # paths (the manifest's, a tokenizer.json's) are relative to the case file
+    manifest = None if ref == "sample" else str(_near(case, ref))
+    tokenizer = s.tokenizer
+    if tokenizer is not None and tokenizer not in ("whitespace", "bytes"):
+        tokenizer = str(_near(case, tokenizer))
+    return load_dataset(manifest, s.length_field, s.ids_field, s.text_field, tokenizer)
+
+
+def _near(case: Case, ref: str) -> Path:
     p = Path(ref)
-    if not p.is_absolute():
-        p = case.path.parent / p
-    return load_manifest(str(p))
+    return p if p.is_absolute() else case.path.parent / p
 
 
 def case_ref(case: Case, ref: str) -> str:
@@ -218,11 +242,13 @@ def _inputs(case: Case):
     try:
         cl = resolve_cluster(case_ref(case, s.cluster))
         md = resolve_model(case_ref(case, s.model))
-        ctx = PlanContext(cl, md, resolve_profile(None, cl), tp=s.tp, seed=s.seed, recompute=s.recompute)
+        ctx = PlanContext(cl, md, resolve_profile(None, cl), tp=s.tp, seed=s.seed, zero_stage=s.zero_stage,
+                          recompute=s.recompute)
         ds = _dataset(case)
     except ValueError as e:
         raise PlanningError(str(e)) from None
-    cfg = SamplerConfig(tokens_per_step=s.tokens_per_step, seed=s.seed, max_seq_len=s.max_seq_len)
+    cfg = SamplerConfig(tokens_per_step=s.tokens_per_step, seed=s.seed, max_seq_len=s.max_seq_len,
+                        shuffle=s.shuffle, overflow=s.overflow)
     ctx.max_seq_len = run_max_seq_len(ds, cfg)
     return ctx, ds, cfg, sample_steps(ds, cfg, s.steps)
 
@@ -380,6 +406,8 @@ def _stale(gh, header, golden_steps, plans) -> str:
             return f"made for another {what}"
     if gh.tp != header.tp or gh.sampler != header.sampler:
         return "made with other sampler settings"
+    if (gh.zero_stage, gh.recompute) != (header.zero_stage, header.recompute):
+        return f"made for ZeRO stage {gh.zero_stage} and recompute {gh.recompute}"
     if len(golden_steps) != len(plans):
         return f"{len(golden_steps)} steps, the case has {len(plans)}"
     for g, p in zip(golden_steps, plans):
@@ -475,8 +503,7 @@ def check_case_flags(target: str | Path, given: list[str], inputs: list) -> None
     from zeppelin.planner.core.inputs import check_path_writable
 
     if given:
-        raise InputError(f"--save-case: a check case holds cluster, model, manifest, planner and its options, "
-                         f"steps, seed, tokens per step, max sequence length and tp; drop {', '.join(given)}")
+        raise InputError(f"--save-case: a check case holds every planning flag but {', '.join(given)}; drop it")
     name = Path(target).name
     if (not name or name in (".", "..") or name.endswith((".json", ".plan"))
             or str(target).endswith(("/", os.sep))):
@@ -489,27 +516,25 @@ def check_case_flags(target: str | Path, given: list[str], inputs: list) -> None
         check_path_writable(path, [p for p in inputs if p is not None])
 
 
-def save_case(target: str | Path, *, cluster: str, model: str, manifest: str | None, planner: str,
-              options: dict[str, Any], steps: int, seed: int, tokens_per_step: int, max_seq_len: int | None,
-              tp: int, recompute: str = "auto") -> list[str]:
-    """Write ``target.json`` (a check case of these settings) and its golden ``target.plan``; the lines
-    to print. A manifest path is stored relative to the case's directory, as ``zeppelin check`` reads it."""
+def save_case(target: str | Path, *, manifest: str | None, planner: str, options: dict[str, Any],
+              **settings: Any) -> list[str]:
+    """Write ``target.json`` (a check case of these settings: the other fields of :class:`CheckCase`)
+    and its golden ``target.plan``; the lines to print. Paths (the manifest, a tokenizer.json, a model
+    or cluster file) are stored relative to the case's directory, as ``zeppelin check`` reads them."""
     import json
 
     check_case_flags(target, [], [])  # again: a case may have appeared meanwhile
     d = Path(target).parent
-    if manifest is None:
-        dataset = "sample"
-    elif os.path.isabs(manifest):
-        dataset = manifest
-    else:
-        dataset = os.path.relpath(os.path.abspath(manifest), os.path.abspath(d))
+    dataset = "sample" if manifest is None else _case_path(manifest, d)
+    tokenizer = settings.get("tokenizer")
+    if tokenizer is not None and tokenizer not in ("whitespace", "bytes"):
+        settings["tokenizer"] = _case_path(tokenizer, d)
     try:
-        spec = CheckCase(cluster=portable_ref(cluster, d), model=portable_ref(model, d), dataset=dataset,
-                         planner=planner, options=_json_options(planner, options), steps=steps, seed=seed,
-                         tokens_per_step=tokens_per_step, max_seq_len=max_seq_len, tp=tp, recompute=recompute,
-                         tolerance=DEFAULT_TOLERANCE,
-                         description=f"saved by `zeppelin plan --save-case {target}`")
+        for key in ("cluster", "model"):
+            settings[key] = portable_ref(settings[key], d)
+        spec = CheckCase(dataset=dataset, planner=planner, options=_json_options(planner, options),
+                         tolerance=DEFAULT_TOLERANCE, description=f"saved by `zeppelin plan --save-case {target}`",
+                         **settings)
     except ValidationError as e:
         raise InputError(f"--save-case: {format_validation_error(e)}") from None
     ManagedDir(d, "--save-case directory").close()  # made with its parents, one line when it cannot be
@@ -518,15 +543,23 @@ def save_case(target: str | Path, *, cluster: str, model: str, manifest: str | N
     res = run_case(case, update=True)
     if res.failures:
         raise InputError(f"--save-case: {res.failures[0]}")
+    # the settings added to cases later are written only when not at their defaults
+    later = {f for f in CheckCase.model_fields if f not in _FIRST_FIELDS and getattr(spec, f) == _DEFAULTS[f]}
     try:
-        write_case_file(path, (json.dumps(spec.model_dump(exclude={"schema_version"}), indent=1) + "\n").encode(),
-                        "check case")
+        write_case_file(path, (json.dumps(spec.model_dump(exclude={"schema_version", *later}), indent=1)
+                               + "\n").encode(), "check case")
     except BaseException:
         with ManagedDir(d, "check directory", create=False) as md:  # no golden without its case
             md.remove(case.golden.name)
         raise
     return [f"wrote {path} and its golden {case.golden} (mean simulated step {res.new_mean_s * 1e3:.2f} ms, "
             f"tolerance {DEFAULT_TOLERANCE:.0%}); check it with `zeppelin check {d} -k {case.name}`"]
+
+
+def _case_path(ref: str, directory: Path) -> str:
+    if os.path.isabs(ref):
+        return ref
+    return os.path.relpath(os.path.abspath(ref), os.path.abspath(directory))
 
 
 def _json_options(planner: str, options: dict[str, Any]) -> dict[str, Any]:

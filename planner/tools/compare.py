@@ -308,7 +308,7 @@ class Progress:
 
     QUIET_S = 2.0
 
-    def __init__(self, total: int, what: str = "planned and simulated"):
+    def __init__(self, total: int, what: str = "steps done"):
         import sys
 
         self.total, self.what, self.done = total, what, 0
@@ -324,8 +324,8 @@ class Progress:
         if now - self.t0 < self.QUIET_S or now - self.last < (0.2 if self.tty else 5.0):
             return
         self.last, self.shown = now, True
-        line = (f"compare: {self.done}/{self.total} (planner, step) pairs {self.what}, last {planner} step "
-                f"{step}, {now - self.t0:.0f} s")
+        line = (f"compare: {self.done}/{self.total} {self.what} (last: {planner} step {step}), "
+                f"{now - self.t0:.0f} s")
         print(("\r" + line + "\x1b[K") if self.tty else line, end="" if self.tty else "\n", file=sys.stderr,
               flush=True)
 
@@ -506,8 +506,9 @@ def prediction_error_text(err: dict[str, Any]) -> str:
 
 
 def draw_png(doc: dict[str, Any], title: str, path) -> None:
-    """Bar charts: mean step time (p50-p90 whiskers) and speedup over the reference (whiskers: the
-    p10-p90 of the per-step ratios)."""
+    """Bar charts: mean step time (whiskers: the fastest and the slowest step) and speedup over the
+    reference (whiskers: the p10-p90 of the per-step ratios); planners that failed are named under
+    the charts."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -519,12 +520,12 @@ def draw_png(doc: dict[str, Any], title: str, path) -> None:
     names = [s["planner"] for s in ok]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.6))
     mean = np.array([s["mean_s"] * 1e3 for s in ok])
-    lo = mean - np.array([s["p50_s"] * 1e3 for s in ok])
-    hi = np.array([s["p90_s"] * 1e3 for s in ok]) - mean
+    lo = mean - np.array([min(s["step_times_s"], default=s["mean_s"]) * 1e3 for s in ok])
+    hi = np.array([max(s["step_times_s"], default=s["mean_s"]) * 1e3 for s in ok]) - mean
     colors = ["#d62728" if n.startswith("zeppelin") else "#1f77b4" for n in names]
     a1.bar(names, mean, color=colors, yerr=[np.maximum(lo, 0), np.maximum(hi, 0)], capsize=3)
     a1.set_ylabel("simulated step time, ms")
-    a1.set_title("bars: mean; whiskers: p50..p90 over steps", fontsize=9)
+    a1.set_title("bars: mean; whiskers: fastest..slowest step", fontsize=9)
     key = "speedup_vs_" + doc["reference"].replace("-", "_")
     sp = np.array([s.get(key, 0.0) for s in ok])
     lo_q, hi_q = SPREAD
@@ -539,7 +540,11 @@ def draw_png(doc: dict[str, Any], title: str, path) -> None:
         for lab in ax.get_xticklabels():
             lab.set_ha("right")
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    failed = [s["planner"] for s in doc["planners"] if s.get("error")]
+    fig.tight_layout(rect=(0, 0.05 if failed else 0, 1, 1))
+    if failed:
+        fig.text(0.01, 0.01, f"not shown, failed to plan these steps: {', '.join(failed)} (the table says why)",
+                 fontsize=9, color="#d62728")
     save_png(fig, path, dpi=100)
 
 

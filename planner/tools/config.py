@@ -124,9 +124,12 @@ MANIFEST = Flag("manifest", ("--manifest", "-m"), str, None,
                 "dataset manifest: file, directory, glob or *.manifest.json (default: the shipped sample)")
 CLUSTER = Flag("cluster", ("--cluster", "-c"), str, ...,
                "cluster preset (zeppelin-a, zeppelin-a:4, local-cpu:2x2, ...) or JSON file")
-MODEL = Flag("model", ("--model",), str, ..., "model preset (llama-7b, tiny, ...) or JSON file")
+MODEL = Flag("model", ("--model",), str, ..., "model preset (llama-7b, tiny, ...), JSON file or hf:DIR (a Hugging "
+             "Face model directory, docs/HF.md)")
 PROFILE = Flag("profile", ("--profile",), str, None,
                "cost profile JSON from `zeppelin profile` (default: the preset curves of the cluster's GPU)")
+FORCE_PROFILE = Flag("force_profile", ("--force-profile",), bool, False,
+                     "use --profile even when it was measured on another kind of device or for another model")
 LENGTH_FIELD = Flag("length_field", ("--length-field",), str, None,
                     "manifest field/column holding each sample's length (default: length)")
 IDS_FIELD = Flag("ids_field", ("--ids-field",), str, None,
@@ -174,7 +177,7 @@ OPTION = Flag("option", ("--option", "-O"), str, [], "a planner option, PLANNER.
 
 #: the flags that describe a planning problem, shared by plan, compare and demo (in this order;
 #: the planner-option flags in the order a plan header records the options)
-PLANNING = (MANIFEST, CLUSTER, MODEL, PROFILE, *FIELD_FLAGS, TOKENS_PER_STEP, SEQS_PER_STEP, STEPS, SEED, NO_SHUFFLE,
+PLANNING = (MANIFEST, CLUSTER, MODEL, PROFILE, FORCE_PROFILE, *FIELD_FLAGS, TOKENS_PER_STEP, SEQS_PER_STEP, STEPS, SEED, NO_SHUFFLE,
             MAX_SEQ_LEN, OVERFLOW, TP, ZERO_STAGE, RECOMPUTE, ILP, ILP_NODES, SOLVER, INTRA, FAMILIES, TIME_LIMIT,
             OPTION)
 
@@ -287,14 +290,25 @@ class Config(BaseModel):
         return tuple(getattr(self, f.name) for f in FIELD_FLAGS)
 
     def context(self, cluster: Any, model: Any, profile: Any) -> Any:
-        """The planning context of these flags (tp, ZeRO stage, recompute, seed)."""
+        """The planning context of these flags (tp, ZeRO stage, recompute, seed); refused in one line
+        when a measured ``--profile`` describes another device or model (unless ``--force-profile``)
+        or when the model leaves a GPU no room for activations."""
         from zeppelin.planner.core.base import PlanContext, PlanningError
+        from zeppelin.planner.core.inputs import profile_mismatch
+
+        if self.profile is not None and not self.force_profile:
+            why = profile_mismatch(profile, self.profile, cluster, self.cluster, model, self.model)
+            if why is not None:
+                raise InputError(f"{why}; or pass --force-profile to use it anyway")
 
         try:
-            return PlanContext(cluster, model, profile, tp=self.tp, zero_stage=self.zero_stage, seed=self.seed,
-                               recompute=self.recompute)
+            ctx = PlanContext(cluster, model, profile, tp=self.tp, zero_stage=self.zero_stage, seed=self.seed,
+                              recompute=self.recompute)
         except ValueError as e:
             raise PlanningError(str(e)) from None
+        if ctx.cost.token_capacity < 1:
+            raise PlanningError(not_fitting(ctx, self.cluster, self.model))
+        return ctx
 
     def sampler(self, ctx: Any, tokens_per_step: int | None = None) -> Any:
         """The sampler of these flags; without a token or sequence budget, the one default budget."""
@@ -314,7 +328,7 @@ class Config(BaseModel):
         """The planning flags given (not at their default) that a ``zeppelin check`` case cannot hold."""
         from zeppelin.planner.tools.check import CheckCase
 
-        held = {*CheckCase.model_fields, "manifest", "option"}
+        held = {*CheckCase.model_fields, "manifest", "option", "no_shuffle"}
         planning = {f.name for f in PLANNING}
         return [f.flag for f in self.flags() if f.name in planning and f.name not in held and f.sets is None
                 and getattr(self, f.name) != f.default]
@@ -366,6 +380,35 @@ class Config(BaseModel):
             typed = options.parse(planner, given)
             out.update({k: getattr(typed, k) for k in given})
         return out
+
+
+def not_fitting(ctx: Any, cluster: str, model: str) -> str:
+    """Why ``model`` leaves no GPU of ``cluster`` room for a token, and the flags that would make room
+    (only those that do: a ZeRO stage, a TP degree within a node, recompute)."""
+    from zeppelin.planner.core.base import PlanContext
+
+    cost = ctx.cost
+    states, room = cost.model_state_bytes() / 1e9, cost.gpu_capacity_bytes / 1e9
+    units = ctx.num_units
+    why = (f"model {model} does not fit cluster {cluster}: its model states take {states:.1f} GB of a GPU's "
+           f"{room:.1f} GB (ZeRO stage {ctx.zero_stage}, tp {ctx.tp}, {units} data-parallel unit(s)), leaving "
+           f"no room for activations")
+    tries = [("--zero-stage 3", {"zero_stage": 3})] if ctx.zero_stage < 3 else []
+    tp = ctx.tp * 2
+    while tp <= ctx.cluster.gpus_per_node:
+        tries.append((f"--tp {tp}", {"tp": tp}))
+        tp *= 2
+    tries += [(f"{'--zero-stage 3 ' if ctx.zero_stage < 3 else ''}--tp {t}", {"zero_stage": 3, "tp": t})
+              for _, k in tries if (t := k.get("tp"))]
+    setting = {"tp": ctx.tp, "zero_stage": ctx.zero_stage, "recompute": ctx.recompute}
+    for flags, change in tries:
+        try:
+            other = PlanContext(ctx.cluster, ctx.model, ctx.profile, seed=ctx.seed, **{**setting, **change})
+        except ValueError:
+            continue
+        if other.cost.token_capacity >= 1:
+            return f"{why}; {flags} leaves {other.cost.token_capacity:,} tokens per GPU"
+    return f"{why}; no ZeRO stage or TP degree within a node makes room: use a cluster with more GPUs or more memory"
 
 
 def config_model(command: str) -> type[Config]:

@@ -366,10 +366,10 @@ def load_heatmap(fig, ax, result: SimResult, num_nodes: int) -> None:
     fig.colorbar(im, ax=ax, label="busy ms")
 
 
-def draw_demo_png(timelines: list[tuple[str, SimResult]], speedups: list[tuple[str, float]], reference: str,
+def draw_demo_png(timelines: list[tuple[str, SimResult]], speedups: list[tuple[str, float]], xlabel: str,
                   title: str, path: str | Path, spreads: dict[str, tuple[float, float]] | None = None) -> None:
     """The demo's picture: per-unit timelines of one step side by side (same time axis) and the
-    speedup of every planner over ``reference`` as bars."""
+    ``speedups`` (name, ratio) as bars, labelled ``xlabel``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -399,7 +399,7 @@ def draw_demo_png(timelines: list[tuple[str, SimResult]], speedups: list[tuple[s
     ends = [v + (xerr[1][y] if xerr else 0.0) for y, v in enumerate(vals)]  # labels past the whiskers
     for y, v in enumerate(vals):
         ax.text(ends[y], y, f"  {v:.2f}x", va="center", fontsize=8)
-    ax.set_xlabel(f"speedup over {reference}")
+    ax.set_xlabel(xlabel)
     ax.set_title("ratio of simulated mean step times" + ("\nwhiskers: p10..p90 per step" if xerr else ""), fontsize=9)
     ax.set_xlim(0, max(ends + [1.0]) * 1.3)
     fig.suptitle(title, fontsize=10)

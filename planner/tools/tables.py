@@ -19,7 +19,10 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["EXPOSED_NOTE", "console", "exposed_cell", "fmt_tokens", "print_stats", "render_text", "simulate_step_tables", "simulate_summary_table",
+from zeppelin.schemas.common import fit_width as wrapped  # noqa: F401 (the commands' line wrapping)
+
+__all__ = ["EXPOSED_NOTE", "console", "exposed_cell", "fmt_tokens", "print_stats", "render_text",
+           "simulate_step_tables", "simulate_summary_table",
            "stats_payload", "table"]
 
 

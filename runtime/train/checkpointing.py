@@ -28,21 +28,24 @@ class Checkpointing:
         self.path: Path | None = None       # the checkpoint resumed from
         self.state: dict[str, Any] | None = None
         self.plan_hash: str | None = None
+        self.reader = None                  # the plan (a checkpoint records the hash of its steps so far)
 
-    def open(self, header, end: int) -> str | None:
+    def open(self, header, end: int, reader=None) -> str | None:
         """Lock the directory (rank 0; held until the run ends) and find the checkpoint to resume
         (every rank reads it: a node's ranks share rank 0's view). Returns this rank's error line."""
-        from ..checkpoint import plan_hash
+        from ..checkpoint import plan_hash, plan_prefix
         from ..lifecycle import prepare_checkpoint_dir, resume_point
 
         cfg = self.cfg
+        self.reader = reader
         try:
             if cfg.checkpoint_dir and self.rank == 0:
                 self.lock = prepare_checkpoint_dir(cfg.checkpoint_dir)
             self.plan_hash = plan_hash(header)
             if cfg.resume:
                 found = resume_point(cfg.checkpoint_dir, plan_hash=self.plan_hash, world_size=self.world, end=end,
-                                     hparams=cfg.hyperparameters(header.seed))
+                                     hparams=cfg.hyperparameters(header.seed),
+                                     prefix=None if reader is None else lambda n: plan_prefix(reader, n))
                 if found is not None:
                     self.path, self.state = found
         except InputError as e:
@@ -72,7 +75,7 @@ class Checkpointing:
     def after_step(self, k: int, end: int, model, optimizer, hparams: dict[str, Any]) -> None:
         """Save after step ``k`` every ``--checkpoint-every`` steps and after the run's last step
         (collective: every rank's RNG state and shards)."""
-        from ..checkpoint import rng_state, save_checkpoint
+        from ..checkpoint import plan_prefix, rng_state, save_checkpoint
 
         cfg = self.cfg
         every = cfg.checkpoint_every and (k + 1) % cfg.checkpoint_every == 0
@@ -82,7 +85,8 @@ class Checkpointing:
         dist.all_gather_object(rngs, rng_state())
         save_checkpoint(cfg.checkpoint_dir, next_step=k + 1, model=model, optimizer=optimizer, rng_states=rngs,
                         plan_hash=self.plan_hash, world_size=self.world, rank=self.rank,
-                        extra={"hyperparameters": hparams})
+                        extra={"hyperparameters": hparams,
+                               **({} if self.reader is None else {"plan_prefix": plan_prefix(self.reader, k + 1)})})
 
     def release(self) -> None:
         if self.lock is not None:

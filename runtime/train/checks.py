@@ -59,7 +59,13 @@ def startup_checks(cfg: RunConfig, world_size: int, rank: int = 0) -> tuple[Plan
     if cfg.data is None and header.manifest.token_ids:
         raise InputError(f"the plan was made from a manifest with token ids ({header.manifest.path}); pass it "
                          "with --data (without it the run would train on synthetic ids)")
-    source, mhash = load_token_source(header.model.vocab_size, header.seed, cfg.data)
+    try:
+        source, mhash = load_token_source(header.model.vocab_size, header.seed, cfg.data, cfg.data_fields)
+    except InputError as e:
+        if " not found" not in e.problem or any(cfg.data_fields.values()):
+            raise
+        raise InputError(f"{e.problem}; read --data with the field flags `zeppelin plan` took (--length-field, "
+                         f"--ids-field, or --text-field with --tokenizer)", source=e.source) from None
     if cfg.data is not None and mhash is not None and mhash != header.hashes.manifest:
         raise InputError(f"--data {cfg.data} does not match the plan: the plan was made for manifest hash "
                          f"{header.hashes.manifest}, this one hashes to {mhash}")

@@ -74,7 +74,7 @@ def run(cfg, rank: int, world: int, device: torch.device, local_err: str | None,
     """The job once the process group is up: agree to start, prepare, train, finish."""
     ckpt = Checkpointing(cfg, rank, world)
     if local_err is None:
-        local_err = ckpt.open(reader.header, end)
+        local_err = ckpt.open(reader.header, end, reader)
     agree(world, local_err)
     job = prepare(cfg, rank, world, device, reader, source, start, end, ckpt)
     train(job, open_sinks(cfg, job.header, rank, job.start, end, resumed=ckpt.state is not None))

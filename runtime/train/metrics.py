@@ -125,7 +125,9 @@ class ProgressSink(MetricsSink):
         if self.mode == "rich":
             self.bar.update(self.task, advance=1, description=f"step {rec['step']}  {desc}")
         elif self.mode == "plain":
-            print(f"{progress_label(rec['step'], self.total)}  {desc}", flush=True)
+            from zeppelin.schemas.common import fit_width
+
+            print(fit_width(f"{progress_label(rec['step'], self.total)}  {desc}"), flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -123,4 +123,5 @@ def test_compare_reports_progress_on_stderr(capsys, monkeypatch):
                           capsys)
     assert code == 0 and json.loads(out)["steps"] == 1
     lines = [ln for ln in err.splitlines() if ln.startswith("compare: ")]
-    assert lines[-1].startswith("compare: 2/2 (planner, step) pairs planned and simulated, last ")
+    assert lines[-1].startswith("compare: 2/2 steps done (last: ")  # planner steps: a step per planner
+    assert all(len(ln) <= 80 for ln in lines)

@@ -174,7 +174,7 @@ def test_check_fails_when_zeppelin_is_made_worse(tmp_path, monkeypatch, capsys):
         main(["check", str(tmp_path), "-j", "1"])
     assert e.value.code == 1
     out = capsys.readouterr().out
-    assert f"FAIL {rep.failures[0]}" in out
+    assert " ".join(f"FAIL {rep.failures[0]}".split()) in " ".join(out.split())  # (wrapped at 80 columns)
     assert out.rstrip().endswith("4 case(s) checked in " + out.rstrip().split("checked in ")[1].split(":")[0]
                                  + ": 3 failure(s)")
 
@@ -210,7 +210,7 @@ def test_check_update_writes_goldens_and_detects_stale(tmp_path, zeppelin_bin):
     out = run()
     assert out.returncode == 1
     assert (f"FAIL {CPU}--te-cp: no golden plan {CPU}--te-cp.plan (create it with `zeppelin check --update`)"
-            in out.stdout)
+            in " ".join(out.stdout.split()))
     out = run("--update")
     assert out.returncode == 0, out.stdout + out.stderr
     for n in names:
@@ -234,7 +234,7 @@ def test_check_update_writes_goldens_and_detects_stale(tmp_path, zeppelin_bin):
     out = run()
     assert out.returncode == 1
     assert (f"FAIL {CPU}--te-cp: golden plan {CPU}--te-cp.plan is stale (made with other sampler settings); "
-            f"review the change and run `zeppelin check --update`") in out.stdout
+            f"review the change and run `zeppelin check --update`") in " ".join(out.stdout.split())
     out = run("--update", "-k", f"{CPU}--te-cp")
     assert out.returncode == 0
     assert f"updated {CPU}--te-cp.plan: step time none -> " in out.stdout

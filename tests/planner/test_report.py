@@ -127,6 +127,9 @@ def test_report_matches_hand_calculation(tmp_path):
     attn = next(ln.split() for ln in text.splitlines() if ln.split()[:1] == ["attention"])
     meas = sorted(r["measured_s"]["attention"] for r in rep["steps"])
     assert attn[1:3] == [f"{sum(meas) / 2 * 1e3:.1f}", "82.0"]  # medians of the measured and predicted attention
+    remap = next(ln.split() for ln in text.splitlines() if ln.split()[:1] == ["remap"])
+    assert remap[-1] == "(tiny)"  # a phase of ~0 ms: no relative error of a near-zero time
+    assert "(tiny): the phase takes under 1% of the step; its relative error is not shown" in text
 
 
 def test_resumed_metrics_skip_and_duplicates(tmp_path):

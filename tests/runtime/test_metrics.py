@@ -71,7 +71,7 @@ def _run(d: Path, *extra: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_metrics_jsonl_and_tensorboard(run_dir):
-    tb = pytest.importorskip("tensorboard")  # the JSONL half runs in test_metrics_jsonl_without_tensorboard
+    import tensorboard as tb  # (a dev dependency: ./dev setup installs it)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     p = _run(run_dir, "--tensorboard", "tb", "--metrics", "tb.metrics.jsonl")
