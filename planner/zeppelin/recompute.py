@@ -17,7 +17,7 @@ from collections.abc import Callable
 import numpy as np
 
 from zeppelin.planner.costmodel.context import PlanContext, PlanningError
-from zeppelin.planner.costmodel.predict import microbatch_terms, predict_step
+from zeppelin.planner.costmodel.predict import _ulysses_held_tokens, microbatch_terms, predict_step
 from zeppelin.schemas.plan import PER_MICROBATCH, MicroBatch, Sequence, StepPlan
 
 #: the ``--recompute`` value that lets a planner choose per micro-batch
@@ -54,11 +54,18 @@ def held_tokens(mb: MicroBatch, n: int) -> np.ndarray:
     return np.maximum(att, lin)
 
 
-def _fitting(ctx: PlanContext, costs: list, held: np.ndarray) -> list[str]:
+def _fitting(ctx: PlanContext, costs: list, held: np.ndarray, uly: np.ndarray | None = None) -> list[str]:
     """The choices under which every unit holding tokens fits: ``none``, ``selective``, and of
-    ``full:1`` .. ``full`` only the fewest layers that fit (more only add time)."""
+    ``full:1`` .. ``full`` only the fewest layers that fit (more only add time). ``uly``: per unit,
+    the tokens it holds in Ulysses groups, whose extra copies count on top (as ``validate`` counts them)."""
+    def held_as(u: int, mode: str) -> float:
+        if uly is None or not uly[u]:
+            return float(held[u])
+        c = costs[u]
+        return float(held[u]) + float(uly[u]) * sum(c.ulysses_extra_split) / c.recompute_bytes_per_token(mode)
+
     def fits(mode: str) -> bool:
-        return all(held[u] <= costs[u].recompute_capacity(mode) for u in range(len(held)) if held[u] > 0)
+        return all(held_as(u, mode) < costs[u].recompute_capacity(mode) + 1 for u in range(len(held)) if held[u] > 0)
 
     out = [m for m in ("none", "selective") if fits(m)]
     L = ctx.model.num_layers
@@ -82,7 +89,7 @@ def choose_microbatch(ctx: PlanContext, step: StepPlan, mb: MicroBatch) -> str:
     n = len(mb.queues)
     costs = [ctx.cost] * n if reps is None else [ctx.cost_for(r.tp) for r in reps]
     held = held_tokens(mb, n)
-    choices = _fitting(ctx, costs, held)
+    choices = _fitting(ctx, costs, held, _ulysses_held_tokens(mb, n))
     if len(choices) <= 1:
         return choices[0] if choices else "full"
     mb.recompute = None
