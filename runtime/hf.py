@@ -498,4 +498,7 @@ def _write_export_config(tmp: Path, config, weight_map: dict[str, str], total: i
     GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
     if n_files > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        from zeppelin.schemas.io.safefiles import atomic_write_text
+
+        atomic_write_text(tmp / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n",
+                          what="export index")

@@ -73,11 +73,13 @@ def template(tmp_path_factory) -> Path:
             zeppelin_main(["plan", "-m", "m.jsonl", "-c", "cluster.json", "--model", "model.json", "--steps", "2",
                            "--tokens-per-step", "2048", "-q", "-o", "p.jsonl"])
         (d / "x.txt").write_text("3\n4\n5\n")
-        # a two-node plan whose long sequence spans both nodes: it has routes over NICs and proxies
+        # a two-node plan whose long sequence spans both nodes: it has routes over NICs and proxies (rings:
+        # the families' usp groups record no routes)
         (d / "long.jsonl").write_text("".join(json.dumps({"length": n}) + "\n" for n in [100000, 2000, 3000, 5000] * 4))
         with _quiet():
             zeppelin_main(["plan", "-m", "long.jsonl", "--no-shuffle", "-c", "zeppelin-a:2", "--model", "llama-7b",
-                           "--steps", "1", "--tokens-per-step", "110000", "--ilp", "never", "-q", "-o", "r.jsonl"])
+                           "--steps", "1", "--tokens-per-step", "110000", "--ilp", "never", "--families", "none",
+                           "-q", "-o", "r.jsonl"])
     finally:
         os.chdir(old)
     return d
@@ -828,7 +830,7 @@ CASES = [
                                                 "number"),
     ("unknown-field", {"bogus": 1}, "cases/a.json: invalid check case: bogus: Extra inputs are not permitted"),
     ("planner-unknown", {"planner": "nope"}, "cases/a.json: unknown planner 'nope' (known: flexsp, hybrid-dp, "
-     "hydraulis, llama3-cp, megatron-dcp, packed-dp, te-cp, te-cp-tuned, ulysses, zeppelin, zeppelin-no-remap, "
+     "hydraulis, llama3-cp, megatron-dcp, packed-dp, te-cp, te-cp-tuned, ulysses, usp, zeppelin, zeppelin-no-remap, "
      "zeppelin-no-routing, zeppelin-tiers-only)"),
     ("cluster-huge", {"cluster": "zeppelin-a:9999999"},
      "a: bad input: cluster preset 'zeppelin-a:9999999': at most 4,096 nodes of 256 GPUs (got 9,999,999 x 8)"),
