@@ -80,7 +80,8 @@ def _train(rank: int, world: int, header_json: str, steps_json: list[str], dp: s
             rngs = [None] * world
             dist.all_gather_object(rngs, rng_state())
             save_checkpoint(ckpt, next_step=k + 1, model=model, optimizer=ex.optimizer, rng_states=rngs,
-                            plan_hash="h", world_size=world, rank=rank)
+                            plan_hash="h", world_size=world, rank=rank,
+                            extra={"hyperparameters": {"lr": 1e-3, "weight_decay": 0.0, "seed": 0}})
             break
     params, _ = full_params_and_grads(model)
     return {"losses": losses, "reports": reports, "memory": memory, "params": params if rank == 0 else None}

@@ -188,8 +188,9 @@ def test_checkpoint_roundtrip_and_plan_mismatch(tmp_path):
         p.grad = torch.full_like(p, 0.1 * (i + 1))
     opt.step()
     assert latest_checkpoint(tmp_path) is None
-    path = save_checkpoint(tmp_path, next_step=3, model=model, optimizer=opt, rng_states=[rng_state()],
-                           plan_hash="sha256:aaaa", world_size=2, rank=0)
+    path = save_checkpoint(tmp_path, next_step=3, model=model, optimizer=opt, rng_states=[rng_state()] * 2,
+                           plan_hash="sha256:aaaa", world_size=2, rank=0,
+                           extra={"hyperparameters": {"lr": 1e-2, "weight_decay": 0.0, "seed": 0}})
     assert path.name == "ckpt-000003" and latest_checkpoint(tmp_path) == path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000003", "latest"]  # no temp directory left
     st = read_checkpoint_state(path, plan_hash="sha256:aaaa", world_size=2)
