@@ -12,6 +12,10 @@ from zeppelin.planner.zeppelin.families import flop_share as F
 from zeppelin.planner.zeppelin.planner import ZeppelinPlanner
 
 
+#: usp groups (2-D Ulysses x ring) win these long cells now; the FLOP-share cases leave them out
+WITHOUT_USP = "ulysses-groups,flop-share,tp-replicas,wide-rings"
+
+
 def _first_fit_only(n, cap, order, where, tl, m):
     return aligned_rings.first_fit(n, cap, order, where)
 
@@ -50,12 +54,12 @@ def test_flop_share_fine_rings_pack_long_steps_evenly(monkeypatch, cell, fine, w
     ``whole`` s (the best plan without them: another family's, or the tiered one)."""
     ctx, seqs = grid_step(*cell)
     monkeypatch.setattr(F, "FINE_SHARES", (0.25,))
-    plan = ZeppelinPlanner().plan_step(ctx, 0, seqs)
+    plan = ZeppelinPlanner(families=WITHOUT_USP).plan_step(ctx, 0, seqs)
     valid_plan(ctx, plan)
     assert plan.notes["family"] == "flop-share" and "(rings <= 1/4 share)" in plan.notes["placement"]
     assert plan.prediction.step_time_s == pytest.approx(fine, abs=0.01)
     monkeypatch.setattr(F, "FINE_SHARES", ())
-    again = ZeppelinPlanner().plan_step(ctx, 0, seqs)
+    again = ZeppelinPlanner(families=WITHOUT_USP).plan_step(ctx, 0, seqs)
     assert "share)" not in (again.notes.get("placement") or "")
     assert again.prediction.step_time_s == pytest.approx(whole, abs=0.01)
 
@@ -72,12 +76,12 @@ def test_flop_share_places_every_ring_fraction(monkeypatch, cell, frac, ladder, 
     here is won by a different fraction (``ladder`` s by the prediction), against ``quarter`` s
     with the quarter-share sizing alone."""
     ctx, seqs = grid_step(*cell)
-    plan = ZeppelinPlanner().plan_step(ctx, cell[-1], seqs)
+    plan = ZeppelinPlanner(families=WITHOUT_USP).plan_step(ctx, cell[-1], seqs)
     valid_plan(ctx, plan)
     assert plan.notes["family"] == "flop-share" and f"(rings <= 1/{frac} share)" in plan.notes["placement"]
     assert plan.prediction.step_time_s == pytest.approx(ladder, abs=0.002)
     monkeypatch.setattr(F, "FINE_SHARES", (0.25,))
-    again = ZeppelinPlanner().plan_step(ctx, cell[-1], seqs)
+    again = ZeppelinPlanner(families=WITHOUT_USP).plan_step(ctx, cell[-1], seqs)
     assert again.prediction.step_time_s == pytest.approx(quarter, abs=0.002)
 
 
@@ -90,12 +94,12 @@ def test_flop_share_prices_inter_node_rings_as_routed(monkeypatch):
     t = aligned_rings.unit_time(ctx, np.array([60000.0]), 1e-5, 8, 1 / 8)
     assert t == pytest.approx(ctx.model.num_layers * ctx.cost.ring_attention_time(np.array([60000.0]), 8, "inter", 1 / 8)
                               + 1e-5 * 60000 / 8)
-    plan = ZeppelinPlanner().plan_step(ctx, 0, seqs)
+    plan = ZeppelinPlanner(families=WITHOUT_USP).plan_step(ctx, 0, seqs)
     valid_plan(ctx, plan)
     assert plan.notes["family"] == "flop-share"
     assert any(g.tier == "inter" for mb in plan.microbatches for g in mb.groups)
     assert plan.prediction.step_time_s == pytest.approx(2.152, abs=0.001)
     one_nic = aligned_rings.unit_time
     monkeypatch.setattr(aligned_rings, "unit_time", lambda ctx, Lf, slope, G, nic_share=1.0: one_nic(ctx, Lf, slope, G))
-    again = ZeppelinPlanner().plan_step(ctx, 0, seqs)
+    again = ZeppelinPlanner(families=WITHOUT_USP).plan_step(ctx, 0, seqs)
     assert "family" not in again.notes and again.prediction.step_time_s == pytest.approx(2.223, abs=0.001)
