@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: README lines this test does not run, and why (each must still be in the README)
 NOT_RUN = {"./dev test": "runs this test suite, which holds this test"}
 #: what a scratch checkout holds (links to the real one)
-LINKED = ("dev", "pyproject.toml", "schemas", "plans", "examples", "planner", "runtime", ".venv")
+LINKED = ("dev", "pyproject.toml", "setup.py", "schemas", "plans", "examples", "planner", "runtime", ".venv")
 
 
 def command_blocks(text: str) -> list[str]:
