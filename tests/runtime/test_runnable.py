@@ -128,7 +128,7 @@ def _families(path: Path) -> tuple[set[str], bool]:
 @pytest.mark.timeout(400)
 def test_default_hf_plans_run_to_the_end(hf, tmp_path):
     """`zeppelin plan --model hf:DIR` with default options on two length mixes: between them the
-    steps come from FLOP-share, Ulysses groups and the tiered search, and one leaves a rank without
+    steps come from usp groups, Ulysses groups and the tiered search, and one leaves a rank without
     tokens; `validate --model` passes and `run --verify` executes every step within 1e-5."""
     from zeppelin.planner.tools.compare import mix_dataset
 
@@ -151,7 +151,7 @@ def test_default_hf_plans_run_to_the_end(hf, tmp_path):
         assert [r["step"] for r in recs] == list(range(steps))
         assert all(r["verify"]["ok"] and r["verify"]["grad_rel"] <= 1e-5 for r in recs)
         assert np.isfinite([r["loss"] for r in recs]).all()
-    assert seen >= {"flop-share", "ulysses-groups", "tiered"}, seen
+    assert seen >= {"usp-groups", "ulysses-groups", "tiered"}, seen
     assert empty_seen
 
 
