@@ -25,6 +25,16 @@ from zeppelin.schemas.common import InputError
 from zeppelin.schemas.io.safefiles import tracking_inputs
 from zeppelin.schemas.io.signals import Terminated
 
+
+
+def _flag_type(self, ctx) -> str | None:
+    """A switch takes no value: help shows no type for it (typer labels every flag ``<bool>``)."""
+    return None if self.is_flag else _option_type(self, ctx)
+
+
+_option_type = typer.core.TyperOption.display_type_rich
+typer.core.TyperOption.display_type_rich = _flag_type
+
 app = typer.Typer(
     name="zeppelin",
     help=(
@@ -58,6 +68,10 @@ app.command("run", context_settings={"allow_extra_args": True, "ignore_unknown_o
 app.command("profile", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(
     cmd_profile.profile
 )
+# the command list shows a docstring's first paragraph as one sentence (rich help keeps its line
+# breaks, which cut sentences in the middle)
+for _info in (*app.registered_commands, *data_app.registered_commands):
+    _info.short_help = " ".join((_info.callback.__doc__ or "").split("\n\n")[0].split())
 
 
 def fail(message: str, code: int = 2) -> None:

@@ -17,6 +17,7 @@ from zeppelin.planner.cli import common
 from zeppelin.planner.tools import config
 from zeppelin.planner.tools.config import PlanConfig
 from zeppelin.schemas.common import InputError
+from zeppelin.schemas.io.safefiles import is_null_device
 
 
 def _planner(name: str, options: dict):
@@ -123,7 +124,10 @@ def _check_outputs(cfg: PlanConfig) -> None:
     if cfg.output is None and not cfg.explain and cfg.save_case is None:
         raise InputError("missing -o/--output PLAN (or use --explain alone to see the tier thresholds)")
     inputs = [cfg.manifest, *input_refs(cfg.cluster, cfg.model, cfg.profile)]
-    if cfg.output is not None:
+    if is_null_device(cfg.output):  # -o /dev/null: plan every step, write nothing
+        if cfg.stream:
+            raise InputError("--stream writes the plan as it goes: drop it with -o /dev/null (plan and discard)")
+    elif cfg.output is not None:
         check_path_writable(cfg.output, inputs)
         if cfg.stream:
             from zeppelin.schemas.io.stream import chain_path, check_stream_target
@@ -185,6 +189,19 @@ class _Tally:
             self.counting_s += time.perf_counter() - t1
 
 
+class _Discard:
+    """The plan writer of ``-o /dev/null``: takes every step, writes nothing."""
+
+    def __enter__(self) -> "_Discard":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def write(self, step) -> None:
+        return None
+
+
 def _write_plan(cfg: PlanConfig, ctx, pl, header, steps) -> _Tally:
     """Plan ``steps`` one at a time and write each (streamed with ``--stream``)."""
     from zeppelin.planner.core.base import PlanningError
@@ -195,7 +212,9 @@ def _write_plan(cfg: PlanConfig, ctx, pl, header, steps) -> _Tally:
 
     tally = _Tally()
     sim = None if cfg.quiet and not cfg.explain else Simulator(context_from_header(header))
-    if cfg.stream:
+    if is_null_device(cfg.output):
+        writer = _Discard()
+    elif cfg.stream:
         from zeppelin.schemas.io.stream import StreamingPlanWriter
 
         writer = StreamingPlanWriter(cfg.output, header, cfg.fmt)
@@ -230,7 +249,8 @@ def _print_summary(cfg: PlanConfig, ctx, pl, sampler, tally: _Tally, el: float) 
         return
     from zeppelin.planner.tools.tables import wrapped
 
-    typer.echo(wrapped(f"wrote {cfg.output}: {cfg.steps} steps planned by {pl.name} for {md.name} on {cl.name} "
+    done = "planned (discarded: -o /dev/null)" if is_null_device(cfg.output) else f"wrote {cfg.output}"
+    typer.echo(wrapped(f"{done}: {cfg.steps} steps planned by {pl.name} for {md.name} on {cl.name} "
                        f"({cl.world_size} GPUs) in {el:.2f} s ({el / cfg.steps * 1e3:.0f} ms/step)"))
     if ratios:
         r = np.array(ratios)

@@ -20,7 +20,7 @@ from zeppelin.planner.core.base import PlanContext
 from zeppelin.planner.sim.summary import PlanSummary
 from zeppelin.schemas.plan import StepPlan
 
-__all__ = ["RingCrossover", "explain_text", "moe_note", "one_sequence_step", "plan_against_thresholds",
+__all__ = ["RingCrossover", "explain_text", "hf_modules_note", "moe_note", "one_sequence_step", "plan_against_thresholds",
            "ring_crossover"]
 
 #: a ring "hides" its transfers when its exposed communication is at most this share of its attention time
@@ -170,6 +170,22 @@ def _ring_lines(ctx: PlanContext, tg) -> list[str]:
     return out
 
 
+def hf_modules_note(ctx: PlanContext) -> list[str]:
+    """Why an ``hf:DIR`` model holds another token count than the runtime's own model of the same
+    shape (a preset such as llama3-8b): transformers' RMSNorm keeps its normalised rows in the
+    compute dtype, the runtime's own norm in fp32 (:meth:`MemoryCosts.norm_bytes_per_token`)."""
+    import dataclasses
+
+    if ctx.model.remap_payload != "qkv":
+        return []
+    own = dataclasses.replace(ctx, model=ctx.model.model_copy(update={"remap_payload": "hidden"})).cost
+    here = ctx.cost
+    return _wrap(f"(hf:DIR runs transformers' modules, whose RMSNorm keeps its rows in {ctx.model.dtype}: "
+                 f"{here.activation_bytes_per_token / 1e6:.3f} MB per token; the runtime's own model of this "
+                 f"shape, e.g. a preset, keeps them in fp32: {own.activation_bytes_per_token / 1e6:.3f} MB, "
+                 f"{int(own.token_capacity):,} tokens per unit)", indent="  ")
+
+
 def explain_text(ctx: PlanContext) -> str:
     """The thresholds and how they were derived (the Zeppelin planner's :class:`Tiering`)."""
     from zeppelin.planner.zeppelin.tiering import FREE_WASTE, GRANULARITY, Tiering
@@ -188,6 +204,7 @@ def explain_text(ctx: PlanContext) -> str:
         f"  one unit holds    {mem['unit']:>11,} tokens: longer sequences are split over units",
         f"  one node holds    {mem['node']:>11,} tokens: longer sequences are split across nodes",
         f"  the cluster holds {mem['cluster']:>11,} tokens: longer sequences cannot be trained",
+        *hf_modules_note(ctx),
         "",
         *_wrap("A split hides its ring transfers when each round's compute (attention ~ L^2) covers the "
                "K/V block the next round needs (alpha + 3*KV(L/G)/bandwidth, ~ L). Predicted for one "

@@ -12,7 +12,7 @@ from zeppelin.schemas.io.safefiles import atomic_write
 from zeppelin.schemas.plan import PlanHeader, Prediction, StepPlan
 
 __all__ = ["DETAIL_MAX_UNITS", "draw_demo_png", "draw_png", "gantt", "group_rows", "load_heatmap", "load_rows",
-           "render_step", "step_prediction", "summary_boxes", "timeline_boxes"]
+           "render_step", "step_prediction", "summary_boxes", "timeline_boxes", "unit_totals_ms"]
 
 _BAR = 40
 
@@ -197,7 +197,8 @@ def load_table(pred: Prediction, full: bool = False, top: int = 4, tps: list[int
         lt.add_row(str(u), *((f"{tps[u]} (TP-{tps[u]})",) if tps else ()), str(tok), f"{tot * 1e3:.2f}", bar)
     if rows:
         tot = [r[4] for r in rows]
-        lt.caption = f"all {len(rows)} units: {min(tot) * 1e3:.2f}-{max(tot) * 1e3:.2f} ms"
+        lt.caption = (f"all {len(rows)} units: {min(tot) * 1e3:.2f}-{max(tot) * 1e3:.2f} ms (total: attention + "
+                      f"linear + exposed comm)")
     return lt
 
 
@@ -339,31 +340,37 @@ def draw_png(header: PlanHeader, step: StepPlan, result: SimResult, path: str | 
     save_png(fig, path, dpi=110)
 
 
+def unit_totals_ms(result: SimResult) -> np.ndarray:
+    """Per unit, the simulated total the heat-map draws: attention + linear + exposed comm, in ms (the
+    quantity of the ``total ms`` column of ``show``'s load table; idle time left out)."""
+    return np.array([(s.busy_s + s.exposed_comm_s) * 1e3 for s in result.units])
+
+
 def load_heatmap(fig, ax, result: SimResult, num_nodes: int) -> None:
-    """Busy time per unit, nodes x units per node, on a colour scale from 0 (so that a few percent of
-    spread looks like a few percent); the title states the spread."""
+    """Total time per unit (:func:`unit_totals_ms`), nodes x units per node, on a colour scale from 0
+    (so that a few percent of spread looks like a few percent); the title states the spread."""
     n = len(result.units)
     upn = max(1, n // num_nodes)
     rows = (n + upn - 1) // upn
     grid = np.full((rows, upn), np.nan)
-    busy = np.array([s.busy_s * 1e3 for s in result.units])
-    for u, b in enumerate(busy):
+    total = unit_totals_ms(result)
+    for u, b in enumerate(total):
         grid[u // upn, u % upn] = b
-    top = float(busy.max()) if n else 1.0
+    top = float(total.max()) if n else 1.0
     im = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0.0, vmax=max(top, 1e-9))
     if rows * upn <= 64:
-        for u, b in enumerate(busy):
+        for u, b in enumerate(total):
             ax.text(u % upn, u // upn, f"{b:,.0f}", ha="center", va="center", fontsize=6,
                     color="white" if b < 0.6 * top else "black")
     ax.set_xticks(range(0, upn, max(1, upn // 16)))
     ax.set_yticks(range(0, rows, max(1, rows // 32)))
     ax.set_xlabel("unit within node")
     ax.set_ylabel("node")
-    lo = float(busy.min()) if n else 0.0
+    lo = float(total.min()) if n else 0.0
     spread = (top - lo) / top if top > 0 else 0.0
-    ax.set_title(f"busy ms per unit (scale from 0)\nmin {lo:,.0f}, max {top:,.0f}: {spread:.1%} spread",
-                 fontsize=9)
-    fig.colorbar(im, ax=ax, label="busy ms")
+    ax.set_title(f"total ms per unit: attention + linear\n+ exposed comm (scale from 0)\n"
+                 f"min {lo:,.0f}, max {top:,.0f}: {spread:.1%} spread", fontsize=9)
+    fig.colorbar(im, ax=ax, label="total ms (attention + linear + exposed comm)")
 
 
 def draw_demo_png(timelines: list[tuple[str, SimResult]], speedups: list[tuple[str, float]], xlabel: str,

@@ -58,6 +58,7 @@ __all__ = [
     "read_input_bytes",
     "read_small",
     "remove_own",
+    "is_null_device",
     "same_file",
     "stat_regular",
     "tracking_inputs",
@@ -168,6 +169,18 @@ def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
 # ---------------------------------------------------------------------------------------------
 # Outputs: written atomically, never over an input
 # ---------------------------------------------------------------------------------------------
+
+def is_null_device(path: str | os.PathLike | None) -> bool:
+    """True when ``path`` itself is the null character device (``-o /dev/null``: discard the output).
+    The name is not followed: a symlink, even one to the null device, is not it."""
+    if path is None or not str(path):
+        return False
+    try:
+        st, null = os.lstat(path), os.stat(os.devnull)
+    except OSError:
+        return False
+    return stat.S_ISCHR(st.st_mode) and stat.S_ISCHR(null.st_mode) and st.st_rdev == null.st_rdev
+
 
 def check_output(path: str | os.PathLike, inputs: Any = (), what: str = "output", *, replaces: bool = False) -> Path:
     """Refuse an output path that is the same file as an input (those given and those noted by

@@ -85,6 +85,14 @@ def test_show_png_axis_title_and_heatmap_scale(plan_file, tmp_path, monkeypatch)
     assert "ms" in ax.get_xlabel() and "unit" in ax.get_ylabel()
     assert ax2.images[0].get_clim()[0] == 0.0  # the load scale starts at 0
     assert "spread" in ax2.get_title() and "scale from 0" in ax2.get_title()
+    # the heat-map draws each unit's total (attention + linear + exposed comm), the quantity of the
+    # load table's "total ms" column, and says so
+    units = sim_doc["per_unit"]
+    total = (np.array(units["attention_s"]) + np.array(units["linear_s"]) + np.array(units["exposed_comm_s"])) * 1e3
+    drawn = ax2.images[0].get_array().compressed()
+    assert np.array(drawn) == pytest.approx(total, rel=1e-6)
+    assert any(units["exposed_comm_s"])  # the case this guards: busy time alone would differ
+    assert ax2.get_title().startswith("total ms per unit: attention + linear\n+ exposed comm")
 
 
 def test_summary_timeline_keeps_the_truth(plan_file):
