@@ -145,8 +145,8 @@ def _summarise(err_dir: Path, failures: dict, stopped: frozenset = LAUNCHER_STOP
     sigs = _read_errors(err_dir, "signal-rank*.json") if signals else {}
     if sigs:
         first = _earliest(sigs.values())
-        return f"rank {first['rank']} was stopped by {signal_name(int(first.get('signal', 0)))} from outside the " \
-               f"job{_then(errs, first['rank'])}", 1
+        how = f"was stopped by {signal_name(int(first.get('signal', 0)))} from outside the job"
+        return f"rank {first['rank']} {how}{_then(errs, first['rank'])}", 1
     # a rank that died without writing an error caused the others' failures - unless the launcher
     # stopped it because another rank failed
     silent = sorted(r for r, pf in failures.items() if r not in errs)
