@@ -47,9 +47,47 @@ def _report(rank: int, message: str, code: int, tb: str | None = None) -> None:
 _STOPPED_BY: list[int] = []
 
 
+def _record_signal(signum: int) -> None:
+    """``signal-rank<R>.json`` in the job's error directory: the moment this rank received a stop
+    signal (the launcher names a rank that a signal from outside the job stopped first, ahead of the
+    peers that then failed with it; a signal the launcher sent itself comes after its verdict)."""
+    d = os.environ.get("ZEPPELIN_ERROR_DIR")
+    if not d:
+        return
+    rank = int(os.environ.get("RANK", "0"))
+    rec = json.dumps({"rank": rank, "time": time.time(), "signal": int(signum)}).encode()
+    try:
+        fd = os.open(os.path.join(d, f"signal-rank{rank}.json"),
+                     os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return
+    try:
+        os.write(fd, rec)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def _on_stop_signal(signum, frame):  # the launcher stops the workers with SIGTERM
+    if _STOPPED_BY:  # stopping already: a second signal must not interrupt the way out
+        return
     _STOPPED_BY.append(signum)
+    _record_signal(signum)
     raise KeyboardInterrupt
+
+
+def _unraisable(hook):
+    """``sys.unraisablehook``: the stop signal's KeyboardInterrupt raised inside a finalizer or a
+    callback (which cannot propagate it: "Exception ignored in ...") ends the rank quietly, as the
+    stop it is, instead of printing and running on."""
+    def on_unraisable(u) -> None:
+        if _STOPPED_BY and isinstance(u.exc_value, KeyboardInterrupt):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(128 + _STOPPED_BY[0])
+        hook(u)
+    return on_unraisable
 
 
 def _exit_at_once(signum, frame):
@@ -68,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if os.environ.get(PARENT_ENV):
         die_with_parent(signal.SIGKILL)
+    sys.unraisablehook = _unraisable(sys.unraisablehook)
     for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(s, _on_stop_signal)
     args = vars(build_parser().parse_args(argv))  # the options of RunConfig (zeppelin.runtime.config)

@@ -78,17 +78,18 @@ def torchrun_argv(*, nproc_per_node: int, nnodes: int = 1, node_rank: int | None
     return argv
 
 
-def _read_errors(err_dir: Path) -> dict[int, dict]:
+def _read_errors(err_dir: Path, pattern: str = "rank*.json") -> dict[int, dict]:
     from zeppelin.schemas.common import InputError
     from zeppelin.schemas.io.safefiles import read_small
 
     errs = {}
-    for f in err_dir.glob("rank*.json"):
+    for f in err_dir.glob(pattern):
         try:
             rec = json.loads(read_small(f, "error record", limit=1 << 20))
-            errs[int(rec["rank"])] = rec
+            r, t = int(rec["rank"]), float(rec["time"])
         except (InputError, OSError, ValueError, KeyError, TypeError):
             continue
+        errs[r] = dict(rec, rank=r, time=t)
     return errs
 
 
@@ -111,12 +112,41 @@ PEER_STOPPED_EXIT = 75
 LAUNCHER_STOPPED = frozenset({-int(signal.SIGTERM), 130, 143, PEER_STOPPED_EXIT})
 
 
-def _summarise(err_dir: Path, failures: dict, stopped: frozenset = LAUNCHER_STOPPED) -> tuple[str, int]:
+#: how a rank says that a peer is gone (gloo, NCCL, the store): the consequence of another rank's
+#: failure, never its cause while a rank with a cause of its own is known
+_PEER_LOST_RE = re.compile(r"by peer|connection (closed|reset|refused)|broken pipe|socket closed|ECONNRESET|EPIPE|"
+                           r"communicator was aborted", re.IGNORECASE)
+
+
+def _earliest(records) -> dict:
+    return min(records, key=lambda x: (x["time"], x["rank"]))
+
+
+def _then(errs: dict[int, dict], cause: int) -> str:
+    """`` (then rank R: ...)``: the first report of another rank than the cause, for context."""
+    rest = [e for r, e in errs.items() if r != cause]
+    if not rest:
+        return ""
+    first = _earliest(rest)
+    return f" (then rank {first['rank']}: {first['message']})"
+
+
+def _summarise(err_dir: Path, failures: dict, stopped: frozenset = LAUNCHER_STOPPED,
+               signals: bool = True) -> tuple[str, int]:
     """One line for the user about a failed job, and the exit code to return.
 
     ``failures``: rank -> object with ``exitcode`` for every rank that exited non-zero; ``stopped``:
-    the exit codes that mean "stopped by the launcher" (a rank that exited so is not the cause)."""
+    the exit codes that mean "stopped by the launcher" (a rank that exited so is not the cause);
+    ``signals``: whether the ranks' records of a stop signal (``signal-rank<R>.json``) were all sent
+    from outside the job (the launcher has stopped nobody yet). The cause, in this order: the first
+    rank a signal from outside stopped; a rank that died without a word; the first report that is a
+    cause of its own (not a peer's lost connection); the first report."""
     errs = _read_errors(err_dir)
+    sigs = _read_errors(err_dir, "signal-rank*.json") if signals else {}
+    if sigs:
+        first = _earliest(sigs.values())
+        how = f"was stopped by {signal_name(int(first.get('signal', 0)))} from outside the job"
+        return f"rank {first['rank']} {how}{_then(errs, first['rank'])}", 1
     # a rank that died without writing an error caused the others' failures - unless the launcher
     # stopped it because another rank failed
     silent = sorted(r for r, pf in failures.items() if r not in errs)
@@ -126,13 +156,10 @@ def _summarise(err_dir: Path, failures: dict, stopped: frozenset = LAUNCHER_STOP
         silent = []
     if silent:
         r = min(silent, key=lambda x: (getattr(failures[x], "time", 0.0), x))
-        more = ""
-        if errs:
-            first = min(errs.values(), key=lambda x: x["time"])
-            more = f" (then rank {first['rank']}: {first['message']})"
-        return f"rank {r} {_death(failures[r].exitcode)}{more}", 1
+        return f"rank {r} {_death(failures[r].exitcode)}{_then(errs, r)}", 1
     if errs:
-        first = min(errs.values(), key=lambda x: x["time"])
+        own = [e for e in errs.values() if not _PEER_LOST_RE.search(str(e.get("message", "")))]
+        first = _earliest(own or errs.values())
         return f"rank {first['rank']}: {first['message']}", int(first.get("code", 1)) or 1
     return "the job failed (no worker reported an error)", 1
 
@@ -149,7 +176,7 @@ def classify_failure(err_dir: Path, failures: dict, alive: list[int],
 
     errs = _read_errors(err_dir)
     silent_dead = [r for r, f in failures.items() if r not in errs and f.exitcode not in stopped]
-    if errs and not silent_dead:
+    if errs and not silent_dead and not _read_errors(err_dir, "signal-rank*.json"):
         first = min(errs.values(), key=lambda x: x["time"])
         slow = [r for r in alive if r not in errs]
         if slow and _TIMEOUT_RE.search(first["message"]):
@@ -393,7 +420,7 @@ def run_torchrun(opts: list[str], module: str, wargs: list[str], err_dir: Path, 
         torchrun.main([*opts, *extra, "-m", module, *wargs])
         return 0
     except ChildFailedError as e:
-        msg, code = _summarise(err_dir, e.failures)
+        msg, code = _summarise(err_dir, e.failures, signals=False)  # torchrun has stopped the others
         print(f"zeppelin: error: job failed: {msg}", file=sys.stderr, flush=True)
         return code
     except (KeyboardInterrupt, SignalException) as e:

@@ -26,7 +26,8 @@ Fault injection for tests (:func:`maybe_fault`), ``ZEPPELIN_TEST_FAULT=KIND:RANK
 ``kill`` (SIGKILL itself), ``oom`` (exit 137, as a process killed by the out-of-memory killer
 appears through a shell or container runtime), ``raise`` (a Python exception), ``stall`` (sleep
 until stopped), ``exit`` (``os._exit(3)`` without a report), ``slowverify`` (rank 0's ``--verify``
-reference of that step takes ``$ZEPPELIN_TEST_FAULT_SLEEP`` s, default 3, longer). The older form ``RANK:STEP:exit|raise`` is accepted too.
+reference of that step takes ``$ZEPPELIN_TEST_FAULT_SLEEP`` s, default 3, longer), ``slowsave`` (the
+rank enters the checkpoint save after that step as much later, its peers waiting inside the save). The older form ``RANK:STEP:exit|raise`` is accepted too.
 With ``ZEPPELIN_TEST_FAULT_LOG=FILE`` the rank writes ``KIND RANK STEP TIME`` there just before the fault
 (tests measure the time from the fault to the end of the job).
 These ``ZEPPELIN_TEST_*`` variables are a test hook, named as one; no other variable of the caller's
@@ -52,7 +53,9 @@ from zeppelin.schemas.common import InputError
 
 FAULT_ENV = "ZEPPELIN_TEST_FAULT"
 PARENT_ENV = "ZEPPELIN_PARENT_PID"
-FAULT_KINDS = ("kill", "oom", "raise", "stall", "exit", "slowverify")
+FAULT_KINDS = ("kill", "oom", "raise", "stall", "exit", "slowverify", "slowsave")
+#: the slow kinds and where they act: rank 0's --verify reference, a rank's part of a checkpoint save
+SLOW_FAULTS = {"slowverify": "verify", "slowsave": "save"}
 FAULT_LOG_ENV = "ZEPPELIN_TEST_FAULT_LOG"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 PR_SET_PDEATHSIG = 1
@@ -391,9 +394,10 @@ def parse_fault(spec: str | None) -> tuple[str, int, int] | None:
 
 def maybe_fault(rank: int, step: int, where: str = "step") -> None:
     """Inject the fault ``$ZEPPELIN_TEST_FAULT`` names when this rank reaches that step (``where``:
-    ``"step"`` at the start of the step, ``"verify"`` before rank 0's reference)."""
+    ``"step"`` at the start of the step, ``"verify"`` before rank 0's reference, ``"save"`` at the
+    start of the checkpoint save after the step)."""
     f = parse_fault(os.environ.get(FAULT_ENV))
-    if f is None or f[1] != rank or f[2] != step or (f[0] == "slowverify") != (where == "verify"):
+    if f is None or f[1] != rank or f[2] != step or SLOW_FAULTS.get(f[0], "step") != where:
         return
     kind = f[0]
     log = os.environ.get(FAULT_LOG_ENV)
@@ -401,7 +405,7 @@ def maybe_fault(rank: int, step: int, where: str = "step") -> None:
         with contextlib.suppress(OSError), open(log, "a") as fh:
             fh.write(f"{kind} {rank} {step} {time.time():.6f}\n")
     sys.stderr.flush()
-    if kind == "slowverify":
+    if kind in SLOW_FAULTS:
         time.sleep(float(os.environ.get("ZEPPELIN_TEST_FAULT_SLEEP", "3")))
         return
     if kind == "kill":

@@ -76,11 +76,13 @@ class Checkpointing:
         """Save after step ``k`` every ``--checkpoint-every`` steps and after the run's last step
         (collective: every rank's RNG state and shards)."""
         from ..checkpoint import plan_prefix, rng_state, save_checkpoint
+        from ..lifecycle import maybe_fault
 
         cfg = self.cfg
         every = cfg.checkpoint_every and (k + 1) % cfg.checkpoint_every == 0
         if not cfg.checkpoint_dir or not (every or k + 1 == end):
             return
+        maybe_fault(self.rank, k, "save")
         rngs = [None] * self.world
         dist.all_gather_object(rngs, rng_state())
         save_checkpoint(cfg.checkpoint_dir, next_step=k + 1, model=model, optimizer=optimizer, rng_states=rngs,
