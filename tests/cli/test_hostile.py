@@ -793,6 +793,8 @@ def test_every_file_write_goes_through_the_one_writer():
         ("planner/tools/show.py", 'fig.savefig(fh, format="png", dpi=dpi)'),  # fh from atomic_write
         ("runtime/train/metrics.py", 'self.fh = path.open("a" if append else "w")  # streamed: checked up front by check_output'),  # streamed metrics
         ("planner/core/solver.py", 'with open(os.devnull, "wb") as null:'),  # silences the solver's banner
+        # a rank's stop-signal record in the job's own error directory (O_EXCL | O_NOFOLLOW), not an output
+        ("runtime/__main__.py", 'fd = os.open(os.path.join(d, f"signal-rank{rank}.json"),'),
     }
     # whole modules whose writes are not outputs: checkpoint files (written inside atomic_write or by DCP),
     # the run's lock, heartbeat and writability probe files (lifecycle), /proc/self/clear_refs (memory),

@@ -15,7 +15,7 @@ BEFORE_USP = "ulysses-groups,flop-share,tp-replicas,wide-rings"
 
 
 @pytest.mark.parametrize("cell, family, families", [
-    (("zeppelin-c", "llama-7b", 1, "long", 64, 0), "usp-groups", "all"),
+    (("zeppelin-c", "llama-7b", 1, "long", 32, 0), "usp-groups", "all"),
     (("zeppelin-c", "llama-7b", 1, "long", 32, 0), "flop-share", BEFORE_USP),
     (("zeppelin-a", "llama-7b", 1, "long", 64, 1), "tp-replicas", BEFORE_USP),
 ])
