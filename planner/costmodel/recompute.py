@@ -69,6 +69,14 @@ class RecomputeCosts:
             cache[mode] = max(int(free / self.recompute_bytes_per_token(mode)), 0)
         return cache[mode]
 
+    def recompute_layout_tokens(self, tokens, ulysses_tokens, mode: str | None) -> float:
+        """Token-equivalents under ``mode`` of ``tokens`` held, ``ulysses_tokens`` of them in Ulysses
+        groups (each member's extra copies counted on top): what :meth:`recompute_capacity` bounds."""
+        if not ulysses_tokens:
+            return float(tokens)
+        extra = sum(self.ulysses_extra_split) / self.recompute_bytes_per_token(mode)
+        return float(tokens) + float(ulysses_tokens) * extra
+
     def recompute_memory_bytes(self, tokens_held, mode: str | None) -> np.ndarray:
         """Predicted peak bytes of one GPU holding ``tokens_held`` tokens under ``mode``."""
         return self.model_state_bytes() + as_array(tokens_held) * self.recompute_bytes_per_token(mode)

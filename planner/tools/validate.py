@@ -80,9 +80,7 @@ def memory_problems(ctx: PlanContext, step: StepPlan, mbi: int, mb: MicroBatch) 
         for u, t in enumerate(held):
             cm = costs[u] if u < n else ctx.cost
             cap = cm.recompute_capacity(mb.recompute)  # the micro-batch's recomputation (None: the plan's)
-            # Ulysses members also hold their extra copies: counted as token-equivalents of this mode
-            extra = sum(cm.ulysses_extra_split) / cm.recompute_bytes_per_token(mb.recompute)
-            held_eq = t + (uly[u] * extra if what == "attention" else 0)
+            held_eq = cm.recompute_layout_tokens(t, uly[u] if what == "attention" else 0, mb.recompute)
             if t > cap or held_eq >= cap + 1:
                 gb = float(cm.recompute_memory_bytes(held_eq, mb.recompute)) / 1e9
                 probs.append(f"memory: step {step.step} microbatch {mbi} unit {u} holds {t:,} tokens in the {what} "

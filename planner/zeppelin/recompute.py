@@ -59,10 +59,7 @@ def _fitting(ctx: PlanContext, costs: list, held: np.ndarray, uly: np.ndarray | 
     ``full:1`` .. ``full`` only the fewest layers that fit (more only add time). ``uly``: per unit,
     the tokens it holds in Ulysses groups, whose extra copies count on top (as ``validate`` counts them)."""
     def held_as(u: int, mode: str) -> float:
-        if uly is None or not uly[u]:
-            return float(held[u])
-        c = costs[u]
-        return float(held[u]) + float(uly[u]) * sum(c.ulysses_extra_split) / c.recompute_bytes_per_token(mode)
+        return costs[u].recompute_layout_tokens(held[u], 0 if uly is None else uly[u], mode)
 
     def fits(mode: str) -> bool:
         return all(held_as(u, mode) < costs[u].recompute_capacity(mode) + 1 for u in range(len(held)) if held[u] > 0)
