@@ -72,8 +72,9 @@ def cleanup_signals() -> Iterator[SignalState]:
 
     A signal is never lost: the handlers are swapped (both ways) with SIGTERM and SIGHUP blocked, so
     no signal lands between a handler's installation and its record or between the restoration and
-    the final check; a signal that came meanwhile, or whose exception was swallowed on its way (a
-    ``__del__``, a callback that ignores exceptions), raises :class:`Terminated` when the block ends."""
+    the final check; a signal that came meanwhile, or whose exception was swallowed or wrapped on its
+    way (a ``__del__``, a callback that ignores exceptions, a serializer error), raises
+    :class:`Terminated` when the block ends."""
     state = SignalState()
     if threading.current_thread() is not threading.main_thread():
         yield state
@@ -98,6 +99,12 @@ def cleanup_signals() -> Iterator[SignalState]:
         mask, before = None, mask
         _unblock(None, before)  # installed: a signal that came meanwhile reaches the handler now
         yield state
+    except BaseException as e:
+        # a library that turns the handler's exception into its own (pydantic wraps an exception
+        # raised inside a serializer): still a termination, reported as such
+        if state.received is not None and not isinstance(e, Terminated):
+            raise Terminated(state.received) from e
+        raise
     finally:
         closing.append(True)
         mask = _block() if mask is None else mask

@@ -256,3 +256,23 @@ def test_written_files_get_normal_permissions(tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert stat.S_IMODE(p.stat().st_mode) == 0o666 & ~umask
+
+
+def test_a_signal_whose_exception_a_library_wraps_is_still_a_termination():
+    """A SIGTERM whose exception a library turns into its own (pydantic wraps one raised inside a
+    serializer) still ends the write as a termination: exit 128+N, not a traceback."""
+    import os
+    import signal
+
+    from zeppelin.schemas.io.signals import Terminated, cleanup_signals
+
+    with pytest.raises(Terminated) as ei:
+        with cleanup_signals():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                for _ in range(1000):  # the handler runs between two bytecodes
+                    pass
+            except Terminated:
+                raise ValueError("Error calling function `_omit_unset_recompute`") from None
+    assert ei.value.signum == signal.SIGTERM
+    assert isinstance(ei.value.__cause__, ValueError)
