@@ -108,13 +108,19 @@ def test_follow_reader_says_when_the_planner_stopped(tmp_path):
 
 
 SLOW_PLANNER = """
-import sys, time
+import os, sys, time
 from zeppelin.planner.zeppelin.planner import ZeppelinPlanner
 plan_step = ZeppelinPlanner.plan_step
-def slow(self, *a, **k):
-    time.sleep(float(sys.argv[1]))
+planned = []
+def gated(self, *a, **k):
+    # the first steps at once; the others only once the test says so (a file named 'release'), so the
+    # run is sure to catch up with the planner and wait for it, whatever the machine's speed
+    if len(planned) >= int(sys.argv[1]):
+        while not os.path.exists("release"):
+            time.sleep(0.05)
+    planned.append(1)
     return plan_step(self, *a, **k)
-ZeppelinPlanner.plan_step = slow
+ZeppelinPlanner.plan_step = gated
 from zeppelin.planner.cli import main
 main(sys.argv[2:])
 """
@@ -143,20 +149,24 @@ def test_run_follows_a_slow_planner_and_resumes_mid_stream(tmp_path):
     assert off.wait(120) == 0, off.stderr.read()
     ref = z("run", "off.jsonl", "--progress", "none", "--metrics", "ref.jsonl")
     assert ref.wait(200) == 0, ref.stderr.read()
-    planner = subprocess.Popen([sys.executable, "slow.py", "3", *PLAN, "-o", "st.jsonl", "--stream"], cwd=tmp_path,
+    planner = subprocess.Popen([sys.executable, "slow.py", "4", *PLAN, "-o", "st.jsonl", "--stream"], cwd=tmp_path,
                                env=env, stderr=subprocess.PIPE, text=True)
     with open(tmp_path / "out.txt", "w") as fh:
         run = subprocess.Popen([ZEPPELIN, "run", "st.jsonl", "--follow", *RUN, "--metrics", "m.jsonl"], cwd=tmp_path,
                                env=env, stdout=fh, stderr=subprocess.PIPE, text=True)
-    # stop the run mid-stream: once it has waited for the planner and checkpointed two steps
+    # stop the run mid-stream: once it has checkpointed two steps and waits for the (held) planner;
+    # the deadline only guards against a hang
     deadline = time.monotonic() + 200
-    while time.monotonic() < deadline and not ((tmp_path / "ck" / "ckpt-000002").exists() and "waiting for the "
-                                               "planner to write step" in (tmp_path / "out.txt").read_text()):
+    while not ((tmp_path / "ck" / "ckpt-000002").exists() and "waiting for the planner to write step"
+               in (tmp_path / "out.txt").read_text()):
+        assert run.poll() is None, run.stderr.read()
+        assert time.monotonic() < deadline, (tmp_path / "out.txt").read_text()
         time.sleep(0.1)
     assert planner.poll() is None  # the plan is still being written
     run.send_signal(signal.SIGTERM)
     err = run.communicate(timeout=60)[1]
     assert run.returncode == 128 + signal.SIGTERM, err
+    (tmp_path / "release").write_text("")  # the planner goes on; the resumed run follows it to the end
     assert re.search(r"^zeppelin run: waiting for the planner to write step \d+ \(\d+ s so far\)$",
                      (tmp_path / "out.txt").read_text(), re.MULTILINE)
     again = z("run", "st.jsonl", "--follow", "--resume", *RUN, "--metrics", "m.jsonl")
