@@ -324,8 +324,7 @@ def plan_prefix(reader: Any, steps: int) -> str:
     from zeppelin.schemas.common import content_hash
 
     head = reader.header.model_dump(mode="json", exclude={"created_at", "num_steps"})
-    return content_hash({"header": head, "steps": [content_hash(reader.step(k).model_dump(mode="json"))
-                                                   for k in range(steps)]})
+    return content_hash({"header": head, "steps": reader.step_hashes(steps)})
 
 
 def read_checkpoint_state(path: str | os.PathLike, *, plan_hash: str, world_size: int,

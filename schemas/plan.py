@@ -691,6 +691,20 @@ class PlanReader:
             self._offsets = offs
         return self._offsets
 
+    def step_hashes(self, n: int) -> list[str]:
+        """The content hashes of the first ``n`` steps (what a checkpoint's plan prefix is made of),
+        each step hashed once for the reader's life (a checkpoint every step stays linear)."""
+        cache = self.__dict__.setdefault("_step_hashes", [])
+        while len(cache) < n:
+            self._note_step(self.step(len(cache)))
+        return cache[:n]
+
+    def _note_step(self, step: StepPlan) -> None:
+        """Keep the content hash of the next step in order (see :meth:`step_hashes`)."""
+        cache = self.__dict__.setdefault("_step_hashes", [])
+        if step.step == len(cache):
+            cache.append(content_hash(step.model_dump(mode="json")))
+
     def verify(self) -> None:
         """Read every record once and check the plan's integrity digest (its end record)."""
         self._index()

@@ -282,8 +282,10 @@ class FollowReader(PlanReader):
             if "sha256:" + self._running.hexdigest() != self._chain[n + 1]:
                 raise InputError(f"step {n}: the record does not match its chained digest (the plan was edited "
                                  "while it was written)", source=self.path)
+            step = self._parse_step(rec, n)  # every step, also one skipped over: its hash is kept
+            self._note_step(step)
             if n == k:
-                self._last = self._parse_step(rec, k)
+                self._last = step
             self._off, self._next = nxt, n + 1
         return self._last
 

@@ -71,6 +71,26 @@ def test_follow_reader_waits_and_returns_verified_steps(tmp_path):
     assert not done.following and done.step(4).model_dump() == steps[4].model_dump()
 
 
+def test_followed_steps_already_read_still_give_a_checkpoint_its_plan_prefix(tmp_path):
+    """A checkpoint records the hash of the plan's steps so far; a followed plan is read once, in
+    order, so those hashes are kept as steps pass (a checkpoint after step 3 needs steps 0-3)."""
+    from zeppelin.runtime.checkpoint import plan_prefix
+    from zeppelin.schemas.plan import PlanReader
+
+    header, steps = _plan("zeppelin")
+    path = tmp_path / "p.jsonl"
+    t = _stream(path, header, steps, delay=0.05)
+    r = FollowReader(path)
+    assert r.following
+    r.step(1)  # step 0 passes unread by the caller
+    r.step(3)
+    got = plan_prefix(r, 4)
+    with pytest.raises(InputError):
+        r.step(0)  # read in order: step 0 itself is gone
+    t.join(10)
+    assert got == plan_prefix(PlanReader(path), 4)
+
+
 def test_follow_reader_refuses_an_edit_while_streaming(tmp_path):
     header, steps = _plan("zeppelin")
     path = tmp_path / "p.jsonl"
