@@ -68,6 +68,14 @@ def test_the_readme_names_what_it_does_not_run():
 def test_every_readme_command_block_runs_verbatim(tmp_path):
     if not (ROOT / ".venv" / "bin" / "zeppelin").exists():
         pytest.fail("no .venv: run ./dev setup (the README's commands use .venv/bin/zeppelin)")
+    # the scratch checkout links this .venv: with a stale install stamp, its `./dev demo` would
+    # reinstall the project from the scratch checkout and leave .venv pointing there
+    import hashlib
+
+    stamp = ROOT / ".venv" / ".zeppelin-installed"
+    want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()[:16]
+    if not stamp.exists() or stamp.read_text().strip() != want:
+        pytest.fail(".venv is older than pyproject.toml: run ./dev setup first")
     work = tmp_path / "checkout"
     work.mkdir()
     for name in LINKED:
