@@ -11,14 +11,16 @@ groups price cheapest for the step's sequences) for the long sequences, and the 
 as Ulysses groups of a size ``s`` inside a node (or whole-sequence units), sequences dealt
 whole-step to the group where they finish earliest (cost-model time), each group's share cut into
 micro-batches first-fit-decreasing under the memory cap; also every unit in usp groups of one
-size. Steps without a long sequence get no candidate (one pass over the lengths).
+size. The few configurations kept are built and ranked by the prediction (the score prices
+sequences alone and groups as independent). Steps without a long sequence get no candidate (one
+pass over the lengths).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from zeppelin.planner.core.base import PlanContext, pow2_sizes
+from zeppelin.planner.core.base import PlanContext, PlanningError, pow2_sizes
 from zeppelin.planner.zeppelin.families.common import (
     best_dispatches,
     build_groups,
@@ -65,9 +67,30 @@ def usp_groups(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
         refined.append((span, a, cfg, owner))
     refined.sort(key=lambda x: (x[0], x[1]))
     keep = [x for x in refined if x[1] < len(homo)] + [x for x in refined if x[1] >= len(homo)][:top]
-    return [Candidate(span, a, (lambda cfg=cfg, owner=owner: _build(ctx, step, sequences, shape, cost, need,
-                                                                  cfg, owner, routing)))
-            for span, a, cfg, owner in sorted(keep, key=lambda x: (x[0], x[1]))]
+    return _ranked_by_prediction(ctx, [(span, a, (lambda cfg=cfg, owner=owner: _build(
+        ctx, step, sequences, shape, cost, need, cfg, owner, routing))) for span, a, cfg, owner in keep])
+
+
+def _ranked_by_prediction(ctx: PlanContext, found: list) -> list[Candidate]:
+    """The family's configurations ``(score, index, build)`` built and ranked by their predicted step
+    time: the family's score prices each sequence alone on its group type and its groups as if
+    they never waited for each other, which ranks usp sizes wrongly where one group of many rows
+    hides its rings' rounds behind all of the step's sequences and several groups' micro-batches
+    wait for each other (coupled micro-batches). The best-predicted keeps the family's best score
+    (what the other families' scores are compared with); the others' scores are scaled by their
+    predictions. A configuration that does not fit is dropped."""
+    built = []
+    for score, a, build in found:
+        try:
+            built.append((score, a, build()))
+        except PlanningError:
+            continue
+    if not built:
+        return []
+    best = min(score for score, _, _ in built)
+    low = min(p.prediction.step_time_s for _, _, p in built)
+    ranked = sorted(((best * p.prediction.step_time_s / low, a, p) for _, a, p in built), key=lambda x: (x[0], x[1]))
+    return [Candidate(score, a, (lambda p=p: p)) for score, a, p in ranked]
 
 
 def _row_sizes(ctx: PlanContext) -> list[int]:
