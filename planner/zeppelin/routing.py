@@ -37,6 +37,13 @@ using ``m`` that is least busy with communication: units that are not ring membe
 groups first, then units outside any multi-unit group, ties rotated so that several proxied
 pieces do not pile onto one GPU.
 
+usp groups: each column ring's node-crossing hops are transfers too, weighted by their share of
+the K/V (one position's heads: :meth:`CostModel.ring_hop_share`). The runtime relays a usp
+transfer only inside its column ring, so such a transfer may use only the NICs of its ring's units
+on the node (:func:`_spread_columns`: on top of the other transfers' loads, largest first, each
+raised to the lowest level its NICs reach; kept when the NVLink hop costs less than the busiest
+NIC gains).
+
 With tensor parallelism a unit is ``tp`` GPUs; its NIC is the NIC of its first GPU
 (``ctx.cluster.nic_of(u * tp)``), as in :func:`zeppelin.planner.costmodel.predict.nic_loads`.
 """
