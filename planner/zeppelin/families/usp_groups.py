@@ -119,7 +119,7 @@ def _prices(ctx: PlanContext, L: np.ndarray):
     for S in (x for x in pow2_sizes(n) if x > upn and n % x == 0):
         best = None
         for u in _row_sizes(ctx):
-            c = layers * cm.usp_seq_time(Lf, u, S // u, "inter") + token_slope(ctx, cm, T_avg, u, "intra") * Lf / S
+            c = layers * _usp_seq_time(cm, Lf, u, S // u) + token_slope(ctx, cm, T_avg, u, "intra") * Lf / S
             if best is None or float(c.sum()) < float(best[1].sum()):
                 best = (u, c)
         if best is None:
@@ -129,6 +129,19 @@ def _prices(ctx: PlanContext, L: np.ndarray):
         need[S] = ceil_div(L, S)
         fits[S] = need[S] <= cm.ulysses_capacity(best[0])
     return small, big, shape, cost, fits, need
+
+
+def _usp_seq_time(cm, L: np.ndarray, u: int, r: int) -> np.ndarray:
+    """Per sequence, its per-layer time on a usp group of u x r beside the step's other sequences:
+    its rounds' compute on 1/u of the heads, and a share by tokens of the exposed ring transfers of
+    all of them in one group (a ring round moves every sequence's blocks at once and hides behind
+    all of their compute: priced alone, a short sequence would pay a round's latency unhidden)."""
+    t0, tr = cm.ring_round_compute(L, r)
+    if r <= 1:
+        return t0 / u
+    _, _, exposed = cm.usp_terms(L, u, r, "intra", "inter")
+    a2a = float(cm.ulysses_comm_time(float(L.sum()) / (u * r), u, "intra")) if u > 1 else 0.0
+    return (t0 + (r - 1) * tr) / u + max(exposed - a2a, 0.0) * L / max(float(L.sum()), 1.0)
 
 
 #: a sequence is long when on its best group inside a node it alone takes more than this share of
