@@ -13,17 +13,7 @@ from zeppelin.schemas.common import content_hash
 from zeppelin.schemas.invariants import INVARIANTS, kv_replication, plan_problems, runtime_problems
 from zeppelin.schemas.layout import usp_ranges
 from zeppelin.schemas.model import model_preset
-from zeppelin.schemas.plan import (
-    Group,
-    InputHashes,
-    MicroBatch,
-    Placement,
-    PlanHeader,
-    Route,
-    RoutePath,
-    Sequence,
-    StepPlan,
-)
+from zeppelin.schemas.plan import Group, InputHashes, MicroBatch, Placement, PlanHeader, Sequence, StepPlan
 from zeppelin.schemas.profile import default_profile
 
 
@@ -108,6 +98,8 @@ def test_zigzag_usp_layout_is_checked():
 
 
 def test_usp_column_rings_crossing_nodes_have_routes_relayed_inside_the_column():
+    from zeppelin.schemas.plan import Route, RoutePath
+
     h = _header()
     g = Group(kind="usp", tier="inter", units=[0, 1, 2, 3], shape=[2, 2], kv_replication=1)
     step = _step(g)  # rows [0, 1] and [2, 3] on the two nodes; column rings [0, 2] and [1, 3]
