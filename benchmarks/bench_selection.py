@@ -64,9 +64,10 @@ USP_MODELS = ("llama3-8b", "qwen3-8b", "qwen2.5-3b")
 def usp_cells(steps: int = 4) -> list[dict]:
     """Cells where sequences must cross nodes and usp groups are candidates: the long mix on 32 and
     64 GPUs of cluster A for models with few KV heads. Beside the Zeppelin planner's candidates,
-    the ``usp`` baseline's plan of each step is judged too (its fixed u x r groups)."""
+    the ``usp`` baseline's plan of each step is judged too (its fixed u x r groups), and static
+    Ulysses' (its degrees up to the query heads: K/V heads replicated past the KV heads)."""
     return [{"name": f"A {m} long {g}", "cluster": f"zeppelin-a:{g // 8}", "model": m, "tp": 1, "zero": 1,
-             "mix": "long", "tokens": 16384 * g, "steps": steps, "extra": ["usp"]}
+             "mix": "long", "tokens": 16384 * g, "steps": steps, "extra": ["usp", "ulysses"]}
             for m in USP_MODELS for g in (32, 64)]
 
 

@@ -21,9 +21,11 @@ empty: the step satisfies it) with a name, in :data:`INVARIANTS`, in the order t
                  each KV head lands on (u / KV heads of a unit when u exceeds them, else 1).
 * ``tp``         (:func:`tp_problems`) an attention group joins units of one tensor-parallel
                  degree, and so do the proxies relaying its transfers.
+* ``relays``     (:func:`relay_problems`) a usp group's routed transfers are relayed only by units
+                 of their own column ring.
 * ``routes``     (:func:`step_route_problems`) every node-crossing transfer of an inter-node ring
-                 has exactly one route, carrying what its source holds, over proxies on the right
-                 nodes and their own NICs.
+                 (a ring group's, a usp group's column rings') has exactly one route, carrying what
+                 its source holds, over proxies on the right nodes and their own NICs.
 
 Entry points: :func:`plan_problems` (every invariant, each problem prefixed by its name; ``zeppelin
 validate`` adds the checks that need the cost model, such as memory) and :func:`runtime_problems`
@@ -51,11 +53,14 @@ __all__ = [
     "INVARIANTS",
     "RUNTIME_INVARIANTS",
     "Invariant",
+    "group_ring_edges",
+    "group_rings",
     "head_problems",
     "inter_ring_transfers",
     "kv_replication",
     "kind_family_problems",
     "plan_problems",
+    "relay_problems",
     "ring_edges",
     "ring_order_problems",
     "route_problems",
@@ -79,6 +84,22 @@ def ring_edges(units: Sequence[int]) -> set[tuple[int, int]]:
     """The transfers a ring makes: each unit sends to the next in ring order (the last to the first)."""
     n = len(units)
     return {(units[i], units[(i + 1) % n]) for i in range(n)}
+
+
+def group_rings(g) -> list[list[int]]:
+    """The rings a group's K/V blocks travel: a ring group's one ring; a usp group's column rings
+    (Ulysses position j of every row, in row order: ``units[j::u]``); none for other kinds."""
+    if g.kind == "ring":
+        return [list(g.units)]
+    if g.kind == "usp" and g.shape is not None and g.shape[0] >= 1 and len(g.units) % g.shape[0] == 0:
+        u = g.shape[0]
+        return [list(g.units[j::u]) for j in range(u)]
+    return []
+
+
+def group_ring_edges(g) -> set[tuple[int, int]]:
+    """The transfers of every ring of a group (:func:`group_rings`)."""
+    return {e for ring in group_rings(g) for e in ring_edges(ring)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,7 +175,7 @@ def route_reference_problems(header: PlanHeader, mb: MicroBatch, n_units: int, w
             if not 0 <= u < n_units:  # (a unit outside the group: the ring-transfer check below)
                 probs.append(f"{where}: route {ri} {end} {u} is not a unit of group {r.group}")
                 bad_end = True
-        if not bad_end and (r.src, r.dst) not in ring_edges(members):
+        if not bad_end and (r.src, r.dst) not in group_ring_edges(mb.groups[r.group]):
             probs.append(f"{where}: route {r.src}->{r.dst} is not a ring transfer of group {r.group} "
                          f"(ring {members})")
         for path in r.paths:
@@ -404,27 +425,34 @@ def tp_problems(header: PlanHeader, step: StepPlan) -> list[str]:
 
 def inter_ring_transfers(mb: MicroBatch, node_of_unit: Sequence[int]) -> dict[tuple[int, int, int], int]:
     """``(group, src, dst) -> tokens`` of every node-crossing ring transfer of the inter-node ring
-    groups: the tokens the source position holds (a transfer of no tokens needs no route)."""
+    groups and of the column rings of inter-node usp groups: the tokens the source position holds
+    (a usp position: its whole row's, which its row's all-to-all gathers for its heads; a transfer
+    of no tokens needs no route)."""
     held: dict[int, list[int]] = {}
     for p in mb.placements:
         if not 0 <= p.group < len(mb.groups):
             continue
         g = mb.groups[p.group]
-        if g.kind != "ring" or g.tier != "inter":
+        if g.kind not in ("ring", "usp") or g.tier != "inter":
             continue
         row = held.setdefault(p.group, [0] * len(g.units))
         for pos in range(min(len(g.units), len(p.ranges))):
             row[pos] += ranges_tokens(p.ranges[pos])
     out: dict[tuple[int, int, int], int] = {}
     for gi, g in enumerate(mb.groups):
-        G = len(g.units)
-        if g.kind != "ring" or g.tier != "inter" or G < 2:
+        if g.tier != "inter":
             continue
-        row = held.get(gi, [0] * G)
-        for i in range(G):
-            s, d = g.units[i], g.units[(i + 1) % G]
-            if node_of_unit[s] != node_of_unit[d] and row[i] > 0:
-                out[(gi, s, d)] = row[i]
+        pos = {x: i for i, x in enumerate(g.units)}
+        u = g.shape[0] if g.kind == "usp" else 1
+        tokens = held.get(gi, [0] * len(g.units))
+        for ring in group_rings(g):
+            G = len(ring)
+            for i in range(G if G >= 2 else 0):
+                s, d = ring[i], ring[(i + 1) % G]
+                row = pos[s] // u * u  # (a ring position's block: its usp row's tokens)
+                held_s = sum(tokens[row:row + u])
+                if node_of_unit[s] != node_of_unit[d] and held_s > 0:
+                    out[(gi, s, d)] = held_s
     return out
 
 
@@ -450,10 +478,10 @@ def route_problems(cluster: ClusterSpec, first_ranks: Sequence[int], mb: MicroBa
             probs.append(f"{where}: no such group (micro-batch has {len(mb.groups)})")
             continue
         g = mb.groups[r.group]
-        if g.kind != "ring" or g.tier != "inter":
+        if g.kind not in ("ring", "usp") or g.tier != "inter":
             probs.append(f"{where}: group is a {g.tier} {g.kind} group, not an inter-node ring")
             continue
-        if len(g.units) < 2 or (r.src, r.dst) not in ring_edges(g.units):
+        if len(g.units) < 2 or (r.src, r.dst) not in group_ring_edges(g):
             probs.append(f"{where}: {r.dst} is not the ring successor of {r.src}")
             continue
         if not (0 <= r.src < n_units and 0 <= r.dst < n_units):
@@ -499,6 +527,23 @@ def _proxy_problem(cluster, first_ranks, node, nic_node, side: str, end: int, vi
     return None
 
 
+def relay_problems(header: PlanHeader, step: StepPlan) -> list[str]:
+    """The ``relays`` invariant: a usp group's routed transfer is relayed only by units of its own
+    column ring (the runtime runs each column ring's exchanges among that ring's ranks, members
+    relaying for each other; a unit outside it would never post the relay)."""
+    probs = []
+    for mbi, mb in enumerate(step.microbatches):
+        for r in mb.routes:
+            g = mb.groups[r.group]
+            ring = next((x for x in group_rings(g) if r.src in x), None)
+            if g.kind != "usp" or ring is None:
+                continue
+            for u in sorted({u for p in r.paths for u in (p.via_src, p.via_dst)} - set(ring)):
+                probs.append(f"{_where(step, mbi)}: unit {u} relays transfer {r.src}->{r.dst} of usp group "
+                             f"{r.group}, outside the transfer's column ring {ring}")
+    return probs
+
+
 def step_route_problems(header: PlanHeader, step: StepPlan) -> list[str]:
     """The ``routes`` invariant for every micro-batch of the step. Replicas of mixed tensor-parallel
     degree (Hydraulis) may run their ring transfers direct, without routes."""
@@ -526,14 +571,16 @@ INVARIANTS: tuple[Invariant, ...] = (
     Invariant("kinds", kind_family_problems),
     Invariant("tp", tp_problems),
     Invariant("heads", head_problems),
+    Invariant("relays", relay_problems),
     Invariant("routes", step_route_problems),
 )
 
 #: What the runtime relies on to execute a step: the indices it follows, the one family of groups
-#: a unit runs, and rings over ranks of one tensor-parallel index. (Zigzag layouts and routes are
+#: a unit runs, rings over ranks of one tensor-parallel index, and usp transfers relayed inside
+#: their column rings. (Zigzag layouts and routes are
 #: what a plan promises, not what execution needs: the runtime runs any disjoint ranges and sends
 #: an unrouted transfer direct.)
-RUNTIME_INVARIANTS: tuple[str, ...] = ("coverage", "kinds", "tp", "heads")
+RUNTIME_INVARIANTS: tuple[str, ...] = ("coverage", "kinds", "tp", "heads", "relays")
 
 
 def plan_problems(header: PlanHeader, step: StepPlan, limit: int = 20,

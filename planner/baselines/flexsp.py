@@ -355,7 +355,7 @@ class FlexSP(Planner):
     def plan_step(self, ctx: PlanContext, step: int, sequences: list[Sequence]) -> StepPlan:
         t = Timer()
         check_capacity(ctx, self.name)
-        cap = ctx.cost.ulysses_token_capacity  # every group is a Ulysses group: its extra copies count
+        cap = _capacity(ctx)
         o = self.opts
         limits = SolveLimits(nodes=MILP_NODES if o.milp_nodes is None else o.milp_nodes,
                              iterations=o.milp_iterations, gap_rel=o.gap, wall_s=o.time_limit)
@@ -387,7 +387,7 @@ class FlexSP(Planner):
         slowest group, as if micro-batches were separated by barriers), and the homogeneous
         whole-step configurations, which are in FlexSP's solution space (every micro-batch with the
         same groups) and are its warm start."""
-        n, cap = ctx.num_units, ctx.cost.ulysses_token_capacity
+        n, cap = ctx.num_units, _capacity(ctx)
         lengths = [s.length for s in sequences]
         homog = []
         for s in sizes:
@@ -430,6 +430,14 @@ def _aligned(groups: list[tuple[int, list[int]]]) -> list[tuple[int, int, list[i
         out.append((start, s, members))
         start += s
     return out
+
+
+def _capacity(ctx: PlanContext) -> int:
+    """Tokens a member of any of the step's Ulysses groups may hold (one cap for every group, as
+    FlexSP's MILP has it): every group is a Ulysses group, whose extra copies count, with the
+    replicated K/V heads of the largest size it may use (:func:`_group_sizes`' powers of two)."""
+    heads = ctx.model.num_heads // ctx.tp
+    return ctx.cost.ulysses_capacity(max(s for s in pow2_sizes(ctx.num_units) if heads % s == 0))
 
 
 def _group_sizes(ctx: PlanContext, sequences: list[Sequence], cap: int) -> list[int]:

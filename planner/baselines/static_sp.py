@@ -74,8 +74,9 @@ class _StaticSP(Planner):
         D = n // G
         padded = [cp_padded(s.length, G) if self.pad else s.length for s in sequences]
         per_rank = [ceil_div(p, G) for p in padded]  # tokens the fullest ring position holds
-        if self.kind == "ulysses" and G > 1:
-            cap = min(cap, ctx.cost.ulysses_token_capacity)
+        row = shape[0] if shape is not None else (G if self.kind == "ulysses" else 1)
+        if row > 1:  # a Ulysses row's extra copies (replicated K/V heads where it exceeds them)
+            cap = min(cap, ctx.cost.ulysses_capacity(row))
         if max(per_rank) > cap:
             return None
         owner = lpt(padded, D)  # token-balanced share of the step per DP replica

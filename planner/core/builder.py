@@ -63,7 +63,8 @@ def direct_routes(ctx: PlanContext, mb: MicroBatch) -> list[Route]:
     routes: list[Route] = []
     for (gi, src, dst), tokens in inter_ring_transfers(mb, node_of_unit).items():
         nic_s, nic_d = ctx.cluster.nic_of(src * ctx.tp), ctx.cluster.nic_of(dst * ctx.tp)
-        routes.append(Route(group=gi, src=src, dst=dst, tokens=tokens, bytes=int(ctx.cost.kv_bytes(tokens)),
+        nbytes = int(ctx.cost.kv_bytes(tokens) * ctx.cost.ring_hop_share(mb.groups[gi])[1])
+        routes.append(Route(group=gi, src=src, dst=dst, tokens=tokens, bytes=nbytes,
                             paths=[RoutePath(via_src=src, via_dst=dst, nic_src=nic_s, nic_dst=nic_d, tokens=tokens)]))
     return routes
 

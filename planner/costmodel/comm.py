@@ -153,23 +153,32 @@ class CommCosts:
         t_inter = nbytes * (G - smallest_share) * sharers / G / (lk.bandwidth_GBps * 1e9 * eff)
         return max(li.alpha_s, lk.alpha_s) * (G - 1) + np.maximum(t_intra, t_inter)
 
-    def ulysses_comm_time(self, tokens_per_rank, G: int, cls: str = "intra") -> np.ndarray:
-        """Per-layer fwd+bwd: 4 all-to-alls (Q,K,V in, O out) forward and 4 backward."""
+    def ulysses_bytes_per_token(self, G: int) -> float:
+        """Bytes one rank's all-to-all moves per token it holds, one direction of one layer's forward:
+        Q and O (``hidden`` each) and K, V - ``kv_replication(G)`` times where the G positions of a
+        Ulysses row outnumber the unit's KV heads (each position receives a whole KV head)."""
         m = self.model
-        per = as_array(tokens_per_rank) * (2 * m.hidden + 2 * m.kv_dim) * self.act_bytes / self.tp
-        return 2.0 * self.alltoall_time(per, G, cls)
+        return (2 * m.hidden + 2 * m.kv_dim * self.kv_replication(G)) * self.act_bytes / self.tp
+
+    def ulysses_comm_time(self, tokens_per_rank, G: int, cls: str = "intra") -> np.ndarray:
+        """Per-layer fwd+bwd: 4 all-to-alls (Q,K,V in, O out) forward and 4 backward, the K/V heads
+        replicated where G exceeds them (:meth:`ulysses_bytes_per_token`; the backward returns as
+        many dK/dV, summed to their owners)."""
+        return 2.0 * self.alltoall_time(as_array(tokens_per_rank) * self.ulysses_bytes_per_token(G), G, cls)
 
     def kv_replication(self, u: int) -> float:
         """Row positions each KV head lands on when u positions split a unit's heads (1: none)."""
         return max(1.0, u / max(1, self.model.num_kv_heads // self.tp))
 
-    def ulysses_rep_comm_time(self, tokens_per_rank, u: int, cls: str = "intra") -> np.ndarray:
-        """Per-layer fwd+bwd all-to-alls of a Ulysses row of u positions whose K/V heads are replicated
-        where u exceeds the unit's KV heads: each position receives whole KV heads, so a rank sends
-        ``kv_replication(u)`` times its K/V (and the backward returns as many dK/dV)."""
-        m = self.model
-        per = as_array(tokens_per_rank) * (2 * m.hidden + 2 * m.kv_dim * self.kv_replication(u)) * self.act_bytes / self.tp
-        return 2.0 * self.alltoall_time(per, u, cls)
+    def ring_hop_share(self, g) -> tuple[int, float]:
+        """``(rounds, K/V share)`` of one hop of a group's ring: a ring of G units sends whole blocks
+        G - 1 rounds; a usp group's column ring (:func:`zeppelin.schemas.invariants.group_rings`)
+        sends, r - 1 rounds, its position's heads of its row's block: ``kv_replication(u) / u`` of
+        the K/V (one KV head where replicated)."""
+        if g.kind == "usp" and g.shape is not None:
+            u, r = g.shape
+            return r - 1, self.kv_replication(u) / u
+        return len(g.units) - 1, 1.0
 
     def usp_ring_sharers(self, u: int, ring_cls: str) -> float:
         """Transfers sharing one NIC in a round of a usp group's rings: the u columns' hops leave
@@ -181,7 +190,7 @@ class CommCosts:
     def usp_seq_time(self, L, u: int, r: int, ring_cls: str) -> np.ndarray:
         """Per sequence ``L`` alone on a usp group of u x r: per-layer fwd+bwd attention on 1/u of
         the heads plus its ring's exposed K/V transfers (the rows' all-to-alls excluded: they
-        scale with a unit's tokens, see :meth:`ulysses_rep_comm_time`)."""
+        scale with a unit's tokens, see :meth:`ulysses_comm_time`)."""
         L = as_array(L)
         t0, tr = self.ring_round_compute(L, r)
         t0, tr = t0 / u, tr / u
@@ -192,24 +201,30 @@ class CommCosts:
         ex = self.ring_exchanges(L, r) if self.window_mix is not None else None
         return t0 + (r - 1) * tr + self.ring_round_exposure(comm, t0, tr, r, ex)
 
-    def usp_terms(self, L, u: int, r: int, row_cls: str, ring_cls: str) -> tuple[float, float, float]:
+    def usp_terms(self, L, u: int, r: int, row_cls: str, ring_cls: str, round_time: float | None = None,
+                  floor: float = 0.0) -> tuple[float, float, float]:
         """Per-layer fwd+bwd ``(attention, communication, exposed)`` of one position of a usp group
         of u x r over sequences ``L``: the rows' all-to-alls (replicated K/V; in the exposed time,
         nothing overlaps them), and a ring over r positions on 1/u of the heads (its rounds'
         compute, its K/V blocks of 1/u of the heads - one KV head when u exceeds them - hidden
-        behind the rounds as a ring's are)."""
+        behind the rounds as a ring's are). ``round_time``: a round's transfer as the group's
+        routes make it (their NIC flows, proxies' hops; default: direct, every column's hop on its
+        own GPU's NIC); ``floor``: the least time the rings' crossings take over the layer (the
+        busiest NIC side they use), which the ring's rounds cannot beat."""
         L = as_array(L)
         tot = float(np.sum(L))
         kv_frac = self.kv_replication(u) / u
-        a2a = float(self.ulysses_rep_comm_time(tot / (u * r), u, row_cls)) if u > 1 else 0.0
+        a2a = float(self.ulysses_comm_time(tot / (u * r), u, row_cls)) if u > 1 else 0.0
         t0, tr = self.ring_round_compute(L, r)
         g_t0, g_tr = float(np.sum(t0)) / u, float(np.sum(tr)) / u
         if r <= 1:
             return g_t0, a2a, a2a
         ex = float(np.max(self.ring_exchanges(L, r))) if self.window_mix is not None else None
-        comm = float(self.p2p_time(self.ring_round_bytes(tot / r) * kv_frac, ring_cls, self.usp_ring_sharers(u, ring_cls)))
-        exposed = float(self.ring_round_exposure(comm, g_t0, g_tr, r, ex))
-        return g_t0 + (r - 1) * g_tr, a2a + comm * (r - 1 if ex is None else ex), a2a + exposed
+        comm = round_time if round_time is not None else float(
+            self.p2p_time(self.ring_round_bytes(tot / r) * kv_frac, ring_cls, self.usp_ring_sharers(u, ring_cls)))
+        att = g_t0 + (r - 1) * g_tr
+        exposed = max(float(self.ring_round_exposure(comm, g_t0, g_tr, r, ex)), floor - att)
+        return att, a2a + comm * (r - 1 if ex is None else ex), a2a + exposed
 
     def allgather_kv_time(self, tokens_per_rank, G: int, cls: str = "intra") -> np.ndarray:
         """Per-layer fwd+bwd of all-gather CP: all-gather K,V forward; all-gather + reduce-scatter dK,dV backward."""

@@ -138,10 +138,29 @@ class MemoryCosts:
             return 0.0, per_layer
         return m.num_layers * per_layer, 0.0
 
+    def ulysses_weight(self, G: int) -> float:
+        """How many times :attr:`ulysses_extra_split` a token of a Ulysses row of G positions
+        holds: once, plus - where the row replicates K/V heads (:meth:`kv_replication`) - the
+        replicated heads' K and V in the head layout, which the attention keeps for its backward
+        (``2 c kv_dim`` per layer for each replica beyond the first; inside a recomputed block
+        only the layer being recomputed holds them, as it holds the other copies)."""
+        m, c = self.model, self.compute_bytes
+        rep = self.kv_replication(G)
+        if rep <= 1:
+            return 1.0
+        return 1.0 + (rep - 1.0) * 2.0 * c * m.kv_dim / (2.0 * c * m.q_dim + 16.0)
+
+    def ulysses_capacity(self, G: int) -> int:
+        """Tokens one member of a Ulysses row of G positions (a Ulysses group, a usp group's row)
+        can hold: each also holds :attr:`ulysses_extra_split` times :meth:`ulysses_weight`."""
+        free = self.gpu_capacity_bytes - self.model_state_bytes()
+        extra = sum(self.ulysses_extra_split) * self.ulysses_weight(G)
+        return max(int(free / (self.activation_bytes_per_token + extra)), 0)
+
     def layout_tokens(self, tokens, ulysses_tokens) -> np.ndarray:
         """Token-equivalents of an attention layout for :meth:`memory_bytes`: ``tokens`` held,
-        ``ulysses_tokens`` of them in Ulysses groups (each counted with
-        :attr:`ulysses_extra_split` on top)."""
+        ``ulysses_tokens`` of them in Ulysses rows (each counted with :attr:`ulysses_extra_split`
+        on top; a row's tokens weighted by :meth:`ulysses_weight`)."""
         extra = sum(self.ulysses_extra_split) / self.activation_bytes_per_token
         return as_array(tokens) + as_array(ulysses_tokens) * extra
 
@@ -246,10 +265,9 @@ class MemoryCosts:
 
     @cached_property
     def ulysses_token_capacity(self) -> int:
-        """Tokens one member of a Ulysses group (two or more units) can hold: each also holds
-        :attr:`ulysses_extra_split`."""
-        free = self.gpu_capacity_bytes - self.model_state_bytes()
-        return max(int(free / (self.activation_bytes_per_token + sum(self.ulysses_extra_split))), 0)
+        """Tokens one member of a Ulysses group (two or more units) without replicated K/V heads
+        can hold: each also holds :attr:`ulysses_extra_split` (:meth:`ulysses_capacity`)."""
+        return self.ulysses_capacity(1)
 
     def memory_bytes(self, tokens_held) -> np.ndarray:
         """Predicted peak bytes of one GPU holding ``tokens_held`` tokens (all components)."""

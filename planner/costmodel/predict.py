@@ -27,8 +27,8 @@ def nic_loads(ctx: PlanContext, mb: MicroBatch, routed: bool = True) -> dict[str
     loads: dict[str, float] = defaultdict(float)
     upn = ctx.units_per_node
     for r in mb.routes:
-        G = len(mb.groups[r.group].units)
-        total = float(cost.ring_round_bytes(r.tokens)) * (G - 1) * L
+        rounds, share = cost.ring_hop_share(mb.groups[r.group])
+        total = float(cost.ring_round_bytes(r.tokens)) * share * rounds * L
         if routed:
             for p in r.paths:
                 share = total * (p.tokens / r.tokens if r.tokens else 0.0)
@@ -78,13 +78,13 @@ def _route_round_time(ctx: PlanContext, mb: MicroBatch, routed: bool) -> tuple[d
     every group crossing it: a group takes at least as long as the busiest NIC side it crosses."""
     cost = ctx.cost
     shared = ctx.profile.nic_shared_by_concurrent_transfers
-    sizes = {r.group: len(mb.groups[r.group].units) for r in mb.routes}
+    hop = {r.group: cost.ring_hop_share(mb.groups[r.group]) for r in mb.routes}  # (rounds, K/V share)
     flows = []
     # per route: the bytes its source GPU dispatches to proxies and its destination GPU combines
     # from them (one NVLink port each way, shared by all of the route's paths)
     spread: dict[int, list] = {}
     for r, p, tokens, a, b in _route_flows(ctx, mb, routed):
-        nbytes = float(cost.ring_round_bytes(tokens))
+        nbytes = float(cost.ring_round_bytes(tokens)) * hop[r.group][1]
         flows.append((r.group, nbytes, a, b))
         if p is not None:
             d = spread.setdefault(id(r), [r.group, 0.0, 0.0])
@@ -99,7 +99,7 @@ def _route_round_time(ctx: PlanContext, mb: MicroBatch, routed: bool) -> tuple[d
         if shared:
             own["tx", g, a] += nbytes
             own["rx", g, b] += nbytes
-            alone = float(cost.p2p_time(nbytes, "inter")) * (sizes[g] - 1)
+            alone = float(cost.p2p_time(nbytes, "inter")) * hop[g][0]
             busy["tx", a] += alone
             busy["rx", b] += alone
     out: dict[int, float] = defaultdict(float)
@@ -335,18 +335,23 @@ def _held_tokens(mb: MicroBatch, n: int) -> np.ndarray:
     return held
 
 
-def _ulysses_held_tokens(mb: MicroBatch, n: int) -> np.ndarray | None:
-    """Per unit: the tokens it holds in Ulysses groups of two or more units (None: the
-    micro-batch has none)."""
+def ulysses_held_tokens(mb: MicroBatch, n: int, costs) -> np.ndarray | None:
+    """Per unit: the tokens it holds in Ulysses rows of two or more positions (Ulysses groups, usp
+    groups' rows), each counted :meth:`ulysses_weight` times (replicated K/V heads on top) by the
+    cost model of its group's units (``costs``: one for every unit, or a list per unit); None: the
+    micro-batch has none."""
     groups = mb.groups
-    if not any(g.kind == "ulysses" and len(g.units) > 1 for g in groups):
+    w = {gi: g.row_size() for gi, g in enumerate(groups) if g.kind in ("ulysses", "usp")}
+    w = {gi: (costs[groups[gi].units[0]] if isinstance(costs, list) else costs).ulysses_weight(u)
+         for gi, u in w.items() if u > 1}
+    if not w:
         return None
     held = np.zeros(n)
     for p in mb.placements:
-        g = groups[p.group]
-        if g.kind == "ulysses" and len(g.units) > 1:
-            for u, rs in zip(g.units, p.ranges):
-                held[u] += ranges_tokens(rs)
+        if p.group in w:
+            for u, rs in zip(groups[p.group].units, p.ranges):
+                if 0 <= u < n:
+                    held[u] += ranges_tokens(rs) * w[p.group]
     return held
 
 
@@ -354,7 +359,7 @@ def layout_memory_tokens(cost, mb: MicroBatch, held: np.ndarray, lin_held: np.nd
     """Per unit: the token-equivalents its memory holds in the micro-batch: its attention-layout
     tokens (Ulysses members' extra copies counted), or with a remap both layouts' tokens, each at
     its share of a token's bytes (:attr:`CostModel.remap_split`)."""
-    uly = _ulysses_held_tokens(mb, len(held))
+    uly = ulysses_held_tokens(mb, len(held), cost)
     att = held if uly is None else cost.layout_tokens(held, uly)
     if mb.linear_layout is not None:  # each layout holds its own part of every layer
         return cost.remap_tokens(att, lin_held)
@@ -402,9 +407,10 @@ def _ring_terms(cost, mb: MicroBatch, ga: _GroupArrays, inter_round: dict[int, f
             t_exp[gi] = max(t_exp[gi], t - t_att[gi])
 
 
-def _collective_terms(cost, mb: MicroBatch, ga: _GroupArrays, t_att: np.ndarray, t_comm: np.ndarray,
-                      t_exp: np.ndarray) -> None:
-    """Fills the Ulysses and all-gather groups' attention, communication and exposed time per layer."""
+def _collective_terms(cost, mb: MicroBatch, ga: _GroupArrays, inter_round: dict[int, float],
+                      nic_floor: dict[int, float], t_att: np.ndarray, t_comm: np.ndarray, t_exp: np.ndarray) -> None:
+    """Fills the Ulysses, usp and all-gather groups' attention, communication and exposed time per
+    layer (a usp group's ring rounds as its routes make them: ``inter_round``, ``nic_floor``)."""
     groups, G, is_local, is_ring = mb.groups, ga.G, ga.is_local, ga.is_ring
     is_uly = np.fromiter((k == "ulysses" for k in ga.kind), dtype=bool, count=len(groups)) & ~is_local
     if is_uly.any() and len(mb.placements):
@@ -420,7 +426,8 @@ def _collective_terms(cost, mb: MicroBatch, ga: _GroupArrays, t_att: np.ndarray,
             u, r = g.shape
             Ls = ga.pL[ga.pg == gi]
             t_att[gi], t_comm[gi], t_exp[gi] = cost.usp_terms(Ls, u, r, cost.tier_link(usp_row_tier(g, cost)),
-                                                               cost.tier_link(g.tier))
+                                                               cost.tier_link(g.tier), inter_round.get(int(gi)),
+                                                               nic_floor.get(int(gi), 0.0))
         else:  # ulysses
             t_comm[gi] = t_exp[gi] = float(cost.ulysses_comm_time(ga.g_len[gi] / Gi, int(Gi), cost.tier_link(g.tier)))
 
@@ -494,7 +501,7 @@ def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool
     t_att[ga.is_local] = ga.g_att[ga.is_local]
     if ga.is_ring.any():
         _ring_terms(cost, mb, ga, inter_round, nic_floor, t_att, t_comm, t_exp)
-    _collective_terms(cost, mb, ga, t_att, t_comm, t_exp)
+    _collective_terms(cost, mb, ga, inter_round, nic_floor, t_att, t_comm, t_exp)
     for a in (t_att, t_comm, t_exp):
         a[~ga.g_has] = 0.0
     # ---- scatter group terms to their units

@@ -189,7 +189,7 @@ class LayerGraph:
             elif g.kind == "allgather":
                 self._allgather(gi, U, pls, qpos, routes)
             elif g.kind == "usp":
-                self._usp(gi, g, pls, qpos)
+                self._usp(gi, g, pls, qpos, routes)
             else:
                 self._ulysses(gi, U, pls, qpos)
         # linear modules and remap
@@ -356,15 +356,15 @@ class LayerGraph:
                 out[k].append(f)
         return out
 
-    def _usp(self, gi: int, g, pls: list[Placement], qpos) -> None:
+    def _usp(self, gi: int, g, pls: list[Placement], qpos, routes) -> None:
         """A usp group: each row's all-to-all (replicated K/V), a ring per column on 1/u of the
-        heads over the rows' chunks, each row's all-to-all back."""
+        heads over the rows' chunks (its node-crossing hops along their routes), each row's all-to-all
+        back."""
         u, r = g.shape
         U = g.units
-        m = self.sim.ctx.model
         cost = self.sim.cost_for(self.reps[U[0]].tp)
         rep = cost.kv_replication(u)
-        per_tok = (2 * m.hidden + 2 * m.kv_dim * rep) * m.dtype_bytes / cost.tp
+        per_tok = cost.ulysses_bytes_per_token(u)
         held = [sum(ranges_tokens(p.ranges[i]) for p in pls) for i in range(u * r)]
         first: dict[int, list[int]] = {}
         for i in range(r):
@@ -376,7 +376,7 @@ class LayerGraph:
         last: dict[int, int] = {}
         for j in range(u):
             col = [i * u + j for i in range(r)]
-            ends = self._ring(gi, [U[x] for x in col], chunks, qpos, {}, (1.0 / u, rep / u),
+            ends = self._ring(gi, [U[x] for x in col], chunks, qpos, routes, (1.0 / u, rep / u),
                               [first[x] for x in col])
             last.update(zip(col, ends))
         for i in range(r):
@@ -389,12 +389,11 @@ class LayerGraph:
     def _ulysses(self, gi: int, U: list[int], pls: list[Placement], qpos) -> None:
         G = len(U)
         eng = self.engine
-        m = self.sim.ctx.model
         cost = self.sim.cost_for(self.reps[U[0]].tp)
         lengths = np.array([float(p.padded_length or self.step.sequences[p.seq].length) for p in pls])
         t_att = float(np.sum(cost.ulysses_attn_time(lengths, G))) if self.compute else 0.0  # 1/G of the heads
         held = [sum(ranges_tokens(p.ranges[i]) for p in pls) for i in range(G)]
-        per_tok = (2 * m.hidden + 2 * m.kv_dim) * m.dtype_bytes / cost.tp
+        per_tok = cost.ulysses_bytes_per_token(G)  # (replicated K/V heads where G exceeds them)
 
         def a2a(deps_of) -> dict[int, list[int]]:
             return self._a2a(U, held, per_tok, deps_of)

@@ -18,6 +18,7 @@ import os
 from typing import Any
 
 from zeppelin.planner.core.base import PlanContext
+from zeppelin.planner.costmodel.predict import ulysses_held_tokens
 from zeppelin.schemas.common import InputError, content_hash
 from zeppelin.schemas.invariants import plan_problems
 from zeppelin.schemas.plan import MicroBatch, PlanHeader, PlanReader, StepPlan, sample_problems
@@ -62,18 +63,17 @@ def memory_problems(ctx: PlanContext, step: StepPlan, mbi: int, mb: MicroBatch) 
     costs = [ctx.cost] * ctx.num_units if reps is None else [ctx.cost_for(r.tp) for r in reps]
     n = len(costs)
     att = [0] * n
-    uly = [0] * n  # of them, tokens in Ulysses groups of two or more units (their extra copies count)
     for p in mb.placements:
         if not 0 <= p.group < len(mb.groups):
             continue
-        g = mb.groups[p.group]
-        units = g.units
+        units = mb.groups[p.group].units
         for pos, rs in enumerate(p.ranges):
             if pos < len(units) and 0 <= units[pos] < n:
-                t = sum(max(e - s, 0) for s, e in rs)
-                att[units[pos]] += t
-                if g.kind == "ulysses" and len(units) > 1:
-                    uly[units[pos]] += t
+                att[units[pos]] += sum(max(e - s, 0) for s, e in rs)
+    # of them, tokens in Ulysses rows of two or more positions (their extra copies count, replicated
+    # K/V heads on top)
+    uly = ulysses_held_tokens(mb, n, costs)
+    uly = [0] * n if uly is None else uly.tolist()
     lin = att if mb.linear_layout is None else [sum(max(e - s, 0) for _, s, e in segs) for segs in mb.linear_layout]
     probs = []
     for what, held in (("attention", att), ("linear", lin)):

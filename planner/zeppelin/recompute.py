@@ -17,7 +17,7 @@ from collections.abc import Callable
 import numpy as np
 
 from zeppelin.planner.costmodel.context import PlanContext, PlanningError
-from zeppelin.planner.costmodel.predict import _ulysses_held_tokens, microbatch_terms, predict_step
+from zeppelin.planner.costmodel.predict import microbatch_terms, predict_step, ulysses_held_tokens
 from zeppelin.schemas.plan import PER_MICROBATCH, MicroBatch, Sequence, StepPlan
 
 #: the ``--recompute`` value that lets a planner choose per micro-batch
@@ -86,7 +86,7 @@ def choose_microbatch(ctx: PlanContext, step: StepPlan, mb: MicroBatch) -> str:
     n = len(mb.queues)
     costs = [ctx.cost] * n if reps is None else [ctx.cost_for(r.tp) for r in reps]
     held = held_tokens(mb, n)
-    choices = _fitting(ctx, costs, held, _ulysses_held_tokens(mb, n))
+    choices = _fitting(ctx, costs, held, ulysses_held_tokens(mb, n, costs))
     if len(choices) <= 1:
         return choices[0] if choices else "full"
     mb.recompute = None

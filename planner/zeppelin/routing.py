@@ -37,6 +37,13 @@ using ``m`` that is least busy with communication: units that are not ring membe
 groups first, then units outside any multi-unit group, ties rotated so that several proxied
 pieces do not pile onto one GPU.
 
+usp groups: each column ring's node-crossing hops are transfers too, weighted by their share of
+the K/V (one position's heads: :meth:`CostModel.ring_hop_share`). The runtime relays a usp
+transfer only inside its column ring, so such a transfer may use only the NICs of its ring's units
+on the node (:func:`_spread_columns`: on top of the other transfers' loads, largest first, each
+raised to the lowest level its NICs reach; kept when the NVLink hop costs less than the busiest
+NIC gains).
+
 With tensor parallelism a unit is ``tp`` GPUs; its NIC is the NIC of its first GPU
 (``ctx.cluster.nic_of(u * tp)``), as in :func:`zeppelin.planner.costmodel.predict.nic_loads`.
 """
@@ -52,7 +59,7 @@ import numpy as np
 from zeppelin.planner.core.base import PlanContext
 from zeppelin.planner.core.builder import direct_routes
 from zeppelin.schemas.cluster import ClusterSpec
-from zeppelin.schemas.invariants import inter_ring_transfers
+from zeppelin.schemas.invariants import group_rings, inter_ring_transfers
 from zeppelin.schemas.invariants import route_problems as invariant_route_problems
 from zeppelin.schemas.plan import MicroBatch, Route, RoutePath
 
@@ -152,8 +159,15 @@ class _Transfer:
     dst: int
     tokens: int
     rounds: int  # G - 1 ring rounds (load weight)
+    share: float = 1.0  # of a token's K/V per ring round (a usp column ring's heads: CostModel.ring_hop_share)
+    ring: list[int] | None = None  # a usp column ring: only its units relay the transfer (None: any unit)
     send: dict[int, int] = field(default_factory=dict)  # proxy unit -> tokens (src side)
     recv: dict[int, int] = field(default_factory=dict)  # proxy unit -> tokens (dst side)
+
+    @property
+    def weight(self) -> float:
+        """NIC load of the transfer per token: its rounds times its share of the K/V."""
+        return self.rounds * self.share
 
 
 def inter_transfers(ctx: PlanContext, mb: MicroBatch) -> list[tuple[int, int, int, int]]:
@@ -162,12 +176,18 @@ def inter_transfers(ctx: PlanContext, mb: MicroBatch) -> list[tuple[int, int, in
 
 
 def _transfers(ctx: PlanContext, mb: MicroBatch) -> list[_Transfer]:
-    """The node-crossing ring transfers of the inter-node ring groups (the plan invariant's list,
-    :func:`zeppelin.schemas.invariants.inter_ring_transfers`), each with its ring's rounds."""
+    """The node-crossing ring transfers of the inter-node ring groups and of the usp groups' column
+    rings (the plan invariant's list, :func:`zeppelin.schemas.invariants.inter_ring_transfers`),
+    each with its ring's rounds and share of the K/V (a usp transfer also with its column ring)."""
     per_node = ctx.units_per_node
     node_of_unit = [u // per_node for u in range(ctx.num_units)]
-    return [_Transfer(gi, s, d, tokens, len(mb.groups[gi].units) - 1)
-            for (gi, s, d), tokens in inter_ring_transfers(mb, node_of_unit).items()]
+    out = []
+    for (gi, s, d), tokens in inter_ring_transfers(mb, node_of_unit).items():
+        g = mb.groups[gi]
+        rounds, share = ctx.cost.ring_hop_share(g)
+        ring = next(x for x in group_rings(g) if s in x) if g.kind == "usp" else None
+        out.append(_Transfer(gi, s, d, tokens, rounds, share, ring))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,7 +201,8 @@ class _Node:
     def __init__(self, ctx: PlanContext, k: int, inter_members: set[int], busy: set[int], nic_of: _NicOf):
         per_node = ctx.units_per_node
         self.units_on: dict[str, list[int]] = defaultdict(list)
-        for u in range(k * per_node, (k + 1) * per_node):
+        self.units = range(k * per_node, (k + 1) * per_node)
+        for u in self.units:
             self.units_on[nic_of[u]].append(u)
         self.nics = sorted(self.units_on)
         bw = {n.id: n.bandwidth_GBps for n in ctx.cluster.nics}
@@ -206,19 +227,12 @@ def _spread(ctx: PlanContext, node: _Node, items: list[tuple[_Transfer, int]], s
     """Water-fill one (node, direction): ``items`` are (transfer, home unit) pairs."""
     cost = ctx.cost
     round_b = float(cost.ring_round_bytes(1))  # bytes per token per ring round (fwd + bwd), one layer
-    kvb = round_b * ctx.model.num_layers
-    ref_bw = float(cost.inter_link.bandwidth_GBps)
-    nic0_bw = ctx.cluster.nics[0].bandwidth_GBps
-
-    def secs(load_tokens: float, nic: str) -> float:  # NIC busy time of a load (tokens x rounds)
-        bw = ref_bw * node.bw[nic] / nic0_bw
-        return load_tokens * kvb / (bw * 1e9)
-
+    secs = _nic_secs(ctx, node)
     load: dict[str, float] = {n: 0.0 for n in node.nics}
     on: dict[str, list[_Transfer]] = defaultdict(list)
     for t, home in items:
         n = nic_of[home]
-        load[n] += t.tokens * t.rounds
+        load[n] += t.tokens * t.weight
         on[n].append(t)
     tot_bw = sum(node.bw.values())
     level = sum(load.values()) / tot_bw  # tokens*rounds per GB/s
@@ -241,13 +255,13 @@ def _spread(ctx: PlanContext, node: _Node, items: list[tuple[_Transfer, int]], s
         return
     # NVLink dispatch (or combine) of the moved part, every ring round of every layer: alpha + bytes / bw
     nv = cost.intra_link
-    hop = max((nv.alpha_s + x * round_b / (nv.bandwidth_GBps * 1e9)) * t.rounds * ctx.model.num_layers
+    hop = max((nv.alpha_s + x * t.share * round_b / (nv.bandwidth_GBps * 1e9)) * t.rounds * ctx.model.num_layers
               for t, x in moves)
     if t_lvl + hop >= t_dir:  # the NVLink dispatch/combine would eat the gain
         return
     deficit = {n: level * node.bw[n] - load[n] for n in node.nics if level * node.bw[n] - load[n] > 0}
     recv_order = sorted(deficit, key=lambda n: -deficit[n])
-    moves.sort(key=lambda tx: -tx[0].tokens * tx[0].rounds)
+    moves.sort(key=lambda tx: -tx[0].tokens * tx[0].weight)
     j = 0
     for t, x in moves:
         parts = t.send if side == "send" else t.recv
@@ -255,15 +269,79 @@ def _spread(ctx: PlanContext, node: _Node, items: list[tuple[_Transfer, int]], s
         left = x
         while left > 0 and j < len(recv_order):
             n = recv_order[j]
-            cap = deficit[n] / t.rounds
+            cap = deficit[n] / t.weight
             piece = min(left, max(1, round(cap)))
-            deficit[n] -= piece * t.rounds
-            if deficit[n] <= 0.5 * t.rounds:
+            deficit[n] -= piece * t.weight
+            if deficit[n] <= 0.5 * t.weight:
                 j += 1
             u = node.proxy(n, inter_members, busy)
             parts[u] = parts.get(u, 0) + piece
             left -= piece
         parts[home] = parts.get(home, 0) - (x - left)  # what did not fit stays at home
+
+
+def _nic_secs(ctx: PlanContext, node: _Node):
+    """``secs(load, nic)``: a NIC's busy time over the step for a load of tokens x rounds x share."""
+    kvb = float(ctx.cost.ring_round_bytes(1)) * ctx.model.num_layers
+    ref_bw = float(ctx.cost.inter_link.bandwidth_GBps)
+    nic0_bw = ctx.cluster.nics[0].bandwidth_GBps
+
+    def secs(load_tokens: float, nic: str) -> float:
+        return load_tokens * kvb / (ref_bw * node.bw[nic] / nic0_bw * 1e9)
+
+    return secs
+
+
+def _spread_columns(ctx: PlanContext, node: _Node, items: list[tuple[_Transfer, int]], side: str,
+                    base: dict[str, float], nic_of: _NicOf) -> None:
+    """Water-fill one (node, direction) for usp transfers, each only over the NICs of its column
+    ring's units on the node (the runtime relays a usp transfer inside its column ring), on top of
+    the loads ``base`` of the node's other transfers: largest first, each raised to the lowest
+    common level its NICs reach; kept when the NVLink dispatch (or combine) costs less than the
+    busiest NIC gains, else every transfer goes direct."""
+    secs = _nic_secs(ctx, node)
+    load = {n: base.get(n, 0.0) for n in node.nics}
+    for t, home in items:
+        load[nic_of[home]] += t.tokens * t.weight
+    t_dir = max(secs(load[n], n) for n in node.nics)
+    nv, round_b = ctx.cost.intra_link, float(ctx.cost.ring_round_bytes(1))
+    hop, moved = 0.0, []
+    for t, home in sorted(items, key=lambda x: (-x[0].tokens * x[0].weight, x[1])):
+        mine = {nic_of[home]: home}
+        for u in t.ring or []:
+            if u in node.units and nic_of[u] not in mine:
+                mine[nic_of[u]] = u
+        if len(mine) < 2:
+            continue
+        w = t.tokens * t.weight
+        load[nic_of[home]] -= w
+        level = _water_level([load[n] for n in mine], [node.bw[n] for n in mine], w)
+        parts = {u: int(max(0.0, level * node.bw[n] - load[n]) / t.weight) for n, u in mine.items() if u != home}
+        parts = {u: x for u, x in parts.items() if x > 0}
+        parts[home] = t.tokens - sum(parts.values())
+        for u, x in parts.items():
+            load[nic_of[u]] += x * t.weight
+        if len(parts) > 1:
+            moved.append((t, parts))
+            hop = max(hop, (nv.alpha_s + (t.tokens - parts[home]) * t.share * round_b / (nv.bandwidth_GBps * 1e9))
+                      * t.rounds * ctx.model.num_layers)
+    if not moved or max(secs(load[n], n) for n in node.nics) + hop >= t_dir:
+        return
+    for t, parts in moved:
+        (t.send if side == "send" else t.recv).update(parts)
+
+
+def _water_level(loads: list[float], bws: list[float], w: float) -> float:
+    """The level ``x`` (load per unit of bandwidth) with ``sum(max(0, x bw - load)) = w``."""
+    order = sorted(range(len(loads)), key=lambda i: loads[i] / bws[i])
+    fill, bw = w, 0.0
+    for k, i in enumerate(order):
+        fill += loads[i]
+        bw += bws[i]
+        level = fill / bw
+        if k + 1 == len(order) or level <= loads[order[k + 1]] / bws[order[k + 1]]:
+            return level
+    return 0.0
 
 
 def plan_routes(ctx: PlanContext, mb: MicroBatch, enable: bool = True) -> list[Route]:
@@ -284,7 +362,7 @@ def plan_routes(ctx: PlanContext, mb: MicroBatch, enable: bool = True) -> list[R
     for t in transfers:
         t.send = {t.src: t.tokens}
         t.recv = {t.dst: t.tokens}
-    inter_members = {u for g in mb.groups if g.tier == "inter" and g.kind == "ring" for u in g.units}
+    inter_members = {u for g in mb.groups if g.tier == "inter" and g.kind in ("ring", "usp") for u in g.units}
     busy = {u for g in mb.groups if len(g.units) > 1 for u in g.units}
     sends: dict[int, list[tuple[_Transfer, int]]] = defaultdict(list)
     recvs: dict[int, list[tuple[_Transfer, int]]] = defaultdict(list)
@@ -296,10 +374,17 @@ def plan_routes(ctx: PlanContext, mb: MicroBatch, enable: bool = True) -> list[R
         for k, items in table.items():
             if k not in nodes:
                 nodes[k] = _Node(ctx, k, inter_members, busy, nic_of)
-            _spread(ctx, nodes[k], items, side, inter_members, busy, nic_of)
+            rings = [x for x in items if x[0].ring is None]
+            _spread(ctx, nodes[k], rings, side, inter_members, busy, nic_of)
+            if len(rings) < len(items):  # usp transfers, over their column rings' NICs beside the rings' loads
+                base: dict[str, float] = defaultdict(float)
+                for t, _ in rings:
+                    for u, x in (t.send if side == "send" else t.recv).items():
+                        base[nic_of[u]] += x * t.weight
+                _spread_columns(ctx, nodes[k], [x for x in items if x[0].ring is not None], side, base, nic_of)
     nbytes = cost.kv_bytes(np.array([t.tokens for t in transfers], dtype=np.float64))
-    routes = [Route(group=t.group, src=t.src, dst=t.dst, tokens=t.tokens, bytes=int(b), paths=_pair(nic_of, t))
-              for t, b in zip(transfers, nbytes)]
+    routes = [Route(group=t.group, src=t.src, dst=t.dst, tokens=t.tokens, bytes=int(b * t.share),
+                    paths=_pair(nic_of, t)) for t, b in zip(transfers, nbytes)]
     # whole-token splits of tiny transfers can load a NIC more than the direct paths: never worse
     from zeppelin.planner.costmodel.predict import nic_loads
 

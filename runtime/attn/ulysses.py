@@ -250,10 +250,12 @@ class _HeadToSeq(torch.autograd.Function):
 
 def expand_kv(kf, vf, ctx: _Ctx):
     """This position's K/V heads for its query heads: as received when the query heads cover whole
-    KV groups (GQA as is), else one KV head per query head (a split through a KV group)."""
-    q0, q1, k0, _ = ctx.heads[ctx.spec.pos]
+    KV groups or all use one KV head (GQA as is: a replicated KV head stays one head, so a usp
+    ring moves and the attention keeps one head's K/V), else one KV head per query head (a split
+    through several KV groups)."""
+    q0, q1, k0, k1 = ctx.heads[ctx.spec.pos]
     r = ctx.hq // ctx.hkv
-    if q0 % r == 0 and q1 % r == 0:
+    if (q0 % r == 0 and q1 % r == 0) or k1 - k0 == 1:
         return kf, vf
     idx = torch.arange(q0, q1, device=kf.device) // r - k0
     return kf.index_select(1, idx), vf.index_select(1, idx)

@@ -73,8 +73,8 @@ def template(tmp_path_factory) -> Path:
             zeppelin_main(["plan", "-m", "m.jsonl", "-c", "cluster.json", "--model", "model.json", "--steps", "2",
                            "--tokens-per-step", "2048", "-q", "-o", "p.jsonl"])
         (d / "x.txt").write_text("3\n4\n5\n")
-        # a two-node plan whose long sequence spans both nodes: it has routes over NICs and proxies (rings:
-        # the families' usp groups record no routes)
+        # a two-node plan whose long sequence spans both nodes: it has routes over NICs and proxies (rings
+        # of the tiered layouts: no family's groups)
         (d / "long.jsonl").write_text("".join(json.dumps({"length": n}) + "\n" for n in [100000, 2000, 3000, 5000] * 4))
         with _quiet():
             zeppelin_main(["plan", "-m", "long.jsonl", "--no-shuffle", "-c", "zeppelin-a:2", "--model", "llama-7b",

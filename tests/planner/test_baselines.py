@@ -433,8 +433,10 @@ def test_flexsp_step_budget_is_deterministic():
 
 def test_flexsp_fails_honestly():
     ctx = make_ctx("local-cpu:2x2", "tiny")  # 4 heads, 4 units: the largest group has 4 units
-    cap = ctx.cost.ulysses_token_capacity  # a Ulysses member also holds the all-to-alls' extra copies
-    assert cap < ctx.cost.token_capacity
+    # a Ulysses member also holds the all-to-alls' extra copies, and in a group of 4 over the 2 KV
+    # heads its replicated heads' K/V: FlexSP's one cap is that of its largest group
+    cap = ctx.cost.ulysses_capacity(4)
+    assert cap < ctx.cost.ulysses_token_capacity < ctx.cost.token_capacity
     with pytest.raises(PlanningError) as e:
         get_planner("flexsp", **FAST).plan_step(ctx, 0, seqs([50, 4 * cap + 1]))
     assert str(e.value) == (f"sequence 1 (sample 13, {4 * cap + 1} tokens) does not fit flexsp: the largest Ulysses "

@@ -32,7 +32,9 @@ TOL = 0.05
 LENGTHS = {"small": [256] * 8, "hf": [512] * 8}
 # attention layouts: the planner (and its forced group size) that makes them on 4 ranks
 LAYOUTS = {"local": ("packed-dp", {}), "ring": ("te-cp", {"cp": 2}), "ulysses": ("ulysses", {"sp": 2}),
-           "allgather": ("llama3-cp", {"cp": 2})}
+           "allgather": ("llama3-cp", {"cp": 2}),
+           # a Ulysses group of 4 over 2 KV heads: each KV head on 2 positions, its K/V kept twice
+           "ulysses-replicated": ("ulysses", {"sp": 4})}
 
 
 def _measure(rank: int, world: int, header_json: str, step_json: str, zero: int, recompute: str, dtype: str,
@@ -81,7 +83,7 @@ def _plan(spec, lengths, zero: int, recompute: str, layout: str = "local") -> tu
     seqs = [Sequence(sample_id=100 + i, length=L) for i, L in enumerate(lengths)]
     step = get_planner(planner, **options).plan_step(ctx, 0, seqs)
     kinds = {g.kind for mb in step.microbatches for g in mb.groups}
-    assert kinds == {"local" if layout == "local" else "ring" if layout == "ring" else layout}, kinds
+    assert kinds == {"local" if layout == "local" else "ring" if layout == "ring" else layout.split("-")[0]}, kinds
     return header, step
 
 
@@ -111,7 +113,7 @@ CASES = ([("small", "fp32", z, r, "local") for z in (0, 1, 2, 3) for r in ("none
          + [(m, "fp32", 3, "none", "local") for m in ("qwen2", "mistral", "qwen3", "qwen3-moe", "qwen2-moe",
                                                      "mixtral")]
          + [("qwen3", "fp32", 2, "full", "local"), ("qwen3-moe", "fp32", 2, "selective", "local"),
-            ("qwen2", "fp32", 2, "none", "ulysses")])
+            ("qwen2", "fp32", 2, "none", "ulysses"), ("qwen2", "fp32", 2, "none", "ulysses-replicated")])
 
 
 @pytest.mark.parametrize("model, dtype, zero, recompute, layout", CASES)
@@ -128,7 +130,8 @@ def test_predicted_memory_matches_measured(pool, hf_models, model, dtype, zero, 
     outs = pool.run(_measure, header.model_dump_json(), step.model_dump_json(), zero, recompute, dtype, hf,
                     timeout=240)
     cost = CostModel(header.cluster, spec, header.profile, zero_stage=zero, recompute=recompute)
-    extra = cost.ulysses_extra_split if layout == "ulysses" else (0.0, 0.0)
+    sp = LAYOUTS[layout][1].get("sp", 1)
+    extra = tuple(x * cost.ulysses_weight(sp) for x in cost.ulysses_extra_split) if sp > 1 else (0.0, 0.0)
     for rank, mem in enumerate(outs):
         tokens = mem["activation_tokens"]
         assert tokens == sum(lengths) // WORLD

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from zeppelin.schemas.cluster import cluster_preset
-from zeppelin.schemas.invariants import plan_problems
+from zeppelin.schemas.invariants import group_rings, inter_ring_transfers, plan_problems
 from zeppelin.schemas.layout import contiguous_ranges, usp_ranges
 from zeppelin.schemas.model import model_preset
-from zeppelin.schemas.plan import Group, MicroBatch, Placement, Sequence, StepPlan
+from zeppelin.schemas.plan import Group, MicroBatch, Placement, Route, RoutePath, Sequence, StepPlan
 
 from tests.runtime.test_flexsp_hydraulis_tp_plans import check, seed_header
 from tests.runtime.test_hf import _hf_step, transformers_reference
@@ -51,7 +51,26 @@ def usp_step(k: int = 0) -> StepPlan:
                      placements=[usp(6, (4, 2)), usp(7, (4, 2))], queues=[[0]] * 8)
     mb3 = MicroBatch(groups=[Group(kind="ulysses", tier="inter", units=list(range(8)), kv_replication=4)],
                      placements=[uly(8, 8), uly(9, 8)], queues=[[0]] * 8)
+    mb1.routes, mb2.routes = column_routes(mb1, relay=True), column_routes(mb2, relay=False)
     return StepPlan(step=k, sequences=seqs, microbatches=[mb0, mb1, mb2, mb3])
+
+
+def column_routes(mb: MicroBatch, relay: bool) -> list[Route]:
+    """A route for every node-crossing hop of the usp groups' column rings (4 units per node):
+    direct, or (``relay``) half of each block through the column ring's other unit on each node
+    (its other row there), which the runtime relays through inside the ring."""
+    nic = cluster_preset("local-cpu:2x4").nic_of
+    out = []
+    for (gi, s, d), tokens in inter_ring_transfers(mb, [u // 4 for u in range(8)]).items():
+        ring = next(x for x in group_rings(mb.groups[gi]) if s in x)
+        paths = [RoutePath(via_src=s, via_dst=d, nic_src=nic(s), nic_dst=nic(d), tokens=tokens)]
+        if relay:
+            a = next(x for x in ring if x // 4 == s // 4 and x != s)
+            b = next(x for x in ring if x // 4 == d // 4 and x != d)
+            paths = [paths[0].model_copy(update={"tokens": tokens // 2}),
+                     RoutePath(via_src=a, via_dst=b, nic_src=nic(a), nic_dst=nic(b), tokens=tokens - tokens // 2)]
+        out.append(Route(group=gi, src=s, dst=d, tokens=tokens, bytes=0, paths=paths))
+    return out
 
 
 def windowed_tiny():
@@ -83,11 +102,14 @@ def test_plan_states_shapes_and_replication():
     kinds = [(g.kind, g.shape, g.kv_replication) for mb in step.microbatches for g in mb.groups]
     assert kinds == [("usp", [2, 2], 1), ("ulysses", None, 2), ("usp", [2, 4], 1), ("usp", [4, 2], 2),
                      ("ulysses", None, 4)]
+    # the 2x4 group's column rings cross the nodes twice each, half of every block relayed
+    assert [(r.src, r.dst, [(p.via_src, p.via_dst) for p in r.paths]) for r in step.microbatches[1].routes] == [
+        (2, 4, [(2, 4), (0, 6)]), (6, 0, [(6, 0), (4, 2)]), (3, 5, [(3, 5), (1, 7)]), (7, 1, [(7, 1), (5, 3)])]
 
 
 def test_builtin_model_with_window_layer_equals_reference(pool):
     header = seed_header(cluster_preset("local-cpu:2x4"), windowed_tiny(), 1, "hand")
-    outs = check(pool, header, usp_step(), seed=3)
+    outs = check(pool, header, usp_step(), seed=3)  # (the 2x4 group's crossings relayed inside its columns)
     assert all(o["bytes"]["inter"] > 0 for o in outs)  # the 2x4 / 4x2 rings cross the nodes
 
 

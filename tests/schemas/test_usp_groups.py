@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from zeppelin.schemas.cluster import cluster_preset
 from zeppelin.schemas.common import content_hash
-from zeppelin.schemas.invariants import kv_replication, plan_problems
+from zeppelin.schemas.invariants import INVARIANTS, kv_replication, plan_problems, runtime_problems
 from zeppelin.schemas.layout import usp_ranges
 from zeppelin.schemas.model import model_preset
 from zeppelin.schemas.plan import Group, InputHashes, MicroBatch, Placement, PlanHeader, Sequence, StepPlan
@@ -31,6 +31,11 @@ def _step(group: Group, L: int = 20, ranges=None) -> StepPlan:
     pl = Placement(seq=0, group=0, scheme="zigzag" if group.kind == "usp" else "contiguous", ranges=rg)
     return StepPlan(step=0, sequences=[Sequence(sample_id=0, length=L)],
                     microbatches=[MicroBatch(groups=[group], placements=[pl], queues=[[0]] * 4)])
+
+
+def _problems(h, step):
+    """Every invariant but ``routes`` (these steps' usp groups cross nodes unrouted)."""
+    return plan_problems(h, step, names=[i.name for i in INVARIANTS if i.name != "routes"])
 
 
 def test_usp_ranges_rows_of_zigzag_chunks():
@@ -65,21 +70,21 @@ def test_heads_invariant():
     assert kv_replication(4, 2, 1, 3) is None and kv_replication(6, 4, 1, 6) is None
     h = _header()  # tiny: 4 query heads, 2 KV heads
     ok = Group(kind="usp", tier="inter", units=[0, 1, 2, 3], shape=[2, 2], kv_replication=1)
-    assert plan_problems(h, _step(ok)) == []
+    assert _problems(h, _step(ok)) == []
     wrong = Group(kind="usp", tier="inter", units=[0, 1, 2, 3], shape=[2, 2], kv_replication=2)
-    assert plan_problems(h, _step(wrong)) == [
+    assert _problems(h, _step(wrong)) == [
         "heads: step 0 microbatch 0: group 0 states kv_replication 2, but rows of 2 positions over 2 KV heads "
         "replicate each 1x"]
     uly = Group(kind="ulysses", tier="inter", units=[0, 1, 2, 3], kv_replication=1)
-    assert plan_problems(h, _step(uly, ranges=[[[0, 5]], [[5, 10]], [[10, 15]], [[15, 20]]])) == [
+    assert _problems(h, _step(uly, ranges=[[[0, 5]], [[5, 10]], [[10, 15]], [[15, 20]]])) == [
         "heads: step 0 microbatch 0: group 0 states kv_replication 1, but rows of 4 positions over 2 KV heads "
         "replicate each 2x"]
     four = Group(kind="usp", tier="inter", units=[0, 1, 2, 3], shape=[4, 1], kv_replication=1)
-    assert plan_problems(_header("small"), _step(four)) == []  # 8 heads / 4 KV heads: u=4, no replication
+    assert _problems(_header("small"), _step(four)) == []  # 8 heads / 4 KV heads: u=4, no replication
     three = Group(kind="usp", tier="inter", units=[0, 1, 2], shape=[3, 1], kv_replication=1)
     step = _step(three, ranges=usp_ranges(20, 3, 1))
     step.microbatches[0].queues = [[0], [0], [0], []]
-    assert plan_problems(h, step) == [
+    assert _problems(h, step) == [
         "heads: step 0 microbatch 0: group 0 splits the 4 query heads of a unit over 3 positions per row; a usp "
         "row needs a size that divides them (and is a multiple of the 2 KV heads when larger)"]
 
@@ -87,6 +92,35 @@ def test_heads_invariant():
 def test_zigzag_usp_layout_is_checked():
     g = Group(kind="usp", tier="inter", units=[0, 1, 2, 3], shape=[2, 2], kv_replication=1)
     step = _step(g, ranges=usp_ranges(20, 2, 2, "contiguous"))  # declared zigzag
-    assert plan_problems(_header(), step) == [
+    assert _problems(_header(), step) == [
         "ring-order: step 0 microbatch 0: sequence 0 is not cut into 2r=4 zigzag chunks split over the 2 "
         "positions of each row of usp group 0"]
+
+
+def test_usp_column_rings_crossing_nodes_have_routes_relayed_inside_the_column():
+    from zeppelin.schemas.plan import Route, RoutePath
+
+    h = _header()
+    g = Group(kind="usp", tier="inter", units=[0, 1, 2, 3], shape=[2, 2], kv_replication=1)
+    step = _step(g)  # rows [0, 1] and [2, 3] on the two nodes; column rings [0, 2] and [1, 3]
+    nic = h.cluster.nic_of
+
+    def route(s, d, via=None):  # each row holds 10 of the 20 tokens: what its positions send per round
+        a = s if via is None else via
+        return Route(group=0, src=s, dst=d, tokens=10, bytes=1,
+                     paths=[RoutePath(via_src=a, via_dst=d, nic_src=nic(a), nic_dst=nic(d), tokens=10)])
+
+    assert plan_problems(h, step, names=["routes"]) == [
+        f"routes: step 0 microbatch 0: group 0: inter-node transfer {s}->{d} has no route"
+        for s, d in [(0, 2), (1, 3), (2, 0), (3, 1)]]
+    step.microbatches[0].routes = [route(0, 2), route(1, 3), route(2, 0), route(3, 1)]
+    assert plan_problems(h, step) == []
+    step.microbatches[0].routes[0] = route(0, 2, via=1)  # unit 1 runs the other column's ring
+    want = ("step 0 microbatch 0: unit 1 relays transfer 0->2 of usp group 0, outside the transfer's column "
+            "ring [0, 2]")
+    assert plan_problems(h, step) == [f"relays: {want}"]
+    assert runtime_problems(h, step) == [want]
+    step.microbatches[0].routes[0] = Route(group=0, src=0, dst=3, tokens=10, bytes=1, paths=[
+        RoutePath(via_src=0, via_dst=3, nic_src=nic(0), nic_dst=nic(3), tokens=10)])
+    assert plan_problems(h, step, names=["routes"])[0] == ("routes: step 0 microbatch 0: route 0->3 of group 0: "
+                                                           "3 is not the ring successor of 0")

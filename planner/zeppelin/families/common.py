@@ -10,12 +10,58 @@ import heapq
 import numpy as np
 
 from zeppelin.planner.core.base import PlanContext, pow2_sizes
+from zeppelin.planner.core.builder import StepBuilder
+from zeppelin.planner.costmodel.predict import predict_step
+from zeppelin.planner.zeppelin.routing import plan_routes
+from zeppelin.schemas.plan import SolverInfo
 
 
 def ceil_div(a, b):
     return -(-np.asarray(a) // b)
 
 
+def group_dispatch(cost: dict[int, np.ndarray], fits: dict[int, np.ndarray]):
+    """``(run, bound)`` of a family whose group type is its size in units: ``run(cfg)``:
+    :func:`dispatch` over the counts ``cfg``; ``bound(cfg)``: :func:`dispatch_bound` of it."""
+
+    def run(cfg):
+        return dispatch({t: cost[t] for t in cfg}, {t: fits[t] for t in cfg}, cfg)
+
+    def bound(cfg):
+        return dispatch_bound(cost, fits, cfg, {t: t for t in cfg})
+
+    return run, bound
+
+
+def build_groups(ctx: PlanContext, step: int, sequences, cost, need, cfg, owner, place, family: str, desc: str,
+                 routing: bool = False):
+    """The plan of a whole-step dispatch over groups whose type is their size: groups on aligned
+    blocks of units (largest first), each group's sequences cut into micro-batches under its
+    memory cap (:func:`pack_bins`). ``place(t)``: a type's ``(kind, cap, shape)``; ``routing``:
+    node-crossing ring hops routed over the NICs (:func:`zeppelin.planner.zeppelin.routing.plan_routes`;
+    else direct)."""
+    blocks: dict[tuple[int, int], list[int]] = {}
+    u0 = 0
+    for t in sorted(cfg, reverse=True):
+        for g in range(cfg[t]):
+            blocks[(t, g)] = list(range(u0, u0 + t))
+            u0 += t
+    b = StepBuilder(ctx, sequences, "zeppelin")
+    members: dict[tuple[int, int], list[int]] = {}
+    for i, key in enumerate(owner):
+        members.setdefault(key, []).append(i)
+    for key in sorted(members):
+        t = key[0]
+        kind, cap, shape = place(t)
+        for k, bin_ in enumerate(pack_bins(members[key], need[t], cost[t], cap)):
+            for i in sorted(bin_, key=lambda i: (-sequences[i].length, i)):
+                b.place(k, kind, blocks[key], i, shape=shape)
+    plan = b.finish(step, SolverInfo(name="greedy"), notes={"family": family, "groups": desc},
+                    predict=lambda c, p: None, routes=False)  # (predicted once routed)
+    for mb in plan.microbatches:
+        mb.routes = plan_routes(ctx, mb, enable=routing)
+    plan.prediction = predict_step(ctx, plan)
+    return plan
 
 
 def group_counts(m: int) -> list[int]:
@@ -272,7 +318,7 @@ def token_slope(ctx: PlanContext, cm, T: float, s: int = 1, link: str = "intra")
     """Marginal time per token (linear modules, LM head, TP and - for ``s`` > 1 - Ulysses
     all-to-alls) of a unit holding about ``T`` tokens: the secant between T/2 and T."""
 
-    def f(x):
+    def f(x):  # (a Ulysses row past the KV heads sends their replicas: CostModel.ulysses_comm_time)
         comm = cm.ulysses_comm_time(x, s, link) if s > 1 else 0.0
         tp = cm.tp_exposed_comm(x) if cm.tp > 1 else 0.0
         return float(ctx.model.num_layers * (cm.linear_time(x) + comm + tp) + cm.head_time(x))

@@ -13,19 +13,17 @@ from __future__ import annotations
 import numpy as np
 
 from zeppelin.planner.core.base import PlanContext, pow2_sizes
-from zeppelin.planner.core.builder import StepBuilder
 from zeppelin.planner.zeppelin.families.common import (
     best_dispatches,
+    build_groups,
     ceil_div,
-    dispatch,
-    dispatch_bound,
     group_counts,
-    pack_bins,
+    group_dispatch,
     refine,
     token_slope,
 )
 from zeppelin.planner.zeppelin.protocols import Candidate
-from zeppelin.schemas.plan import Sequence, SolverInfo
+from zeppelin.schemas.plan import Sequence
 
 name = "ulysses-groups"
 
@@ -40,12 +38,7 @@ def ulysses_groups(ctx: PlanContext, step: int, sequences: list[Sequence], top: 
     n = ctx.num_units
     L = np.array([s.length for s in sequences], dtype=np.int64)
     sizes, cost, fits, need = _group_prices(ctx, L)
-
-    def run(cfg):
-        return dispatch({t: cost[t] for t in cfg}, {t: fits[t] for t in cfg}, cfg)
-
-    def bound(cfg):
-        return dispatch_bound(cost, fits, cfg, {t: t for t in cfg})
+    run, bound = group_dispatch(cost, fits)
 
     homo = [{s: n // s} for s in sizes]
     scored = best_dispatches(homo, run, bound, top + 1)
@@ -88,28 +81,18 @@ def _group_prices(ctx: PlanContext, L: np.ndarray):
         slope = token_slope(ctx, cm, T_avg, s, link)
         cost[s] = ctx.model.num_layers * cm.ulysses_attn_time(Lf, s) + slope * Lf / s
         need[s] = ceil_div(L, s)
-        fits[s] = need[s] <= (cm.ulysses_token_capacity if s > 1 else cm.token_capacity)
+        fits[s] = need[s] <= _cap(cm, s)
     return sizes, cost, fits, need
 
 
+def _cap(cm, s: int) -> int:
+    """Tokens a member of a group of ``s`` holds: a Ulysses member's extra copies (replicated K/V
+    heads where ``s`` exceeds them) counted."""
+    return cm.ulysses_capacity(s) if s > 1 else cm.token_capacity
+
+
 def _build(ctx: PlanContext, step: int, sequences: list[Sequence], cost, need, cfg, owner):
-    """The plan of a dispatch: groups on aligned blocks (largest size first), each group's
-    sequences cut into micro-batches under the memory cap."""
-    blocks: dict[tuple[int, int], list[int]] = {}
-    u0 = 0
-    for t in sorted(cfg, reverse=True):
-        for g in range(cfg[t]):
-            blocks[(t, g)] = list(range(u0, u0 + t))
-            u0 += t
-    b = StepBuilder(ctx, sequences, "zeppelin")
-    members: dict[tuple[int, int], list[int]] = {}
-    for i, key in enumerate(owner):
-        members.setdefault(key, []).append(i)
-    for key in sorted(members):
-        t = key[0]
-        cap = ctx.cost.ulysses_token_capacity if t > 1 else ctx.cost.token_capacity
-        for k, bin_ in enumerate(pack_bins(members[key], need[t], cost[t], cap)):
-            for i in sorted(bin_, key=lambda i: (-sequences[i].length, i)):
-                b.place(k, "ulysses" if t > 1 else "local", blocks[key], i)
+    """The plan of a dispatch: Ulysses groups (one unit: whole sequences) on aligned blocks."""
     desc = " + ".join(f"{cfg[t]} x sp={t}" for t in sorted(cfg, reverse=True))
-    return b.finish(step, SolverInfo(name="greedy"), notes={"family": "ulysses-groups", "groups": desc})
+    return build_groups(ctx, step, sequences, cost, need, cfg, owner,
+                        lambda t: ("ulysses" if t > 1 else "local", _cap(ctx.cost, t), None), name, desc)

@@ -11,28 +11,28 @@ groups price cheapest for the step's sequences) for the long sequences, and the 
 as Ulysses groups of a size ``s`` inside a node (or whole-sequence units), sequences dealt
 whole-step to the group where they finish earliest (cost-model time), each group's share cut into
 micro-batches first-fit-decreasing under the memory cap; also every unit in usp groups of one
-size. Steps without a long sequence get no candidate (one pass over the lengths).
+size. The few configurations kept are built and ranked by the prediction (the score prices
+sequences alone and groups as independent). Steps without a long sequence get no candidate (one
+pass over the lengths).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from zeppelin.planner.core.base import PlanContext, pow2_sizes
-from zeppelin.planner.core.builder import StepBuilder
+from zeppelin.planner.core.base import PlanContext, PlanningError, pow2_sizes
 from zeppelin.planner.zeppelin.families.common import (
     best_dispatches,
+    build_groups,
     ceil_div,
-    dispatch,
-    dispatch_bound,
     group_counts,
-    pack_bins,
+    group_dispatch,
     refine,
     token_slope,
 )
 from zeppelin.planner.zeppelin.protocols import Candidate
 from zeppelin.schemas.invariants import kv_replication
-from zeppelin.schemas.plan import Sequence, SolverInfo
+from zeppelin.schemas.plan import Sequence
 
 name = "usp-groups"
 
@@ -40,10 +40,11 @@ name = "usp-groups"
 def candidates(ctx: PlanContext, step: int, sequences: list[Sequence], limit: float | None = None,
                routing: bool = True, top: int = 2) -> list[Candidate]:
     """The family's best ``top`` configurations (``limit``: none scored above it)."""
-    return usp_groups(ctx, step, sequences, top=top, limit=limit)
+    return usp_groups(ctx, step, sequences, top=top, limit=limit, routing=routing)
 
 
-def usp_groups(ctx: PlanContext, step: int, sequences: list[Sequence], top: int = 2, limit: float | None = None):
+def usp_groups(ctx: PlanContext, step: int, sequences: list[Sequence], top: int = 2, limit: float | None = None,
+               routing: bool = True):
     n, upn = ctx.num_units, ctx.units_per_node
     if n < 2 * upn or not _row_sizes(ctx):
         return []
@@ -51,12 +52,7 @@ def usp_groups(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
     small, big, shape, cost, fits, need = _prices(ctx, L)
     if not big or not _has_long(L, small, cost, fits, n):
         return []
-
-    def run(cfg):
-        return dispatch({t: cost[t] for t in cfg}, {t: fits[t] for t in cfg}, cfg)
-
-    def bound(cfg):
-        return dispatch_bound(cost, fits, cfg, {t: t for t in cfg})
+    run, bound = group_dispatch(cost, fits)
 
     homo = [{S: n // S} for S in big]
     mixed = [{S: k, s: (n - k * S) // s} for S in big for s in small for k in group_counts(n // S)
@@ -71,9 +67,30 @@ def usp_groups(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
         refined.append((span, a, cfg, owner))
     refined.sort(key=lambda x: (x[0], x[1]))
     keep = [x for x in refined if x[1] < len(homo)] + [x for x in refined if x[1] >= len(homo)][:top]
-    return [Candidate(span, a, (lambda cfg=cfg, owner=owner: _build(ctx, step, sequences, shape, cost, need,
-                                                                  cfg, owner)))
-            for span, a, cfg, owner in sorted(keep, key=lambda x: (x[0], x[1]))]
+    return _ranked_by_prediction(ctx, [(span, a, (lambda cfg=cfg, owner=owner: _build(
+        ctx, step, sequences, shape, cost, need, cfg, owner, routing))) for span, a, cfg, owner in keep])
+
+
+def _ranked_by_prediction(ctx: PlanContext, found: list) -> list[Candidate]:
+    """The family's configurations ``(score, index, build)`` built and ranked by their predicted step
+    time: the family's score prices each sequence alone on its group type and its groups as if
+    they never waited for each other, which ranks usp sizes wrongly where one group of many rows
+    hides its rings' rounds behind all of the step's sequences and several groups' micro-batches
+    wait for each other (coupled micro-batches). The best-predicted keeps the family's best score
+    (what the other families' scores are compared with); the others' scores are scaled by their
+    predictions. A configuration that does not fit is dropped."""
+    built = []
+    for score, a, build in found:
+        try:
+            built.append((score, a, build()))
+        except PlanningError:
+            continue
+    if not built:
+        return []
+    best = min(score for score, _, _ in built)
+    low = min(p.prediction.step_time_s for _, _, p in built)
+    ranked = sorted(((best * p.prediction.step_time_s / low, a, p) for _, a, p in built), key=lambda x: (x[0], x[1]))
+    return [Candidate(score, a, (lambda p=p: p)) for score, a, p in ranked]
 
 
 def _row_sizes(ctx: PlanContext) -> list[int]:
@@ -97,12 +114,12 @@ def _prices(ctx: PlanContext, L: np.ndarray):
     for s in small:
         cost[s] = layers * cm.ulysses_attn_time(Lf, s) + token_slope(ctx, cm, T_avg, s, "intra") * Lf / s
         need[s] = ceil_div(L, s)
-        fits[s] = need[s] <= cm.token_capacity
+        fits[s] = need[s] <= (cm.ulysses_capacity(s) if s > 1 else cm.token_capacity)
     big = []
     for S in (x for x in pow2_sizes(n) if x > upn and n % x == 0):
         best = None
         for u in _row_sizes(ctx):
-            c = layers * cm.usp_seq_time(Lf, u, S // u, "inter") + _slope(ctx, T_avg, u) * Lf / S
+            c = layers * _usp_seq_time(cm, Lf, u, S // u) + token_slope(ctx, cm, T_avg, u, "intra") * Lf / S
             if best is None or float(c.sum()) < float(best[1].sum()):
                 best = (u, c)
         if best is None:
@@ -110,21 +127,21 @@ def _prices(ctx: PlanContext, L: np.ndarray):
         big.append(S)
         shape[S], cost[S] = (best[0], S // best[0]), best[1]
         need[S] = ceil_div(L, S)
-        fits[S] = need[S] <= cm.token_capacity
+        fits[S] = need[S] <= cm.ulysses_capacity(best[0])
     return small, big, shape, cost, fits, need
 
 
-def _slope(ctx: PlanContext, T: float, u: int) -> float:
-    """Marginal time per token of a unit in a usp row of u (linear modules, LM head, TP, the rows'
-    all-to-alls with replicated K/V): the secant between T/2 and T."""
-    cm = ctx.cost
-
-    def f(x):
-        tp = cm.tp_exposed_comm(x) if cm.tp > 1 else 0.0
-        return float(ctx.model.num_layers * (cm.linear_time(x) + cm.ulysses_rep_comm_time(x, u, "intra") + tp)
-                     + cm.head_time(x))
-
-    return (f(T) - f(T / 2)) / (T / 2)
+def _usp_seq_time(cm, L: np.ndarray, u: int, r: int) -> np.ndarray:
+    """Per sequence, its per-layer time on a usp group of u x r beside the step's other sequences:
+    its rounds' compute on 1/u of the heads, and a share by tokens of the exposed ring transfers of
+    all of them in one group (a ring round moves every sequence's blocks at once and hides behind
+    all of their compute: priced alone, a short sequence would pay a round's latency unhidden)."""
+    t0, tr = cm.ring_round_compute(L, r)
+    if r <= 1:
+        return t0 / u
+    _, _, exposed = cm.usp_terms(L, u, r, "intra", "inter")
+    a2a = float(cm.ulysses_comm_time(float(L.sum()) / (u * r), u, "intra")) if u > 1 else 0.0
+    return (t0 + (r - 1) * tr) / u + max(exposed - a2a, 0.0) * L / max(float(L.sum()), 1.0)
 
 
 #: a sequence is long when on its best group inside a node it alone takes more than this share of
@@ -145,25 +162,17 @@ def _has_long(L: np.ndarray, small: list[int], cost, fits, n: int) -> bool:
     return bool(best.max() > LONG_SHARE * area.sum() / n)
 
 
-def _build(ctx: PlanContext, step: int, sequences: list[Sequence], shape, cost, need, cfg, owner):
+def _build(ctx: PlanContext, step: int, sequences: list[Sequence], shape, cost, need, cfg, owner, routing: bool):
     """The plan of a dispatch: groups on aligned blocks (largest first; a usp group's rows are u
-    consecutive units), each group's sequences cut into micro-batches under the memory cap."""
-    blocks: dict[tuple[int, int], list[int]] = {}
-    u0 = 0
-    for t in sorted(cfg, reverse=True):
-        for g in range(cfg[t]):
-            blocks[(t, g)] = list(range(u0, u0 + t))
-            u0 += t
-    b = StepBuilder(ctx, sequences, "zeppelin")
-    members: dict[tuple[int, int], list[int]] = {}
-    for i, key in enumerate(owner):
-        members.setdefault(key, []).append(i)
-    for key in sorted(members):
-        t = key[0]
-        kind = "usp" if t in shape else ("ulysses" if t > 1 else "local")
-        for k, bin_ in enumerate(pack_bins(members[key], need[t], cost[t], ctx.cost.token_capacity)):
-            for i in sorted(bin_, key=lambda i: (-sequences[i].length, i)):
-                b.place(k, kind, blocks[key], i, shape=shape.get(t))
+    consecutive units), the column rings' hops between nodes routed (``routing``) over the NICs of
+    their rings' units."""
+    cm = ctx.cost
+
+    def place(t):
+        if t in shape:
+            return "usp", cm.ulysses_capacity(shape[t][0]), shape[t]
+        return ("ulysses", cm.ulysses_capacity(t), None) if t > 1 else ("local", cm.token_capacity, None)
+
     desc = " + ".join(f"{cfg[t]} x usp={shape[t][0]}x{shape[t][1]}" if t in shape else f"{cfg[t]} x sp={t}"
                       for t in sorted(cfg, reverse=True))
-    return b.finish(step, SolverInfo(name="greedy"), notes={"family": "usp-groups", "groups": desc})
+    return build_groups(ctx, step, sequences, cost, need, cfg, owner, place, name, desc, routing)
