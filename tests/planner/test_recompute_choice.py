@@ -238,3 +238,28 @@ def test_auto_judges_its_modes_as_select_judges_candidates():
     ctx, seqs, plan_one = _made_under("selective", [300, 200])
     plan = plan_one(ctx.__class__(ctx.cluster, ctx.model, ctx.profile, recompute="selective"), 0, seqs)
     assert get_planner("zeppelin")._mode_score(ctx)(plan) == Simulator(ctx).simulate_step(plan).step_time_s
+
+
+def test_a_plan_is_not_kept_as_made_where_a_micro_batch_would_not_fit_so():
+    """A plan handed in as made without recomputation whose units hold more than that allows (as a
+    layout's extra copies can make them): its choice per micro-batch stays, however much faster the
+    judge rates it without recomputation, and every micro-batch fits."""
+    from zeppelin.planner.core.base import PlanningError
+    from zeppelin.planner.tools.validate import memory_problems
+    from zeppelin.planner.zeppelin import recompute as recompute_mod
+
+    cap = CostModel(tight_cluster(0.56), model_preset("small")).recompute_capacity("none")
+    ctx, seqs, _ = _made_under("selective", [int(1.5 * cap)] * 3)
+    planner = get_planner("zeppelin", families="none")
+
+    def plan_one(mctx, step, s):  # "made without recomputation", but under selective's capacity
+        if mctx.recompute != "none":
+            raise PlanningError("none only")
+        return planner._plan_step(recompute_mod.mode_context(ctx, "selective"), step, s)
+
+    def judge(p):
+        return p.prediction.step_time_s * (0.5 if all(mb.recompute is None for mb in p.microbatches) else 1.0)
+
+    plan = recompute_mod.plan_step(ctx, 0, seqs, plan_one, judge)
+    assert [mb.recompute for mb in plan.microbatches] == ["full:2"]
+    assert [memory_problems(ctx, plan, i, mb) for i, mb in enumerate(plan.microbatches)] == [[]]
