@@ -33,7 +33,7 @@ from zeppelin.planner.core.solver import SolveLimits
 from zeppelin.planner.zeppelin import families as families_mod
 from zeppelin.planner.zeppelin import recompute as recompute_mod
 from zeppelin.planner.zeppelin.options import ZeppelinOptions
-from zeppelin.planner.zeppelin.select import select
+from zeppelin.planner.zeppelin.select import CONFIRM_MAX_UNITS, select
 from zeppelin.planner.zeppelin.step_searches import search_step
 from zeppelin.planner.zeppelin.step_state import StepState
 from zeppelin.planner.zeppelin.tiering import Tiering
@@ -126,6 +126,17 @@ class ZeppelinPlanner(Planner):
         (:func:`.select.select`); None with ``select=predict`` (the prediction alone)."""
         return None if self.select == "predict" else partial(self._simulator, ctx)
 
+    def _mode_score(self, ctx: PlanContext):
+        """How ``--recompute auto`` judges its plans under each mode (:func:`.recompute.plan_step`): as
+        :func:`.select.select` judges a step's candidates - by the simulator where it judges them all or
+        confirms the best (clusters of at most ``select.CONFIRM_MAX_UNITS`` units), else (None) by the
+        prediction. A plan the prediction rates faster than the simulator does would otherwise win
+        across modes on the clusters where the simulator picks within each."""
+        if self._judge(ctx) is None and (self.select == "predict" or ctx.num_units > CONFIRM_MAX_UNITS):
+            return None
+        sim = self._simulator(ctx)
+        return lambda p: sim.simulate_step(p).step_time_s
+
     def _family_names(self, only=None) -> list[str]:
         """The families tried for a step (``only``: of these alone); Ulysses groups need ``intra=auto``."""
         return [f for f in self.families if not (f == "ulysses-groups" and self.intra == "ring")  # rings only
@@ -164,9 +175,7 @@ class ZeppelinPlanner(Planner):
         gc.disable()
         try:
             if recompute_mod.chooses(ctx):
-                judge = self._judge(ctx)
-                score = (lambda p: judge.simulate_step(p).step_time_s) if judge is not None else None
-                return recompute_mod.plan_step(ctx, step, sequences, self._plan_step, score)
+                return recompute_mod.plan_step(ctx, step, sequences, self._plan_step, self._mode_score(ctx))
             return self._plan_step(ctx, step, sequences)
         finally:
             if gc_was_on:

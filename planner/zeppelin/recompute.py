@@ -3,8 +3,9 @@
 A step is planned under the token capacity of each global mode (``none``, then ``selective`` and
 ``full`` where they may help); in each candidate every micro-batch then takes, of the choices
 under which all its units fit (``none``, ``selective``, ``full:k`` with the fewest layers k that
-fit), the one whose slowest unit is fastest with the forward it runs again, and the candidate
-judged fastest (by the simulator where the planner selects by it, else by the prediction) is the
+fit), the one whose slowest unit is fastest with the forward it runs again (kept only where it is
+judged at least as fast as the plan in the mode it was made for), and the candidate judged fastest
+(by the simulator where the planner selects or confirms by it, else by the prediction) is the
 step's plan. So the micro-batching itself trades "one micro-batch with recomputation" (the
 larger capacity) against "two without" (the smaller) by predicted time. A step whose plan without
 recomputation has one micro-batch is that plan: recomputation could only add time.
@@ -78,15 +79,20 @@ def _fitting(ctx: PlanContext, costs: list, held: np.ndarray, uly: np.ndarray | 
     return out + ["full" if lo >= L else f"full:{lo}"]
 
 
+def fitting_choices(ctx: PlanContext, step: StepPlan, mb: MicroBatch) -> list[str]:
+    """The choices under which every unit of ``mb`` fits (:func:`_fitting`)."""
+    reps = step.replicas
+    n = len(mb.queues)
+    costs = [ctx.cost] * n if reps is None else [ctx.cost_for(r.tp) for r in reps]
+    return _fitting(ctx, costs, held_tokens(mb, n), ulysses_held_tokens(mb, n, costs))
+
+
 def choose_microbatch(ctx: PlanContext, step: StepPlan, mb: MicroBatch) -> str:
     """The choice under which every unit of ``mb`` fits and the micro-batch's slowest unit is
     fastest (its attention and linear work plus the forward the choice runs again); ``full``
     when none fits (the plan's memory check then names the unit)."""
     reps = step.replicas
-    n = len(mb.queues)
-    costs = [ctx.cost] * n if reps is None else [ctx.cost_for(r.tp) for r in reps]
-    held = held_tokens(mb, n)
-    choices = _fitting(ctx, costs, held, ulysses_held_tokens(mb, n, costs))
+    choices = fitting_choices(ctx, step, mb)
     if len(choices) <= 1:
         return choices[0] if choices else "full"
     mb.recompute = None
@@ -121,11 +127,10 @@ def plan_step(ctx: PlanContext, step: int, sequences: list[Sequence],
     error: PlanningError | None = None
     for mode in CANDIDATE_MODES:
         try:
-            plan = assign(ctx, plan_one(mode_context(ctx, mode), step, sequences))
+            plan, t = _judged(ctx, plan_one(mode_context(ctx, mode), step, sequences), mode, score)
         except PlanningError as e:
             error = error or e
             continue
-        t = score(plan)
         if best is None or t < best_t:
             best, best_t = plan, t
         if mode == "none" and len(plan.microbatches) == 1:
@@ -133,3 +138,33 @@ def plan_step(ctx: PlanContext, step: int, sequences: list[Sequence],
     if best is None:
         raise error
     return best
+
+
+def _fits_as(ctx: PlanContext, plan: StepPlan, mb: MicroBatch, mode: str) -> bool:
+    """Whether every unit of ``mb`` fits under the global ``mode`` (``full``: all layers)."""
+    choices = fitting_choices(ctx, plan, mb)
+    return mode in choices or (mode == "full" and any(c.startswith("full") for c in choices))
+
+
+def _judged(ctx: PlanContext, plan: StepPlan, mode: str, score: Callable[[StepPlan], float]) -> tuple[StepPlan, float]:
+    """``plan`` (made under the global ``mode``) with its choices per micro-batch (:func:`assign`) and
+    its score; where ``score`` rates the plan as made, every micro-batch in ``mode``, faster (the
+    choice prices the slowest unit's forward, the simulator also plays out its waits) and every
+    micro-batch fits so, that one: a choice per micro-batch never loses to the global mode its plan
+    was made for."""
+    assign(ctx, plan)
+    chosen = [mb.recompute for mb in plan.microbatches]
+    t = score(plan)
+    as_made = None if mode == "none" else mode
+    if all(c == as_made for c in chosen) or not all(_fits_as(ctx, plan, mb, mode) for mb in plan.microbatches):
+        return plan, t  # as chosen, or as made would not fit (a layout's extra copies the capacity misses)
+    for mb in plan.microbatches:
+        mb.recompute = as_made
+    plan.prediction = predict_step(ctx, plan)
+    t_made = score(plan)
+    if t_made < t:
+        return plan, t_made
+    for mb, c in zip(plan.microbatches, chosen):
+        mb.recompute = c
+    plan.prediction = predict_step(ctx, plan)
+    return plan, t

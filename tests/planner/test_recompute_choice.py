@@ -182,3 +182,84 @@ def test_compare_says_which_mode_each_planner_ran_with():
     stats = [{"planner": "zeppelin", "recompute": "per-microbatch"}, {"planner": "te-cp", "recompute": "none"},
              {"planner": "flexsp", "recompute": "none"}]
     assert recompute_note(stats) == "recompute: per micro-batch (zeppelin), none (te-cp, flexsp)"
+
+
+def _made_under(mode_made: str, lengths):
+    """A ``plan_one`` for :func:`recompute.plan_step` that plans under ``mode_made`` alone (zeppelin
+    without families on 4 units of 0.56 GB) and cannot plan under any other mode."""
+    from zeppelin.planner.core.base import PlanningError
+
+    planner = get_planner("zeppelin", families="none")
+
+    def plan_one(mctx, step, seqs):
+        if mctx.recompute != mode_made:
+            raise PlanningError(f"not {mode_made}")
+        return planner._plan_step(mctx, step, seqs)
+
+    cl, md = tight_cluster(0.56), model_preset("small")
+    ctx = PlanContext(cl, md, CostModel(cl, md).profile, recompute="auto")
+    return ctx, [Sequence(sample_id=i, length=n) for i, n in enumerate(lengths)], plan_one
+
+
+def test_a_choice_per_micro_batch_never_loses_to_the_mode_its_plan_was_made_for():
+    """Three sequences of 1.5x what a unit holds without recomputation: the plan made under
+    ``selective`` is one micro-batch, for which the choice prices ``full:2`` faster. Kept where the
+    judge agrees; where the judge rates the plan as made (every micro-batch ``selective``) faster,
+    that one is the step's plan, its prediction under ``selective``."""
+    from zeppelin.planner.zeppelin import recompute as recompute_mod
+
+    cap = CostModel(tight_cluster(0.56), model_preset("small")).recompute_capacity("none")
+    ctx, seqs, plan_one = _made_under("selective", [int(1.5 * cap)] * 3)
+    chosen = recompute_mod.plan_step(ctx, 0, seqs, plan_one)
+    assert [mb.recompute for mb in chosen.microbatches] == ["full:2"]
+
+    def judge(p):  # rates the micro-batches in selective 10% faster than the prediction does
+        return p.prediction.step_time_s * (0.9 if all(mb.recompute == "selective" for mb in p.microbatches) else 1.0)
+
+    made = recompute_mod.plan_step(ctx, 0, seqs, plan_one, judge)
+    assert [mb.recompute for mb in made.microbatches] == ["selective"]
+    assert made.prediction.step_time_s == predict_step(ctx, made).step_time_s > chosen.prediction.step_time_s
+
+
+def test_auto_judges_its_modes_as_select_judges_candidates():
+    """By the simulator up to the cluster size where select confirms its best by it (32 units),
+    by the prediction beyond and under ``select=predict``."""
+    from zeppelin.planner.core.inputs import resolve_cluster, resolve_model, resolve_profile
+    from zeppelin.planner.sim.simulate import Simulator
+
+    def ctx_of(cluster, tp):
+        cl = resolve_cluster(cluster)
+        return PlanContext(cl, resolve_model("llama-13b"), resolve_profile(None, cl), tp=tp, recompute="auto")
+
+    zp = get_planner("zeppelin")
+    assert ctx_of("zeppelin-a:8", 2).num_units == 32 and zp._mode_score(ctx_of("zeppelin-a:8", 2)) is not None
+    assert zp._mode_score(ctx_of("zeppelin-a:8", 1)) is None  # 64 units
+    assert get_planner("zeppelin", select="predict")._mode_score(ctx_of("zeppelin-a:2", 2)) is None
+    ctx, seqs, plan_one = _made_under("selective", [300, 200])
+    plan = plan_one(ctx.__class__(ctx.cluster, ctx.model, ctx.profile, recompute="selective"), 0, seqs)
+    assert get_planner("zeppelin")._mode_score(ctx)(plan) == Simulator(ctx).simulate_step(plan).step_time_s
+
+
+def test_a_plan_is_not_kept_as_made_where_a_micro_batch_would_not_fit_so():
+    """A plan handed in as made without recomputation whose units hold more than that allows (as a
+    layout's extra copies can make them): its choice per micro-batch stays, however much faster the
+    judge rates it without recomputation, and every micro-batch fits."""
+    from zeppelin.planner.core.base import PlanningError
+    from zeppelin.planner.tools.validate import memory_problems
+    from zeppelin.planner.zeppelin import recompute as recompute_mod
+
+    cap = CostModel(tight_cluster(0.56), model_preset("small")).recompute_capacity("none")
+    ctx, seqs, _ = _made_under("selective", [int(1.5 * cap)] * 3)
+    planner = get_planner("zeppelin", families="none")
+
+    def plan_one(mctx, step, s):  # "made without recomputation", but under selective's capacity
+        if mctx.recompute != "none":
+            raise PlanningError("none only")
+        return planner._plan_step(recompute_mod.mode_context(ctx, "selective"), step, s)
+
+    def judge(p):
+        return p.prediction.step_time_s * (0.5 if all(mb.recompute is None for mb in p.microbatches) else 1.0)
+
+    plan = recompute_mod.plan_step(ctx, 0, seqs, plan_one, judge)
+    assert [mb.recompute for mb in plan.microbatches] == ["full:2"]
+    assert [memory_problems(ctx, plan, i, mb) for i, mb in enumerate(plan.microbatches)] == [[]]

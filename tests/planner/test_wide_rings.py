@@ -101,12 +101,19 @@ def test_a_step_near_its_bound_does_not_start_the_wide_search(monkeypatch):
     searched = []
     real = wide_rings._search
     monkeypatch.setattr(wide_rings, "_search", lambda *a, **k: searched.append(1) or real(*a, **k))
-    plan = ZeppelinPlanner().plan_step(ctx, 0, seqs)
+    built = []
+    planner = ZeppelinPlanner()
+    planner.collector = built.append
+    plan = planner.plan_step(ctx, 0, seqs)
     # 1.30x: memory makes the step two micro-batches, each waiting for its slowest unit under FSDP,
     # which the bound (one micro-batch) does not see (1.1x when that wait was not charged, 1.17x
-    # before the remap/Ulysses memory terms). Open: the tiered plan alone is 1.268x, the usp-groups
-    # plan chosen (by the simulator) 1.299x by the prediction
+    # before the remap/Ulysses memory terms). The usp-groups plan chosen is 1.299x by the prediction
+    # where the tiered plan is 1.268x, but the simulator, which confirms the best-predicted on 32
+    # units, rates them 1.293x and 1.298x: the choice is right, the tiered plan's prediction misses
+    # the waits of its second micro-batch
     assert plan.prediction.step_time_s <= 1.32 * _bound(ctx, seqs)
+    sim = Simulator(ctx)
+    assert sim.simulate_step(plan).step_time_s == min(sim.simulate_step(p).step_time_s for p in built)
     assert not searched
     # the gate: some sequence on its narrowest ring more than 1/1.1 of the bound
     assert not wide_rings.far_from_bound(np.array([1.0, 9.0]), 10.0)
