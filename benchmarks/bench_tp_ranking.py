@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_accuracy import _load, _run, _zeppelin_cmd
-from bench_coupling import predicted
+from bench_coupling import finish
 
 #: the steps' sequence lengths (one step of each line), whole on a rank or split over a TP unit
 LENGTHS = ([512, 256, 128, 64, 64], [384, 384, 128, 128], [1024], [256] * 4)
@@ -128,15 +128,7 @@ def main(argv=None) -> int:
         work = args.workdir or Path(tempfile.mkdtemp(prefix="bench_tp_ranking_"))
         work.mkdir(parents=True, exist_ok=True)
         doc = measure(args, work)
-    doc["predicted_s"] = {tp: [round(x, 4) for x in predicted(work / p)] for tp, p in doc["plans"].items()}
-    doc["summary"] = summarize(doc)
-    text = json.dumps(doc, indent=1)
-    if args.output is not None:
-        args.output.write_text(text + "\n")
-    else:
-        print(text)
-    print(render_markdown(doc), file=sys.stderr)
-    return 0
+    return finish(doc, {tp: work / p for tp, p in doc["plans"].items()}, summarize, render_markdown, args.output)
 
 
 if __name__ == "__main__":

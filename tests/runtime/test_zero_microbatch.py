@@ -10,21 +10,10 @@ these per micro-batch, under the executor's memory probe as ``zeppelin run`` run
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
-
-@pytest.fixture
-def one_rank_group():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+from tests.planner.test_profile_fit import one_rank_group  # noqa: F401 (a fixture)
 
 
 def _walk_bytes(model) -> int:
@@ -48,8 +37,9 @@ def _micro_batch(model, tracker, tokens, layout, at_forward_end):
     tracker.release()
 
 
+@pytest.mark.usefixtures("one_rank_group")
 @pytest.mark.parametrize("zero", [2, 3])
-def test_zero_stage_gathers_and_reduce_scatters_every_microbatch(one_rank_group, monkeypatch, zero):
+def test_zero_stage_gathers_and_reduce_scatters_every_microbatch(monkeypatch, zero):
     from torch.distributed.tensor import DTensor
 
     from zeppelin.runtime import fsdp
@@ -88,7 +78,8 @@ def test_zero_stage_gathers_and_reduce_scatters_every_microbatch(one_rank_group,
     assert tracker.unsharded_peak >= (whole if zero == 2 else blocks // spec.num_layers)
 
 
-def test_profile_measures_fsdp_under_the_memory_probe(one_rank_group, monkeypatch):
+@pytest.mark.usefixtures("one_rank_group")
+def test_profile_measures_fsdp_under_the_memory_probe(monkeypatch):
     """On a CPU the plain and the sharded micro-batches the profile times run under the executor's
     probe; only the sharded ones scan whole parameters."""
     from zeppelin.runtime import fsdp
