@@ -121,25 +121,7 @@ class MemoryCosts:
             act, rec = L * c * m.hidden + head, layer - (4.0 * m.hidden if c == 4 else 0.0)
         else:
             raise ValueError(f"unknown recompute mode {self.recompute!r} (none, selective, full)")
-        if tp > 1:  # per GPU of the unit: what TP-SP keeps beyond the TP share
-            extra_act, extra_rec = self.tp_gathered_bytes_per_token(mode)
-            return act / tp + extra_act, rec / tp + extra_rec
         return act / tp, rec / tp
-
-    def tp_gathered_bytes_per_token(self, mode: str) -> tuple[float, float]:
-        """Bytes per token of a TP unit that each of its GPUs keeps whole, not its TP share
-        (``activations``, ``recompute``): every column-parallel GEMM (QKV, MLP gate+up) keeps
-        its all-gathered input for the weight gradient, ``c h`` per token of the unit; the head
-        (final norm, logits, log-softmax) runs on every token on every GPU of the unit. Selective
-        recomputation keeps QKV's input and gathers the MLP's again in its recomputation; full
-        recomputation gathers both inside the recomputed block. Measured on 2 CPU ranks (one TP-2
-        unit of ``small``, fp32, no recomputation): 56,065 bytes per token against 56,036."""
-        m, c, tp = self.model, self.compute_bytes, self.tp
-        head = self.head_activation_bytes() * (1.0 - 1.0 / tp)
-        gathered = c * m.hidden
-        kept = {"none": 2.0, "selective": 1.0, "full": 0.0}[mode]
-        again = {"none": 0.0, "selective": 1.0, "full": 2.0}[mode]
-        return m.num_layers * kept * gathered + head, again * gathered
 
     @cached_property
     def ulysses_extra_split(self) -> tuple[float, float]:
