@@ -197,8 +197,7 @@ class MemoryCosts:
           forward and backward; ZeRO-3: the root module (embedding, head, final norm: FSDP does
           not re-shard the root after forward) and two blocks (the one in its backward and the
           one prefetched). Both: the whole gradients not yet reduce-scattered at the peak, the
-          LM head's (from the start of the backward) and one block's, in ``c``. Whole means whole
-          under tensor parallelism too: a TP rank gathers every parameter, not its TP share.
+          LM head's (from the start of the backward) and one block's, in ``c``.
         """
         dp = dp or self.num_units
         m, tp = self.model, self.tp
@@ -216,11 +215,8 @@ class MemoryCosts:
                 kept = {"none": attn_w + mlp_w, "selective": attn_w, "full": 0}.get(self.global_recompute, attn_w + mlp_w)
                 copies = c * (m.num_layers * kept + m.vocab_size * h) / tp
             return {"params": 4.0 * P, "grads": 4.0 * P, "optimizer": 8.0 * P, "unsharded": copies}
-        # the runtime's TP layout: FSDP gathers whole parameters on every rank of the mesh, TP
-        # ranks included, and a TP rank's gradient is a whole tensor (non-zero on its slice) until
-        # it is reduce-scattered: whole sizes, not the TP share
-        pending = c * (out + block) * tp
-        whole = (c * P if self.zero_stage in (1, 2) else c * (root + 2 * block)) * tp
+        pending = c * (out + block)
+        whole = c * P if self.zero_stage in (1, 2) else c * (root + 2 * block)
         return {"params": 4.0 * P / dp, "grads": 4.0 * P / dp, "optimizer": 8.0 * P / dp,
                 "unsharded": whole + pending}
 

@@ -315,19 +315,3 @@ def test_measured_ring_fits_replace_the_block_model():
     assert p.per_unit.attention_s[0] == pytest.approx(layers * want[1], rel=1e-9)
     assert r.step_time_s == pytest.approx(p.step_time_s, rel=1e-6)
     assert r.units[0].attention_s + r.units[0].exposed_comm_s >= layers * (want[1] + 3e-3) * (1 - 1e-9)
-
-
-def test_tp_ranks_hold_whole_parameters_between_gathers():
-    """The runtime's FSDP gathers whole parameters on every rank, TP ranks included (measured on
-    2 CPU ranks, one TP-2 unit of ``small`` at ZeRO-1: 17,657,856 unsharded bytes, twice the TP
-    share): the unsharded component does not shrink with the TP degree; the shards do."""
-    from zeppelin.schemas.cluster import cluster_preset
-    from zeppelin.schemas.model import model_preset
-
-    cl, m = cluster_preset("local-cpu:1x2"), model_preset("small")
-    one, two = (CostModel(cl, m, ideal_profile(), zero_stage=1, tp=t).model_state_components() for t in (1, 2))
-    assert two["unsharded"] == one["unsharded"] == 17_657_856
-    for z in (2, 3):
-        a, b = (CostModel(cl, m, ideal_profile(), zero_stage=z, tp=t).model_state_components() for t in (1, 2))
-        assert b["unsharded"] == a["unsharded"]
-    assert two["params"] == one["params"] == 4 * m.num_params() / 2
