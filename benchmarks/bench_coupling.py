@@ -210,14 +210,20 @@ def main(argv=None) -> int:
         work = args.workdir or Path(tempfile.mkdtemp(prefix="bench_coupling_"))
         work.mkdir(parents=True, exist_ok=True)
         doc = measure(args, work)
-    doc["predicted_s"] = {m: [round(x, 4) for x in predicted(Path(p))] for m, p in doc["plans"].items()}
-    doc["summary"] = summarize(doc)
+    return finish(doc, {m: Path(p) for m, p in doc["plans"].items()}, summarize, render_markdown, args.output)
+
+
+def finish(doc: dict[str, Any], plans: dict[str, Path], summary, render, output: Path | None) -> int:
+    """Price every plan (``predicted_s``), summarize, write the result (``output`` or stdout) and
+    print its table on stderr."""
+    doc["predicted_s"] = {k: [round(x, 4) for x in predicted(p)] for k, p in plans.items()}
+    doc["summary"] = summary(doc)
     text = json.dumps(doc, indent=1)
-    if args.output is not None:
-        args.output.write_text(text + "\n")
+    if output is not None:
+        output.write_text(text + "\n")
     else:
         print(text)
-    print(render_markdown(doc), file=sys.stderr)
+    print(render(doc), file=sys.stderr)
     return 0
 
 

@@ -301,38 +301,73 @@ def _storage(t: torch.Tensor):
         return None
 
 
-def _pending_all_gathers(model: nn.Module):
-    """The output buffers of FSDP all-gathers issued but not yet copied out into parameters (a
-    prefetched block). FSDP2 keeps them in a private attribute: none found, none counted."""
-    from torch.distributed.fsdp import FSDPModule
+class UnshardedBytes:
+    """Bytes of the whole (all-gathered) parameters an FSDP-sharded model holds right now, with
+    their gradients not yet reduce-scattered and any all-gather still pending (a prefetched
+    block), each storage counted once: call the instance. FSDP registers a parameter as a sharded
+    DTensor while resharded and as a plain tensor while unsharded, in the same slot of its module.
 
-    for m in model.modules():
-        if not isinstance(m, FSDPModule):
-            continue
-        try:
-            groups = m._get_fsdp_state()._fsdp_param_groups
-        except AttributeError:
-            return
-        for g in groups:
-            res = getattr(g, "_all_gather_result", None)
-            out = getattr(res, "all_gather_output", None)
-            if isinstance(out, torch.Tensor):
-                yield out
+    The slots (each module's parameter dict) and the FSDP states are found once, on the first
+    call: :class:`SavedActivations` counts at every tensor autograd saves or unpacks (hundreds per
+    micro-batch), and walking the module tree each time cost the runtime more per micro-batch
+    than FSDP's own collectives (most under ZeRO-1/2, whose blocks stay unsharded from the forward
+    to the backward)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._slots: list[dict] | None = None
+        self._states: list = []
+
+    def _find(self) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        self._slots = [m._parameters for m in self.model.modules() if m._parameters]
+        self._states = []
+        for m in self.model.modules():
+            if isinstance(m, FSDPModule):
+                try:
+                    self._states.append(m._get_fsdp_state())
+                except AttributeError:  # FSDP2 without it: no pending all-gather counted
+                    self._states = []
+                    break
+
+    def _pending(self):
+        """The output buffers of FSDP all-gathers issued but not yet copied out into parameters.
+        FSDP2 keeps them in a private attribute: none found, none counted."""
+        for st in self._states:
+            for g in getattr(st, "_fsdp_param_groups", None) or ():
+                out = getattr(getattr(g, "_all_gather_result", None), "all_gather_output", None)
+                if isinstance(out, torch.Tensor):
+                    yield out
+
+    def __call__(self) -> int:
+        from torch.distributed.tensor import DTensor
+
+        if self._slots is None:
+            self._find()
+        seen: dict[Any, int] = {}
+        # storages keyed by address alone: the model's tensors share one device
+        for slot in self._slots:
+            for p in slot.values():
+                if p is None or isinstance(p, DTensor):
+                    continue
+                g = p.grad
+                for t in (p,) if g is None or isinstance(g, DTensor) else (p, g):
+                    try:
+                        st = t.untyped_storage()
+                        seen[st.data_ptr()] = st.nbytes()
+                    except (RuntimeError, NotImplementedError):  # no storage (a fake tensor)
+                        pass
+        for t in self._pending():
+            s = _storage(t)
+            if s is not None:
+                seen[s[0][0]] = s[1]
+        return sum(seen.values())
 
 
 def unsharded_bytes(model: nn.Module) -> int:
-    """Bytes of the whole (all-gathered) parameters an FSDP-sharded model holds right now, with
-    their gradients not yet reduce-scattered and any all-gather still pending. FSDP registers a
-    parameter as a sharded DTensor while resharded and as a plain tensor while unsharded;
-    storages are counted once."""
-    seen: dict[Any, int] = {}
-    tensors = [t for p in model.parameters() if not hasattr(p, "to_local")
-               for t in (p, p.grad) if t is not None and not hasattr(t, "to_local")]
-    for t in (*tensors, *_pending_all_gathers(model)):
-        s = _storage(t)
-        if s is not None:
-            seen[s[0]] = s[1]
-    return sum(seen.values())
+    """:class:`UnshardedBytes` of ``model``, once."""
+    return UnshardedBytes(model)()
 
 
 def _weight_kind(t: torch.Tensor) -> str | None:
@@ -364,6 +399,7 @@ class SavedActivations:
 
     def __init__(self, model: nn.Module | None = None) -> None:
         self.model = model
+        self._whole = UnshardedBytes(model) if model is not None else None
         self.live: dict[Any, int] = {}
         self.held = 0
         self.peak = 0
@@ -381,7 +417,7 @@ class SavedActivations:
         self.peak = self.recompute_peak = self.unsharded_peak = 0
 
     def _scan(self) -> None:
-        whole = unsharded_bytes(self.model) if self.model is not None else 0
+        whole = self._whole() if self._whole is not None else 0
         self.unsharded_peak = max(self.unsharded_peak, whole + self.copies_held)
 
     def watch_blocks(self, model: nn.Module) -> None:

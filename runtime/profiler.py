@@ -668,11 +668,14 @@ def measure_fsdp_microbatch(model: ModelSpec, tokens: int, dev, timer, reps, war
     (its attention replaced by an elementwise stand-in) forward+backward on ``tokens`` tokens per
     rank, sharded over every rank as the executor shards it (:func:`zeppelin.runtime.fsdp.shard_model`:
     parameters gathered before the forward, and for ZeRO-3 again before the backward; gradients
-    reduce-scattered after every micro-batch's backward), minus the same model unsharded. Seconds
-    of the slowest rank per micro-batch, keys '1' (ZeRO-1 and 2 run alike) and '3'."""
+    reduce-scattered after every micro-batch's backward), minus the same model unsharded. On a CPU
+    both run under the executor's memory probe (:class:`~zeppelin.runtime.fsdp.SavedActivations`,
+    which scans the whole parameters an FSDP model holds at every saved tensor), as ``zeppelin run``
+    runs them. Seconds of the slowest rank per micro-batch, keys '1' (ZeRO-1 and 2 run alike) and
+    '3'."""
     import copy
 
-    from zeppelin.runtime.fsdp import dp_mesh, shard_model
+    from zeppelin.runtime.fsdp import SavedActivations, dp_mesh, shard_model
     from zeppelin.runtime.model import LlamaModel
 
     world = dist.get_world_size()
@@ -691,10 +694,26 @@ def measure_fsdp_microbatch(model: ModelSpec, tokens: int, dev, timer, reps, war
 
     sharded = {str(z): shard_model(copy.deepcopy(base), mesh, z) for z in (1, 3)}
     names = ["plain", *sharded]
-    t = timer.sweep([make(base), *(make(m) for m in sharded.values())], reps, warmup, sync=dist.barrier)
+    steps = [make(base), *(make(m) for m in sharded.values())]
+    if dev.type != "cuda":  # the executor's memory probe, as it runs on a CPU: plain (replicated) and FSDP
+        steps = [_probed(f, SavedActivations(m if z != "plain" else None), m)
+                 for f, z, m in zip(steps, names, [base, *sharded.values()])]
+    t = timer.sweep(steps, reps, warmup, sync=dist.barrier)
     tt = torch.tensor([max(x - t[0], 0.0) for x in t[1:]], dtype=torch.float64)
     dist.all_reduce(tt, op=dist.ReduceOp.MAX)
     return {z: float(v) for z, v in zip(names[1:], tt)}
+
+
+def _probed(step, tracker, model):
+    """``step`` run as the executor runs a micro-batch on a CPU: under ``tracker``'s hooks."""
+    tracker.watch_blocks(model)
+
+    def run():
+        with tracker.hooks():
+            step()
+        tracker.release()
+
+    return run
 
 
 class _Arrived:
