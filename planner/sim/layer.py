@@ -118,6 +118,8 @@ class LayerGraph:
         """Per placement p, position i, round r: fwd+bwd time of i's queries against the K/V of
         position (i - r) mod G (one kernel call); also tokens per (p, position) and call counts."""
         P = len(pls)
+        if G == 1 and self.compute and all(len(p.ranges[0]) == 1 for p in pls):
+            return self._whole_block_times(pls, cost)
         R = max(1, max(len(rs) for p in pls for rs in p.ranges))
         qs = np.zeros((P, G, R))
         qe = np.zeros((P, G, R))
@@ -163,6 +165,28 @@ class LayerGraph:
         # pieces cost less than it, fusing them still costs at least the largest one
         tt = np.maximum(tt, t.max(axis=(3, 4)))
         return tt, tok, calls
+
+    def _whole_block_times(self, pls: list[Placement], cost: CostModel) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`_block_times` of placements on one unit that each hold one token range: one
+        causal square per placement (the same values, without the pairwise arrays)."""
+        se = np.array([p.ranges[0][0] for p in pls], dtype=np.float64).reshape(-1, 2)
+        qs, qe = se[:, 0], se[:, 1]
+        lq = qe - qs
+        causal = _prefix_pairs(qe, qs, qe) - _prefix_pairs(qs, qs, qe)
+        pairs = causal
+        w = self.window
+        if w is not None:
+            pairs = causal - (_prefix_pairs(qe - w, qs, qe) - _prefix_pairs(qs - w, qs, qe))
+        nz = (pairs > 0) & (lq > 0)
+        diag = nz & (pairs >= causal)
+        wdiag = nz & ~diag
+        t = np.zeros(len(pls))
+        if diag.any():
+            t[diag] = cost.attn_block_time(lq[diag], lq[diag], causal=True)
+        if wdiag.any():
+            e = np.sqrt(2.0 * pairs[wdiag])
+            t[wdiag] = cost.attn_block_time(e, e, causal=True)
+        return t.reshape(-1, 1, 1), lq.reshape(-1, 1), nz.astype(np.int64).reshape(-1, 1, 1)
 
     # ------------------------------------------------------------------ build
     def build(self) -> None:
