@@ -118,8 +118,6 @@ class LayerGraph:
         """Per placement p, position i, round r: fwd+bwd time of i's queries against the K/V of
         position (i - r) mod G (one kernel call); also tokens per (p, position) and call counts."""
         P = len(pls)
-        if G == 1 and self.compute and all(len(p.ranges[0]) == 1 for p in pls):
-            return self._whole_block_times(pls, cost)
         R = max(1, max(len(rs) for p in pls for rs in p.ranges))
         qs = np.zeros((P, G, R))
         qe = np.zeros((P, G, R))
@@ -166,7 +164,23 @@ class LayerGraph:
         tt = np.maximum(tt, t.max(axis=(3, 4)))
         return tt, tok, calls
 
-    def _whole_block_times(self, pls: list[Placement], cost: CostModel) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _local_times(self, pls: list[Placement], tp: int) -> list[float]:
+        """Per placement of a local group on a unit of ``tp`` GPUs, its attention time. A placement
+        of one token range is one causal square whose time depends on its length alone (and the
+        layer's window): kept in the simulator's ``whole_block_times`` across steps."""
+        cost = self.sim.cost_for(tp)
+        if not self.compute or any(len(p.ranges[0]) != 1 for p in pls):
+            tt, _, _ = self._block_times(pls, 1, cost)
+            return [float(x) for x in tt[:, 0, 0]]
+        cache = self.sim.whole_block_times
+        keys = [(tp, self.window, p.ranges[0][0][1] - p.ranges[0][0][0]) for p in pls]
+        miss = [i for i, k in enumerate(keys) if k not in cache]
+        if miss:
+            for i, t in zip(miss, self._whole_block_times([pls[i] for i in miss], cost)):
+                cache[keys[i]] = float(t)
+        return [cache[k] for k in keys]
+
+    def _whole_block_times(self, pls: list[Placement], cost: CostModel) -> np.ndarray:
         """:meth:`_block_times` of placements on one unit that each hold one token range: one
         causal square per placement (the same values, without the pairwise arrays)."""
         se = np.array([p.ranges[0][0] for p in pls], dtype=np.float64).reshape(-1, 2)
@@ -186,7 +200,7 @@ class LayerGraph:
         if wdiag.any():
             e = np.sqrt(2.0 * pairs[wdiag])
             t[wdiag] = cost.attn_block_time(e, e, causal=True)
-        return t.reshape(-1, 1, 1), lq.reshape(-1, 1), nz.astype(np.int64).reshape(-1, 1, 1)
+        return t
 
     # ------------------------------------------------------------------ build
     def build(self) -> None:
@@ -272,11 +286,9 @@ class LayerGraph:
         return self.engine.flow(0.0, (), dur, deps, work=0.0, cat=f"remap-{cls}", units=(a, b))
 
     def _local(self, u: int, pls: list[Placement], qp: int) -> None:
-        cost = self.sim.cost_for(self.reps[u].tp)
-        tt, _, _ = self._block_times(pls, 1, cost)
         prev = []
-        for pi in range(len(pls)):
-            tid = self.engine.compute(u, float(tt[pi, 0, 0]), (qp, pi), prev, cat="attention")
+        for pi, t in enumerate(self._local_times(pls, self.reps[u].tp)):
+            tid = self.engine.compute(u, t, (qp, pi), prev, cat="attention")
             self.attn_tasks[u].append(tid)
             prev = [tid]
 

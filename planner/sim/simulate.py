@@ -118,6 +118,8 @@ class Simulator:
                 cap[f"ntx:{name}"] = self.nic_bw
                 cap[f"nrx:{name}"] = self.nic_bw
         self.capacity = cap
+        #: (TP degree, window, tokens) -> attention time of a whole local range (LayerGraph._local_times)
+        self.whole_block_times: dict[tuple[int, int | None, int], float] = {}
 
     # ------------------------------------------------------------------ helpers
     def cost_for(self, tp: int) -> CostModel:
