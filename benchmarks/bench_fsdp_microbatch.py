@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_accuracy import _load, _run, _zeppelin_cmd
+from bench_accuracy import _zeppelin_cmd
+from bench_coupling import add_run_args, run_report, write_result
 
 CLUSTER = "local-cpu:1x2"
 #: mode -> (plan ZeRO stage, extra `zeppelin run` flags)
@@ -90,15 +91,9 @@ def measure(args, work: Path) -> dict[str, Any]:
     runs = []
     for rnd in range(args.rounds):
         for mode, (_, flags) in MODES.items():
-            tag = f"{mode}_r{rnd}"
-            rep = work / f"report_{tag}.json"
-            load_before = _load()
-            wall = _run([*zep, "run", str(plans[mode]), "--progress", "none", "--threads", threads, *flags,
-                         "--metrics", str(work / f"metrics_{tag}.jsonl"), "--report-json", str(rep)],
-                        work / f"run_{tag}.log", env)
-            steps = json.loads(rep.read_text())["steps"][1:]  # the first step warms up
-            runs.append({"round": rnd, "mode": mode, "wall_s": round(wall, 1), "load_avg_before": load_before,
-                         "load_avg_after": _load(), "fwd_bwd_s": [round(fwd_bwd(s), 4) for s in steps],
+            steps, info = run_report(zep, plans[mode], flags, f"{mode}_r{rnd}", work, env, threads)
+            steps = steps[1:]  # the first step warms up
+            runs.append({"round": rnd, "mode": mode, **info, "fwd_bwd_s": [round(fwd_bwd(s), 4) for s in steps],
                          "step_s": [round(float(s["measured_s"]["step"]), 4) for s in steps]})
             print(f"[bench_fsdp_microbatch] round {rnd} {mode}: {runs[-1]['fwd_bwd_s']}", file=sys.stderr, flush=True)
     return {"machine": f"{platform.node()} ({os.cpu_count()} CPUs, {platform.machine()})", "ranks": 2,
@@ -113,7 +108,7 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
     m = doc["microbatches"]
     per_round = []
     for rnd in range(doc["rounds"]):
-        z3, rep = ([r for r in doc["runs"] if r["round"] == rnd and r["mode"] == mode][0] for mode in MODES)
+        z3, rep = (next(r for r in doc["runs"] if r["round"] == rnd and r["mode"] == mode) for mode in MODES)
         per_round.append((statistics.median(z3["fwd_bwd_s"]) - statistics.median(rep["fwd_bwd_s"])) / m)
     meas = statistics.median(per_round)
     pred = doc["predicted_per_microbatch_s"]
@@ -127,11 +122,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=512, help="tokens of each rank's sequence per micro-batch")
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--steps", type=int, default=4, help="measured steps per run (after a warm-up step)")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--workdir", type=Path, default=None, help="keep plans, metrics and reports here")
-    ap.add_argument("-o", "--output", type=Path, default=None)
-    ap.add_argument("--repredict", type=Path, default=None, metavar="RESULT.json",
-                    help="price a result's saved plans again with the current code, measurements kept")
+    add_run_args(ap)
     args = ap.parse_args(argv)
     if args.repredict is not None:  # (plan paths relative to the result's folder)
         doc = json.loads(args.repredict.read_text())
@@ -142,11 +133,7 @@ def main(argv=None) -> int:
         doc = measure(args, work)
     doc["predicted_per_microbatch_s"] = predicted_per_microbatch(Path(doc["plans"]["zero3"]))
     doc["summary"] = summarize(doc)
-    text = json.dumps(doc, indent=1)
-    if args.output is not None:
-        args.output.write_text(text + "\n")
-    else:
-        print(text)
+    write_result(doc, args.output)
     print(json.dumps(doc["summary"]), file=sys.stderr)
     return 0
 
