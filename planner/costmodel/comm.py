@@ -337,10 +337,10 @@ class CommCosts:
         """Every FSDP2 collective of one micro-batch, none hidden (:meth:`fsdp_terms`)."""
         return float(sum(self.fsdp_terms))
 
-    #: whether FSDP2's prefetched collectives run beside the kernels: on a GPU they run on their own
-    #: streams; on the CPU, FSDP2's copies into and out of the gathered buffers run on the thread
-    #: that computes and gloo's transfers share its cores (benchmarks/bench_fsdp_microbatch.py)
     def fsdp_overlaps(self) -> bool:
+        """Whether FSDP2's prefetched collectives run beside the kernels: on a GPU they run on their
+        own streams; on the CPU, FSDP2's copies into and out of the gathered buffers run on the
+        thread that computes and gloo's transfers share its cores."""
         return self.cluster.device == "cuda"
 
     def fsdp_exposed_s(self, compute_s: float | None = None) -> float:
