@@ -147,6 +147,19 @@ def render_markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def run_report(zep: list[str], plan: Path, flags: list[str], tag: str, work: Path, env: dict[str, str],
+               threads: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One ``zeppelin run --report-json`` of ``plan``: the report's steps, and the run's wall
+    seconds and load averages before and after."""
+    rep = work / f"report_{tag}.json"
+    load_before = _load()
+    wall = _run([*zep, "run", str(plan), "--progress", "none", "--threads", threads, *flags,
+                 "--metrics", str(work / f"metrics_{tag}.jsonl"), "--report-json", str(rep)],
+                work / f"run_{tag}.log", env)
+    info = {"wall_s": round(wall, 1), "load_avg_before": load_before, "load_avg_after": _load()}
+    return json.loads(rep.read_text())["steps"], info
+
+
 def measure(args, work: Path) -> dict[str, Any]:
     from zeppelin.schemas.io.documents import load_doc
     from zeppelin.schemas.profile import CostProfile
@@ -168,15 +181,8 @@ def measure(args, work: Path) -> dict[str, Any]:
     runs = []
     for rnd in range(args.rounds):
         for mode, (_, flags) in MODES.items():
-            tag = f"{mode}_r{rnd}"
-            rep = work / f"report_{tag}.json"
-            load_before = _load()
-            wall = _run([*zep, "run", str(plans[mode]), "--progress", "none", "--threads", threads, *flags,
-                         "--metrics", str(work / f"metrics_{tag}.jsonl"), "--report-json", str(rep)],
-                        work / f"run_{tag}.log", env)
-            steps = json.loads(rep.read_text())["steps"]
-            runs.append({"round": rnd, "mode": mode, "wall_s": round(wall, 1), "load_avg_before": load_before,
-                         "load_avg_after": _load(),
+            steps, info = run_report(zep, plans[mode], flags, f"{mode}_r{rnd}", work, env, threads)
+            runs.append({"round": rnd, "mode": mode, **info,
                          "measured_steps_s": [round(s["measured_s"]["step"], 4) for s in steps]})
             print(f"[bench_coupling] round {rnd} {mode}: {runs[-1]['measured_steps_s']}", file=sys.stderr,
                   flush=True)
@@ -186,6 +192,24 @@ def measure(args, work: Path) -> dict[str, Any]:
             "plans": {m: str(p) for m, p in plans.items()}, "runs": runs}
 
 
+def add_run_args(ap: argparse.ArgumentParser) -> None:
+    """The options of a benchmark that runs saved plans in rounds and can price them again."""
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--workdir", type=Path, default=None, help="keep the profile, plans and reports here")
+    ap.add_argument("-o", "--output", type=Path, default=None)
+    ap.add_argument("--repredict", type=Path, default=None, metavar="RESULT.json",
+                    help="price a result's saved plans again with the current code, measurements kept")
+
+
+def write_result(doc: dict[str, Any], output: Path | None) -> None:
+    """The result document as JSON: to ``output``, else to standard output."""
+    text = json.dumps(doc, indent=1)
+    if output is not None:
+        output.write_text(text + "\n")
+    else:
+        print(text)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", type=Path, default=None, help="reuse this profile instead of measuring one")
@@ -193,11 +217,7 @@ def main(argv=None) -> int:
     ap.add_argument("--heavy", type=int, default=2048, help="tokens of the heavy sequence")
     ap.add_argument("--light", type=int, default=128, help="tokens of the light sequence")
     ap.add_argument("--steps", type=int, default=3, help="C, S, D steps of each kind per run")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--workdir", type=Path, default=None, help="keep profile, plans, reports here")
-    ap.add_argument("-o", "--output", type=Path, default=None)
-    ap.add_argument("--repredict", type=Path, default=None, metavar="RESULT.json",
-                    help="price a result's saved plans again with the current code")
+    add_run_args(ap)
     ap.add_argument("--markdown", type=Path, default=None, metavar="RESULT.json", help="print a result as a table")
     args = ap.parse_args(argv)
     if args.markdown is not None:
@@ -218,11 +238,7 @@ def finish(doc: dict[str, Any], plans: dict[str, Path], summary, render, output:
     print its table on stderr."""
     doc["predicted_s"] = {k: [round(x, 4) for x in predicted(p)] for k, p in plans.items()}
     doc["summary"] = summary(doc)
-    text = json.dumps(doc, indent=1)
-    if output is not None:
-        output.write_text(text + "\n")
-    else:
-        print(text)
+    write_result(doc, output)
     print(render(doc), file=sys.stderr)
     return 0
 

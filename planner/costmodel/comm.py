@@ -285,24 +285,108 @@ class CommCosts:
         return float(t)
 
     @property
-    def fsdp_microbatch_s(self) -> float | None:
+    def fsdp_measured_s(self) -> float | None:
         """Seconds FSDP2 adds to each micro-batch at this plan's ZeRO stage, as the profile measured
-        them (``fits.fsdp_microbatch_s``); None without that measurement, at ZeRO-0 (replicated
-        weights: one all-reduce per step) or on one unit."""
+        them (``fits.fsdp_microbatch_s``); None without that measurement."""
         f = self._fits
-        if f is None or not f.fsdp_microbatch_s or self.zero_stage < 1 or self.num_units <= 1:
+        if f is None or not f.fsdp_microbatch_s:
             return None
         return f.fsdp_microbatch_s.get("3" if self.zero_stage >= 3 else "1")
 
-    def step_collectives_time(self, microbatches: int = 1, num_units: int | None = None) -> float:
-        """The step's data-parallel collectives, charged to every unit: the gradient all-reduce once
-        (:meth:`grad_allreduce_time`), or, with a profile that measured what FSDP2 adds to each
-        micro-batch (gathers and reduce-scatters of the runtime's FSDP path, waits included), that
-        cost for each of the step's micro-batches."""
-        fs = self.fsdp_microbatch_s
+    @property
+    def fsdp_microbatch_s(self) -> float | None:
+        """Seconds FSDP2 adds to each micro-batch: the profile's measurement
+        (:attr:`fsdp_measured_s`) when it has one, else the collectives priced from the links'
+        bandwidth (:meth:`fsdp_comm_s`); None at ZeRO-0 (replicated weights: one all-reduce per
+        step) or on one unit."""
+        if self.zero_stage < 1 or self.num_units <= 1:
+            return None
+        fs = self.fsdp_measured_s
+        return float(fs) if fs is not None else self.fsdp_comm_s()
+
+    def fsdp_collective_time(self, whole_bytes: float, calls: int = 1) -> float:
+        """``calls`` all-gathers (or reduce-scatters) over FSDP's shard group - every rank of the
+        cluster, as the runtime's mesh spans them (TP ranks included) - of tensors of
+        ``whole_bytes`` in all, each rank holding 1/W of them: as NCCL runs it hierarchically,
+        each node's GPUs exchange with their peers on the other nodes through all of the node's
+        NICs ((N-1)/N of the bytes into each node), then the GPUs of a node among themselves over
+        the intra-node links ((g-1)/g of the bytes into each GPU); one node: a ring over the
+        intra-node links. Each call waits its links' latency once per ring hop."""
+        W = self.cluster.world_size
+        if W <= 1 or whole_bytes <= 0:
+            return 0.0
+        nodes = self.cluster.num_nodes if W > self.cluster.gpus_per_node else 1
+        g = W // nodes
+        intra = self.intra_link
+        t = (g - 1) / g * whole_bytes / (intra.bandwidth_GBps * 1e9) + calls * (g - 1) * intra.alpha_s
+        if nodes > 1:
+            t += ((nodes - 1) / nodes * whole_bytes / (self.cluster.node_nic_bandwidth_GBps * 1e9)
+                  + calls * (nodes - 1) * self.inter_link.alpha_s)
+        return float(t)
+
+    @cached_property
+    def fsdp_terms(self) -> tuple[float, float, float]:
+        """FSDP2's collectives in one micro-batch, priced from the links' bandwidth, as
+        ``(exposed, forward, backward)`` seconds: every FSDP unit (each decoder block; the root:
+        embedding, final norm, LM head) all-gathers its parameters in the compute dtype before its
+        forward, at ZeRO-3 each block again before its backward (the root is not re-sharded after
+        the forward), and reduce-scatters its fp32 gradients after its backward. FSDP2 prefetches
+        the next block's all-gather while a block computes and reduce-scatters a block's gradients
+        while the next one runs its backward: ``exposed`` is what no compute can hide (the root's
+        collectives, the first block's all-gathers, the last block's reduce-scatter);
+        ``forward``/``backward`` are the other blocks' collectives, one block's per layer, which
+        a layer's forward / backward compute hides (:meth:`fsdp_exposed_s`)."""
+        m = self.model
+        c = self.compute_bytes
+        block = m.params_per_layer()
+        root = m.num_params() - m.num_layers * block
+        ag = self.fsdp_collective_time(c * block)
+        rs = self.fsdp_collective_time(4.0 * block)
+        ag_bwd = ag if self.zero_stage >= 3 else 0.0
+        exposed = (self.fsdp_collective_time(c * root) + self.fsdp_collective_time(4.0 * root)
+                   + ag + ag_bwd + rs)
+        rest = max(m.num_layers - 1, 0)
+        return exposed, rest * ag, rest * (ag_bwd + rs)
+
+    def fsdp_comm_s(self) -> float:
+        """Every FSDP2 collective of one micro-batch, none hidden (:meth:`fsdp_terms`)."""
+        return float(sum(self.fsdp_terms))
+
+    def fsdp_overlaps(self) -> bool:
+        """Whether FSDP2's prefetched collectives run beside the kernels: on a GPU they run on their
+        own streams; on the CPU, FSDP2's copies into and out of the gathered buffers run on the
+        thread that computes and gloo's transfers share its cores."""
+        return self.cluster.device == "cuda"
+
+    def fsdp_exposed_s(self, compute_s: float | None = None) -> float:
+        """What FSDP2 adds to a micro-batch whose layers compute for ``compute_s`` seconds in all
+        (forward + backward, the slowest unit: FSDP couples every unit): the profile's measurement
+        when it has one (:attr:`fsdp_measured_s`), else the collectives priced from the links
+        (:meth:`fsdp_terms`), a layer's forward (a third of its compute) hiding the next block's
+        all-gather and its backward (two thirds) the collectives of the block after it, where the
+        device overlaps them (:meth:`fsdp_overlaps`; ``compute_s`` None: nothing hidden)."""
+        fs = self.fsdp_measured_s
         if fs is not None:
-            return microbatches * float(fs)
-        return self.grad_allreduce_time(num_units)
+            return float(fs)
+        exposed, fwd, bwd = self.fsdp_terms
+        if compute_s is None or not self.fsdp_overlaps():
+            return exposed + fwd + bwd
+        per_layer = float(compute_s) / max(self.model.num_layers, 1)
+        rest = max(self.model.num_layers - 1, 0)
+        return (exposed + max(fwd - rest * per_layer / 3.0, 0.0)
+                + max(bwd - rest * 2.0 * per_layer / 3.0, 0.0))
+
+    def step_collectives_time(self, microbatches: int = 1, num_units: int | None = None,
+                              compute_s=None) -> float:
+        """The step's data-parallel collectives, charged to every unit: at ZeRO 1-3 what FSDP2 adds
+        to each of the step's micro-batches (:meth:`fsdp_exposed_s`; ``compute_s``: each
+        micro-batch's layer compute, which hides FSDP2's prefetched collectives), at ZeRO-0 the
+        gradient all-reduce once (:meth:`grad_allreduce_time`)."""
+        if self.fsdp_microbatch_s is None:
+            return self.grad_allreduce_time(num_units)
+        if compute_s is None:
+            return microbatches * self.fsdp_exposed_s()
+        return float(sum(self.fsdp_exposed_s(c) for c in compute_s))
 
     # ---------------------------------------------------------------- tensor parallelism (TP-SP)
     TP_SITES = 8  # collective sites per layer: AG before QKV and MLP-in, RS after O and MLP-out; x2 for backward

@@ -163,12 +163,13 @@ def _lower_bounds(ctx: PlanContext, lengths: np.ndarray) -> tuple[float, float]:
     charged as exposed communication to every unit), so a plan can reach its bound."""
     cost = ctx.cost
     n = ctx.num_units
-    ar = cost.step_collectives_time(1, n)
     # attention of every sequence, plus the linear modules on an even share of the step's tokens
     # (linear kernels are priced on the tokens a unit holds, as predict_step does, not per sequence)
     share = float(np.sum(lengths)) / n
     lin = ctx.model.num_layers * float(cost.linear_time(share)) + float(cost.head_time(share))
-    work = ctx.model.num_layers * float(np.sum(_attention_device_time(ctx, lengths))) / n + lin + ar
+    work = ctx.model.num_layers * float(np.sum(_attention_device_time(ctx, lengths))) / n + lin
+    ar = cost.step_collectives_time(1, n, [work])  # (FSDP's prefetched collectives hide behind it)
+    work += ar
     Lmax = int(lengths.max())
     best = float("inf")
     G = 1
@@ -182,7 +183,7 @@ def _lower_bounds(ctx: PlanContext, lengths: np.ndarray) -> tuple[float, float]:
             t += float(cost.head_time(Lmax / G))
             best = min(best, t)
         G *= 2
-    return work, best + ar
+    return work, best + cost.step_collectives_time(1, n, [best])
 
 
 @dataclass
@@ -550,7 +551,8 @@ def predict_from_terms(ctx: PlanContext, lengths, terms: list[MBTerms]) -> Predi
             nic_r[k] += v
         for k, v in t.nic_unrouted.items():
             nic_u[k] += v
-    ar = cost.step_collectives_time(len(terms), n)
+    # FSDP2's prefetched collectives hide behind each micro-batch's layers (the slowest unit's)
+    ar = cost.step_collectives_time(len(terms), n, [float(t.period.max()) for t in terms] if n else None)
     comm += ar
     exposed += ar
     total = attn + lin + exposed
@@ -760,7 +762,9 @@ def predict_replicas(ctx: PlanContext, step: StepPlan) -> Prediction:
     for mb in step.microbatches:
         _replica_microbatch(ctx, step, mb, cms, tot)
     attn, lin, tokens, mem_tok, period = tot.attn, tot.lin, tot.tokens, tot.mem_tok, tot.period
-    ar = np.array([cms[r.tp].step_collectives_time(len(step.microbatches), n) for r in reps])
+    m = len(step.microbatches)
+    hide = [float(period.max()) / m] * m if n and m else None  # (an even share of the layers' time)
+    ar = np.array([cms[r.tp].step_collectives_time(m, n, hide) for r in reps])
     # units wait for each other where rings couple them, or every unit under FSDP
     rings = ctx.microbatches_coupled or any(g.kind == "ring" for mb in step.microbatches for g in mb.groups)
     comm = ar + tot.tpc + tot.ring_comm

@@ -164,6 +164,44 @@ class LayerGraph:
         tt = np.maximum(tt, t.max(axis=(3, 4)))
         return tt, tok, calls
 
+    def _local_times(self, pls: list[Placement], tp: int) -> list[float]:
+        """Per placement of a local group on a unit of ``tp`` GPUs, its attention time. A placement
+        of one token range is one causal square whose time depends on its length alone (and the
+        layer's window): kept in the simulator's ``whole_block_times`` across steps."""
+        cost = self.sim.cost_for(tp)
+        if not self.compute or any(len(p.ranges[0]) != 1 for p in pls):
+            tt, _, _ = self._block_times(pls, 1, cost)
+            return [float(x) for x in tt[:, 0, 0]]
+        cache = self.sim.whole_block_times
+        keys = [(tp, self.window, p.ranges[0][0][1] - p.ranges[0][0][0]) for p in pls]
+        miss = [i for i, k in enumerate(keys) if k not in cache]
+        if miss:
+            for i, t in zip(miss, self._whole_block_times([pls[i] for i in miss], cost)):
+                cache[keys[i]] = float(t)
+        return [cache[k] for k in keys]
+
+    def _whole_block_times(self, pls: list[Placement], cost: CostModel) -> np.ndarray:
+        """:meth:`_block_times` of placements on one unit that each hold one token range: one
+        causal square per placement (the same values, without the pairwise arrays)."""
+        se = np.array([p.ranges[0][0] for p in pls], dtype=np.float64).reshape(-1, 2)
+        qs, qe = se[:, 0], se[:, 1]
+        lq = qe - qs
+        causal = _prefix_pairs(qe, qs, qe) - _prefix_pairs(qs, qs, qe)
+        pairs = causal
+        w = self.window
+        if w is not None:
+            pairs = causal - (_prefix_pairs(qe - w, qs, qe) - _prefix_pairs(qs - w, qs, qe))
+        nz = (pairs > 0) & (lq > 0)
+        diag = nz & (pairs >= causal)
+        wdiag = nz & ~diag
+        t = np.zeros(len(pls))
+        if diag.any():
+            t[diag] = cost.attn_block_time(lq[diag], lq[diag], causal=True)
+        if wdiag.any():
+            e = np.sqrt(2.0 * pairs[wdiag])
+            t[wdiag] = cost.attn_block_time(e, e, causal=True)
+        return t
+
     # ------------------------------------------------------------------ build
     def build(self) -> None:
         mb, eng = self.mb, self.engine
@@ -248,11 +286,9 @@ class LayerGraph:
         return self.engine.flow(0.0, (), dur, deps, work=0.0, cat=f"remap-{cls}", units=(a, b))
 
     def _local(self, u: int, pls: list[Placement], qp: int) -> None:
-        cost = self.sim.cost_for(self.reps[u].tp)
-        tt, _, _ = self._block_times(pls, 1, cost)
         prev = []
-        for pi in range(len(pls)):
-            tid = self.engine.compute(u, float(tt[pi, 0, 0]), (qp, pi), prev, cat="attention")
+        for pi, t in enumerate(self._local_times(pls, self.reps[u].tp)):
+            tid = self.engine.compute(u, t, (qp, pi), prev, cat="attention")
             self.attn_tasks[u].append(tid)
             prev = [tid]
 

@@ -88,6 +88,7 @@ class _StepTotals:
     traffic: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
     finish: np.ndarray = field(init=False)
     periods: list[float] = field(default_factory=list)
+    mb_compute: list[float] = field(default_factory=list)  # per micro-batch, the slowest unit's layers + head
     timeline: list[MicroBatchTimeline] = field(default_factory=list)
 
     def __post_init__(self):
@@ -118,6 +119,8 @@ class Simulator:
                 cap[f"ntx:{name}"] = self.nic_bw
                 cap[f"nrx:{name}"] = self.nic_bw
         self.capacity = cap
+        #: (TP degree, window, tokens) -> attention time of a whole local range (LayerGraph._local_times)
+        self.whole_block_times: dict[tuple[int, int | None, int], float] = {}
 
     # ------------------------------------------------------------------ helpers
     def cost_for(self, tp: int) -> CostModel:
@@ -139,7 +142,8 @@ class Simulator:
             self._simulate_microbatch(step, mb, reps, tot, timeline)
         # each replica all-reduces its own shards (replicas of another TP degree: their cost model)
         tps = {r.tp for r in step.replicas} if step.replicas is not None else {ctx.tp}
-        ar = max(self.cost_for(t).step_collectives_time(len(step.microbatches), n) for t in tps)
+        ar = max(self.cost_for(t).step_collectives_time(len(step.microbatches), n, tot.mb_compute if n else None)
+                 for t in tps)
         compute_end = float(tot.finish.max()) if n else 0.0
         step_time = compute_end + ar
         for st in tot.units:
@@ -170,6 +174,7 @@ class Simulator:
             st.comm_s += float(acc[3, u])
             st.tokens += int(lin_tok[u])
         tot.finish += acc[4] + head
+        tot.mb_compute.append(float((acc[4] + head).max()) if n else 0.0)
         tot.periods.append(float(f.max()) if n else 0.0)
         if timeline:
             tot.timeline.append(MicroBatchTimeline(layer_period_s=float(f.max()), intervals=lay.intervals(),

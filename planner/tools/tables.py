@@ -36,6 +36,11 @@ def _fit_table_class():
         drop_order: list[str] | None = None  # headers, the first left out first (default: from the right)
 
         def __rich_console__(self, console, options):
+            if len(self.rows) > LONG_TABLE_ROWS:
+                fast = _long_table_lines(self, console, options)
+                if fast is not None:
+                    yield from fast
+                    return
             t = self._fitted(console, options)
             yield from Table.__rich_console__(t, console, options)
 
@@ -66,6 +71,85 @@ def _fit_table_class():
             return t
 
     return FitTable
+
+
+#: tables longer than this (``zeppelin simulate`` of a long plan: one row per step) are laid out by
+#: rich on a few representative rows, and their rows written with the widths rich chose
+LONG_TABLE_ROWS = 200
+
+
+def _long_table_lines(t, console, options):
+    """The segments of a long table of plain cells (no markup, no column style), as rich renders it:
+    rich lays out and renders a copy holding only the rows with each column's longest line and
+    longest word (the rows that decide the columns' widths); every row is then written with those
+    widths, each cell justified as its column says. The copy's rows, written so, must equal rich's
+    own rendering of them; None (the caller renders the whole table with rich) when they do not or
+    when a cell is not plain text."""
+    import copy
+
+    from rich.segment import Segment
+    from rich.table import Table
+
+    cols = t.columns
+    cells = [c._cells for c in cols]
+    if any(c.style for c in cols) or not all(isinstance(x, str) and "[" not in x for cc in cells for x in cc):
+        return None
+    keep = set()
+    for cc in cells:
+        keep.add(max(range(len(cc)), key=lambda i: max(map(len, cc[i].split("\n")))))
+        keep.add(max(range(len(cc)), key=lambda i: max((len(w) for w in cc[i].split()), default=0)))
+    rows = sorted(keep)
+    proxy = copy.copy(t)
+    proxy.rows = [t.rows[i] for i in rows]
+    proxy.columns = [copy.copy(c) for c in cols]
+    for c, cc in zip(proxy.columns, cells):
+        c._cells = [cc[i] for i in rows]
+    fitted = proxy._fitted(console, options)
+    shown = [cols.index(next(c for c in cols if c.header == f.header)) for f in fitted.columns]
+    width = fitted.width if fitted.width is not None else options.max_width  # as Table.__rich_console__ does
+    widths = fitted._calculate_column_widths(console, options.update_width(width - fitted._extra_width))
+    last = len(shown) - 1
+
+    def row_lines(i):
+        parts = [cells[k][i].split("\n") for k in shown]
+        height = max(map(len, parts))
+        out = []
+        for h in range(height):
+            line = []
+            for j, (k, w) in enumerate(zip(shown, widths)):
+                text = parts[j][h] if h < len(parts[j]) else ""
+                inner = w - (0 if j == last else 1)
+                text = text.rjust(inner) if cols[k].justify == "right" else text.ljust(inner)
+                line.append(text + ("" if j == last else " "))
+            out.append(" ".join(line))
+        return out
+
+    def lines_of(table):
+        return ["".join(s.text for s in ln) for ln in Segment.split_lines(Table.__rich_console__(table, console, options))]
+
+    full = list(Segment.split_lines(Table.__rich_console__(fitted, console, options)))
+    bare = copy.copy(fitted)
+    bare.caption = None
+    n_head = len(lines_of(bare)) - sum(len(row_lines(i)) for i in rows)
+    mine = [ln for i in rows for ln in row_lines(i)]
+    theirs = ["".join(s.text for s in ln) for ln in full[n_head:n_head + len(mine)]]
+    if n_head < 0 or mine != theirs:
+        return None
+    tail = full[n_head + len(mine):]
+
+    def segments():
+        for ln in full[:n_head]:
+            yield from ln
+            yield Segment.line()
+        for i in range(len(t.rows)):
+            for text in row_lines(i):
+                yield Segment(text)
+                yield Segment.line()
+        for ln in tail:
+            yield from ln
+            yield Segment.line()
+
+    return segments()
 
 
 def _needed(t) -> int:

@@ -141,3 +141,38 @@ def test_show_summarises_a_step_in_one_screen(narrow, capsys, tmp_path):
     _fits(full, "tier", "kind", "units", "seqs", "tokens", "total")
     units = [ln.split()[0] for ln in full.splitlines() if ("▓" in ln or "█" in ln) and ln.split()[0].isdigit()]
     assert units == [str(u) for u in range(32)]
+
+
+@pytest.mark.parametrize("width, written", [(120, True), (80, True), (52, True), (30, False)])
+def test_a_long_table_renders_as_rich_renders_it(width, written, monkeypatch):
+    """A table of more than LONG_TABLE_ROWS rows (``simulate`` of a long plan) is laid out by rich on
+    its deciding rows and its rows written with those widths: the text is exactly what rich renders
+    for the whole table, at widths where every column fits and where headers wrap; where a cell
+    would wrap (30 columns: "ccc dd"), rich renders the whole table."""
+    import random
+
+    from zeppelin.planner.tools import tables
+
+    rng = random.Random(3)
+    monkeypatch.setattr(tables, "LONG_TABLE_ROWS", 20)  # (a short table renders quickly through rich too)
+    rows = 40
+    t = tables.table("a long table", ["step", "sim ms", "exposed ms", ("note", "left"), "NIC busy %"],
+                     caption="a caption long enough to wrap at the narrower widths of this test, twice over")
+    for i in range(rows):
+        t.add_row(str(i), f"{rng.uniform(0, 10 ** rng.randint(0, 5)):.2f}",
+                  f"{rng.uniform(0, 99):.2f}\n+{rng.uniform(0, 9):.2f}", rng.choice(["a", "bb", "ccc dd"]),
+                  f"{rng.uniform(0, 100):.1f}")
+    taken = []
+    fast = tables._long_table_lines
+
+    def spy(*a):
+        out = fast(*a)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(tables, "_long_table_lines", spy)
+    text = tables.render_text(t, width)
+    assert taken == [written]  # the rows were written, not rendered by rich
+    monkeypatch.setattr(tables, "LONG_TABLE_ROWS", 10 ** 9)
+    assert text == tables.render_text(t, width)
+    assert len(text.splitlines()) > 2 * rows

@@ -70,7 +70,7 @@ def test_prediction_charges_waits_for_coupled_partners():
     assert t.period[3] == pytest.approx(t.busy[3], rel=1e-12)  # local: no partner
     assert t.period[4:].tolist() == t.busy[4:].tolist()
     pred = predict_from_terms(ctx, lengths, [t, t])
-    ar = float(c.grad_allreduce_time(n))
+    ar = float(c.step_collectives_time(2, n, [float(t.period.max())] * 2))  # FSDP2's, per micro-batch
     assert pred.step_time_s == pytest.approx(float((2 * t.period).max()) + ar, rel=1e-12)
     assert pred.per_unit.total_s[2] == pytest.approx(2 * float(t.busy[2]) + ar, rel=1e-12)  # its own work
     fsdp = microbatch_terms(make_ctx("zeppelin-a", "llama-7b", zero_stage=1), lengths, mb)

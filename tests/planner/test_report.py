@@ -48,8 +48,10 @@ def _header(num_steps: int) -> PlanHeader:
     cluster, model = cluster_preset("local-cpu:1x2"), model_preset("tiny")
     hashes = InputHashes(cluster=content_hash(cluster), model=content_hash(model),
                          profile=content_hash(PROFILE), manifest="synthetic")
+    # ZeRO-0 (``--dp replicate``): the one gradient all-reduce per step the profile measured (under
+    # FSDP the plan would pay FSDP's collectives per micro-batch instead)
     return PlanHeader(planner="hand", num_steps=num_steps, world_size=2, cluster=cluster, model=model,
-                      profile=PROFILE, hashes=hashes)
+                      profile=PROFILE, hashes=hashes, zero_stage=0)
 
 
 def _step(k: int) -> StepPlan:

@@ -58,7 +58,9 @@ PROFILE = CostProfile(linear=KernelEfficiency(eff_max=1.0, n_half=0.0, overhead_
 
 
 def ctx_for(cl: ClusterSpec, model: ModelSpec = MODEL) -> PlanContext:
-    return PlanContext(cl, model, PROFILE)
+    """ZeRO-0: one gradient all-reduce per step (:func:`allreduce`), so that the hand-priced
+    transfers are the attention's alone (FSDP's per-micro-batch collectives: test_fsdp_bandwidth.py)."""
+    return PlanContext(cl, model, PROFILE, zero_stage=0)
 
 
 def full_block(c):  # fwd+bwd seconds of a c x c block

@@ -64,9 +64,11 @@ def test_long_sequences_get_side_by_side_rings_of_whole_nodes(repro):
     (1.2x before FSDP's coupling of micro-batches was charged: every unit now waits for the slowest
     in each micro-batch, which the bound, priced as one micro-batch, does not see; 1.40x since the
     memory model counts the remap and Ulysses layouts and recomputation is chosen per micro-batch:
-    the family's best is 1.395x. Open: closing this gap is the long-step work of the pricing issue.)"""
+    the family's best is 1.395x; 1.43x since FSDP's collectives are priced per micro-batch from the
+    links: the bound, one micro-batch, pays their exposed part once, a plan of several micro-batches
+    once each. Open: closing this gap is the long-step work of the pricing issue.)"""
     ctx, seqs, plan = repro
-    bound = 1.40 / 1.2 * _bound(ctx, seqs)
+    bound = 1.43 / 1.2 * _bound(ctx, seqs)
     sim = Simulator(ctx)
     assert plan.prediction.step_time_s <= 1.2 * bound
     assert sim.simulate_step(plan).step_time_s <= 1.2 * bound
