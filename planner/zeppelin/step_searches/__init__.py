@@ -32,8 +32,8 @@ FILL = 0.9
 #: beyond this many units, where a step needs several micro-batches and they are coupled (FSDP:
 #: every unit waits for the slowest in each layer of each micro-batch), node-major runs first and,
 #: when it finds a layout, alone: there its whole-step node balance beats the micro-batch-major
-#: layouts by 20-25% of the step (benchmarks/bench_planner.py, 1,024-4,096 GPUs), and they cost
-#: as much again to plan
+#: layouts by 20-25% of the step (benchmarks/bench_planner.py, 512-4,096 GPUs), and they cost
+#: as much again to plan; nor are the large families built then (FLOP-share: 25-30% slower there)
 NODE_MAJOR_FIRST_UNITS = 256
 
 
@@ -85,6 +85,7 @@ def _searches(state: StepState, parts: list[list[int]], found: Round):
     if len(parts) > 1 and ctx.microbatches_coupled and ctx.num_units > NODE_MAJOR_FIRST_UNITS:
         node_major.search(state, parts, found)
         if found.best_built is not None:
+            state.node_major_led = True
             return ()
         return tuple(s for s in REGISTRY if s is not node_major)
     return REGISTRY
