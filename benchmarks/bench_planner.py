@@ -2,19 +2,24 @@
 
     python benchmarks/bench_planner.py                      # everything (JSON lines on stdout)
     python benchmarks/bench_planner.py --only latency --sizes 16,64,256
+    python benchmarks/bench_planner.py --only latency --sizes 64,1024,4096,16384 --latency-steps 5
     python benchmarks/bench_planner.py --only quality --steps 100
     python benchmarks/bench_planner.py --only rss --rss-gpus 4096 --rss-steps 1,4   # peak RSS of plan files
 
 Length distributions are generated here (seeded): *short-heavy* (log-normal, median ~1.1K),
 *long-heavy* (log-normal, median ~22K) and *mixed* (log-normal body + Pareto tail); all clipped to
 128K. A step takes sequences until its token budget (the cluster's activation capacity) is full.
-Quality = predicted step time / lower bound (``predict_step``), per step.
+Quality = predicted step time / lower bound (``predict_step``), per step. The latency rows also give
+the process's peak resident memory after each size (``peak_rss_mb``; sizes run smallest first, so
+it is the peak of planning that size) and, where the code can report it (``--breakdown``), where
+the step's time above its bound goes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import time
 import zlib
@@ -68,15 +73,15 @@ def ctx_for(cluster: str, model: str, zero_stage: int = 1) -> PlanContext:
 ZERO = {"llama-7b": 1, "llama-13b": 3}
 
 
-def latency(sizes: list[int], steps: int) -> None:
+def latency(sizes: list[int], steps: int, breakdown: bool = False) -> None:
     for gpus in sizes:
         nodes = max(1, gpus // 8)
         ctx = ctx_for(f"zeppelin-c:{nodes}", "llama-7b")
         # ~8 sequences per GPU on the mixed distribution
         rng = np.random.default_rng(gpus)
-        n_steps = steps if gpus <= 1024 else max(3, steps // 2)
+        n_steps = steps if gpus <= 1024 else max(3, steps // 2) if gpus <= 4096 else max(2, steps // 3)
         pl = ZeppelinPlanner()
-        times, cpu, seqs, ratios, solvers = [], [], [], [], []
+        times, cpu, seqs, ratios, solvers, parts = [], [], [], [], [], []
         for k in range(n_steps):
             L = draw("mixed", rng, 8 * gpus)
             ss = [Sequence(sample_id=i, length=int(x)) for i, x in enumerate(L)]
@@ -87,12 +92,38 @@ def latency(sizes: list[int], steps: int) -> None:
             seqs.append(len(ss))
             ratios.append(sp.prediction.step_time_s / sp.prediction.lower_bound_s)
             solvers.append(sp.solver.name)
+            if breakdown:
+                parts.append(over_bound(ctx, sp))
+        row = {}
+        if parts:
+            row["over_bound"] = {k: round(float(np.median([p[k] for p in parts])), 4) for k in parts[0]}
         print(json.dumps({"bench": "planner_latency", "gpus": gpus, "cluster": ctx.cluster.name,
                           "nodes": nodes, "model": "llama-7b", "seqs_per_step": int(np.median(seqs)),
                           "steps": n_steps, "median_s": round(float(np.median(times)), 4),
                           "max_s": round(float(np.max(times)), 4), "median_cpu_s": round(float(np.median(cpu)), 4),
                           "median_ratio": round(float(np.median(ratios)), 4),
-                          "solvers": {s: solvers.count(s) for s in sorted(set(solvers))}}), flush=True)
+                          "solvers": {s: solvers.count(s) for s in sorted(set(solvers))},
+                          "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                          **row}), flush=True)
+
+
+def over_bound(ctx: PlanContext, plan) -> dict[str, float]:
+    """Where a plan's predicted step time above its lower bound goes, as shares of the bound:
+    ``work`` (the units' mean time above the work bound: ring and split overheads, linear kernels
+    on smaller micro-batches), ``exposed`` (mean exposed communication beyond the gradient
+    all-reduce, part of ``work`` too), ``imbalance`` (per micro-batch, the slowest unit above the
+    mean, summed: what coupled micro-batches pay) and ``micro_batches``."""
+    from zeppelin.planner.costmodel.predict import microbatch_terms
+
+    pr = plan.prediction
+    lengths = [q.length for q in plan.sequences]
+    terms = [microbatch_terms(ctx, lengths, mb) for mb in plan.microbatches]
+    ar = ctx.cost.step_collectives_time(len(terms), ctx.num_units)
+    mean = sum(float(t.busy.mean()) for t in terms) + ar
+    lb = pr.lower_bound_s
+    return {"work": (mean - lb) / lb, "exposed": sum(float(t.exposed.mean()) for t in terms) / lb,
+            "imbalance": sum(float(t.period.max() - t.busy.mean()) for t in terms) / lb,
+            "micro_batches": float(len(terms))}
 
 
 def quality(clusters, models, dists, steps: int) -> None:
@@ -168,8 +199,10 @@ def rss(gpus: int, step_counts: list[int]) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", choices=["latency", "quality", "ablation", "rss"], default=None)
-    ap.add_argument("--sizes", default="16,64,256,1024,4096")
-    ap.add_argument("--latency-steps", type=int, default=5)
+    ap.add_argument("--sizes", default="16,64,256,1024,4096,16384", help="GPUs (8 per node), comma list")
+    ap.add_argument("--latency-steps", type=int, default=5, help="steps per size up to 1,024 GPUs (half beyond, "
+                    "a third beyond 4,096)")
+    ap.add_argument("--breakdown", action="store_true", help="latency rows: where the time above the bound goes")
     ap.add_argument("--steps", type=int, default=100, help="steps per quality cell")
     ap.add_argument("--ablation-steps", type=int, default=30)
     ap.add_argument("--rss-gpus", type=int, default=4096)
@@ -177,7 +210,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     print(json.dumps({"bench": "machine", "python": sys.version.split()[0]}), flush=True)
     if a.only in (None, "latency"):
-        latency([int(x) for x in a.sizes.split(",")], a.latency_steps)
+        latency(sorted(int(x) for x in a.sizes.split(",")), a.latency_steps, a.breakdown)
     if a.only in (None, "quality"):
         quality(["zeppelin-a", "zeppelin-c"], ["llama-7b", "llama-13b"], ["short", "long", "mixed"], a.steps)
     if a.only in (None, "ablation"):

@@ -63,6 +63,8 @@ class PlanSummary:
     traffic: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
     #: steps that move bytes across nodes
     steps_with_traffic: int = 0
+    #: steps whose traffic is counted (all of them, unless the traffic is sampled; None: ``steps``)
+    traffic_steps: int | None = None
     #: NICs of the cluster (for "N of M NICs used")
     nics_in_cluster: int = 0
     #: TP degree -> data-parallel units of that degree (the most of any step); a unit has that many GPUs
@@ -73,6 +75,8 @@ class PlanSummary:
     local_by_tp: dict[int, list[int]] = field(default_factory=dict)
 
     def add(self, other: PlanSummary) -> PlanSummary:
+        if self.traffic_steps is not None or other.traffic_steps is not None:
+            self.traffic_steps = self.counted_steps + other.counted_steps
         self.steps += other.steps
         for k, v in other.sequences.items():
             self.sequences[k] = self.sequences.get(k, 0) + v
@@ -98,6 +102,15 @@ class PlanSummary:
         return self
 
     # ------------------------------------------------------------------ derived
+    @property
+    def counted_steps(self) -> int:
+        """Steps whose traffic is counted (per-step traffic is averaged over these)."""
+        return self.steps if self.traffic_steps is None else self.traffic_steps
+
+    @property
+    def traffic_sampled(self) -> bool:
+        return self.counted_steps < self.steps
+
     def nic_bytes(self) -> dict[str, float]:
         """Bytes per NIC over every kind of transfer."""
         out: dict[str, float] = defaultdict(float)
@@ -116,9 +129,9 @@ class PlanSummary:
         return sum(1 for b in self.nic_bytes().values() if b > 0)
 
     def to_dict(self) -> dict[str, Any]:
-        per_step = max(self.steps, 1)
+        per_step = max(self.counted_steps, 1)
         nb = self.nic_bytes()
-        return {
+        out = {
             "steps": self.steps,
             "sequences_by_tier": dict(self.sequences),
             "length_range_by_tier": {k: list(v) for k, v in self.lengths.items()},
@@ -133,6 +146,9 @@ class PlanSummary:
             "steps_with_inter_node_traffic": self.steps_with_traffic,
             "units_by_tp": {str(k): v for k, v in sorted(self.unit_tps.items())},
         }
+        if self.traffic_sampled:
+            out["steps_with_traffic_counted"] = self.counted_steps
+        return out
 
 
 def step_summary(ctx: PlanContext, step: StepPlan, sim=None,
@@ -181,6 +197,7 @@ def step_summary(ctx: PlanContext, step: StepPlan, sim=None,
             if b > 0:
                 s.traffic[kind][nic] += b
     s.steps_with_traffic = int(any(s.traffic.values()))
+    s.traffic_steps = 1
     return s
 
 
@@ -214,15 +231,19 @@ def summary_lines(s: PlanSummary) -> list[str]:
     if s.mislabeled:
         lines.append(f"  {s.mislabeled:,} group(s) labelled with another tier than their units span "
                      f"(counted by their units)")
-    per_step = max(s.steps, 1)
-    if s.inter_node_bytes > 0:
+    per_step = max(s.counted_steps, 1)
+    sampled = (f" (sampled: the traffic of {s.counted_steps:,} of {s.steps:,} steps)" if s.traffic_sampled else "")
+    if s.counted_steps == 0:
+        lines.append(f"inter-node traffic: not counted (sampled: none of {s.steps:,} steps fit the summary's "
+                     f"time budget; `zeppelin show` or `simulate` count it)")
+    elif s.inter_node_bytes > 0:
         kinds = ", ".join(f"{k} {_gb(sum(v.values()) / 2.0 / per_step)}" for k, v in sorted(s.traffic.items())
                           if sum(v.values()) > 0)
         busiest = max(s.nic_bytes().values()) / per_step
-        where = f" in {s.steps_with_traffic:,} of {s.steps:,} steps" if s.steps > 1 else ""
-        lines.append(f"inter-node traffic: {_gb(s.inter_node_bytes / per_step)} per step{where} ({kinds})")
+        where = f" in {s.steps_with_traffic:,} of {s.counted_steps:,} steps" if s.counted_steps > 1 else ""
+        lines.append(f"inter-node traffic: {_gb(s.inter_node_bytes / per_step)} per step{where} ({kinds}){sampled}")
         lines.append(f"  NICs: {s.nics_used:,} of {s.nics_in_cluster:,} used, the busiest sends + receives "
                      f"{_gb(busiest)} per step")
     else:
-        lines.append("inter-node traffic: none (no transfer crosses nodes)")
+        lines.append("inter-node traffic: none (no transfer crosses nodes)" + sampled)
     return lines

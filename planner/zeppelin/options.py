@@ -63,5 +63,5 @@ class ZeppelinOptions(PlannerOptions):
                                  "values as families)")
     attention_max_units: int = option(int, 256, "beyond this many units the attention-balanced remap layout is "
                                       "not a candidate", minimum=0)
-    node_cp_max_units: int = option(int, 2048, "beyond this many units neither the node-CP layout nor node-major "
+    node_cp_max_units: int = option(int, 16384, "beyond this many units neither the node-CP layout nor node-major "
                                     "micro-batches are candidates", minimum=0)

@@ -12,7 +12,9 @@ prediction with its few best confirmed by the simulator (on clusters of at most
 Option ``families`` (``all``, ``none`` or a comma list). Beyond ``families_max_units`` units only
 ``large_families`` are built, beyond ``attention_max_units`` the attention-balanced remap layout
 is not a candidate, and beyond ``node_cp_max_units`` neither are the node-CP layout nor
-node-major micro-batches (for planning latency: FLOP-share takes their place). A step with a
+node-major micro-batches (for planning latency: FLOP-share takes their place); beyond 256 units a
+step of several coupled micro-batches that node-major plans is planned by it alone, without the
+families (``step_searches.NODE_MAJOR_FIRST_UNITS``). A step with a
 sequence longer than the context's units hold together runs on replicas of a larger TP degree
 when they hold it.
 
@@ -196,6 +198,10 @@ class ZeppelinPlanner(Planner):
         own = search_step(state, step, simulate=judge is not None)
         if ctx.num_units <= self.families_max_units:
             margin, names = self.family_margin, self._family_names()
+        elif state.node_major_led:
+            # node-major micro-batches at scale (step_searches.NODE_MAJOR_FIRST_UNITS): FLOP-share's
+            # rings lose to them by 25-30% of the step and cost as much to build
+            margin, names = None, []
         else:
             # large clusters: the cheap families only, always built (FLOP-share's own score is coarse
             # where rings span many nodes, so it does not prune)

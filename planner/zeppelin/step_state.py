@@ -37,6 +37,8 @@ class StepState:
     # the last packing failure, for the error when nothing fits (its text: the exception itself would
     # keep the failed search's frames, and with them this state, alive)
     last_error: str | None = None
+    #: node-major alone planned the step (:data:`.step_searches.NODE_MAJOR_FIRST_UNITS`)
+    node_major_led: bool = False
 
     # ILP work per step: every candidate layout may call the packing ILP; together they share a
     # budget of ``ilp_budget_calls`` solves, each under the planner's limits (``ilp=always``: no

@@ -206,3 +206,42 @@ def test_a_ring_across_nodes_labelled_intra_is_counted_and_shown_as_inter(tmp_pa
     assert row[1:3] == ["inter", "ring"]
     res = Simulator(context_from_header(_header(cl))).simulate_step(st)
     assert sum(n.bytes for n in res.nics.values()) > 0
+
+
+@pytest.mark.parametrize("budget,counted", [(0.0, 0), (1e9, STEPS)])
+def test_plan_samples_the_traffic_on_large_clusters_and_says_so(manifest, tmp_path, monkeypatch, budget, counted):
+    """Beyond ``TRAFFIC_ALL_MAX_UNITS`` units ``plan`` counts a step's traffic only within its time
+    budget and labels the traffic lines as sampled; tiers and groups still count every step."""
+    from zeppelin.planner.cli import plan as plan_cli
+
+    monkeypatch.setattr(plan_cli, "TRAFFIC_ALL_MAX_UNITS", 0)
+    monkeypatch.setattr(plan_cli, "TRAFFIC_BUDGET", budget)
+    args = ["plan", "--manifest", str(manifest), "-c", "local-cpu:2x2", "--model", "tiny", "--steps", str(STEPS),
+            "--tokens-per-step", "16384", "--max-seq-len", "4096", "-o", str(tmp_path / "p.jsonl")]
+    planned = _block(_run(args))
+    full = _block(_run(["simulate", str(tmp_path / "p.jsonl")]))
+    def head(block):
+        return block[:next(i for i, ln in enumerate(block) if ln.startswith("inter-node traffic: "))]
+
+    assert head(planned) == head(full)  # tiers, lengths, groups, units: every step
+    if counted == 0:
+        assert planned[-1] == (f"inter-node traffic: not counted (sampled: none of {STEPS} steps fit the summary's "
+                               f"time budget; `zeppelin show` or `simulate` count it)")
+    else:  # every step fits the budget: the full count, not labelled
+        assert planned[-2:] == full[-2:]
+    doc = json.loads(_run([*args, "--json"]))
+    assert doc["counts"].get("steps_with_traffic_counted", STEPS) == counted
+
+
+def test_sampled_traffic_is_averaged_over_the_counted_steps_and_labelled():
+    ctx, st = _hand_step("inter")
+    one = step_summary(ctx, st)
+    skipped = step_summary(ctx, st, traffic={})
+    skipped.traffic_steps = 0
+    two = PlanSummary().add(one).add(skipped)
+    assert (two.steps, two.counted_steps) == (2, 1)
+    assert two.to_dict()["inter_node_bytes_per_step"] == pytest.approx(one.inter_node_bytes)
+    assert two.to_dict()["steps_with_traffic_counted"] == 1
+    line = next(ln for ln in summary_lines(two) if ln.startswith("inter-node traffic: "))
+    assert line.endswith("(sampled: the traffic of 1 of 2 steps)")
+    assert "steps_with_traffic_counted" not in PlanSummary().add(one).add(one).to_dict()

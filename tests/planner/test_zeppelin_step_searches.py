@@ -102,3 +102,45 @@ def test_plan_steps_streams_with_bounded_memory():
     gc.collect()
     # no span table of the step outlives it
     assert not [o for o in gc.get_objects() if isinstance(o, StepState) and o.options is pl and o.span_tables]
+
+
+def test_node_major_leads_at_scale_with_coupled_microbatches(monkeypatch):
+    """Past ``NODE_MAJOR_FIRST_UNITS`` units (lowered here to the test's 8), a step of two coupled
+    micro-batches is planned by node-major alone - its micro-batches laid out over every node
+    afresh past ``FREE_NODES_MIN_UNITS`` - and no large family is built; below, every search runs."""
+    from zeppelin.planner.zeppelin import select as select_mod
+    from zeppelin.planner.zeppelin import step_searches
+    from zeppelin.planner.zeppelin.step_searches import node_major
+
+    calls, families = [], []
+    real = step_searches.common.whole_step
+    real_families = select_mod.family_plans
+
+    def spy(state, parts, floors, balances, fixed_nodes=None):
+        calls.append((tuple(floors), fixed_nodes is not None))
+        return real(state, parts, floors, balances, fixed_nodes)
+
+    def spy_families(ctx, step, sequences, names, *a, **k):
+        families.extend(names)
+        return real_families(ctx, step, sequences, names, *a, **k)
+
+    for search in step_searches.REGISTRY:
+        monkeypatch.setattr(search, "whole_step", spy)
+    monkeypatch.setattr(select_mod, "family_plans", spy_families)
+    ctx = make_ctx("zeppelin-a:2x4")
+    assert ctx.microbatches_coupled
+    lengths = [ctx.cost.token_capacity // 3] * (3 * ctx.num_units)  # two micro-batches are needed
+    opts = dict(families_max_units=0, large_families="flop-share")
+    for first, free, expect in ((ctx.num_units, ctx.num_units, None), (ctx.num_units - 1, ctx.num_units - 1, [False])):
+        monkeypatch.setattr(step_searches, "NODE_MAJOR_FIRST_UNITS", first)
+        monkeypatch.setattr(node_major, "FREE_NODES_MIN_UNITS", free)
+        monkeypatch.setattr(node_major, "ALL_LAYOUTS_MAX_UNITS", 0)
+        calls.clear()
+        families.clear()
+        plan = ZeppelinPlanner(**opts).plan_step(ctx, 0, seqs_of(lengths))
+        check_plan(ctx, plan, lengths)
+        if expect is None:  # every search, node-major with its own nodes; FLOP-share built
+            assert ((None,), False) in calls and ((None,), True) in calls and families == ["flop-share"]
+        else:  # node-major alone, over every node afresh; no family
+            assert calls and [nm for _, nm in calls] == expect * len(calls) and families == []
+            assert len(plan.microbatches) >= 2

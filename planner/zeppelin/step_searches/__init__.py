@@ -29,6 +29,12 @@ from zeppelin.schemas.plan import Sequence, StepPlan
 REGISTRY: tuple[StepSearch, ...] = (tiered, node_cp, node_major)
 #: micro-batches are first counted for this share of the units' token capacity (slack for rings)
 FILL = 0.9
+#: beyond this many units, where a step needs several micro-batches and they are coupled (FSDP:
+#: every unit waits for the slowest in each layer of each micro-batch), node-major runs first and,
+#: when it finds a layout, alone: there its whole-step node balance beats the micro-batch-major
+#: layouts by 20-25% of the step (benchmarks/bench_planner.py, 512-4,096 GPUs), and they cost
+#: as much again to plan; nor are the large families built then (FLOP-share: 25-30% slower there)
+NODE_MAJOR_FIRST_UNITS = 256
 
 
 def search_step(state: StepState, step: int, simulate: bool) -> list[Candidate]:
@@ -58,7 +64,7 @@ def _search_counts(state: StepState, step: int, simulate: bool) -> list:
             M += 1
             continue
         found = Round(found=found.found)
-        for strategy in REGISTRY:
+        for strategy in _searches(state, parts, found):
             strategy.search(state, parts, found)
         if found.best_built is None:
             M += 1
@@ -70,6 +76,19 @@ def _search_counts(state: StepState, step: int, simulate: bool) -> list:
     if not found.found:  # every sequence fits alone (checked before), so this means a packing failure
         raise PlanningError(f"step {step}: no feasible assignment found ({state.last_error})")
     return found.found
+
+
+def _searches(state: StepState, parts: list[list[int]], found: Round):
+    """The searches to run for a micro-batch count: every one of :data:`REGISTRY`, or, node-major
+    first (:data:`NODE_MAJOR_FIRST_UNITS`), none more where it found a layout."""
+    ctx = state.ctx
+    if len(parts) > 1 and ctx.microbatches_coupled and ctx.num_units > NODE_MAJOR_FIRST_UNITS:
+        node_major.search(state, parts, found)
+        if found.best_built is not None:
+            state.node_major_led = True
+            return ()
+        return tuple(s for s in REGISTRY if s is not node_major)
+    return REGISTRY
 
 
 def split_microbatches(ctx, lengths: np.ndarray, M: int, budget: int) -> list[list[int]] | None:

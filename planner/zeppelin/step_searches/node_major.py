@@ -23,6 +23,14 @@ name = "node-major"
 #: up to this many units every layout (tiered and node-CP, each objective) is tried node-major;
 #: beyond, for planning latency, only the one that won the micro-batch count, balanced on total cost
 ALL_LAYOUTS_MAX_UNITS = 32
+#: beyond this many units, where micro-batches are coupled (a step costs the sum over micro-batches
+#: of the slowest unit), node-major's cut of the step into micro-batches is kept but each
+#: micro-batch is laid out over every node afresh, balanced on its own (from 33 units up to this
+#: many, both are tried): the whole-step node
+#: assignment balances node totals, which leaves a node holding one very long sequence with little
+#: in its other micro-batches while the others' halves set those micro-batches' maxima (7-9% of
+#: the step at 512-1,024 GPUs, benchmarks/bench_planner.py)
+FREE_NODES_MIN_UNITS = 256
 
 
 def search(state: StepState, parts: list[list[int]], found: Round) -> None:
@@ -38,14 +46,25 @@ def search(state: StepState, parts: list[list[int]], found: Round) -> None:
         layouts = [([None], balances(state))] + ([([floor], ["total"])] if floor is not None else [])
     else:
         layouts = [(found.best_floors, ["total"])]
-    for floors, objectives in layouts:
-        try:
-            built, t = whole_step(state, assigned[0], floors, objectives, assigned[1])
-        except PackInfeasible as e:
-            if state.last_error is None:
-                state.last_error = str(e)
-            continue
-        found.offer(built, t)
+    for fixed in node_choices(state, len(parts), assigned[1]):
+        for floors, objectives in layouts:
+            try:
+                built, t = whole_step(state, assigned[0], floors, objectives, fixed)
+            except PackInfeasible as e:
+                if state.last_error is None:
+                    state.last_error = str(e)
+                continue
+            found.offer(built, t)
+
+
+def node_choices(state: StepState, M: int, nodes: dict[int, int]) -> list:
+    """The node assignments node-major's micro-batches are laid out with: its own (``nodes``) and,
+    where micro-batches are coupled on more than :data:`ALL_LAYOUTS_MAX_UNITS` units, none (each
+    micro-batch over every node afresh) - beyond :data:`FREE_NODES_MIN_UNITS` units that alone."""
+    ctx = state.ctx
+    if not (M > 1 and ctx.microbatches_coupled and ctx.num_units > ALL_LAYOUTS_MAX_UNITS):
+        return [nodes]
+    return [None] if ctx.num_units > FREE_NODES_MIN_UNITS else [nodes, None]
 
 
 def node_major(state: StepState, M: int):
