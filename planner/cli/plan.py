@@ -161,23 +161,20 @@ def _context_and_planner(cfg: PlanConfig):
     return ctx, _planner(cfg.planner, cfg.planner_options(cfg.planner))
 
 
-#: up to this many units the summary counts every step's inter-node traffic; beyond, only while the
-#: counting stays within ``TRAFFIC_BUDGET`` of the planning time so far (labelled as sampled)
+#: up to this many units the summary counts every step's inter-node traffic; beyond, one step in
+#: ``ceil(units / TRAFFIC_ALL_MAX_UNITS)`` (steps 0, k, 2k, ...: the same steps on every run), labelled
+#: as sampled: a step's traffic (its task graph, built by the simulator) costs more than planning it
+#: on large clusters, and about as much more as the cluster is larger
 TRAFFIC_ALL_MAX_UNITS = 64
-#: the share of planning time the sampled traffic count may add
-TRAFFIC_BUDGET = 0.03
 
 
 class _Tally:
     """What ``plan`` counts while it writes: step / lower-bound ratios, solvers, wall-clock hits and
-    the plan summary (the time spent counting it is left out of the planning time). The traffic
-    of a step (its task graph, built by the simulator) costs more than planning it on large
-    clusters: beyond :data:`TRAFFIC_ALL_MAX_UNITS` units a step's traffic is counted only where the
-    counting so far, plus this step's at the last step's cost, stays within :data:`TRAFFIC_BUDGET`
-    of the planning time so far (the tier and group counts cover every step; before any traffic is
-    counted, a step's is taken to cost what planning one did)."""
+    the plan summary (the time spent counting it is left out of the planning time). Tiers and
+    groups count every step; inter-node traffic every ``stride``-th step (see
+    :data:`TRAFFIC_ALL_MAX_UNITS`), so the summary is the same whatever the machine's speed."""
 
-    def __init__(self, sample: bool = False) -> None:
+    def __init__(self, stride: int = 1) -> None:
         from zeppelin.planner.sim.summary import PlanSummary
 
         self.ratios: list[float] = []
@@ -185,9 +182,7 @@ class _Tally:
         self.wall_hit: list[int] = []
         self.counts = PlanSummary()
         self.counting_s = 0.0
-        self.sample = sample
-        self.t0 = time.perf_counter()
-        self.last_traffic_s = 0.0  # what counting the last counted step's traffic took
+        self.stride = max(1, stride)
 
     def add(self, st, sim) -> None:
         if st.prediction is not None and st.prediction.lower_bound_s > 0:
@@ -200,12 +195,8 @@ class _Tally:
             from zeppelin.planner.sim.summary import step_summary
 
             t1 = time.perf_counter()
-            planning = t1 - self.t0 - self.counting_s
-            guess = self.last_traffic_s or planning / (self.counts.steps + 1)
-            if not self.sample or self.counting_s + guess <= TRAFFIC_BUDGET * planning:
-                traffic = sim.nic_traffic(st)
-                self.last_traffic_s = time.perf_counter() - t1
-                self.counts.add(step_summary(sim.ctx, st, traffic=traffic))
+            if st.step % self.stride == 0:
+                self.counts.add(step_summary(sim.ctx, st, traffic=sim.nic_traffic(st)))
             else:
                 one = step_summary(sim.ctx, st, traffic={})
                 one.traffic_steps = 0
@@ -234,7 +225,7 @@ def _write_plan(cfg: PlanConfig, ctx, pl, header, steps) -> _Tally:
     from zeppelin.schemas.plan import PlanWriter
     from zeppelin.schemas.runnable import step_problem
 
-    tally = _Tally(sample=ctx.num_units > TRAFFIC_ALL_MAX_UNITS)
+    tally = _Tally(stride=-(-ctx.num_units // TRAFFIC_ALL_MAX_UNITS))
     sim = None if cfg.quiet and not cfg.explain else Simulator(context_from_header(header))
     if is_null_device(cfg.output):
         writer = _Discard()

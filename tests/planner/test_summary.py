@@ -208,14 +208,14 @@ def test_a_ring_across_nodes_labelled_intra_is_counted_and_shown_as_inter(tmp_pa
     assert sum(n.bytes for n in res.nics.values()) > 0
 
 
-@pytest.mark.parametrize("budget,counted", [(0.0, 0), (1e9, STEPS)])
-def test_plan_samples_the_traffic_on_large_clusters_and_says_so(manifest, tmp_path, monkeypatch, budget, counted):
-    """Beyond ``TRAFFIC_ALL_MAX_UNITS`` units ``plan`` counts a step's traffic only within its time
-    budget and labels the traffic lines as sampled; tiers and groups still count every step."""
+@pytest.mark.parametrize("most,counted", [(2, -(-STEPS // 2)), (64, STEPS)])
+def test_plan_samples_the_traffic_on_large_clusters_and_says_so(manifest, tmp_path, monkeypatch, most, counted):
+    """Beyond ``TRAFFIC_ALL_MAX_UNITS`` units ``plan`` counts the traffic of one step in
+    ``ceil(units / TRAFFIC_ALL_MAX_UNITS)`` (the same steps on every run) and labels the traffic
+    line as sampled; tiers and groups still count every step."""
     from zeppelin.planner.cli import plan as plan_cli
 
-    monkeypatch.setattr(plan_cli, "TRAFFIC_ALL_MAX_UNITS", 0)
-    monkeypatch.setattr(plan_cli, "TRAFFIC_BUDGET", budget)
+    monkeypatch.setattr(plan_cli, "TRAFFIC_ALL_MAX_UNITS", most)  # 4 units: every 2nd step, or all
     args = ["plan", "--manifest", str(manifest), "-c", "local-cpu:2x2", "--model", "tiny", "--steps", str(STEPS),
             "--tokens-per-step", "16384", "--max-seq-len", "4096", "-o", str(tmp_path / "p.jsonl")]
     planned = _block(_run(args))
@@ -224,13 +224,14 @@ def test_plan_samples_the_traffic_on_large_clusters_and_says_so(manifest, tmp_pa
         return block[:next(i for i, ln in enumerate(block) if ln.startswith("inter-node traffic: "))]
 
     assert head(planned) == head(full)  # tiers, lengths, groups, units: every step
-    if counted == 0:
-        assert planned[-1] == (f"inter-node traffic: not counted (sampled: none of {STEPS} steps fit the summary's "
-                               f"time budget; `zeppelin show` or `simulate` count it)")
-    else:  # every step fits the budget: the full count, not labelled
+    if counted < STEPS:
+        line = next(ln for ln in planned if ln.startswith("inter-node traffic: "))
+        assert line.endswith(f"(sampled: the traffic of {counted} of {STEPS} steps)"), line
+    else:  # every step counted: the full count, not labelled
         assert planned[-2:] == full[-2:]
     doc = json.loads(_run([*args, "--json"]))
     assert doc["counts"].get("steps_with_traffic_counted", STEPS) == counted
+    assert _block(_run(args)) == planned  # the same summary on every run
 
 
 def test_sampled_traffic_is_averaged_over_the_counted_steps_and_labelled():
