@@ -61,8 +61,10 @@ def test_balanced_on_many_short_sequences():
     plan = ZeppelinPlanner().plan_step(ctx, 0, seqs_of(lengths))
     pr = plan.prediction
     # memory makes it 5 micro-batches, each waiting for its slowest unit (FSDP couples them), which
-    # the bound does not see: the plan that balanced only whole-step totals priced 1.086x coupled
-    assert pr.step_time_s / pr.lower_bound_s < 1.06
+    # the bound does not see: the plan that balanced only whole-step totals priced 1.086x coupled;
+    # 1.063x since FSDP's collectives are priced per micro-batch from the links (the bound, one
+    # micro-batch, pays their exposed part once, this plan five times)
+    assert pr.step_time_s / pr.lower_bound_s < 1.07
     tot = np.array(pr.per_unit.total_s)
     assert tot.max() / tot.mean() < 1.03
 

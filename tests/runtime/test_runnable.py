@@ -68,9 +68,12 @@ def test_planner_makes_no_tp_replicas_for_hf_models(tmp_path):
                         2)[1]
     spec = hf_model_spec(_hf_config(tmp_path / "l7"))
     assert model_runs_tp(model_preset("llama-7b")) and not model_runs_tp(spec)
-    own = ZeppelinPlanner().plan_step(PlanContext(cl, model_preset("llama-7b"), default_profile(cl.name)), 1, seqs)
+    # the usp groups win this step outright since they price their routes; without them, TP replicas do
+    fams = "ulysses-groups,flop-share,tp-replicas,wide-rings"
+    own = ZeppelinPlanner(families=fams).plan_step(PlanContext(cl, model_preset("llama-7b"), default_profile(cl.name)),
+                                                   1, seqs)
     assert own.notes["family"] == "tp-replicas" and max(r.tp for r in own.replicas) > 1
-    plan = ZeppelinPlanner().plan_step(PlanContext(cl, spec, default_profile(cl.name)), 1, seqs)
+    plan = ZeppelinPlanner(families=fams).plan_step(PlanContext(cl, spec, default_profile(cl.name)), 1, seqs)
     assert plan.notes.get("family") != "tp-replicas"
     assert plan.replicas is None or all(r.tp == 1 for r in plan.replicas)
 
