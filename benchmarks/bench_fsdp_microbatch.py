@@ -65,12 +65,15 @@ def write_plan(path: Path, model: str, zero: int, tokens: int, microbatches: int
 
 
 def predicted_per_microbatch(plan_path: Path) -> float:
-    """The plan's data-parallel collectives per micro-batch, as the current code prices them."""
+    """The plan's data-parallel collectives per micro-batch, as the current code prices them: the
+    current ``local-cpu`` preset's links (the plan's header keeps the figures it was written with)."""
     from zeppelin.planner.sim.simulate import context_from_header
+    from zeppelin.schemas.cluster import cluster_preset
     from zeppelin.schemas.plan import read_plan
 
     header, steps = read_plan(plan_path)
-    ctx = context_from_header(header)
+    shape = f"local-cpu:{header.cluster.num_nodes}x{header.cluster.gpus_per_node}"
+    ctx = context_from_header(header.model_copy(update={"cluster": cluster_preset(shape)}))
     m = len(steps[0].microbatches)
     return float(ctx.cost.step_collectives_time(m, ctx.num_units)) / m
 

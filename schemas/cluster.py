@@ -128,14 +128,21 @@ H100 = GPUSpec(name="H100-SXM5-80GB", peak_tflops=989.0, memory_gb=80.0)
 H200 = GPUSpec(name="H200-SXM5-141GB", peak_tflops=989.0, memory_gb=141.0)
 
 
+#: gloo's collectives between CPU processes as the runtime makes them (FSDP2's gathers and
+#: reduce-scatters, hand-overs included): latency (us) and bandwidth (GB/s) fitted by
+#: benchmarks/bench_gloo_links.py on 2 ranks (benchmarks/data/gloo_links/meas.json, ``fits.fsdp``)
+LOCAL_CPU_LINK = (7900.0, 0.17)
+
+
 def _local_cpu(nodes: int = 1, procs: int = 4) -> ClusterSpec:
-    # N gloo processes on one machine: "nodes" are groups of processes; links are shared memory
-    # (intra) and loopback TCP (inter). Figures are conservative defaults; `zeppelin profile`
-    # measures the real ones.
+    # N gloo processes on one machine: "nodes" are groups of processes. gloo moves every byte over
+    # loopback TCP, inside a "node" and across alike: both links carry the measured figures.
+    # `zeppelin profile` measures this machine's own.
+    lat, bw = LOCAL_CPU_LINK
     return _cluster(
         "local-cpu", "gloo processes on this machine (CPU); 'nodes' are groups of processes",
         nodes, procs, GPUSpec(name="cpu-process", peak_tflops=0.05, memory_gb=4.0),
-        LinkSpec(kind="shm", bandwidth_GBps=2.0, latency_us=60.0), 1, 1.0, device="cpu", nic_lat=120.0,
+        LinkSpec(kind="shm", bandwidth_GBps=bw, latency_us=lat), 1, bw, device="cpu", nic_lat=lat,
     )
 
 
