@@ -293,7 +293,7 @@ def test_measured_ring_fits_replace_the_block_model():
     fits = ModelFits(model=model.name, dtype=model.dtype, attention=PolyFit(coeffs=[1e-4, 1e-7, 1e-10]),
                      linear=PolyFit(coeffs=[1e-4, 1e-6]), ring_compute={"2": PolyFit(coeffs=[2e-3, 0.0, 4e-10])},
                      ring_sync_s={"2": 3e-3})
-    prof = CostProfile(fits=[fits])
+    prof = CostProfile(fits=[fits], intra=LinkCost(alpha_s=60e-6, bandwidth_GBps=2.0))  # as a profile measures it
     cm = CostModel(cl, model, prof)
     L = np.array([512.0, 4096.0])
     want = 2e-3 + 4e-10 * L ** 2

@@ -90,7 +90,9 @@ def _zeppelin(args, cwd, timeout=300):
 @pytest.mark.timeout(300)
 def test_hydraulis_tiny_plans_and_runs_verified(tmp_path):
     """The regression: Hydraulis on ``tiny`` over 4 CPU ranks made a TP-4 replica (4 does not divide
-    its 2 key/value heads); now it plans TP-1/TP-2 replicas and ``run --verify`` passes."""
+    its 2 key/value heads); now it plans only degrees the heads allow (TP-1/TP-2 replicas of the 4
+    ranks; under the local-cpu preset's measured gloo links TP-1 on this mix) and ``run --verify``
+    passes."""
     from zeppelin.schemas.plan import PlanReader
 
     lengths = [96, 200, 300, 520, 2000, 4000] * 8  # before the fix: step 0 had a TP-4 replica
@@ -99,6 +101,6 @@ def test_hydraulis_tiny_plans_and_runs_verified(tmp_path):
                    "--steps", "1", "--tokens-per-step", "4096", "-q", "-o", "p.jsonl"], tmp_path)
     assert p.returncode == 0, p.stderr
     tps = [r.tp for s in PlanReader(tmp_path / "p.jsonl") for r in s.replicas]
-    assert sorted(tps) == [1, 1, 2], tps
+    assert set(tps) <= {1, 2} and sum(tps) == 4, tps
     p = _zeppelin(["run", "p.jsonl", "--verify", "--progress", "none"], tmp_path)
     assert p.returncode == 0, p.stderr
