@@ -6,25 +6,17 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from tests.runtime.test_flexsp_hydraulis_tp_plans import tight_cluster as _tight_cluster
+from tests.runtime.test_flexsp_hydraulis_tp_plans import tight_cluster
 from tests.runtime.test_recompute_per_microbatch import mixed_step
 from tests.runtime.test_runtime_dist import make_header
 from zeppelin.planner.core.base import PlanContext, get_planner
 from zeppelin.planner.costmodel.cost import CostModel
 from zeppelin.planner.costmodel.predict import predict_step
-from zeppelin.schemas.cluster import LinkSpec, cluster_preset
+from zeppelin.schemas.cluster import cluster_preset
 from zeppelin.schemas.invariants import plan_problems
 from zeppelin.schemas.model import model_preset
 from zeppelin.schemas.plan import MicroBatch, Sequence, StepPlan, plan_text, read_plan, write_plan
 from zeppelin.schemas.profile import ActivationMemory, ModelFits
-
-
-def tight_cluster(memory_gb: float):
-    """local-cpu:1x4 of ``memory_gb`` per process over fast links (2 GB/s, 60 us): what is tested
-    is the choice between recomputation modes, where a second micro-batch's FSDP collectives cost
-    little (the preset's measured gloo links make every extra micro-batch cost ~0.2 s)."""
-    return _tight_cluster(memory_gb).model_copy(
-        update={"intra_link": LinkSpec(kind="shm", bandwidth_GBps=2.0, latency_us=60.0)})
 
 
 def _header(recompute: str = "per-microbatch"):
