@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zeppelin.schemas.cluster import cluster_preset
+from tests.support.clusters import cluster_preset  # local-cpu over fast links
 from zeppelin.schemas.model import model_preset
 from zeppelin.schemas.plan import read_plan, write_plan
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import zeppelin.runtime as z
-from zeppelin.schemas.cluster import cluster_preset
+from tests.support.clusters import cluster_preset  # local-cpu over fast links
 from zeppelin.schemas.model import model_preset
 from zeppelin.schemas.plan import write_plan
 

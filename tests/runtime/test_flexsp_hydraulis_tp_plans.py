@@ -21,8 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from zeppelin.schemas.cluster import LinkSpec
-from zeppelin.schemas.cluster import cluster_preset as _cluster_preset
+from tests.support.clusters import cluster_preset  # local-cpu over fast links
 from zeppelin.schemas.common import content_hash
 from zeppelin.schemas.layout import contiguous_ranges, zigzag_ranges
 from zeppelin.schemas.model import model_preset
@@ -57,17 +56,6 @@ def seed_header(cluster, model, num_steps: int, planner: str, tp: int = 1, tp_ov
                       tp_overlap=tp_overlap, cluster=cluster, model=model, profile=profile,
                       hashes=InputHashes(cluster=content_hash(cluster), model=content_hash(model),
                                          profile=content_hash(profile), manifest="synthetic"))
-
-
-def cluster_preset(name: str):
-    """A ``local-cpu`` preset over fast links (2 GB/s, 60 us a call): these tests run the layouts
-    the planners make where parallelism's communication costs little (TP replicas, rings, Ulysses
-    groups, micro-batches); under the preset's measured gloo links (7.9 ms a call) the planners
-    rightly make fewer of them on CPU ranks."""
-    base = _cluster_preset(name)
-    fast = LinkSpec(kind="shm", bandwidth_GBps=2.0, latency_us=60.0)
-    nics = [n.model_copy(update={"bandwidth_GBps": 1.0, "latency_us": 120.0}) for n in base.nics]
-    return base.model_copy(update={"intra_link": fast, "nics": nics})
 
 
 def tight_cluster(memory_gb: float = 0.505):

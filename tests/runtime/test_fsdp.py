@@ -16,7 +16,7 @@ import torch
 from tests.runtime.test_runtime_dist import make_header, planner_step
 from tests.runtime.test_flexsp_hydraulis_tp_plans import planned_step, seed_header, tight_cluster
 
-from zeppelin.schemas.cluster import cluster_preset
+from tests.support.clusters import cluster_preset  # local-cpu over fast links
 from zeppelin.schemas.model import model_preset
 from zeppelin.schemas.plan import PlanHeader, StepPlan, write_plan
 

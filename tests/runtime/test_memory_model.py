@@ -20,7 +20,7 @@ import torch
 from tests.runtime.test_runtime_dist import make_header
 from zeppelin.planner.core.base import PlanContext, get_planner
 from zeppelin.planner.costmodel.cost import CostModel
-from zeppelin.schemas.cluster import cluster_preset
+from tests.support.clusters import cluster_preset  # local-cpu over fast links
 from zeppelin.schemas.model import model_preset
 from zeppelin.schemas.plan import PlanHeader, Sequence, StepPlan
 

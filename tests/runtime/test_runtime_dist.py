@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zeppelin.schemas.cluster import NICSpec, cluster_preset
+from tests.support.clusters import cluster_preset  # local-cpu over fast links
+from zeppelin.schemas.cluster import NICSpec
 from zeppelin.schemas.common import content_hash
 from zeppelin.schemas.layout import split_even, zigzag_ranges
 from zeppelin.schemas.model import model_preset

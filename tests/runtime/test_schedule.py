@@ -14,7 +14,7 @@ from zeppelin.planner.core import registry  # noqa: F401  (every built-in planne
 from zeppelin.planner.core.base import PlanContext, get_planner
 from zeppelin.planner.tools.validate import step_problems
 from zeppelin.runtime.attn.schedule import PHASES, compile_schedule
-from zeppelin.schemas.cluster import cluster_preset
+from tests.support.clusters import cluster_preset  # local-cpu over fast links
 from zeppelin.schemas.common import InputError
 from zeppelin.schemas.layout import zigzag_ranges
 from zeppelin.schemas.model import model_preset
