@@ -157,12 +157,16 @@ def test_plans_of_each_model_type_validate_and_verify(model_dirs, tmp_path):
     """`zeppelin plan` / `validate` / `run --verify` on 2 ranks for every model type (the windowed
     model's 64-token sequence runs as a contiguous ring of 2: its window needs the neighbour's K/V
     only); a plan made for one attention pattern is refused with another."""
+    from tests.support.clusters import cluster_preset
+
     manifest = tmp_path / "m.jsonl"
     manifest.write_text("".join(json.dumps({"length": n}) + "\n" for n in [300, 13, 90, 7, 33, 64, 21, 5]))
+    cluster = tmp_path / "cluster.json"  # local-cpu:1x2 over fast links: the planner makes the ring
+    cluster.write_text(cluster_preset("local-cpu:1x2").model_dump_json())
     for kind in [*KINDS, "qwen3-moe-aux"]:
         plan = tmp_path / f"{kind}.plan"
         ref = f"hf:{model_dirs[kind]}"
-        p = _zeppelin("plan", "-m", str(manifest), "--cluster", "local-cpu:1x2", "--model", ref, "--steps", "2",
+        p = _zeppelin("plan", "-m", str(manifest), "--cluster", str(cluster), "--model", ref, "--steps", "2",
                       "--seqs-per-step", "4", "--tokens-per-step", "256", "-q", "-o", str(plan))
         assert p.returncode == 0, p.stderr
         p = _zeppelin("validate", str(plan))
