@@ -121,3 +121,28 @@ def test_saved_measurement_priced_as_measured():
     errors = {mode: rows[mode]["error"]["complementary"] for mode in rows}
     assert all(abs(errors[m]) <= 0.10 for m in ("zero3", "hsdp", "replicate")), errors
     assert abs(errors["zero2"]) <= 0.25, errors
+
+
+def test_vm_remeasurement_holds_zero2_within_ten_percent():
+    """The re-measurement on the 2-core VM (``benchmarks/data/coupling_vm``, one thread per rank,
+    its own quick profile; taken after the memory probe was made cheap) priced again with the
+    current code: every FSDP mode couples, ``--dp replicate`` does not, and the complementary step
+    of each FSDP mode - ZeRO-2 included - is within 10% of its measurement (replicated weights:
+    -11.0%, the same under-prediction as its S and D steps: the compute fits, not the coupling)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root / "benchmarks"))
+    from bench_coupling import predicted, summarize
+
+    path = root / "benchmarks" / "data" / "coupling_vm" / "meas.json"
+    doc = json.loads(path.read_text())
+    doc["predicted_s"] = {m: predicted(path.parent / p) for m, p in doc["plans"].items()}
+    rows = summarize(doc)
+    assert rows == doc["summary"]  # the saved table is the current code's
+    for mode in ("zero3", "zero2", "hsdp"):
+        assert rows[mode]["coupling_predicted"] > 0.9 and rows[mode]["coupling_measured"] > 0.5, rows[mode]
+        assert abs(rows[mode]["error"]["complementary"]) <= 0.10, rows[mode]
+    assert rows["replicate"]["coupling_predicted"] < 0.1 and rows["replicate"]["coupling_measured"] < 0.1
