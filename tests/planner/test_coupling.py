@@ -95,14 +95,9 @@ def test_no_plan_relies_on_decoupled_microbatches(zero):
     assert sim <= min(comp, same) * 1.001
 
 
-def test_saved_measurement_priced_as_measured():
-    """The coupling table of docs/BENCHMARKS.md (``benchmarks/data/coupling/meas.json``, measured on
-    2 gloo ranks; plans and profile beside it) priced again with the current code: FSDP modes
-    charge coupled micro-batches, ``--dp replicate`` does not, and the complementary step is within
-    10% of its measurement for ZeRO-3, HSDP and replicated weights. ZeRO-2 is held to its current
-    gap (-24.7%, open): that measurement's first round ran 40-49% slower than its second in every
-    kind of step, and it was taken with the memory probe whose scans cost ZeRO-2 the most (since
-    made cheap, and measured by the profile)."""
+def _saved_priced(folder: str):
+    """A saved bench_coupling result (``benchmarks/data/FOLDER/meas.json``, plans and profile
+    beside it) priced again with the current code: its summary rows, and the saved document."""
     import json
     import sys
     from pathlib import Path
@@ -111,10 +106,22 @@ def test_saved_measurement_priced_as_measured():
     sys.path.insert(0, str(root / "benchmarks"))
     from bench_coupling import predicted, summarize
 
-    path = root / "benchmarks" / "data" / "coupling" / "meas.json"
+    path = root / "benchmarks" / "data" / folder / "meas.json"
     doc = json.loads(path.read_text())
+    saved = json.loads(path.read_text())
     doc["predicted_s"] = {m: predicted(path.parent / p) for m, p in doc["plans"].items()}
-    rows = summarize(doc)
+    return summarize(doc), saved
+
+
+def test_saved_measurement_priced_as_measured():
+    """The coupling table of docs/BENCHMARKS.md (``benchmarks/data/coupling/meas.json``, measured on
+    2 gloo ranks; plans and profile beside it) priced again with the current code: FSDP modes
+    charge coupled micro-batches, ``--dp replicate`` does not, and the complementary step is within
+    10% of its measurement for ZeRO-3, HSDP and replicated weights. ZeRO-2 is held to its current
+    gap (-24.7%, open): that measurement's first round ran 40-49% slower than its second in every
+    kind of step, and it was taken with the memory probe whose scans cost ZeRO-2 the most (since
+    made cheap, and measured by the profile)."""
+    rows, _ = _saved_priced("coupling")
     for mode in ("zero3", "zero2", "hsdp"):
         assert rows[mode]["coupling_predicted"] > 0.9 and rows[mode]["coupling_measured"] > 0.5, rows[mode]
     assert rows["replicate"]["coupling_predicted"] < 0.1 and rows["replicate"]["coupling_measured"] < 0.1
@@ -129,18 +136,7 @@ def test_vm_remeasurement_holds_zero2_within_ten_percent():
     current code: every FSDP mode couples, ``--dp replicate`` does not, and the complementary step
     of each FSDP mode - ZeRO-2 included - is within 10% of its measurement (replicated weights:
     -11.0%, the same under-prediction as its S and D steps: the compute fits, not the coupling)."""
-    import json
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    sys.path.insert(0, str(root / "benchmarks"))
-    from bench_coupling import predicted, summarize
-
-    path = root / "benchmarks" / "data" / "coupling_vm" / "meas.json"
-    doc = json.loads(path.read_text())
-    doc["predicted_s"] = {m: predicted(path.parent / p) for m, p in doc["plans"].items()}
-    rows = summarize(doc)
+    rows, doc = _saved_priced("coupling_vm")
     assert rows == doc["summary"]  # the saved table is the current code's
     for mode in ("zero3", "zero2", "hsdp"):
         assert rows[mode]["coupling_predicted"] > 0.9 and rows[mode]["coupling_measured"] > 0.5, rows[mode]
