@@ -157,12 +157,11 @@ def test_plans_of_each_model_type_validate_and_verify(model_dirs, tmp_path):
     """`zeppelin plan` / `validate` / `run --verify` on 2 ranks for every model type (the windowed
     model's 64-token sequence runs as a contiguous ring of 2: its window needs the neighbour's K/V
     only); a plan made for one attention pattern is refused with another."""
-    from tests.support.clusters import cluster_preset
+    from tests.support.clusters import cluster_file
 
     manifest = tmp_path / "m.jsonl"
     manifest.write_text("".join(json.dumps({"length": n}) + "\n" for n in [300, 13, 90, 7, 33, 64, 21, 5]))
-    cluster = tmp_path / "cluster.json"  # local-cpu:1x2 over fast links: the planner makes the ring
-    cluster.write_text(cluster_preset("local-cpu:1x2").model_dump_json())
+    cluster = cluster_file(tmp_path, "local-cpu:1x2")  # over fast links: the planner makes the ring
     for kind in [*KINDS, "qwen3-moe-aux"]:
         plan = tmp_path / f"{kind}.plan"
         ref = f"hf:{model_dirs[kind]}"

@@ -22,6 +22,7 @@ import pytest
 
 from tests.runtime.test_fsdp import _plan
 from tests.runtime.test_hf import ZEPPELIN, make_hf_dir
+from tests.support.clusters import cluster_file
 from zeppelin.schemas.common import content_hash
 from zeppelin.schemas.hf import hf_model_spec
 from zeppelin.schemas.plan import PlanReader, write_plan
@@ -33,6 +34,15 @@ REASON = "Hugging Face models run plans without tensor parallelism only"
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory) -> Path:
     return make_hf_dir(tmp_path_factory.mktemp("hf") / "llama", "llama", seed=1)
+
+
+@pytest.fixture(scope="module")
+def fast(tmp_path_factory):
+    """``local-cpu`` clusters over fast links (tests/support/clusters.py), where the planners make
+    the rings, Ulysses groups and TP replicas these tests run: ``fast("local-cpu:1x4")`` is a
+    cluster file's path."""
+    d = tmp_path_factory.mktemp("clusters")
+    return lambda name: str(cluster_file(d, name))
 
 
 def _run(args, cwd, timeout=300):
@@ -78,11 +88,11 @@ def test_planner_makes_no_tp_replicas_for_hf_models(tmp_path):
     assert plan.replicas is None or all(r.tp == 1 for r in plan.replicas)
 
 
-def test_plan_refuses_to_write_steps_the_runtime_cannot_run(hf, tmp_path):
+def test_plan_refuses_to_write_steps_the_runtime_cannot_run(hf, fast, tmp_path):
     """`zeppelin plan --tp 2` for an HF model, and a baseline planner told to make TP-2 replicas for
     it, are refused in one line; no plan file is written."""
     (tmp_path / "m.jsonl").write_text("".join(json.dumps({"length": n}) + "\n" for n in [300, 500, 700, 900] * 8))
-    base = ["plan", "-m", "m.jsonl", "-c", "local-cpu:1x4", "--model", f"hf:{hf}", "--steps", "2",
+    base = ["plan", "-m", "m.jsonl", "-c", fast("local-cpu:1x4"), "--model", f"hf:{hf}", "--steps", "2",
             "--tokens-per-step", "2048", "-q", "-o", "p.jsonl"]
     for extra, line in ((["--tp", "2"], f"--tp 2: {REASON} (plan with --tp 1)"),
                         (["--planner", "hydraulis", "-O", "tp_degrees=1,2"],
@@ -129,7 +139,7 @@ def _families(path: Path) -> tuple[set[str], bool]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_default_hf_plans_run_to_the_end(hf, tmp_path):
+def test_default_hf_plans_run_to_the_end(hf, fast, tmp_path):
     """`zeppelin plan --model hf:DIR` with default options on two length mixes: between them the
     steps come from usp groups, Ulysses groups and the tiered search, and one leaves a rank without
     tokens; `validate --model` passes and `run --verify` executes every step within 1e-5."""
@@ -139,7 +149,7 @@ def test_default_hf_plans_run_to_the_end(hf, tmp_path):
     (tmp_path / "short.jsonl").write_text("".join(json.dumps({"length": int(n)}) + "\n" for n in lengths))
     seen, empty_seen = set(), False
     for name, cluster, budget, steps in (("a", "local-cpu:2x4", 4096, 3), ("b", "local-cpu:1x8", 2048, 2)):
-        p = _run(["plan", "-m", "short.jsonl", "-c", cluster, "--model", f"hf:{hf}", "--steps", steps,
+        p = _run(["plan", "-m", "short.jsonl", "-c", fast(cluster), "--model", f"hf:{hf}", "--steps", steps,
                   "--tokens-per-step", budget, "--max-seq-len", budget, "-q", "-o", f"{name}.jsonl"], tmp_path)
         assert p.returncode == 0, p.stderr
         fams, empty = _families(tmp_path / f"{name}.jsonl")
@@ -160,7 +170,7 @@ def test_default_hf_plans_run_to_the_end(hf, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_hf_plan_with_wide_rings_runs(hf, tmp_path):
+def test_hf_plan_with_wide_rings_runs(hf, fast, tmp_path):
     """The one family the default plans above do not reach on 8 ranks: rings of whole nodes for a
     step's long sequences (it wins where a slow network keeps such a step far from its bound). Made
     the only family beside the tiered search, on 4 'nodes' of 2 ranks and the long-tail mix, it
@@ -170,7 +180,7 @@ def test_hf_plan_with_wide_rings_runs(hf, tmp_path):
 
     lengths = mix_dataset("longtail", 2000).lengths
     (tmp_path / "lt.jsonl").write_text("".join(json.dumps({"length": int(n)}) + "\n" for n in lengths))
-    p = _run(["plan", "-m", "lt.jsonl", "-c", "local-cpu:4x2", "--model", f"hf:{hf}", "--steps", 4,
+    p = _run(["plan", "-m", "lt.jsonl", "-c", fast("local-cpu:4x2"), "--model", f"hf:{hf}", "--steps", 4,
               "--tokens-per-step", 2048, "--max-seq-len", 2048, "--families", "wide-rings",
               "-O", "family_margin=10", "-q", "-o", "w.jsonl"], tmp_path)
     assert p.returncode == 0, p.stderr

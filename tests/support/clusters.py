@@ -23,3 +23,13 @@ def cluster_preset(name: str) -> ClusterSpec:
     nics = [n.model_copy(update={"bandwidth_GBps": 1.0, "latency_us": 120.0}) for n in base.nics]
     return base.model_copy(update={"intra_link": LinkSpec(kind="shm", bandwidth_GBps=2.0, latency_us=60.0),
                                    "nics": nics})
+
+
+def cluster_file(directory, name: str):
+    """``name`` (a ``local-cpu:NxG`` preset) over fast links written as a cluster JSON file in
+    ``directory``, for tests that plan through the ``zeppelin`` command; returns its path."""
+    from pathlib import Path
+
+    path = Path(directory) / (name.replace(":", "-") + ".cluster.json")
+    path.write_text(cluster_preset(name).model_dump_json())
+    return path
