@@ -25,6 +25,16 @@ MAX_JSON_DEPTH = 64
 
 _STRING_OR_BRACKET = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
 _NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
+#: every digit as ``0``, ``e``/``E`` as ``e``, ``+`` kept, any other byte a space (see :func:`_may_overflow`)
+_NUMBER_SHAPE = bytes(48 if c in b"0123456789" else 101 if c in b"eE" else 43 if c == 43 else 32
+                      for c in range(256))
+
+
+def _may_overflow(raw: bytes) -> bool:
+    """Whether a number of the JSON text may round to infinity: only one with a run of 32 digits or an
+    exponent of three digits can (without, every number is below 1e131). Linear, two C passes."""
+    shape = raw.translate(_NUMBER_SHAPE)
+    return b"0" * 32 in shape or b"e000" in shape or b"e+000" in shape
 
 
 @functools.lru_cache(maxsize=1)
@@ -69,6 +79,8 @@ def parse_json(data: bytes | str, source: str | os.PathLike | None = None, what:
     if json_depth_exceeds(raw):
         raise InputError(f"{prefix}JSON nested deeper than {MAX_JSON_DEPTH} levels", source=source)
     try:
+        if not _may_overflow(raw):  # floats need no finite check (the check costs as much as the parse)
+            return json.loads(raw, parse_constant=_refuse_constant)  # NaN and Infinity still refused
         return json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
     except json.JSONDecodeError as e:
         raise InputError(f"{prefix}malformed JSON at line {e.lineno} column {e.colno}: {e.msg}", source=source) from None

@@ -276,3 +276,26 @@ def test_a_signal_whose_exception_a_library_wraps_is_still_a_termination():
                 raise ValueError("Error calling function `_omit_unset_recompute`") from None
     assert ei.value.signum == signal.SIGTERM
     assert isinstance(ei.value.__cause__, ValueError)
+
+
+@pytest.mark.parametrize("text, number", [
+    (b'{"notes": {"a": [1e999]}}', "1e999"),
+    (b'[1, 2E+400]', "2E+400"),
+    (b'[' + b"9" * 400 + b'.5]', "9" * 400 + ".5"),
+    (b'{"x": -Infinity}', "-Infinity"),
+    (b'[NaN]', "NaN"),
+])
+def test_parse_json_refuses_every_non_finite_number(text, number):
+    """The parser skips its per-float check when no number can round to infinity: whatever can still does."""
+    from zeppelin.schemas.io.documents import parse_json
+
+    with pytest.raises(InputError) as e:
+        parse_json(text, what="step 3")
+    assert e.value.problem == f"step 3: {number} is not a finite number (JSON numbers must be finite)"
+
+
+def test_parse_json_numbers_as_float_reads_them():
+    from zeppelin.schemas.io.documents import parse_json
+
+    nums = ["1e308", "1.5e-999", "1e+99", "0.1", "123456789012345678901234567890.5e99", "7" * 31 + "e99", "-2.5E-07"]
+    assert parse_json(("[" + ",".join(nums) + "]").encode()) == [float(n) for n in nums]
