@@ -56,6 +56,16 @@ def json_depth_exceeds(data: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
     brackets = data.translate(None, _NOT_BRACKETS)  # the brackets alone, in order (one pass in C)
     if len(brackets) <= limit:
         return False
+    # innermost pairs stripped: one strip lowers the deepest nesting by one at most, so brackets gone
+    # within ``limit`` strips nest no deeper (a plan record: about ten strips, no array work)
+    rest = brackets
+    for _ in range(limit // 2):
+        shorter = rest.replace(b"[]", b"").replace(b"{}", b"")
+        if not shorter:
+            return False
+        if len(shorter) == len(rest):
+            break
+        rest = shorter
     steps = _bracket_steps()[np.frombuffer(brackets, dtype=np.uint8)]
     if int(np.cumsum(steps, dtype=np.int32).max()) <= limit:
         return False  # brackets inside strings can only raise this bound, never lower it below the truth
@@ -79,9 +89,10 @@ def parse_json(data: bytes | str, source: str | os.PathLike | None = None, what:
     if json_depth_exceeds(raw):
         raise InputError(f"{prefix}JSON nested deeper than {MAX_JSON_DEPTH} levels", source=source)
     try:
-        if not _may_overflow(raw):  # floats need no finite check (the check costs as much as the parse)
-            return json.loads(raw, parse_constant=_refuse_constant)  # NaN and Infinity still refused
-        return json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
+        # json.loads of bytes, with decoders made once (json.loads makes one a call when given hooks);
+        # floats need no finite check when none can round to infinity (the check costs as much as the parse)
+        text = raw.decode(json.detect_encoding(raw), "surrogatepass")
+        return (_FINITE_DECODER if _may_overflow(raw) else _DECODER).decode(text)
     except json.JSONDecodeError as e:
         raise InputError(f"{prefix}malformed JSON at line {e.lineno} column {e.colno}: {e.msg}", source=source) from None
     except UnicodeDecodeError:
@@ -107,6 +118,10 @@ def _finite_float(text: str) -> float:
         raise _NonFinite(text)
     return v
 
+
+#: NaN and Infinity refused (what :func:`parse_json` decodes with); with every float checked finite
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+_FINITE_DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float)
 
 MAX_DOC_BYTES = 64 << 20
 """Largest spec document (cluster, model, profile, manifest spec) read: real ones are a few KB."""
