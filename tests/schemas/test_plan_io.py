@@ -299,3 +299,28 @@ def test_parse_json_numbers_as_float_reads_them():
 
     nums = ["1e308", "1.5e-999", "1e+99", "0.1", "123456789012345678901234567890.5e99", "7" * 31 + "e99", "-2.5E-07"]
     assert parse_json(("[" + ",".join(nums) + "]").encode()) == [float(n) for n in nums]
+
+
+@pytest.mark.parametrize("depth, refused", [(64, False), (65, True)])
+@pytest.mark.parametrize("shape", ["arrays", "objects", "mixed", "siblings", "in-string"])
+def test_json_depth_bound_is_exact(depth, refused, shape):
+    """The depth check strips innermost pairs before any array work: 64 levels still read, 65 do not,
+    whatever the brackets (brackets inside strings do not count)."""
+    from zeppelin.schemas.io.documents import parse_json
+
+    if shape == "arrays":
+        text = "[" * depth + "]" * depth
+    elif shape == "objects":
+        text = '{"a":' * (depth - 1) + "{}" + "}" * (depth - 1)
+    elif shape == "mixed":
+        text = '[{"a":' * (depth // 2) + ("[]" if depth % 2 else "1") + "}]" * (depth // 2)
+    elif shape == "siblings":  # many shallow pairs beside the deep one
+        text = "[" + "[]," * 200 + "[" * (depth - 1) + "]" * (depth - 1) + "]"
+    else:
+        text = '["' + "[" * 100 + '",' + "[" * (depth - 1) + "]" * (depth - 1) + "]"
+    if refused:
+        with pytest.raises(InputError) as e:
+            parse_json(text.encode(), what="step 0")
+        assert e.value.problem == "step 0: JSON nested deeper than 64 levels"
+    else:
+        assert parse_json(text.encode()) is not None
