@@ -41,6 +41,7 @@ layout instead and the runtime remaps activations between the two.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -410,8 +411,14 @@ class PlanHeader(Doc):
     def replicas(self, step: StepPlan | None = None) -> list[Replica]:
         if step is not None and step.replicas is not None:
             return step.replicas
-        t = self.tp
-        return [Replica(ranks=list(range(u * t, (u + 1) * t)), tp=t) for u in range(self.world_size // t)]
+        return list(uniform_replicas(self.world_size, self.tp))
+
+
+@functools.lru_cache(maxsize=64)
+def uniform_replicas(world_size: int, tp: int) -> tuple[Replica, ...]:
+    """Units of ``tp`` consecutive ranks, made once per shape (every check of every step asks for them;
+    callers only read them)."""
+    return tuple(Replica(ranks=list(range(u * tp, (u + 1) * tp)), tp=tp) for u in range(world_size // tp))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -53,12 +53,14 @@ def simulate(
     header = reader.header
     sim = Simulator(context_from_header(header))
     results, counts = [], []
+    total = PlanSummary()
+    keep_counts = json_out or output is not None  # the JSON lists each step's counts; the tables their total
     for st in (reader if step is None else [reader.step(step)]):
         results.append(sim.simulate_step(st, timeline=timeline))
-        counts.append(step_summary(sim.ctx, st, traffic=results[-1].nic_traffic))
-    total = PlanSummary()
-    for c in counts:
+        c = step_summary(sim.ctx, st, traffic=results[-1].nic_traffic)
         total.add(c)
+        if keep_counts:
+            counts.append(c)
     if json_out or output is not None:
         doc = {
             "plan": str(plan), "planner": header.planner, "cluster": header.cluster.name,

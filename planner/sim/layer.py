@@ -250,7 +250,7 @@ class LayerGraph:
         lin_task = {}
         for u in range(n):
             cost = self.sim.cost_for(self.reps[u].tp)
-            dur = float(cost.linear_time(lin_tok[u]))
+            dur = self.sim.token_time("linear", self.reps[u].tp, lin_tok[u])
             lin_task[u] = eng.compute(u, dur, (10**9, 0), [attn_done[u]] + in_deps.get(u, []), cat="linear")
             extra = self._recompute_time(cost, u, dur)
             if extra > 0:  # the forward the micro-batch's recomputation runs again in the backward

@@ -55,7 +55,7 @@ from zeppelin.planner.costmodel.cost import CostModel
 from zeppelin.planner.sim.engine import Engine
 from zeppelin.planner.sim.layer import LayerGraph
 from zeppelin.planner.sim.results import Interval, MicroBatchTimeline, NICStats, SimResult, UnitStats, summary
-from zeppelin.schemas.plan import MicroBatch, PlanHeader, Replica, StepPlan
+from zeppelin.schemas.plan import MicroBatch, PlanHeader, Replica, StepPlan, uniform_replicas
 
 __all__ = [
     "Engine",
@@ -121,6 +121,8 @@ class Simulator:
         self.capacity = cap
         #: (TP degree, window, tokens) -> attention time of a whole local range (LayerGraph._local_times)
         self.whole_block_times: dict[tuple[int, int | None, int], float] = {}
+        #: (kind, TP degree, tokens) -> linear or head time (:meth:`token_time`)
+        self.token_times: dict[tuple[str, int, int], float] = {}
 
     # ------------------------------------------------------------------ helpers
     def cost_for(self, tp: int) -> CostModel:
@@ -129,8 +131,17 @@ class Simulator:
     def replicas(self, step: StepPlan) -> list[Replica]:
         if step.replicas is not None:
             return step.replicas
-        t = self.ctx.tp
-        return [Replica(ranks=list(range(u * t, (u + 1) * t)), tp=t) for u in range(self.cluster.world_size // t)]
+        return list(uniform_replicas(self.cluster.world_size, self.ctx.tp))
+
+    def token_time(self, kind: str, tp: int, tokens) -> float:
+        """``CostModel.linear_time`` (kind ``"linear"``) or ``head_time`` (``"head"``) of a unit of ``tp``
+        GPUs holding ``tokens`` tokens: depends on the count alone, priced once per count."""
+        key = (kind, tp, int(tokens))
+        t = self.token_times.get(key)
+        if t is None:
+            cost = self.cost_for(tp)
+            t = self.token_times[key] = float(cost.linear_time(tokens) if kind == "linear" else cost.head_time(tokens))
+        return t
 
     # ------------------------------------------------------------------ public
     def simulate_step(self, step: StepPlan, *, timeline: bool = False) -> SimResult:
@@ -165,7 +176,7 @@ class Simulator:
         n = len(reps)
         acc, lay, f, period_u = self._layer_types(step, mb, reps, tot)
         lin_tok = lay.linear_tokens
-        head = np.array([float(self.cost_for(reps[u].tp).head_time(lin_tok[u])) for u in range(n)])
+        head = np.array([self.token_time("head", reps[u].tp, lin_tok[u]) for u in range(n)])
         for u in range(n):
             st = tot.units[u]
             st.attention_s += float(acc[0, u])

@@ -25,6 +25,16 @@ MAX_JSON_DEPTH = 64
 
 _STRING_OR_BRACKET = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
 _NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
+#: every digit as ``0``, ``e``/``E`` as ``e``, ``+`` kept, any other byte a space (see :func:`_may_overflow`)
+_NUMBER_SHAPE = bytes(48 if c in b"0123456789" else 101 if c in b"eE" else 43 if c == 43 else 32
+                      for c in range(256))
+
+
+def _may_overflow(raw: bytes) -> bool:
+    """Whether a number of the JSON text may round to infinity: only one with a run of 32 digits or an
+    exponent of three digits can (without, every number is below 1e131). Linear, two C passes."""
+    shape = raw.translate(_NUMBER_SHAPE)
+    return b"0" * 32 in shape or b"e000" in shape or b"e+000" in shape
 
 
 @functools.lru_cache(maxsize=1)
@@ -46,6 +56,16 @@ def json_depth_exceeds(data: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
     brackets = data.translate(None, _NOT_BRACKETS)  # the brackets alone, in order (one pass in C)
     if len(brackets) <= limit:
         return False
+    # innermost pairs stripped: one strip lowers the deepest nesting by one at most, so brackets gone
+    # within ``limit`` strips nest no deeper (a plan record: about ten strips, no array work)
+    rest = brackets
+    for _ in range(limit // 2):
+        shorter = rest.replace(b"[]", b"").replace(b"{}", b"")
+        if not shorter:
+            return False
+        if len(shorter) == len(rest):
+            break
+        rest = shorter
     steps = _bracket_steps()[np.frombuffer(brackets, dtype=np.uint8)]
     if int(np.cumsum(steps, dtype=np.int32).max()) <= limit:
         return False  # brackets inside strings can only raise this bound, never lower it below the truth
@@ -69,7 +89,10 @@ def parse_json(data: bytes | str, source: str | os.PathLike | None = None, what:
     if json_depth_exceeds(raw):
         raise InputError(f"{prefix}JSON nested deeper than {MAX_JSON_DEPTH} levels", source=source)
     try:
-        return json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
+        # json.loads of bytes, with decoders made once (json.loads makes one a call when given hooks);
+        # floats need no finite check when none can round to infinity (the check costs as much as the parse)
+        text = raw.decode(json.detect_encoding(raw), "surrogatepass")
+        return (_FINITE_DECODER if _may_overflow(raw) else _DECODER).decode(text)
     except json.JSONDecodeError as e:
         raise InputError(f"{prefix}malformed JSON at line {e.lineno} column {e.colno}: {e.msg}", source=source) from None
     except UnicodeDecodeError:
@@ -95,6 +118,10 @@ def _finite_float(text: str) -> float:
         raise _NonFinite(text)
     return v
 
+
+#: NaN and Infinity refused (what :func:`parse_json` decodes with); with every float checked finite
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+_FINITE_DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float)
 
 MAX_DOC_BYTES = 64 << 20
 """Largest spec document (cluster, model, profile, manifest spec) read: real ones are a few KB."""

@@ -276,3 +276,51 @@ def test_a_signal_whose_exception_a_library_wraps_is_still_a_termination():
                 raise ValueError("Error calling function `_omit_unset_recompute`") from None
     assert ei.value.signum == signal.SIGTERM
     assert isinstance(ei.value.__cause__, ValueError)
+
+
+@pytest.mark.parametrize("text, number", [
+    (b'{"notes": {"a": [1e999]}}', "1e999"),
+    (b'[1, 2E+400]', "2E+400"),
+    (b'[' + b"9" * 400 + b'.5]', "9" * 400 + ".5"),
+    (b'{"x": -Infinity}', "-Infinity"),
+    (b'[NaN]', "NaN"),
+])
+def test_parse_json_refuses_every_non_finite_number(text, number):
+    """The parser skips its per-float check when no number can round to infinity: whatever can still does."""
+    from zeppelin.schemas.io.documents import parse_json
+
+    with pytest.raises(InputError) as e:
+        parse_json(text, what="step 3")
+    assert e.value.problem == f"step 3: {number} is not a finite number (JSON numbers must be finite)"
+
+
+def test_parse_json_numbers_as_float_reads_them():
+    from zeppelin.schemas.io.documents import parse_json
+
+    nums = ["1e308", "1.5e-999", "1e+99", "0.1", "123456789012345678901234567890.5e99", "7" * 31 + "e99", "-2.5E-07"]
+    assert parse_json(("[" + ",".join(nums) + "]").encode()) == [float(n) for n in nums]
+
+
+@pytest.mark.parametrize("depth, refused", [(64, False), (65, True)])
+@pytest.mark.parametrize("shape", ["arrays", "objects", "mixed", "siblings", "in-string"])
+def test_json_depth_bound_is_exact(depth, refused, shape):
+    """The depth check strips innermost pairs before any array work: 64 levels still read, 65 do not,
+    whatever the brackets (brackets inside strings do not count)."""
+    from zeppelin.schemas.io.documents import parse_json
+
+    if shape == "arrays":
+        text = "[" * depth + "]" * depth
+    elif shape == "objects":
+        text = '{"a":' * (depth - 1) + "{}" + "}" * (depth - 1)
+    elif shape == "mixed":
+        text = '[{"a":' * (depth // 2) + ("[]" if depth % 2 else "1") + "}]" * (depth // 2)
+    elif shape == "siblings":  # many shallow pairs beside the deep one
+        text = "[" + "[]," * 200 + "[" * (depth - 1) + "]" * (depth - 1) + "]"
+    else:
+        text = '["' + "[" * 100 + '",' + "[" * (depth - 1) + "]" * (depth - 1) + "]"
+    if refused:
+        with pytest.raises(InputError) as e:
+            parse_json(text.encode(), what="step 0")
+        assert e.value.problem == "step 0: JSON nested deeper than 64 levels"
+    else:
+        assert parse_json(text.encode()) is not None
