@@ -17,8 +17,10 @@ Prints one JSON object::
 
 ``--verify`` runs the same plan through ``zeppelin run --verify --zero-stage 3`` instead (the
 sharded loader as a user runs it): rank 0 also holds the single-process reference (the whole model,
-its gradients and the reference's own: about 3 x 4 P bytes more than its training state, needs
-~20 GB in all), so its step peak is reported but not held to the bound. Afterwards one process
+its gradients and the reference's own: about 3 x 4 P bytes more than its training state; ~16 GB in
+all), so its step peak is reported but not held to the bound. Every rank runs with
+``MALLOC_MMAP_THRESHOLD_=1048576`` (freed blocks of 1 MiB and more go back to the OS at once, as
+``--verify`` sets on rank 0), so that the ranks waiting for the reference hold only their live memory. Afterwards one process
 loads the whole model the way the loader before sharding did (``from_pretrained`` of the files, fp32)
 and computes the step's loss single-process: it must equal the ``--verify`` reference's loss (built
 from the ranks' gathered shards) bit for bit. The run is stopped when the machine's available
@@ -114,7 +116,9 @@ def _run_guarded(cmd: list[str], min_available: float) -> tuple[int, str, str, i
     """``cmd`` in a process group of its own, stopped (SIGTERM to the group) when the machine's
     available memory falls under ``min_available`` bytes; (exit code, stdout, stderr, the least
     available memory seen)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # every rank hands freed blocks of 1 MiB and more back to the OS at once (what --verify does on
+    # rank 0): the ranks waiting for rank 0's reference then hold their live memory only
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(1 << 20))
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         p = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, start_new_session=True)
         least = _available_bytes()
@@ -193,13 +197,20 @@ def main() -> None:
     ap.add_argument("--verify", action="store_true", help="run the plan through `zeppelin run --verify`")
     ap.add_argument("--min-available-gb", type=float, default=1.5,
                     help="with --verify: stop the run when the machine has less memory available")
+    ap.add_argument("--write-only", metavar="DIR", help=argparse.SUPPRESS)  # the model only; prints its size
     args = ap.parse_args()
+    if args.write_only:
+        print(write_llama(Path(args.write_only), args.layers))
+        return
     sys.path.insert(0, str(ROOT))
-    from tests.support.dist_pool import run_distributed
 
     with tempfile.TemporaryDirectory(prefix="zeppelin-sharded-") as tmp:
         d = Path(tmp)
-        params = write_llama(d / "llama", args.layers)
+        if args.verify:  # written by a process of its own: this one stays small while the ranks run
+            params = int(subprocess.run([sys.executable, __file__, "--layers", str(args.layers), "--write-only",
+                                         str(d / "llama")], check=True, capture_output=True, text=True).stdout)
+        else:
+            params = write_llama(d / "llama", args.layers)
         ref = f"hf:{d / 'llama'}"
         man = d / "m.jsonl"
         man.write_text("".join(json.dumps({"length": n}) + "\n" for n in [64, 32, 16, 16] * 8))
@@ -209,6 +220,8 @@ def main() -> None:
         if args.verify:
             print(json.dumps(verify_run(plan, ref, d, params, args.min_available_gb, args.label), indent=1))
             return
+        from tests.support.dist_pool import run_distributed
+
         outs = run_distributed(rank_step, 4, str(plan), ref, timeout=1800)
     fp32 = 4 * params
     for o in outs:
