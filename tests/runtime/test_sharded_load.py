@@ -178,8 +178,17 @@ def test_moe_run_verify_at_zero3_within_the_memory_bound(tmp_path):
     """`zeppelin run --model hf:DIR --verify --zero-stage 3` of a tiny Qwen3-MoE with weight files on
     4 ranks: the sharded loader's step passes --verify; each rank holds a quarter of the fp32 weights
     (one expert of four per layer) and its peak RSS stays within the bound of issue 46's acceptance:
-    the plan's predicted memory + 25% of the model's fp32 size + 1 GiB for the process."""
+    the plan's predicted memory + 25% of the model's fp32 size + 1 GiB for the process. The
+    reference --verify built from the gathered shards has the loss of the whole model loaded by
+    transformers (``from_pretrained``), bit for bit."""
     from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from zeppelin.runtime.data import TokenSource, predicted_tokens
+    from zeppelin.runtime.hf import HFCausalLM
+    from zeppelin.runtime.model import reference_step
+    from zeppelin.runtime.train.verify import step_microbatches
+    from zeppelin.schemas.plan import PlanReader
 
     d = make_model_dir(tmp_path / "moe", "qwen3-moe", seed=3)
     manifest = tmp_path / "m.jsonl"
@@ -207,3 +216,10 @@ def test_moe_run_verify_at_zero3_within_the_memory_bound(tmp_path):
     bounds = [pred + 0.25 * 4 * params + (1 << 30) for pred in mem["predicted_bytes"]]
     assert len(mem["process_peak_bytes"]) == WORLD
     assert all(0 < peak <= b for peak, b in zip(mem["process_peak_bytes"], bounds)), (mem["process_peak_bytes"], bounds)
+    reader = PlanReader(str(plan))
+    header, step = reader.header, reader.step(0)
+    whole = HFCausalLM(AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).train(), header.model)
+    whole.dtype = torch.float32
+    ref = reference_step(whole, step.sequences, TokenSource(header.model.vocab_size, header.seed), "cpu",
+                         normaliser=max(predicted_tokens(step.sequences), 1), microbatches=step_microbatches(step))
+    assert ref["loss"] == rec["verify"]["loss_ref"]
