@@ -67,13 +67,13 @@ def _sharded_step(rank: int, world: int, ref: str, seed: int, export: str | None
     ex = _executor(header, model, rank, world)
     read = getattr(model.weights, "bytes_read", None)
     held = sum(local_tensor(p.detach()).numel() * 4 for p in model.parameters())
-    params, _ = full_params_and_grads(model)
+    params, grads = full_params_and_grads(model, keep=rank == 0)  # what --verify gathers for rank 0
+    assert rank == 0 or (params, grads) == ({}, {})
     loss = ex.forward_backward(step).loss
     old = _executor(header, _whole_model(ref, seed), rank, world).forward_backward(step).loss
     if export:
         export_model(model, spec, export)
-    return {"read": read, "held": held, "loss": loss, "old_loss": old,
-            "params": params if rank == 0 else None}
+    return {"read": read, "held": held, "loss": loss, "old_loss": old, "params": params or None}
 
 
 def _want_state(d: Path, seed: int) -> dict[str, torch.Tensor]:
