@@ -170,8 +170,9 @@ def verify_run(plan: Path, ref: str, d: Path, params: int, min_available_gb: flo
            "--metrics", str(metrics), "--progress", "none", "--timeout", "3600", "--verify-timeout", "3600"]
     t0 = time.time()
     code, out, err, least = _run_guarded(cmd, min_available_gb * 1e9)
-    res = {"bench": "sharded_load_verify", "label": label, "ranks": 4, "params": params, "fp32_model_bytes": 4 * params,
-           "command": " ".join(["zeppelin", *cmd[1:]]), "exit_code": code, "run_s": round(time.time() - t0, 1),
+    res = {"bench": "sharded_load_verify", "label": label, "ranks": 4, "params": params,
+           "fp32_model_bytes": 4 * params, "command": " ".join(["zeppelin", *cmd[1:]]), "exit_code": code,
+           "run_s": round(time.time() - t0, 1),
            "least_available_bytes": least, "cpus": os.cpu_count(), "load_avg_1min": os.getloadavg()[0],
            "stdout_tail": out.strip().splitlines()[-4:], "stderr_tail": err.strip().splitlines()[-4:]}
     if code != 0 or not metrics.exists():
@@ -180,9 +181,10 @@ def verify_run(plan: Path, ref: str, d: Path, params: int, min_available_gb: flo
     rec = [r for r in rec if "verify" in r][0]
     mem = rec["memory"]
     bounds = [p + int(0.25 * 4 * params) + (1 << 30) for p in mem["predicted_bytes"]]
-    res.update({"loss": rec["loss"], "verify": rec["verify"], "step_peak_rss_bytes": mem["process_peak_bytes"],
+    peaks = mem["process_peak_bytes"]
+    res.update({"loss": rec["loss"], "verify": rec["verify"], "step_peak_rss_bytes": peaks,
                 "predicted_bytes": mem["predicted_bytes"], "bound_bytes": bounds,
-                "training_ranks_within_bound": all(m <= b for m, b in zip(mem["process_peak_bytes"][1:], bounds[1:]))})
+                "training_ranks_within_bound": all(m <= b for m, b in zip(peaks[1:], bounds[1:]))})
     t1 = time.time()
     whole = whole_model_loss(ref, plan)
     res.update({"whole_model_loader_loss": whole, "whole_model_s": round(time.time() - t1, 1),
@@ -207,8 +209,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="zeppelin-sharded-") as tmp:
         d = Path(tmp)
         if args.verify:  # written by a process of its own: this one stays small while the ranks run
-            params = int(subprocess.run([sys.executable, __file__, "--layers", str(args.layers), "--write-only",
-                                         str(d / "llama")], check=True, capture_output=True, text=True).stdout)
+            write = [sys.executable, __file__, "--layers", str(args.layers), "--write-only", str(d / "llama")]
+            params = int(subprocess.run(write, check=True, capture_output=True, text=True).stdout)
         else:
             params = write_llama(d / "llama", args.layers)
         ref = f"hf:{d / 'llama'}"

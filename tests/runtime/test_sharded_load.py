@@ -215,11 +215,14 @@ def test_moe_run_verify_at_zero3_within_the_memory_bound(tmp_path):
     assert all(0 < b <= 4 * params / WORLD * 1.3 for b in mem["params_bytes"]), mem["params_bytes"]
     bounds = [pred + 0.25 * 4 * params + (1 << 30) for pred in mem["predicted_bytes"]]
     assert len(mem["process_peak_bytes"]) == WORLD
-    assert all(0 < peak <= b for peak, b in zip(mem["process_peak_bytes"], bounds)), (mem["process_peak_bytes"], bounds)
+    peaks = mem["process_peak_bytes"]
+    assert all(0 < peak <= b for peak, b in zip(peaks, bounds)), (peaks, bounds)
     reader = PlanReader(str(plan))
     header, step = reader.header, reader.step(0)
-    whole = HFCausalLM(AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).train(), header.model)
+    causal = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).train()
+    whole = HFCausalLM(causal, header.model)
     whole.dtype = torch.float32
-    ref = reference_step(whole, step.sequences, TokenSource(header.model.vocab_size, header.seed), "cpu",
-                         normaliser=max(predicted_tokens(step.sequences), 1), microbatches=step_microbatches(step))
+    source = TokenSource(header.model.vocab_size, header.seed)
+    n = max(predicted_tokens(step.sequences), 1)
+    ref = reference_step(whole, step.sequences, source, "cpu", normaliser=n, microbatches=step_microbatches(step))
     assert ref["loss"] == rec["verify"]["loss_ref"]
