@@ -258,14 +258,20 @@ def materialize(model: nn.Module, device: torch.device) -> None:
         model.fill_shards(targets, device)
 
 
-def full_params_and_grads(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Whole parameters and gradients by canonical name (collective under FSDP)."""
+def full_params_and_grads(model: nn.Module, keep: bool = True) -> tuple[dict[str, torch.Tensor],
+                                                                       dict[str, torch.Tensor]]:
+    """Whole parameters and gradients by canonical name (collective under FSDP). ``keep=False``: take
+    part in the gathers but keep nothing (empty dicts), so that a rank whose peers want the whole
+    model holds one whole tensor at a time, not the model and its gradients."""
     params, grads = {}, {}
     for name, p in model.named_parameters():
         key = canonical_name(name)
-        params[key] = full_tensor(p.detach())
-        g = p.grad
-        grads[key] = full_tensor(g) if g is not None else torch.zeros_like(params[key])
+        w = full_tensor(p.detach())
+        g = full_tensor(p.grad) if p.grad is not None else None
+        if keep:
+            params[key] = w
+            grads[key] = g if g is not None else torch.zeros_like(w)
+        del w, g
     return params, grads
 
 

@@ -149,7 +149,7 @@ def reference_model(ex: Executor) -> LlamaModel | None:
 
     if ex.dp == "replicate" and ex.model.dtype == torch.float32 and ex.recompute == "none":
         return ex.model if ex.rank == 0 else None
-    params, grads = full_params_and_grads(ex.model)
+    params, grads = full_params_and_grads(ex.model, keep=ex.rank == 0)  # the others: a tensor at a time
     if ex.rank != 0:
         return None
     if isinstance(ex.model, LlamaModel):
