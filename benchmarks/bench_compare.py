@@ -79,9 +79,11 @@ def run_cell(cluster: str, model: str, tp: int, mix: str, gpus: int, args, zero_
     doc = comparison(runs)
     doc.update({"cluster": cluster, "gpus": gpus, "model": model, "tp": tp, "mix": mix, "steps": args.steps,
                 "tokens_per_step": cfg.tokens_per_step})
-    if keep and not getattr(args, "no_recompute_modes", False):
-        z = next(r for r in runs if r.planner == "zeppelin")
-        doc["recompute"] = recompute_modes(cluster, model, tp, mix, gpus, args, zero_stage, {"auto": _mode_stats(ctx, z)})
+    if keep:
+        auto = _mode_stats(ctx, next(r for r in runs if r.planner == "zeppelin"))
+        doc["zeppelin_auto"] = auto
+        if not getattr(args, "no_recompute_modes", False):
+            doc["recompute"] = recompute_modes(cluster, model, tp, mix, gpus, args, zero_stage, {"auto": auto})
     doc["wall_s"] = time.perf_counter() - t0
     return doc
 
