@@ -742,8 +742,8 @@ def render_page(cells: list[dict], summ: dict, lines: list[str], args, wall: flo
             "Every MILP stops at deterministic limits, never at a clock, so every number on this page is the same "
             "on any machine and under any load: FlexSP runs at most 2 MILP solves per step of 30 branch-and-bound "
             "nodes each (the root alone for MILPs of more than 1,000 columns, 64+ GPUs), Hydraulis at most 4 packing ILPs of 50 nodes, zeppelin 1 packing ILP of 10 nodes (their "
-            "papers spend 5-15 s per step, overlapped with training; these budgets keep the grid within ~15 "
-            "minutes on 2 cores)"
+            "papers spend 5-15 s per step, overlapped with training; these budgets bound the grid's planning "
+            "time; this run's wall time is stated above)"
             + (f"; wall-clock safety net per solve: {args.solver_time_limit:g} s (where a solve stops at the net, "
                "that planner's plan may vary from run to run)" if args.solver_time_limit else "")
             + ". "
