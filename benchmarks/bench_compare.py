@@ -391,14 +391,20 @@ def recompute_only(args) -> None:
     """``--recompute-only``: zeppelin's recompute modes on the cells asked for, written into the
     recomputation section of RESULTS.md (the rest of the page is left as it is)."""
     t0 = time.perf_counter()
-    cells = []
+    cells, done = [], load_partial(args.partial, args.steps)
     for cl, model, mix, g in grid_todo(args):
-        rc = recompute_modes(cl, model, MODELS[model], mix, g, args)
-        cells.append({"cluster": cl, "model": model, "mix": mix, "gpus": g, "recompute": rc})
+        key = ("recompute", cl, model, mix, g)
+        c = done.get(key)
+        if c is None:
+            t1 = time.perf_counter()
+            rc = recompute_modes(cl, model, MODELS[model], mix, g, args)
+            c = save_partial(args.partial, key, {"cluster": cl, "model": model, "mix": mix, "gpus": g, "recompute": rc,
+                                                 "steps": args.steps, "wall_s": time.perf_counter() - t1})
+        cells.append(c)
         print(f"[{time.perf_counter() - t0:6.0f} s] {cl} {model} {mix} {g} GPUs", file=sys.stderr, flush=True)
     argv_s = " ".join(sys.argv[1:])
     command = f".venv/bin/python benchmarks/bench_compare.py {argv_s}".strip()
-    wall = time.perf_counter() - t0
+    wall = time.perf_counter() - t0 + sum(c.get("wall_s", 0.0) for c in done.values())
     write_recompute_section(args.out_dir, cells, command, wall, args.steps, _git_describe())
 
 
