@@ -2,6 +2,10 @@
 
     .venv/bin/python benchmarks/bench_compare.py            # writes docs/RESULTS.md, docs/img/*.png,
                                                             # docs/results.json; prints the summary JSON
+    ... --partial cells.jsonl       # the same, each finished cell kept in cells.jsonl: run again to resume
+    ... --recompute-only --gpus 64  # zeppelin under auto and each global recompute mode only: the page's
+                                    # recomputation section and results_recompute.json (--recompute-merge
+                                    # joins the results_recompute.json of several such runs)
 
 Grid: clusters A and C (``zeppelin-a``, ``zeppelin-c``) x LLaMA-7B (tp=1) and LLaMA-13B (tp=2, as
 the Zeppelin paper runs 13B with tensor parallelism) x the synthetic length mixes short / mixed /
