@@ -2,6 +2,10 @@
 
     .venv/bin/python benchmarks/bench_compare.py            # writes docs/RESULTS.md, docs/img/*.png,
                                                             # docs/results.json; prints the summary JSON
+    ... --partial cells.jsonl       # the same, each finished cell kept in cells.jsonl: run again to resume
+    ... --recompute-only --gpus 64  # zeppelin under auto and each global recompute mode only: the page's
+                                    # recomputation section and results_recompute.json (--recompute-merge
+                                    # joins the results_recompute.json of several such runs)
 
 Grid: clusters A and C (``zeppelin-a``, ``zeppelin-c``) x LLaMA-7B (tp=1) and LLaMA-13B (tp=2, as
 the Zeppelin paper runs 13B with tensor parallelism) x the synthetic length mixes short / mixed /
@@ -79,9 +83,11 @@ def run_cell(cluster: str, model: str, tp: int, mix: str, gpus: int, args, zero_
     doc = comparison(runs)
     doc.update({"cluster": cluster, "gpus": gpus, "model": model, "tp": tp, "mix": mix, "steps": args.steps,
                 "tokens_per_step": cfg.tokens_per_step})
-    if keep and not getattr(args, "no_recompute_modes", False):
-        z = next(r for r in runs if r.planner == "zeppelin")
-        doc["recompute"] = recompute_modes(cluster, model, tp, mix, gpus, args, zero_stage, {"auto": _mode_stats(ctx, z)})
+    if keep:
+        auto = _mode_stats(ctx, next(r for r in runs if r.planner == "zeppelin"))
+        doc["zeppelin_auto"] = auto
+        if not getattr(args, "no_recompute_modes", False):
+            doc["recompute"] = recompute_modes(cluster, model, tp, mix, gpus, args, zero_stage, {"auto": auto})
     doc["wall_s"] = time.perf_counter() - t0
     return doc
 
@@ -221,7 +227,7 @@ def render_usp_cells(ucells: list[dict], args) -> list[str]:
     """The section of the page on :data:`USP_CELLS`: the families side by side, where usp groups are
     chosen and what they gain over the best plan without them."""
     names = list(ucells[0]["mean_s"]) if ucells else []
-    out = ["## Sequence parallelism past the KV heads", "",
+    out = [USP_HEADING, "",
            "Beside the grid: models with few KV heads (Llama-3-8B and Qwen3-8B: 32 query / 8 KV heads; "
            "Qwen2.5-3B: 16 / 2) on the `long` mix, where some sequences must be split across nodes "
            f"({args.steps} steps each, the grid's sampling, tp=1). Mean simulated step time in seconds per family: rings only "
@@ -310,47 +316,116 @@ LONG_TAILED = ("mixed", "long", "longtail")
 
 
 def recompute_summary(cells: list[dict]) -> dict:
-    """``auto`` against zeppelin's global modes over the cells: where auto is slower than the best
-    global mode by more than 0.5%, and where it is faster than global ``selective`` on the long-tailed
-    mixes."""
+    """``auto`` against zeppelin's global modes over the cells: where auto is slower by more than 0.5%
+    than the best global mode whose plans fit (peak memory of a GPU within its usable capacity: a plan
+    over it does not run), where a global mode is that much faster only with plans over capacity, where
+    auto's own plans exceed capacity, and where auto is faster than global ``selective`` on the
+    long-tailed mixes."""
     rows = [c for c in cells if "recompute" in c and "mean_s" in c["recompute"]["auto"]]
-    slower, faster_sel, long_cells = [], 0, 0
+    slower, over_cap, auto_over, ratios, not_sel, faster_sel, long_cells = [], [], [], [], [], 0, 0
     for c in rows:
-        rc = c["recompute"]
-        best = min((rc[m]["mean_s"], m) for m in RECOMPUTE_GLOBAL if "mean_s" in rc[m])
-        if rc["auto"]["mean_s"] > best[0] * 1.005:
-            slower.append(f"{c['cluster']} {c['model']} {c['mix']} {c['gpus']} GPUs ({best[1]})")
+        rc, label = c["recompute"], f"{c['cluster']} {c['model']} {c['mix']} {c['gpus']} GPUs"
+        auto = rc["auto"]["mean_s"]
+        fit = [(rc[m]["mean_s"], m) for m in RECOMPUTE_GLOBAL if _fits(rc[m])]
+        if fit:
+            best = min(fit)
+            ratios.append(auto / best[0])
+            if auto > best[0] * 1.005:
+                slower.append(f"{label} ({best[1]})")
+        over_cap += [f"{label} ({m} {rc[m]['mean_s'] / auto:.3f}x auto's time, peak {rc[m]['memory_over_capacity']:.2f}"
+                     " of capacity)" for m in RECOMPUTE_GLOBAL
+                     if "mean_s" in rc[m] and not _fits(rc[m]) and auto > rc[m]["mean_s"] * 1.005]
+        if not _fits(rc["auto"]):
+            auto_over.append(label)
         if c["mix"] in LONG_TAILED:
             long_cells += 1
             sel = rc["selective"].get("mean_s")
-            faster_sel += sel is None or rc["auto"]["mean_s"] < sel
+            faster_sel += sel is None or auto < sel
+            if sel is not None and auto >= sel:
+                not_sel.append(f"{label} (selective's peak {rc['selective']['memory_over_capacity']:.2f} of capacity)")
     return {"cells": len(rows), "auto_slower_than_best_global": slower, "long_tailed_cells": long_cells,
-            "auto_faster_than_selective_long_tailed": faster_sel,
-            "auto_over_best_global_geomean": _gmean([
-                c["recompute"]["auto"]["mean_s"] / min(c["recompute"][m]["mean_s"] for m in RECOMPUTE_GLOBAL
-                                                       if "mean_s" in c["recompute"][m]) for c in rows])}
+            "auto_faster_than_selective_long_tailed": faster_sel, "auto_not_faster_than_selective": not_sel,
+            "faster_global_over_capacity": over_cap,
+            "auto_over_capacity": auto_over, "auto_over_best_global_geomean": _gmean(ratios)}
+
+
+def _fits(st: dict) -> bool:
+    """A mode's run of a cell planned every step and its peak memory is within the GPUs' usable capacity."""
+    return "mean_s" in st and st["memory_over_capacity"] <= 1.0
 
 
 RECOMPUTE_MARKERS = ("<!-- recompute section: generated by benchmarks/bench_compare.py -->",
                      "<!-- end of the recompute section -->")
 
 
+def load_partial(path: Path | None, steps: int) -> dict[tuple, dict]:
+    """The cells an earlier run with ``--partial PATH`` finished (one JSON line each: its key and its
+    document), by key; lines of a run with another number of steps are left out."""
+    if path is None or not path.exists():
+        return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {tuple(r["key"]): r["cell"] for r in rows if r["steps"] == steps}
+
+
+def save_partial(path: Path | None, key: tuple, cell: dict) -> dict:
+    """``cell`` appended to ``--partial PATH`` under ``key`` (nothing without a path); returns ``cell``."""
+    if path is not None:
+        with path.open("a") as f:
+            f.write(json.dumps({"key": list(key), "steps": cell.get("steps"), "cell": cell}) + "\n")
+    return cell
+
+
+def grid_todo(args) -> list[tuple[str, str, str, int]]:
+    """The grid's cells asked for by ``--clusters`` / ``--models`` / ``--mixes`` / ``--gpus`` as (cluster,
+    model, mix, GPUs), then the long-tail cells among them (:data:`LONG_TAIL_CELLS`)."""
+    cls = [CLUSTERS[k] for k in args.clusters.split(",")]
+    models, mixes = args.models.split(","), args.mixes.split(",")
+    gpus = [int(g) for g in args.gpus.split(",")]
+    todo = [(cl, model, mix, g) for cl in cls for model in models for mix in mixes if mix in MIXES for g in gpus]
+    return todo + [(CLUSTERS[k], model, mix, g) for k, model, mix, g in LONG_TAIL_CELLS
+                   if CLUSTERS[k] in cls and model in models and mix in mixes and g in gpus]
+
+
+#: the heading of the section :func:`render_usp_cells` writes (``--usp-cells-only`` prints it; the page keeps it)
+USP_HEADING = "## Sequence parallelism past the KV heads"
+
+
+def kept_sections(page: str, recompute: bool) -> list[str]:
+    """The sections of an existing RESULTS.md that other runs wrote and a full run of the grid keeps:
+    the usp cells' section (:data:`USP_HEADING`, up to the next section) and every section between
+    ``<!-- NAME section: generated by ... -->`` markers (the recomputation one only with ``recompute``)."""
+    import re
+
+    out = []
+    if USP_HEADING in page:
+        rest = page.split(USP_HEADING, 1)[1]
+        end = min([i for i in (rest.find("\n<!-- "), rest.find("\n## ")) if i >= 0], default=len(rest))
+        out.append((USP_HEADING + rest[:end]).rstrip("\n"))
+    for m in re.finditer(r"<!-- (\S[^\n]*?) section: generated by [^\n]*?-->.*?<!-- end of the \1 section -->",
+                         page, re.S):
+        if recompute or not m.group(0).startswith(RECOMPUTE_MARKERS[0]):
+            out.append(m.group(0))
+    return out
+
+
 def recompute_only(args) -> None:
     """``--recompute-only``: zeppelin's recompute modes on the cells asked for, written into the
     recomputation section of RESULTS.md (the rest of the page is left as it is)."""
     t0 = time.perf_counter()
-    cells = []
-    for cl in [CLUSTERS[k] for k in args.clusters.split(",")]:
-        for model in args.models.split(","):
-            for mix in [m for m in args.mixes.split(",") if m in MIXES]:
-                for g in [int(x) for x in args.gpus.split(",")]:
-                    rc = recompute_modes(cl, model, MODELS[model], mix, g, args)
-                    cells.append({"cluster": cl, "model": model, "mix": mix, "gpus": g, "recompute": rc})
-                    print(f"[{time.perf_counter() - t0:6.0f} s] {cl} {model} {mix} {g} GPUs", file=sys.stderr,
-                          flush=True)
+    cells, done = [], load_partial(args.partial, args.steps)
+    for cl, model, mix, g in grid_todo(args):
+        key = ("recompute", cl, model, mix, g)
+        c = done.get(key)
+        if c is None:
+            t1 = time.perf_counter()
+            rc = recompute_modes(cl, model, MODELS[model], mix, g, args)
+            c = save_partial(args.partial, key, {"cluster": cl, "model": model, "mix": mix, "gpus": g, "recompute": rc,
+                                                 "steps": args.steps, "wall_s": time.perf_counter() - t1})
+        cells.append(c)
+        print(f"[{time.perf_counter() - t0:6.0f} s] {cl} {model} {mix} {g} GPUs", file=sys.stderr, flush=True)
     argv_s = " ".join(sys.argv[1:])
     command = f".venv/bin/python benchmarks/bench_compare.py {argv_s}".strip()
-    wall = time.perf_counter() - t0
+    wall = time.perf_counter() - t0 + sum(c.get("wall_s", 0.0) for c in done.values())
     write_recompute_section(args.out_dir, cells, command, wall, args.steps, _git_describe())
 
 
@@ -375,9 +450,12 @@ def write_recompute_section(out_dir: Path, cells: list[dict], command: str | lis
     shown = " and ".join(f"`{c}`" for c in ([command] if isinstance(command, str) else command))
     head = (f"Generated by {shown} ({len(cells)} cells, {steps} steps per cell, {wall / 60:.1f} minutes "
             f"wall on {machine}, under load; code at commit `{code}`). It rewrites this section only: "
-            "the grid above keeps the figures of its own run (the command at the top of the page), in which a cell "
-            "no global mode without recomputation can plan is listed as unplannable; with `--recompute auto` "
-            "zeppelin plans every cell below.")
+            "the grid above keeps the figures of its own run (the command at the top of the page). "
+            + ("With `--recompute auto` zeppelin plans every cell below." if all(
+                "mean_s" in c["recompute"]["auto"] for c in cells) else
+               "With `--recompute auto` zeppelin cannot plan: " + "; ".join(
+                   f"{c['cluster']} {c['model']} {c['mix']} {c['gpus']} GPUs" for c in cells
+                   if "mean_s" not in c["recompute"]["auto"]) + "."))
     section = [RECOMPUTE_MARKERS[0], *render_recompute(cells, head), RECOMPUTE_MARKERS[1]]
     page_path = out_dir / "RESULTS.md"
     page = page_path.read_text() if page_path.exists() else ""
@@ -407,12 +485,17 @@ def render_recompute(cells: list[dict], head: str | None = None) -> list[str]:
             "steps; the bound is the work without recomputation) / the predicted peak memory of a GPU over its "
             "usable capacity; auto's micro-batches by choice (`full:k`: full recomputation of the first k layers). "
             "docs/CONCEPTS.md, \"When recompute pays\", says why."), "",
-           (f"- auto is slower than the best global mode by more than 0.5% in "
+           (f"- auto is slower than the best global mode whose plans fit (peak within capacity) by more than 0.5% in "
             f"{len(rs['auto_slower_than_best_global'])} of {rs['cells']} cells"
             + (": " + "; ".join(rs["auto_slower_than_best_global"]) if rs["auto_slower_than_best_global"] else "")
-            + f"; auto / best global mode, geometric mean {rs['auto_over_best_global_geomean']:.4f}."),
+            + f"; auto / best such global mode, geometric mean {rs['auto_over_best_global_geomean']:.4f}. "
+            "A global mode faster than auto by more than 0.5% with plans over capacity (they would not run): "
+            + ("; ".join(rs.get("faster_global_over_capacity", [])) or "none") + ". auto's plans over capacity: "
+            + ("; ".join(rs.get("auto_over_capacity", [])) or "none") + "."),
            (f"- auto is faster than global `selective` in {rs['auto_faster_than_selective_long_tailed']} of "
-            f"{rs['long_tailed_cells']} cells of the long-tailed mixes ({', '.join(LONG_TAILED)})."), "",
+            f"{rs['long_tailed_cells']} cells of the long-tailed mixes ({', '.join(LONG_TAILED)})"
+            + (": not in " + "; ".join(rs["auto_not_faster_than_selective"]) if rs.get("auto_not_faster_than_selective")
+               else "") + "."), "",
            "| cluster | model | mix | GPUs | auto | none | selective | full | auto's micro-batches |",
            "|---|---|---|---:|---:|---:|---:|---:|---|"]
 
@@ -451,6 +534,25 @@ def compute_ratio(cluster: str) -> float:
     return sum(n.bandwidth_GBps for n in c.nics) / (c.gpu.peak_tflops * c.gpus_per_node)
 
 
+def auto_summary(cells: list[dict]) -> dict:
+    """Zeppelin's ``--recompute auto`` runs over the grid's cells (``zeppelin_auto`` of each): the cells it
+    planned, the highest predicted peak memory of a GPU over its usable capacity and its cell, the cells
+    above capacity, and the micro-batches by recompute choice."""
+    rows = [(f"{c['cluster']} {c['model']} {c['mix']} {c['gpus']} GPUs", c["zeppelin_auto"]) for c in cells
+            if "zeppelin_auto" in c]
+    ok = [(label, a) for label, a in rows if "mean_s" in a]
+    choices: dict[str, int] = {}
+    for _, a in ok:
+        for k, v in a["microbatches"].items():
+            choices[k] = choices.get(k, 0) + v
+    top = max(ok, key=lambda r: r[1]["memory_over_capacity"], default=None)
+    return {"auto_cells": len(rows), "auto_planned_cells": len(ok),
+            "auto_memory_over_capacity_max": top[1]["memory_over_capacity"] if top else math.nan,
+            "auto_memory_over_capacity_max_cell": top[0] if top else None,
+            "auto_over_capacity_cells": [label for label, a in ok if a["memory_over_capacity"] > 1.0],
+            "auto_microbatches": dict(sorted(choices.items()))}
+
+
 def findings(cells: list[dict]) -> tuple[dict, list[str]]:
     """The summary numbers and the papers' qualitative findings, checked against this run."""
     z_te = [c["zeppelin_speedup_vs_te_cp"] for c in cells if "zeppelin_speedup_vs_te_cp" in c]
@@ -470,7 +572,7 @@ def findings(cells: list[dict]) -> tuple[dict, list[str]]:
         "best_baseline_counts": {},
     }
     # fastest or tied (within 0.5%) per cell, and every cell where zeppelin is not, with the numbers
-    fastest, exceptions, close, unplannable = 0, [], [], []
+    fastest, exceptions, close, unplannable, only = 0, [], [], [], []
     for c in cells:
         label = f"{c['cluster']} {c.get('model', '')} {c['mix']} {c['gpus']} GPUs".replace("  ", " ")
         z = _stat(c, "zeppelin")
@@ -483,8 +585,9 @@ def findings(cells: list[dict]) -> tuple[dict, list[str]]:
             err = next((s.get("error") for s in c["planners"] if s["planner"] == "zeppelin"), None) or "no plan"
             exceptions.append(f"{label}: zeppelin cannot plan it ({err})")
             continue
-        if not others:
+        if not others:  # zeppelin alone plans it
             fastest += 1
+            only.append(label)
             continue
         b = min(others, key=lambda s: s["mean_s"])
         r = b["mean_s"] / z["mean_s"]
@@ -527,7 +630,10 @@ def findings(cells: list[dict]) -> tuple[dict, list[str]]:
     summ["zeppelin_fastest_or_tied_cells"] = fastest
     summ["zeppelin_exceptions"] = exceptions
     summ["cells_no_planner_can_plan"] = unplannable
+    summ["cells_only_zeppelin_can_plan"] = only
+    summ["zeppelin_wins_cells"] += len(only)  # the only planner of a cell is its fastest
     summ["zeppelin_within_2pct_of_best_other"] = close
+    summ.update(auto_summary(cells))
     for c in cells:
         b = c.get("best_baseline")
         if b:
@@ -674,8 +780,8 @@ def render_page(cells: list[dict], summ: dict, lines: list[str], args, wall: flo
             "Every MILP stops at deterministic limits, never at a clock, so every number on this page is the same "
             "on any machine and under any load: FlexSP runs at most 2 MILP solves per step of 30 branch-and-bound "
             "nodes each (the root alone for MILPs of more than 1,000 columns, 64+ GPUs), Hydraulis at most 4 packing ILPs of 50 nodes, zeppelin 1 packing ILP of 10 nodes (their "
-            "papers spend 5-15 s per step, overlapped with training; these budgets keep the grid within ~15 "
-            "minutes on 2 cores)"
+            "papers spend 5-15 s per step, overlapped with training; these budgets bound the grid's planning "
+            "time; this run's wall time is stated above)"
             + (f"; wall-clock safety net per solve: {args.solver_time_limit:g} s (where a solve stops at the net, "
                "that planner's plan may vary from run to run)" if args.solver_time_limit else "")
             + ". "
@@ -711,6 +817,18 @@ def render_page(cells: list[dict], summ: dict, lines: list[str], args, wall: flo
             + ("; ".join(summ.get("zeppelin_exceptions", [])) or "none") + ".",
             "- Cells no planner can plan (a step's longest sequence fits no layout within the GPUs' memory): "
             + ("; ".join(summ.get("cells_no_planner_can_plan", [])) or "none") + ".",
+            *([(f"- Zeppelin plans {summ['auto_planned_cells']} of {summ['auto_cells']} cells with `--recompute auto` "
+                "(its choice per micro-batch; the baselines run without recomputation); the highest predicted peak "
+                "memory of a GPU over its usable capacity in its plans is "
+                f"{summ['auto_memory_over_capacity_max']:.3f} ({summ['auto_memory_over_capacity_max_cell']}), "
+                + ("so every micro-batch fits" if not summ["auto_over_capacity_cells"] else
+                   "above capacity in " + "; ".join(summ["auto_over_capacity_cells"]))
+                + "; its micro-batches by choice: "
+                + ", ".join(f"{k} {v}" for k, v in summ["auto_microbatches"].items()) + ".")]
+              if summ.get("auto_cells") else []),
+            "- Cells only zeppelin can plan (every baseline fails on some step; counted among zeppelin's fastest "
+            "above, left out of the speedups): " + ("; ".join(summ.get("cells_only_zeppelin_can_plan", [])) or "none")
+            + ".",
             "- Cells where zeppelin leads the best other baseline by less than 2% (its margin there is a tie, not "
             "a lead): " + ("; ".join(summ.get("zeppelin_within_2pct_of_best_other", [])) or "none") + ".", ""]
     out += ["## The papers' qualitative findings, checked", ""]
@@ -845,6 +963,9 @@ def main(argv=None) -> None:
     ap.add_argument("--usp-cells-only", action="store_true",
                     help="run only --usp-cells and print their section of the page (writes nothing)")
     ap.add_argument("--out-dir", type=Path, default=ROOT / "docs", help="RESULTS.md, results.json and img/ go here")
+    ap.add_argument("--partial", type=Path, default=None, metavar="JSONL",
+                    help="append each finished cell to JSONL and take the cells it already holds (same --steps) "
+                         "from it instead of planning them again: a long run stopped part-way resumes")
     ap.add_argument("--from-json", type=Path, default=None,
                     help="re-render the page and charts from a previous run's results.json (no planning)")
     ap.add_argument("--speed", action="store_true",
@@ -874,15 +995,9 @@ def main(argv=None) -> None:
         return
     args.machine = f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.system()}"
     args.code = _git_describe()
-    cls = [CLUSTERS[k] for k in args.clusters.split(",")]
-    models = args.models.split(",")
-    mixes = args.mixes.split(",")
-    gpus = [int(g) for g in args.gpus.split(",")]
     cells = []
     t0 = time.perf_counter()
-    todo = [(cl, model, mix, g) for cl in cls for model in models for mix in mixes if mix in MIXES for g in gpus]
-    todo += [(CLUSTERS[k], model, mix, g) for k, model, mix, g in LONG_TAIL_CELLS
-             if CLUSTERS[k] in cls and model in models and mix in mixes and g in gpus]
+    todo = grid_todo(args)
     mtodo = [c for c in MODEL_CELLS if c[1] in args.model_cells.split(",")]
     utodo = [c for c in USP_CELLS if c[1] in args.usp_cells.split(",")]
     if args.usp_cells_only:
@@ -906,19 +1021,23 @@ def main(argv=None) -> None:
         for k, v in prev.get("args", {}).items():
             setattr(args, k, v)
         todo = []
+    done = load_partial(args.partial, args.steps)
     for cl, model, mix, g in todo:
-        c = run_cell(cl, model, MODELS[model], mix, g, args)
+        c = done.get(("grid", cl, model, mix, g)) or save_partial(args.partial, ("grid", cl, model, mix, g),
+                                                                  run_cell(cl, model, MODELS[model], mix, g, args))
         cells.append(c)
         z = c.get("zeppelin_speedup_vs_te_cp", math.nan)
         print(f"[{time.perf_counter() - t0:6.0f} s] {cl} {model} {mix} {g} GPUs: zeppelin {z:.2f}x te-cp, "
               f"{c.get('zeppelin_speedup_vs_best_baseline', math.nan):.2f}x best ({c.get('best_baseline')})"
               f" [{c['wall_s']:.0f} s]", file=sys.stderr, flush=True)
     for k, model, tp, zs, mix, g in mtodo:
-        mcells.append(run_model_cell(CLUSTERS[k], model, tp, zs, mix, g, args))
+        key = ("model", CLUSTERS[k], model, mix, g)
+        mcells.append(done.get(key) or save_partial(args.partial, key,
+                                                    run_model_cell(CLUSTERS[k], model, tp, zs, mix, g, args)))
         print(f"[{time.perf_counter() - t0:6.0f} s] {model} {mix} {g} GPUs: zeppelin "
               f"{mcells[-1].get('zeppelin_speedup_vs_te_cp', math.nan):.2f}x te-cp", file=sys.stderr, flush=True)
-    if args.from_json is None:
-        wall = time.perf_counter() - t0
+    if args.from_json is None:  # cells taken from --partial count with the wall time they took
+        wall = time.perf_counter() - t0 + sum(c.get("wall_s", 0.0) for c in done.values())
         argv_s = " ".join(sys.argv[1:] if argv is None else argv)
         command = ".venv/bin/python benchmarks/bench_compare.py" + (f" {argv_s}" if argv_s else "")
     summ, lines = findings(cells)
@@ -937,12 +1056,17 @@ def main(argv=None) -> None:
     atomic_write_text(out_dir / "results.json", json.dumps({"summary": summ, "cells": cells, "model_cells": mcells,
                                                             "wall_s": wall, "command": command, "args": run_args},
                                                            indent=1) + "\n")
+    old_page = (out_dir / "RESULTS.md").read_text() if (out_dir / "RESULTS.md").exists() else ""
+    has_rc = any("recompute" in c for c in cells)
     page = render_page(cells, summ, lines, args, wall, command)
-    if any("recompute" in c for c in cells):
-        page = page.rstrip("\n") + "\n\n" + "\n".join(render_recompute(cells))
     if mcells:
         page = page.rstrip("\n") + "\n\n" + "\n".join(render_model_cells(mcells, args))
-    atomic_write_text(out_dir / "RESULTS.md", page)
+    if has_rc:
+        page = page.rstrip("\n") + "\n\n" + "\n".join([RECOMPUTE_MARKERS[0], *render_recompute(cells),
+                                                       RECOMPUTE_MARKERS[1]])
+    for block in kept_sections(old_page, recompute=not has_rc):
+        page = page.rstrip("\n") + "\n\n" + block
+    atomic_write_text(out_dir / "RESULTS.md", page.rstrip("\n") + "\n")
     print(json.dumps({"summary": summ, "findings": lines, "wall_s": wall, "command": command}, indent=1))
 
 
