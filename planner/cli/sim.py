@@ -54,14 +54,14 @@ def simulate(
     sim = Simulator(context_from_header(header))
     results, counts = [], []
     total = PlanSummary()
-    keep_counts = json_out or output is not None  # the JSON lists each step's counts; the tables their total
+    keep_counts = json_out or output is not None  # a JSON document lists each step's counts; the tables print their total
     for st in (reader if step is None else [reader.step(step)]):
         results.append(sim.simulate_step(st, timeline=timeline))
         c = step_summary(sim.ctx, st, traffic=results[-1].nic_traffic)
         total.add(c)
         if keep_counts:
             counts.append(c)
-    if json_out or output is not None:
+    if keep_counts:
         doc = {
             "plan": str(plan), "planner": header.planner, "cluster": header.cluster.name,
             "world_size": header.world_size, "tp": header.tp, "model": header.model.name,
