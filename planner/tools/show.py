@@ -205,7 +205,7 @@ def load_table(pred: Prediction, full: bool = False, top: int = 4, tps: list[int
 _COLORS = {"attention": "#1f77b4", "linear": "#2ca02c", "ring-intra": "#ff7f0e", "ring-inter": "#d62728",
            "dispatch-intra": "#9467bd", "combine-intra": "#8c564b", "remap-intra": "#e377c2",
            "remap-inter": "#e377c2", "ulysses-intra": "#bcbd22", "ulysses-inter": "#bcbd22",
-           "allgather-intra": "#17becf", "allgather-inter": "#17becf", "head": "#7f7f7f",
+           "allgather-intra": "#17becf", "allgather-inter": "#17becf", "head": "#7f7f7f", "recompute": "#aec7e8",
            "grad all-reduce": "#000000", "waiting": "#f2b8b5"}
 
 #: above this many units ``--png`` draws each micro-batch of a unit as its layers' time summed per kind
