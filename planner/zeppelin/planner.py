@@ -35,7 +35,7 @@ from zeppelin.planner.core.solver import SolveLimits
 from zeppelin.planner.zeppelin import families as families_mod
 from zeppelin.planner.zeppelin import recompute as recompute_mod
 from zeppelin.planner.zeppelin.options import ZeppelinOptions
-from zeppelin.planner.zeppelin.select import CONFIRM_MAX_UNITS, select
+from zeppelin.planner.zeppelin.select import CONFIRM_MAX_UNITS, MODE_CONFIRM_MAX_UNITS, select
 from zeppelin.planner.zeppelin.step_searches import search_step
 from zeppelin.planner.zeppelin.step_state import StepState
 from zeppelin.planner.zeppelin.tiering import Tiering
@@ -128,16 +128,24 @@ class ZeppelinPlanner(Planner):
         (:func:`.select.select`); None with ``select=predict`` (the prediction alone)."""
         return None if self.select == "predict" else partial(self._simulator, ctx)
 
-    def _mode_score(self, ctx: PlanContext):
-        """How ``--recompute auto`` judges its plans under each mode (:func:`.recompute.plan_step`): as
-        :func:`.select.select` judges a step's candidates - by the simulator where it judges them all or
-        confirms the best (clusters of at most ``select.CONFIRM_MAX_UNITS`` units), else (None) by the
-        prediction. A plan the prediction rates faster than the simulator does would otherwise win
-        across modes on the clusters where the simulator picks within each."""
-        if self._judge(ctx) is None and (self.select == "predict" or ctx.num_units > CONFIRM_MAX_UNITS):
-            return None
+    def _mode_judges(self, ctx: PlanContext) -> tuple:
+        """How ``--recompute auto`` judges its plans under each mode (:func:`.recompute.plan_step`),
+        as ``(score, confirm)``: where :func:`.select.select` judges a step's candidates by the
+        simulator or confirms the best by it (clusters of at most ``select.CONFIRM_MAX_UNITS``
+        units), the simulator scores every plan; on clusters of at most
+        ``select.MODE_CONFIRM_MAX_UNITS`` units the prediction scores them and the simulator confirms
+        the close ones; beyond, or with ``select=predict``, the prediction alone. Judged by the
+        prediction, one micro-batch with recomputation would win over two without where the
+        simulator, which plays out the second micro-batch's waits, ranks them the other way."""
+        if self.select == "predict":
+            return None, None
         sim = self._simulator(ctx)
-        return lambda p: sim.simulate_step(p).step_time_s
+        timed = lambda p: sim.simulate_step(p).step_time_s  # noqa: E731
+        if self._judge(ctx) is not None or ctx.num_units <= CONFIRM_MAX_UNITS:
+            return timed, None
+        if ctx.num_units <= MODE_CONFIRM_MAX_UNITS:
+            return None, timed
+        return None, None
 
     def _family_names(self, only=None) -> list[str]:
         """The families tried for a step (``only``: of these alone); Ulysses groups need ``intra=auto``."""
@@ -177,7 +185,7 @@ class ZeppelinPlanner(Planner):
         gc.disable()
         try:
             if recompute_mod.chooses(ctx):
-                return recompute_mod.plan_step(ctx, step, sequences, self._plan_step, self._mode_score(ctx))
+                return recompute_mod.plan_step(ctx, step, sequences, self._plan_step, *self._mode_judges(ctx))
             return self._plan_step(ctx, step, sequences)
         finally:
             if gc_was_on:

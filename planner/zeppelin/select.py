@@ -26,6 +26,10 @@ from zeppelin.schemas.plan import Sequence, SolverInfo, StepPlan
 CONFIRM_TOP = 3
 #: ... on clusters of at most this many units (the simulator's work grows with the cluster)
 CONFIRM_MAX_UNITS = 32
+#: ``--recompute auto`` confirms by the simulator its close whole-step plans (one per global mode
+#: tried, at most three a step) on clusters of at most this many units: a few simulations a step,
+#: where the prediction misprices one micro-batch with recomputation against two without
+MODE_CONFIRM_MAX_UNITS = 256
 
 #: up to this many units every family builds its two best configurations; beyond, only the best
 #: of each of the two best-scored families is built

@@ -222,8 +222,9 @@ def test_a_choice_per_micro_batch_never_loses_to_the_mode_its_plan_was_made_for(
 
 
 def test_auto_judges_its_modes_as_select_judges_candidates():
-    """By the simulator up to the cluster size where select confirms its best by it (32 units),
-    by the prediction beyond and under ``select=predict``."""
+    """By the simulator up to the cluster size where select confirms its best by it (32 units);
+    by the prediction, the close ones confirmed by the simulator, up to 256 units; by the
+    prediction alone beyond and under ``select=predict``."""
     from zeppelin.planner.core.inputs import resolve_cluster, resolve_model, resolve_profile
     from zeppelin.planner.sim.simulate import Simulator
 
@@ -232,12 +233,41 @@ def test_auto_judges_its_modes_as_select_judges_candidates():
         return PlanContext(cl, resolve_model("llama-13b"), resolve_profile(None, cl), tp=tp, recompute="auto")
 
     zp = get_planner("zeppelin")
-    assert ctx_of("zeppelin-a:8", 2).num_units == 32 and zp._mode_score(ctx_of("zeppelin-a:8", 2)) is not None
-    assert zp._mode_score(ctx_of("zeppelin-a:8", 1)) is None  # 64 units
-    assert get_planner("zeppelin", select="predict")._mode_score(ctx_of("zeppelin-a:2", 2)) is None
+    score, confirm = zp._mode_judges(ctx_of("zeppelin-a:8", 2))
+    assert ctx_of("zeppelin-a:8", 2).num_units == 32 and score is not None and confirm is None
+    score, confirm = zp._mode_judges(ctx_of("zeppelin-a:32", 1))
+    assert ctx_of("zeppelin-a:32", 1).num_units == 256 and score is None and confirm is not None
+    assert zp._mode_judges(ctx_of("zeppelin-a:33", 1)) == (None, None)  # 264 units
+    assert get_planner("zeppelin", select="predict")._mode_judges(ctx_of("zeppelin-a:2", 2)) == (None, None)
     ctx, seqs, plan_one = _made_under("selective", [300, 200])
     plan = plan_one(ctx.__class__(ctx.cluster, ctx.model, ctx.profile, recompute="selective"), 0, seqs)
-    assert get_planner("zeppelin")._mode_score(ctx)(plan) == Simulator(ctx).simulate_step(plan).step_time_s
+    assert get_planner("zeppelin")._mode_judges(ctx)[0](plan) == Simulator(ctx).simulate_step(plan).step_time_s
+
+
+def test_confirm_ranks_again_the_modes_predicted_close_to_the_best():
+    """Three modes' plans predicted 1.00, 1.05 and 1.30: ``confirm`` times the first two only (the
+    third is beyond the 10% margin) and its ranking decides, whatever the prediction said; two
+    modes' identical plans are timed once and the earlier wins."""
+    from types import SimpleNamespace
+
+    from zeppelin.planner.zeppelin import recompute as recompute_mod
+
+    def plan(t, k, choice=None):
+        return SimpleNamespace(name=k, microbatches=[SimpleNamespace(queues=[0] * 4, recompute=choice, placements=[0] * k)])
+
+    a, b, c = plan(1.0, 1, "full:2"), plan(1.05, 2), plan(1.3, 3)
+    timed = []
+
+    def confirm(p):
+        timed.append(p.name)
+        return {1: 2.0, 2: 1.5, 3: 0.1}[p.name]
+
+    out = recompute_mod._confirmed([(1.0, a), (1.05, b), (1.3, c)], confirm)
+    assert timed == [1, 2] and min(out, key=lambda tp: tp[0])[1] is b
+    timed.clear()
+    twin = plan(1.0, 1, "full:2")
+    out = recompute_mod._confirmed([(1.0, a), (1.0, twin)], confirm)
+    assert timed == [1] and [p for _, p in out] == [a]
 
 
 def test_a_plan_is_not_kept_as_made_where_a_micro_batch_would_not_fit_so():
