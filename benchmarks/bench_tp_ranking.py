@@ -36,6 +36,9 @@ from bench_coupling import finish
 #: the steps' sequence lengths (one step of each line), whole on a rank or split over a TP unit
 LENGTHS = ([512, 256, 128, 64, 64], [384, 384, 128, 128], [1024], [256] * 4)
 TP_DEGREES = (2, 1)
+#: every candidate family but replicas of a larger TP degree: each plan keeps its own TP degree, so
+#: the TP-1 plan is the pure alternative of the TP-2 one
+FAMILIES = "ulysses-groups,flop-share,wide-rings,usp-groups"
 
 
 def write_manifest(path: Path) -> int:
@@ -50,7 +53,7 @@ def plan(zep: list[str], work: Path, profile: Path, cluster: str, model: str, tp
     tokens = write_manifest(work / "m.jsonl")
     _run([*zep, "plan", "-m", str(work / "m.jsonl"), "-c", cluster, "--model", model, "--tp", str(tp),
           "--profile", str(profile), "--steps", str(steps), "--tokens-per-step", str(tokens), "--seed", "0",
-          "-q", "-o", str(out)], work / f"plan_tp{tp}.log", env)
+          "--families", FAMILIES, "-q", "-o", str(out)], work / f"plan_tp{tp}.log", env)
     return out
 
 

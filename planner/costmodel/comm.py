@@ -287,19 +287,22 @@ class CommCosts:
     @property
     def fsdp_measured_s(self) -> float | None:
         """Seconds FSDP2 adds to each micro-batch at this plan's ZeRO stage, as the profile measured
-        them (``fits.fsdp_microbatch_s``); None without that measurement."""
-        f = self._fits
-        if f is None or not f.fsdp_microbatch_s:
-            return None
-        return f.fsdp_microbatch_s.get("3" if self.zero_stage >= 3 else "1")
+        them (``fits.fsdp_microbatch_s``); None without that measurement. The runtime shards every
+        parameter over all ranks whatever the units' TP degree, so a TP unit without a measurement
+        of its own takes the TP-1 fits' one."""
+        for f in (self._fits, self._fits_tp1):
+            if f is not None and f.fsdp_microbatch_s:
+                return f.fsdp_microbatch_s.get("3" if self.zero_stage >= 3 else "1")
+        return None
 
     @property
     def fsdp_microbatch_s(self) -> float | None:
         """Seconds FSDP2 adds to each micro-batch: the profile's measurement
         (:attr:`fsdp_measured_s`) when it has one, else the collectives priced from the links'
         bandwidth (:meth:`fsdp_comm_s`); None at ZeRO-0 (replicated weights: one all-reduce per
-        step) or on one unit."""
-        if self.zero_stage < 1 or self.num_units <= 1:
+        step) or on one GPU. One unit of several TP ranks pays it too: FSDP2's mesh spans every
+        rank, TP ranks included."""
+        if self.zero_stage < 1 or self.cluster.world_size <= 1:
             return None
         fs = self.fsdp_measured_s
         return float(fs) if fs is not None else self.fsdp_comm_s()
