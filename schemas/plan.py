@@ -45,6 +45,7 @@ import functools
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Iterator, Literal
 
@@ -462,10 +463,17 @@ class PlanWriter:
         self.count = 0
 
     def __enter__(self) -> "PlanWriter":
-        self._cm = atomic_write(self.path, replaces=self.replaces)
-        self._fh = self._cm.__enter__()
-        self._digest = hashlib.sha256()
-        self._put(_dump(self.header, self.fmt))
+        cm = atomic_write(self.path, replaces=self.replaces)
+        fh = cm.__enter__()
+        try:
+            self._cm, self._fh = cm, fh
+            self._digest = hashlib.sha256()
+            self._put(_dump(self.header, self.fmt))
+        except BaseException:
+            # the with statement calls __exit__ only once __enter__ has returned: a failure here
+            # (a SIGTERM landing while the header is written) removes the temporary file now
+            if not cm.__exit__(*sys.exc_info()):
+                raise
         return self
 
     def _put(self, text: str) -> None:

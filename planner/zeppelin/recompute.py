@@ -29,8 +29,8 @@ AUTO = "auto"
 #: the global modes a step is planned under, in the order tried
 CANDIDATE_MODES = ("none", "selective", "full")
 #: ``confirm`` ranks again the candidates predicted within this share of the best: the prediction's
-#: error on a step of two micro-batches against one (up to ~8% measured on the RESULTS grid's steps at
-#: 64-128 units) must not decide between them, while a candidate predicted much slower is not simulated
+#: error on a step of two micro-batches against one (docs/CONCEPTS.md, "When recompute pays") must not
+#: decide between them, while a candidate predicted much slower is not simulated
 CONFIRM_MARGIN = 0.10
 
 

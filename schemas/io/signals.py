@@ -99,6 +99,11 @@ def cleanup_signals() -> Iterator[SignalState]:
         mask, before = None, mask
         _unblock(None, before)  # installed: a signal that came meanwhile reaches the handler now
         yield state
+    except GeneratorExit:
+        # a writer's generator closed unfinished (collected after the termination it was left
+        # suspended by went past it): it only cleans up - raising here would be printed as an
+        # exception ignored while the process ends
+        raise
     except BaseException as e:
         # a library that turns the handler's exception into its own (pydantic wraps an exception
         # raised inside a serializer): still a termination, reported as such

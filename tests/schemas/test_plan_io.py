@@ -278,6 +278,41 @@ def test_a_signal_whose_exception_a_library_wraps_is_still_a_termination():
     assert isinstance(ei.value.__cause__, ValueError)
 
 
+def test_a_writer_left_suspended_by_a_termination_closes_quietly():
+    """A termination that leaves a writer's generator suspended (``with`` calls ``__exit__`` only
+    once ``__enter__`` has returned) must not raise when the generator is closed later - at the end
+    of the process that would print a traceback after zeppelin's one line."""
+    import signal
+
+    from zeppelin.schemas.io.signals import cleanup_signals
+
+    cm = cleanup_signals()
+    state = cm.__enter__()
+    state.received = signal.SIGTERM
+    cm.gen.close()  # GeneratorExit at the yield: cleans up, raises nothing
+
+
+def test_a_signal_while_the_plan_header_is_written_removes_the_temporary_file(tmp_path, monkeypatch):
+    """SIGTERM landing in PlanWriter.__enter__ after its temporary file exists (while the header is
+    written): the temporary file is gone when the exception leaves ``with``, not when the
+    collector finds the writer, and nothing is left at the plan's name."""
+    import signal
+
+    from zeppelin.schemas import plan as plan_mod
+    from zeppelin.schemas.io.signals import Terminated
+    from zeppelin.schemas.plan import PlanHeader, PlanWriter
+
+    def dump(record, fmt):
+        raise Terminated(signal.SIGTERM)
+
+    monkeypatch.setattr(plan_mod, "_dump", dump)
+    writer = PlanWriter(tmp_path / "p.jsonl", PlanHeader.model_construct())
+    with pytest.raises(Terminated):
+        with writer:
+            pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("text, number", [
     (b'{"notes": {"a": [1e999]}}', "1e999"),
     (b'[1, 2E+400]', "2E+400"),
