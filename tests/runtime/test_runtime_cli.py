@@ -76,7 +76,11 @@ def test_run_verify_trains_and_writes_metrics(hand_plan, tmp_path):
 
 
 def test_world_size_mismatch_refused_on_every_rank(hand_plan):
-    # launch 2 workers for a 4-rank plan through the launcher directly (zeppelin run refuses earlier)
+    """2 workers for a 4-rank plan, through the launcher directly (zeppelin run refuses earlier):
+    each rank checks the world size before any collective, the first to refuse is the job's cause.
+    The launcher stops the others at once (``launch.SETTLE_S`` after the first failure), so a rank
+    still importing torch then never gets to say it: which ranks report depends on the machine's
+    load, and each rank that does says the same."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     p = subprocess.run([sys.executable, "-m", "zeppelin.runtime.launch", "--standalone", "--nproc-per-node=2",
                         "-m", "zeppelin.runtime", str(hand_plan)], capture_output=True, text=True, env=env,
@@ -84,8 +88,8 @@ def test_world_size_mismatch_refused_on_every_rank(hand_plan):
     assert p.returncode == 2
     want = "the plan is for 4 ranks but the job has 2"
     errs = _errors(p.stderr)
-    assert any(e.startswith(f"zeppelin: error: [rank 0] {want}") for e in errs), p.stderr
-    assert any(e.startswith(f"zeppelin: error: [rank 1] {want}") for e in errs), p.stderr
+    ranked = [e for e in errs if e.startswith("zeppelin: error: [rank ")]
+    assert ranked and all(re.match(rf"zeppelin: error: \[rank [01]\] {want}", e) for e in ranked), p.stderr
     assert errs[-1].startswith("zeppelin: error: job failed: rank ") and want in errs[-1]
     assert "Traceback" not in p.stderr
 
