@@ -136,11 +136,12 @@ def plan_step(ctx: PlanContext, step: int, sequences: list[Sequence],
     error: PlanningError | None = None
     for mode in CANDIDATE_MODES:
         try:
-            cands.append(_judged(ctx, plan_one(mode_context(ctx, mode), step, sequences), mode, score)[::-1])
+            plan, t = _judged(ctx, plan_one(mode_context(ctx, mode), step, sequences), mode, score)
+            cands.append((t, plan))
         except PlanningError as e:
             error = error or e
             continue
-        if mode == "none" and len(cands[-1][1].microbatches) == 1:
+        if mode == "none" and len(plan.microbatches) == 1:
             break  # one micro-batch without recomputation: nothing to save
     if not cands:
         raise error
@@ -160,7 +161,7 @@ def _confirmed(cands: list[tuple[float, StepPlan]], confirm: Callable[[StepPlan]
     for t, plan in cands:
         if t > limit:
             continue
-        key = (t, tuple((len(mb.queues), mb.recompute, len(mb.placements)) for mb in plan.microbatches))
+        key = (t, tuple((mb.recompute, len(mb.placements)) for mb in plan.microbatches))
         if key in seen:
             continue
         seen.append(key)
