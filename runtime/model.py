@@ -361,8 +361,8 @@ class Attention(nn.Module):
         dt, d = a.dtype, self.d
         q0, q1, k0, k1 = tp.heads(self.hq, self.hkv)
         nq, nk = q1 - q0, k1 - k0
-        w = torch.cat([self.wq[q0 * d:q1 * d], self.wk[k0 * d:k1 * d], self.wv[k0 * d:k1 * d]]).to(dt)
-        y = column_parallel(a, w, tp.group, tp.rows, tp.mode, tp.chunks)
+        w = (self.wq[q0 * d:q1 * d], self.wk[k0 * d:k1 * d], self.wv[k0 * d:k1 * d])
+        y = column_parallel(a, w, tp.group, tp.rows, tp.mode, tp.chunks, dtype=dt)
         y = timer.region("remap", layout.to_attention, y) if timer is not None else layout.to_attention(y)
         T = y.shape[0]
         q = y[:, : nq * d].reshape(T, nq, d)
@@ -381,7 +381,7 @@ class Attention(nn.Module):
             o = layout.attention(q, k, v)
         o = o.reshape(T, nq * d)
         o = timer.region("remap", layout.to_linear, o) if timer is not None else layout.to_linear(o)
-        return row_parallel(o, self.wo[:, q0 * d:q1 * d].to(dt), tp.group, tp.rows, tp.mode, tp.chunks)
+        return row_parallel(o, self.wo[:, q0 * d:q1 * d], tp.group, tp.rows, tp.mode, tp.chunks, dtype=dt)
 
 
 class MLP(nn.Module):
@@ -407,12 +407,11 @@ class MLP(nn.Module):
         dt = x.dtype
         a, b = tp.features(self.w1.shape[0])
         if self.gelu:
-            hmid = F.gelu(column_parallel(x, self.w1[a:b].to(dt), tp.group, tp.rows, tp.mode, tp.chunks))
+            hmid = F.gelu(column_parallel(x, self.w1[a:b], tp.group, tp.rows, tp.mode, tp.chunks, dtype=dt))
         else:
-            w = torch.cat([self.w1[a:b], self.w3[a:b]]).to(dt)
-            gu = column_parallel(x, w, tp.group, tp.rows, tp.mode, tp.chunks)
+            gu = column_parallel(x, (self.w1[a:b], self.w3[a:b]), tp.group, tp.rows, tp.mode, tp.chunks, dtype=dt)
             hmid = F.silu(gu[:, : b - a]) * gu[:, b - a:]
-        return row_parallel(hmid, self.w2[:, a:b].to(dt), tp.group, tp.rows, tp.mode, tp.chunks)
+        return row_parallel(hmid, self.w2[:, a:b], tp.group, tp.rows, tp.mode, tp.chunks, dtype=dt)
 
 
 class Block(nn.Module):

@@ -290,35 +290,40 @@ def _fns():
 
     class _ColumnFn(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, x, w, g, rows, mode, chunks):
-            y, xf = ag_gemm(x, w, g, rows, mode, chunks)
-            ctx.save_for_backward(xf, w)
-            ctx.cfg = (g, rows, mode, chunks)
+        def forward(ctx, x, g, rows, mode, chunks, dtype, *ws):
+            y, xf = ag_gemm(x, _joined(ws, dtype), g, rows, mode, chunks)
+            # the weight's pieces as given (views of the parameters): no copy kept for the backward
+            ctx.save_for_backward(xf, *ws)
+            ctx.cfg = (g, rows, mode, chunks, dtype)
             return y
 
         @staticmethod
         def backward(ctx, dy):
-            xf, w = ctx.saved_tensors
-            g, rows, mode, chunks = ctx.cfg
+            xf, *ws = ctx.saved_tensors
+            g, rows, mode, chunks, dtype = ctx.cfg
+            w = _joined(ws, dtype)
             dy = dy.contiguous()
             dx = gemm_rs(dy, w.t(), g, rows, mode, chunks) if ctx.needs_input_grad[0] else None
-            dw = dy.t() @ xf if ctx.needs_input_grad[1] else None
-            return dx, dw, None, None, None, None
+            dws = [None] * len(ws)
+            if any(ctx.needs_input_grad[6:]):
+                dw = dy.t() @ xf
+                dws = [d.to(p.dtype) for d, p in zip(dw.split([p.shape[0] for p in ws]), ws)]
+            return (dx, None, None, None, None, None, *dws)
 
     class _RowFn(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, x, w, g, rows, mode, chunks):
+        def forward(ctx, x, w, g, rows, mode, chunks, dtype):
             ctx.save_for_backward(x, w)
-            ctx.cfg = (g, rows, mode, chunks)
-            return gemm_rs(x, w, g, rows, mode, chunks)
+            ctx.cfg = (g, rows, mode, chunks, dtype)
+            return gemm_rs(x, _joined((w,), dtype), g, rows, mode, chunks)
 
         @staticmethod
         def backward(ctx, dz):
             x, w = ctx.saved_tensors
-            g, rows, mode, chunks = ctx.cfg
-            dx, dzf = ag_gemm(dz.contiguous(), w.t(), g, rows, mode, chunks)
-            dw = dzf.t() @ x if ctx.needs_input_grad[1] else None
-            return (dx if ctx.needs_input_grad[0] else None), dw, None, None, None, None
+            g, rows, mode, chunks, dtype = ctx.cfg
+            dx, dzf = ag_gemm(dz.contiguous(), _joined((w,), dtype).t(), g, rows, mode, chunks)
+            dw = (dzf.t() @ x).to(w.dtype) if ctx.needs_input_grad[1] else None
+            return (dx if ctx.needs_input_grad[0] else None), dw, None, None, None, None, None
 
     _FNS["column"] = _ColumnFn
     _FNS["row"] = _RowFn
@@ -330,16 +335,30 @@ def _check_mode(mode: str) -> None:
         raise ValueError(f"unknown TP overlap mode {mode!r} (choose from {', '.join(OVERLAP_MODES)})")
 
 
-def column_parallel(x, w, g: TPGroup, rows: Sequence[int], mode: str = "none", chunks: int = 4):
-    """Differentiable all-gather + GEMM: ``[rows[pos], in]`` -> ``[sum(rows), out_shard]``."""
-    _check_mode(mode)
-    return _fns()["column"].apply(x, w, g, list(rows), mode, chunks)
+def _joined(ws, dtype):
+    """The weight the GEMM multiplies: the pieces (stacked along the output features) in ``dtype``
+    (``None``: their own). Built again in the backward, so only the pieces (views of the
+    parameters) are kept between forward and backward."""
+    ws = [w if dtype is None else w.to(dtype) for w in ws]
+    return ws[0] if len(ws) == 1 else torch.cat(ws)
 
 
-def row_parallel(x, w, g: TPGroup, rows: Sequence[int], mode: str = "none", chunks: int = 4):
-    """Differentiable GEMM + reduce-scatter: ``[sum(rows), in_shard]`` -> ``[rows[pos], out]``."""
+def column_parallel(x, w, g: TPGroup, rows: Sequence[int], mode: str = "none", chunks: int = 4, dtype=None):
+    """Differentiable all-gather + GEMM: ``[rows[pos], in]`` -> ``[sum(rows), out_shard]``.
+
+    ``w``: the ``[out_shard, in]`` weight, or a sequence of pieces that stack to it along the
+    output features (e.g. this rank's slices of Q, K and V); ``dtype``: the GEMM's, the pieces are
+    cast inside (the backward casts them again rather than keeping a copy)."""
     _check_mode(mode)
-    return _fns()["row"].apply(x, w, g, list(rows), mode, chunks)
+    ws = (w,) if isinstance(w, torch.Tensor) else tuple(w)
+    return _fns()["column"].apply(x, g, list(rows), mode, chunks, dtype, *ws)
+
+
+def row_parallel(x, w, g: TPGroup, rows: Sequence[int], mode: str = "none", chunks: int = 4, dtype=None):
+    """Differentiable GEMM + reduce-scatter: ``[sum(rows), in_shard]`` -> ``[rows[pos], out]``;
+    ``dtype`` as for :func:`column_parallel`."""
+    _check_mode(mode)
+    return _fns()["row"].apply(x, w, g, list(rows), mode, chunks, dtype)
 
 
 # ---------------------------------------------------------------------------------------------
