@@ -367,7 +367,9 @@ class Attention(nn.Module):
         T = y.shape[0]
         q = y[:, : nq * d].reshape(T, nq, d)
         k = y[:, nq * d:(nq + nk) * d].reshape(T, nk, d)
-        v = y[:, (nq + nk) * d:].reshape(T, nk, d)
+        # V copied out of the fused output: the attention keeps V for its backward, and a view would
+        # keep the whole output alive (the pre-rotary Q and K beside their rotated copies)
+        v = y[:, (nq + nk) * d:].reshape(T, nk, d).contiguous()
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         r = self.hq // self.hkv
         kv_of = [(q0 + i) // r - k0 for i in range(nq)]
@@ -393,7 +395,11 @@ class MLP(nn.Module):
         self.w2 = nn.Parameter(torch.empty(h, f))
         self.w3 = None if self.gelu else nn.Parameter(torch.empty(f, h))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tp: TPContext | None = None) -> torch.Tensor:
+        """``tp``: the unit's TP-SP context (:meth:`forward_tp`); through the module's call, so
+        that a recomputation wrapper around the MLP (``selective``) wraps the TP path too."""
+        if tp is not None and tp.size > 1:
+            return self.forward_tp(x, tp)
         dt = x.dtype
         if self.gelu:
             return F.linear(F.gelu(F.linear(x, self.w1.to(dt))), self.w2.to(dt))
@@ -426,7 +432,7 @@ class Block(nn.Module):
         tp = getattr(layout, "tp", None)
         if tp is not None and tp.size > 1:
             x = x + self.attn.forward_tp(self.attn_norm(x), cos, sin, layout, timer)
-            return x + self.mlp.forward_tp(self.mlp_norm(x), tp)
+            return x + self.mlp(self.mlp_norm(x), tp)
         h = self.attn_norm(x)
         if timer is not None:
             a = timer.region("remap", layout.to_attention, h)

@@ -121,7 +121,24 @@ class MemoryCosts:
             act, rec = L * c * m.hidden + head, layer - (4.0 * m.hidden if c == 4 else 0.0)
         else:
             raise ValueError(f"unknown recompute mode {self.recompute!r} (none, selective, full)")
-        return act / tp, rec / tp
+        extra_act, extra_rec = self.tp_gathered_split(mode)
+        return act / tp + extra_act, rec / tp + extra_rec
+
+    def tp_gathered_split(self, mode: str) -> tuple[float, float]:
+        """Bytes per token of a TP unit each of its GPUs holds beyond the TP share of the layer
+        (``activations``, ``recompute``; zero at TP 1): each column-parallel GEMM (Q/K/V, the MLP's
+        gate and up) keeps its all-gathered input for the weight gradient, ``c h`` per token of
+        the unit where the TP share of the norm's output it replaces is ``c h / tp``. ``none``
+        keeps both per layer; ``selective`` the attention's, and the MLP's recomputation gathers
+        its input again (whole: the share stays as the recomputation's input); ``full`` gathers
+        both inside the one layer recomputed."""
+        tp = self.tp
+        if tp == 1:
+            return 0.0, 0.0
+        whole = self.compute_bytes * self.model.hidden
+        g = whole * (1.0 - 1.0 / tp)
+        L = self.model.num_layers
+        return {"none": (2.0 * L * g, 0.0), "selective": (L * g, whole), "full": (0.0, 2.0 * g)}[mode]
 
     @cached_property
     def ulysses_extra_split(self) -> tuple[float, float]:
@@ -203,13 +220,15 @@ class MemoryCosts:
 
     def model_state_components(self, dp: int | None = None) -> dict[str, float]:
         """Parameter, gradient, optimizer and whole-parameter bytes per GPU by ZeRO stage
-        (``P`` parameters of this GPU's TP share, ``N``-way data parallel), as the runtime's
-        FSDP2 holds them (docs/RUNTIME.md, "ZeRO stages"):
+        (``P`` the model's parameters, ``N`` units of ``tp`` GPUs), as the runtime's FSDP2 holds
+        them (docs/RUNTIME.md, "ZeRO stages"). Parameters are whole on every GPU of a TP unit
+        too: a TP rank multiplies slices of them, so TP divides only the sharded states.
 
         * ZeRO-0 (``--dp replicate``): fp32 weights ``4 P``, gradients ``4 P``, Adam moments
           ``8 P`` whole; ``unsharded``: in a compute dtype narrower than fp32, the casts of the
-          weight matrices the forward keeps (none inside recomputed modules);
-        * ZeRO-1, 2 and 3: ``4 P / N``, ``4 P / N``, ``8 P / N``. FSDP reduce-scatters each
+          weight matrices the forward keeps (none inside recomputed modules; at TP > 1 the head's
+          alone: the TP GEMMs cast their slices inside);
+        * ZeRO-1, 2 and 3: ``4 P / (N tp)``, ``4 P / (N tp)``, ``8 P / (N tp)``. FSDP reduce-scatters each
           block's gradient as soon as the backward has produced it, so ZeRO-1 runs with
           ZeRO-2's holdings and is charged exactly those;
         * ``unsharded`` (ZeRO-1/2): every whole compute-dtype weight ``c P``, kept between
@@ -220,22 +239,28 @@ class MemoryCosts:
         """
         dp = dp or self.num_units
         m, tp = self.model, self.tp
-        P = m.num_params() / tp
         c = self.compute_bytes
-        block = m.params_per_layer() / tp
-        root = (m.num_params() - m.num_layers * m.params_per_layer()) / tp
-        out = (m.vocab_size * m.hidden + m.hidden) / tp        # LM head (or tied embedding) + final norm
+        # whole sizes whatever the TP degree: the runtime keeps every parameter whole (FSDP gathers
+        # it on every rank, a TP rank multiplies its slices), and a TP rank's gradient is a whole
+        # tensor until it is reduce-scattered
+        whole_params = m.num_params()
+        block = m.params_per_layer()
+        root = m.num_params() - m.num_layers * m.params_per_layer()
+        out = m.vocab_size * m.hidden + m.hidden        # LM head (or tied embedding) + final norm
         if self.zero_stage == 0:
+            P = whole_params
             copies = 0.0
             if c < 4:
                 h, kv, f = m.hidden, m.kv_dim, m.ffn_hidden
                 attn_w = h * (h + 2 * kv) + h * h
                 mlp_w = (3 if m.mlp == "swiglu" else 2) * h * f
                 kept = {"none": attn_w + mlp_w, "selective": attn_w, "full": 0}.get(self.global_recompute, attn_w + mlp_w)
-                copies = c * (m.num_layers * kept + m.vocab_size * h) / tp
+                # a TP unit's GEMMs cast their slices inside (no copy kept): the head's cast only
+                copies = c * ((m.num_layers * kept if tp == 1 else 0) + m.vocab_size * h)
             return {"params": 4.0 * P, "grads": 4.0 * P, "optimizer": 8.0 * P, "unsharded": copies}
+        P = whole_params / tp     # the sharded states: over every GPU of the mesh (``dp`` units of ``tp``)
         pending = c * (out + block)
-        whole = c * P if self.zero_stage in (1, 2) else c * (root + 2 * block)
+        whole = c * whole_params if self.zero_stage in (1, 2) else c * (root + 2 * block)
         return {"params": 4.0 * P / dp, "grads": 4.0 * P / dp, "optimizer": 8.0 * P / dp,
                 "unsharded": whole + pending}
 

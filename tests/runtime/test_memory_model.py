@@ -34,7 +34,10 @@ LENGTHS = {"small": [256] * 8, "hf": [512] * 8}
 LAYOUTS = {"local": ("packed-dp", {}), "ring": ("te-cp", {"cp": 2}), "ulysses": ("ulysses", {"sp": 2}),
            "allgather": ("llama3-cp", {"cp": 2}),
            # a Ulysses group of 4 over 2 KV heads: each KV head on 2 positions, its K/V kept twice
-           "ulysses-replicated": ("ulysses", {"sp": 4})}
+           "ulysses-replicated": ("ulysses", {"sp": 4}),
+           # two TP-2 units (TP-SP): every sequence on one unit, its tokens sharded over the unit's ranks
+           "tp": ("packed-dp", {})}
+TP = {"tp": 2}
 
 
 def _measure(rank: int, world: int, header_json: str, step_json: str, zero: int, recompute: str, dtype: str,
@@ -76,14 +79,15 @@ def hf_llama(tmp_path_factory) -> str:
 
 def _plan(spec, lengths, zero: int, recompute: str, layout: str = "local") -> tuple[PlanHeader, StepPlan]:
     planner, options = LAYOUTS[layout]
+    tp = TP.get(layout, 1)
     header = make_header(cluster_preset("local-cpu:1x4"), spec, 1, planner=planner)
-    header = header.model_copy(update={"zero_stage": zero, "recompute": recompute})
+    header = header.model_copy(update={"zero_stage": zero, "recompute": recompute, "tp": tp})
     ctx = PlanContext(cluster=header.cluster, model=spec, profile=header.profile, zero_stage=zero,
-                      recompute=recompute)
+                      recompute=recompute, tp=tp)
     seqs = [Sequence(sample_id=100 + i, length=L) for i, L in enumerate(lengths)]
     step = get_planner(planner, **options).plan_step(ctx, 0, seqs)
     kinds = {g.kind for mb in step.microbatches for g in mb.groups}
-    assert kinds == {"local" if layout == "local" else "ring" if layout == "ring" else layout.split("-")[0]}, kinds
+    assert kinds == {"local" if layout in ("local", "tp") else "ring" if layout == "ring" else layout.split("-")[0]}, kinds
     return header, step
 
 
@@ -113,7 +117,10 @@ CASES = ([("small", "fp32", z, r, "local") for z in (0, 1, 2, 3) for r in ("none
          + [(m, "fp32", 3, "none", "local") for m in ("qwen2", "mistral", "qwen3", "qwen3-moe", "qwen2-moe",
                                                      "mixtral")]
          + [("qwen3", "fp32", 2, "full", "local"), ("qwen3-moe", "fp32", 2, "selective", "local"),
-            ("qwen2", "fp32", 2, "none", "ulysses"), ("qwen2", "fp32", 2, "none", "ulysses-replicated")])
+            ("qwen2", "fp32", 2, "none", "ulysses"), ("qwen2", "fp32", 2, "none", "ulysses-replicated")]
+         # TP-2 units: whole parameters on every TP rank, each column-parallel GEMM's gathered input
+         + [("small", "fp32", z, r, "tp") for z in (0, 1, 3) for r in ("none", "selective", "full")]
+         + [("small", "bf16", 3, "none", "tp")])
 
 
 @pytest.mark.parametrize("model, dtype, zero, recompute, layout", CASES)
@@ -129,13 +136,14 @@ def test_predicted_memory_matches_measured(pool, hf_models, model, dtype, zero, 
     header, step = _plan(spec, lengths, zero, recompute, layout)
     outs = pool.run(_measure, header.model_dump_json(), step.model_dump_json(), zero, recompute, dtype, hf,
                     timeout=240)
-    cost = CostModel(header.cluster, spec, header.profile, zero_stage=zero, recompute=recompute)
+    tp = TP.get(layout, 1)
+    cost = CostModel(header.cluster, spec, header.profile, zero_stage=zero, recompute=recompute, tp=tp)
     sp = LAYOUTS[layout][1].get("sp", 1)
     extra = tuple(x * cost.ulysses_weight(sp) for x in cost.ulysses_extra_split) if sp > 1 else (0.0, 0.0)
     for rank, mem in enumerate(outs):
-        tokens = mem["activation_tokens"]
-        assert tokens == sum(lengths) // WORLD
-        predicted = step.prediction.per_unit.memory_gb[rank] * 1e9   # the plan's figure (one rank per unit)
+        assert mem["activation_tokens"] == sum(lengths) // WORLD      # the rank's share of its unit's
+        tokens = mem["activation_tokens"] * tp                           # the unit's, as the model counts
+        predicted = step.prediction.per_unit.memory_gb[rank // tp] * 1e9   # the plan's figure (ranks in unit order)
         assert abs(predicted - mem["measured"]) <= TOL * mem["measured"], (rank, predicted, mem)
         comp = cost.memory_components(tokens)
         comp["activations"] = comp["activations"] + tokens * extra[0]
