@@ -655,15 +655,20 @@ def test_hydraulis_cp_replica_stage1_cost_by_hand():
 
 def test_hydraulis_without_long_sequence_unchanged():
     """No sequence needs CP: replicas, dispatch and makespan as recorded from the planner (stage 1
-    is deterministic). Sequences up to 9,000 tokens exceed a TP=1 replica's capacity (8,273), so
-    the short ones share a second TP=8 replica; the makespan is the 60,000-token sequence's."""
+    is deterministic). The 40,000-token sequence exceeds what a TP-1, TP-2 or TP-4 replica holds
+    (8,273 / 15,339 / 26,773 tokens: every TP rank keeps whole parameters, so TP divides the
+    activations only) and fits a TP-8 replica (42,677); the short ones fill it and four TP-2
+    replicas."""
     ctx = make_ctx("zeppelin-a", "llama-7b")
+    assert [ctx.cost_for(tp).token_capacity for tp in (1, 2, 4, 8)] == [8273, 15339, 26773, 42677]
     rng = np.random.default_rng(11)
-    lengths = [int(x) for x in rng.integers(300, 9000, 24)] + [60000]
+    lengths = [int(x) for x in rng.integers(300, 9000, 24)] + [40000]
     plan = get_planner("hydraulis", **FAST).plan_step(ctx, 0, seqs(lengths))
-    assert plan.notes["replica_tp"] == [8, 8]
+    assert plan.notes["replica_tp"] == [8, 2, 2, 2, 2]
     assert plan.notes["configs_scored"] == 4 and "cp_replicas" not in plan.notes
-    assert plan.notes["dispatch_makespan_s"] == pytest.approx(4.284245660589054, rel=1e-12)
+    assert plan.notes["dispatch_makespan_s"] == pytest.approx(2.906020024713846, rel=1e-12)
     own = _owner(plan)
-    assert [own[i][1].units for i in range(len(lengths))] == [[1]] * 24 + [[0]]
+    assert [own[i][1].units for i in range(len(lengths))] == [
+        [0], [0], [4], [4], [2], [3], [3], [0], [0], [1], [3], [3], [1], [2], [4], [0], [1], [1], [2], [2], [4],
+        [2], [1], [0], [0]]
     assert all(g.kind == "local" for mb in plan.microbatches for g in mb.groups)

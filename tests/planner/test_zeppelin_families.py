@@ -1,5 +1,5 @@
-"""The candidate families (families/): each wins a step where it should, the families option,
-larger TP replicas for a sequence the context's units cannot hold."""
+"""The candidate families (families/): each wins a step where it should, the families option, and
+what larger TP replicas do not hold."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ BEFORE_USP = "ulysses-groups,flop-share,tp-replicas,wide-rings"
 @pytest.mark.parametrize("cell, family, families", [
     (("zeppelin-c", "llama-7b", 1, "long", 32, 0), "usp-groups", "all"),
     (("zeppelin-c", "llama-7b", 1, "long", 32, 0), "flop-share", BEFORE_USP),
-    (("zeppelin-a", "llama-7b", 1, "long", 64, 1), "tp-replicas", BEFORE_USP),
+    (("zeppelin-c", "llama-13b", 1, "long", 64, 0), "tp-replicas", BEFORE_USP),
 ])
 def test_family_chosen_where_it_wins_by_the_cost_model(cell, family, families):
     """Each family wins a step of the RESULTS grid by the prediction: the planner returns it, the
@@ -64,16 +64,17 @@ def test_families_option_validated():
         ZeppelinPlanner(families="ulysses-groups,megatron")
 
 
-def test_sequence_longer_than_the_units_hold_runs_on_larger_tp_replicas():
-    """LLaMA-13B at tp=2 on 16 A800s: a 90,000-token sequence exceeds what the 8 units hold together
-    (8 x 9,567 tokens), and what 4 replicas of tp=4 hold (4 x 21,745), but replicas of tp=8 (model
-    states over 8 GPUs leave more room for activations, 2 x 46,099) hold it as a 2-replica ring;
-    without the family the step is rejected with the memory message."""
+def test_larger_tp_replicas_do_not_hold_what_the_units_cannot():
+    """LLaMA-13B at tp=2 on 16 A800s, ZeRO-1: a 90,000-token sequence exceeds what the 8 units hold
+    together (8 x 6,447 tokens). Larger TP replicas hold less in all, not more: every TP rank keeps
+    whole parameters (the runtime's TP multiplies slices of them), so TP divides only the
+    activations (4 x 11,245 at tp=4, 2 x 17,906 at tp=8). The step is rejected with the memory
+    message, families or not."""
     ctx = make_ctx("zeppelin-a:2", "llama-13b", tp=2)
+    held = {tp: ctx.cost_for(tp).token_capacity * (16 // tp) for tp in (2, 4, 8)}
+    assert held == {2: 8 * 6447, 4: 4 * 11245, 8: 2 * 17906}
     lengths = [90000, 6000, 3000, 2000, 1500, 1000, 800, 500]
-    plan = ZeppelinPlanner().plan_step(ctx, 0, seqs_of(lengths))
-    assert plan.notes["family"] == "tp-replicas" and max(r.tp for r in plan.replicas) == 8
-    valid_plan(ctx, plan)
-    with pytest.raises(PlanningError, match=r"^sequence 0 \(sample 0\) has 90,000 tokens, more than the whole "
-                                            r"cluster can hold \(8 units x 9,567 tokens"):
-        ZeppelinPlanner(families="none").plan_step(ctx, 0, seqs_of(lengths))
+    for families in ("all", "none"):
+        with pytest.raises(PlanningError, match=r"^sequence 0 \(sample 0\) has 90,000 tokens, more than the whole "
+                                                r"cluster can hold \(8 units x 6,447 tokens"):
+            ZeppelinPlanner(families=families).plan_step(ctx, 0, seqs_of(lengths))
