@@ -68,7 +68,7 @@ def test_grouped_query_attention_hides_where_full_kv_does_not():
 def test_units_of_larger_tp_degree_are_shown_with_their_gpus(tmp_path, zeppelin_bin):
     """A plan whose units are replicas of TP-8 and TP-4 (hydraulis): --explain and show print each
     unit's TP degree and GPUs, and compare a local sequence with the capacity of its own unit's
-    degree (40,000 tokens whole on a TP-8 unit is no memory violation of a TP-1 unit)."""
+    degree (15,000 tokens whole on a TP-8 unit is no memory violation of a TP-1 unit)."""
     import json
     import subprocess
 
@@ -78,28 +78,28 @@ def test_units_of_larger_tp_degree_are_shown_with_their_gpus(tmp_path, zeppelin_
     from zeppelin.schemas.profile import default_profile
 
     man = tmp_path / "m.jsonl"
-    man.write_text("".join(json.dumps({"length": n}) + "\n" for n in (40_000, 6_000, 1_200, 900) * 4))
+    man.write_text("".join(json.dumps({"length": n}) + "\n" for n in (15_000, 3_000, 1_200, 900) * 4))
     plan = tmp_path / "p.jsonl"
     r = subprocess.run([zeppelin_bin, "plan", "-m", str(man), "-c", "zeppelin-a:2", "--model", "llama-13b",
-                        "--planner", "hydraulis", "--steps", "1", "--tokens-per-step", "48100", "-o", str(plan),
+                        "--planner", "hydraulis", "--steps", "1", "--tokens-per-step", "20100", "-o", str(plan),
                         "--explain"], capture_output=True, text=True, check=False, timeout=120,
                        env={"COLUMNS": "100", "PATH": ""})
     assert r.returncode == 0, r.stderr
     cl = cluster_preset("zeppelin-a:2")
     ctx = PlanContext(cl, model_preset("llama-13b"), default_profile(cl.name, cl.device))
     cap8 = int(ctx.cost_for(8).token_capacity)
-    assert 40_000 < cap8 and int(ctx.cost.token_capacity) < 40_000
+    assert 15_000 < cap8 and int(ctx.cost.token_capacity) < 15_000
     assert "units of TP-1, 1 GPU each" in r.stdout  # the context's default unit
     assert "units: 1 TP-8 (8 GPUs each), 8 TP-1 (1 GPU each)" in r.stdout
     cap1 = int(ctx.cost.token_capacity)
-    assert "whole on one unit: 5 sequences, up to 40,000\n" in r.stdout
-    assert f"on TP-8 units: 1, up to 40,000 (one holds {cap8:,})" in r.stdout
+    assert "whole on one unit: 5 sequences, up to 15,000\n" in r.stdout
+    assert f"on TP-8 units: 1, up to 15,000 (one holds {cap8:,})" in r.stdout
     assert f"on TP-1 units: 4, up to 1,200 (one holds {cap1:,})" in r.stdout
     s = subprocess.run([zeppelin_bin, "show", str(plan)], capture_output=True, text=True, check=False, timeout=120,
                        env={"COLUMNS": "100", "PATH": ""})
     assert s.returncode == 0, s.stderr
     assert "--tp 1)" in s.stdout and "units: 1 TP-8 (8 GPUs each), 8 TP-1 (1 GPU each)" in s.stdout
-    assert "GPUs  tokens" in s.stdout and "0  8 (TP-8)   40000" in s.stdout and "1  1 (TP-1)    1200" in s.stdout
+    assert "GPUs  tokens" in s.stdout and "0  8 (TP-8)   15000" in s.stdout and "1  1 (TP-1)    1200" in s.stdout
 
 
 def test_moe_limits_are_said_where_decisions_are_shown():
