@@ -9,7 +9,10 @@ plan's predicted total. Prints one JSON document: per case the predicted and mea
 component (rank 0; every rank holds the same here) and the relative error
 ``(predicted - measured) / measured`` of each component and of the sum.
 
-    python benchmarks/bench_memory.py [--ranks 4] [--tokens 512] [--cases all|small|hf]
+    python benchmarks/bench_memory.py [--ranks 4] [--tokens 512] [--cases all|small|hf] [--tp 2]
+
+``--tp N``: the ranks form units of ``N`` (TP-SP), each unit holding its two sequences' tokens
+sharded over its ranks; the cost model prices the unit's tokens at TP ``N``.
 """
 
 from __future__ import annotations
@@ -77,7 +80,10 @@ def main() -> int:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=512, help="tokens per rank (two sequences of half that)")
     ap.add_argument("--cases", default="all", choices=("all", "small", "hf"))
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of every unit (built-in models)")
     args = ap.parse_args()
+    if args.tp > 1 and args.cases != "small":
+        ap.error("--tp runs the built-in models only (--cases small): Hugging Face models run at TP 1")
 
     from tests.support.dist_pool import DistributedPool
     from zeppelin.planner.core.base import PlanContext, get_planner
@@ -90,8 +96,8 @@ def main() -> int:
 
     cluster = cluster_preset(f"local-cpu:1x{args.ranks}")
     profile = default_profile(cluster.name, cluster.device)
-    lengths = [args.tokens // 2] * (2 * args.ranks)
-    out = {"ranks": args.ranks, "tokens_per_rank": args.tokens, "cases": {}}
+    lengths = [args.tokens // 2] * (2 * args.ranks // args.tp)     # two sequences per unit
+    out = {"ranks": args.ranks, "tp": args.tp, "tokens_per_rank": args.tokens, "cases": {}}
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp, DistributedPool(args.ranks, threads=1) as pool:
         hf_ref = _hf_llama(Path(tmp) / "llama") if args.cases != "small" else None
         for name, dtype, zero, recompute in _cases(args.cases):
@@ -99,15 +105,18 @@ def main() -> int:
             spec = (resolve_model_ref(hf) if hf else model_preset(name)).model_copy(update={"dtype": dtype})
             header = PlanHeader(planner="packed-dp", num_steps=1, world_size=cluster.world_size, seed=0,
                                 cluster=cluster, model=spec, profile=profile, zero_stage=zero, recompute=recompute,
+                                tp=args.tp,
                                 hashes=InputHashes(cluster=content_hash(cluster), model=content_hash(spec),
                                                    profile=content_hash(profile), manifest="synthetic"))
-            ctx = PlanContext(cluster=cluster, model=spec, profile=profile, zero_stage=zero, recompute=recompute)
+            ctx = PlanContext(cluster=cluster, model=spec, profile=profile, zero_stage=zero, recompute=recompute,
+                              tp=args.tp)
             seqs = [Sequence(sample_id=100 + i, length=L) for i, L in enumerate(lengths)]
             step = get_planner("packed-dp").plan_step(ctx, 0, seqs)
             mem = pool.run(_worker, header.model_dump_json(), step.model_dump_json(), zero, recompute, dtype, hf,
                            timeout=600)[0]
-            cost = CostModel(cluster, spec, profile, zero_stage=zero, recompute=recompute)
-            pred = {k: float(v) for k, v in cost.memory_components(mem["activation_tokens"]).items()}
+            cost = CostModel(cluster, spec, profile, zero_stage=zero, recompute=recompute, tp=args.tp)
+            # the model prices a unit's tokens; the rank reports its share of them
+            pred = {k: float(v) for k, v in cost.memory_components(mem["activation_tokens"] * args.tp).items()}
             meas = {k: int(mem.get(k, 0)) for k in COMPONENTS}
             err = {k: (round((pred[k] - meas[k]) / meas[k], 4) if meas[k] else None) for k in COMPONENTS}
             total_p, total_m = sum(pred.values()), int(mem["measured"])
@@ -115,7 +124,7 @@ def main() -> int:
                     "rel_error": err, "sum_predicted_bytes": int(total_p), "sum_measured_bytes": total_m,
                     "sum_rel_error": round((total_p - total_m) / total_m, 4),
                     "plan_predicted_bytes": int(step.prediction.per_unit.memory_gb[0] * 1e9)}
-            key = f"{name}/{dtype}/zero{zero}/{recompute}"
+            key = f"{name}/{dtype}/zero{zero}/{recompute}" + (f"/tp{args.tp}" if args.tp > 1 else "")
             out["cases"][key] = case
             print(json.dumps({key: case["sum_rel_error"]}), file=sys.stderr, flush=True)
     print(json.dumps(out, indent=1))
