@@ -21,12 +21,13 @@ def _first_fit_only(n, cap, order, where, tl, m):
 
 
 @pytest.mark.parametrize("cell, fine_shares, with_fit, first_fit_only", [
-    # mixed step, rings of at most a quarter share: first fit spills local sequences into a later
-    # micro-batch while their ring partners wait in an earlier one
-    (("zeppelin-c", "llama-13b", 2, "mixed", 64, 0), (0.25,), 8.29, 8.59),
+    # long step, rings of at most a quarter share: first fit spills local sequences into a later
+    # micro-batch while their ring partners wait in an earlier one (LLaMA-3B: at ZeRO-0 every GPU
+    # keeps the whole model's states, which a 7B or 13B model's exceed)
+    (("zeppelin-c", "llama-3b", 2, "long", 64, 1), (0.25,), 2.076, 2.232),
 ])
 def test_flop_share_micro_batches_chosen_for_coupling(monkeypatch, cell, fine_shares, with_fit, first_fit_only):
-    """LLaMA-13B on cluster C at ZeRO-0, where micro-batches run decoupled and only ring partners
+    """LLaMA-3B on cluster C at ZeRO-0, where micro-batches run decoupled and only ring partners
     wait for each other (the coupling the fit models; under FSDP every unit waits, which it does
     not yet): with micro-batches chosen for coupling beside first fit, FLOP-share's plan is
     ``with_fit`` s by the prediction; with first fit alone, ``first_fit_only`` s."""
