@@ -32,6 +32,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTERS = {"A": "zeppelin-a", "C": "zeppelin-c"}
 MODELS = {"llama-7b": 1, "llama-13b": 2}  # model -> tensor-parallel degree
+#: model -> ZeRO stage: the runtime keeps every parameter whole on each TP rank (TP ranks multiply
+#: slices of them), so LLaMA-13B's TP units shard nothing by TP; ZeRO-3 shards them over every GPU
+ZERO = {"llama-7b": 1, "llama-13b": 3}
 MIXES = ["short", "mixed", "long"]
 GPUS = [16, 32, 64, 128]
 #: beside the grid: slow-network long-tail cells (cluster A's 4 NICs per node, LLaMA-13B, the
@@ -418,7 +421,7 @@ def recompute_only(args) -> None:
         c = done.get(key)
         if c is None:
             t1 = time.perf_counter()
-            rc = recompute_modes(cl, model, MODELS[model], mix, g, args)
+            rc = recompute_modes(cl, model, MODELS[model], mix, g, args, ZERO[model])
             c = save_partial(args.partial, key, {"cluster": cl, "model": model, "mix": mix, "gpus": g, "recompute": rc,
                                                  "steps": args.steps, "wall_s": time.perf_counter() - t1})
         cells.append(c)
@@ -776,7 +779,9 @@ def render_page(cells: list[dict], summ: dict, lines: list[str], args, wall: flo
             "`zeppelin.planner.tools.compare.MIXES` — plans them with "
             "every planner and simulates every plan with the event-driven simulator (`zeppelin simulate`), "
             "which uses the preset cost profiles (docs/DESIGN.md, \"Cost model\"), not measurements on these clusters. "
-            f"LLaMA-13B runs with tensor parallelism 2 (units of 2 GPUs), as in the Zeppelin paper; 7B with tp=1. "
+            "LLaMA-13B runs with tensor parallelism 2 (units of 2 GPUs), as in the Zeppelin paper, at ZeRO-3: the "
+            "runtime keeps every parameter whole on each TP rank, so FSDP's sharding over every GPU takes the place "
+            "of TP's (at ZeRO-1 each GPU would hold the whole bf16 model); 7B with tp=1 at ZeRO-1. "
             "Every MILP stops at deterministic limits, never at a clock, so every number on this page is the same "
             "on any machine and under any load: FlexSP runs at most 2 MILP solves per step of 30 branch-and-bound "
             "nodes each (the root alone for MILPs of more than 1,000 columns, 64+ GPUs), Hydraulis at most 4 packing ILPs of 50 nodes, zeppelin 1 packing ILP of 10 nodes (their "
@@ -853,8 +858,8 @@ def render_page(cells: list[dict], summ: dict, lines: list[str], args, wall: flo
             "tiered plans and node-major micro-batches (sequences assigned to nodes for the whole step), four "
             "whole-step candidate families (`zeppelin.planner.zeppelin.families`): Ulysses groups that keep their "
             "units for the whole step (homogeneous or of two sizes, FlexSP's freedom), FLOP-share rings beside "
-            "local units, replicas of a larger tensor-parallel degree (Hydraulis' freedom, up to a whole node, "
-            "which also holds sequences longer than the cell's tp=2 units hold together), and, where a step's "
+            "local units, replicas of a larger tensor-parallel degree (Hydraulis' freedom, up to a whole node: a long "
+            "sequence then runs on one unit, without a ring), and, where a step's "
             "longest sequences keep it far above its bound, those sequences on side-by-side rings of 2, 4, ... "
             "whole nodes routed over every NIC; it keeps whichever "
             "candidate the prediction (on 16 units or fewer: the simulator) rates fastest. Where a family's layout "
@@ -865,7 +870,8 @@ def render_page(cells: list[dict], summ: dict, lines: list[str], args, wall: flo
             if not sub:
                 continue
             img = f"img/results_{cl_key}_{model}.png"
-            out += [f"## Cluster {cl_key} ({cl}), {model} (tp={tp})", "", f"![speedup over te-cp]({img})", ""]
+            out += [f"## Cluster {cl_key} ({cl}), {model} (tp={tp}, ZeRO-{ZERO[model]})", "",
+                    f"![speedup over te-cp]({img})", ""]
             out += [("Speedup over te-cp (ratio of mean simulated step times; `fail` = the planner cannot plan some "
                     "step, e.g. a sequence exceeds what it can hold); te-cp's and zeppelin's mean step time in "
                     "seconds."), ""]
@@ -1024,7 +1030,8 @@ def main(argv=None) -> None:
     done = load_partial(args.partial, args.steps)
     for cl, model, mix, g in todo:
         c = done.get(("grid", cl, model, mix, g)) or save_partial(args.partial, ("grid", cl, model, mix, g),
-                                                                  run_cell(cl, model, MODELS[model], mix, g, args))
+                                                                  run_cell(cl, model, MODELS[model], mix, g, args,
+                                                                           zero_stage=ZERO[model]))
         cells.append(c)
         z = c.get("zeppelin_speedup_vs_te_cp", math.nan)
         print(f"[{time.perf_counter() - t0:6.0f} s] {cl} {model} {mix} {g} GPUs: zeppelin {z:.2f}x te-cp, "

@@ -34,6 +34,7 @@ import numpy as np
 
 GRID_CLUSTERS = ("zeppelin-a", "zeppelin-c")
 GRID_MODELS = {"llama-7b": 1, "llama-13b": 2}
+GRID_ZERO = {"llama-7b": 1, "llama-13b": 3}   # as bench_compare.ZERO
 GRID_MIXES = ("short", "mixed", "long")
 GRID_GPUS = (16, 32, 64, 128)
 CHOICE_TOL = 0.005
@@ -42,7 +43,7 @@ FIDELITY_TOL = 0.05
 
 def grid_cells(steps: int = 4) -> list[dict]:
     return [{"name": f"{cl[-1].upper()} {m} {mix} {g}", "cluster": f"{cl}:{g // 8}", "model": m, "tp": tp,
-             "zero": 1, "mix": mix, "tokens": 16384 * g, "steps": steps}
+             "zero": GRID_ZERO[m], "mix": mix, "tokens": 16384 * g, "steps": steps}
             for cl in GRID_CLUSTERS for m, tp in GRID_MODELS.items() for mix in GRID_MIXES for g in GRID_GPUS]
 
 
