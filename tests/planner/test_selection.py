@@ -100,19 +100,29 @@ def test_beyond_simulate_max_units_the_best_predicted_are_confirmed_by_the_simul
 
 
 def test_overlapping_inter_node_rings_are_priced_as_the_simulator_plays_them(bench):
-    """Two long sequences as rings over the same nodes, with short ones: the prediction charges
-    each NIC side the flows that cross it (TP ranks each on their own GPU's NIC), and a unit's rings
-    overlap each other's compute - within 5% of the simulator on every candidate of the step."""
+    """Long sequences as rings over the same nodes in one micro-batch, with short ones (FLOP-share's
+    candidate of a long-tail step): the prediction charges each NIC side the flows that cross it,
+    and a unit's rings overlap each other's compute - within 5% of the simulator on every such
+    candidate of the step."""
     from zeppelin.planner.sim.simulate import Simulator
     from zeppelin.planner.zeppelin.planner import ZeppelinPlanner
 
-    ctx, steps = bench.cell_inputs(_cell(bench, "A8 llama-13b tp2 tail 512K", 2))
+    ctx, steps = bench.cell_inputs(_cell(bench, "A8 llama-13b tp1 tail 512K", 4))
     sim = Simulator(ctx)
     built: list = []
     pl = ZeppelinPlanner()
     pl.collector = built.append
-    pl.plan_step(ctx, 1, steps[1])
-    inter = [p for p in built if any(g.tier == "inter" and len(g.units) > 8 for mb in p.microbatches for g in mb.groups)]
+    pl.plan_step(ctx, 3, steps[3])
+    upn = ctx.units_per_node
+
+    def overlapping(p) -> bool:
+        for mb in p.microbatches:
+            nodes = [{u // upn for u in g.units} for g in mb.groups if g.kind == "ring" and g.tier == "inter"]
+            if any(a & b for i, a in enumerate(nodes) for b in nodes[i + 1:]):
+                return True
+        return False
+
+    inter = [p for p in built if p.replicas is None and overlapping(p)]
     assert inter
     for p in inter:
         assert p.prediction.step_time_s == pytest.approx(sim.simulate_step(p).step_time_s, rel=0.05)
