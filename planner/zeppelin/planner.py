@@ -160,7 +160,8 @@ class ZeppelinPlanner(Planner):
             raise PlanningError(
                 f"model {ctx.model.name} does not fit on {ctx.cluster.gpu.name}: model states take "
                 f"{c.model_state_bytes() / 1e9:.1f} GB of {c.gpu_capacity_bytes / 1e9:.1f} GB usable "
-                f"(try --zero-stage 3 or --tp)")
+                f"(try {'--zero-stage 3 or ' if ctx.zero_stage < 3 else ''}more GPUs: every GPU keeps whole "
+                f"parameters whatever the TP degree)")
         for i, s in enumerate(sequences):
             if tiering.min_span(s.length) is None:
                 if self._replicas_hold(ctx, sequences):
@@ -168,7 +169,7 @@ class ZeppelinPlanner(Planner):
                 raise PlanningError(
                     f"sequence {i} (sample {s.sample_id}) has {s.length:,} tokens, more than the whole cluster "
                     f"can hold ({tiering.n} units x {tiering.cap:,} tokens = {tiering.n * tiering.cap:,}); "
-                    f"lower --max-seq-len or use more GPUs / --zero-stage 3")
+                    f"lower --max-seq-len or use more GPUs{' / --zero-stage 3' if ctx.zero_stage < 3 else ''}")
 
     def _replicas_hold(self, ctx: PlanContext, sequences: list[Sequence]) -> bool:
         """Whether the tp-replicas family (on) can hold every sequence of the step."""

@@ -15,7 +15,7 @@ from zeppelin.planner.zeppelin.planner import ZeppelinPlanner
 
 def test_sequence_larger_than_cluster_is_rejected():
     ctx = make_ctx()
-    # more than even replicas of tp=8 (whose model states leave each GPU more room) hold together
+    # more than replicas of tp=8 hold together too
     too_long = ctx.cost_for(8).token_capacity * ctx.cluster.world_size // 8 * 2 + 100
     with pytest.raises(PlanningError) as e:
         ZeppelinPlanner().plan_step(ctx, 0, seqs_of([100, too_long]))
@@ -25,10 +25,27 @@ def test_sequence_larger_than_cluster_is_rejected():
         f"--max-seq-len or use more GPUs / --zero-stage 3")
 
 
-def test_model_that_does_not_fit_is_rejected():
-    ctx = make_ctx("zeppelin-a", "llama-30b", zero_stage=0)
-    with pytest.raises(PlanningError, match=r"^model llama-30b does not fit on A800-SXM4-80GB: model states take"):
+@pytest.mark.parametrize("cluster, model, zero, hint", [("zeppelin-a", "llama-30b", 0, "--zero-stage 3 or more GPUs"),
+                                                        ("zeppelin-a:1", "mixtral-8x7b", 3, "more GPUs")])
+def test_model_that_does_not_fit_is_rejected(cluster, model, zero, hint):
+    """The hint names what frees a GPU of model states: ZeRO-3 where it is not already on, more GPUs
+    (not TP: every TP rank keeps whole parameters)."""
+    ctx = make_ctx(cluster, model, zero_stage=zero)
+    c = ctx.cost
+    with pytest.raises(PlanningError) as e:
         ZeppelinPlanner().plan_step(ctx, 0, seqs_of([100]))
+    assert str(e.value) == (
+        f"model {model} does not fit on A800-SXM4-80GB: model states take {c.model_state_bytes() / 1e9:.1f} GB "
+        f"of {c.gpu_capacity_bytes / 1e9:.1f} GB usable (try {hint}: every GPU keeps whole parameters whatever the "
+        "TP degree)")
+
+
+def test_sequence_larger_than_cluster_at_zero3_is_not_told_to_use_zero3():
+    ctx = make_ctx("zeppelin-a", zero_stage=3)
+    too_long = ctx.cost.token_capacity * 16 + 100
+    with pytest.raises(PlanningError) as e:
+        ZeppelinPlanner(families="none").plan_step(ctx, 0, seqs_of([100, too_long]))
+    assert str(e.value).endswith("lower --max-seq-len or use more GPUs")
 
 
 def test_long_heavy_step_beats_te_cp_by_the_simulator():
