@@ -61,7 +61,7 @@ def _hf_config(path: Path, **dims) -> str:
 
 
 def test_planner_makes_no_tp_replicas_for_hf_models(tmp_path):
-    """A step where replicas of a larger TP degree win for llama-7b (the grid cell of
+    """A step where replicas of a larger TP degree win for llama-13b (the grid cell of
     tests/planner/test_zeppelin_families.py) is planned without them for the same architecture
     read from a Hugging Face config.json."""
     from zeppelin.planner.core.base import PlanContext
@@ -73,17 +73,18 @@ def test_planner_makes_no_tp_replicas_for_hf_models(tmp_path):
     from zeppelin.schemas.plan import SamplerConfig
     from zeppelin.schemas.profile import default_profile
 
-    cl = cluster_preset("zeppelin-a:8")
+    cl = cluster_preset("zeppelin-c:8")
     seqs = sample_steps(mix_dataset("long"), SamplerConfig(tokens_per_step=16384 * 64, seed=0, max_seq_len=131072),
-                        2)[1]
-    spec = hf_model_spec(_hf_config(tmp_path / "l7"))
-    assert model_runs_tp(model_preset("llama-7b")) and not model_runs_tp(spec)
+                        1)[0]
+    spec = hf_model_spec(_hf_config(tmp_path / "l13", hidden_size=5120, num_hidden_layers=40, num_attention_heads=40,
+                                    num_key_value_heads=40, intermediate_size=13824, rms_norm_eps=1e-5))
+    assert model_runs_tp(model_preset("llama-13b")) and not model_runs_tp(spec)
     # the usp groups win this step outright since they price their routes; without them, TP replicas do
     fams = "ulysses-groups,flop-share,tp-replicas,wide-rings"
-    own = ZeppelinPlanner(families=fams).plan_step(PlanContext(cl, model_preset("llama-7b"), default_profile(cl.name)),
-                                                   1, seqs)
+    own = ZeppelinPlanner(families=fams).plan_step(PlanContext(cl, model_preset("llama-13b"), default_profile(cl.name)),
+                                                   0, seqs)
     assert own.notes["family"] == "tp-replicas" and max(r.tp for r in own.replicas) > 1
-    plan = ZeppelinPlanner(families=fams).plan_step(PlanContext(cl, spec, default_profile(cl.name)), 1, seqs)
+    plan = ZeppelinPlanner(families=fams).plan_step(PlanContext(cl, spec, default_profile(cl.name)), 0, seqs)
     assert plan.notes.get("family") != "tp-replicas"
     assert plan.replicas is None or all(r.tp == 1 for r in plan.replicas)
 
