@@ -162,18 +162,48 @@ class _TiledCausalAttention(torch.autograd.Function):
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lengths: list[int],
-                        tile_scores: int = REFERENCE_TILE_SCORES) -> torch.Tensor:
-    """Exact causal attention over packed whole sequences, memory-bounded (tiled, recomputing).
+                        tile_scores: int = REFERENCE_TILE_SCORES, tiled: bool = False) -> torch.Tensor:
+    """Exact causal attention over packed whole sequences, memory-bounded.
 
-    ``q: [T, Hq, D]``, ``k, v: [T, Hkv, D]``; the test oracle for every distributed path. Never
-    holds more than ``tile_scores`` attention scores at once (forward or backward), so the
-    reference of a long sequence costs memory linear in its length, like the fused kernels."""
+    ``q: [T, Hq, D]``, ``k, v: [T, Hkv, D]``; the test oracle for every distributed path: each
+    whole sequence through PyTorch's own fused attention (``scaled_dot_product_attention`` limited
+    to its flash and memory-efficient kernels, which hold a block of scores at a time), computed in
+    float32 (float64 for float64 inputs). Where neither kernel takes the inputs (float64 on a GPU),
+    or with ``tiled``, the explicit-softmax tiles of :class:`_TiledCausalAttention`, never more than
+    ``tile_scores`` scores at once. Either way the reference of a long sequence costs memory linear
+    in its length, like the distributed kernels."""
     lengths = tuple(int(L) for L in seq_lengths)
     if sum(lengths) != q.shape[0]:
         raise ValueError(f"sequence lengths sum to {sum(lengths)}, the tensors hold {q.shape[0]} tokens")
     if not lengths:
         return q.new_zeros(q.shape)
+    if not tiled:
+        try:
+            return _fused_causal(q, k, v, lengths)
+        except RuntimeError as e:
+            if "No available kernel" not in str(e):
+                raise
     return _TiledCausalAttention.apply(q, k, v, lengths, int(tile_scores))
+
+
+def _fused_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
+    """:func:`reference_attention` by the fused kernels, one sequence at a time (K/V heads repeated
+    for grouped queries; autograd sums their gradients back)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    wdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    rep = q.shape[1] // k.shape[1]
+    outs, pos = [], 0
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        for L in lengths:
+            qs, ks, vs = (t[pos:pos + L].to(wdt) for t in (q, k, v))
+            if rep > 1:
+                ks, vs = ks.repeat_interleave(rep, dim=1), vs.repeat_interleave(rep, dim=1)
+            o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], ks.transpose(0, 1)[None],
+                                               vs.transpose(0, 1)[None], is_causal=True)
+            outs.append(o[0].transpose(0, 1))
+            pos += L
+    return torch.cat(outs).to(q.dtype)
 
 
 class TPContext:

@@ -38,7 +38,9 @@ def script(blocks: list[str]) -> str:
             if line.split("#")[0].strip() in NOT_RUN:
                 continue
             lines.append(line)
-    return "set -euo pipefail\nexport PATH=\"$PWD/.venv/bin:$PATH\"\n" + "\n".join(lines) + "\n"
+    # (bash takes no PS4 from the environment when run as root: the trace's clock is set here)
+    return ("set -euo pipefail\nPS4='+ [$SECONDS s] '\nexport PATH=\"$PWD/.venv/bin:$PATH\"\n"
+            + "\n".join(lines) + "\n")
 
 
 def _data(work: Path) -> None:
@@ -82,7 +84,7 @@ def test_every_readme_command_block_runs_verbatim(tmp_path):
         (work / name).symlink_to(ROOT / name)
     _data(work)
     text = script(command_blocks((ROOT / "README.md").read_text()))
-    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="80", PYTHONUNBUFFERED="1", PS4="+ [$SECONDS s] ")
+    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="80", PYTHONUNBUFFERED="1")
     log = work / "readme.log"  # every command (with the seconds since the start) and its output
     with open(log, "w") as fh:
         r = subprocess.run(["bash", "-x", "-c", text], cwd=work, env=env, stdout=fh, stderr=subprocess.STDOUT,

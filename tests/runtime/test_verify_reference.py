@@ -42,8 +42,9 @@ def _naive(q, k, v, lengths):
     return torch.cat(outs)
 
 
+@pytest.mark.parametrize("tiled", [True, False], ids=["tiled", "fused"])
 @pytest.mark.parametrize("hq, hkv", [(4, 4), (8, 2)])
-def test_tiled_reference_attention_matches_float64(hq, hkv):
+def test_reference_attention_matches_float64(hq, hkv, tiled):
     g = torch.Generator().manual_seed(0)
     lengths = [37, 1, 120, 64]
     T, d = sum(lengths), 16
@@ -52,13 +53,13 @@ def test_tiled_reference_attention_matches_float64(hq, hkv):
     gw = torch.autograd.grad(want, (q, k, v), do)
     q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
     # tiles of a few rows: every long sequence is cut into many
-    out = reference_attention(q32, k32, v32, lengths, tile_scores=hq * 128 * 5)
+    out = reference_attention(q32, k32, v32, lengths, tile_scores=hq * 128 * 5, tiled=tiled)
     got = torch.autograd.grad(out, (q32, k32, v32), do.float())
     assert (out.double() - want).abs().max() <= 1e-5
     for a, b in zip(got, gw):
         assert (a.double() - b).abs().max() <= 2e-5 * max(1.0, b.abs().max().item())
     # float64 inputs are computed in float64
-    out64 = reference_attention(q.detach(), k.detach(), v.detach(), lengths, tile_scores=64)
+    out64 = reference_attention(q.detach(), k.detach(), v.detach(), lengths, tile_scores=64, tiled=tiled)
     assert (out64 - want).abs().max() <= 1e-12
 
 
