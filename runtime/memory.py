@@ -61,11 +61,17 @@ def cpu_peak_bytes() -> int:
     return int(rss) if sys.platform == "darwin" else int(rss) * 1024  # macOS reports bytes
 
 
-def trim_heap() -> bool:
-    """Hand the heap's free pages back to the OS (glibc ``malloc_trim``), so that the resident set
-    drops to what the process holds: a step that allocated and freed much (``--verify``'s reference
-    on rank 0) leaves no high-water mark for the next step's peak. Returns False where glibc's
-    ``malloc_trim`` is not available."""
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+
+
+def mmap_large_blocks(threshold: int = 1 << 20) -> bool:
+    """Serve allocations of ``threshold`` bytes or more with their own ``mmap`` (glibc ``mallopt``),
+    so that freeing a large tensor returns its pages to the OS at once.
+
+    glibc raises its mmap threshold dynamically (up to 32 MiB) after large blocks are freed; tensors
+    below it come from the heap, which fragments and keeps the resident set near its high-water mark.
+    The ``--verify`` reference allocates and frees many tile-sized blocks: with this, rank 0's
+    resident set tracks what it holds. Returns False where glibc's ``mallopt`` is not available."""
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -73,7 +79,7 @@ def trim_heap() -> bool:
         import ctypes.util
 
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.malloc_trim(0))
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, int(threshold)))
     except (OSError, AttributeError):
         return False
 
@@ -113,4 +119,4 @@ def step_peak_memory(device, fn, *args, **kwargs):
     return out, tracker.peak()
 
 
-__all__ = ["StepMemory", "cpu_peak_bytes", "reset_cpu_peak", "rss_bytes", "step_peak_memory", "trim_heap"]
+__all__ = ["StepMemory", "cpu_peak_bytes", "mmap_large_blocks", "reset_cpu_peak", "rss_bytes", "step_peak_memory"]

@@ -89,6 +89,8 @@ def train(job: Job, sinks: Sinks) -> None:
     cfg, ex, header = job.cfg, job.ex, job.header
     heartbeat = Heartbeat(os.environ.get("ZEPPELIN_ERROR_DIR"), job.rank)
     memory = StepMemory(ex.device)
+    if job.verifier is not None:
+        job.verifier.bound_memory(job.rank, ex.device)
     try:
         for k in range(job.start, job.end):
             step = job.reader.step(k)

@@ -247,6 +247,27 @@ def test_signal_to_zeppelin_run_ends_every_rank(plans, tmp_path, sig):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("launch", ["fork", "exec"])
+def test_local_ranks_forked_or_fresh_interpreters(plans, tmp_path, launch):
+    """A local launch on a CPU build of torch forks its ranks from the launcher, each named
+    zeppelin-rankR; ZEPPELIN_LAUNCH=exec (what a CUDA build gets) starts each rank as an interpreter
+    of its own. Either way a signal to zeppelin run ends every rank."""
+    job = Job([plans[2], "--timeout", "60", "--progress", "none", "--metrics", tmp_path / "m.jsonl"], tmp_path,
+              fault="stall:1:1", env={"ZEPPELIN_LAUNCH": launch})
+    job.wait_for(lambda: job.log.exists() and job.all_started())
+    names = sorted(Path(f"/proc/{pid}/comm").read_text().strip() for pid in job.seen if pid != job.launcher)
+    if launch == "fork":
+        assert names == ["zeppelin-rank0", "zeppelin-rank1"], names
+    else:
+        assert len(names) == 2 and not any(n.startswith("zeppelin-rank") for n in names), names
+    job.p.send_signal(signal.SIGTERM)
+    rc, _, err = job.finish()
+    assert rc == 128 + signal.SIGTERM, err
+    assert _errors(err) == ["zeppelin: error: job stopped: received SIGTERM; every rank ended"], err
+    assert job.leftovers() == []
+
+
+@pytest.mark.slow
 def test_killing_the_launcher_ends_every_rank(plans, tmp_path):
     job = _stalled_job(plans, tmp_path)
     os.kill(job.launcher, signal.SIGKILL)
