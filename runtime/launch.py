@@ -324,6 +324,9 @@ class _StallWatch:
 
 
 LAUNCH_ENV = "ZEPPELIN_LAUNCH"
+#: the one worker module a launcher forks (any other ``-m`` module, such as ``zeppelin profile``'s,
+#: runs in an interpreter of its own)
+WORKER_MODULE = "zeppelin.runtime"
 
 
 def _preload(wargs: list[str]) -> bool:
@@ -388,9 +391,9 @@ class _Forked:
 
 
 def _forked_main(module: str, wargs: list[str], env: dict[str, str]) -> None:
-    """A forked rank: ``python -m module *wargs`` in this process image, then exit (never returns)."""
+    """A forked rank: what ``python -m zeppelin.runtime *wargs`` runs, in this process image, then
+    exit (never returns)."""
     import atexit
-    import runpy
     import traceback
 
     code = 1
@@ -402,8 +405,9 @@ def _forked_main(module: str, wargs: list[str], env: dict[str, str]) -> None:
         os.environ.update(env)
         _name_process(f"zeppelin-rank{env.get('RANK', '')}")
         sys.argv = [module, *wargs]
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-        code = 0
+        from zeppelin.runtime import __main__ as worker
+
+        code = worker._guarded_main()
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             code = e.code or 0
@@ -449,7 +453,7 @@ def run_local(nproc: int, module: str, wargs: list[str], err_dir: Path, timeout_
     env.setdefault("OMP_NUM_THREADS", "1")
     procs: dict[int, subprocess.Popen | _Forked] = {}
     try:
-        forked = _preload(wargs)
+        forked = module == WORKER_MODULE and _preload(wargs)
         for r in range(nproc):
             if pending:
                 raise _Stop(pending[0])
