@@ -144,6 +144,8 @@ def test_hand_plan_equals_transformers(pool, model_dirs, kind):
 
 
 ZEPPELIN = str(Path(sys.executable).parent / "zeppelin")
+#: the model types ``zeppelin run --verify`` runs below: one of each kind of layer stack
+RUN_KINDS = ("mistral-window", "qwen3-mixed", "qwen3-moe-aux", "mixtral")
 
 
 def _zeppelin(*args, cwd=None, timeout=240):
@@ -154,9 +156,12 @@ def _zeppelin(*args, cwd=None, timeout=240):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_plans_of_each_model_type_validate_and_verify(model_dirs, tmp_path):
-    """`zeppelin plan` / `validate` / `run --verify` on 2 ranks for every model type (the windowed
-    model's 64-token sequence runs as a contiguous ring of 2: its window needs the neighbour's K/V
-    only); a plan made for one attention pattern is refused with another."""
+    """`zeppelin plan` / `validate` for every model type, `run --verify` on 2 ranks for one of each
+    kind of layer stack (the windowed model, whose 64-token sequence runs as a contiguous ring of 2:
+    its window needs the neighbour's K/V only; mixed full / windowed layers; a mixture of experts with
+    its router loss; Mixtral's expert block): every type's distributed step is compared with
+    transformers itself by ``test_hand_plan_equals_transformers``. A plan made for one attention
+    pattern is refused with another."""
     from tests.support.clusters import cluster_file
 
     manifest = tmp_path / "m.jsonl"
@@ -170,6 +175,8 @@ def test_plans_of_each_model_type_validate_and_verify(model_dirs, tmp_path):
         assert p.returncode == 0, p.stderr
         p = _zeppelin("validate", str(plan))
         assert p.returncode == 0 and ": valid - 2 steps by zeppelin" in p.stdout, p.stdout + p.stderr
+        if kind not in RUN_KINDS:
+            continue
         p = _zeppelin("run", str(plan), "--model", ref, "--verify", "--progress", "none", cwd=tmp_path)
         assert p.returncode == 0, p.stderr
         assert "--verify max relative differences" in p.stdout and " - ok" in p.stdout, (kind, p.stdout)
