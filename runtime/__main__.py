@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except PeerStopped:  # another rank reports the cause; this one leaves as a stopped rank does
         _finishing()
-        from .launch import PEER_STOPPED_EXIT
+        from .lifecycle import PEER_STOPPED_EXIT
 
         return PEER_STOPPED_EXIT
     except KeyboardInterrupt:

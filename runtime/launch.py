@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from .lifecycle import signal_name
+from .lifecycle import PEER_STOPPED_EXIT, signal_name
 
 SETTLE_S = 0.3          # after the first failure: collect the other ranks' exits/reports this long
 STOP_GRACE_S = 1.0      # SIGTERM -> SIGKILL for ranks being stopped
@@ -111,8 +111,6 @@ def _death(code: int) -> str:
     return f"exited with code {code} without an error message"
 
 
-#: exit code of a rank that left because another rank reports the job's failure (no report of its own)
-PEER_STOPPED_EXIT = 75
 #: exit codes of ranks the launcher (or torchrun) itself stopped: SIGTERM, or the worker's handler of it
 LAUNCHER_STOPPED = frozenset({-int(signal.SIGTERM), 130, 143, PEER_STOPPED_EXIT})
 
@@ -431,10 +429,9 @@ def _name_process(name: str) -> None:
         return
     with contextlib.suppress(OSError, AttributeError):
         import ctypes
-        import ctypes.util
 
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.prctl(15, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)  # PR_SET_NAME
+        # the process's own symbols (libc among them): ctypes.util.find_library would start ldconfig
+        ctypes.CDLL(None).prctl(15, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)  # PR_SET_NAME
 
 
 def run_local(nproc: int, module: str, wargs: list[str], err_dir: Path, timeout_s: float,

@@ -53,6 +53,8 @@ from zeppelin.schemas.common import InputError
 
 FAULT_ENV = "ZEPPELIN_TEST_FAULT"
 PARENT_ENV = "ZEPPELIN_PARENT_PID"
+#: exit code of a rank that left because another rank reports the job's failure (no report of its own)
+PEER_STOPPED_EXIT = 75
 FAULT_KINDS = ("kill", "oom", "raise", "stall", "exit", "slowverify", "slowsave")
 #: the slow kinds and where they act: rank 0's --verify reference, a rank's part of a checkpoint save
 SLOW_FAULTS = {"slowverify": "verify", "slowsave": "save"}

@@ -255,7 +255,9 @@ def test_local_ranks_forked_or_fresh_interpreters(plans, tmp_path, launch):
     job = Job([plans[2], "--timeout", "60", "--progress", "none", "--metrics", tmp_path / "m.jsonl"], tmp_path,
               fault="stall:1:1", env={"ZEPPELIN_LAUNCH": launch})
     job.wait_for(lambda: job.log.exists() and job.all_started())
-    names = sorted(Path(f"/proc/{pid}/comm").read_text().strip() for pid in job.seen if pid != job.launcher)
+    table = _proc_table()
+    ranks = [pid for pid in job.seen if pid in table and table[pid][0] == job.launcher]
+    names = sorted(Path(f"/proc/{pid}/comm").read_text().strip() for pid in ranks)
     if launch == "fork":
         assert names == ["zeppelin-rank0", "zeppelin-rank1"], names
     else:
