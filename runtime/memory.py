@@ -70,7 +70,7 @@ def mmap_large_blocks(threshold: int = 1 << 20) -> bool:
 
     glibc raises its mmap threshold dynamically (up to 32 MiB) after large blocks are freed; tensors
     below it come from the heap, which fragments and keeps the resident set near its high-water mark.
-    The ``--verify`` reference allocates and frees many tile-sized blocks: with this, rank 0's
+    The ``--verify`` reference allocates and frees many layer-sized blocks: with this, rank 0's
     resident set tracks what it holds. Returns False where glibc's ``mallopt`` is not available."""
     if not sys.platform.startswith("linux"):
         return False

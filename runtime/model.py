@@ -551,7 +551,7 @@ def _reference_block(blk: Block, x: torch.Tensor, cos, sin, layout: Layout) -> t
     backward pass: the step keeps only each layer's input; while one layer's backward runs, its
     pieces are recomputed — everything that acts on each token alone (norms, Q/K/V with RoPE, O, the
     MLP) in chunks of ``REFERENCE_LOSS_ROWS`` tokens keeping only each chunk's input, the attention
-    core over the whole step (tiled, :func:`reference_attention`). Same arithmetic as
+    core over the whole step (fused kernels, :func:`reference_attention`). Same arithmetic as
     :meth:`Attention.forward` / :meth:`Block.forward`."""
     from torch.utils.checkpoint import checkpoint
 
@@ -597,7 +597,7 @@ def reference_step(model: LlamaModel, sequences, source, device: torch.device | 
     sequence (``hidden[seq] -> [L, hidden]``) and the gradient of every parameter (``grads``).
     The model's existing ``.grad`` fields are left untouched.
 
-    Memory is bounded like the runtime's: attention is tiled (:func:`reference_attention`), and
+    Memory is bounded like the runtime's: attention runs in fused kernels (:func:`reference_attention`), and
     everything else is recomputed in the backward pass in chunks of ``REFERENCE_LOSS_ROWS`` tokens
     (norms, projections, MLPs, the LM head and the loss: :func:`_reference_block`), so besides the
     attention core's Q/K/V/output only the chunks' inputs are kept. The arithmetic is the same as
