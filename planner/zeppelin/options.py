@@ -55,7 +55,7 @@ class ZeppelinOptions(PlannerOptions):
                         "all-to-all, whichever the cost model prices lower) or ring (rings only, as published)",
                         choices=("auto", "ring"))
     families: str = option(str, "all", "whole-step candidate families beside the tiered search: all, none, or a "
-                           "comma list of ulysses-groups, flop-share, tp-replicas, wide-rings, usp-groups")
+                           "comma list of ulysses-groups, flop-share, tp-replicas, wide-rings, usp-groups, long-blocks")
     families_max_units: int = option(int, 256, "beyond this many units only large_families are built", minimum=0)
     family_margin: float = option(float, 0.05, "a family configuration whose own score is more than this share above "
                                   "the best tiered candidate is not built", minimum=0.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.zeppelin_steps import grid_step, make_ctx, seqs_of, valid_plan
+from tests.support.zeppelin_steps import check_plan, grid_step, make_ctx, seqs_of, valid_plan
 from zeppelin.planner.core.base import PlanningError
 from zeppelin.planner.costmodel.predict import predict_step
 from zeppelin.planner.zeppelin.planner import ZeppelinPlanner
@@ -60,7 +60,7 @@ def test_ulysses_groups_do_not_win_by_decoupled_microbatches():
 
 def test_families_option_validated():
     with pytest.raises(PlanningError, match=r"^families option: unknown family 'megatron' \(known: ulysses-groups, "
-                                            r"flop-share, tp-replicas, wide-rings, usp-groups, all, none\)$"):
+                                            r"flop-share, tp-replicas, wide-rings, usp-groups, long-blocks, all, none\)$"):
         ZeppelinPlanner(families="ulysses-groups,megatron")
 
 
@@ -78,3 +78,59 @@ def test_larger_tp_replicas_do_not_hold_what_the_units_cannot():
         with pytest.raises(PlanningError, match=r"^sequence 0 \(sample 0\) has 90,000 tokens, more than the whole "
                                                 r"cluster can hold \(8 units x 6,447 tokens"):
             ZeppelinPlanner(families=families).plan_step(ctx, 0, seqs_of(lengths))
+
+
+def _long_step(longs: int, tokens: int = 524288) -> list:
+    """``longs`` sequences of 131,072 tokens and short ones of the ``short`` mix, ``tokens`` in all."""
+    from zeppelin.planner.tools.compare import mix_dataset
+
+    out, room = [131072] * longs, tokens - 131072 * longs
+    for x in mix_dataset("short", 4000).lengths:
+        if room <= 0:
+            break
+        out.append(min(int(x), room))
+        room -= out[-1]
+    return seqs_of(out)
+
+
+def test_long_blocks_even_out_each_microbatch_of_a_long_step():
+    """Three 131,072-token sequences among short ones, 512K tokens on 8 nodes of 8 A800s and 4 NICs,
+    LLaMA-13B at ZeRO-3: the tokens need two micro-batches, and one of them holds a single long
+    sequence. Power-of-two groups that keep their units for the step leave half the nodes waiting
+    in it; long blocks size that sequence's group on its own (two long sequences on four nodes
+    each in one micro-batch, the third on more than four in the other) and deal the short ones
+    over every unit. The planner returns it, faster by the prediction and by the simulator than
+    the best plan without it, the plan is structurally sound and the same for the same inputs, and
+    the family's own score is the prediction's view of each micro-batch."""
+    from zeppelin.planner.sim.simulate import Simulator
+    from zeppelin.planner.zeppelin.families import long_blocks
+
+    ctx = make_ctx("zeppelin-a:8", "llama-13b", zero_stage=3, recompute="auto")
+    ctx.max_seq_len = 131072
+    seqs = _long_step(3)
+    others = ",".join(f for f in long_blocks_free())
+    plan = ZeppelinPlanner().plan_step(ctx, 0, seqs)
+    before = ZeppelinPlanner(families=others).plan_step(ctx, 0, seqs)
+    assert plan.notes["family"] == "long-blocks"
+    assert len(plan.microbatches) == 2
+    sim = Simulator(ctx)
+    assert plan.prediction.step_time_s < 0.95 * before.prediction.step_time_s
+    assert sim.simulate_step(plan).step_time_s < 0.95 * sim.simulate_step(before).step_time_s
+    check_plan(ctx, plan, [s.length for s in seqs])
+    valid_plan(ctx, plan)
+    widths = sorted(tuple(sorted(len(g.units) // ctx.units_per_node for g in mb.groups if g.kind == "usp"))
+                    for mb in plan.microbatches)
+    assert widths[0] == (4, 4) and len(widths[1]) == 1 and widths[1][0] > 4, widths
+    for mb in plan.microbatches:  # every unit works in every micro-batch
+        assert all(mb.queues), "a unit idle for a whole micro-batch"
+    again = ZeppelinPlanner().plan_step(ctx, 0, seqs)
+    assert again.model_dump(exclude={"solver"}) == plan.model_dump(exclude={"solver"})
+    # no long sequence, no candidate; one node, no candidate
+    assert long_blocks.candidates(ctx, 0, seqs_of([4000] * 128)) == []
+    assert long_blocks.candidates(make_ctx("zeppelin-a:1", "llama-13b", zero_stage=3), 0, _long_step(1, 65536)) == []
+
+
+def long_blocks_free() -> list[str]:
+    from zeppelin.planner.zeppelin.families import names
+
+    return [f for f in names() if f != "long-blocks"]

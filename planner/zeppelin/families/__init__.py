@@ -11,11 +11,19 @@ the shared functions a family uses.
 
 from __future__ import annotations
 
-from zeppelin.planner.zeppelin.families import flop_share, tp_replicas, ulysses_groups, usp_groups, wide_rings
+from zeppelin.planner.zeppelin.families import (
+    flop_share,
+    long_blocks,
+    tp_replicas,
+    ulysses_groups,
+    usp_groups,
+    wide_rings,
+)
 from zeppelin.planner.zeppelin.protocols import Family
 
 #: every family by name, in the order the planner tries them (earlier wins ties)
-REGISTRY: dict[str, Family] = {f.name: f for f in (ulysses_groups, flop_share, tp_replicas, wide_rings, usp_groups)}
+REGISTRY: dict[str, Family] = {f.name: f for f in (ulysses_groups, flop_share, tp_replicas, wide_rings, usp_groups,
+                                                long_blocks)}
 
 
 def names() -> tuple[str, ...]:

@@ -9,10 +9,12 @@ import heapq
 
 import numpy as np
 
-from zeppelin.planner.core.base import PlanContext, pow2_sizes
+from zeppelin.planner.core.base import PlanContext, PlanningError, pow2_sizes
 from zeppelin.planner.core.builder import StepBuilder
 from zeppelin.planner.costmodel.predict import predict_step
+from zeppelin.planner.zeppelin.protocols import Candidate
 from zeppelin.planner.zeppelin.routing import plan_routes
+from zeppelin.schemas.invariants import kv_replication
 from zeppelin.schemas.plan import SolverInfo
 
 
@@ -324,3 +326,66 @@ def token_slope(ctx: PlanContext, cm, T: float, s: int = 1, link: str = "intra")
         return float(ctx.model.num_layers * (cm.linear_time(x) + comm + tp) + cm.head_time(x))
 
     return (f(T) - f(T / 2)) / (T / 2)
+
+def ranked_by_prediction(ctx: PlanContext, found: list) -> list[Candidate]:
+    """The family's configurations ``(score, index, build)`` built and ranked by their predicted step
+    time: the family's score prices each sequence alone on its group type and its groups as if
+    they never waited for each other, which ranks usp sizes wrongly where one group of many rows
+    hides its rings' rounds behind all of the step's sequences and several groups' micro-batches
+    wait for each other (coupled micro-batches). The best-predicted keeps the family's best score
+    (what the other families' scores are compared with); the others' scores are scaled by their
+    predictions. A configuration that does not fit is dropped."""
+    built = []
+    for score, a, build in found:
+        try:
+            built.append((score, a, build()))
+        except PlanningError:
+            continue
+    if not built:
+        return []
+    best = min(score for score, _, _ in built)
+    low = min(p.prediction.step_time_s for _, _, p in built)
+    ranked = sorted(((best * p.prediction.step_time_s / low, a, p) for _, a, p in built), key=lambda x: (x[0], x[1]))
+    return [Candidate(score, a, (lambda p=p: p)) for score, a, p in ranked]
+
+
+def usp_row_sizes(ctx: PlanContext) -> list[int]:
+    """Ulysses degrees u of a usp row: powers of two >= 2 dividing a node's units and the heads
+    per unit, K/V heads replicated by a whole factor where u exceeds them."""
+    m, upn = ctx.model, ctx.units_per_node
+    return [u for u in pow2_sizes(upn) if u >= 2 and upn % u == 0
+            and kv_replication(m.num_heads, m.num_kv_heads, ctx.tp, u) is not None]
+
+
+def usp_seq_time(cm, L: np.ndarray, u: int, r: int) -> np.ndarray:
+    """Per sequence, its per-layer time on a usp group of u x r beside the step's other sequences:
+    its rounds' compute on 1/u of the heads, and a share by tokens of the exposed ring transfers of
+    all of them in one group (a ring round moves every sequence's blocks at once and hides behind
+    all of their compute: priced alone, a short sequence would pay a round's latency unhidden)."""
+    t0, tr = cm.ring_round_compute(L, r)
+    if r <= 1:
+        return t0 / u
+    _, _, exposed = cm.usp_terms(L, u, r, "intra", "inter")
+    a2a = float(cm.ulysses_comm_time(float(L.sum()) / (u * r), u, "intra")) if u > 1 else 0.0
+    return (t0 + (r - 1) * tr) / u + max(exposed - a2a, 0.0) * L / max(float(L.sum()), 1.0)
+
+
+def intra_types(ctx: PlanContext, L: np.ndarray):
+    """The group types inside a node, by size in units (1: a whole sequence on one unit; else a
+    Ulysses group, the sizes the heads per unit divide): ``(sizes, cost, fits, need, cap)``, per
+    size each sequence's time on one group (attention, and the linear modules at the step's
+    marginal price per token), whether it fits, its tokens per unit, and the tokens a unit of
+    such a group holds."""
+    n, upn, cm, layers = ctx.num_units, ctx.units_per_node, ctx.cost, ctx.model.num_layers
+    heads = max(1, ctx.model.num_heads // ctx.tp)
+    Lf = L.astype(np.float64)
+    T_avg = max(float(Lf.sum()) / n, 2.0)
+    sizes = [s for s in pow2_sizes(upn) if heads % s == 0]
+    cost, fits, need, cap = {}, {}, {}, {}
+    for s in sizes:
+        cost[s] = layers * cm.ulysses_attn_time(Lf, s) + token_slope(ctx, cm, T_avg, s, "intra") * Lf / s
+        need[s] = ceil_div(L, s)
+        cap[s] = cm.ulysses_capacity(s) if s > 1 else cm.token_capacity
+        fits[s] = need[s] <= cap[s]
+    return sizes, cost, fits, need, cap
+

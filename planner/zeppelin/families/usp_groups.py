@@ -20,18 +20,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from zeppelin.planner.core.base import PlanContext, PlanningError, pow2_sizes
+from zeppelin.planner.core.base import PlanContext, pow2_sizes
 from zeppelin.planner.zeppelin.families.common import (
     best_dispatches,
     build_groups,
     ceil_div,
     group_counts,
     group_dispatch,
+    intra_types,
+    ranked_by_prediction,
     refine,
     token_slope,
+    usp_row_sizes,
+    usp_seq_time,
 )
 from zeppelin.planner.zeppelin.protocols import Candidate
-from zeppelin.schemas.invariants import kv_replication
 from zeppelin.schemas.plan import Sequence
 
 name = "usp-groups"
@@ -46,7 +49,7 @@ def candidates(ctx: PlanContext, step: int, sequences: list[Sequence], limit: fl
 def usp_groups(ctx: PlanContext, step: int, sequences: list[Sequence], top: int = 2, limit: float | None = None,
                routing: bool = True):
     n, upn = ctx.num_units, ctx.units_per_node
-    if n < 2 * upn or not _row_sizes(ctx):
+    if n < 2 * upn or not usp_row_sizes(ctx):
         return []
     L = np.array([s.length for s in sequences], dtype=np.int64)
     small, big, shape, cost, fits, need = _prices(ctx, L)
@@ -67,38 +70,8 @@ def usp_groups(ctx: PlanContext, step: int, sequences: list[Sequence], top: int 
         refined.append((span, a, cfg, owner))
     refined.sort(key=lambda x: (x[0], x[1]))
     keep = [x for x in refined if x[1] < len(homo)] + [x for x in refined if x[1] >= len(homo)][:top]
-    return _ranked_by_prediction(ctx, [(span, a, (lambda cfg=cfg, owner=owner: _build(
+    return ranked_by_prediction(ctx, [(span, a, (lambda cfg=cfg, owner=owner: _build(
         ctx, step, sequences, shape, cost, need, cfg, owner, routing))) for span, a, cfg, owner in keep])
-
-
-def _ranked_by_prediction(ctx: PlanContext, found: list) -> list[Candidate]:
-    """The family's configurations ``(score, index, build)`` built and ranked by their predicted step
-    time: the family's score prices each sequence alone on its group type and its groups as if
-    they never waited for each other, which ranks usp sizes wrongly where one group of many rows
-    hides its rings' rounds behind all of the step's sequences and several groups' micro-batches
-    wait for each other (coupled micro-batches). The best-predicted keeps the family's best score
-    (what the other families' scores are compared with); the others' scores are scaled by their
-    predictions. A configuration that does not fit is dropped."""
-    built = []
-    for score, a, build in found:
-        try:
-            built.append((score, a, build()))
-        except PlanningError:
-            continue
-    if not built:
-        return []
-    best = min(score for score, _, _ in built)
-    low = min(p.prediction.step_time_s for _, _, p in built)
-    ranked = sorted(((best * p.prediction.step_time_s / low, a, p) for _, a, p in built), key=lambda x: (x[0], x[1]))
-    return [Candidate(score, a, (lambda p=p: p)) for score, a, p in ranked]
-
-
-def _row_sizes(ctx: PlanContext) -> list[int]:
-    """Ulysses degrees u of a usp row: powers of two >= 2 dividing a node's units and the heads
-    per unit, K/V heads replicated by a whole factor where u exceeds them."""
-    m, upn = ctx.model, ctx.units_per_node
-    return [u for u in pow2_sizes(upn) if u >= 2 and upn % u == 0
-            and kv_replication(m.num_heads, m.num_kv_heads, ctx.tp, u) is not None]
 
 
 def _prices(ctx: PlanContext, L: np.ndarray):
@@ -106,20 +79,15 @@ def _prices(ctx: PlanContext, L: np.ndarray):
     sizes spanning nodes with their best ``shape[S] = (u, r)``; per type each sequence's time on
     one group, whether it fits, and its tokens per unit."""
     n, upn, cm, layers = ctx.num_units, ctx.units_per_node, ctx.cost, ctx.model.num_layers
-    heads = max(1, ctx.model.num_heads // ctx.tp)
     Lf = L.astype(np.float64)
     T_avg = max(float(Lf.sum()) / n, 2.0)
-    small = [s for s in pow2_sizes(upn) if heads % s == 0]
-    cost, fits, need, shape = {}, {}, {}, {}
-    for s in small:
-        cost[s] = layers * cm.ulysses_attn_time(Lf, s) + token_slope(ctx, cm, T_avg, s, "intra") * Lf / s
-        need[s] = ceil_div(L, s)
-        fits[s] = need[s] <= (cm.ulysses_capacity(s) if s > 1 else cm.token_capacity)
+    small, cost, fits, need, _ = intra_types(ctx, L)
+    shape: dict = {}
     big = []
     for S in (x for x in pow2_sizes(n) if x > upn and n % x == 0):
         best = None
-        for u in _row_sizes(ctx):
-            c = layers * _usp_seq_time(cm, Lf, u, S // u) + token_slope(ctx, cm, T_avg, u, "intra") * Lf / S
+        for u in usp_row_sizes(ctx):
+            c = layers * usp_seq_time(cm, Lf, u, S // u) + token_slope(ctx, cm, T_avg, u, "intra") * Lf / S
             if best is None or float(c.sum()) < float(best[1].sum()):
                 best = (u, c)
         if best is None:
@@ -129,19 +97,6 @@ def _prices(ctx: PlanContext, L: np.ndarray):
         need[S] = ceil_div(L, S)
         fits[S] = need[S] <= cm.ulysses_capacity(best[0])
     return small, big, shape, cost, fits, need
-
-
-def _usp_seq_time(cm, L: np.ndarray, u: int, r: int) -> np.ndarray:
-    """Per sequence, its per-layer time on a usp group of u x r beside the step's other sequences:
-    its rounds' compute on 1/u of the heads, and a share by tokens of the exposed ring transfers of
-    all of them in one group (a ring round moves every sequence's blocks at once and hides behind
-    all of their compute: priced alone, a short sequence would pay a round's latency unhidden)."""
-    t0, tr = cm.ring_round_compute(L, r)
-    if r <= 1:
-        return t0 / u
-    _, _, exposed = cm.usp_terms(L, u, r, "intra", "inter")
-    a2a = float(cm.ulysses_comm_time(float(L.sum()) / (u * r), u, "intra")) if u > 1 else 0.0
-    return (t0 + (r - 1) * tr) / u + max(exposed - a2a, 0.0) * L / max(float(L.sum()), 1.0)
 
 
 #: a sequence is long when on its best group inside a node it alone takes more than this share of
