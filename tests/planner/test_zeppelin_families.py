@@ -118,8 +118,11 @@ def test_long_blocks_even_out_each_microbatch_of_a_long_step():
     assert sim.simulate_step(plan).step_time_s < 0.95 * sim.simulate_step(before).step_time_s
     check_plan(ctx, plan, [s.length for s in seqs])
     valid_plan(ctx, plan)
-    widths = sorted(tuple(sorted(len(g.units) // ctx.units_per_node for g in mb.groups if g.kind == "usp"))
-                    for mb in plan.microbatches)
+    # the longest sequences' groups, in nodes, per micro-batch: two on four nodes each, one on more
+    widths = sorted(tuple(sorted(len(mb.groups[p.group].units) // ctx.units_per_node for p in mb.placements
+                                 if seqs[p.seq].length == 131072)) for mb in plan.microbatches)
+    assert all(len(mb.groups[p.group].units) % ctx.units_per_node == 0 for mb in plan.microbatches
+               for p in mb.placements if mb.groups[p.group].kind == "usp")
     assert widths[0] == (4, 4) and len(widths[1]) == 1 and widths[1][0] > 4, widths
     for mb in plan.microbatches:  # every unit works in every micro-batch
         assert all(mb.queues), "a unit idle for a whole micro-batch"

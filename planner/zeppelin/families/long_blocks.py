@@ -12,28 +12,36 @@ once) that leaves a micro-batch with one long sequence on half the nodes and the
 other half: half the cluster waits. Here the lone long sequence takes five nodes of eight, say, and
 the short sequences fill every unit to the same level.
 
-A configuration: the micro-batch count (the fewest whose tokens fit the units' memory and whose
-long sequences fit side by side, and one more); the long sequences dealt, longest first, to the
-micro-batch with the fewest long tokens; per micro-batch the width in nodes of each of its long
-sequences. The short sequences then, most expensive first, go whole to a unit (or to a Ulysses group
-inside a node where no unit holds them) of the micro-batch where they raise that micro-batch's
-slowest unit least (ties: the least-loaded place, then the lowest), within each unit's memory. The
-score, the family's own estimate of the step, is the sum over micro-batches of their slowest unit.
-The widths are searched from a level shared by every micro-batch (each long sequence on the fewest
-nodes where its time per unit is at most the level; the levels are the longest sequence's times at
-each width): from the :data:`STARTS` best, one micro-batch's widths at a time (its long sequences
-on ``B`` nodes split evenly, every ``B``) while that lowers the score. The best few are built and
-ranked by the prediction (:func:`.common.ranked_by_prediction`).
+A configuration: which long sequences go to which micro-batch, and the width in nodes of each of
+them there. The micro-batch counts tried are the fewest whose tokens fit the units' memory and
+whose long sequences fit side by side, and the next that does; the long sequences are spread
+(longest first to the micro-batch with the fewest long tokens) or packed (as many to a
+micro-batch as fit side by side, the later micro-batches left to the short sequences; or only
+those at least half as long as the longest packed, the others dealt to the micro-batch with the
+least long work) (:func:`_deals`). The short sequences then, most expensive first, go whole to a
+unit (or to a Ulysses group inside a node, whichever raises the slowest unit least) of the
+micro-batch where they raise that micro-batch's slowest unit least (ties: the smaller area, the
+least-loaded place, then the lowest), within each unit's memory. The score, the family's own
+estimate of the step, is the sum over micro-batches of their slowest unit; while configurations
+are searched only the :data:`EXACT` most expensive short sequences are placed and the rest are
+priced as a fluid (:func:`_fluid`), and the configurations kept are laid out in full. The widths
+are searched from a level shared by every micro-batch (each long sequence on the fewest nodes
+where its time per unit is at most the level; the levels are the longest sequence's times at each
+width): from the :data:`STARTS` best, one micro-batch's widths at a time (``B`` nodes dealt one by
+one to its long sequence that is slowest per unit, every ``B``) while that lowers the score. The
+best few are built and ranked by the prediction (:func:`.common.ranked_by_prediction`).
 
 A sequence is long when it fits no group inside a node, or on its best one it alone takes more than
-:data:`LONG_SHARE` of the step's average load per unit. Steps without one get no candidate.
+:data:`LONG_SHARE` of the step's average load per unit; where the step needs several micro-batches,
+the configurations are also searched with the sequences long against one micro-batch's average
+load. Steps without a long sequence get no candidate (one pass over the lengths).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from zeppelin.planner.core.base import PlanContext
+from zeppelin.planner.core.base import PlanContext, PlanningError
 from zeppelin.planner.core.builder import StepBuilder
 from zeppelin.planner.costmodel.predict import predict_step
 from zeppelin.planner.zeppelin.families.common import (
@@ -52,6 +60,9 @@ name = "long-blocks"
 #: a sequence is long when on its best group inside a node it alone takes more than this share of
 #: the step's average load per unit
 LONG_SHARE = 0.5
+#: short sequences placed one by one while configurations are scored (the most expensive; the rest
+#: as a fluid, :func:`_layout`); the configurations kept are laid out in full
+EXACT = 16
 #: the best shared levels from which each micro-batch's widths are searched on
 STARTS = 2
 _EPS = 1e-9
@@ -71,56 +82,68 @@ def long_blocks(ctx: PlanContext, step: int, sequences: list[Sequence], limit: f
         return []
     L = np.array([s.length for s in sequences], dtype=np.int64)
     intra = intra_types(ctx, L)
-    longs = _long(L, intra, n)
-    if not longs:
-        return []
-    shorts = [i for i in range(len(L)) if i not in set(longs)]
-    best_intra = _cheapest(intra, shorts)
-    shorts.sort(key=lambda i: (-best_intra[i], i))
-    blocks = _block_times(ctx, L, longs, nodes)
     cap = ctx.cost.token_capacity
     m0 = max(1, int(ceil_div(int(L.sum()), max(n * cap, 1))))
-    found: dict[tuple, tuple | None] = {}  # (micro-batches, widths per micro-batch) -> (score, layout)
+    sets = [_long(L, intra, n, LONG_SHARE)]
+    if not sets[0]:
+        return []
+    if m0 > 1:  # against a micro-batch's load, more sequences may be long
+        more = _long(L, intra, n, LONG_SHARE / m0)
+        if more != sets[0]:
+            sets.append(more)
+    cheapest = _cheapest(intra, range(len(L)))
+    order = sorted(range(len(L)), key=lambda i: (-cheapest[i], i))
+    blocks = _block_times(ctx, L, sets[-1], nodes)
+    found: dict[tuple, tuple | None] = {}  # (long sequences per micro-batch, their widths) -> (score, layout)
 
     def score(key) -> float:
         if key not in found:
-            found[key] = _layout(ctx, L, parts_of[key[0]], key[1], blocks, intra, shorts)
+            found[key] = _layout(ctx, L, key[0], key[1], blocks, intra, order, EXACT)
         return found[key][0] if found[key] is not None else float("inf")
 
-    parts_of: dict[int, list] = {}
-    for m in range(m0, max(m0, len(longs)) + 1):
-        parts = _deal(L, longs, m)
-        options = [_mb_options(part, blocks, nodes) for part in parts]
-        if not all(options):
-            continue  # a micro-batch's long sequences do not fit side by side: more micro-batches
-        parts_of[m] = parts
-        if len(parts_of) == 2:
-            break
-    for m, parts in parts_of.items():
-        options = [_mb_options(part, blocks, nodes) for part in parts]
-        starts = []
-        for lv in sorted({t for t, _, _ in blocks[longs[0]].values()}):  # (the longest's widths)
-            widths = _widths(parts, blocks, [lv] * m, nodes)
-            if widths is not None:
-                starts.append((score((m, widths)), (m, widths)))
-        for _, key in sorted(starts, key=lambda x: (x[0], _order(x[1])))[:STARTS]:
-            _descend(key, options, score)
+    for longs in sets:
+        extra = [i for i in longs if i not in sets[0]]
+        deals: list[tuple] = []
+        for m in range(m0, max(m0, len(longs)) + 1):
+            fit = [p for p in _deals(L, sets[0], extra, m, blocks, nodes)
+                   if all(_mb_options(q, blocks, nodes) for q in p)]
+            deals += [p for p in fit if p not in deals]  # (else its long sequences do not fit side by side)
+            if len({len(p) for p in deals}) == 2:
+                break
+        for parts in deals:
+            m = len(parts)
+            options = [_mb_options(part, blocks, nodes) for part in parts]
+            starts = []
+            for lv in sorted({t for t, _, _ in blocks[longs[0]].values()}):  # (the longest's widths)
+                widths = _widths(parts, blocks, [lv] * m, nodes)
+                if widths is not None:
+                    starts.append((score((parts, widths)), (parts, widths)))
+            for _, key in sorted(starts, key=lambda x: (x[0], _order(x[1])))[:STARTS]:
+                _descend(key, options, score)
     ok = sorted(((v[0], k) for k, v in found.items() if v is not None), key=lambda x: (x[0], _order(x[1])))
     if limit is not None:
         ok = [x for x in ok if x[0] <= limit]
     keep = ok[:top]
-    return ranked_by_prediction(ctx, [(t, a, (lambda key=key: _build(ctx, step, sequences, found[key][1], routing)))
-                                      for a, (t, key) in enumerate(keep)])
+
+    def build(key):
+        layout = _layout(ctx, L, key[0], key[1], blocks, intra, order)
+        if layout is None:
+            raise PlanningError(f"{name}: a short sequence fits nowhere beside the long ones")
+        return _build(ctx, step, sequences, layout[1], routing)
+
+    return ranked_by_prediction(ctx, [(t, a, (lambda key=key: build(key))) for a, (t, key) in enumerate(keep)])
 
 
 def _order(key: tuple) -> tuple:
-    """A configuration's place among equal scores: fewer micro-batches, then narrower blocks."""
-    m, widths = key
-    return (m, tuple(w for mb in widths for w in mb))
+    """A configuration's place among equal scores: fewer micro-batches, then narrower blocks, then
+    the long sequences' micro-batches."""
+    parts, widths = key
+    return (len(parts), tuple(w for mb in widths for w in mb), parts)
 
 
-def _long(L: np.ndarray, intra, n: int) -> list[int]:
-    """Indices of the long sequences (module docstring), longest first."""
+def _long(L: np.ndarray, intra, n: int, share: float) -> list[int]:
+    """Indices of the sequences that fit no group inside a node or on their best one alone take
+    more than ``share`` of the step's average load per unit, longest first."""
     sizes, cost, fits, _, _ = intra
     best = np.full(len(L), np.inf)
     area = np.full(len(L), np.inf)
@@ -128,11 +151,11 @@ def _long(L: np.ndarray, intra, n: int) -> list[int]:
         best = np.minimum(best, np.where(fits[s], cost[s], np.inf))
         area = np.minimum(area, s * cost[s])  # (a sequence no group holds: its area as if one did)
     avg = float(area.sum()) / n
-    out = [i for i in range(len(L)) if not np.isfinite(best[i]) or best[i] > LONG_SHARE * avg]
+    out = [i for i in range(len(L)) if not np.isfinite(best[i]) or best[i] > share * avg]
     return sorted(out, key=lambda i: (-int(L[i]), i))
 
 
-def _cheapest(intra, idx: list[int]) -> dict[int, float]:
+def _cheapest(intra, idx) -> dict[int, float]:
     """Per sequence of ``idx``, its time on its cheapest group type inside a node that holds it."""
     sizes, cost, fits, _, _ = intra
     return {i: min((float(cost[s][i]) for s in sizes if fits[s][i]), default=float("inf")) for i in idx}
@@ -169,44 +192,87 @@ def _block_times(ctx: PlanContext, L: np.ndarray, longs: list[int], nodes: int) 
     return out
 
 
-def _deal(L: np.ndarray, longs: list[int], m: int) -> list[list[int]]:
-    """The long sequences over ``m`` micro-batches, longest first to the one with the fewest long
-    tokens (ties: the lower)."""
-    parts: list[list[int]] = [[] for _ in range(m)]
+def _deals(L: np.ndarray, base: list[int], extra: list[int], m: int, blocks, nodes: int) -> list[tuple]:
+    """Ways to put the long sequences in ``m`` micro-batches. The ``base`` ones spread (longest first
+    to the micro-batch with the fewest long tokens; ties: the lower), or packed (in order, as many to
+    a micro-batch as fit side by side on their narrowest blocks, the micro-batches left holding
+    short sequences only), or those at least half as long as the longest packed and the rest of
+    them taken with ``extra``; then each of ``extra`` to the micro-batch whose long sequences take
+    the least time on their narrowest blocks where it fits beside them (a deal where it fits nowhere
+    is dropped)."""
+    spread: list[list[int]] = [[] for _ in range(m)]
     tok = [0] * m
-    for i in longs:
+    for i in base:
         k = min(range(m), key=lambda k: (tok[k], k))
-        parts[k].append(i)
+        spread[k].append(i)
         tok[k] += int(L[i])
-    return parts
+    variants = [(spread, extra)]
+    top = int(L[base[0]])
+    for heavy in (base, [i for i in base if 2 * int(L[i]) >= top]):
+        packed: list[list[int]] = [[] for _ in range(m)]
+        k, used = 0, 0
+        for i in heavy:
+            w = min(blocks[i]) if blocks[i] else nodes + 1
+            if used + w > nodes and packed[k] and k + 1 < m:
+                k, used = k + 1, 0
+            packed[k].append(i)
+            used += w
+        variants.append((packed, [i for i in base if i not in heavy] + extra))
+    out: list[tuple] = []
+    for parts, later in variants:
+        narrow = [[min(blocks[i]) if blocks[i] else nodes + 1 for i in p] for p in parts]
+        work = [sum(blocks[i][w][0] * w for i, w in zip(p, ws) if blocks[i]) for p, ws in zip(parts, narrow)]
+        parts = [list(p) for p in parts]
+        for i in later:
+            w = min(blocks[i]) if blocks[i] else nodes + 1
+            room = [k for k in range(m) if sum(narrow[k]) + w <= nodes]
+            if not room:
+                break
+            k = min(room, key=lambda k: (work[k], k))
+            parts[k].append(i)
+            narrow[k].append(w)
+            work[k] += blocks[i][w][0] * w
+        else:
+            deal = tuple(tuple(p) for p in parts)
+            if deal not in out:
+                out.append(deal)
+    return out
 
 
-def _mb_options(part: list[int], blocks, nodes: int) -> list[tuple]:
-    """A micro-batch's width choices for its long sequences (longest first): ``B`` nodes split as
-    evenly as may be (the longer the wider), for every ``B`` from the fewest that fit to all."""
+def _mb_options(part, blocks, nodes: int) -> list[tuple]:
+    """A micro-batch's width choices for its long sequences: for every ``B`` from the fewest nodes
+    that hold them side by side to all, ``B`` nodes dealt one at a time to the sequence that is
+    slowest per unit on its width so far (the widths whose slowest is fastest)."""
     if not part:
         return [()]
-    q = len(part)
-    lo = max(min(blocks[i]) if blocks[i] else nodes + 1 for i in part)
-    out = []
-    for B in range(q * lo, nodes + 1):
-        ws = tuple(B // q + (1 if j < B % q else 0) for j in range(q))
-        if all(w in blocks[i] for i, w in zip(part, ws)):
-            out.append(ws)
+    if not all(blocks[i] for i in part):
+        return []
+    ws = [min(blocks[i]) for i in part]
+    if sum(ws) > nodes:
+        return []
+    out = [tuple(ws)]
+    while sum(ws) < nodes:
+        grow = [j for j, i in enumerate(part) if ws[j] + 1 in blocks[i]]
+        if not grow:
+            break
+        j = max(grow, key=lambda j: (blocks[part[j]][ws[j]][0], -j))
+        ws[j] += 1
+        out.append(tuple(ws))
     return out
 
 
 def _descend(key: tuple, options: list[list[tuple]], score) -> None:
     """Coordinate descent from ``key`` over the micro-batches' width choices: per micro-batch in
     turn, its best choice with the others fixed, while one improves the score."""
-    m, widths = key
+    parts, widths = key
+    m = len(parts)
     best = score(key)
     improved = True
     while improved:
         improved = False
         for k in range(m):
             for ws in options[k]:
-                cand = (m, widths[:k] + (ws,) + widths[k + 1:])
+                cand = (parts, widths[:k] + (ws,) + widths[k + 1:])
                 t = score(cand)
                 if t < best * (1 - _EPS):
                     best, widths, improved = t, cand[1], True
@@ -231,10 +297,14 @@ def _widths(parts, blocks, levels: list[float], nodes: int):
     return tuple(out)
 
 
-def _layout(ctx: PlanContext, L: np.ndarray, parts, widths, blocks, intra, shorts: list[int]):
+def _layout(ctx: PlanContext, L: np.ndarray, parts, widths, blocks, intra, order: list[int],
+            exact: int | None = None):
     """``(score, layout)`` of one configuration (module docstring), or None where a short sequence
     fits nowhere. ``layout``: per unit and micro-batch its load (``loads``), and the placements
-    (micro-batch, kind, units, sequence, usp shape)."""
+    (micro-batch, kind, units, sequence, usp shape). ``exact``: place only that many short
+    sequences (the most expensive) and score the rest as a fluid - their cheapest time fills the
+    micro-batches' room below their slowest units first, then raises them all evenly - where their
+    tokens fit the units' room (else None); the layout then places only those."""
     n, upn = ctx.num_units, ctx.units_per_node
     m = len(parts)
     sizes, cost, fits, need, cap = intra
@@ -251,7 +321,11 @@ def _layout(ctx: PlanContext, L: np.ndarray, parts, widths, blocks, intra, short
             mem[k, units] += share
             places.append((k, "usp", units, i, (u, w * upn // u)))
     mx = loads.max(axis=1)
-    for i in shorts:
+    longs = {i for part in parts for i in part}
+    rest = [i for i in order if i not in longs]
+    fluid = rest[exact:] if exact is not None else []
+    for i in rest[:exact] if exact is not None else rest:
+        best = None  # (increase of its micro-batch's slowest unit, area, load there, size, flat index)
         for s in sizes:
             if not fits[s][i]:
                 continue
@@ -268,16 +342,45 @@ def _layout(ctx: PlanContext, L: np.ndarray, parts, widths, blocks, intra, short
                 continue
             tied = np.flatnonzero(inc <= inc[a])
             a = int(tied[np.argmin(new.ravel()[tied])])  # (first of equals: the lowest)
-            k, blk = divmod(a, new.shape[1])
-            units = list(range(blk * s, (blk + 1) * s))
-            loads[k, blk * s:(blk + 1) * s] += c
-            mem[k, blk * s:(blk + 1) * s] += sh
-            mx[k] = max(mx[k], float(new[k, blk]))
-            places.append((k, "ulysses" if s > 1 else "local", units, i, None))
-            break
-        else:
+            key = (float(inc[a]), s * c, float(new.ravel()[a]), s, a)
+            if best is None or key < best[0]:
+                best = (key, c, sh, new.shape[1])
+        if best is None:
             return None
-    return float(loads.max(axis=1).sum()), {"loads": loads, "places": places, "widths": widths}
+        (_, _, load, s, a), c, sh, nb = best
+        k, blk = divmod(a, nb)
+        loads[k, blk * s:(blk + 1) * s] += c
+        mem[k, blk * s:(blk + 1) * s] += sh
+        mx[k] = max(mx[k], load)
+        places.append((k, "ulysses" if s > 1 else "local", list(range(blk * s, (blk + 1) * s)), i, None))
+    score = float(loads.max(axis=1).sum())
+    if fluid:
+        score += _fluid(L, fluid, intra, loads, mem, mx)
+        if not np.isfinite(score):
+            return None
+    return score, {"loads": loads, "places": places, "widths": widths}
+
+
+def _fluid(L: np.ndarray, fluid: list[int], intra, loads: np.ndarray, mem: np.ndarray, mx: np.ndarray) -> float:
+    """What the ``fluid`` short sequences add to the step, as a fluid of their mean time per token:
+    it fills, within each unit's memory room, the units' load below their micro-batch's slowest
+    first; what is left raises one micro-batch, spread over its units that still have room
+    (inf where the units' room does not hold it)."""
+    sizes, cost, fits, _, cap = intra
+    idx = np.asarray(fluid)
+    work = float(np.min([np.where(fits[s][idx], cost[s][idx] * s, np.inf) for s in sizes], axis=0).sum())
+    tokens = float(L[idx].sum())
+    rho = work / max(tokens, 1.0)
+    room = ((1 - mem) * cap[1]).clip(min=0)
+    free = np.minimum(room, (mx[:, None] - loads) / max(rho, 1e-30))
+    extra = tokens - float(free.sum())
+    if extra <= 0:
+        return 0.0
+    left = room - free
+    if float(left.sum()) < extra:
+        return float("inf")
+    units = int((left > 0).sum(axis=1).max())
+    return extra * rho / max(units, 1)
 
 
 def _build(ctx: PlanContext, step: int, sequences: list[Sequence], layout: dict, routing: bool):
