@@ -327,12 +327,14 @@ def token_slope(ctx: PlanContext, cm, T: float, s: int = 1, link: str = "intra")
 
     return (f(T) - f(T / 2)) / (T / 2)
 
+
 def ranked_by_prediction(ctx: PlanContext, found: list) -> list[Candidate]:
-    """The family's configurations ``(score, index, build)`` built and ranked by their predicted step
-    time: the family's score prices each sequence alone on its group type and its groups as if
-    they never waited for each other, which ranks usp sizes wrongly where one group of many rows
-    hides its rings' rounds behind all of the step's sequences and several groups' micro-batches
-    wait for each other (coupled micro-batches). The best-predicted keeps the family's best score
+    """A family's configurations ``(score, index, build)`` built and ranked by their predicted step
+    time, for the families whose own score ranks configurations only roughly (usp groups' prices
+    each sequence alone on its group type and its groups as if they never waited for each other,
+    which ranks usp sizes wrongly where one group of many rows hides its rings' rounds behind all
+    of the step's sequences and several groups' micro-batches wait for each other; long blocks'
+    prices each long sequence's ring alone). The best-predicted keeps the family's best score
     (what the other families' scores are compared with); the others' scores are scaled by their
     predictions. A configuration that does not fit is dropped."""
     built = []
@@ -388,4 +390,3 @@ def intra_types(ctx: PlanContext, L: np.ndarray):
         cap[s] = cm.ulysses_capacity(s) if s > 1 else cm.token_capacity
         fits[s] = need[s] <= cap[s]
     return sizes, cost, fits, need, cap
-
