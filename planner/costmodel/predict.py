@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from zeppelin.planner.costmodel.context import PlanContext, PlanningError
+from zeppelin.schemas.invariants import kv_replication
 from zeppelin.schemas.layout import ranges_tokens
 from zeppelin.schemas.plan import MicroBatch, Prediction, RankLoads, StepPlan
 
@@ -111,12 +112,34 @@ def _route_round_time(ctx: PlanContext, mb: MicroBatch, routed: bool) -> tuple[d
     return out, floor
 
 
+def _usp_shapes(ctx: PlanContext, length: int, wide: bool = False) -> list[tuple[int, int]]:
+    """The usp shapes ``(u, r)`` whose units hold a sequence of ``length`` tokens: Ulysses rows of
+    u units inside a node (u a power of two dividing a node's units and the heads, K/V heads
+    replicated by a whole factor where u exceeds them), a ring of r >= 2 rows, from the fewest rows
+    that hold it to twice as many (``wide``: and every power of two beyond; within the cluster)."""
+    m, cost, n, upn = ctx.model, ctx.cost, ctx.num_units, ctx.units_per_node
+    out = []
+    u = 2
+    while u <= upn:
+        if upn % u == 0 and kv_replication(m.num_heads, m.num_kv_heads, ctx.tp, u) is not None:
+            r0 = max(2, -(-length // (u * max(int(cost.ulysses_capacity(u)), 1))))
+            rs = set(range(r0, min(n // u, 2 * r0) + 1))
+            q = 2
+            while wide and q <= n // u:
+                rs |= {q} if q >= r0 else set()
+                q *= 2
+            out += [(u, r) for r in sorted(rs)]
+        u *= 2
+    return out
+
+
 def _attention_device_time(ctx: PlanContext, lengths: np.ndarray) -> np.ndarray:
     """Per sequence, the least device time (summed over units, one layer) its attention can take:
     whole on one unit when it fits; a sequence longer than a unit holds must be split over at least
     ``ceil(L / capacity)`` units, as a ring (G x per-unit round compute: its blocks are smaller than the
-    sequence) or as Ulysses inside a node (G x a head shard), communication not counted (it may
-    overlap other work)."""
+    sequence), as Ulysses inside a node (G x a head shard), or as a usp group of u x r units (a ring
+    of r positions, each on 1/u of the heads: r x a ring position's compute, its blocks those of a
+    ring of r), communication not counted (it may overlap other work)."""
     cost = ctx.cost
     L = np.asarray(lengths, dtype=np.float64)
     out = np.asarray(cost.attn_time(L), dtype=np.float64).copy()
@@ -133,6 +156,8 @@ def _attention_device_time(ctx: PlanContext, lengths: np.ndarray) -> np.ndarray:
             best = min(best, G * float(cost.ring_compute_time(L[i], G)))
             if G <= upn and heads % G == 0:
                 best = min(best, G * float(cost.ulysses_attn_time(L[i], G)))
+        for u, r in _usp_shapes(ctx, int(L[i])):  # u x r units: a ring of r positions on 1/u of the heads each
+            best = min(best, r * float(cost.ring_compute_time(L[i], r)))
         if np.isfinite(best):
             out[i] = max(out[i], best)
     return out
@@ -183,6 +208,15 @@ def _lower_bounds(ctx: PlanContext, lengths: np.ndarray) -> tuple[float, float]:
             t += float(cost.head_time(Lmax / G))
             best = min(best, t)
         G *= 2
+    for u, r in _usp_shapes(ctx, Lmax, wide=True):
+        # a usp group: its rows' all-to-alls, its ring's compute on 1/u of the heads (its transfers
+        # may hide behind that compute), the linear modules on its share
+        att, _, _ = cost.usp_terms(np.array([float(Lmax)]), u, r, "intra", "inter" if u * r > ctx.units_per_node
+                                   else "intra")
+        share = Lmax / (u * r)
+        a2a = float(cost.ulysses_comm_time(share, u, "intra"))
+        t = ctx.model.num_layers * (att + a2a + float(cost.linear_time(share))) + float(cost.head_time(share))
+        best = min(best, t)
     return work, best + cost.step_collectives_time(1, n, [best])
 
 
