@@ -3,6 +3,7 @@ what larger TP replicas do not hold."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from tests.support.zeppelin_steps import check_plan, grid_step, make_ctx, seqs_of, valid_plan
@@ -132,6 +133,11 @@ def test_long_blocks_even_out_each_microbatch_of_a_long_step():
         assert all(mb.queues), "a unit idle for a whole micro-batch"
     again = ZeppelinPlanner().plan_step(ctx, 0, seqs)
     assert again.model_dump(exclude={"solver"}) == plan.model_dump(exclude={"solver"})
+    # within every GPU's memory by the memory model (Ulysses rows' extra copies included)
+    assert max(plan.prediction.per_unit.memory_gb) * 1e9 <= ctx.cost.gpu_capacity_bytes
+    # a usp group's zigzag cut gives some units a token more than the even share: what they hold is priced
+    cut = long_blocks._block_times(make_ctx("zeppelin-a:16", "llama-7b"), np.array([51149]), [0], 16)[0]
+    assert cut[2][2] == pytest.approx(3198 / make_ctx("zeppelin-a:16", "llama-7b").cost.ulysses_capacity(8))
     # no long sequence, no candidate; one node, no candidate
     assert long_blocks.candidates(ctx, 0, seqs_of([4000] * 128)) == []
     assert long_blocks.candidates(make_ctx("zeppelin-a:1", "llama-13b", zero_stage=3), 0, _long_step(1, 65536)) == []

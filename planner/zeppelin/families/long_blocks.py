@@ -54,6 +54,7 @@ from zeppelin.planner.zeppelin.families.common import (
 )
 from zeppelin.planner.zeppelin.protocols import Candidate
 from zeppelin.planner.zeppelin.routing import plan_routes
+from zeppelin.schemas.layout import ranges_tokens, usp_ranges
 from zeppelin.schemas.plan import Sequence, SolverInfo
 
 name = "long-blocks"
@@ -179,7 +180,10 @@ def _block_times(ctx: PlanContext, L: np.ndarray, longs: list[int], nodes: int) 
                 best = None
                 for u in rows:
                     cap_u = cm.ulysses_capacity(u)
-                    held = -(-length // S)
+                    held = -(-length // S)  # (at least: the zigzag cut may give a unit a token more)
+                    if held > cap_u:
+                        continue
+                    held = max(ranges_tokens(rg) for rg in usp_ranges(length, u, S // u))
                     if held > cap_u:
                         continue
                     t = layers * float(usp_seq_time(cm, np.array([float(length)]), u, S // u)[0]) + slopes[u] * length / S
