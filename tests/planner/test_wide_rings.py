@@ -59,17 +59,16 @@ def repro():
 
 
 def test_long_sequences_get_side_by_side_rings_of_whole_nodes(repro):
-    """The step's plan is within 1.35x its bound by prediction and by simulation, each maximum-length
-    sequence on a ring across nodes; the wide-rings family's own best puts them on disjoint aligned
-    blocks of two whole nodes within the same bound, and the planner keeps whichever is faster.
-    (1.2x before FSDP's coupling of micro-batches was charged: every unit now waits for the slowest
-    in each micro-batch, which the bound, priced as one micro-batch, does not see; 1.40x since the
-    memory model counts the remap and Ulysses layouts and recomputation is chosen per micro-batch:
-    the family's best is 1.395x; 1.43x since FSDP's collectives are priced per micro-batch from the
-    links: the bound, one micro-batch, pays their exposed part once, a plan of several micro-batches
-    once each. Open: closing this gap is the long-step work of the pricing issue.)"""
+    """The step's plan is within 1.2x its bound by prediction and by simulation, each maximum-length
+    sequence on a group across nodes (long blocks: 1.147x); the wide-rings family's own best puts them
+    on disjoint aligned blocks of two whole nodes within 1.45x of the bound, and the planner keeps
+    whichever is faster. (The family's best was within 1.2x before FSDP's coupling of micro-batches
+    was charged - every unit now waits for the slowest in each micro-batch - then 1.40x with the
+    memory model counting the remap and Ulysses layouts, 1.43x with FSDP's collectives priced per
+    micro-batch, 1.45x (1.439x) since the bound prices a long sequence's attention on usp groups,
+    below any ring's.)"""
     ctx, seqs, plan = repro
-    bound = 1.43 / 1.2 * _bound(ctx, seqs)
+    bound = _bound(ctx, seqs)
     sim = Simulator(ctx)
     assert plan.prediction.step_time_s <= 1.2 * bound
     assert sim.simulate_step(plan).step_time_s <= 1.2 * bound
@@ -78,8 +77,8 @@ def test_long_sequences_get_side_by_side_rings_of_whole_nodes(repro):
                   if seqs[p.seq].length == MAX_LEN]
     assert len(long_rings) == 3 and all(len({u // upn for u in r}) >= 2 for r in long_rings)
     best = min(wide_rings.candidates(ctx, 0, seqs, limit=None, top=2), key=lambda c: (c.score, c.index)).build()
-    assert best.prediction.step_time_s <= 1.2 * bound
-    assert sim.simulate_step(best).step_time_s <= 1.2 * bound
+    assert best.prediction.step_time_s <= 1.45 * bound
+    assert sim.simulate_step(best).step_time_s <= 1.45 * bound
     rings = [mb.groups[p.group].units for mb in best.microbatches for p in mb.placements
              if seqs[p.seq].length == MAX_LEN]
     assert len(rings) == 3 and all(len(u) == 2 * upn and u[0] % (2 * upn) == 0 for u in rings)

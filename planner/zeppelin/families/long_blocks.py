@@ -113,14 +113,14 @@ def long_blocks(ctx: PlanContext, step: int, sequences: list[Sequence], limit: f
                 break
         for parts in deals:
             m = len(parts)
-            options = [_mb_options(part, blocks, nodes) for part in parts]
+            choices = [_mb_options(part, blocks, nodes) for part in parts]
             starts = []
             for lv in sorted({t for t, _, _ in blocks[longs[0]].values()}):  # (the longest's widths)
                 widths = _widths(parts, blocks, [lv] * m, nodes)
                 if widths is not None:
                     starts.append((score((parts, widths)), (parts, widths)))
             for _, key in sorted(starts, key=lambda x: (x[0], _order(x[1])))[:STARTS]:
-                _descend(key, options, score)
+                _descend(key, choices, score)
     ok = sorted(((v[0], k) for k, v in found.items() if v is not None), key=lambda x: (x[0], _order(x[1])))
     if limit is not None:
         ok = [x for x in ok if x[0] <= limit]
@@ -265,7 +265,7 @@ def _mb_options(part, blocks, nodes: int) -> list[tuple]:
     return out
 
 
-def _descend(key: tuple, options: list[list[tuple]], score) -> None:
+def _descend(key: tuple, choices: list[list[tuple]], score) -> None:
     """Coordinate descent from ``key`` over the micro-batches' width choices: per micro-batch in
     turn, its best choice with the others fixed, while one improves the score."""
     parts, widths = key
@@ -275,7 +275,7 @@ def _descend(key: tuple, options: list[list[tuple]], score) -> None:
     while improved:
         improved = False
         for k in range(m):
-            for ws in options[k]:
+            for ws in choices[k]:
                 cand = (parts, widths[:k] + (ws,) + widths[k + 1:])
                 t = score(cand)
                 if t < best * (1 - _EPS):
