@@ -147,3 +147,12 @@ def long_blocks_free() -> list[str]:
     from zeppelin.planner.zeppelin.families import names
 
     return [f for f in names() if f != "long-blocks"]
+
+
+@pytest.mark.parametrize("length, u, r", [(1, 2, 2), (51149, 8, 2), (131072, 4, 6), (75127, 2, 7), (9, 8, 3), (4097, 1, 5)])
+def test_long_blocks_price_the_usp_cut_a_unit_gets(length, u, r):
+    """The most tokens a long-block unit holds is what the usp cut gives it (not the even share)."""
+    from zeppelin.planner.zeppelin.families.long_blocks import _usp_max_tokens
+    from zeppelin.schemas.layout import ranges_tokens, usp_ranges
+
+    assert _usp_max_tokens(length, u, r) == max(ranges_tokens(rg) for rg in usp_ranges(length, u, r))

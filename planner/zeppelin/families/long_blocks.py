@@ -54,7 +54,7 @@ from zeppelin.planner.zeppelin.families.common import (
 )
 from zeppelin.planner.zeppelin.protocols import Candidate
 from zeppelin.planner.zeppelin.routing import plan_routes
-from zeppelin.schemas.layout import ranges_tokens, usp_ranges
+from zeppelin.schemas.layout import split_even
 from zeppelin.schemas.plan import Sequence, SolverInfo
 
 name = "long-blocks"
@@ -183,7 +183,7 @@ def _block_times(ctx: PlanContext, L: np.ndarray, longs: list[int], nodes: int) 
                     held = -(-length // S)  # (at least: the zigzag cut may give a unit a token more)
                     if held > cap_u:
                         continue
-                    held = max(ranges_tokens(rg) for rg in usp_ranges(length, u, S // u))
+                    held = _usp_max_tokens(length, u, S // u)
                     if held > cap_u:
                         continue
                     t = layers * float(usp_seq_time(cm, np.array([float(length)]), u, S // u)[0]) + slopes[u] * length / S
@@ -194,6 +194,16 @@ def _block_times(ctx: PlanContext, L: np.ndarray, longs: list[int], nodes: int) 
             memo[length] = per
         out[i] = memo[length]
     return out
+
+
+def _usp_max_tokens(length: int, u: int, r: int) -> int:
+    """The most tokens a unit of a usp group of u x r holds of a sequence (``usp_ranges``' zigzag cut:
+    row i holds chunks i and 2r-1-i of 2r near-equal ones, unit j the j-th of u near-equal parts of
+    each; the first unit of a row gets the larger part of both)."""
+    if r == 1:
+        return -(-length // u)
+    chunks = split_even(length, 2 * r)
+    return max(-(-chunks[i] // u) + -(-chunks[2 * r - 1 - i] // u) for i in range(r))
 
 
 def _deals(L: np.ndarray, base: list[int], extra: list[int], m: int, blocks, nodes: int) -> list[tuple]:
