@@ -112,24 +112,33 @@ def _route_round_time(ctx: PlanContext, mb: MicroBatch, routed: bool) -> tuple[d
     return out, floor
 
 
+def usp_row_sizes(ctx: PlanContext) -> list[int]:
+    """Ulysses degrees u of a usp row: powers of two >= 2 dividing a node's units and the heads
+    per unit, K/V heads replicated by a whole factor where u exceeds them."""
+    m, upn = ctx.model, ctx.units_per_node
+    out, u = [], 2
+    while u <= upn:
+        if upn % u == 0 and kv_replication(m.num_heads, m.num_kv_heads, ctx.tp, u) is not None:
+            out.append(u)
+        u *= 2
+    return out
+
+
 def _usp_shapes(ctx: PlanContext, length: int, wide: bool = False) -> list[tuple[int, int]]:
     """The usp shapes ``(u, r)`` whose units hold a sequence of ``length`` tokens: Ulysses rows of
     u units inside a node (u a power of two dividing a node's units and the heads, K/V heads
     replicated by a whole factor where u exceeds them), a ring of r >= 2 rows, from the fewest rows
     that hold it to twice as many (``wide``: and every power of two beyond; within the cluster)."""
-    m, cost, n, upn = ctx.model, ctx.cost, ctx.num_units, ctx.units_per_node
+    cost, n = ctx.cost, ctx.num_units
     out = []
-    u = 2
-    while u <= upn:
-        if upn % u == 0 and kv_replication(m.num_heads, m.num_kv_heads, ctx.tp, u) is not None:
-            r0 = max(2, -(-length // (u * max(int(cost.ulysses_capacity(u)), 1))))
-            rs = set(range(r0, min(n // u, 2 * r0) + 1))
-            q = 2
-            while wide and q <= n // u:
-                rs |= {q} if q >= r0 else set()
-                q *= 2
-            out += [(u, r) for r in sorted(rs)]
-        u *= 2
+    for u in usp_row_sizes(ctx):
+        r0 = max(2, -(-length // (u * max(int(cost.ulysses_capacity(u)), 1))))
+        rs = set(range(r0, min(n // u, 2 * r0) + 1))
+        q = 2
+        while wide and q <= n // u:
+            rs |= {q} if q >= r0 else set()
+            q *= 2
+        out += [(u, r) for r in sorted(rs)]
     return out
 
 

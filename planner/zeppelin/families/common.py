@@ -14,7 +14,6 @@ from zeppelin.planner.core.builder import StepBuilder
 from zeppelin.planner.costmodel.predict import predict_step
 from zeppelin.planner.zeppelin.protocols import Candidate
 from zeppelin.planner.zeppelin.routing import plan_routes
-from zeppelin.schemas.invariants import kv_replication
 from zeppelin.schemas.plan import SolverInfo
 
 
@@ -58,8 +57,15 @@ def build_groups(ctx: PlanContext, step: int, sequences, cost, need, cfg, owner,
         for k, bin_ in enumerate(pack_bins(members[key], need[t], cost[t], cap)):
             for i in sorted(bin_, key=lambda i: (-sequences[i].length, i)):
                 b.place(k, kind, blocks[key], i, shape=shape)
-    plan = b.finish(step, SolverInfo(name="greedy"), notes={"family": family, "groups": desc},
-                    predict=lambda c, p: None, routes=False)  # (predicted once routed)
+    return finish_routed(ctx, b, step, {"family": family, "groups": desc}, routing)
+
+
+def finish_routed(ctx: PlanContext, b: StepBuilder, step: int, notes: dict, routing: bool):
+    """A family's built step: node-crossing ring hops routed (``routing``) over the NICs of their
+    groups' units (:func:`zeppelin.planner.zeppelin.routing.plan_routes`; else direct), then
+    predicted."""
+    plan = b.finish(step, SolverInfo(name="greedy"), notes=notes, predict=lambda c, p: None,
+                    routes=False)  # (predicted once routed)
     for mb in plan.microbatches:
         mb.routes = plan_routes(ctx, mb, enable=routing)
     plan.prediction = predict_step(ctx, plan)
@@ -349,14 +355,6 @@ def ranked_by_prediction(ctx: PlanContext, found: list) -> list[Candidate]:
     low = min(p.prediction.step_time_s for _, _, p in built)
     ranked = sorted(((best * p.prediction.step_time_s / low, a, p) for _, a, p in built), key=lambda x: (x[0], x[1]))
     return [Candidate(score, a, (lambda p=p: p)) for score, a, p in ranked]
-
-
-def usp_row_sizes(ctx: PlanContext) -> list[int]:
-    """Ulysses degrees u of a usp row: powers of two >= 2 dividing a node's units and the heads
-    per unit, K/V heads replicated by a whole factor where u exceeds them."""
-    m, upn = ctx.model, ctx.units_per_node
-    return [u for u in pow2_sizes(upn) if u >= 2 and upn % u == 0
-            and kv_replication(m.num_heads, m.num_kv_heads, ctx.tp, u) is not None]
 
 
 def usp_seq_time(cm, L: np.ndarray, u: int, r: int) -> np.ndarray:

@@ -43,19 +43,18 @@ import numpy as np
 
 from zeppelin.planner.core.base import PlanContext, PlanningError
 from zeppelin.planner.core.builder import StepBuilder
-from zeppelin.planner.costmodel.predict import predict_step
+from zeppelin.planner.costmodel.predict import usp_row_sizes
 from zeppelin.planner.zeppelin.families.common import (
     ceil_div,
+    finish_routed,
     intra_types,
     ranked_by_prediction,
     token_slope,
-    usp_row_sizes,
     usp_seq_time,
 )
 from zeppelin.planner.zeppelin.protocols import Candidate
-from zeppelin.planner.zeppelin.routing import plan_routes
 from zeppelin.schemas.layout import split_even
-from zeppelin.schemas.plan import Sequence, SolverInfo
+from zeppelin.schemas.plan import Sequence
 
 name = "long-blocks"
 #: a sequence is long when on its best group inside a node it alone takes more than this share of
@@ -94,12 +93,13 @@ def long_blocks(ctx: PlanContext, step: int, sequences: list[Sequence], limit: f
             sets.append(more)
     cheapest = _cheapest(intra, range(len(L)))
     order = sorted(range(len(L)), key=lambda i: (-cheapest[i], i))
+    area = _cheapest_area(intra)
     blocks = _block_times(ctx, L, sets[-1], nodes)
     found: dict[tuple, tuple | None] = {}  # (long sequences per micro-batch, their widths) -> (score, layout)
 
     def score(key) -> float:
         if key not in found:
-            found[key] = _layout(ctx, L, key[0], key[1], blocks, intra, order, EXACT)
+            found[key] = _layout(ctx, L, key[0], key[1], blocks, intra, order, area, EXACT)
         return found[key][0] if found[key] is not None else float("inf")
 
     for longs in sets:
@@ -127,7 +127,7 @@ def long_blocks(ctx: PlanContext, step: int, sequences: list[Sequence], limit: f
     keep = ok[:top]
 
     def build(key):
-        layout = _layout(ctx, L, key[0], key[1], blocks, intra, order)
+        layout = _layout(ctx, L, key[0], key[1], blocks, intra, order, area)
         if layout is None:
             raise PlanningError(f"{name}: a short sequence fits nowhere beside the long ones")
         return _build(ctx, step, sequences, layout[1], routing)
@@ -169,6 +169,7 @@ def _block_times(ctx: PlanContext, L: np.ndarray, longs: list[int], nodes: int) 
     T_avg = max(float(L.sum()) / ctx.num_units, 2.0)
     rows = usp_row_sizes(ctx)
     slopes = {u: token_slope(ctx, cm, T_avg, u, "intra") for u in rows}
+    caps = {u: cm.ulysses_capacity(u) for u in rows}
     memo: dict[int, dict] = {}
     out = {}
     for i in longs:
@@ -179,10 +180,7 @@ def _block_times(ctx: PlanContext, L: np.ndarray, longs: list[int], nodes: int) 
                 S = w * upn
                 best = None
                 for u in rows:
-                    cap_u = cm.ulysses_capacity(u)
-                    held = -(-length // S)  # (at least: the zigzag cut may give a unit a token more)
-                    if held > cap_u:
-                        continue
+                    cap_u = caps[u]
                     held = _usp_max_tokens(length, u, S // u)
                     if held > cap_u:
                         continue
@@ -311,11 +309,12 @@ def _widths(parts, blocks, levels: list[float], nodes: int):
     return tuple(out)
 
 
-def _layout(ctx: PlanContext, L: np.ndarray, parts, widths, blocks, intra, order: list[int],
+def _layout(ctx: PlanContext, L: np.ndarray, parts, widths, blocks, intra, order: list[int], area: np.ndarray,
             exact: int | None = None):
     """``(score, layout)`` of one configuration (module docstring), or None where a short sequence
-    fits nowhere. ``layout``: per unit and micro-batch its load (``loads``), and the placements
-    (micro-batch, kind, units, sequence, usp shape). ``exact``: place only that many short
+    fits nowhere. ``layout``: the placements (micro-batch, kind, units, sequence, usp shape) and the
+    long sequences' ``widths``; ``area``: per sequence, its cheapest time on a group inside a node
+    times the group's units (:func:`_cheapest_area`). ``exact``: place only that many short
     sequences (the most expensive) and score the rest as a fluid - their cheapest time fills the
     micro-batches' room below their slowest units first, then raises them all evenly - where their
     tokens fit the units' room (else None); the layout then places only those."""
@@ -369,20 +368,28 @@ def _layout(ctx: PlanContext, L: np.ndarray, parts, widths, blocks, intra, order
         places.append((k, "ulysses" if s > 1 else "local", list(range(blk * s, (blk + 1) * s)), i, None))
     score = float(loads.max(axis=1).sum())
     if fluid:
-        score += _fluid(L, fluid, intra, loads, mem, mx)
+        score += _fluid(L, fluid, area, intra, loads, mem, mx)
         if not np.isfinite(score):
             return None
-    return score, {"loads": loads, "places": places, "widths": widths}
+    return score, {"places": places, "widths": widths}
 
 
-def _fluid(L: np.ndarray, fluid: list[int], intra, loads: np.ndarray, mem: np.ndarray, mx: np.ndarray) -> float:
+def _cheapest_area(intra) -> np.ndarray:
+    """Per sequence, its time on the group inside a node that holds it at the least resource-time
+    (time x units; inf where none holds it)."""
+    sizes, cost, fits, _, _ = intra
+    return np.min([np.where(fits[s], cost[s] * s, np.inf) for s in sizes], axis=0)
+
+
+def _fluid(L: np.ndarray, fluid: list[int], area: np.ndarray, intra, loads: np.ndarray, mem: np.ndarray,
+           mx: np.ndarray) -> float:
     """What the ``fluid`` short sequences add to the step, as a fluid of their mean time per token:
     it fills, within each unit's memory room, the units' load below their micro-batch's slowest
     first; what is left raises one micro-batch, spread over its units that still have room
     (inf where the units' room does not hold it)."""
-    sizes, cost, fits, _, cap = intra
+    cap = intra[4]
     idx = np.asarray(fluid)
-    work = float(np.min([np.where(fits[s][idx], cost[s][idx] * s, np.inf) for s in sizes], axis=0).sum())
+    work = float(area[idx].sum())
     tokens = float(L[idx].sum())
     rho = work / max(tokens, 1.0)
     room = ((1 - mem) * cap[1]).clip(min=0)
@@ -404,9 +411,4 @@ def _build(ctx: PlanContext, step: int, sequences: list[Sequence], layout: dict,
     for k, kind, units, i, shape in layout["places"]:
         b.place(k, kind, units, i, shape=shape)
     desc = "; ".join("+".join(f"{w}n" for w in ws) or "-" for ws in layout["widths"])
-    plan = b.finish(step, SolverInfo(name="greedy"), notes={"family": name, "groups": f"long blocks {desc}"},
-                    predict=lambda c, p: None, routes=False)  # (predicted once routed)
-    for mb in plan.microbatches:
-        mb.routes = plan_routes(ctx, mb, enable=routing)
-    plan.prediction = predict_step(ctx, plan)
-    return plan
+    return finish_routed(ctx, b, step, {"family": name, "groups": f"long blocks {desc}"}, routing)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from zeppelin.planner.core.base import PlanContext, pow2_sizes
+from zeppelin.planner.costmodel.predict import usp_row_sizes
 from zeppelin.planner.zeppelin.families.common import (
     best_dispatches,
     build_groups,
@@ -31,7 +32,6 @@ from zeppelin.planner.zeppelin.families.common import (
     ranked_by_prediction,
     refine,
     token_slope,
-    usp_row_sizes,
     usp_seq_time,
 )
 from zeppelin.planner.zeppelin.protocols import Candidate
