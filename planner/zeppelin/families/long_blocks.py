@@ -39,6 +39,8 @@ load. Steps without a long sequence get no candidate (one pass over the lengths)
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from zeppelin.planner.core.base import PlanContext, PlanningError
@@ -93,13 +95,13 @@ def long_blocks(ctx: PlanContext, step: int, sequences: list[Sequence], limit: f
             sets.append(more)
     cheapest = _cheapest(intra, range(len(L)))
     order = sorted(range(len(L)), key=lambda i: (-cheapest[i], i))
-    area = _cheapest_area(intra)
+    groups = _Groups(intra, n, L, order)
     blocks = _block_times(ctx, L, sets[-1], nodes)
     found: dict[tuple, tuple | None] = {}  # (long sequences per micro-batch, their widths) -> (score, layout)
 
     def score(key) -> float:
         if key not in found:
-            found[key] = _layout(ctx, L, key[0], key[1], blocks, intra, order, area, EXACT)
+            found[key] = _layout(ctx, key[0], key[1], blocks, groups, EXACT)
         return found[key][0] if found[key] is not None else float("inf")
 
     for longs in sets:
@@ -127,7 +129,7 @@ def long_blocks(ctx: PlanContext, step: int, sequences: list[Sequence], limit: f
     keep = ok[:top]
 
     def build(key):
-        layout = _layout(ctx, L, key[0], key[1], blocks, intra, order, area)
+        layout = _layout(ctx, key[0], key[1], blocks, groups)
         if layout is None:
             raise PlanningError(f"{name}: a short sequence fits nowhere beside the long ones")
         return _build(ctx, step, sequences, layout[1], routing)
@@ -309,69 +311,135 @@ def _widths(parts, blocks, levels: list[float], nodes: int):
     return tuple(out)
 
 
-def _layout(ctx: PlanContext, L: np.ndarray, parts, widths, blocks, intra, order: list[int], area: np.ndarray,
-            exact: int | None = None):
+def _layout(ctx: PlanContext, parts, widths, blocks, groups: "_Groups", exact: int | None = None):
     """``(score, layout)`` of one configuration (module docstring), or None where a short sequence
     fits nowhere. ``layout``: the placements (micro-batch, kind, units, sequence, usp shape) and the
-    long sequences' ``widths``; ``area``: per sequence, its cheapest time on a group inside a node
-    times the group's units (:func:`_cheapest_area`). ``exact``: place only that many short
-    sequences (the most expensive) and score the rest as a fluid - their cheapest time fills the
-    micro-batches' room below their slowest units first, then raises them all evenly - where their
-    tokens fit the units' room (else None); the layout then places only those."""
-    n, upn = ctx.num_units, ctx.units_per_node
+    long sequences' ``widths``; ``groups``: the short sequences and the places they may take
+    (:class:`_Groups`). ``exact``: place only that many short sequences (the most expensive) and
+    score the rest as a fluid - their cheapest time fills the micro-batches' room below their
+    slowest units first, then raises them all evenly - where their tokens fit the units' room (else
+    None); the layout then places only those."""
+    upn = ctx.units_per_node
     m = len(parts)
-    sizes, cost, fits, need, cap = intra
-    loads = np.zeros((m, n))
-    mem = np.zeros((m, n))  # share of a unit's activation memory in use
+    sizes = groups.sizes
+    tops, fulls, top, full, off, size_of, mb_of = groups.empty(m)
+    loads, mem = tops[1], fulls[1]
     places = []
     for k, (part, ws) in enumerate(zip(parts, widths)):
         node = 0
         for i, w in zip(part, ws):
             t, u, share = blocks[i][w]
-            units = list(range(node * upn, (node + w) * upn))
+            lo, hi = node * upn, (node + w) * upn
             node += w
-            loads[k, units] += t
-            mem[k, units] += share
-            places.append((k, "usp", units, i, (u, w * upn // u)))
+            loads[k, lo:hi] += t
+            mem[k, lo:hi] += share
+            places.append((k, "usp", list(range(lo, hi)), i, (u, w * upn // u)))
+    for s in sizes[1:]:
+        tops[s][:] = loads.reshape(m, -1, s).max(axis=2)
+        fulls[s][:] = mem.reshape(m, -1, s).max(axis=2)
     mx = loads.max(axis=1)
-    longs = {i for part in parts for i in part}
-    rest = [i for i in order if i not in longs]
-    fluid = rest[exact:] if exact is not None else []
-    for i in rest[:exact] if exact is not None else rest:
-        best = None  # (increase of its micro-batch's slowest unit, area, load there, size, flat index)
-        for s in sizes:
-            if not fits[s][i]:
-                continue
-            c, sh = float(cost[s][i]), float(need[s][i]) / max(cap[s], 1)
-            if s == 1:
-                bl, bm = loads, mem
-            else:
-                bl, bm = loads.reshape(m, n // s, s).max(axis=2), mem.reshape(m, n // s, s).max(axis=2)
-            new = bl + c
-            new[bm + sh > 1 + _EPS] = np.inf
-            inc = np.maximum(new - mx[:, None], 0.0).ravel()
-            a = int(np.argmin(inc))
-            if not np.isfinite(inc[a]):
-                continue
-            tied = np.flatnonzero(inc <= inc[a])
-            a = int(tied[np.argmin(new.ravel()[tied])])  # (first of equals: the lowest)
-            key = (float(inc[a]), s * c, float(new.ravel()[a]), s, a)
-            if best is None or key < best[0]:
-                best = (key, c, sh, new.shape[1])
-        if best is None:
+    placed, fluid = groups.short(frozenset(i for part in parts for i in part), exact)
+    times, shares, areas = groups.times, groups.shares, groups.areas
+    count = [tops[q].shape[1] for q in sizes]  # groups per micro-batch, per size
+    at_mx = mx[mb_of]  # per group, its micro-batch's slowest unit
+    for i in placed:
+        # the place where it raises its micro-batch's slowest unit least; ties: the smaller area (time
+        # x units), the lower load there, the smaller group, the first group
+        t_i, sh_i = groups.spread(m, i)
+        new = top + t_i
+        new[full + sh_i > 1 + _EPS] = np.inf
+        inc = np.maximum(new - at_mx, 0.0)
+        least = float(inc.min())
+        if not math.isfinite(least):
             return None
-        (_, _, load, s, a), c, sh, nb = best
-        k, blk = divmod(a, nb)
-        loads[k, blk * s:(blk + 1) * s] += c
-        mem[k, blk * s:(blk + 1) * s] += sh
-        mx[k] = max(mx[k], load)
-        places.append((k, "ulysses" if s > 1 else "local", list(range(blk * s, (blk + 1) * s)), i, None))
+        tied = np.flatnonzero(inc <= least)
+        if len(tied) > 1:
+            area_t = areas[:, i][size_of[tied]]
+            tied = tied[area_t <= area_t.min()]
+            tied = tied[new[tied] <= new[tied].min()]
+        g = int(tied[0])
+        j = int(size_of[g])
+        s, c, sh, load = sizes[j], float(times[j, i]), float(shares[j, i]), float(new[g])
+        k, blk = divmod(g - int(off[j]), count[j])
+        lo, hi = blk * s, (blk + 1) * s
+        held = full[g] + sh
+        for jq, q in enumerate(sizes):  # a group inside the new one gains as much; one holding it, at most its load
+            base = int(off[jq]) + k * count[jq]
+            if q <= s:
+                top[base + lo // q:base + hi // q] += c
+                full[base + lo // q:base + hi // q] += sh
+            else:
+                top[base + lo // q] = max(top[base + lo // q], load)
+                full[base + lo // q] = max(full[base + lo // q], held)
+        if load > mx[k]:
+            mx[k] = load
+            at_mx[mb_of == k] = load
+        places.append((k, "ulysses" if s > 1 else "local", list(range(lo, hi)), i, None))
     score = float(loads.max(axis=1).sum())
     if fluid:
-        score += _fluid(L, fluid, area, intra, loads, mem, mx)
+        score += _fluid(*fluid, groups.unit_capacity, loads, mem, mx)
         if not np.isfinite(score):
             return None
     return score, {"places": places, "widths": widths}
+
+
+class _Groups:
+    """The short sequences (``order``: most expensive first) and the group types inside a node
+    (:func:`.common.intra_types`) as arrays, sizes ascending: per size, each sequence's time on one
+    group (inf where it does not fit), its share of a unit's memory and its area (time x units);
+    and per micro-batch count, every group of every size in one array (:meth:`empty`), so that a
+    short sequence's best place is found in one pass and placing it updates only the groups that
+    hold its units."""
+
+    def __init__(self, intra, n: int, L: np.ndarray, order: list[int]):
+        sizes, cost, fits, need, cap = intra
+        self.sizes, self.n, self.L, self.order = sorted(sizes), n, L, order
+        self.area = _cheapest_area(intra)
+        self._short: dict[tuple, tuple] = {}
+        self.times = np.array([np.where(fits[s], cost[s], np.inf) for s in self.sizes])
+        self.shares = np.array([need[s] / max(cap[s], 1) for s in self.sizes])
+        self.areas = np.array(self.sizes, dtype=float)[:, None] * self.times
+        self.unit_capacity = cap[1]
+        self._shape: dict[int, tuple] = {}
+        self._spread: dict[tuple[int, int], tuple] = {}
+
+    def short(self, longs: frozenset, exact: int | None):
+        """The sequences not in ``longs`` placed one by one (most expensive first; all, or the
+        ``exact`` first) and the rest as a fluid: ``(work, tokens)``, their cheapest areas and
+        tokens in all, or None where there is no rest."""
+        if (longs, exact) not in self._short:
+            rest = [i for i in self.order if i not in longs]
+            fluid = rest[exact:] if exact is not None else []
+            idx = np.asarray(fluid)
+            totals = (float(self.area[idx].sum()), float(self.L[idx].sum())) if fluid else None
+            self._short[(longs, exact)] = (rest[:exact] if exact is not None else rest, totals)
+        return self._short[(longs, exact)]
+
+    def spread(self, m: int, i: int):
+        """Sequence ``i``'s time and memory share on every group of ``m`` micro-batches (the order of
+        :meth:`empty`)."""
+        if (m, i) not in self._spread:
+            size_of = self._shape[m][1]
+            self._spread[(m, i)] = (self.times[:, i][size_of], self.shares[:, i][size_of])
+        return self._spread[(m, i)]
+
+    def empty(self, m: int):
+        """Per group of every size in ``m`` micro-batches, smallest size first and per size row-major
+        (micro-batch, group): its slowest unit's load and fullest unit's memory share, zero, as one
+        array each (``top``, ``full``) and per size as views ``(m, groups)`` (``tops``, ``fulls``; the
+        size-1 groups are the units); ``off``, where each size starts; ``size_of`` and ``mb_of``, per
+        group its size's position and its micro-batch."""
+        if m not in self._shape:
+            span = [m * (self.n // s) for s in self.sizes]
+            off = np.concatenate([[0], np.cumsum(span)]).astype(int)
+            size_of = np.repeat(np.arange(len(self.sizes)), span)
+            mb_of = np.concatenate([np.repeat(np.arange(m), self.n // s) for s in self.sizes])
+            self._shape[m] = (off, size_of, mb_of)
+        off, size_of, mb_of = self._shape[m]
+        top, full = np.zeros(off[-1]), np.zeros(off[-1])
+        tops = {s: top[off[j]:off[j + 1]].reshape(m, -1) for j, s in enumerate(self.sizes)}
+        fulls = {s: full[off[j]:off[j + 1]].reshape(m, -1) for j, s in enumerate(self.sizes)}
+        return tops, fulls, top, full, off, size_of, mb_of
 
 
 def _cheapest_area(intra) -> np.ndarray:
@@ -381,18 +449,14 @@ def _cheapest_area(intra) -> np.ndarray:
     return np.min([np.where(fits[s], cost[s] * s, np.inf) for s in sizes], axis=0)
 
 
-def _fluid(L: np.ndarray, fluid: list[int], area: np.ndarray, intra, loads: np.ndarray, mem: np.ndarray,
+def _fluid(work: float, tokens: float, unit_capacity: float, loads: np.ndarray, mem: np.ndarray,
            mx: np.ndarray) -> float:
-    """What the ``fluid`` short sequences add to the step, as a fluid of their mean time per token:
-    it fills, within each unit's memory room, the units' load below their micro-batch's slowest
-    first; what is left raises one micro-batch, spread over its units that still have room
-    (inf where the units' room does not hold it)."""
-    cap = intra[4]
-    idx = np.asarray(fluid)
-    work = float(area[idx].sum())
-    tokens = float(L[idx].sum())
+    """What short sequences of ``tokens`` tokens and ``work`` cheapest area in all add to the step,
+    as a fluid of their mean time per token: it fills, within each unit's memory room, the units'
+    load below their micro-batch's slowest first; what is left raises one micro-batch, spread over
+    its units that still have room (inf where the units' room does not hold it)."""
     rho = work / max(tokens, 1.0)
-    room = ((1 - mem) * cap[1]).clip(min=0)
+    room = ((1 - mem) * unit_capacity).clip(min=0)
     free = np.minimum(room, (mx[:, None] - loads) / max(rho, 1e-30))
     extra = tokens - float(free.sum())
     if extra <= 0:
