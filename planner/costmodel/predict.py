@@ -158,17 +158,25 @@ def _attention_device_time(ctx: PlanContext, lengths: np.ndarray) -> np.ndarray:
         return out
     n, upn = ctx.num_units, ctx.units_per_node
     heads = ctx.model.num_heads // ctx.tp
-    for i in big:
-        g0 = min(n, -(-int(L[i]) // cap))
-        best = np.inf
+    # the sequences that may take the same group sizes are priced together: the fewest units that
+    # hold one, and per usp row size the fewest rows
+    Lb = L[big].astype(np.int64)
+    keys = [np.minimum(n, -(-Lb // cap))]
+    for u in usp_row_sizes(ctx):
+        keys.append(np.maximum(2, -(-Lb // (u * max(int(cost.ulysses_capacity(u)), 1)))))
+    kinds, which = np.unique(np.stack(keys, axis=1), axis=0, return_inverse=True)
+    for q in range(len(kinds)):
+        idx = big[np.flatnonzero(which.reshape(-1) == q)]
+        Lq = L[idx]
+        g0 = int(kinds[q][0])
+        best = np.full(len(idx), np.inf)
         for G in range(max(2, g0), min(n, 2 * g0) + 1):
-            best = min(best, G * float(cost.ring_compute_time(L[i], G)))
+            best = np.minimum(best, G * cost.ring_compute_time(Lq, G))
             if G <= upn and heads % G == 0:
-                best = min(best, G * float(cost.ulysses_attn_time(L[i], G)))
-        for u, r in _usp_shapes(ctx, int(L[i])):  # u x r units: a ring of r positions on 1/u of the heads each
-            best = min(best, r * float(cost.ring_compute_time(L[i], r)))
-        if np.isfinite(best):
-            out[i] = max(out[i], best)
+                best = np.minimum(best, G * cost.ulysses_attn_time(Lq, G))
+        for u, r in _usp_shapes(ctx, int(Lq[0])):  # u x r units: a ring of r positions on 1/u of the heads each
+            best = np.minimum(best, r * cost.ring_compute_time(Lq, r))
+        out[idx] = np.where(np.isfinite(best), np.maximum(out[idx], best), out[idx])
     return out
 
 
