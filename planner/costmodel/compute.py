@@ -124,12 +124,17 @@ class ComputeCosts:
 
     # ---------------------------------------------------------------- attention pattern
     @cached_property
+    def _window_counts(self) -> dict[int | None, int]:
+        """The model's layers per attention window (asked for by every ring priced)."""
+        return self.model.window_counts()
+
+    @cached_property
     def window_mix(self) -> tuple[tuple[int | None, float], ...] | None:
         """``(window, share of the layers)`` per layer type of a model with sliding-window layers
         (None: every layer full causal, the plain formulas). Per-layer attention quantities of
         such a model are these layer types' weighted mean, so ``num_layers x`` a per-layer time is
         the sum over the layer types."""
-        counts = self.model.window_counts()
+        counts = self._window_counts
         if set(counts) == {None}:
             return None
         n = self.model.num_layers
@@ -145,8 +150,7 @@ class ComputeCosts:
         position then needs the K/V of its predecessor only: one neighbour exchange, and the work
         is balanced without zigzag's pairing). Full-attention layers need the zigzag balance."""
         L = as_array(L)
-        counts = self.model.window_counts()
-        if G <= 1 or None in counts:
+        if G <= 1 or None in self._window_counts:
             return np.zeros(np.shape(L), dtype=bool)
         return L >= G * float(self.model.sliding_window)
 
