@@ -14,10 +14,11 @@ import numpy as np
 
 from zeppelin.planner.core.base import PlanContext
 from zeppelin.planner.core.builder import record as _record
-from zeppelin.planner.costmodel.predict import coupled_components
+from zeppelin.planner.costmodel.predict import coupled_components, usp_row_sizes
 from zeppelin.planner.zeppelin.remap import plan_remap
 from zeppelin.planner.zeppelin.routing import plan_routes
-from zeppelin.schemas.layout import contiguous_ranges, zigzag_ranges
+from zeppelin.schemas.invariants import kv_replication
+from zeppelin.schemas.layout import contiguous_ranges, usp_ranges, zigzag_ranges
 from zeppelin.schemas.plan import Group, MicroBatch, Placement, RemapInfo
 
 
@@ -43,6 +44,60 @@ def build_microbatch(search, idx: list[int], Ls: np.ndarray, spans, span_index, 
     mb.routes = plan_routes(ctx, mb, enable=search.options.routing)
     mb.linear_layout, mb.remap = _remap(ctx, search.sequences, mb, search.options.remap, enable=remap)
     return mb
+
+
+def usp_rings(ctx: PlanContext, mb: MicroBatch) -> list[int]:
+    """The inter-node ring groups of ``mb`` that may run as usp groups instead: over whole nodes,
+    one zigzag-cut sequence each, on units that run no other ring (the runtime runs one family of
+    groups per unit and micro-batch), where the model's heads allow a usp row."""
+    if not usp_row_sizes(ctx):
+        return []
+    upn = ctx.units_per_node
+    ringed: dict[int, int] = {}  # unit -> ring / all-gather groups it runs
+    for g in mb.groups:
+        if g.kind in ("ring", "allgather"):
+            for u in g.units:
+                ringed[u] = ringed.get(u, 0) + 1
+    count: dict[int, int] = {}
+    zigzag: dict[int, bool] = {}
+    for p in mb.placements:
+        count[p.group] = count.get(p.group, 0) + 1
+        zigzag[p.group] = p.scheme == "zigzag" and p.padded_length is None
+    out = []
+    for gi, g in enumerate(mb.groups):
+        if g.kind != "ring" or g.tier != "inter" or count.get(gi) != 1 or not zigzag.get(gi):
+            continue
+        nodes = {u // upn for u in g.units}
+        if len(g.units) == len(nodes) * upn and all(ringed[u] == 1 for u in g.units):
+            out.append(gi)
+    return out
+
+
+def as_usp(search, mb: MicroBatch, rings: list[int], remap: bool) -> MicroBatch:
+    """``mb`` with each of the inter-node ``rings`` (:func:`usp_rings`) run as a usp group over the
+    same units instead: rows of the widest usp row size inside a node, the ring of rows across the
+    nodes (each column ring crosses the network over its own units' NICs, where a ring's hop from
+    node to node goes through one unit's, or its relays'), the same sequence cut as
+    :func:`zeppelin.schemas.layout.usp_ranges`; then its routes and (``remap``) its remap again."""
+    ctx = search.ctx
+    upn, u = ctx.units_per_node, max(usp_row_sizes(ctx))
+    m = ctx.model
+    rep = kv_replication(m.num_heads, m.num_kv_heads, ctx.tp, u)
+    groups, placements = list(mb.groups), list(mb.placements)
+    for pi, p in enumerate(placements):
+        if p.group not in rings:
+            continue
+        units = sorted(mb.groups[p.group].units)
+        r = len(units) // u
+        groups[p.group] = _record(Group, kind="usp", tier="inter", units=units, shape=[u, r], kv_replication=rep)
+        placements[pi] = _record(Placement, seq=p.seq, group=p.group, scheme="zigzag", padded_length=None,
+                                 ranges=usp_ranges(search.sequences[p.seq].length, u, r))
+    queues = [list(q) for q in mb.queues]
+    out = MicroBatch.model_construct(groups=groups, placements=placements, queues=queues, linear_layout=None,
+                                     remap=RemapInfo(), routes=[], recompute=mb.recompute)
+    out.routes = plan_routes(ctx, out, enable=search.options.routing)
+    out.linear_layout, out.remap = _remap(ctx, search.sequences, out, search.options.remap, enable=remap)
+    return out
 
 
 def _inter_groups(ctx: PlanContext, idx, Ls, inter_js, node_of, groups, placements) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 
 from zeppelin.planner.costmodel.predict import microbatch_terms
 from zeppelin.planner.zeppelin.assign import PackInfeasible, PackResult, pack
-from zeppelin.planner.zeppelin.groups import build_microbatch
+from zeppelin.planner.zeppelin.groups import as_usp, build_microbatch, usp_rings
 from zeppelin.planner.zeppelin.step_state import StepState
 from zeppelin.planner.zeppelin.tiering import Span, SpanTable, zigzag_max_tokens_array
 
@@ -228,23 +228,48 @@ def best_microbatch(search: StepState, idx: list[int], carry: np.ndarray, floors
     # nodes filled to the last token can leave their units no room for rings of assorted
     # widths: then level 1 keeps some token slack per node (before the caller falls back to
     # one more micro-batch, which costs far more)
+    lengths = [s.length for s in search.sequences]
     for fill in (1.0, 0.95, 0.9) if ctx.cluster.num_nodes > 1 else (1.0,):
         for floor in floors if floors is not None else [None]:
             for bal in balances if balances is not None else ["total"]:
                 try:
-                    cands.append(plan_microbatch(search, idx, carry, balance=bal, floor=floor,
-                                                 node_fill=fill, fixed_nodes=fixed_nodes))
+                    mb, st = plan_microbatch(search, idx, carry, balance=bal, floor=floor, node_fill=fill,
+                                             fixed_nodes=fixed_nodes)
                 except PackInfeasible as e:
                     err = err or e
+                    continue
+                terms = microbatch_terms(ctx, lengths, mb)
+                cands.append((mb, st, terms))
+                alt = _usp_alternative(search, mb, terms, lengths, remap=search.options.remap and bal == "attention")
+                if alt is not None:
+                    cands.append((alt[0], st, alt[1]))
         if cands:
             break
     if not cands:
         raise err
     best = None
-    lengths = [s.length for s in search.sequences]
-    for mb, st in cands:
-        terms = microbatch_terms(ctx, lengths, mb)
+    for mb, st, terms in cands:
         t = float((carry + terms.period).max())
         if best is None or t < best[0]:
             best = (t, mb, st, terms)
     return best[1], best[2], best[3]
+
+
+def _usp_alternative(search: StepState, mb, terms, lengths, remap: bool):
+    """``mb`` with its inter-node rings over whole nodes run as usp groups (:func:`.groups.as_usp`)
+    where each one's units stay within their memory, and its terms; None where no ring may. A
+    ring's hop from node to node crosses the network through one unit's NIC (or relays over the
+    node's others through one NVLink port each way); a usp group's column rings cross through every
+    unit's own, with blocks u times as large to hide behind - at the price of its rows'
+    all-to-alls. The caller keeps whichever layout the prediction finds faster."""
+    ctx = search.ctx
+    rings = usp_rings(ctx, mb)
+    while rings:
+        alt = as_usp(search, mb, rings, remap)
+        alt_terms = microbatch_terms(ctx, lengths, alt)
+        room = np.maximum(terms.mem_tokens, ctx.cost.token_capacity)
+        over = {g for g in rings if (alt_terms.mem_tokens[mb.groups[g].units] > room[mb.groups[g].units]).any()}
+        if not over:
+            return alt, alt_terms
+        rings = [g for g in rings if g not in over]
+    return None

@@ -52,12 +52,18 @@ def test_valid_plan_has_no_problems(plan_file):
                          profile=default_profile(cl.name)) == []
 
 
+def _ring_placement(step: dict) -> dict:
+    """The first zigzag-cut placement of a ring group in ``step`` (a usp group's placements cut
+    each chunk further over its rows' positions)."""
+    return next(p for mb in step["microbatches"] for p in mb["placements"]
+                if p["scheme"] == "zigzag" and mb["groups"][p["group"]]["kind"] == "ring")
+
+
 def test_dropped_chunk_is_a_coverage_problem(plan_file, tmp_path):
     dropped = {}
 
     def drop(recs):
-        mb = recs[1]["microbatches"][0]
-        p = next(p for p in mb["placements"] if p["scheme"] == "zigzag")
+        p = _ring_placement(recs[1])
         dropped["seq"], dropped["range"] = p["seq"], p["ranges"][0][1]
         dropped["len"] = recs[1]["sequences"][p["seq"]]["length"]
         p["ranges"][0] = p["ranges"][0][:1]  # drop the late zigzag chunk of ring position 0 (the last chunk)
@@ -70,8 +76,7 @@ def test_dropped_chunk_is_a_coverage_problem(plan_file, tmp_path):
                      f"(covers {s} of {e} tokens)")]
 
     def drop_middle(recs):
-        mb = recs[1]["microbatches"][0]
-        p = next(p for p in mb["placements"] if p["scheme"] == "zigzag")
+        p = _ring_placement(recs[1])
         dropped["range"] = p["ranges"][1][0]
         p["ranges"][1] = p["ranges"][1][1:]  # drop the early chunk of ring position 1
 
