@@ -12,7 +12,8 @@ Length distributions are generated here (seeded): *short-heavy* (log-normal, med
 Quality = predicted step time / lower bound (``predict_step``), per step. The latency rows also give
 the process's peak resident memory after each size (``peak_rss_mb``; sizes run smallest first, so
 it is the peak of planning that size) and, where the code can report it (``--breakdown``), where
-the step's time above its bound goes.
+the step's time above its bound goes; with ``--simulate-max-gpus N``, up to N GPUs, also the
+simulated step over the bound (``median_sim_ratio``, after the timing).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def ctx_for(cluster: str, model: str, zero_stage: int = 1) -> PlanContext:
 ZERO = {"llama-7b": 1, "llama-13b": 3}
 
 
-def latency(sizes: list[int], steps: int, breakdown: bool = False) -> None:
+def latency(sizes: list[int], steps: int, breakdown: bool = False, simulate_max: int = 0) -> None:
     for gpus in sizes:
         nodes = max(1, gpus // 8)
         ctx = ctx_for(f"zeppelin-c:{nodes}", "llama-7b")
@@ -81,7 +82,7 @@ def latency(sizes: list[int], steps: int, breakdown: bool = False) -> None:
         rng = np.random.default_rng(gpus)
         n_steps = steps if gpus <= 1024 else max(3, steps // 2) if gpus <= 4096 else max(2, steps // 3)
         pl = ZeppelinPlanner()
-        times, cpu, seqs, ratios, solvers, parts = [], [], [], [], [], []
+        times, cpu, seqs, ratios, solvers, parts, sims = [], [], [], [], [], [], []
         for k in range(n_steps):
             L = draw("mixed", rng, 8 * gpus)
             ss = [Sequence(sample_id=i, length=int(x)) for i, x in enumerate(L)]
@@ -94,7 +95,13 @@ def latency(sizes: list[int], steps: int, breakdown: bool = False) -> None:
             solvers.append(sp.solver.name)
             if breakdown:
                 parts.append(over_bound(ctx, sp))
+            if gpus <= simulate_max:  # (after the timing: the simulator is the judge, not the planner)
+                from zeppelin.planner.sim.simulate import Simulator
+
+                sims.append(Simulator(ctx).simulate_step(sp).step_time_s / sp.prediction.lower_bound_s)
         row = {}
+        if sims:
+            row["median_sim_ratio"] = round(float(np.median(sims)), 4)
         if parts:
             row["over_bound"] = {k: round(float(np.median([p[k] for p in parts])), 4) for k in parts[0]}
         print(json.dumps({"bench": "planner_latency", "gpus": gpus, "cluster": ctx.cluster.name,
@@ -203,6 +210,8 @@ def main(argv=None) -> None:
     ap.add_argument("--latency-steps", type=int, default=5, help="steps per size up to 1,024 GPUs (half beyond, "
                     "a third beyond 4,096)")
     ap.add_argument("--breakdown", action="store_true", help="latency rows: where the time above the bound goes")
+    ap.add_argument("--simulate-max-gpus", type=int, default=0, metavar="N",
+                    help="latency rows up to N GPUs: also the simulated step over the bound (median_sim_ratio)")
     ap.add_argument("--steps", type=int, default=100, help="steps per quality cell")
     ap.add_argument("--ablation-steps", type=int, default=30)
     ap.add_argument("--rss-gpus", type=int, default=4096)
@@ -210,7 +219,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     print(json.dumps({"bench": "machine", "python": sys.version.split()[0]}), flush=True)
     if a.only in (None, "latency"):
-        latency(sorted(int(x) for x in a.sizes.split(",")), a.latency_steps, a.breakdown)
+        latency(sorted(int(x) for x in a.sizes.split(",")), a.latency_steps, a.breakdown, a.simulate_max_gpus)
     if a.only in (None, "quality"):
         quality(["zeppelin-a", "zeppelin-c"], ["llama-7b", "llama-13b"], ["short", "long", "mixed"], a.steps)
     if a.only in (None, "ablation"):

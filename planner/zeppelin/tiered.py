@@ -240,7 +240,8 @@ def best_microbatch(search: StepState, idx: list[int], carry: np.ndarray, floors
                     continue
                 terms = microbatch_terms(ctx, lengths, mb)
                 cands.append((mb, st, terms))
-                alt = _usp_alternative(search, mb, terms, lengths, remap=search.options.remap and bal == "attention")
+                alt = None if search.options.intra == "ring" else _usp_alternative(
+                    search, mb, terms, lengths, remap=search.options.remap and bal == "attention")
                 if alt is not None:
                     cands.append((alt[0], st, alt[1]))
         if cands:

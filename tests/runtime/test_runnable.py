@@ -223,13 +223,19 @@ def test_long_blocks_plan_runs_exactly(tmp_path):
         shared = [u for mb in plan.microbatches for g in mb.groups if g.kind == "local" for u in g.units]
         assert shared, "no short sequence beside a long one's share"
         steps.append(plan)
-    write_plan(tmp_path / "lb.jsonl", header, steps)
-    p = _run(["validate", "lb.jsonl"], tmp_path)
+    _runs_exactly(tmp_path, "lb", header, steps)
+
+
+def _runs_exactly(tmp_path, name: str, header, steps) -> None:
+    """``steps`` written as ``name.jsonl`` validate and run with ``--verify``, every step within 1e-5
+    of the single-process reference."""
+    write_plan(tmp_path / f"{name}.jsonl", header, steps)
+    p = _run(["validate", f"{name}.jsonl"], tmp_path)
     assert p.returncode == 0, p.stderr
-    p = _run(["run", "lb.jsonl", "--verify", "--progress", "none"], tmp_path)
+    p = _run(["run", f"{name}.jsonl", "--verify", "--progress", "none"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
-    recs = [json.loads(x) for x in (tmp_path / "lb.metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in recs] == [0, 1]
+    recs = [json.loads(x) for x in (tmp_path / f"{name}.metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == list(range(len(steps)))
     assert all(r["verify"]["ok"] and r["verify"]["grad_rel"] <= 1e-5 for r in recs)
 
 
@@ -254,11 +260,4 @@ def test_tiered_usp_rings_run_exactly(tmp_path):
         usp = [g for mb in plan.microbatches for g in mb.groups if g.kind == "usp"]
         assert [(g.tier, g.units, g.shape) for g in usp] == [("inter", [0, 1, 2, 3], [2, 2])]
         steps.append(plan)
-    write_plan(tmp_path / "usp.jsonl", header, steps)
-    p = _run(["validate", "usp.jsonl"], tmp_path)
-    assert p.returncode == 0, p.stderr
-    p = _run(["run", "usp.jsonl", "--verify", "--progress", "none"], tmp_path)
-    assert p.returncode == 0, p.stderr[-3000:]
-    recs = [json.loads(x) for x in (tmp_path / "usp.metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in recs] == [0, 1]
-    assert all(r["verify"]["ok"] and r["verify"]["grad_rel"] <= 1e-5 for r in recs)
+    _runs_exactly(tmp_path, "usp", header, steps)
