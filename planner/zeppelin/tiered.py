@@ -265,6 +265,10 @@ def _usp_alternative(search: StepState, mb, terms, lengths, remap: bool):
     all-to-alls. The caller keeps whichever layout the prediction finds faster."""
     ctx = search.ctx
     rings = usp_rings(ctx, mb)
+    busy = terms.busy
+    slowest = set(np.flatnonzero(busy >= busy.max()).tolist())
+    if not any(slowest.intersection(mb.groups[g].units) for g in rings):
+        return None  # (the micro-batch's slowest unit runs none of them: the layout would not be faster)
     while rings:
         alt = as_usp(search, mb, rings, remap)
         alt_terms = microbatch_terms(ctx, lengths, alt)
