@@ -80,8 +80,7 @@ def as_usp(search, mb: MicroBatch, rings: list[int], remap: bool) -> MicroBatch:
     node to node goes through one unit's, or its relays'), the same sequence cut as
     :func:`zeppelin.schemas.layout.usp_ranges`; then its routes and (``remap``) its remap again."""
     ctx = search.ctx
-    upn, u = ctx.units_per_node, max(usp_row_sizes(ctx))
-    m = ctx.model
+    u, m = max(usp_row_sizes(ctx)), ctx.model
     rep = kv_replication(m.num_heads, m.num_kv_heads, ctx.tp, u)
     groups, placements = list(mb.groups), list(mb.placements)
     for pi, p in enumerate(placements):
