@@ -125,7 +125,9 @@ def over_bound(ctx: PlanContext, plan) -> dict[str, float]:
     pr = plan.prediction
     lengths = [q.length for q in plan.sequences]
     terms = [microbatch_terms(ctx, lengths, mb) for mb in plan.microbatches]
-    ar = ctx.cost.step_collectives_time(len(terms), ctx.num_units)
+    # (the gradient collectives as the prediction charges them: FSDP's prefetched ones hide behind
+    # each micro-batch's layers)
+    ar = ctx.cost.step_collectives_time(len(terms), ctx.num_units, [float(t.period.max()) for t in terms])
     mean = sum(float(t.busy.mean()) for t in terms) + ar
     lb = pr.lower_bound_s
     return {"work": (mean - lb) / lb, "exposed": sum(float(t.exposed.mean()) for t in terms) / lb,
