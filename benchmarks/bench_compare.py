@@ -189,8 +189,8 @@ def _usp_variants(ctx) -> dict[str, list[tuple[str, dict]]]:
             "ulysses <= kv": [("ulysses", {"sp": g}) for g in sizes if g <= kv],
             "ulysses + replication": [("ulysses", {})],
             "usp": [("usp", {})],
-            "zeppelin rings only": [("zeppelin", {"families": "none", "intra": "ring"})],
-            "zeppelin without usp": [("zeppelin", {"families": FAMILIES_BEFORE_USP})],
+            "zeppelin rings only": [("zeppelin", {"families": "none", "intra": "ring", "inter": "ring"})],
+            "zeppelin without usp": [("zeppelin", {"families": FAMILIES_BEFORE_USP, "inter": "ring"})],
             "zeppelin": [("zeppelin", {})]}
 
 

@@ -52,9 +52,11 @@ class ZeppelinOptions(PlannerOptions):
     simulate_max_units: int = option(int, 16, "select=auto: the largest cluster (units) the simulator judges",
                                      minimum=0)
     intra: str = option(str, "auto", "how a sequence split inside a node runs: auto (zigzag ring or Ulysses "
-                        "all-to-all, whichever the cost model prices lower; a ring over whole nodes may run as a "
-                        "usp group, Ulysses rows inside the nodes) or ring (rings only, as published)",
+                        "all-to-all, whichever the cost model prices lower) or ring (rings only, as published)",
                         choices=("auto", "ring"))
+    inter: str = option(str, "auto", "how a sequence split over whole nodes runs: auto (a zigzag ring, or a usp "
+                        "group - Ulysses rows inside the nodes, a ring of rows - where the prediction finds it "
+                        "faster) or ring (rings only, as published)", choices=("auto", "ring"))
     families: str = option(str, "all", "whole-step candidate families beside the tiered search: all, none, or a "
                            "comma list of ulysses-groups, flop-share, tp-replicas, wide-rings, usp-groups, long-blocks")
     families_max_units: int = option(int, 256, "beyond this many units only large_families are built", minimum=0)

@@ -91,6 +91,10 @@ class ZeppelinPlanner(Planner):
         # head shards), whichever the cost model prices lower for that sequence; "ring" - always a
         # ring (the published design)
         self.intra = o.intra
+        # how a sequence split over whole nodes runs: "auto" - a zigzag ring, or a usp group over the
+        # same units where the prediction finds the micro-batch faster (tiered.best_microbatch);
+        # "ring" - always a ring (the published design)
+        self.inter = o.inter
         # the whole-step candidate families of families/ (comma list, or "none"), tried on clusters
         # of at most ``families_max_units`` units; beyond, for planning latency, ``large_families``
         self.families = _fam_list(o.families)

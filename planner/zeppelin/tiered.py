@@ -240,7 +240,7 @@ def best_microbatch(search: StepState, idx: list[int], carry: np.ndarray, floors
                     continue
                 terms = microbatch_terms(ctx, lengths, mb)
                 cands.append((mb, st, terms))
-                alt = None if search.options.intra == "ring" else _usp_alternative(
+                alt = None if search.options.inter == "ring" else _usp_alternative(
                     search, mb, terms, lengths, remap=search.options.remap and bal == "attention")
                 if alt is not None:
                     cands.append((alt[0], st, alt[1]))

@@ -225,7 +225,7 @@ def test_planner_plans_match_reference(pool, planner):
     # te-cp: a run whose max_seq_len needs CP=2 (this step alone would fit one rank)
     opts = {"cp": 2} if planner == "te-cp" else {}
     if planner == "zeppelin":  # the tiered search alone, rings only (its routed rings); "zeppelin-families" runs
-        opts = {"families": "none", "intra": "ring"}  # the full planner
+        opts = {"families": "none", "inter": "ring"}  # the full planner
     name = planner.split("-node")[0].split("-families")[0]
     step = planner_step(name, header, lens, **opts)
     tiers = {(g.kind, g.tier) for mb in step.microbatches for g in mb.groups}
