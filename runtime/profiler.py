@@ -544,7 +544,8 @@ def measure_concurrent_inter(gpn: int, nbytes: int, dev, reps, warmup) -> float 
     world = dist.get_world_size()
     if world < 2 * gpn or gpn < 2:
         return None
-    single = measure_p2p({"x": (0, gpn)}, [nbytes], dev, reps, warmup, statistics.median, 1)["x"][0]  # (as below)
+    single = measure_p2p({"x": (0, gpn)}, [nbytes], dev, reps, warmup, statistics.median, 1)["x"][0]
+    # (a median, as the concurrent transfers' below: the ratio compares like with like)
     rank = dist.get_rank()
     buf = torch.empty(nbytes // 4, dtype=torch.float32, device=dev)
     pairs = {0: gpn, 1: gpn + 1, gpn: 0, gpn + 1: 1}

@@ -269,10 +269,10 @@ def _usp_alternative(search: StepState, mb, terms, lengths, remap: bool):
     slowest = set(np.flatnonzero(busy >= busy.max()).tolist())
     if not any(slowest.intersection(mb.groups[g].units) for g in rings):
         return None  # (the micro-batch's slowest unit runs none of them: the layout would not be faster)
+    room = np.maximum(terms.mem_tokens, ctx.cost.token_capacity)
     while rings:
         alt = as_usp(search, mb, rings, remap)
         alt_terms = microbatch_terms(ctx, lengths, alt)
-        room = np.maximum(terms.mem_tokens, ctx.cost.token_capacity)
         over = {g for g in rings if (alt_terms.mem_tokens[mb.groups[g].units] > room[mb.groups[g].units]).any()}
         if not over:
             return alt, alt_terms

@@ -394,11 +394,11 @@ class _Groups:
     def __init__(self, intra, n: int, L: np.ndarray, order: list[int]):
         sizes, cost, fits, need, cap = intra
         self.sizes, self.n, self.L, self.order = sorted(sizes), n, L, order
-        self.area = _cheapest_area(intra)
-        self._short: dict[tuple, tuple] = {}
         self.times = np.array([np.where(fits[s], cost[s], np.inf) for s in self.sizes])
         self.shares = np.array([need[s] / max(cap[s], 1) for s in self.sizes])
         self.areas = np.array(self.sizes, dtype=float)[:, None] * self.times
+        self.area = self.areas.min(axis=0)  # per sequence, its cheapest area (inf where no group holds it)
+        self._short: dict[tuple, tuple] = {}
         self.unit_capacity = cap[1]
         self._shape: dict[int, tuple] = {}
         self._spread: dict[tuple[int, int], tuple] = {}
@@ -419,7 +419,7 @@ class _Groups:
         """Sequence ``i``'s time and memory share on every group of ``m`` micro-batches (the order of
         :meth:`empty`)."""
         if (m, i) not in self._spread:
-            size_of = self._shape[m][1]
+            size_of = self._geometry(m)[1]
             self._spread[(m, i)] = (self.times[:, i][size_of], self.shares[:, i][size_of])
         return self._spread[(m, i)]
 
@@ -429,24 +429,21 @@ class _Groups:
         array each (``top``, ``full``) and per size as views ``(m, groups)`` (``tops``, ``fulls``; the
         size-1 groups are the units); ``off``, where each size starts; ``size_of`` and ``mb_of``, per
         group its size's position and its micro-batch."""
+        off, size_of, mb_of = self._geometry(m)
+        top, full = np.zeros(off[-1]), np.zeros(off[-1])
+        tops = {s: top[off[j]:off[j + 1]].reshape(m, -1) for j, s in enumerate(self.sizes)}
+        fulls = {s: full[off[j]:off[j + 1]].reshape(m, -1) for j, s in enumerate(self.sizes)}
+        return tops, fulls, top, full, off, size_of, mb_of
+
+    def _geometry(self, m: int) -> tuple:
+        """``(off, size_of, mb_of)`` of :meth:`empty` for ``m`` micro-batches (made once)."""
         if m not in self._shape:
             span = [m * (self.n // s) for s in self.sizes]
             off = np.concatenate([[0], np.cumsum(span)]).astype(int)
             size_of = np.repeat(np.arange(len(self.sizes)), span)
             mb_of = np.concatenate([np.repeat(np.arange(m), self.n // s) for s in self.sizes])
             self._shape[m] = (off, size_of, mb_of)
-        off, size_of, mb_of = self._shape[m]
-        top, full = np.zeros(off[-1]), np.zeros(off[-1])
-        tops = {s: top[off[j]:off[j + 1]].reshape(m, -1) for j, s in enumerate(self.sizes)}
-        fulls = {s: full[off[j]:off[j + 1]].reshape(m, -1) for j, s in enumerate(self.sizes)}
-        return tops, fulls, top, full, off, size_of, mb_of
-
-
-def _cheapest_area(intra) -> np.ndarray:
-    """Per sequence, its time on the group inside a node that holds it at the least resource-time
-    (time x units; inf where none holds it)."""
-    sizes, cost, fits, _, _ = intra
-    return np.min([np.where(fits[s], cost[s] * s, np.inf) for s in sizes], axis=0)
+        return self._shape[m]
 
 
 def _fluid(work: float, tokens: float, unit_capacity: float, loads: np.ndarray, mem: np.ndarray,
