@@ -47,6 +47,12 @@ class CommCosts:
         b = as_array(nbytes)
         return np.where(b > 0, lk.alpha_s + b * as_array(sharers) / (lk.bandwidth_GBps * 1e9), 0.0)
 
+    def p2p_seconds(self, nbytes: float, cls: str = "intra") -> float:
+        """:meth:`p2p_time` of one transfer, unshared, as a Python float (the same IEEE operations:
+        for loops over many transfers, where a numpy call per transfer costs more than its arithmetic)."""
+        lk = self.link(cls)
+        return lk.alpha_s + nbytes * 1.0 / (lk.bandwidth_GBps * 1e9) if nbytes > 0 else 0.0
+
     def tier_link(self, tier: str) -> str:
         return "inter" if tier == "inter" else "intra"
 
@@ -65,6 +71,10 @@ class CommCosts:
     def ring_round_bytes(self, chunk_tokens) -> np.ndarray:
         """Bytes one rank sends per ring round, fwd + bwd, one layer: K,V forward; K,V + dK,dV backward."""
         return 3.0 * self.kv_bytes(chunk_tokens)
+
+    def ring_round_bytes_of(self, chunk_tokens: float) -> float:
+        """:meth:`ring_round_bytes` of one chunk as a Python float (the same IEEE operations)."""
+        return 3.0 * (float(chunk_tokens) * 2 * self.model.kv_dim * self.act_bytes / self.tp)
 
     def ring_sync(self, G: int):
         """Measured seconds one ring round's exchanges add beyond compute (fits.ring_sync_s); None without it."""

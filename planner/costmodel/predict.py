@@ -29,7 +29,7 @@ def nic_loads(ctx: PlanContext, mb: MicroBatch, routed: bool = True) -> dict[str
     upn = ctx.units_per_node
     for r in mb.routes:
         rounds, share = cost.ring_hop_share(mb.groups[r.group])
-        total = float(cost.ring_round_bytes(r.tokens)) * share * rounds * L
+        total = cost.ring_round_bytes_of(r.tokens) * share * rounds * L
         if routed:
             for p in r.paths:
                 share = total * (p.tokens / r.tokens if r.tokens else 0.0)
@@ -85,7 +85,7 @@ def _route_round_time(ctx: PlanContext, mb: MicroBatch, routed: bool) -> tuple[d
     # from them (one NVLink port each way, shared by all of the route's paths)
     spread: dict[int, list] = {}
     for r, p, tokens, a, b in _route_flows(ctx, mb, routed):
-        nbytes = float(cost.ring_round_bytes(tokens)) * hop[r.group][1]
+        nbytes = cost.ring_round_bytes_of(tokens) * hop[r.group][1]
         flows.append((r.group, nbytes, a, b))
         if p is not None:
             d = spread.setdefault(id(r), [r.group, 0.0, 0.0])
@@ -93,21 +93,21 @@ def _route_round_time(ctx: PlanContext, mb: MicroBatch, routed: bool) -> tuple[d
             d[2] += nbytes * (p.via_dst != r.dst) / ctx.tp
     hops: dict[int, float] = defaultdict(float)  # per group: the slowest dispatch + combine of a round
     for g, out_b, in_b in spread.values():
-        hops[g] = max(hops[g], float(cost.p2p_time(out_b, "intra")) + float(cost.p2p_time(in_b, "intra")))
+        hops[g] = max(hops[g], cost.p2p_seconds(out_b, "intra") + cost.p2p_seconds(in_b, "intra"))
     own: dict[tuple, float] = defaultdict(float)
     busy: dict[tuple, float] = defaultdict(float)
     for g, nbytes, a, b in flows:
         if shared:
             own["tx", g, a] += nbytes
             own["rx", g, b] += nbytes
-            alone = float(cost.p2p_time(nbytes, "inter")) * hop[g][0]
+            alone = cost.p2p_seconds(nbytes, "inter") * hop[g][0]
             busy["tx", a] += alone
             busy["rx", b] += alone
     out: dict[int, float] = defaultdict(float)
     floor: dict[int, float] = defaultdict(float)
     for g, nbytes, a, b in flows:
         load = max(own["tx", g, a], own["rx", g, b]) if shared else nbytes
-        out[g] = max(out[g], float(cost.p2p_time(load, "inter")) + hops.get(g, 0.0))
+        out[g] = max(out[g], cost.p2p_seconds(load, "inter") + hops.get(g, 0.0))
         floor[g] = max(floor[g], busy.get(("tx", a), 0.0), busy.get(("rx", b), 0.0))
     return out, floor
 
