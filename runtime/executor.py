@@ -206,7 +206,7 @@ class Executor:
         phases["data"] = self._now() - t0
         per_mb = []  # each micro-batch's choice, tokens, bytes held and times (``run --report``)
         for mbi, mb in enumerate(sc.microbatches):
-            mode = self._set_recompute(step, mbi)
+            mode = self._set_recompute(step, mbi, unit)
             t1 = self._now()
             with self.activations.hooks():
                 layout = PlanLayout(mb.context, mb.position_ids,
@@ -248,15 +248,17 @@ class Executor:
         return StepResult(loss=float(loss_local), phases=phases, bytes=nbytes, tokens=tokens, hidden=hidden,
                           memory=memory, local_loss=local_loss, microbatches=per_mb)
 
-    def _set_recompute(self, step: StepPlan, mbi: int) -> str:
-        """Set the model's recomputation for micro-batch ``mbi`` of ``step`` and return it: its own
-        choice in a plan of choices per micro-batch (the switches of the wrappers set once at
-        start-up), else the run's one mode."""
+    def _set_recompute(self, step: StepPlan, mbi: int, unit: int) -> str:
+        """Set the model's recomputation for micro-batch ``mbi`` of ``step`` on this rank (of
+        ``unit``) and return it: in a plan of choices per micro-batch, the micro-batch's own - for
+        its ``recompute_units`` only, where it lists them (the switches of the wrappers set once at
+        start-up; the collectives are the same in every mode, so ranks may differ) - else the
+        run's one mode."""
         if self.recompute != "per-microbatch":
             return self.recompute
         from .fsdp import set_recompute
 
-        mode = step.microbatches[mbi].recompute or "none"
+        mode = step.microbatches[mbi].recompute_of(unit) or "none"
         set_recompute(self.model, mode)
         return mode
 

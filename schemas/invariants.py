@@ -149,6 +149,8 @@ def recompute_problems(header: PlanHeader, mb: MicroBatch, where: str) -> list[s
     """A micro-batch names its recomputation only in a plan whose header says ``per-microbatch``,
     and ``full:k`` recomputes fewer layers than the model has (all of them: ``full``)."""
     if mb.recompute is None:
+        if mb.recompute_units is not None:
+            return [f"{where}: lists recompute_units but names no recompute for them"]
         return []
     if header.recompute != "per-microbatch":
         return [f"{where}: says recompute {mb.recompute!r} but the plan's header says recompute "
@@ -157,6 +159,10 @@ def recompute_problems(header: PlanHeader, mb: MicroBatch, where: str) -> list[s
     if sep and int(k) >= header.model.num_layers:
         return [f"{where}: recompute {mb.recompute!r} names {k} layers, the model has {header.model.num_layers} "
                 f"(all of them: 'full')"]
+    us = mb.recompute_units
+    if us is not None and (any(b <= a for a, b in zip(us, us[1:])) or any(not 0 <= u < len(mb.queues) for u in us)):
+        return [f"{where}: recompute_units must list units of the micro-batch (0..{len(mb.queues) - 1}) "
+                f"in ascending order, each once"]
     return []
 
 

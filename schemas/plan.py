@@ -41,6 +41,7 @@ layout instead and the runtime remaps activations between the two.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import hashlib
 import json
@@ -210,6 +211,10 @@ class MicroBatch(Strict):
     #: header says ``recompute: per-microbatch``, and written only when set (None: ``none``)
     recompute: str | None = Field(default=None, pattern=MICROBATCH_RECOMPUTE,
                                   description="none | selective | full | full:k (the first k layers)")
+    #: the units that run :attr:`recompute` (ascending; None: every unit); the others recompute
+    #: nothing - a unit whose tokens fit without recomputation need not pay for it. Written only when set
+    recompute_units: list[int] | None = Field(
+        default=None, description="the units that run this micro-batch's recompute, ascending (absent: every unit)")
     placements: list[Placement] = Field(default_factory=list)
     queues: list[list[int]] = Field(description="per unit: group indices in execution order")
     linear_layout: list[list[list[int]]] | None = Field(
@@ -223,9 +228,19 @@ class MicroBatch(Strict):
         # per micro-batch recomputation came after plans were first written: left out when unset, so
         # every other plan keeps its bytes
         d = handler(self)
-        if isinstance(d, dict) and d.get("recompute", 0) is None:
-            d.pop("recompute")
+        if isinstance(d, dict):
+            for key in ("recompute", "recompute_units"):
+                if key in d and d[key] is None:
+                    d.pop(key)
         return d
+
+    def recompute_of(self, unit: int) -> str | None:
+        """The recomputation ``unit`` runs in this micro-batch (None: the plan's global mode where
+        the micro-batch names none, else ``none``)."""
+        if self.recompute is None or self.recompute_units is None:
+            return self.recompute
+        i = bisect.bisect_left(self.recompute_units, unit)
+        return self.recompute if i < len(self.recompute_units) and self.recompute_units[i] == unit else "none"
 
     def attention_segments(self, unit: int) -> list[list[int]]:
         """The unit's attention buffer as ``[seq, start, end]`` segments, in execution order."""

@@ -255,6 +255,8 @@ class MBTerms:
     coupled: np.ndarray | None = None
     #: the micro-batch's own recomputation (``MicroBatch.recompute``; None: the plan's global mode)
     recompute: str | None = None
+    #: per unit, whether it runs that recomputation (``MicroBatch.recompute_units``; None: every unit)
+    recompute_mask: np.ndarray | None = None
 
     @property
     def busy(self) -> np.ndarray:
@@ -565,7 +567,9 @@ def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool
     # ---- linear modules, TP, remap
     lin_held, head, lin, comm, exposed, links = _linear_terms(ctx, mb, held, comm, exposed)
     if (mb.recompute or cost.global_recompute) != "none":  # the forward its recomputation runs again
-        lin = lin + cost.recompute_extra_time(mb.recompute, attn, lin - head)
+        extra = cost.recompute_extra_time(mb.recompute, attn, lin - head)
+        mask = recompute_mask(mb, n)
+        lin = lin + (extra if mask is None else np.where(mask, extra, 0.0))
     # coupling: partners meet every layer, so per layer a unit waits for its component's slowest
     # member (the LM head runs once per micro-batch, after the last layer, on each unit's own tokens);
     # under FSDP every unit is one component (:attr:`PlanContext.microbatches_coupled`)
@@ -574,7 +578,17 @@ def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool
     return MBTerms(attn=attn, lin=lin, comm=comm, exposed=exposed,
                    tokens=lin_held.astype(np.int64), mem_tokens=layout_memory_tokens(cost, mb, held, lin_held),
                    nic_routed=nic_loads(ctx, mb, routed=True), nic_unrouted=nic_loads(ctx, mb, routed=False),
-                   coupled=coupled, recompute=mb.recompute)
+                   coupled=coupled, recompute=mb.recompute, recompute_mask=recompute_mask(mb, n))
+
+
+def recompute_mask(mb: MicroBatch, n: int) -> np.ndarray | None:
+    """Per unit, whether it runs the micro-batch's recomputation (``MicroBatch.recompute_units``);
+    None: every unit does."""
+    if mb.recompute is None or mb.recompute_units is None:
+        return None
+    mask = np.zeros(n, dtype=bool)
+    mask[np.asarray(mb.recompute_units, dtype=np.int64)] = True
+    return mask
 
 
 def predict_from_terms(ctx: PlanContext, lengths, terms: list[MBTerms]) -> Prediction:
@@ -630,8 +644,17 @@ def _peak_memory_bytes(cost, terms: list[MBTerms], mem_tokens: np.ndarray) -> np
     tokens held; with choices per micro-batch, the most over the micro-batches of each one's own."""
     if all(t.recompute is None for t in terms):
         return np.asarray(cost.memory_bytes(mem_tokens), dtype=np.float64)
-    return np.max([np.asarray(cost.recompute_memory_bytes(t.mem_tokens, t.recompute), dtype=np.float64)
-                   for t in terms], axis=0)
+    return np.max([_recompute_memory(cost, t) for t in terms], axis=0)
+
+
+def _recompute_memory(cost, t: MBTerms) -> np.ndarray:
+    """Per unit, the peak bytes of one micro-batch under its choice (units outside its
+    ``recompute_units``: without recomputation)."""
+    got = np.asarray(cost.recompute_memory_bytes(t.mem_tokens, t.recompute), dtype=np.float64)
+    if t.recompute_mask is None:
+        return got
+    return np.where(t.recompute_mask, got, np.asarray(cost.recompute_memory_bytes(t.mem_tokens, "none"),
+                                                      dtype=np.float64))
 
 
 def predict_step(ctx: PlanContext, step: StepPlan, routed: bool = True) -> Prediction:

@@ -267,11 +267,12 @@ class LayerGraph:
     def _recompute_time(self, cost, u: int, linear_s: float) -> float:
         """The forward unit ``u``'s recomputation runs again in this layer: its attention compute
         (the layer's attention tasks) and ``linear_s`` priced by the micro-batch's choice."""
-        if (self.mb.recompute or cost.global_recompute) == "none":
+        mode = self.mb.recompute_of(u)  # (units outside the micro-batch's recompute_units: none)
+        if (mode or cost.global_recompute) == "none":
             return 0.0
         tasks = self.engine.tasks
         attn = sum(tasks[t].dur for t in self.attn_tasks.get(u, ()) if tasks[t].kind == "compute")
-        return float(cost.recompute_extra_time(self.mb.recompute, attn, linear_s))
+        return float(cost.recompute_extra_time(mode, attn, linear_s))
 
     def _remap_transfer(self, a: int, b: int, nbytes: float, deps) -> int:
         """One remap move (``nbytes``: its forward and backward passes together). With a profile

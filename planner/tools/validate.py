@@ -79,10 +79,11 @@ def memory_problems(ctx: PlanContext, step: StepPlan, mbi: int, mb: MicroBatch) 
     for what, held in (("attention", att), ("linear", lin)):
         for u, t in enumerate(held):
             cm = costs[u] if u < n else ctx.cost
-            cap = cm.recompute_capacity(mb.recompute)  # the micro-batch's recomputation (None: the plan's)
-            held_eq = cm.recompute_layout_tokens(t, uly[u] if what == "attention" else 0, mb.recompute)
+            mode = mb.recompute_of(u)  # the unit's recomputation in this micro-batch (None: the plan's)
+            cap = cm.recompute_capacity(mode)
+            held_eq = cm.recompute_layout_tokens(t, uly[u] if what == "attention" else 0, mode)
             if t > cap or held_eq >= cap + 1:
-                gb = float(cm.recompute_memory_bytes(held_eq, mb.recompute)) / 1e9
+                gb = float(cm.recompute_memory_bytes(held_eq, mode)) / 1e9
                 probs.append(f"memory: step {step.step} microbatch {mbi} unit {u} holds {t:,} tokens in the {what} "
                              f"layout, more than the {cap:,} its memory allows ({gb:.1f} GB > "
                              f"{ctx.cluster.gpu.memory_gb - ctx.profile.memory_reserved_gb:g} GB usable)")

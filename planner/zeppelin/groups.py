@@ -93,7 +93,8 @@ def as_usp(search, mb: MicroBatch, rings: list[int], remap: bool) -> MicroBatch:
                                  ranges=usp_ranges(search.sequences[p.seq].length, u, r))
     queues = [list(q) for q in mb.queues]
     out = MicroBatch.model_construct(groups=groups, placements=placements, queues=queues, linear_layout=None,
-                                     remap=RemapInfo(), routes=[], recompute=mb.recompute)
+                                     remap=RemapInfo(), routes=[], recompute=mb.recompute,
+                                     recompute_units=mb.recompute_units)
     out.routes = plan_routes(ctx, out, enable=search.options.routing)
     out.linear_layout, out.remap = _remap(ctx, search.sequences, out, search.options.remap, enable=remap)
     return out

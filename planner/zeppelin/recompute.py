@@ -62,15 +62,26 @@ def held_tokens(mb: MicroBatch, n: int) -> np.ndarray:
     return np.maximum(att, lin)
 
 
+def _unit_fits(ctx: PlanContext, costs: list, held: np.ndarray, uly: np.ndarray | None):
+    """``fits(mode, u)``: whether unit ``u`` fits under ``mode`` (a unit holding nothing always
+    does). ``uly``: per unit, the tokens it holds in Ulysses groups, whose extra copies count on top
+    (as ``validate`` counts them)."""
+    def fits(mode: str, u: int) -> bool:
+        if held[u] <= 0:
+            return True
+        eq = costs[u].recompute_layout_tokens(held[u], 0 if uly is None else uly[u], mode)
+        return eq < costs[u].recompute_capacity(mode) + 1
+
+    return fits
+
+
 def _fitting(ctx: PlanContext, costs: list, held: np.ndarray, uly: np.ndarray | None = None) -> list[str]:
     """The choices under which every unit holding tokens fits: ``none``, ``selective``, and of
-    ``full:1`` .. ``full`` only the fewest layers that fit (more only add time). ``uly``: per unit,
-    the tokens it holds in Ulysses groups, whose extra copies count on top (as ``validate`` counts them)."""
-    def held_as(u: int, mode: str) -> float:
-        return costs[u].recompute_layout_tokens(held[u], 0 if uly is None else uly[u], mode)
+    ``full:1`` .. ``full`` only the fewest layers that fit (more only add time)."""
+    unit_fits = _unit_fits(ctx, costs, held, uly)
 
     def fits(mode: str) -> bool:
-        return all(held_as(u, mode) < costs[u].recompute_capacity(mode) + 1 for u in range(len(held)) if held[u] > 0)
+        return all(unit_fits(mode, u) for u in range(len(held)))
 
     out = [m for m in ("none", "selective") if fits(m)]
     L = ctx.model.num_layers
@@ -86,38 +97,64 @@ def _fitting(ctx: PlanContext, costs: list, held: np.ndarray, uly: np.ndarray | 
     return out + ["full" if lo >= L else f"full:{lo}"]
 
 
+def _costs(ctx: PlanContext, step: StepPlan, n: int) -> list:
+    reps = step.replicas
+    return [ctx.cost] * n if reps is None else [ctx.cost_for(r.tp) for r in reps]
+
+
 def fitting_choices(ctx: PlanContext, step: StepPlan, mb: MicroBatch) -> list[str]:
     """The choices under which every unit of ``mb`` fits (:func:`_fitting`)."""
-    reps = step.replicas
     n = len(mb.queues)
-    costs = [ctx.cost] * n if reps is None else [ctx.cost_for(r.tp) for r in reps]
+    costs = _costs(ctx, step, n)
     return _fitting(ctx, costs, held_tokens(mb, n), ulysses_held_tokens(mb, n, costs))
 
 
-def choose_microbatch(ctx: PlanContext, step: StepPlan, mb: MicroBatch) -> str:
-    """The choice under which every unit of ``mb`` fits and the micro-batch's slowest unit is
-    fastest (its attention and linear work plus the forward the choice runs again); ``full``
-    when none fits (the plan's memory check then names the unit)."""
+def needing_units(ctx: PlanContext, step: StepPlan, mb: MicroBatch) -> list[int]:
+    """The units of ``mb`` that do not fit without recomputation (ascending)."""
+    n = len(mb.queues)
+    costs = _costs(ctx, step, n)
+    fits = _unit_fits(ctx, costs, held_tokens(mb, n), ulysses_held_tokens(mb, n, costs))
+    return [u for u in range(n) if not fits("none", u)]
+
+
+def choose_microbatch(ctx: PlanContext, step: StepPlan, mb: MicroBatch) -> tuple[str, list[int] | None]:
+    """``(choice, units)``: the choice under which every unit of ``mb`` fits and the micro-batch's
+    slowest unit is fastest (its attention and linear work plus the forward the choice runs again),
+    and the units that run it - only those that do not fit without it (None: every unit; a unit
+    that fits without recomputation need not pay for it, and the modes' collectives are the same,
+    so the runtime lets ranks differ); ``full`` on every unit when none fits (the plan's memory
+    check then names the unit)."""
     reps = step.replicas
     choices = fitting_choices(ctx, step, mb)
-    if len(choices) <= 1:
-        return choices[0] if choices else "full"
-    mb.recompute = None
+    if not choices:
+        return "full", None
+    if choices[0] == "none":
+        return "none", None
+    need = needing_units(ctx, step, mb)
+    holding = np.flatnonzero(held_tokens(mb, len(mb.queues)) > 0).tolist()
+    units = None if need == holding else need
+    if len(choices) == 1:
+        return choices[0], units
+    mb.recompute, mb.recompute_units = None, None
     lengths = [q.length for q in step.sequences]
     terms = microbatch_terms(ctx, lengths, mb) if reps is None else None
     if terms is None:  # replicas of mixed TP: the choice that adds the least forward
-        return min(choices, key=lambda m: ctx.cost.recompute_extra_time(m, 0.0, 1.0).item())
+        return min(choices, key=lambda m: ctx.cost.recompute_extra_time(m, 0.0, 1.0).item()), units
     lin = terms.lin - np.asarray(ctx.cost.head_time(terms.tokens), dtype=np.float64)
     busy = terms.busy
-    return min(choices, key=lambda m: float(np.max(busy + ctx.cost.recompute_extra_time(m, terms.attn, lin))))
+    mask = np.zeros(len(busy), dtype=bool)
+    mask[np.asarray(need, dtype=np.int64)] = True
+    return min(choices, key=lambda m: float(np.max(
+        busy + np.where(mask, ctx.cost.recompute_extra_time(m, terms.attn, lin), 0.0)))), units
 
 
 def assign(ctx: PlanContext, plan: StepPlan) -> StepPlan:
-    """``plan`` with each micro-batch's choice set (left out where it is ``none``) and its
-    prediction under those choices."""
+    """``plan`` with each micro-batch's choice and the units that run it set (left out where the
+    choice is ``none``, or every unit runs it) and its prediction under those choices."""
     for mb in plan.microbatches:
-        mode = choose_microbatch(ctx, plan, mb)
+        mode, units = choose_microbatch(ctx, plan, mb)
         mb.recompute = None if mode == "none" else mode
+        mb.recompute_units = None if mode == "none" else units
     plan.prediction = predict_step(ctx, plan)
     return plan
 
@@ -161,7 +198,7 @@ def _confirmed(cands: list[tuple[float, StepPlan]], confirm: Callable[[StepPlan]
     for t, plan in cands:
         if t > limit:
             continue
-        key = (t, tuple((mb.recompute, len(mb.placements)) for mb in plan.microbatches))
+        key = (t, tuple((mb.recompute, mb.recompute_units, len(mb.placements)) for mb in plan.microbatches))
         if key in seen:
             continue
         seen.append(key)
@@ -182,18 +219,18 @@ def _judged(ctx: PlanContext, plan: StepPlan, mode: str, score: Callable[[StepPl
     micro-batch fits so, that one: a choice per micro-batch never loses to the global mode its plan
     was made for."""
     assign(ctx, plan)
-    chosen = [mb.recompute for mb in plan.microbatches]
+    chosen = [(mb.recompute, mb.recompute_units) for mb in plan.microbatches]
     t = score(plan)
     as_made = None if mode == "none" else mode
-    if all(c == as_made for c in chosen) or not all(_fits_as(ctx, plan, mb, mode) for mb in plan.microbatches):
+    if all(c == (as_made, None) for c in chosen) or not all(_fits_as(ctx, plan, mb, mode) for mb in plan.microbatches):
         return plan, t  # as chosen, or as made would not fit (a layout's extra copies the capacity misses)
     for mb in plan.microbatches:
-        mb.recompute = as_made
+        mb.recompute, mb.recompute_units = as_made, None
     plan.prediction = predict_step(ctx, plan)
     t_made = score(plan)
     if t_made < t:
         return plan, t_made
-    for mb, c in zip(plan.microbatches, chosen):
-        mb.recompute = c
+    for mb, (c, us) in zip(plan.microbatches, chosen):
+        mb.recompute, mb.recompute_units = c, us
     plan.prediction = predict_step(ctx, plan)
     return plan, t

@@ -253,7 +253,7 @@ def test_confirm_ranks_again_the_modes_predicted_close_to_the_best():
     from zeppelin.planner.zeppelin import recompute as recompute_mod
 
     def plan(t, k, choice=None):
-        return SimpleNamespace(name=k, microbatches=[SimpleNamespace(queues=[0] * 4, recompute=choice, placements=[0] * k)])
+        return SimpleNamespace(name=k, microbatches=[SimpleNamespace(queues=[0] * 4, recompute=choice, recompute_units=None, placements=[0] * k)])
 
     a, b, c = plan(1.0, 1, "full:2"), plan(1.05, 2), plan(1.3, 3)
     timed = []
@@ -293,3 +293,65 @@ def test_a_plan_is_not_kept_as_made_where_a_micro_batch_would_not_fit_so():
     plan = recompute_mod.plan_step(ctx, 0, seqs, plan_one, judge)
     assert [mb.recompute for mb in plan.microbatches] == ["full:2"]
     assert [memory_problems(ctx, plan, i, mb) for i, mb in enumerate(plan.microbatches)] == [[]]
+
+
+def test_units_that_recompute_round_trip_and_are_checked(tmp_path):
+    header = _header()
+    step = mixed_step(header)
+    step.microbatches[1].recompute_units = [0, 2]
+    write_plan(tmp_path / "p.jsonl", header, [step])
+    _, (s2,) = read_plan(tmp_path / "p.jsonl")
+    assert [mb.recompute_units for mb in s2.microbatches] == [None, [0, 2], None, None]
+    assert [s2.microbatches[1].recompute_of(u) for u in range(4)] == ["selective", "none", "selective", "none"]
+    assert s2.microbatches[2].recompute_of(3) == "full" and s2.microbatches[0].recompute_of(0) is None
+    assert plan_text(header, [step]).count('"recompute_units"') == 1  # written only where set
+    for bad in ([2, 0], [1, 1], [4]):
+        step.microbatches[1].recompute_units = bad
+        assert plan_problems(header, step) == [
+            "coverage: step 0 microbatch 1: recompute_units must list units of the micro-batch (0..3) in "
+            "ascending order, each once"]
+    step.microbatches[1].recompute_units = None
+    step.microbatches[0].recompute_units = [1]
+    assert plan_problems(header, step) == [
+        "coverage: step 0 microbatch 0: lists recompute_units but names no recompute for them"]
+
+
+def test_only_the_units_that_need_it_recompute_and_only_they_pay():
+    """A micro-batch in which one unit holds more than it may without recomputation: the choice
+    runs on that unit alone, the prediction and the simulator charge its forward there only, and
+    its memory is priced with the choice, the others' without."""
+    from zeppelin.planner.sim.simulate import Simulator
+    from zeppelin.planner.tools.validate import memory_problems
+    from zeppelin.planner.zeppelin.recompute import assign
+
+    cl, md = tight_cluster(0.56), model_preset("small")
+    ctx = PlanContext(cl, md, CostModel(cl, md).profile, recompute="per-microbatch")
+    cap = ctx.cost.recompute_capacity("none")
+    big = min(ctx.cost.recompute_capacity("selective"), int(cap * 1.2))
+    lens = [big, cap // 2, cap // 2, cap // 3]
+    header = make_header(cl, md, 1).model_copy(update={"recompute": "per-microbatch"})
+    step = mixed_step(header, modes=("none",))
+    step.sequences = [Sequence(sample_id=i, length=n) for i, n in enumerate(lens)]
+    for u, p in enumerate(step.microbatches[0].placements):
+        p.ranges = [[[0, lens[u]]]]
+    assign(ctx, step)
+    mb = step.microbatches[0]
+    assert mb.recompute is not None  # (selective or full:k, whichever adds the least forward)
+    assert mb.recompute_units == [0]
+    assert memory_problems(ctx, step, 0, mb) == []
+    masked = step.prediction
+    everyone = step.model_copy(deep=True)
+    everyone.microbatches[0].recompute_units = None
+    everyone.prediction = predict_step(ctx, everyone)
+    plain = step.model_copy(deep=True)
+    plain.microbatches[0].recompute, plain.microbatches[0].recompute_units = None, None
+    plain.prediction = predict_step(ctx, plain)
+    lin = [p.per_unit.linear_s for p in (masked, everyone.prediction, plain.prediction)]
+    assert lin[0][0] == pytest.approx(lin[1][0]) and lin[0][0] > lin[2][0]  # unit 0 pays its forward again
+    assert lin[0][1:] == pytest.approx(lin[2][1:]) and lin[1][1] > lin[2][1]  # the others do not
+    mem = [p.per_unit.memory_gb for p in (masked, everyone.prediction, plain.prediction)]
+    assert mem[0][0] == pytest.approx(mem[1][0]) and mem[0][1:] == pytest.approx(mem[2][1:])
+    sim = Simulator(ctx)
+    busy = [[u.busy_s for u in sim.simulate_step(p).units] for p in (step, everyone, plain)]
+    assert busy[0][0] == pytest.approx(busy[1][0]) and busy[0][0] > busy[2][0]
+    assert busy[0][1:] == pytest.approx(busy[2][1:]) and busy[1][1] > busy[2][1]

@@ -16,6 +16,7 @@ import torch
 from tests.runtime.test_runtime_dist import make_header
 from zeppelin.planner.costmodel.context import PlanContext
 from zeppelin.planner.costmodel.predict import predict_step
+from zeppelin.schemas.invariants import plan_problems
 from zeppelin.schemas.cluster import cluster_preset
 from zeppelin.schemas.model import model_preset
 from zeppelin.schemas.plan import Group, MicroBatch, Placement, PlanHeader, Sequence, StepPlan
@@ -105,3 +106,32 @@ def test_mixed_recompute_plan_verifies_and_holds_what_is_predicted(pool, hf_llam
         # the choices differ in what they hold: none > selective > full, full:2 between full and none
         none, sel, full, part = (m["activations"] + m["recompute_bytes"] for m in mem["microbatches"])
         assert none > sel > full and part > full
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_recompute_on_some_units_only_verifies_and_each_rank_holds_its_own(pool, zero):
+    """Micro-batches that recompute on some units only (``recompute_units``): every rank runs its
+    own unit's choice - the ranks of one micro-batch differ - and the step still equals the
+    single-process reference; each rank's measured activations are its choice's prediction."""
+    from zeppelin.planner.costmodel.cost import CostModel
+
+    spec = model_preset("small")
+    header = make_header(cluster_preset("local-cpu:1x4"), spec, 1, planner="hand")
+    header = header.model_copy(update={"zero_stage": zero, "recompute": "per-microbatch"})
+    step = mixed_step(header, modes=("selective", "full:k"))
+    step.microbatches[0].recompute_units = [1, 3]
+    step.microbatches[1].recompute_units = [0]
+    assert plan_problems(header, step) == []
+    outs = pool.run(_run, header.model_dump_json(), step.model_dump_json(), None, timeout=240)
+    rep = outs[0]["report"]
+    assert rep["ok"] and rep["loss_rel"] <= 1e-5 and rep["hidden_rel"] <= 1e-5, rep
+    cost = CostModel(header.cluster, spec, header.profile, zero_stage=zero, recompute="per-microbatch")
+    k = spec.num_layers // 2
+    want_modes = [["none", "selective", "none", "selective"], [f"full:{k}", "none", "none", "none"]]
+    for rank, out in enumerate(outs):
+        mbs = out["memory"]["microbatches"]
+        assert [m["recompute"] for m in mbs] == [want_modes[0][rank], want_modes[1][rank]]
+        for m in mbs:
+            act = m["activations"] + m["recompute_bytes"]
+            want = m["tokens"] * cost.recompute_bytes_per_token(m["recompute"])
+            assert abs(act - want) <= TOL * act, (rank, m, want)
