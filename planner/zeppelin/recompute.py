@@ -212,6 +212,29 @@ def _fits_as(ctx: PlanContext, plan: StepPlan, mb: MicroBatch, mode: str) -> boo
     return mode in choices or (mode == "full" and any(c.startswith("full") for c in choices))
 
 
+def _each_choice_judged(ctx: PlanContext, plan: StepPlan, score: Callable[[StepPlan], float]) -> float:
+    """``plan``'s score after each micro-batch that needs recomputation has tried, in turn, the
+    other choices that fit it (on the same units) under ``score``, keeping any that rates the plan
+    faster: the choice prices the slowest unit's extra forward from the prediction's terms, and
+    two choices on a few units can come out within what the simulator's waits decide."""
+    t = score(plan)
+    for mb in plan.microbatches:
+        if mb.recompute is None:
+            continue
+        best = mb.recompute
+        for m in fitting_choices(ctx, plan, mb):
+            if m in ("none", best):
+                continue
+            mb.recompute = m
+            plan.prediction = predict_step(ctx, plan)
+            tm = score(plan)
+            if tm < t:
+                t, best = tm, m
+        mb.recompute = best
+    plan.prediction = predict_step(ctx, plan)
+    return t
+
+
 def _judged(ctx: PlanContext, plan: StepPlan, mode: str, score: Callable[[StepPlan], float]) -> tuple[StepPlan, float]:
     """``plan`` (made under the global ``mode``) with its choices per micro-batch (:func:`assign`) and
     its score; where ``score`` rates the plan as made, every micro-batch in ``mode``, faster (the
@@ -219,8 +242,8 @@ def _judged(ctx: PlanContext, plan: StepPlan, mode: str, score: Callable[[StepPl
     micro-batch fits so, that one: a choice per micro-batch never loses to the global mode its plan
     was made for."""
     assign(ctx, plan)
+    t = _each_choice_judged(ctx, plan, score)
     chosen = [(mb.recompute, mb.recompute_units) for mb in plan.microbatches]
-    t = score(plan)
     as_made = None if mode == "none" else mode
     if all(c == (as_made, None) for c in chosen) or not all(_fits_as(ctx, plan, mb, mode) for mb in plan.microbatches):
         return plan, t  # as chosen, or as made would not fit (a layout's extra copies the capacity misses)

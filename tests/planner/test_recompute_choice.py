@@ -351,6 +351,12 @@ def test_only_the_units_that_need_it_recompute_and_only_they_pay():
     assert lin[0][1:] == pytest.approx(lin[2][1:]) and lin[1][1] > lin[2][1]  # the others do not
     mem = [p.per_unit.memory_gb for p in (masked, everyone.prediction, plain.prediction)]
     assert mem[0][0] == pytest.approx(mem[1][0]) and mem[0][1:] == pytest.approx(mem[2][1:])
+    # the judge (the simulator, or the prediction) may rate another choice that fits faster: it wins
+    from zeppelin.planner.zeppelin.recompute import _judged, fitting_choices
+
+    other = next(m for m in fitting_choices(ctx, step, mb) if m not in ("none", mb.recompute))
+    judged, t = _judged(ctx, step.model_copy(deep=True), "none", lambda p: float(p.microbatches[0].recompute != other))
+    assert (judged.microbatches[0].recompute, judged.microbatches[0].recompute_units, t) == (other, [0], 0.0)
     sim = Simulator(ctx)
     busy = [[u.busy_s for u in sim.simulate_step(p).units] for p in (step, everyone, plain)]
     assert busy[0][0] == pytest.approx(busy[1][0]) and busy[0][0] > busy[2][0]
