@@ -173,7 +173,8 @@ def render(doc: dict, head: str) -> list[str]:
     rows = [c for c in cells if "recompute_modes" in c]
     if rows:
         out += ["", ("Zeppelin under `--recompute auto` and under each global mode: step time over the bound / "
-                     "predicted peak memory of a GPU over its usable capacity; auto's micro-batches by choice."), "",
+                     "predicted peak memory of a GPU over its usable capacity; auto's micro-batches by choice (and "
+                     "of those that recompute, the share of their units that run it: the others fit without)."), "",
                 "| cell | auto | " + " | ".join(RECOMPUTE_GLOBAL) + " | auto's micro-batches |",
                 "|---|---:|" + "---:|" * len(RECOMPUTE_GLOBAL) + "---|"]
         for c in rows:
@@ -181,6 +182,8 @@ def render(doc: dict, head: str) -> list[str]:
             st = (lambda m: "cannot plan" if "mean_s" not in rc[m] else
                   f"{rc[m]['ratio_to_lower_bound']:.3f} / {rc[m]['memory_over_capacity']:.2f}")
             mbs = ", ".join(f"{k} {v}" for k, v in sorted(rc["auto"].get("microbatches", {}).items()))
+            if "recomputing_unit_share" in rc["auto"]:
+                mbs += f" (on {rc['auto']['recomputing_unit_share']:.0%} of their units)"
             out.append(f"| {c['cell']} | {st('auto')} | " + " | ".join(st(m) for m in RECOMPUTE_GLOBAL)
                        + f" | {mbs} |")
     brk = [c for c in cells if "breakdown" in c]
