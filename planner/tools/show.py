@@ -66,6 +66,17 @@ def _units_text(units: list[int]) -> str:
     return ",".join(map(str, units))
 
 
+def _runs_text(units: list[int]) -> str:
+    """Ascending units as runs: ``0-11,20-23,30``."""
+    runs: list[list[int]] = []
+    for u in units:
+        if runs and u == runs[-1][1] + 1:
+            runs[-1][1] = u
+        else:
+            runs.append([u, u])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+
+
 def _seqs_text(seqs: list[tuple[int, int]], limit: int = 8) -> str:
     txt = " ".join(f"#{i}:{n}" for i, n in seqs[:limit])
     if len(seqs) > limit:
@@ -146,9 +157,22 @@ def render_step(header: PlanHeader, step: StepPlan, console, sim=None, full: boo
             remaps.append(f"remap (micro-batch {mbi}): off" + (f" - {rm.reason}" if rm.reason else ""))
     if not full and not remaps:
         remaps.append(f"remap: off in all {len(step.microbatches)} micro-batch(es)")
-    for line in remaps:
+    for line in remaps + recompute_lines(step):
         console.print(line, highlight=False)
     return counts
+
+
+def recompute_lines(step: StepPlan) -> list[str]:
+    """One line per micro-batch that names its recomputation: the choice and the units that run it."""
+    out = []
+    for mbi, mb in enumerate(step.microbatches):
+        if mb.recompute is None:
+            continue
+        n = len(mb.queues)
+        who = ("on every unit" if mb.recompute_units is None else
+               f"on units {_runs_text(mb.recompute_units)} ({len(mb.recompute_units)} of {n}; the others none)")
+        out.append(f"recompute (micro-batch {mbi}): {mb.recompute} {who}")
+    return out
 
 
 def summarised_groups(rows: list[dict]) -> list[dict]:

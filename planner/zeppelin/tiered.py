@@ -16,7 +16,7 @@ planner.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -193,19 +193,27 @@ def _polish_hot_nodes(search: StepState, sp: Spans, by_node, results: dict[int, 
 
 
 def plan_microbatch(search: StepState, idx: list[int], carry: np.ndarray, balance: str = "total",
-                    floor: int | None = None, node_fill: float = 1.0, fixed_nodes: dict[int, int] | None = None):
+                    floor: int | None = None, node_fill: float = 1.0, fixed_nodes: dict[int, int] | None = None,
+                    spans: Spans | None = None):
     """One candidate layout of the micro-batch of sequences ``idx``: the stages in order.
     ``node_fill``: the share of a node's token capacity level 1 may fill (below 1 when a node
-    filled to the last token left its units no room for its rings). Returns (micro-batch, stats);
+    filled to the last token left its units no room for its rings); ``spans``: stage 1's choice
+    for these arguments, made before (level 2 widens a copy). Returns (micro-batch, stats);
     raises :class:`PackInfeasible`."""
     stats = MicroBatchStats()
-    sp = choose_spans(search, idx, balance, floor)
+    sp = _copy_spans(spans) if spans is not None else choose_spans(search, idx, balance, floor)
     node_of = assign_nodes(search, idx, sp, carry, node_fill, fixed_nodes, stats)
     # (node-CP: rings take whole nodes, so the units of a node carry near-equal loads already)
     unit_of = assign_units(search, sp, node_of, carry, search.options.ilp != "never" and floor is None, stats)
     mb = build_microbatch(search, idx, sp.lengths, sp.spans, sp.span_index, sp.table, node_of, unit_of,
                           remap=search.options.remap and balance == "attention")
     return mb, stats
+
+
+def _copy_spans(sp: Spans) -> Spans:
+    """``sp`` with its own copies of what level 2 may widen."""
+    return replace(sp, spans=list(sp.spans), span_index=sp.span_index.copy(), unit_time=sp.unit_time.copy(),
+                   tokens_per_unit=sp.tokens_per_unit.copy())
 
 
 def best_microbatch(search: StepState, idx: list[int], carry: np.ndarray, floors: list | None = None,
@@ -229,12 +237,15 @@ def best_microbatch(search: StepState, idx: list[int], carry: np.ndarray, floors
     # widths: then level 1 keeps some token slack per node (before the caller falls back to
     # one more micro-batch, which costs far more)
     lengths = [s.length for s in search.sequences]
+    spans: dict[tuple, Spans] = {}  # stage 1 does not depend on the fill: chosen once per (floor, balance)
     for fill in (1.0, 0.95, 0.9) if ctx.cluster.num_nodes > 1 else (1.0,):
         for floor in floors if floors is not None else [None]:
             for bal in balances if balances is not None else ["total"]:
+                if (floor, bal) not in spans:
+                    spans[floor, bal] = choose_spans(search, idx, bal, floor)
                 try:
                     mb, st = plan_microbatch(search, idx, carry, balance=bal, floor=floor, node_fill=fill,
-                                             fixed_nodes=fixed_nodes)
+                                             fixed_nodes=fixed_nodes, spans=spans[floor, bal])
                 except PackInfeasible as e:
                     err = err or e
                     continue

@@ -361,3 +361,14 @@ def test_only_the_units_that_need_it_recompute_and_only_they_pay():
     busy = [[u.busy_s for u in sim.simulate_step(p).units] for p in (step, everyone, plain)]
     assert busy[0][0] == pytest.approx(busy[1][0]) and busy[0][0] > busy[2][0]
     assert busy[0][1:] == pytest.approx(busy[2][1:]) and busy[1][1] > busy[2][1]
+
+
+def test_show_says_which_units_recompute():
+    from zeppelin.planner.tools.show import recompute_lines
+
+    step = mixed_step(_header())
+    step.microbatches[1].recompute_units = [0, 1, 3]
+    assert recompute_lines(step) == [
+        "recompute (micro-batch 1): selective on units 0-1,3 (3 of 4; the others none)",
+        "recompute (micro-batch 2): full on every unit",
+        "recompute (micro-batch 3): full:2 on every unit"]

@@ -135,3 +135,25 @@ def test_recompute_on_some_units_only_verifies_and_each_rank_holds_its_own(pool,
             act = m["activations"] + m["recompute_bytes"]
             want = m["tokens"] * cost.recompute_bytes_per_token(m["recompute"])
             assert abs(act - want) <= TOL * act, (rank, m, want)
+
+
+def test_recompute_on_one_of_two_tensor_parallel_units_verifies(pool):
+    """TP-2 units (2 ranks each): the units' choices differ, the ranks of each unit agree (their TP
+    collectives run again inside the recomputed forward together), and the step equals the
+    single-process reference."""
+    spec = model_preset("small")
+    header = make_header(cluster_preset("local-cpu:1x4"), spec, 1, planner="hand")
+    header = header.model_copy(update={"zero_stage": 3, "recompute": "per-microbatch", "tp": 2})
+    mbs, seqs = [], []
+    for i, (mode, units) in enumerate((("selective", [1]), ("full", [0]))):
+        groups = [Group(kind="local", tier="local", units=[u]) for u in range(2)]
+        pls = [Placement(seq=len(seqs) + u, group=u, ranges=[[[0, LENGTH - 9 * u]]]) for u in range(2)]
+        seqs += [Sequence(sample_id=10 * i + u, length=LENGTH - 9 * u) for u in range(2)]
+        mbs.append(MicroBatch(groups=groups, placements=pls, queues=[[0], [1]], recompute=mode, recompute_units=units))
+    step = StepPlan(step=0, sequences=seqs, microbatches=mbs)
+    assert plan_problems(header, step) == []
+    outs = pool.run(_run, header.model_dump_json(), step.model_dump_json(), None, timeout=240)
+    rep = outs[0]["report"]
+    assert rep["ok"] and rep["loss_rel"] <= 1e-5 and rep["hidden_rel"] <= 1e-5, rep
+    got = [[m["recompute"] for m in out["memory"]["microbatches"]] for out in outs]
+    assert got == [["none", "full"], ["none", "full"], ["selective", "none"], ["selective", "none"]]
