@@ -125,14 +125,17 @@ def _mode_stats(ctx, run) -> dict:
     plans = [run.plans[k] for k in sorted(run.plans)]
     peak = max(max(p.prediction.per_unit.memory_gb) for p in plans) * 1e9
     choices: dict[str, int] = {}
-    running, of = 0, 0  # of the micro-batches that recompute: the units that run it, and all units
+    running, of = 0, 0  # of the micro-batches that recompute: the units that run a choice, and all units
     for p in plans:
         for mb in p.microbatches:
-            c = (mb.recompute or "none").partition(":")[0] + (":k" if ":" in (mb.recompute or "") else "")
-            choices[c] = choices.get(c, 0) + 1
-            if mb.recompute is not None:
-                running += len(mb.queues) if mb.recompute_units is None else len(mb.recompute_units)
-                of += len(mb.queues)
+            n = len(mb.queues)
+            modes = {mb.recompute_of(u) or "none" for u in range(n)} - {"none"} or {"none"}
+            # (a micro-batch whose units run choices of different kinds counts under each kind)
+            for c in {m.partition(":")[0] + (":k" if ":" in m else "") for m in modes}:
+                choices[c] = choices.get(c, 0) + 1
+            if mb.recomputes():
+                running += sum((mb.recompute_of(u) or "none") != "none" for u in range(n))
+                of += n
     out = {"mean_s": float(np.mean(run.step_times)),
            "ratio_to_lower_bound": float(np.mean(np.array(run.step_times) / np.array(run.lower_bounds))),
            "memory_over_capacity": peak / ctx.cost.gpu_capacity_bytes, "microbatches": choices}

@@ -137,7 +137,8 @@ def _breakdown(ctx, run) -> dict:
                      np.mean([u.exposed_comm_s - r.allreduce_s for u in r.units]) / b,
                      np.mean([u.idle_s for u in r.units]) / b, r.allreduce_s / b, len(plan.microbatches)])
     m = np.mean(rows, axis=0)
-    choices = sorted({mb.recompute or "none" for k in run.plans for mb in run.plans[k].microbatches})
+    choices = sorted({mb.recompute_of(u) or "none" for k in run.plans for mb in run.plans[k].microbatches
+                      for u in range(len(mb.queues))})
     return {"compute_mean": round(float(m[0]), 4), "compute_max": round(float(m[1]), 4),
             "exposed_comm": round(float(m[2]), 4), "idle": round(float(m[3]), 4),
             "grad_collectives": round(float(m[4]), 4), "microbatches_per_step": round(float(m[5]), 2),

@@ -250,10 +250,9 @@ class Executor:
 
     def _set_recompute(self, step: StepPlan, mbi: int, unit: int) -> str:
         """Set the model's recomputation for micro-batch ``mbi`` of ``step`` on this rank (of
-        ``unit``) and return it: in a plan of choices per micro-batch, the micro-batch's own - for
-        its ``recompute_units`` only, where it lists them (the switches of the wrappers set once at
-        start-up; the collectives are the same in every mode, so ranks may differ) - else the
-        run's one mode."""
+        ``unit``) and return it: in a plan of choices per micro-batch, the unit's own in it
+        (``MicroBatch.recompute_of``; the switches of the wrappers set once at start-up; the
+        collectives are the same in every mode, so ranks may differ) - else the run's one mode."""
         if self.recompute != "per-microbatch":
             return self.recompute
         from .fsdp import set_recompute

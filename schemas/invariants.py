@@ -146,23 +146,31 @@ def index_problems(header: PlanHeader, step: StepPlan, mbi: int, mb: MicroBatch,
 
 
 def recompute_problems(header: PlanHeader, mb: MicroBatch, where: str) -> list[str]:
-    """A micro-batch names its recomputation only in a plan whose header says ``per-microbatch``,
-    and ``full:k`` recomputes fewer layers than the model has (all of them: ``full``)."""
-    if mb.recompute is None:
-        if mb.recompute_units is not None:
-            return [f"{where}: lists recompute_units but names no recompute for them"]
+    """A micro-batch names its recomputation (and its units' own, ``recompute_units``) only in a
+    plan whose header says ``per-microbatch``; ``full:k`` recomputes fewer layers than the model has
+    (all of them: ``full``); every unit listed is one of the micro-batch's, in ascending order, once,
+    under a choice other than the micro-batch's own."""
+    named = ([mb.recompute] if mb.recompute is not None else []) + list(mb.recompute_units or {})
+    if not named:
         return []
     if header.recompute != "per-microbatch":
-        return [f"{where}: says recompute {mb.recompute!r} but the plan's header says recompute "
+        what = f"recompute {mb.recompute!r}" if mb.recompute is not None else "recompute_units"
+        return [f"{where}: says {what} but the plan's header says recompute "
                 f"{header.recompute!r} for every micro-batch (per-microbatch lets each say its own)"]
-    _, sep, k = mb.recompute.partition(":")
-    if sep and int(k) >= header.model.num_layers:
-        return [f"{where}: recompute {mb.recompute!r} names {k} layers, the model has {header.model.num_layers} "
-                f"(all of them: 'full')"]
-    us = mb.recompute_units
-    if us is not None and (any(b <= a for a, b in zip(us, us[1:])) or any(not 0 <= u < len(mb.queues) for u in us)):
-        return [f"{where}: recompute_units must list units of the micro-batch (0..{len(mb.queues) - 1}) "
-                f"in ascending order, each once"]
+    for mode in named:
+        _, sep, k = mode.partition(":")
+        if sep and int(k) >= header.model.num_layers:
+            return [f"{where}: recompute {mode!r} names {k} layers, the model has {header.model.num_layers} "
+                    f"(all of them: 'full')"]
+    seen: set[int] = set()
+    n = len(mb.queues)
+    for mode, us in (mb.recompute_units or {}).items():
+        if mode == (mb.recompute or "none"):
+            return [f"{where}: recompute_units lists units for {mode!r}, the micro-batch's own choice"]
+        if any(b <= a for a, b in zip(us, us[1:])) or any(not 0 <= u < n for u in us) or seen.intersection(us):
+            return [f"{where}: recompute_units must list units of the micro-batch (0..{n - 1}) in ascending "
+                    f"order, each once"]
+        seen.update(us)
     return []
 
 

@@ -211,10 +211,11 @@ class MicroBatch(Strict):
     #: header says ``recompute: per-microbatch``, and written only when set (None: ``none``)
     recompute: str | None = Field(default=None, pattern=MICROBATCH_RECOMPUTE,
                                   description="none | selective | full | full:k (the first k layers)")
-    #: the units that run :attr:`recompute` (ascending; None: every unit); the others recompute
-    #: nothing - a unit whose tokens fit without recomputation need not pay for it. Written only when set
-    recompute_units: list[int] | None = Field(
-        default=None, description="the units that run this micro-batch's recompute, ascending (absent: every unit)")
+    #: the units that run another choice than :attr:`recompute`, per choice (ascending; None: none
+    #: do): a unit whose tokens fit without recomputation need not pay for it, and one that fits
+    #: with fewer layers recomputed than its neighbours runs those. Written only when set
+    recompute_units: dict[Annotated[str, Field(pattern=MICROBATCH_RECOMPUTE)], list[int]] | None = Field(
+        default=None, description="choice -> the units (ascending) that run it instead of recompute (absent: none)")
     placements: list[Placement] = Field(default_factory=list)
     queues: list[list[int]] = Field(description="per unit: group indices in execution order")
     linear_layout: list[list[list[int]]] | None = Field(
@@ -235,12 +236,18 @@ class MicroBatch(Strict):
         return d
 
     def recompute_of(self, unit: int) -> str | None:
-        """The recomputation ``unit`` runs in this micro-batch (None: the plan's global mode where
-        the micro-batch names none, else ``none``)."""
-        if self.recompute is None or self.recompute_units is None:
-            return self.recompute
-        i = bisect.bisect_left(self.recompute_units, unit)
-        return self.recompute if i < len(self.recompute_units) and self.recompute_units[i] == unit else "none"
+        """The recomputation ``unit`` runs in this micro-batch: its choice in :attr:`recompute_units`,
+        else :attr:`recompute` (None: the plan's global mode, ``none`` in a plan of choices)."""
+        for mode, units in (self.recompute_units or {}).items():
+            i = bisect.bisect_left(units, unit)
+            if i < len(units) and units[i] == unit:
+                return mode
+        return self.recompute
+
+    def recomputes(self) -> bool:
+        """Whether some unit of this micro-batch names a recomputation of its own (other than ``none``)."""
+        return (self.recompute not in (None, "none")
+                or any(m != "none" and us for m, us in (self.recompute_units or {}).items()))
 
     def attention_segments(self, unit: int) -> list[list[int]]:
         """The unit's attention buffer as ``[seq, start, end]`` segments, in execution order."""

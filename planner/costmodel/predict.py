@@ -255,8 +255,8 @@ class MBTerms:
     coupled: np.ndarray | None = None
     #: the micro-batch's own recomputation (``MicroBatch.recompute``; None: the plan's global mode)
     recompute: str | None = None
-    #: per unit, whether it runs that recomputation (``MicroBatch.recompute_units``; None: every unit)
-    recompute_mask: np.ndarray | None = None
+    #: each recomputation choice of the micro-batch with the units that run it (:func:`recompute_modes`)
+    recompute_modes: list | None = None
 
     @property
     def busy(self) -> np.ndarray:
@@ -566,10 +566,11 @@ def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool
     exposed = layers * _attention_exposure(n, gu, gi_rep, t_att, t_exp, ga.is_ring)
     # ---- linear modules, TP, remap
     lin_held, head, lin, comm, exposed, links = _linear_terms(ctx, mb, held, comm, exposed)
-    if (mb.recompute or cost.global_recompute) != "none":  # the forward its recomputation runs again
-        extra = cost.recompute_extra_time(mb.recompute, attn, lin - head)
-        mask = recompute_mask(mb, n)
-        lin = lin + (extra if mask is None else np.where(mask, extra, 0.0))
+    modes = recompute_modes(mb, n)
+    for mode, mask in modes:  # the forward each unit's recomputation runs again
+        if (mode or cost.global_recompute) != "none":
+            extra = cost.recompute_extra_time(mode, attn, lin - head)
+            lin = lin + (extra if mask is None else np.where(mask, extra, 0.0))
     # coupling: partners meet every layer, so per layer a unit waits for its component's slowest
     # member (the LM head runs once per micro-batch, after the last layer, on each unit's own tokens);
     # under FSDP every unit is one component (:attr:`PlanContext.microbatches_coupled`)
@@ -578,17 +579,22 @@ def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool
     return MBTerms(attn=attn, lin=lin, comm=comm, exposed=exposed,
                    tokens=lin_held.astype(np.int64), mem_tokens=layout_memory_tokens(cost, mb, held, lin_held),
                    nic_routed=nic_loads(ctx, mb, routed=True), nic_unrouted=nic_loads(ctx, mb, routed=False),
-                   coupled=coupled, recompute=mb.recompute, recompute_mask=recompute_mask(mb, n))
+                   coupled=coupled, recompute=mb.recompute, recompute_modes=modes)
 
 
-def recompute_mask(mb: MicroBatch, n: int) -> np.ndarray | None:
-    """Per unit, whether it runs the micro-batch's recomputation (``MicroBatch.recompute_units``);
-    None: every unit does."""
-    if mb.recompute is None or mb.recompute_units is None:
-        return None
-    mask = np.zeros(n, dtype=bool)
-    mask[np.asarray(mb.recompute_units, dtype=np.int64)] = True
-    return mask
+def recompute_modes(mb: MicroBatch, n: int) -> list[tuple[str | None, np.ndarray | None]]:
+    """The micro-batch's recomputation choices with the units that run each: ``(choice, mask)``;
+    one ``(MicroBatch.recompute, None)`` (every unit) where it lists no units of their own."""
+    if not mb.recompute_units:
+        return [(mb.recompute, None)]
+    rest = np.ones(n, dtype=bool)
+    out = []
+    for mode, units in mb.recompute_units.items():
+        mask = np.zeros(n, dtype=bool)
+        mask[np.asarray(units, dtype=np.int64)] = True
+        rest &= ~mask
+        out.append((mode, mask))
+    return [(mb.recompute, rest)] + out
 
 
 def predict_from_terms(ctx: PlanContext, lengths, terms: list[MBTerms]) -> Prediction:
@@ -642,19 +648,20 @@ def predict_from_terms(ctx: PlanContext, lengths, terms: list[MBTerms]) -> Predi
 def _peak_memory_bytes(cost, terms: list[MBTerms], mem_tokens: np.ndarray) -> np.ndarray:
     """Per unit, the most bytes any micro-batch holds: under one global mode, the bytes of the most
     tokens held; with choices per micro-batch, the most over the micro-batches of each one's own."""
-    if all(t.recompute is None for t in terms):
+    if all(t.recompute is None and len(t.recompute_modes or ()) <= 1 for t in terms):
         return np.asarray(cost.memory_bytes(mem_tokens), dtype=np.float64)
     return np.max([_recompute_memory(cost, t) for t in terms], axis=0)
 
 
 def _recompute_memory(cost, t: MBTerms) -> np.ndarray:
-    """Per unit, the peak bytes of one micro-batch under its choice (units outside its
-    ``recompute_units``: without recomputation)."""
-    got = np.asarray(cost.recompute_memory_bytes(t.mem_tokens, t.recompute), dtype=np.float64)
-    if t.recompute_mask is None:
-        return got
-    return np.where(t.recompute_mask, got, np.asarray(cost.recompute_memory_bytes(t.mem_tokens, "none"),
-                                                      dtype=np.float64))
+    """Per unit, the peak bytes of one micro-batch under its unit's choice."""
+    out = None
+    for mode, mask in t.recompute_modes or [(t.recompute, None)]:
+        got = np.asarray(cost.recompute_memory_bytes(t.mem_tokens, mode), dtype=np.float64)
+        if mask is None:
+            return got
+        out = np.where(mask, got, out if out is not None else 0.0)
+    return out
 
 
 def predict_step(ctx: PlanContext, step: StepPlan, routed: bool = True) -> Prediction:

@@ -163,15 +163,19 @@ def render_step(header: PlanHeader, step: StepPlan, console, sim=None, full: boo
 
 
 def recompute_lines(step: StepPlan) -> list[str]:
-    """One line per micro-batch that names its recomputation: the choice and the units that run it."""
+    """One line per micro-batch that recomputes: each choice and the units that run it."""
     out = []
     for mbi, mb in enumerate(step.microbatches):
-        if mb.recompute is None:
+        if not mb.recomputes():
             continue
         n = len(mb.queues)
-        who = ("on every unit" if mb.recompute_units is None else
-               f"on units {_runs_text(mb.recompute_units)} ({len(mb.recompute_units)} of {n}; the others none)")
-        out.append(f"recompute (micro-batch {mbi}): {mb.recompute} {who}")
+        if not mb.recompute_units:
+            out.append(f"recompute (micro-batch {mbi}): {mb.recompute} on every unit")
+            continue
+        parts = [f"{m} on units {_runs_text(us)} ({len(us)})" for m, us in mb.recompute_units.items()]
+        rest = n - sum(len(us) for us in mb.recompute_units.values())
+        out.append(f"recompute (micro-batch {mbi}): " + "; ".join(parts)
+                   + f"; {mb.recompute or 'none'} on the other {rest} of {n}")
     return out
 
 

@@ -117,44 +117,73 @@ def needing_units(ctx: PlanContext, step: StepPlan, mb: MicroBatch) -> list[int]
     return [u for u in range(n) if not fits("none", u)]
 
 
-def choose_microbatch(ctx: PlanContext, step: StepPlan, mb: MicroBatch) -> tuple[str, list[int] | None]:
-    """``(choice, units)``: the choice under which every unit of ``mb`` fits and the micro-batch's
-    slowest unit is fastest (its attention and linear work plus the forward the choice runs again),
-    and the units that run it - only those that do not fit without it (None: every unit; a unit
-    that fits without recomputation need not pay for it, and the modes' collectives are the same,
-    so the runtime lets ranks differ); ``full`` on every unit when none fits (the plan's memory
-    check then names the unit)."""
+def _unit_choices(ctx: PlanContext, fits, u: int) -> list[str]:
+    """The choices under which unit ``u`` fits, ``none`` excluded: ``selective``, and of ``full:k``
+    only the fewest layers that fit."""
+    out = ["selective"] if fits("selective", u) else []
+    if not fits("full", u):
+        return out
+    lo, hi = 1, ctx.model.num_layers
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(f"full:{mid}", u):
+            hi = mid
+        else:
+            lo = mid + 1
+    return out + ["full" if lo >= ctx.model.num_layers else f"full:{lo}"]
+
+
+def as_choices(mb: MicroBatch, by_unit: dict[int, str]) -> tuple[str | None, dict[str, list[int]] | None]:
+    """``(MicroBatch.recompute, MicroBatch.recompute_units)`` for units running ``by_unit``'s choices
+    and every other unit none: one choice for the whole micro-batch where every unit holding tokens
+    runs the same one."""
+    if not by_unit:
+        return None, None
+    modes = set(by_unit.values())
+    holding = set(np.flatnonzero(held_tokens(mb, len(mb.queues)) > 0).tolist())
+    if len(modes) == 1 and holding <= set(by_unit):
+        return modes.pop(), None
+    units: dict[str, list[int]] = {}
+    for u in sorted(by_unit):
+        units.setdefault(by_unit[u], []).append(u)
+    return None, {m: units[m] for m in sorted(units)}
+
+
+def choose_microbatch(ctx: PlanContext, step: StepPlan, mb: MicroBatch) -> tuple[str | None, dict | None]:
+    """``(recompute, recompute_units)`` of ``mb``: each unit that does not fit without
+    recomputation runs, of the choices under which it fits, the one that adds the least forward
+    (its attention and linear work priced by the prediction's terms) - so the micro-batch's slowest
+    unit is as fast as any choice makes it - and every other unit none (a unit that fits without
+    recomputation need not pay for it; the choices' collectives are the same, so the runtime lets
+    ranks differ); ``full`` on every unit where some unit fits under no choice (the plan's memory
+    check then names it)."""
     reps = step.replicas
-    choices = fitting_choices(ctx, step, mb)
-    if not choices:
+    n = len(mb.queues)
+    costs = _costs(ctx, step, n)
+    fits = _unit_fits(ctx, costs, held_tokens(mb, n), ulysses_held_tokens(mb, n, costs))
+    need = [u for u in range(n) if not fits("none", u)]
+    if not need:
+        return None, None
+    per = {u: _unit_choices(ctx, fits, u) for u in need}
+    if not all(per.values()):
         return "full", None
-    if choices[0] == "none":
-        return "none", None
-    need = needing_units(ctx, step, mb)
-    holding = np.flatnonzero(held_tokens(mb, len(mb.queues)) > 0).tolist()
-    units = None if need == holding else need
-    if len(choices) == 1:
-        return choices[0], units
     mb.recompute, mb.recompute_units = None, None
     lengths = [q.length for q in step.sequences]
     terms = microbatch_terms(ctx, lengths, mb) if reps is None else None
     if terms is None:  # replicas of mixed TP: the choice that adds the least forward
-        return min(choices, key=lambda m: ctx.cost.recompute_extra_time(m, 0.0, 1.0).item()), units
-    lin = terms.lin - np.asarray(ctx.cost.head_time(terms.tokens), dtype=np.float64)
-    busy = terms.busy
-    mask = np.zeros(len(busy), dtype=bool)
-    mask[np.asarray(need, dtype=np.int64)] = True
-    return min(choices, key=lambda m: float(np.max(
-        busy + np.where(mask, ctx.cost.recompute_extra_time(m, terms.attn, lin), 0.0)))), units
+        attn, lin = np.zeros(n), np.ones(n)
+    else:
+        attn, lin = terms.attn, terms.lin - np.asarray(ctx.cost.head_time(terms.tokens), dtype=np.float64)
+    by_unit = {u: min(per[u], key=lambda m, u=u: float(costs[u].recompute_extra_time(m, attn[u], lin[u])))
+               for u in need}
+    return as_choices(mb, by_unit)
 
 
 def assign(ctx: PlanContext, plan: StepPlan) -> StepPlan:
-    """``plan`` with each micro-batch's choice and the units that run it set (left out where the
-    choice is ``none``, or every unit runs it) and its prediction under those choices."""
+    """``plan`` with each micro-batch's choices set (:func:`choose_microbatch`; left out where no
+    unit recomputes) and its prediction under them."""
     for mb in plan.microbatches:
-        mode, units = choose_microbatch(ctx, plan, mb)
-        mb.recompute = None if mode == "none" else mode
-        mb.recompute_units = None if mode == "none" else units
+        mb.recompute, mb.recompute_units = choose_microbatch(ctx, plan, mb)
     plan.prediction = predict_step(ctx, plan)
     return plan
 
@@ -198,7 +227,8 @@ def _confirmed(cands: list[tuple[float, StepPlan]], confirm: Callable[[StepPlan]
     for t, plan in cands:
         if t > limit:
             continue
-        key = (t, tuple((mb.recompute, mb.recompute_units, len(mb.placements)) for mb in plan.microbatches))
+        key = (t, tuple((mb.recompute, tuple((m, tuple(us)) for m, us in (mb.recompute_units or {}).items()),
+                         len(mb.placements)) for mb in plan.microbatches))
         if key in seen:
             continue
         seen.append(key)
@@ -213,24 +243,26 @@ def _fits_as(ctx: PlanContext, plan: StepPlan, mb: MicroBatch, mode: str) -> boo
 
 
 def _each_choice_judged(ctx: PlanContext, plan: StepPlan, score: Callable[[StepPlan], float]) -> float:
-    """``plan``'s score after each micro-batch that needs recomputation has tried, in turn, the
-    other choices that fit it (on the same units) under ``score``, keeping any that rates the plan
-    faster: the choice prices the slowest unit's extra forward from the prediction's terms, and
-    two choices on a few units can come out within what the simulator's waits decide."""
+    """``plan``'s score after each micro-batch that recomputes has tried, in turn, each choice that
+    fits all its units needing one on those units alone, under ``score``, keeping any that rates the
+    plan faster: the choices are priced from the prediction's terms, and a choice on a few units can
+    come out within what the simulator's waits decide."""
     t = score(plan)
     for mb in plan.microbatches:
-        if mb.recompute is None:
+        if not mb.recomputes():
             continue
-        best = mb.recompute
+        best = (mb.recompute, mb.recompute_units)
+        need = needing_units(ctx, plan, mb)
         for m in fitting_choices(ctx, plan, mb):
-            if m in ("none", best):
+            alt = as_choices(mb, {u: m for u in need})
+            if m == "none" or alt == best:
                 continue
-            mb.recompute = m
+            mb.recompute, mb.recompute_units = alt
             plan.prediction = predict_step(ctx, plan)
             tm = score(plan)
             if tm < t:
-                t, best = tm, m
-        mb.recompute = best
+                t, best = tm, alt
+        mb.recompute, mb.recompute_units = best
     plan.prediction = predict_step(ctx, plan)
     return t
 

@@ -298,22 +298,32 @@ def test_a_plan_is_not_kept_as_made_where_a_micro_batch_would_not_fit_so():
 def test_units_that_recompute_round_trip_and_are_checked(tmp_path):
     header = _header()
     step = mixed_step(header)
-    step.microbatches[1].recompute_units = [0, 2]
+    step.microbatches[1].recompute_units = {"full:2": [0], "none": [2, 3]}
     write_plan(tmp_path / "p.jsonl", header, [step])
     _, (s2,) = read_plan(tmp_path / "p.jsonl")
-    assert [mb.recompute_units for mb in s2.microbatches] == [None, [0, 2], None, None]
-    assert [s2.microbatches[1].recompute_of(u) for u in range(4)] == ["selective", "none", "selective", "none"]
+    assert [mb.recompute_units for mb in s2.microbatches] == [None, {"full:2": [0], "none": [2, 3]}, None, None]
+    assert [s2.microbatches[1].recompute_of(u) for u in range(4)] == ["full:2", "selective", "none", "none"]
     assert s2.microbatches[2].recompute_of(3) == "full" and s2.microbatches[0].recompute_of(0) is None
     assert plan_text(header, [step]).count('"recompute_units"') == 1  # written only where set
-    for bad in ([2, 0], [1, 1], [4]):
+    for bad in ({"full:2": [2, 0]}, {"full:2": [1, 1]}, {"full:2": [4]}, {"full:2": [0], "none": [0]}):
         step.microbatches[1].recompute_units = bad
         assert plan_problems(header, step) == [
             "coverage: step 0 microbatch 1: recompute_units must list units of the micro-batch (0..3) in "
             "ascending order, each once"]
-    step.microbatches[1].recompute_units = None
-    step.microbatches[0].recompute_units = [1]
+    step.microbatches[1].recompute_units = {"selective": [1]}
     assert plan_problems(header, step) == [
-        "coverage: step 0 microbatch 0: lists recompute_units but names no recompute for them"]
+        "coverage: step 0 microbatch 1: recompute_units lists units for 'selective', the micro-batch's own choice"]
+    step.microbatches[1].recompute_units = {"full:4": [1]}
+    assert plan_problems(header, step) == [
+        "coverage: step 0 microbatch 1: recompute 'full:4' names 4 layers, the model has 4 (all of them: 'full')"]
+    step.microbatches[1].recompute_units = None
+    plain = step.model_copy(update={"microbatches": [mb.model_copy(update={"recompute": None}) for mb in step.microbatches]})
+    plain.microbatches[0].recompute_units = {"selective": [1]}
+    assert plan_problems(_header("none"), plain) == [
+        "coverage: step 0 microbatch 0: says recompute_units but the plan's header says recompute 'none' for "
+        "every micro-batch (per-microbatch lets each say its own)"]
+    with pytest.raises(ValidationError):
+        MicroBatch(queues=[[]], recompute_units={"partial": [0]})
 
 
 def test_only_the_units_that_need_it_recompute_and_only_they_pay():
@@ -336,12 +346,11 @@ def test_only_the_units_that_need_it_recompute_and_only_they_pay():
         p.ranges = [[[0, lens[u]]]]
     assign(ctx, step)
     mb = step.microbatches[0]
-    assert mb.recompute is not None  # (selective or full:k, whichever adds the least forward)
-    assert mb.recompute_units == [0]
+    assert mb.recompute is None and list(mb.recompute_units.values()) == [[0]]  # (its cheapest choice)
     assert memory_problems(ctx, step, 0, mb) == []
     masked = step.prediction
     everyone = step.model_copy(deep=True)
-    everyone.microbatches[0].recompute_units = None
+    everyone.microbatches[0].recompute, everyone.microbatches[0].recompute_units = next(iter(mb.recompute_units)), None
     everyone.prediction = predict_step(ctx, everyone)
     plain = step.model_copy(deep=True)
     plain.microbatches[0].recompute, plain.microbatches[0].recompute_units = None, None
@@ -354,9 +363,10 @@ def test_only_the_units_that_need_it_recompute_and_only_they_pay():
     # the judge (the simulator, or the prediction) may rate another choice that fits faster: it wins
     from zeppelin.planner.zeppelin.recompute import _judged, fitting_choices
 
-    other = next(m for m in fitting_choices(ctx, step, mb) if m not in ("none", mb.recompute))
-    judged, t = _judged(ctx, step.model_copy(deep=True), "none", lambda p: float(p.microbatches[0].recompute != other))
-    assert (judged.microbatches[0].recompute, judged.microbatches[0].recompute_units, t) == (other, [0], 0.0)
+    other = next(m for m in fitting_choices(ctx, step, mb) if m not in ("none", *mb.recompute_units))
+    judged, t = _judged(ctx, step.model_copy(deep=True), "none",
+                        lambda p: float(p.microbatches[0].recompute_of(0) != other))
+    assert (judged.microbatches[0].recompute, judged.microbatches[0].recompute_units, t) == (None, {other: [0]}, 0.0)
     sim = Simulator(ctx)
     busy = [[u.busy_s for u in sim.simulate_step(p).units] for p in (step, everyone, plain)]
     assert busy[0][0] == pytest.approx(busy[1][0]) and busy[0][0] > busy[2][0]
@@ -367,8 +377,8 @@ def test_show_says_which_units_recompute():
     from zeppelin.planner.tools.show import recompute_lines
 
     step = mixed_step(_header())
-    step.microbatches[1].recompute_units = [0, 1, 3]
+    step.microbatches[1].recompute_units = {"full:2": [0, 1, 3]}
     assert recompute_lines(step) == [
-        "recompute (micro-batch 1): selective on units 0-1,3 (3 of 4; the others none)",
+        "recompute (micro-batch 1): full:2 on units 0-1,3 (3); selective on the other 1 of 4",
         "recompute (micro-batch 2): full on every unit",
         "recompute (micro-batch 3): full:2 on every unit"]

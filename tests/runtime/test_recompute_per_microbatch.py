@@ -110,24 +110,29 @@ def test_mixed_recompute_plan_verifies_and_holds_what_is_predicted(pool, hf_llam
 
 @pytest.mark.parametrize("zero", [2, 3])
 def test_recompute_on_some_units_only_verifies_and_each_rank_holds_its_own(pool, zero):
-    """Micro-batches that recompute on some units only (``recompute_units``): every rank runs its
-    own unit's choice - the ranks of one micro-batch differ - and the step still equals the
-    single-process reference; each rank's measured activations are its choice's prediction."""
+    """Micro-batches whose units run different choices (``recompute_units``): every rank runs its
+    own unit's - the ranks of one micro-batch differ - and the step still equals the single-process
+    reference; each rank's measured activations are its choice's prediction."""
     from zeppelin.planner.costmodel.cost import CostModel
 
     spec = model_preset("small")
     header = make_header(cluster_preset("local-cpu:1x4"), spec, 1, planner="hand")
     header = header.model_copy(update={"zero_stage": zero, "recompute": "per-microbatch"})
     step = mixed_step(header, modes=("selective", "full:k"))
-    step.microbatches[0].recompute_units = [1, 3]
-    step.microbatches[1].recompute_units = [0]
+    k = spec.num_layers // 2
+    # micro-batch 0: selective on units 1 and 3, none elsewhere; 1: full:k on unit 0, none on 2 and 3,
+    # the micro-batch's own selective on unit 1
+    step.microbatches[0].recompute, step.microbatches[0].recompute_units = None, {"selective": [1, 3]}
+    step.microbatches[1].recompute, step.microbatches[1].recompute_units = "selective", {
+        f"full:{k}": [0], "none": [2, 3]}
+    step.prediction = predict_step(PlanContext(header.cluster, spec, header.profile, zero_stage=zero,
+                                               recompute=header.recompute), step)
     assert plan_problems(header, step) == []
     outs = pool.run(_run, header.model_dump_json(), step.model_dump_json(), None, timeout=240)
     rep = outs[0]["report"]
     assert rep["ok"] and rep["loss_rel"] <= 1e-5 and rep["hidden_rel"] <= 1e-5, rep
     cost = CostModel(header.cluster, spec, header.profile, zero_stage=zero, recompute="per-microbatch")
-    k = spec.num_layers // 2
-    want_modes = [["none", "selective", "none", "selective"], [f"full:{k}", "none", "none", "none"]]
+    want_modes = [["none", "selective", "none", "selective"], [f"full:{k}", "selective", "none", "none"]]
     for rank, out in enumerate(outs):
         mbs = out["memory"]["microbatches"]
         assert [m["recompute"] for m in mbs] == [want_modes[0][rank], want_modes[1][rank]]
@@ -149,7 +154,7 @@ def test_recompute_on_one_of_two_tensor_parallel_units_verifies(pool):
         groups = [Group(kind="local", tier="local", units=[u]) for u in range(2)]
         pls = [Placement(seq=len(seqs) + u, group=u, ranges=[[[0, LENGTH - 9 * u]]]) for u in range(2)]
         seqs += [Sequence(sample_id=10 * i + u, length=LENGTH - 9 * u) for u in range(2)]
-        mbs.append(MicroBatch(groups=groups, placements=pls, queues=[[0], [1]], recompute=mode, recompute_units=units))
+        mbs.append(MicroBatch(groups=groups, placements=pls, queues=[[0], [1]], recompute_units={mode: units}))
     step = StepPlan(step=0, sequences=seqs, microbatches=mbs)
     assert plan_problems(header, step) == []
     outs = pool.run(_run, header.model_dump_json(), step.model_dump_json(), None, timeout=240)
