@@ -172,7 +172,8 @@ def recompute_lines(step: StepPlan) -> list[str]:
         if not mb.recompute_units:
             out.append(f"recompute (micro-batch {mbi}): {mb.recompute} on every unit")
             continue
-        parts = [f"{m} on units {_runs_text(us)} ({len(us)})" for m, us in mb.recompute_units.items()]
+        parts = [f"{m} on unit {us[0]}" if len(us) == 1 else f"{m} on units {_runs_text(us)} ({len(us)})"
+                 for m, us in mb.recompute_units.items()]
         rest = n - sum(len(us) for us in mb.recompute_units.values())
         out.append(f"recompute (micro-batch {mbi}): " + "; ".join(parts)
                    + f"; {mb.recompute or 'none'} on the other {rest} of {n}")

@@ -143,10 +143,10 @@ def as_choices(mb: MicroBatch, by_unit: dict[int, str]) -> tuple[str | None, dic
     holding = set(np.flatnonzero(held_tokens(mb, len(mb.queues)) > 0).tolist())
     if len(modes) == 1 and holding <= set(by_unit):
         return modes.pop(), None
-    units: dict[str, list[int]] = {}
+    units: dict[str, list[int]] = {}  # (choices in the order of their first unit)
     for u in sorted(by_unit):
         units.setdefault(by_unit[u], []).append(u)
-    return None, {m: units[m] for m in sorted(units)}
+    return None, units
 
 
 def choose_microbatch(ctx: PlanContext, step: StepPlan, mb: MicroBatch) -> tuple[str | None, dict | None]:

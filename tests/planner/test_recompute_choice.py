@@ -378,7 +378,8 @@ def test_show_says_which_units_recompute():
 
     step = mixed_step(_header())
     step.microbatches[1].recompute_units = {"full:2": [0, 1, 3]}
+    step.microbatches[2].recompute_units = {"full:1": [1], "none": [2, 3]}
     assert recompute_lines(step) == [
         "recompute (micro-batch 1): full:2 on units 0-1,3 (3); selective on the other 1 of 4",
-        "recompute (micro-batch 2): full on every unit",
+        "recompute (micro-batch 2): full:1 on unit 1; none on units 2-3 (2); full on the other 1 of 4",
         "recompute (micro-batch 3): full:2 on every unit"]
