@@ -654,13 +654,14 @@ def _peak_memory_bytes(cost, terms: list[MBTerms], mem_tokens: np.ndarray) -> np
 
 
 def _recompute_memory(cost, t: MBTerms) -> np.ndarray:
-    """Per unit, the peak bytes of one micro-batch under its unit's choice."""
-    out = None
+    """Per unit, the peak bytes of one micro-batch under its unit's choice (the choices' masks
+    partition the units)."""
+    out = np.zeros(len(t.mem_tokens))
     for mode, mask in t.recompute_modes or [(t.recompute, None)]:
         got = np.asarray(cost.recompute_memory_bytes(t.mem_tokens, mode), dtype=np.float64)
         if mask is None:
             return got
-        out = np.where(mask, got, out if out is not None else 0.0)
+        out[mask] = got[mask]
     return out
 
 

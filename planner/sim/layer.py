@@ -267,7 +267,7 @@ class LayerGraph:
     def _recompute_time(self, cost, u: int, linear_s: float) -> float:
         """The forward unit ``u``'s recomputation runs again in this layer: its attention compute
         (the layer's attention tasks) and ``linear_s`` priced by the micro-batch's choice."""
-        mode = self.mb.recompute_of(u)  # (units outside the micro-batch's recompute_units: none)
+        mode = self.mb.recompute_of(u)  # (its own in the micro-batch's recompute_units, else the micro-batch's)
         if (mode or cost.global_recompute) == "none":
             return 0.0
         tasks = self.engine.tasks

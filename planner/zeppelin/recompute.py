@@ -75,26 +75,29 @@ def _unit_fits(ctx: PlanContext, costs: list, held: np.ndarray, uly: np.ndarray 
     return fits
 
 
-def _fitting(ctx: PlanContext, costs: list, held: np.ndarray, uly: np.ndarray | None = None) -> list[str]:
-    """The choices under which every unit holding tokens fits: ``none``, ``selective``, and of
-    ``full:1`` .. ``full`` only the fewest layers that fit (more only add time)."""
-    unit_fits = _unit_fits(ctx, costs, held, uly)
-
-    def fits(mode: str) -> bool:
-        return all(unit_fits(mode, u) for u in range(len(held)))
-
-    out = [m for m in ("none", "selective") if fits(m)]
+def _fewest_full(ctx: PlanContext, fits: Callable[[str], bool]) -> list[str]:
+    """``[full:k]`` with the fewest layers k under which ``fits`` holds (``full`` where that is all
+    of them; more only add time), or ``[]`` where not even ``full`` does."""
     L = ctx.model.num_layers
-    lo, hi = 1, L  # the fewest layers k of full:k that fit (full:L is full)
     if not fits("full"):
-        return out
+        return []
+    lo, hi = 1, L
     while lo < hi:
         mid = (lo + hi) // 2
         if fits(f"full:{mid}"):
             hi = mid
         else:
             lo = mid + 1
-    return out + ["full" if lo >= L else f"full:{lo}"]
+    return ["full" if lo >= L else f"full:{lo}"]
+
+
+def _fitting(ctx: PlanContext, n: int, unit_fits) -> list[str]:
+    """The choices under which every one of the ``n`` units fits (``unit_fits``, :func:`_unit_fits`):
+    ``none``, ``selective``, and of ``full:1`` .. ``full`` only the fewest layers that fit."""
+    def fits(mode: str) -> bool:
+        return all(unit_fits(mode, u) for u in range(n))
+
+    return [m for m in ("none", "selective") if fits(m)] + _fewest_full(ctx, fits)
 
 
 def _costs(ctx: PlanContext, step: StepPlan, n: int) -> list:
@@ -102,46 +105,29 @@ def _costs(ctx: PlanContext, step: StepPlan, n: int) -> list:
     return [ctx.cost] * n if reps is None else [ctx.cost_for(r.tp) for r in reps]
 
 
+def _fit_of(ctx: PlanContext, step: StepPlan, mb: MicroBatch):
+    """``(costs, held, fits)`` of ``mb``'s units: their cost models, the tokens each holds
+    (:func:`held_tokens`) and :func:`_unit_fits`."""
+    n = len(mb.queues)
+    costs = _costs(ctx, step, n)
+    held = held_tokens(mb, n)
+    return costs, held, _unit_fits(ctx, costs, held, ulysses_held_tokens(mb, n, costs))
+
+
 def fitting_choices(ctx: PlanContext, step: StepPlan, mb: MicroBatch) -> list[str]:
     """The choices under which every unit of ``mb`` fits (:func:`_fitting`)."""
-    n = len(mb.queues)
-    costs = _costs(ctx, step, n)
-    return _fitting(ctx, costs, held_tokens(mb, n), ulysses_held_tokens(mb, n, costs))
+    _, held, fits = _fit_of(ctx, step, mb)
+    return _fitting(ctx, len(held), fits)
 
 
-def needing_units(ctx: PlanContext, step: StepPlan, mb: MicroBatch) -> list[int]:
-    """The units of ``mb`` that do not fit without recomputation (ascending)."""
-    n = len(mb.queues)
-    costs = _costs(ctx, step, n)
-    fits = _unit_fits(ctx, costs, held_tokens(mb, n), ulysses_held_tokens(mb, n, costs))
-    return [u for u in range(n) if not fits("none", u)]
-
-
-def _unit_choices(ctx: PlanContext, fits, u: int) -> list[str]:
-    """The choices under which unit ``u`` fits, ``none`` excluded: ``selective``, and of ``full:k``
-    only the fewest layers that fit."""
-    out = ["selective"] if fits("selective", u) else []
-    if not fits("full", u):
-        return out
-    lo, hi = 1, ctx.model.num_layers
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if fits(f"full:{mid}", u):
-            hi = mid
-        else:
-            lo = mid + 1
-    return out + ["full" if lo >= ctx.model.num_layers else f"full:{lo}"]
-
-
-def as_choices(mb: MicroBatch, by_unit: dict[int, str]) -> tuple[str | None, dict[str, list[int]] | None]:
+def as_choices(by_unit: dict[int, str], held: np.ndarray) -> tuple[str | None, dict[str, list[int]] | None]:
     """``(MicroBatch.recompute, MicroBatch.recompute_units)`` for units running ``by_unit``'s choices
-    and every other unit none: one choice for the whole micro-batch where every unit holding tokens
-    runs the same one."""
+    and every other unit none (``held``: the tokens each unit holds): one choice for the whole
+    micro-batch where every unit holding tokens runs the same one."""
     if not by_unit:
         return None, None
     modes = set(by_unit.values())
-    holding = set(np.flatnonzero(held_tokens(mb, len(mb.queues)) > 0).tolist())
-    if len(modes) == 1 and holding <= set(by_unit):
+    if len(modes) == 1 and set(np.flatnonzero(held > 0).tolist()) <= set(by_unit):
         return modes.pop(), None
     units: dict[str, list[int]] = {}  # (choices in the order of their first unit)
     for u in sorted(by_unit):
@@ -157,26 +143,25 @@ def choose_microbatch(ctx: PlanContext, step: StepPlan, mb: MicroBatch) -> tuple
     recomputation need not pay for it; the choices' collectives are the same, so the runtime lets
     ranks differ); ``full`` on every unit where some unit fits under no choice (the plan's memory
     check then names it)."""
-    reps = step.replicas
-    n = len(mb.queues)
-    costs = _costs(ctx, step, n)
-    fits = _unit_fits(ctx, costs, held_tokens(mb, n), ulysses_held_tokens(mb, n, costs))
+    costs, held, fits = _fit_of(ctx, step, mb)
+    n = len(held)
     need = [u for u in range(n) if not fits("none", u)]
     if not need:
         return None, None
-    per = {u: _unit_choices(ctx, fits, u) for u in need}
+    per = {u: (["selective"] if fits("selective", u) else []) + _fewest_full(ctx, lambda m, u=u: fits(m, u))
+           for u in need}
     if not all(per.values()):
         return "full", None
     mb.recompute, mb.recompute_units = None, None
     lengths = [q.length for q in step.sequences]
-    terms = microbatch_terms(ctx, lengths, mb) if reps is None else None
+    terms = microbatch_terms(ctx, lengths, mb) if step.replicas is None else None
     if terms is None:  # replicas of mixed TP: the choice that adds the least forward
         attn, lin = np.zeros(n), np.ones(n)
     else:
         attn, lin = terms.attn, terms.lin - np.asarray(ctx.cost.head_time(terms.tokens), dtype=np.float64)
     by_unit = {u: min(per[u], key=lambda m, u=u: float(costs[u].recompute_extra_time(m, attn[u], lin[u])))
                for u in need}
-    return as_choices(mb, by_unit)
+    return as_choices(by_unit, held)
 
 
 def assign(ctx: PlanContext, plan: StepPlan) -> StepPlan:
@@ -252,9 +237,10 @@ def _each_choice_judged(ctx: PlanContext, plan: StepPlan, score: Callable[[StepP
         if not mb.recomputes():
             continue
         best = (mb.recompute, mb.recompute_units)
-        need = needing_units(ctx, plan, mb)
-        for m in fitting_choices(ctx, plan, mb):
-            alt = as_choices(mb, {u: m for u in need})
+        _, held, fits = _fit_of(ctx, plan, mb)
+        need = [u for u in range(len(held)) if not fits("none", u)]
+        for m in _fitting(ctx, len(held), fits):
+            alt = as_choices({u: m for u in need}, held)
             if m == "none" or alt == best:
                 continue
             mb.recompute, mb.recompute_units = alt
