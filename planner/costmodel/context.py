@@ -36,6 +36,10 @@ class PlanContext:
     # the longest sequence the run trains on (``--max-seq-len``, else the data's longest sample):
     # a run-level fact that planners sizing one layout for the whole run (te-cp) read; None: unknown
     max_seq_len: int | None = None
+    # ``--recompute auto``'s pass without recomputation: a unit may hold more than ``recompute``'s
+    # capacity (up to ``selective``'s), its micro-batch then choosing that unit's recomputation alone
+    # (planner/zeppelin/recompute.py); a planner that can price it may lay units out so
+    unit_recompute: bool = False
 
     def __post_init__(self):
         self.cost = CostModel(self.cluster, self.model, self.profile, tp=self.tp, zero_stage=self.zero_stage,

@@ -57,6 +57,18 @@ class RecomputeCosts:
         # (act_full - head) / L with it; the head's share is the same in both
         return act_none - k * (act_none - act_full) / L, rec_full
 
+    def overshoot_layers(self, x) -> np.ndarray:
+        """For units holding ``x`` times the tokens they may hold without recomputation, the share
+        of the layers that the fewest-layer ``full:k`` under which they fit recomputes (0 where
+        ``x <= 1``; above 1 where not even ``full`` fits): what the choice per unit
+        (planner/zeppelin/recompute.py) gives such a unit, as a planner prices it."""
+        x = as_array(x)
+        act_none, _ = self.recompute_split("none")
+        act_full, rec_full = self.for_recompute("full").activation_split
+        L = self.model.num_layers
+        need = (act_none * (1.0 - 1.0 / np.maximum(x, 1.0)) + rec_full) / max(act_none - act_full, 1e-30)
+        return np.where(x > 1.0, np.ceil(need * L - 1e-9) / L, 0.0)
+
     def recompute_bytes_per_token(self, mode: str | None) -> float:
         act, rec = self.recompute_split(mode)
         return act + rec

@@ -40,12 +40,15 @@ def chooses(ctx: PlanContext) -> bool:
 
 
 def mode_context(ctx: PlanContext, mode: str) -> PlanContext:
-    """``ctx`` under the global ``mode`` (built once per mode, kept on ``ctx``)."""
+    """``ctx`` under the global ``mode`` (built once per mode, kept on ``ctx``); under ``none`` its
+    units may hold more, each recomputing on its own (``PlanContext.unit_recompute``: the choice
+    per unit is made afterwards, :func:`assign`)."""
     cache = ctx.__dict__.setdefault("_by_recompute", {})
     if mode not in cache:
         cache[mode] = PlanContext(ctx.cluster, ctx.model, ctx.profile, tp=ctx.tp, zero_stage=ctx.zero_stage,
                                   tp_overlap=ctx.tp_overlap, seed=ctx.seed, recompute=mode,
-                                  options=ctx.options, max_seq_len=ctx.max_seq_len)
+                                  options=ctx.options, max_seq_len=ctx.max_seq_len,
+                                  unit_recompute=mode == "none")
     return cache[mode]
 
 

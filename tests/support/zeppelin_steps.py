@@ -48,7 +48,10 @@ def check_plan(ctx, plan, lengths):
                 assert p.ranges == zigzag_ranges(lengths[p.seq], len(g.units))
             for pos, u in enumerate(g.units):
                 held[u] += sum(e - s for s, e in p.ranges[pos])
-        assert (held <= cap).all()
+        # a unit that recomputes (its micro-batch's choice, or its own) holds what that choice lets it
+        mine = np.array([ctx.cost.recompute_capacity(mb.recompute_of(u)) if mb.recompute_of(u) not in (None, "none")
+                         else (cap[u] if np.ndim(cap) else cap) for u in range(len(mb.queues))])
+        assert (held <= mine).all()
         # queues: inter before intra before local
         rank = {"inter": 0, "intra": 1, "local": 2}
         for q in mb.queues:

@@ -31,6 +31,13 @@ width): from the :data:`STARTS` best, one micro-batch's widths at a time (``B`` 
 one to its long sequence that is slowest per unit, every ``B``) while that lowers the score. The
 best few are built and ranked by the prediction (:func:`.common.ranked_by_prediction`).
 
+Under ``--recompute auto`` (the pass without recomputation, ``PlanContext.unit_recompute``) a unit
+may hold more than its memory share, up to what it holds under ``selective``, paying the forward of
+the fewest layers whose full recomputation fits it (:class:`_Headroom`): on long steps the units
+beside the long sequences fill their memory with short ones while their compute is the lightest,
+and a few layers recomputed there let them take short sequences off the slowest units. The plan's
+units over their capacity then take that choice each (``recompute.assign``) before it is ranked.
+
 A sequence is long when it fits no group inside a node, or on its best one it alone takes more than
 :data:`LONG_SHARE` of the step's average load per unit; where the step needs several micro-batches,
 the configurations are also searched with the sequences long against one micro-batch's average
@@ -95,7 +102,7 @@ def long_blocks(ctx: PlanContext, step: int, sequences: list[Sequence], limit: f
             sets.append(more)
     cheapest = _cheapest(intra, range(len(L)))
     order = sorted(range(len(L)), key=lambda i: (-cheapest[i], i))
-    groups = _Groups(intra, n, L, order)
+    groups = _Groups(intra, n, L, order, _Headroom.of(ctx))
     blocks = _block_times(ctx, L, sets[-1], nodes)
     found: dict[tuple, tuple | None] = {}  # (long sequences per micro-batch, their widths) -> (score, layout)
 
@@ -132,7 +139,7 @@ def long_blocks(ctx: PlanContext, step: int, sequences: list[Sequence], limit: f
         layout = _layout(ctx, key[0], key[1], blocks, groups)
         if layout is None:
             raise PlanningError(f"{name}: a short sequence fits nowhere beside the long ones")
-        return _build(ctx, step, sequences, layout[1], routing)
+        return _build(ctx, step, sequences, layout[1], routing, groups.headroom)
 
     return ranked_by_prediction(ctx, [(t, a, (lambda key=key: build(key))) for a, (t, key) in enumerate(keep)])
 
@@ -347,7 +354,10 @@ def _layout(ctx: PlanContext, parts, widths, blocks, groups: "_Groups", exact: i
         # x units), the lower load there, the smaller group, the first group
         t_i, sh_i = groups.spread(m, i)
         new = top + t_i
-        new[full + sh_i > 1 + _EPS] = np.inf
+        if groups.headroom is None:
+            new[full + sh_i > 1 + _EPS] = np.inf
+        else:  # (a unit over its capacity pays its recomputation)
+            new = groups.headroom.load(new, full + sh_i)
         inc = np.maximum(new - at_mx, 0.0)
         least = float(inc.min())
         if not math.isfinite(least):
@@ -375,7 +385,7 @@ def _layout(ctx: PlanContext, parts, widths, blocks, groups: "_Groups", exact: i
             mx[k] = load
             at_mx[mb_of == k] = load
         places.append((k, "ulysses" if s > 1 else "local", list(range(lo, hi)), i, None))
-    score = float(loads.max(axis=1).sum())
+    score = float((loads if groups.headroom is None else groups.headroom.load(loads, mem)).max(axis=1).sum())
     if fluid:
         score += _fluid(*fluid, groups.unit_capacity, loads, mem, mx)
         if not np.isfinite(score):
@@ -391,8 +401,10 @@ class _Groups:
     short sequence's best place is found in one pass and placing it updates only the groups that
     hold its units."""
 
-    def __init__(self, intra, n: int, L: np.ndarray, order: list[int]):
+    def __init__(self, intra, n: int, L: np.ndarray, order: list[int], headroom: _Headroom | None = None):
         sizes, cost, fits, need, cap = intra
+        #: units may hold more than their memory share, recomputing (None: they may not)
+        self.headroom = headroom
         self.sizes, self.n, self.L, self.order = sorted(sizes), n, L, order
         self.times = np.array([np.where(fits[s], cost[s], np.inf) for s in self.sizes])
         self.shares = np.array([need[s] / max(cap[s], 1) for s in self.sizes])
@@ -446,6 +458,33 @@ class _Groups:
         return self._shape[m]
 
 
+class _Headroom:
+    """Memory beyond a unit's capacity, paid by recomputation (``PlanContext.unit_recompute``: the
+    choice is made per unit once the plan is built): a unit may hold up to what it holds under
+    ``selective``; holding ``x`` times its memory share it runs again the forward of the fewest
+    layers whose full recomputation fits it (``CostModel.overshoot_layers``), priced as that share
+    of its load's forward (the linear modules' forward share)."""
+
+    def __init__(self, cm, ratio: float, forward: float):
+        self.cm, self.ratio, self.forward = cm, ratio, forward
+        #: tokens a unit may hold (the builder's capacity)
+        self.tokens = int(cm.recompute_capacity("selective"))
+
+    @classmethod
+    def of(cls, ctx: PlanContext) -> _Headroom | None:
+        cm = ctx.cost
+        if not ctx.unit_recompute or cm.token_capacity <= 0:
+            return None
+        ratio = cm.recompute_capacity("selective") / cm.token_capacity
+        return cls(cm, ratio, 1.0 / (1.0 + ctx.profile.backward_linear_factor)) if ratio > 1 else None
+
+    def load(self, load: np.ndarray, share: np.ndarray) -> np.ndarray:
+        """Units' ``load`` with the forward their recomputation runs again at memory ``share`` (inf
+        beyond the headroom)."""
+        out = load * (1.0 + self.forward * self.cm.overshoot_layers(share))
+        return np.where(share > self.ratio * (1 + _EPS), np.inf, out)
+
+
 def _fluid(work: float, tokens: float, unit_capacity: float, loads: np.ndarray, mem: np.ndarray,
            mx: np.ndarray) -> float:
     """What short sequences of ``tokens`` tokens and ``work`` cheapest area in all add to the step,
@@ -465,11 +504,18 @@ def _fluid(work: float, tokens: float, unit_capacity: float, loads: np.ndarray, 
     return extra * rho / max(units, 1)
 
 
-def _build(ctx: PlanContext, step: int, sequences: list[Sequence], layout: dict, routing: bool):
+def _build(ctx: PlanContext, step: int, sequences: list[Sequence], layout: dict, routing: bool,
+           headroom: _Headroom | None = None):
     """The plan of a layout; node-crossing ring hops routed (``routing``) over the NICs of their
-    groups' units."""
-    b = StepBuilder(ctx, sequences, "zeppelin")
+    groups' units. With ``headroom``, the units over their capacity take their recomputation
+    (:func:`zeppelin.planner.zeppelin.recompute.assign`) before the plan is ranked."""
+    b = StepBuilder(ctx, sequences, "zeppelin", capacity=None if headroom is None else headroom.tokens)
     for k, kind, units, i, shape in layout["places"]:
         b.place(k, kind, units, i, shape=shape)
     desc = "; ".join("+".join(f"{w}n" for w in ws) or "-" for ws in layout["widths"])
-    return finish_routed(ctx, b, step, {"family": name, "groups": f"long blocks {desc}"}, routing)
+    plan = finish_routed(ctx, b, step, {"family": name, "groups": f"long blocks {desc}"}, routing)
+    if headroom is not None and any(mb.placements for mb in plan.microbatches):
+        from zeppelin.planner.zeppelin.recompute import assign
+
+        assign(ctx, plan)
+    return plan
