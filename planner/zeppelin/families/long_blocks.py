@@ -102,13 +102,32 @@ def long_blocks(ctx: PlanContext, step: int, sequences: list[Sequence], limit: f
             sets.append(more)
     cheapest = _cheapest(intra, range(len(L)))
     order = sorted(range(len(L)), key=lambda i: (-cheapest[i], i))
-    groups = _Groups(intra, n, L, order, _Headroom.of(ctx))
+    groups = _Groups(intra, n, L, order)
     blocks = _block_times(ctx, L, sets[-1], nodes)
+    keep = _search(ctx, L, sets, m0, nodes, blocks, groups, limit, top, None)
+    headroom = _Headroom.of(ctx)
+    if headroom is not None:  # (the layouts within the capacity stay candidates: the judge decides)
+        keep += _search(ctx, L, sets, m0, nodes, blocks, groups, limit, top, headroom)
+
+    def build(key, room):
+        layout = _layout(ctx, key[0], key[1], blocks, groups, headroom=room)
+        if layout is None:
+            raise PlanningError(f"{name}: a short sequence fits nowhere beside the long ones")
+        return _build(ctx, step, sequences, layout[1], routing, room)
+
+    return ranked_by_prediction(ctx, [(t, a, (lambda key=key, room=room: build(key, room)))
+                                      for a, (t, key, room) in enumerate(keep)])
+
+
+def _search(ctx: PlanContext, L: np.ndarray, sets: list[list[int]], m0: int, nodes: int, blocks, groups: _Groups,
+            limit: float | None, top: int, headroom: _Headroom | None) -> list[tuple]:
+    """The ``top`` best configurations ``(score, key, headroom)`` (``limit``: none scored above it),
+    laid out with ``headroom`` (None: within every unit's capacity)."""
     found: dict[tuple, tuple | None] = {}  # (long sequences per micro-batch, their widths) -> (score, layout)
 
     def score(key) -> float:
         if key not in found:
-            found[key] = _layout(ctx, key[0], key[1], blocks, groups, EXACT)
+            found[key] = _layout(ctx, key[0], key[1], blocks, groups, EXACT, headroom)
         return found[key][0] if found[key] is not None else float("inf")
 
     for longs in sets:
@@ -133,15 +152,7 @@ def long_blocks(ctx: PlanContext, step: int, sequences: list[Sequence], limit: f
     ok = sorted(((v[0], k) for k, v in found.items() if v is not None), key=lambda x: (x[0], _order(x[1])))
     if limit is not None:
         ok = [x for x in ok if x[0] <= limit]
-    keep = ok[:top]
-
-    def build(key):
-        layout = _layout(ctx, key[0], key[1], blocks, groups)
-        if layout is None:
-            raise PlanningError(f"{name}: a short sequence fits nowhere beside the long ones")
-        return _build(ctx, step, sequences, layout[1], routing, groups.headroom)
-
-    return ranked_by_prediction(ctx, [(t, a, (lambda key=key: build(key))) for a, (t, key) in enumerate(keep)])
+    return [(t, key, headroom) for t, key in ok[:top]]
 
 
 def _order(key: tuple) -> tuple:
@@ -318,14 +329,16 @@ def _widths(parts, blocks, levels: list[float], nodes: int):
     return tuple(out)
 
 
-def _layout(ctx: PlanContext, parts, widths, blocks, groups: "_Groups", exact: int | None = None):
+def _layout(ctx: PlanContext, parts, widths, blocks, groups: "_Groups", exact: int | None = None,
+            headroom: _Headroom | None = None):
     """``(score, layout)`` of one configuration (module docstring), or None where a short sequence
     fits nowhere. ``layout``: the placements (micro-batch, kind, units, sequence, usp shape) and the
     long sequences' ``widths``; ``groups``: the short sequences and the places they may take
     (:class:`_Groups`). ``exact``: place only that many short sequences (the most expensive) and
     score the rest as a fluid - their cheapest time fills the micro-batches' room below their
     slowest units first, then raises them all evenly - where their tokens fit the units' room (else
-    None); the layout then places only those."""
+    None); the layout then places only those. ``headroom``: units may hold more than their
+    memory share, each paying its recomputation (:class:`_Headroom`; None: they may not)."""
     upn = ctx.units_per_node
     m = len(parts)
     sizes = groups.sizes
@@ -354,10 +367,10 @@ def _layout(ctx: PlanContext, parts, widths, blocks, groups: "_Groups", exact: i
         # x units), the lower load there, the smaller group, the first group
         t_i, sh_i = groups.spread(m, i)
         new = top + t_i
-        if groups.headroom is None:
+        if headroom is None:
             new[full + sh_i > 1 + _EPS] = np.inf
         else:  # (a unit over its capacity pays its recomputation)
-            new = groups.headroom.load(new, full + sh_i)
+            new = headroom.load(new, full + sh_i)
         inc = np.maximum(new - at_mx, 0.0)
         least = float(inc.min())
         if not math.isfinite(least):
@@ -385,7 +398,7 @@ def _layout(ctx: PlanContext, parts, widths, blocks, groups: "_Groups", exact: i
             mx[k] = load
             at_mx[mb_of == k] = load
         places.append((k, "ulysses" if s > 1 else "local", list(range(lo, hi)), i, None))
-    score = float((loads if groups.headroom is None else groups.headroom.load(loads, mem)).max(axis=1).sum())
+    score = float((loads if headroom is None else headroom.load(loads, mem)).max(axis=1).sum())
     if fluid:
         score += _fluid(*fluid, groups.unit_capacity, loads, mem, mx)
         if not np.isfinite(score):
@@ -401,10 +414,8 @@ class _Groups:
     short sequence's best place is found in one pass and placing it updates only the groups that
     hold its units."""
 
-    def __init__(self, intra, n: int, L: np.ndarray, order: list[int], headroom: _Headroom | None = None):
+    def __init__(self, intra, n: int, L: np.ndarray, order: list[int]):
         sizes, cost, fits, need, cap = intra
-        #: units may hold more than their memory share, recomputing (None: they may not)
-        self.headroom = headroom
         self.sizes, self.n, self.L, self.order = sorted(sizes), n, L, order
         self.times = np.array([np.where(fits[s], cost[s], np.inf) for s in self.sizes])
         self.shares = np.array([need[s] / max(cap[s], 1) for s in self.sizes])
