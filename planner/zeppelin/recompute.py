@@ -8,7 +8,9 @@ judged at least as fast as the plan in the mode it was made for), and the candid
 (by the simulator where the planner selects or confirms by it, else by the prediction) is the
 step's plan. So the micro-batching itself trades "one micro-batch with recomputation" (the
 larger capacity) against "two without" (the smaller) by predicted time. A step whose plan without
-recomputation has one micro-batch is that plan: recomputation could only add time. Where the
+recomputation has one micro-batch in which no unit recomputes is that plan: recomputation could only
+add time (a unit laid out beyond its capacity in that pass, ``PlanContext.unit_recompute``, recomputes:
+the other modes are planned then too). Where the
 candidates are judged by the prediction, a ``confirm`` judge (the simulator) may rank again those
 predicted within :data:`CONFIRM_MARGIN` of the best: the prediction does not play out a second
 micro-batch's waits, so it misprices "one against two" by a few per cent either way.
@@ -195,8 +197,9 @@ def plan_step(ctx: PlanContext, step: int, sequences: list[Sequence],
         except PlanningError as e:
             error = error or e
             continue
-        if mode == "none" and len(plan.microbatches) == 1:
-            break  # one micro-batch without recomputation: nothing to save
+        if mode == "none" and len(plan.microbatches) == 1 and not any(mb.recomputes() for mb in plan.microbatches):
+            break  # one micro-batch without recomputation: nothing to save (with units recomputing: the
+            # other modes' plans may do without them)
     if not cands:
         raise error
     if confirm is not None and len(cands) > 1:

@@ -99,3 +99,29 @@ def test_a_global_mode_never_lays_units_out_over_its_capacity(recompute):
     for p in plans:
         for mb in p.microbatches:
             assert held_tokens(mb, ctx.num_units).max() <= ctx.cost.token_capacity and not mb.recomputes()
+
+
+def test_a_single_micro_batch_with_units_recomputing_does_not_end_the_modes():
+    """``auto`` stops after its pass without recomputation when that gives one micro-batch in which
+    no unit recomputes; where units of it recompute (laid out beyond their capacity), the other
+    modes are planned too and the judge decides."""
+    from zeppelin.planner.zeppelin import recompute
+
+    auto = _ctx()
+    seqs = _long_step()
+    base = long_blocks.candidates(mode_context(auto, "none"), 0, seqs)[0].build()
+    alone = []  # the plan cut to one micro-batch: one in which no unit recomputes, one in which some do
+    for want in (False, True):
+        cut = base.model_copy(deep=True)
+        cut.microbatches = [next(mb for mb in cut.microbatches if mb.recomputes() == want)]
+        alone.append(cut)
+    plain, marked = alone
+    for made, modes in ((plain, ["none"]), (marked, ["none", "selective", "full"])):
+        asked = []
+
+        def plan_one(mctx, step, sequences, made=made, asked=asked):
+            asked.append(mctx.recompute)
+            return made.model_copy(deep=True)
+
+        recompute.plan_step(auto, 0, seqs, plan_one, score=lambda p: 1.0)
+        assert asked == modes
