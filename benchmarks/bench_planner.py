@@ -3,6 +3,7 @@
     python benchmarks/bench_planner.py                      # everything (JSON lines on stdout)
     python benchmarks/bench_planner.py --only latency --sizes 16,64,256
     python benchmarks/bench_planner.py --only latency --sizes 64,1024,4096,16384 --latency-steps 5
+    python benchmarks/bench_planner.py --only latency --sizes 64,1024 --recompute auto   # zeppelin plan's default
     python benchmarks/bench_planner.py --only quality --steps 100
     python benchmarks/bench_planner.py --only rss --rss-gpus 4096 --rss-steps 1,4   # peak RSS of plan files
 
@@ -64,9 +65,9 @@ def steps_for(dist: str, budget: int, num_steps: int, seed: int) -> list[list[Se
     return out
 
 
-def ctx_for(cluster: str, model: str, zero_stage: int = 1) -> PlanContext:
+def ctx_for(cluster: str, model: str, zero_stage: int = 1, recompute: str = "none") -> PlanContext:
     cl = cluster_preset(cluster)
-    return PlanContext(cl, model_preset(model), default_profile(cl.name), zero_stage=zero_stage)
+    return PlanContext(cl, model_preset(model), default_profile(cl.name), zero_stage=zero_stage, recompute=recompute)
 
 
 # LLaMA-13B with ZeRO-1 leaves 2K activation tokens per A800 (32K for 16 GPUs, less than one 128K
@@ -74,10 +75,11 @@ def ctx_for(cluster: str, model: str, zero_stage: int = 1) -> PlanContext:
 ZERO = {"llama-7b": 1, "llama-13b": 3}
 
 
-def latency(sizes: list[int], steps: int, breakdown: bool = False, simulate_max: int = 0) -> None:
+def latency(sizes: list[int], steps: int, breakdown: bool = False, simulate_max: int = 0,
+            recompute: str = "none") -> None:
     for gpus in sizes:
         nodes = max(1, gpus // 8)
-        ctx = ctx_for(f"zeppelin-c:{nodes}", "llama-7b")
+        ctx = ctx_for(f"zeppelin-c:{nodes}", "llama-7b", recompute=recompute)
         # ~8 sequences per GPU on the mixed distribution
         rng = np.random.default_rng(gpus)
         n_steps = steps if gpus <= 1024 else max(3, steps // 2) if gpus <= 4096 else max(2, steps // 3)
@@ -105,7 +107,8 @@ def latency(sizes: list[int], steps: int, breakdown: bool = False, simulate_max:
         if parts:
             row["over_bound"] = {k: round(float(np.median([p[k] for p in parts])), 4) for k in parts[0]}
         print(json.dumps({"bench": "planner_latency", "gpus": gpus, "cluster": ctx.cluster.name,
-                          "nodes": nodes, "model": "llama-7b", "seqs_per_step": int(np.median(seqs)),
+                          "nodes": nodes, "model": "llama-7b", "recompute": recompute,
+                          "seqs_per_step": int(np.median(seqs)),
                           "steps": n_steps, "median_s": round(float(np.median(times)), 4),
                           "max_s": round(float(np.max(times)), 4), "median_cpu_s": round(float(np.median(cpu)), 4),
                           "median_ratio": round(float(np.median(ratios)), 4),
@@ -212,6 +215,8 @@ def main(argv=None) -> None:
     ap.add_argument("--latency-steps", type=int, default=5, help="steps per size up to 1,024 GPUs (half beyond, "
                     "a third beyond 4,096)")
     ap.add_argument("--breakdown", action="store_true", help="latency rows: where the time above the bound goes")
+    ap.add_argument("--recompute", default="none", choices=["none", "auto"],
+                    help="latency rows: plan under this setting (auto: zeppelin plan's default, a choice per micro-batch)")
     ap.add_argument("--simulate-max-gpus", type=int, default=0, metavar="N",
                     help="latency rows up to N GPUs: also the simulated step over the bound (median_sim_ratio)")
     ap.add_argument("--steps", type=int, default=100, help="steps per quality cell")
@@ -221,7 +226,8 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     print(json.dumps({"bench": "machine", "python": sys.version.split()[0]}), flush=True)
     if a.only in (None, "latency"):
-        latency(sorted(int(x) for x in a.sizes.split(",")), a.latency_steps, a.breakdown, a.simulate_max_gpus)
+        latency(sorted(int(x) for x in a.sizes.split(",")), a.latency_steps, a.breakdown, a.simulate_max_gpus,
+                a.recompute)
     if a.only in (None, "quality"):
         quality(["zeppelin-a", "zeppelin-c"], ["llama-7b", "llama-13b"], ["short", "long", "mixed"], a.steps)
     if a.only in (None, "ablation"):

@@ -10,7 +10,10 @@ step's plan. So the micro-batching itself trades "one micro-batch with recomputa
 larger capacity) against "two without" (the smaller) by predicted time. A step whose plan without
 recomputation has one micro-batch in which no unit recomputes is that plan: recomputation could only
 add time (a unit laid out beyond its capacity in that pass, ``PlanContext.unit_recompute``, recomputes:
-the other modes are planned then too). Where the
+the other modes are planned then too). Nor is a step planned under ``full`` where ``selective``'s
+plan has one micro-batch: ``full``'s larger capacity can lower the count of micro-batches, which one
+cannot, and each unit of that plan already takes the fewest layers of ``full:k`` it needs
+(:func:`assign`; docs/BENCHMARKS.md, "Planner latency", measures what ``full`` made there). Where the
 candidates are judged by the prediction, a ``confirm`` judge (the simulator) may rank again those
 predicted within :data:`CONFIRM_MARGIN` of the best: the prediction does not play out a second
 micro-batch's waits, so it misprices "one against two" by a few per cent either way.
@@ -200,6 +203,8 @@ def plan_step(ctx: PlanContext, step: int, sequences: list[Sequence],
         if mode == "none" and len(plan.microbatches) == 1 and not any(mb.recomputes() for mb in plan.microbatches):
             break  # one micro-batch without recomputation: nothing to save (with units recomputing: the
             # other modes' plans may do without them)
+        if mode == "selective" and len(plan.microbatches) == 1:
+            break  # one micro-batch under selective's capacity: full's cannot make fewer (module docstring)
     if not cands:
         raise error
     if confirm is not None and len(cands) > 1:

@@ -104,24 +104,29 @@ def test_a_global_mode_never_lays_units_out_over_its_capacity(recompute):
 def test_a_single_micro_batch_with_units_recomputing_does_not_end_the_modes():
     """``auto`` stops after its pass without recomputation when that gives one micro-batch in which
     no unit recomputes; where units of it recompute (laid out beyond their capacity), the other
-    modes are planned too and the judge decides."""
+    modes are planned too and the judge decides. It plans under ``full`` only where ``selective``'s
+    plan needs more than one micro-batch (``full``'s capacity can only make fewer)."""
     from zeppelin.planner.zeppelin import recompute
 
     auto = _ctx()
     seqs = _long_step()
     base = long_blocks.candidates(mode_context(auto, "none"), 0, seqs)[0].build()
+    assert len(base.microbatches) == 2
     alone = []  # the plan cut to one micro-batch: one in which no unit recomputes, one in which some do
     for want in (False, True):
         cut = base.model_copy(deep=True)
         cut.microbatches = [next(mb for mb in cut.microbatches if mb.recomputes() == want)]
         alone.append(cut)
     plain, marked = alone
-    for made, modes in ((plain, ["none"]), (marked, ["none", "selective", "full"])):
+    for made, modes in (({"none": plain}, ["none"]),
+                        ({"none": marked, "selective": marked}, ["none", "selective"]),
+                        ({"none": marked, "selective": base}, ["none", "selective", "full"]),
+                        ({"none": base, "selective": base}, ["none", "selective", "full"])):
         asked = []
 
         def plan_one(mctx, step, sequences, made=made, asked=asked):
             asked.append(mctx.recompute)
-            return made.model_copy(deep=True)
+            return made.get(mctx.recompute, base).model_copy(deep=True)
 
         recompute.plan_step(auto, 0, seqs, plan_one, score=lambda p: 1.0)
         assert asked == modes
