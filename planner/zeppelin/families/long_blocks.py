@@ -62,6 +62,7 @@ from zeppelin.planner.zeppelin.families.common import (
     usp_seq_time,
 )
 from zeppelin.planner.zeppelin.protocols import Candidate
+from zeppelin.planner.zeppelin.recompute import assign
 from zeppelin.schemas.layout import split_even
 from zeppelin.schemas.plan import Sequence
 
@@ -476,18 +477,19 @@ class _Headroom:
     layers whose full recomputation fits it (``CostModel.overshoot_layers``), priced as that share
     of its load's forward (the linear modules' forward share)."""
 
-    def __init__(self, cm, ratio: float, forward: float):
-        self.cm, self.ratio, self.forward = cm, ratio, forward
-        #: tokens a unit may hold (the builder's capacity)
-        self.tokens = int(cm.recompute_capacity("selective"))
+    def __init__(self, ctx: PlanContext):
+        self.cm = ctx.cost
+        self.forward = 1.0 / (1.0 + ctx.profile.backward_linear_factor)
+        #: tokens a unit may hold (the builder's capacity), and that over its capacity
+        self.tokens = int(self.cm.recompute_capacity("selective"))
+        self.ratio = self.tokens / max(self.cm.token_capacity, 1)
 
     @classmethod
     def of(cls, ctx: PlanContext) -> _Headroom | None:
-        cm = ctx.cost
-        if not ctx.unit_recompute or cm.token_capacity <= 0:
+        if not ctx.unit_recompute or ctx.cost.token_capacity <= 0:
             return None
-        ratio = cm.recompute_capacity("selective") / cm.token_capacity
-        return cls(cm, ratio, 1.0 / (1.0 + ctx.profile.backward_linear_factor)) if ratio > 1 else None
+        room = cls(ctx)
+        return room if room.ratio > 1 else None
 
     def load(self, load: np.ndarray, share: np.ndarray) -> np.ndarray:
         """Units' ``load`` with the forward their recomputation runs again at memory ``share`` (inf
@@ -525,8 +527,4 @@ def _build(ctx: PlanContext, step: int, sequences: list[Sequence], layout: dict,
         b.place(k, kind, units, i, shape=shape)
     desc = "; ".join("+".join(f"{w}n" for w in ws) or "-" for ws in layout["widths"])
     plan = finish_routed(ctx, b, step, {"family": name, "groups": f"long blocks {desc}"}, routing)
-    if headroom is not None and any(mb.placements for mb in plan.microbatches):
-        from zeppelin.planner.zeppelin.recompute import assign
-
-        assign(ctx, plan)
-    return plan
+    return assign(ctx, plan) if headroom is not None else plan
