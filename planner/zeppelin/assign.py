@@ -4,7 +4,9 @@ Both levels solve the same problem: *bins* (nodes at level 1, units of one node 
 preload (work and tokens already there), and *items* that each occupy ``width`` distinct bins,
 adding ``cost`` seconds and ``tokens`` tokens to each of them (a local sequence: width 1; a ring
 group: width G, its per-unit share; an inter-node sequence at level 1: width = nodes spanned).
-Minimise the most loaded bin subject to each bin's token capacity.
+Minimise the most loaded bin subject to each bin's token capacity. Optionally (``kinds``), a bin
+holding an *exclusive* item (a sequence laid out as a usp group, whose units the runtime lets run no
+ring beside it) takes no *split* item (a ring's share), and the reverse; local items go anywhere.
 
 * :func:`greedy_pack` - longest-processing-time first (wide items first, each onto its
   least-loaded bins with room), then a local search that moves / swaps width-1 items off the
@@ -80,14 +82,21 @@ def lower_bound(pre: np.ndarray, cost: np.ndarray, width: np.ndarray) -> float:
     return lb
 
 
+#: ``kinds`` of items: placed anywhere; a share of a ring (no bin with an exclusive item); exclusive
+#: (only bins with neither a split nor another exclusive item)
+LOCAL, SPLIT, EXCLUSIVE = 0, 1, 2
+
+
 def greedy_pack(pre: np.ndarray, pre_tok: np.ndarray, cost: np.ndarray, tokens: np.ndarray,
                 width: np.ndarray, cap: float, search: bool = True, tol: float = 0.0,
-                by_tokens: bool = False) -> PackResult:
+                by_tokens: bool = False, kinds: np.ndarray | None = None) -> PackResult:
     """LPT, then (``search``) local search unless LPT is already within ``tol`` of the bound.
 
     ``by_tokens``: each item goes to the bins with the most token room (ties: least loaded) instead
     of the least-loaded ones with room - the fallback when token-blind LPT leaves no room for an
-    item although the bins hold enough tokens in total (the local search then evens the loads)."""
+    item although the bins hold enough tokens in total (the local search then evens the loads).
+    ``kinds`` (per item: :data:`LOCAL`, :data:`SPLIT`, :data:`EXCLUSIVE`; None: all local): which
+    items may share a bin. Exclusive items must be wider than one bin (they are placed first)."""
     t0 = time.perf_counter()
     B = len(pre)
     # plain Python floats in the loop (numpy scalar indexing costs more than the arithmetic);
@@ -111,55 +120,99 @@ def greedy_pack(pre: np.ndarray, pre_tok: np.ndarray, cost: np.ndarray, tokens: 
     # heap once an item small enough for them comes: a nearly full cluster of hundreds of bins
     # would otherwise have every item pop (and push back) every full bin
     aside: list[tuple[float, int]] = []
+    kind_l = None if kinds is None else np.asarray(kinds, dtype=np.int64).tolist()
+    state = [LOCAL] * B  # per bin: LOCAL (no split nor exclusive item yet), SPLIT or EXCLUSIVE
+    split_heap, split_aside = None, []  # width-1 splits': no exclusive bin (built after the wide items)
     for i in order:
         w, c, k = width_l[i], cost_l[i], tok_l[i]
         if w > B:
             raise PackInfeasible(i, f"item {i} needs {w} bins, only {B} exist")
+        kind = LOCAL if kind_l is None else kind_l[i]
         if w == 1:
-            while aside and toks[aside[0][1]] + k <= cap:
-                _, b = heapq.heappop(aside)
-                heapq.heappush(heap, (key[b], b))
-            chosen = -1
-            while heap:
-                ld, b = heapq.heappop(heap)
-                if ld != key[b]:
-                    continue  # stale entry
-                if toks[b] + k <= cap:
-                    chosen = b
-                    break
-                heapq.heappush(aside, (toks[b], b))
+            if kind == EXCLUSIVE:
+                raise ValueError(f"item {i}: an exclusive item spans more than one bin")
+            if kind == SPLIT and split_heap is None:
+                split_heap = [(key[b], b) for b in range(B) if state[b] != EXCLUSIVE]
+                heapq.heapify(split_heap)
+            chosen = (_least_with_room(heap, aside, key, toks, k, cap) if kind == LOCAL
+                      else _least_with_room(split_heap, split_aside, key, toks, k, cap))
             if chosen < 0:
-                raise PackInfeasible(i, f"item {i} ({int(k)} tokens) does not fit any bin")
+                raise PackInfeasible(i, f"item {i} ({int(k)} tokens) does not fit any bin"
+                                        f"{' without an exclusive item' if kind == SPLIT else ''}")
             loads[chosen] += c
             toks[chosen] += k
             heapq.heappush(heap, (key[chosen], chosen))
+            if split_heap is not None:
+                heapq.heappush(split_heap, (key[chosen], chosen))
             out[i] = [chosen]
         else:
-            cand = [b for b in range(B) if toks[b] + k <= cap]
-            if len(cand) < w:
-                raise PackInfeasible(i, f"item {i} needs {w} bins with {int(k)} tokens of room, "
-                                        f"{len(cand)} have it")
-            if by_tokens:
-                sel = sorted(sorted(cand, key=lambda b: (toks[b], loads[b]))[:w])
-            else:
-                sel = sorted(sorted(cand, key=loads.__getitem__)[:w])  # least loaded; ties: lowest bin
+            sel = _wide_bins(i, w, k, kind, loads, toks, state, cap, by_tokens)
             for b in sel:
                 loads[b] += c
                 toks[b] += k
                 heapq.heappush(heap, (key[b], b))
+                if kind != LOCAL:
+                    state[b] = kind
+                if split_heap is not None:
+                    heapq.heappush(split_heap, (key[b], b))
             out[i] = sel
     loads = np.array(loads, dtype=np.float64)
     toks = np.array(toks, dtype=np.float64)
     lb = lower_bound(np.asarray(pre, dtype=np.float64), np.asarray(cost, dtype=np.float64), np.asarray(width))
     if search and m and B and float(loads.max()) > lb * (1.0 + tol):
-        _local_search(out, loads, toks, cost, tokens, width, cap)
+        _local_search(out, loads, toks, cost, tokens, width, cap,
+                      barred=None if kind_l is None else _barred(kind_l, state))
     mk = float(loads.max()) if B else 0.0
     return PackResult(out, loads, toks, mk, lb, time_s=time.perf_counter() - t0, greedy_makespan=mk)
 
 
-def _local_search(out, loads, toks, cost, tokens, width, cap, max_iter: int | None = None) -> None:
+def _wide_bins(i: int, w: int, k: float, kind: int, loads: list, toks: list, state: list, cap: float,
+               by_tokens: bool) -> list[int]:
+    """The ``w`` bins (ascending) item ``i`` of :func:`greedy_pack` takes: the least loaded (or,
+    ``by_tokens``, those with the most token room) with room for its ``k`` tokens and, by its kind,
+    no exclusive item (a split) or neither kind (an exclusive item); ties: lowest bin."""
+    if kind == LOCAL:
+        cand = [b for b in range(len(toks)) if toks[b] + k <= cap]
+    else:
+        bar = EXCLUSIVE if kind == SPLIT else SPLIT
+        cand = [b for b in range(len(toks)) if toks[b] + k <= cap and state[b] < bar]
+    if len(cand) < w:
+        raise PackInfeasible(i, f"item {i} needs {w} bins with {int(k)} tokens of room"
+                                f"{('', ' and no exclusive item', ' and no split item')[kind]}, {len(cand)} have it")
+    if by_tokens:
+        return sorted(sorted(cand, key=lambda b: (toks[b], loads[b]))[:w])
+    return sorted(sorted(cand, key=loads.__getitem__)[:w])  # least loaded; ties: lowest bin
+
+
+def _least_with_room(heap: list, aside: list, key: list, toks: list, k: float, cap: float) -> int:
+    """The bin of ``heap`` with the least ``key`` and room for ``k`` more tokens (-1: none); bins
+    without room wait in ``aside`` (fewest tokens first) until an item small enough comes. Entries
+    whose key is no longer the bin's are stale and dropped."""
+    while aside and toks[aside[0][1]] + k <= cap:
+        _, b = heapq.heappop(aside)
+        heapq.heappush(heap, (key[b], b))
+    while heap:
+        ld, b = heapq.heappop(heap)
+        if ld != key[b]:
+            continue  # stale entry
+        if toks[b] + k <= cap:
+            return b
+        heapq.heappush(aside, (toks[b], b))
+    return -1
+
+
+def _barred(kinds: list[int], state: list[int]):
+    """``(item, bin)`` -> whether the item may not move to the bin (:func:`_local_search`): split
+    items stay off exclusive bins."""
+    excl = {b for b, s in enumerate(state) if s == EXCLUSIVE}
+    if not excl:
+        return None
+    return lambda i, b: kinds[i] == SPLIT and b in excl
+
+
+def _local_search(out, loads, toks, cost, tokens, width, cap, max_iter: int | None = None, barred=None) -> None:
     """Move or swap width-1 items off the most loaded bin while the maximum drops (``loads`` and
-    ``toks``, float arrays, updated in place)."""
+    ``toks``, float arrays, updated in place); ``barred(item, bin)``: moves not allowed."""
     B = len(loads)
     if B < 2:
         return
@@ -202,7 +255,7 @@ def _local_search(out, loads, toks, cost, tokens, width, cap, max_iter: int | No
                 c = cost[i]
                 if c < diff and t_lo + tokens[i] <= cap:
                     gain = min(c, diff - c)
-                    if gain > best_gain:
+                    if gain > best_gain and not (barred is not None and barred(i, lo)):
                         best, best_gain = (i, None), gain
             # best swap: i from hi, j from lo with 0 < c_i - c_j < diff
             if len(members[hi]) * len(members[lo]) <= 4096:
@@ -213,7 +266,8 @@ def _local_search(out, loads, toks, cost, tokens, width, cap, max_iter: int | No
                         if 0 < d < diff:
                             gain = min(d, diff - d)
                             if gain > best_gain and tk[lo] - tokens[j] + tokens[i] <= cap \
-                                    and tk[hi] - tokens[i] + tokens[j] <= cap:
+                                    and tk[hi] - tokens[i] + tokens[j] <= cap \
+                                    and not (barred is not None and (barred(i, lo) or barred(j, hi))):
                                 best, best_gain = (i, j), gain
             if best is None:
                 continue
@@ -303,11 +357,12 @@ def ilp_pack(pre: np.ndarray, pre_tok: np.ndarray, cost: np.ndarray, tokens: np.
 
 
 def pack(pre, pre_tok, cost, tokens, width, cap: float, *, ilp: str = "auto", limits: SolveLimits | None = None,
-         tol: float = 0.01, max_ilp_vars: int = 1200, solver: str = "highs") -> PackResult:
+         tol: float = 0.01, max_ilp_vars: int = 1200, solver: str = "highs", kinds=None) -> PackResult:
     """Greedy, then the ILP where it pays.
 
     ``ilp``: ``auto`` (ILP when greedy's gap to the lower bound exceeds ``tol`` and the model has
-    at most ``max_ilp_vars`` binaries), ``always`` (any size), ``never``.
+    at most ``max_ilp_vars`` binaries), ``always`` (any size), ``never``. ``kinds``: which items
+    may share a bin (:func:`greedy_pack`); the ILP does not model them, so it does not run then.
     """
     pre = np.asarray(pre, dtype=np.float64)
     pre_tok = np.asarray(pre_tok, dtype=np.float64)
@@ -315,12 +370,12 @@ def pack(pre, pre_tok, cost, tokens, width, cap: float, *, ilp: str = "auto", li
     tokens = np.asarray(tokens, dtype=np.float64)
     width = np.asarray(width, dtype=np.int64)
     try:
-        g = greedy_pack(pre, pre_tok, cost, tokens, width, cap, tol=tol / 4)
+        g = greedy_pack(pre, pre_tok, cost, tokens, width, cap, tol=tol / 4, kinds=kinds)
     except PackInfeasible as e:
         # token-blind LPT filled some bins unevenly: place by token room instead
-        g = greedy_pack(pre, pre_tok, cost, tokens, width, cap, tol=tol / 4, by_tokens=True)
+        g = greedy_pack(pre, pre_tok, cost, tokens, width, cap, tol=tol / 4, by_tokens=True, kinds=kinds)
         g.notes.append(f"placed by token room ({e})")
-    if ilp == "never" or len(cost) == 0:
+    if ilp == "never" or len(cost) == 0 or kinds is not None:
         return g
     nvars = len(cost) * len(pre)
     if ilp == "auto":

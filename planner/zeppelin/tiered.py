@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from zeppelin.planner.costmodel.predict import microbatch_terms
-from zeppelin.planner.zeppelin.assign import PackInfeasible, PackResult, pack
+from zeppelin.planner.zeppelin.assign import EXCLUSIVE, LOCAL, SPLIT, PackInfeasible, PackResult, pack
 from zeppelin.planner.zeppelin.groups import as_usp, build_microbatch, usp_rings
 from zeppelin.planner.zeppelin.step_state import StepState
 from zeppelin.planner.zeppelin.tiering import Span, SpanTable, zigzag_max_tokens_array
@@ -50,11 +50,18 @@ class Spans:
     tokens_per_unit: np.ndarray  # tokens on the fullest unit of its span
     span_units: np.ndarray  # units of its span as first chosen
     is_inter: np.ndarray  # its span crosses nodes
+    usp: np.ndarray | None = None  # its inter-node span is priced (and to be laid out) as a usp group
 
 
-def choose_spans(search: StepState, idx: list[int], balance: str, floor: int | None) -> Spans:
+def choose_spans(search: StepState, idx: list[int], balance: str, floor: int | None, usp: bool = True) -> Spans:
     """Stage 1: spans for a balanced per-unit load (target refined once with the chosen spans'
-    costs). ``floor`` (node-CP): every sequence long enough to split spans at least that span."""
+    costs). ``floor`` (node-CP): every sequence long enough to split spans at least that span.
+
+    ``usp`` (with option ``inter=auto``, a model whose heads allow usp rows, no windowed layers): a
+    span over whole nodes is priced as the cheaper of a ring and a usp group; a sequence whose
+    chosen span is cheaper as a usp group is marked (:attr:`Spans.usp`): its nodes then take no
+    ring beside it (:func:`assign_nodes`), so that the group can run as usp (the runtime runs one
+    family of split groups per unit), and :func:`best_microbatch` lays it out so."""
     ctx, tiering = search.ctx, search.tiering
     cost, layers, units = ctx.cost, ctx.model.num_layers, ctx.num_units
     Ls = np.array([search.sequences[i].length for i in idx], dtype=np.float64)
@@ -66,23 +73,40 @@ def choose_spans(search: StepState, idx: list[int], balance: str, floor: int | N
     # ring of small blocks); the tiered layout keeps rings, whose transfers local work can fill
     ulysses = search.options.intra == "auto" and floor is not None
     table = search.span_table(Ls, search.routed_nics(), ulysses)
-    times = table.times(lin_rate)
+    times = ring_times = table.times(lin_rate)
+    V = tiering.usp_prices(table) if usp and _usp_spans(search) else None
+    if V is not None:
+        times = np.minimum(ring_times, V + lin_rate * table.L[None, :] / table.G[:, None])
     target = float(times[0].sum()) / units
     cols = np.arange(len(Ls))
     for _ in range(2):
-        k = tiering.choose_span_index(table, target, lin_rate)
+        k = tiering.choose_span_index(table, target, lin_rate, times=times)
         unit_time = times[k, cols]
         target = float((unit_time * table.G[k]).sum()) / units
     if floor is not None:
         splittable = Ls >= 2 * table.G[floor]
         k = np.where(table.F[floor] & splittable, floor, np.maximum(k, floor * splittable))
         unit_time = times[k, cols]
+    marked = None
+    if V is not None:
+        marked = times[k, cols] < ring_times[k, cols]
+        if not marked.any():
+            marked = None
     span_units = np.array([sp.G for sp in tiering.spans], dtype=np.int64)[k]
     return Spans(lengths=Ls, table=table, times=times, spans=[tiering.spans[x] for x in k],
                  span_index=np.array(k, dtype=np.int64), unit_time=unit_time,
                  tokens_per_unit=zigzag_max_tokens_array(Ls, span_units).astype(np.float64),
                  span_units=span_units,
-                 is_inter=np.array([s.tier == "inter" for s in tiering.spans], dtype=bool)[k])
+                 is_inter=np.array([s.tier == "inter" for s in tiering.spans], dtype=bool)[k], usp=marked)
+
+
+def _usp_spans(search: StepState) -> bool:
+    """Whether stage 1 may price spans over whole nodes as usp groups: option ``inter=auto``, more
+    than one node, and no windowed layers (their rings may be cut contiguously, which a usp group
+    does not take over)."""
+    ctx = search.ctx
+    return (search.options.inter == "auto" and ctx.cluster.num_nodes > 1 and ctx.units_per_node > 1
+            and ctx.cost.window_mix is None)
 
 
 def assign_nodes(search: StepState, idx: list[int], sp: Spans, carry: np.ndarray, node_fill: float,
@@ -98,10 +122,13 @@ def assign_nodes(search: StepState, idx: list[int], sp: Spans, carry: np.ndarray
     inter = sp.is_inter
     width = np.where(inter, np.array([s.nodes for s in search.tiering.spans], dtype=np.int64)[sp.span_index], 1)
     on_node = np.where(inter, per_node, sp.span_units)
+    kinds = None
+    if sp.usp is not None:  # usp groups keep their nodes free of rings
+        kinds = np.where(sp.usp, EXCLUSIVE, np.where(sp.span_units > 1, SPLIT, LOCAL))
     result = pack(carry.reshape(nodes, per_node).sum(axis=1), np.zeros(nodes), sp.unit_time * on_node,
                   sp.tokens_per_unit * on_node, width, float(search.tiering.cap * per_node) * node_fill,
                   ilp=search.ilp_mode(), limits=opts.limits, tol=opts.tol, solver=opts.solver,
-                  max_ilp_vars=opts.max_ilp_vars_nodes)
+                  max_ilp_vars=opts.max_ilp_vars_nodes, kinds=kinds)
     search.ilp_spent(result)
     stats.results.append(result)
     return result.bins
@@ -213,7 +240,7 @@ def plan_microbatch(search: StepState, idx: list[int], carry: np.ndarray, balanc
 def _copy_spans(sp: Spans) -> Spans:
     """``sp`` with its own copies of what level 2 may widen."""
     return replace(sp, spans=list(sp.spans), span_index=sp.span_index.copy(), unit_time=sp.unit_time.copy(),
-                   tokens_per_unit=sp.tokens_per_unit.copy())
+                   tokens_per_unit=sp.tokens_per_unit.copy(), usp=None if sp.usp is None else sp.usp.copy())
 
 
 def best_microbatch(search: StepState, idx: list[int], carry: np.ndarray, floors: list | None = None,
@@ -227,6 +254,10 @@ def best_microbatch(search: StepState, idx: list[int], carry: np.ndarray, floors
     * (remap layer on) balance attention alone and let the remap even out the linear tokens
       (the remap layer itself drops the remap when it does not pay).
 
+    Sequences stage 1 marks for usp groups (:func:`choose_spans`) are laid out as rings first, then
+    as usp groups (:func:`_usp_alternative`); where no layout with them fits, the spans are chosen
+    again with rings alone.
+
     Returns the micro-batch, its stats and its prediction terms (:func:`.predict.microbatch_terms`;
     their ``period`` is the predicted per-unit time without the step's gradient all-reduce,
     waits for coupled units included)."""
@@ -237,25 +268,31 @@ def best_microbatch(search: StepState, idx: list[int], carry: np.ndarray, floors
     # widths: then level 1 keeps some token slack per node (before the caller falls back to
     # one more micro-batch, which costs far more)
     lengths = [s.length for s in search.sequences]
-    spans: dict[tuple, Spans] = {}  # stage 1 does not depend on the fill: chosen once per (floor, balance)
-    for fill in (1.0, 0.95, 0.9) if ctx.cluster.num_nodes > 1 else (1.0,):
-        for floor in floors if floors is not None else [None]:
-            for bal in balances if balances is not None else ["total"]:
-                if (floor, bal) not in spans:
-                    spans[floor, bal] = choose_spans(search, idx, bal, floor)
-                try:
-                    mb, st = plan_microbatch(search, idx, carry, balance=bal, floor=floor, node_fill=fill,
-                                             fixed_nodes=fixed_nodes, spans=spans[floor, bal])
-                except PackInfeasible as e:
-                    err = err or e
-                    continue
-                terms = microbatch_terms(ctx, lengths, mb)
-                cands.append((mb, st, terms))
-                alt = None if search.options.inter == "ring" else _usp_alternative(
-                    search, mb, terms, lengths, remap=search.options.remap and bal == "attention")
-                if alt is not None:
-                    cands.append((alt[0], st, alt[1]))
-        if cands:
+    for usp in (True, False):
+        spans: dict[tuple, Spans] = {}  # stage 1 does not depend on the fill: chosen once per (floor, balance)
+        for fill in (1.0, 0.95, 0.9) if ctx.cluster.num_nodes > 1 else (1.0,):
+            for floor in floors if floors is not None else [None]:
+                for bal in balances if balances is not None else ["total"]:
+                    if (floor, bal) not in spans:
+                        spans[floor, bal] = choose_spans(search, idx, bal, floor, usp=usp)
+                    sp = spans[floor, bal]
+                    try:
+                        mb, st = plan_microbatch(search, idx, carry, balance=bal, floor=floor, node_fill=fill,
+                                                 fixed_nodes=fixed_nodes, spans=sp)
+                    except PackInfeasible as e:
+                        err = err or e
+                        continue
+                    terms = microbatch_terms(ctx, lengths, mb)
+                    cands.append((mb, st, terms))
+                    marked = None if sp.usp is None else {idx[j] for j in np.flatnonzero(sp.usp).tolist()}
+                    alt = None if search.options.inter == "ring" else _usp_alternative(
+                        search, mb, terms, lengths, remap=search.options.remap and bal == "attention",
+                        marked=marked)
+                    if alt is not None:
+                        cands.append((alt[0], st, alt[1]))
+            if cands:
+                break
+        if cands or not any(sp.usp is not None for sp in spans.values()):
             break
     if not cands:
         raise err
@@ -267,18 +304,20 @@ def best_microbatch(search: StepState, idx: list[int], carry: np.ndarray, floors
     return best[1], best[2], best[3]
 
 
-def _usp_alternative(search: StepState, mb, terms, lengths, remap: bool):
+def _usp_alternative(search: StepState, mb, terms, lengths, remap: bool, marked: set[int] | None = None):
     """``mb`` with its inter-node rings over whole nodes run as usp groups (:func:`.groups.as_usp`)
     where each one's units stay within their memory, and its terms; None where no ring may. A
     ring's hop from node to node crosses the network through one unit's NIC (or relays over the
     node's others through one NVLink port each way); a usp group's column rings cross through every
     unit's own, with blocks u times as large to hide behind - at the price of its rows'
-    all-to-alls. The caller keeps whichever layout the prediction finds faster."""
+    all-to-alls. The caller keeps whichever layout the prediction finds faster. ``marked``: the
+    sequences stage 1 priced as usp groups (their rings are converted wherever they run)."""
     ctx = search.ctx
     rings = usp_rings(ctx, mb)
     busy = terms.busy
     slowest = set(np.flatnonzero(busy >= busy.max()).tolist())
-    if not any(slowest.intersection(mb.groups[g].units) for g in rings):
+    if not any(slowest.intersection(mb.groups[g].units) for g in rings) and not (
+            marked and any(p.seq in marked for p in mb.placements if p.group in set(rings))):
         return None  # (the micro-batch's slowest unit runs none of them: the layout would not be faster)
     room = np.maximum(terms.mem_tokens, ctx.cost.token_capacity)
     while rings:

