@@ -27,6 +27,12 @@ from zeppelin.planner.zeppelin.step_state import StepState
 from zeppelin.planner.zeppelin.tiering import Span, SpanTable, zigzag_max_tokens_array
 
 
+#: beyond this many units, a micro-batch whose sequences stage 1 marks for usp groups is laid out
+#: with the marks alone (where it fits): with many nodes, the rings have room beside the usp groups'
+#: nodes, and a second layout would cost as much again
+MARKS_ALONE_UNITS = 256
+
+
 @dataclass
 class MicroBatchStats:
     """How a micro-batch's layout was found (for the step's :class:`SolverInfo` and notes)."""
@@ -255,8 +261,10 @@ def best_microbatch(search: StepState, idx: list[int], carry: np.ndarray, floors
       (the remap layer itself drops the remap when it does not pay).
 
     Sequences stage 1 marks for usp groups (:func:`choose_spans`) are laid out as rings first, then
-    as usp groups (:func:`_usp_alternative`); where no layout with them fits, the spans are chosen
-    again with rings alone.
+    as usp groups (:func:`_usp_alternative`); the spans are chosen again with rings alone, and laid
+    out beside them, on clusters of at most :data:`MARKS_ALONE_UNITS` units (where a usp group's
+    nodes are a large share of the cluster and the rings left may not balance), and wherever no
+    layout with the marks fits.
 
     Returns the micro-batch, its stats and its prediction terms (:func:`.predict.microbatch_terms`;
     their ``period`` is the predicted per-unit time without the step's gradient all-reduce,
@@ -270,6 +278,7 @@ def best_microbatch(search: StepState, idx: list[int], carry: np.ndarray, floors
     lengths = [s.length for s in search.sequences]
     for usp in (True, False):
         spans: dict[tuple, Spans] = {}  # stage 1 does not depend on the fill: chosen once per (floor, balance)
+        found = len(cands)
         for fill in (1.0, 0.95, 0.9) if ctx.cluster.num_nodes > 1 else (1.0,):
             for floor in floors if floors is not None else [None]:
                 for bal in balances if balances is not None else ["total"]:
@@ -290,9 +299,9 @@ def best_microbatch(search: StepState, idx: list[int], carry: np.ndarray, floors
                         marked=marked)
                     if alt is not None:
                         cands.append((alt[0], st, alt[1]))
-            if cands:
+            if len(cands) > found:
                 break
-        if cands or not any(sp.usp is not None for sp in spans.values()):
+        if not any(sp.usp is not None for sp in spans.values()) or (cands and ctx.num_units > MARKS_ALONE_UNITS):
             break
     if not cands:
         raise err
