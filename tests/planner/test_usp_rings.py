@@ -101,3 +101,33 @@ def test_usp_prices_only_spans_over_whole_nodes():
     want = ctx.model.num_layers * (c.usp_seq_time(L, 8, G // 8, "inter") + c.ulysses_comm_time(L / G, 8, "intra"))
     assert np.allclose(V[k], want, rtol=1e-12)
     assert t.usp_prices(table) is V  # kept on the table
+
+
+def test_small_clusters_lay_marked_microbatches_out_with_rings_too(monkeypatch):
+    """On 2 nodes a usp group over both leaves no unit for a ring: a micro-batch with marked
+    sequences is laid out with rings alone too (``tiered.MARKS_ALONE_UNITS``), so the RESULTS
+    grid's step 3 of cluster A, LLaMA-7B, short mix, 16 GPUs (``--recompute auto``) is planned as
+    fast as with stage 1 pricing rings alone (5.000 s; 5.281 s simulated with the marks alone)."""
+    import importlib.util
+    import types
+    from pathlib import Path
+
+    from zeppelin.planner.zeppelin import tiered
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_compare.py"
+    spec = importlib.util.spec_from_file_location("bench_compare", path)
+    bc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bc)
+    args = types.SimpleNamespace(seed=0, tokens_per_gpu=16384, max_seq_len=131072, steps=4)
+    ctx, _, steps = bc.cell_steps("zeppelin-a", "llama-7b", 1, "short", 16, args, 1)
+    assert ctx.num_units <= tiered.MARKS_ALONE_UNITS
+    plan = ZeppelinPlanner().plan_step(ctx, 3, steps[3])
+    with monkeypatch.context() as m:
+        m.setattr(tiered, "_usp_spans", lambda search: False)
+        rings = ZeppelinPlanner().plan_step(ctx, 3, steps[3])
+    sim = Simulator(ctx)
+    assert sim.simulate_step(plan).step_time_s <= sim.simulate_step(rings).step_time_s * (1 + 1e-9)
+    with monkeypatch.context() as m:
+        m.setattr(tiered, "MARKS_ALONE_UNITS", 0)
+        alone = ZeppelinPlanner().plan_step(ctx, 3, steps[3])
+    assert sim.simulate_step(alone).step_time_s > 1.04 * sim.simulate_step(plan).step_time_s
