@@ -409,6 +409,13 @@ def ulysses_held_tokens(mb: MicroBatch, n: int, costs) -> np.ndarray | None:
     return held
 
 
+def attention_layout_memory_tokens(ctx: PlanContext, mb: MicroBatch) -> np.ndarray:
+    """Per unit: :func:`layout_memory_tokens` of ``mb`` without its remap (the linear modules where
+    attention ran), which ``microbatch_terms`` gives as ``mem_tokens`` where ``mb`` has none."""
+    held = _held_tokens(mb, ctx.num_units)
+    return layout_memory_tokens(ctx.cost, mb, held, held.copy())
+
+
 def layout_memory_tokens(cost, mb: MicroBatch, held: np.ndarray, lin_held: np.ndarray) -> np.ndarray:
     """Per unit: the token-equivalents its memory holds in the micro-batch: its attention-layout
     tokens (Ulysses members' extra copies counted), or with a remap both layouts' tokens, each at

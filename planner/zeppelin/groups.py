@@ -23,9 +23,10 @@ from zeppelin.schemas.plan import Group, MicroBatch, Placement, RemapInfo
 
 
 def build_microbatch(search, idx: list[int], Ls: np.ndarray, spans, span_index, table, node_of, unit_of,
-                     remap: bool) -> MicroBatch:
+                     remap: bool, finish: bool = True) -> MicroBatch:
     """Groups, placements and queues of the micro-batch of sequences ``idx`` (lengths ``Ls``, spans,
-    nodes and units as the earlier stages chose), then its routes and (``remap``) its remap."""
+    nodes and units as the earlier stages chose), then (``finish``; else :func:`finish_microbatch`
+    later) its routes and (``remap``) its remap."""
     ctx = search.ctx
     inter_js = [j for j, s in enumerate(spans) if s.tier == "inter"]
     groups: list[Group] = []
@@ -41,8 +42,13 @@ def build_microbatch(search, idx: list[int], Ls: np.ndarray, spans, span_index, 
     # built from validated parts; model_construct skips re-validating thousands of records
     mb = MicroBatch.model_construct(groups=groups, placements=placements, queues=queues, linear_layout=None,
                                     remap=RemapInfo(), routes=[])
-    mb.routes = plan_routes(ctx, mb, enable=search.options.routing)
-    mb.linear_layout, mb.remap = _remap(ctx, search.sequences, mb, search.options.remap, enable=remap)
+    return finish_microbatch(search, mb, remap) if finish else mb
+
+
+def finish_microbatch(search, mb: MicroBatch, remap: bool) -> MicroBatch:
+    """``mb`` with its routes and (``remap``) its remap."""
+    mb.routes = plan_routes(search.ctx, mb, enable=search.options.routing)
+    mb.linear_layout, mb.remap = _remap(search.ctx, search.sequences, mb, search.options.remap, enable=remap)
     return mb
 
 

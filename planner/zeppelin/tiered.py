@@ -20,16 +20,18 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from zeppelin.planner.costmodel.predict import microbatch_terms
+from zeppelin.planner.costmodel.predict import attention_layout_memory_tokens, microbatch_terms
 from zeppelin.planner.zeppelin.assign import EXCLUSIVE, LOCAL, SPLIT, PackInfeasible, PackResult, pack
-from zeppelin.planner.zeppelin.groups import as_usp, build_microbatch, usp_rings
+from zeppelin.planner.zeppelin.groups import as_usp, build_microbatch, finish_microbatch, usp_rings
 from zeppelin.planner.zeppelin.step_state import StepState
 from zeppelin.planner.zeppelin.tiering import Span, SpanTable, zigzag_max_tokens_array
 
 
-#: beyond this many units, a micro-batch whose sequences stage 1 marks for usp groups is laid out
-#: with the marks alone (where it fits): with many nodes, the rings have room beside the usp groups'
-#: nodes, and a second layout would cost as much again
+#: up to this many units, a micro-batch whose sequences stage 1 marks for usp groups
+#: (:func:`choose_spans`) is also laid out with rings alone (a usp group's nodes are a large share
+#: of a small cluster, and the rings left may not balance: on 2 nodes a step came out 5.6% slower
+#: with the marks alone); beyond, the marked layout alone, and it goes to usp groups without its
+#: ring layout's routes, remap and prediction being made first (for planning latency)
 MARKS_ALONE_UNITS = 256
 
 
@@ -227,11 +229,12 @@ def _polish_hot_nodes(search: StepState, sp: Spans, by_node, results: dict[int, 
 
 def plan_microbatch(search: StepState, idx: list[int], carry: np.ndarray, balance: str = "total",
                     floor: int | None = None, node_fill: float = 1.0, fixed_nodes: dict[int, int] | None = None,
-                    spans: Spans | None = None):
+                    spans: Spans | None = None, finish: bool = True):
     """One candidate layout of the micro-batch of sequences ``idx``: the stages in order.
     ``node_fill``: the share of a node's token capacity level 1 may fill (below 1 when a node
     filled to the last token left its units no room for its rings); ``spans``: stage 1's choice
-    for these arguments, made before (level 2 widens a copy). Returns (micro-batch, stats);
+    for these arguments, made before (level 2 widens a copy); ``finish``: the micro-batch gets its
+    routes and remap (else :func:`.groups.finish_microbatch` later). Returns (micro-batch, stats);
     raises :class:`PackInfeasible`."""
     stats = MicroBatchStats()
     sp = _copy_spans(spans) if spans is not None else choose_spans(search, idx, balance, floor)
@@ -239,7 +242,7 @@ def plan_microbatch(search: StepState, idx: list[int], carry: np.ndarray, balanc
     # (node-CP: rings take whole nodes, so the units of a node carry near-equal loads already)
     unit_of = assign_units(search, sp, node_of, carry, search.options.ilp != "never" and floor is None, stats)
     mb = build_microbatch(search, idx, sp.lengths, sp.spans, sp.span_index, sp.table, node_of, unit_of,
-                          remap=search.options.remap and balance == "attention")
+                          remap=search.options.remap and balance == "attention", finish=finish)
     return mb, stats
 
 
@@ -261,10 +264,10 @@ def best_microbatch(search: StepState, idx: list[int], carry: np.ndarray, floors
       (the remap layer itself drops the remap when it does not pay).
 
     Sequences stage 1 marks for usp groups (:func:`choose_spans`) are laid out as rings first, then
-    as usp groups (:func:`_usp_alternative`); the spans are chosen again with rings alone, and laid
-    out beside them, on clusters of at most :data:`MARKS_ALONE_UNITS` units (where a usp group's
-    nodes are a large share of the cluster and the rings left may not balance), and wherever no
-    layout with the marks fits.
+    as usp groups (:func:`_usp_alternative`; beyond :data:`MARKS_ALONE_UNITS` units the ring layout
+    is not priced, only the usp one); the spans are chosen again with rings alone, and laid out
+    beside them, on clusters of at most :data:`MARKS_ALONE_UNITS` units and wherever no layout with
+    the marks fits.
 
     Returns the micro-batch, its stats and its prediction terms (:func:`.predict.microbatch_terms`;
     their ``period`` is the predicted per-unit time without the step's gradient all-reduce,
@@ -275,7 +278,6 @@ def best_microbatch(search: StepState, idx: list[int], carry: np.ndarray, floors
     # nodes filled to the last token can leave their units no room for rings of assorted
     # widths: then level 1 keeps some token slack per node (before the caller falls back to
     # one more micro-batch, which costs far more)
-    lengths = [s.length for s in search.sequences]
     for usp in (True, False):
         spans: dict[tuple, Spans] = {}  # stage 1 does not depend on the fill: chosen once per (floor, balance)
         found = len(cands)
@@ -284,21 +286,10 @@ def best_microbatch(search: StepState, idx: list[int], carry: np.ndarray, floors
                 for bal in balances if balances is not None else ["total"]:
                     if (floor, bal) not in spans:
                         spans[floor, bal] = choose_spans(search, idx, bal, floor, usp=usp)
-                    sp = spans[floor, bal]
                     try:
-                        mb, st = plan_microbatch(search, idx, carry, balance=bal, floor=floor, node_fill=fill,
-                                                 fixed_nodes=fixed_nodes, spans=sp)
+                        cands += _layouts(search, idx, carry, spans[floor, bal], bal, floor, fill, fixed_nodes)
                     except PackInfeasible as e:
                         err = err or e
-                        continue
-                    terms = microbatch_terms(ctx, lengths, mb)
-                    cands.append((mb, st, terms))
-                    marked = None if sp.usp is None else {idx[j] for j in np.flatnonzero(sp.usp).tolist()}
-                    alt = None if search.options.inter == "ring" else _usp_alternative(
-                        search, mb, terms, lengths, remap=search.options.remap and bal == "attention",
-                        marked=marked)
-                    if alt is not None:
-                        cands.append((alt[0], st, alt[1]))
             if len(cands) > found:
                 break
         if not any(sp.usp is not None for sp in spans.values()) or (cands and ctx.num_units > MARKS_ALONE_UNITS):
@@ -313,6 +304,31 @@ def best_microbatch(search: StepState, idx: list[int], carry: np.ndarray, floors
     return best[1], best[2], best[3]
 
 
+def _layouts(search: StepState, idx: list[int], carry: np.ndarray, sp: Spans, bal: str, floor, fill: float,
+             fixed_nodes) -> list:
+    """One layout of the micro-batch (:func:`plan_microbatch`) and, where its rings over whole nodes
+    may run as usp groups, that one too: ``[(micro-batch, stats, terms)]``. Beyond
+    :data:`MARKS_ALONE_UNITS` units, a layout with marked sequences is priced as usp groups alone
+    where they fit (its ring layout is left unrouted); raises :class:`PackInfeasible`."""
+    ctx, lengths = search.ctx, [s.length for s in search.sequences]
+    remap = search.options.remap and bal == "attention"
+    marked = None if sp.usp is None else {idx[j] for j in np.flatnonzero(sp.usp).tolist()}
+    draft = marked is not None and ctx.num_units > MARKS_ALONE_UNITS and search.options.inter != "ring"
+    mb, st = plan_microbatch(search, idx, carry, balance=bal, floor=floor, node_fill=fill,
+                             fixed_nodes=fixed_nodes, spans=sp, finish=not draft)
+    if draft:
+        alt = _usp_alternative(search, mb, None, lengths, remap, marked)
+        if alt is not None:
+            return [(alt[0], st, alt[1])]
+        mb = finish_microbatch(search, mb, remap)
+    terms = microbatch_terms(ctx, lengths, mb)
+    out = [(mb, st, terms)]
+    alt = None if search.options.inter == "ring" else _usp_alternative(search, mb, terms, lengths, remap, marked)
+    if alt is not None:
+        out.append((alt[0], st, alt[1]))
+    return out
+
+
 def _usp_alternative(search: StepState, mb, terms, lengths, remap: bool, marked: set[int] | None = None):
     """``mb`` with its inter-node rings over whole nodes run as usp groups (:func:`.groups.as_usp`)
     where each one's units stay within their memory, and its terms; None where no ring may. A
@@ -320,15 +336,20 @@ def _usp_alternative(search: StepState, mb, terms, lengths, remap: bool, marked:
     node's others through one NVLink port each way); a usp group's column rings cross through every
     unit's own, with blocks u times as large to hide behind - at the price of its rows'
     all-to-alls. The caller keeps whichever layout the prediction finds faster. ``marked``: the
-    sequences stage 1 priced as usp groups (their rings are converted wherever they run)."""
+    sequences stage 1 priced as usp groups (their rings are converted wherever they run);
+    ``terms`` None: ``mb`` is not routed nor priced (its memory is its attention layout's)."""
     ctx = search.ctx
     rings = usp_rings(ctx, mb)
-    busy = terms.busy
-    slowest = set(np.flatnonzero(busy >= busy.max()).tolist())
-    if not any(slowest.intersection(mb.groups[g].units) for g in rings) and not (
-            marked and any(p.seq in marked for p in mb.placements if p.group in set(rings))):
-        return None  # (the micro-batch's slowest unit runs none of them: the layout would not be faster)
-    room = np.maximum(terms.mem_tokens, ctx.cost.token_capacity)
+    ring_set = set(rings)
+    if not (marked and any(p.seq in marked for p in mb.placements if p.group in ring_set)):
+        if terms is None:
+            return None
+        busy = terms.busy
+        slowest = set(np.flatnonzero(busy >= busy.max()).tolist())
+        if not any(slowest.intersection(mb.groups[g].units) for g in rings):
+            return None  # (the micro-batch's slowest unit runs none of them: the layout would not be faster)
+    held = terms.mem_tokens if terms is not None else attention_layout_memory_tokens(ctx, mb)
+    room = np.maximum(held, ctx.cost.token_capacity)
     while rings:
         alt = as_usp(search, mb, rings, remap)
         alt_terms = microbatch_terms(ctx, lengths, alt)
