@@ -28,11 +28,12 @@ from zeppelin.planner.zeppelin.tiering import Span, SpanTable, zigzag_max_tokens
 
 
 #: up to this many units, a micro-batch whose sequences stage 1 marks for usp groups
-#: (:func:`choose_spans`) is also laid out with rings alone (a usp group's nodes are a large share
-#: of a small cluster, and the rings left may not balance: on 2 nodes a step came out 5.6% slower
-#: with the marks alone); beyond, the marked layout alone, and it goes to usp groups without its
-#: ring layout's routes, remap and prediction being made first (for planning latency)
+#: (:func:`choose_spans`) span more than :data:`MARKS_CROWD_SHARE` of the nodes is also laid out
+#: with rings alone (the rings left may not balance: on 2 nodes a step came out 5.6% slower with the
+#: marks alone); beyond, the marked layout alone, and it goes to usp groups without its ring
+#: layout's routes, remap and prediction being made first (for planning latency)
 MARKS_ALONE_UNITS = 256
+MARKS_CROWD_SHARE = 0.5
 
 
 @dataclass
@@ -266,8 +267,8 @@ def best_microbatch(search: StepState, idx: list[int], carry: np.ndarray, floors
     Sequences stage 1 marks for usp groups (:func:`choose_spans`) are laid out as rings first, then
     as usp groups (:func:`_usp_alternative`; beyond :data:`MARKS_ALONE_UNITS` units the ring layout
     is not priced, only the usp one); the spans are chosen again with rings alone, and laid out
-    beside them, on clusters of at most :data:`MARKS_ALONE_UNITS` units and wherever no layout with
-    the marks fits.
+    beside them, on clusters of at most :data:`MARKS_ALONE_UNITS` units where the marked sequences
+    span more than :data:`MARKS_CROWD_SHARE` of the nodes, and wherever no layout with the marks fits.
 
     Returns the micro-batch, its stats and its prediction terms (:func:`.predict.microbatch_terms`;
     their ``period`` is the predicted per-unit time without the step's gradient all-reduce,
@@ -292,7 +293,8 @@ def best_microbatch(search: StepState, idx: list[int], carry: np.ndarray, floors
                         err = err or e
             if len(cands) > found:
                 break
-        if not any(sp.usp is not None for sp in spans.values()) or (cands and ctx.num_units > MARKS_ALONE_UNITS):
+        if not any(sp.usp is not None for sp in spans.values()) or (cands and (
+                ctx.num_units > MARKS_ALONE_UNITS or not any(_crowded(ctx, sp) for sp in spans.values()))):
             break
     if not cands:
         raise err
@@ -327,6 +329,15 @@ def _layouts(search: StepState, idx: list[int], carry: np.ndarray, sp: Spans, ba
     if alt is not None:
         out.append((alt[0], st, alt[1]))
     return out
+
+
+def _crowded(ctx, sp: Spans) -> bool:
+    """Whether the sequences ``sp`` marks for usp groups span more than :data:`MARKS_CROWD_SHARE` of
+    the nodes."""
+    if sp.usp is None:
+        return False
+    nodes = sum(sp.spans[j].nodes for j in np.flatnonzero(sp.usp).tolist())
+    return nodes > MARKS_CROWD_SHARE * ctx.cluster.num_nodes
 
 
 def _usp_alternative(search: StepState, mb, terms, lengths, remap: bool, marked: set[int] | None = None):

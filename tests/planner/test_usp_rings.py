@@ -104,8 +104,9 @@ def test_usp_prices_only_spans_over_whole_nodes():
 
 
 def test_small_clusters_lay_marked_microbatches_out_with_rings_too(monkeypatch):
-    """On 2 nodes a usp group over both leaves no unit for a ring: a micro-batch with marked
-    sequences is laid out with rings alone too (``tiered.MARKS_ALONE_UNITS``), so the RESULTS
+    """On 2 nodes a usp group over both leaves no unit for a ring: a micro-batch whose marked
+    sequences span more than half the nodes of a cluster of at most ``tiered.MARKS_ALONE_UNITS``
+    units is laid out with rings alone too (``tiered.MARKS_CROWD_SHARE``), so the RESULTS
     grid's step 3 of cluster A, LLaMA-7B, short mix, 16 GPUs (``--recompute auto``) is planned as
     fast as with stage 1 pricing rings alone (5.000 s; 5.281 s simulated with the marks alone)."""
     import importlib.util
@@ -131,3 +132,7 @@ def test_small_clusters_lay_marked_microbatches_out_with_rings_too(monkeypatch):
         m.setattr(tiered, "MARKS_ALONE_UNITS", 0)
         alone = ZeppelinPlanner().plan_step(ctx, 3, steps[3])
     assert sim.simulate_step(alone).step_time_s > 1.04 * sim.simulate_step(plan).step_time_s
+    with monkeypatch.context() as m:
+        m.setattr(tiered, "MARKS_CROWD_SHARE", 1.0)
+        uncrowded = ZeppelinPlanner().plan_step(ctx, 3, steps[3])
+    assert sim.simulate_step(uncrowded).step_time_s > 1.04 * sim.simulate_step(plan).step_time_s
