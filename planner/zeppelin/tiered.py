@@ -60,6 +60,7 @@ class Spans:
     span_units: np.ndarray  # units of its span as first chosen
     is_inter: np.ndarray  # its span crosses nodes
     usp: np.ndarray | None = None  # its inter-node span is priced (and to be laid out) as a usp group
+    bounded: bool = False  # a marked sequence's per-unit time is above the balanced load (it bounds)
 
 
 def choose_spans(search: StepState, idx: list[int], balance: str, floor: int | None, usp: bool = True) -> Spans:
@@ -96,17 +97,20 @@ def choose_spans(search: StepState, idx: list[int], balance: str, floor: int | N
         splittable = Ls >= 2 * table.G[floor]
         k = np.where(table.F[floor] & splittable, floor, np.maximum(k, floor * splittable))
         unit_time = times[k, cols]
-    marked = None
+    marked, bounded = None, False
     if V is not None:
         marked = times[k, cols] < ring_times[k, cols]
         if not marked.any():
             marked = None
+        else:
+            bounded = bool((unit_time[marked] > target).any())
     span_units = np.array([sp.G for sp in tiering.spans], dtype=np.int64)[k]
     return Spans(lengths=Ls, table=table, times=times, spans=[tiering.spans[x] for x in k],
                  span_index=np.array(k, dtype=np.int64), unit_time=unit_time,
                  tokens_per_unit=zigzag_max_tokens_array(Ls, span_units).astype(np.float64),
                  span_units=span_units,
-                 is_inter=np.array([s.tier == "inter" for s in tiering.spans], dtype=bool)[k], usp=marked)
+                 is_inter=np.array([s.tier == "inter" for s in tiering.spans], dtype=bool)[k], usp=marked,
+                 bounded=bounded)
 
 
 def _usp_spans(search: StepState) -> bool:
@@ -268,7 +272,10 @@ def best_microbatch(search: StepState, idx: list[int], carry: np.ndarray, floors
     as usp groups (:func:`_usp_alternative`; beyond :data:`MARKS_ALONE_UNITS` units the ring layout
     is not priced, only the usp one); the spans are chosen again with rings alone, and laid out
     beside them, on clusters of at most :data:`MARKS_ALONE_UNITS` units where the marked sequences
-    span more than :data:`MARKS_CROWD_SHARE` of the nodes, and wherever no layout with the marks fits.
+    span more than :data:`MARKS_CROWD_SHARE` of the nodes, wherever a marked sequence bounds the
+    micro-batch (its per-unit time above the balanced load: usp prices keep falling with the span, so
+    the span chosen for it and the load it leaves the others are least sure), and wherever no layout
+    with the marks fits.
 
     Returns the micro-batch, its stats and its prediction terms (:func:`.predict.microbatch_terms`;
     their ``period`` is the predicted per-unit time without the step's gradient all-reduce,
@@ -293,8 +300,9 @@ def best_microbatch(search: StepState, idx: list[int], carry: np.ndarray, floors
                         err = err or e
             if len(cands) > found:
                 break
-        if not any(sp.usp is not None for sp in spans.values()) or (cands and (
-                ctx.num_units > MARKS_ALONE_UNITS or not any(_crowded(ctx, sp) for sp in spans.values()))):
+        if not any(sp.usp is not None for sp in spans.values()) or (cands and not any(sp.bounded for sp in spans.values())
+                                                                   and (ctx.num_units > MARKS_ALONE_UNITS or not any(
+                                                                       _crowded(ctx, sp) for sp in spans.values()))):
             break
     if not cands:
         raise err

@@ -136,3 +136,28 @@ def test_small_clusters_lay_marked_microbatches_out_with_rings_too(monkeypatch):
         m.setattr(tiered, "MARKS_CROWD_SHARE", 1.0)
         uncrowded = ZeppelinPlanner().plan_step(ctx, 3, steps[3])
     assert sim.simulate_step(uncrowded).step_time_s > 1.04 * sim.simulate_step(plan).step_time_s
+
+
+def test_a_marked_sequence_that_bounds_its_microbatch_competes_with_rings_alone(monkeypatch):
+    """512 GPUs, a light step (2 sequences per GPU, one micro-batch) whose 131K-token sequence bounds
+    it: usp prices keep falling with the span, so stage 1's refined target and the span it chooses
+    for that sequence are least sure there (a usp group of 64 units: the step 11% slower than with
+    rings alone). A marked sequence above the balanced load makes the micro-batch be laid out with
+    rings alone too: the step is planned as fast as stage 1 pricing rings alone plans it."""
+    from zeppelin.planner.zeppelin import tiered
+
+    cl = cluster_preset("zeppelin-c:64")
+    ctx = PlanContext(cl, model_preset("llama-7b"), default_profile(cl.name))
+    rng = np.random.default_rng(7)
+    for _ in range(2):  # the second of two draws
+        body = rng.lognormal(7.0, 1.0, 1024)
+        tail = (rng.pareto(1.2, 1024) + 1.0) * 4096
+        L = np.clip(np.where(rng.random(1024) < 0.1, tail, body).astype(np.int64), 16, 128 * 1024)
+    seqs = [Sequence(sample_id=i, length=int(x)) for i, x in enumerate(L)]
+    assert ctx.num_units > tiered.MARKS_ALONE_UNITS and max(L) == 131072
+    plan = ZeppelinPlanner().plan_step(ctx, 1, seqs)
+    with monkeypatch.context() as m:
+        m.setattr(tiered, "_usp_spans", lambda search: False)
+        rings = ZeppelinPlanner().plan_step(ctx, 1, seqs)
+    sim = Simulator(ctx)
+    assert sim.simulate_step(plan).step_time_s <= sim.simulate_step(rings).step_time_s * (1 + 1e-9)
