@@ -57,6 +57,10 @@ class ZeppelinOptions(PlannerOptions):
     inter: str = option(str, "auto", "how a sequence split over whole nodes runs: auto (a zigzag ring, or a usp "
                         "group - Ulysses rows inside the nodes, a ring of rows - where the prediction finds it "
                         "faster) or ring (rings only, as published)", choices=("auto", "ring"))
+    usp_spans: str = option(str, "on", "with inter=auto, stage 1 prices a span over whole nodes as the cheaper of a "
+                            "ring and a usp group and keeps the nodes of the sequences it gives one free of rings "
+                            "(on), or as a ring (off: a layout's rings still run as usp groups where faster)",
+                            choices=("on", "off"))
     families: str = option(str, "all", "whole-step candidate families beside the tiered search: all, none, or a "
                            "comma list of ulysses-groups, flop-share, tp-replicas, wide-rings, usp-groups, long-blocks")
     families_max_units: int = option(int, 256, "beyond this many units only large_families are built", minimum=0)

@@ -95,6 +95,8 @@ class ZeppelinPlanner(Planner):
         # same units where the prediction finds the micro-batch faster (tiered.best_microbatch);
         # "ring" - always a ring (the published design)
         self.inter = o.inter
+        # whether stage 1 prices spans over whole nodes as usp groups too (tiered.choose_spans)
+        self.usp_spans = o.usp_spans
         # the whole-step candidate families of families/ (comma list, or "none"), tried on clusters
         # of at most ``families_max_units`` units; beyond, for planning latency, ``large_families``
         self.families = _fam_list(o.families)

@@ -114,12 +114,12 @@ def choose_spans(search: StepState, idx: list[int], balance: str, floor: int | N
 
 
 def _usp_spans(search: StepState) -> bool:
-    """Whether stage 1 may price spans over whole nodes as usp groups: option ``inter=auto``, more
-    than one node, and no windowed layers (their rings may be cut contiguously, which a usp group
-    does not take over)."""
+    """Whether stage 1 may price spans over whole nodes as usp groups: options ``inter=auto`` and
+    ``usp_spans=on``, more than one node, and no windowed layers (their rings may be cut
+    contiguously, which a usp group does not take over)."""
     ctx = search.ctx
-    return (search.options.inter == "auto" and ctx.cluster.num_nodes > 1 and ctx.units_per_node > 1
-            and ctx.cost.window_mix is None)
+    return (search.options.inter == "auto" and search.options.usp_spans == "on"
+            and ctx.cluster.num_nodes > 1 and ctx.units_per_node > 1 and ctx.cost.window_mix is None)
 
 
 def assign_nodes(search: StepState, idx: list[int], sp: Spans, carry: np.ndarray, node_fill: float,

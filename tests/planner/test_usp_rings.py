@@ -54,14 +54,13 @@ def test_inter_rings_run_as_usp_where_faster():
     assert sim.simulate_step(with_usp).step_time_s < 0.99 * sim.simulate_step(rings).step_time_s
 
 
-def test_stage_one_prices_whole_node_spans_as_usp_groups(monkeypatch):
+def test_stage_one_prices_whole_node_spans_as_usp_groups():
     """The same step: stage 1 prices a span over whole nodes as the cheaper of a ring and a usp
     group, so the sequences that bound their micro-batch on one node's ring (66-67K tokens) take
     two nodes as usp groups, whose nodes take no other ring. Every sequence over 60K tokens runs as
     a usp group (two ran as rings of 8 before), the plan holds every invariant, and it is >= 4%
-    faster than stage 1 pricing rings alone, by the prediction and by the simulator (6-7%)."""
-    from zeppelin.planner.zeppelin import tiered
-
+    faster than stage 1 pricing rings alone (``usp_spans=off``), by the prediction and by the
+    simulator (6-7%)."""
     cl = cluster_preset("zeppelin-c:128")
     ctx = PlanContext(cl, model_preset("llama-7b"), default_profile(cl.name))
     seqs = _mixed_step(8192, 1024)
@@ -72,9 +71,7 @@ def test_stage_one_prices_whole_node_spans_as_usp_groups(monkeypatch):
     long_kinds = {mb.groups[p.group].kind for mb in plan.microbatches for p in mb.placements
                   if seqs[p.seq].length > 60_000}
     assert long_kinds == {"usp"}
-    with monkeypatch.context() as m:
-        m.setattr(tiered, "_usp_spans", lambda search: False)
-        rings_priced = ZeppelinPlanner().plan_step(ctx, 0, seqs)
+    rings_priced = ZeppelinPlanner(usp_spans="off").plan_step(ctx, 0, seqs)
     assert {mb.groups[p.group].kind for mb in rings_priced.microbatches for p in mb.placements
             if seqs[p.seq].length > 60_000} == {"usp", "ring"}
     assert plan.prediction.step_time_s < 0.96 * rings_priced.prediction.step_time_s
@@ -123,9 +120,7 @@ def test_small_clusters_lay_marked_microbatches_out_with_rings_too(monkeypatch):
     ctx, _, steps = bc.cell_steps("zeppelin-a", "llama-7b", 1, "short", 16, args, 1)
     assert ctx.num_units <= tiered.MARKS_ALONE_UNITS
     plan = ZeppelinPlanner().plan_step(ctx, 3, steps[3])
-    with monkeypatch.context() as m:
-        m.setattr(tiered, "_usp_spans", lambda search: False)
-        rings = ZeppelinPlanner().plan_step(ctx, 3, steps[3])
+    rings = ZeppelinPlanner(usp_spans="off").plan_step(ctx, 3, steps[3])
     sim = Simulator(ctx)
     assert sim.simulate_step(plan).step_time_s <= sim.simulate_step(rings).step_time_s * (1 + 1e-9)
     with monkeypatch.context() as m:
@@ -138,7 +133,7 @@ def test_small_clusters_lay_marked_microbatches_out_with_rings_too(monkeypatch):
     assert sim.simulate_step(uncrowded).step_time_s > 1.04 * sim.simulate_step(plan).step_time_s
 
 
-def test_a_marked_sequence_that_bounds_its_microbatch_competes_with_rings_alone(monkeypatch):
+def test_a_marked_sequence_that_bounds_its_microbatch_competes_with_rings_alone():
     """512 GPUs, a light step (2 sequences per GPU, one micro-batch) whose 131K-token sequence bounds
     it: usp prices keep falling with the span, so stage 1's refined target and the span it chooses
     for that sequence are least sure there (a usp group of 64 units: the step 11% slower than with
@@ -156,8 +151,6 @@ def test_a_marked_sequence_that_bounds_its_microbatch_competes_with_rings_alone(
     seqs = [Sequence(sample_id=i, length=int(x)) for i, x in enumerate(L)]
     assert ctx.num_units > tiered.MARKS_ALONE_UNITS and max(L) == 131072
     plan = ZeppelinPlanner().plan_step(ctx, 1, seqs)
-    with monkeypatch.context() as m:
-        m.setattr(tiered, "_usp_spans", lambda search: False)
-        rings = ZeppelinPlanner().plan_step(ctx, 1, seqs)
+    rings = ZeppelinPlanner(usp_spans="off").plan_step(ctx, 1, seqs)
     sim = Simulator(ctx)
     assert sim.simulate_step(plan).step_time_s <= sim.simulate_step(rings).step_time_s * (1 + 1e-9)
