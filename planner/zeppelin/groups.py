@@ -14,11 +14,11 @@ import numpy as np
 
 from zeppelin.planner.core.base import PlanContext
 from zeppelin.planner.core.builder import record as _record
-from zeppelin.planner.costmodel.predict import coupled_components, usp_row_sizes
+from zeppelin.planner.costmodel.predict import coupled_components, ulysses_held_tokens, usp_row_sizes
 from zeppelin.planner.zeppelin.remap import plan_remap
 from zeppelin.planner.zeppelin.routing import plan_routes
 from zeppelin.schemas.invariants import kv_replication
-from zeppelin.schemas.layout import contiguous_ranges, usp_ranges, zigzag_ranges
+from zeppelin.schemas.layout import contiguous_ranges, ranges_tokens, usp_ranges, zigzag_ranges
 from zeppelin.schemas.plan import Group, MicroBatch, Placement, RemapInfo
 
 
@@ -33,8 +33,15 @@ def build_microbatch(search, idx: list[int], Ls: np.ndarray, spans, span_index, 
     placements: list[Placement] = []
     _inter_groups(ctx, idx, Ls, inter_js, node_of, groups, placements)
     ulysses = _ulysses_choice(ctx, spans, span_index, table, unit_of, node_of, inter_js)
+    n_inter = len(groups)
     _intra_groups(ctx, idx, Ls, spans, unit_of, ulysses, groups, placements)
     _local_groups(idx, Ls, spans, unit_of, groups, placements)
+    over = _ulysses_over_memory(ctx, groups, placements) if any(ulysses.values()) else set()
+    if over:  # (the units were packed by their ring tokens: Ulysses rows' extra copies may not fit)
+        ulysses = _ulysses_choice(ctx, spans, span_index, table, unit_of, node_of, inter_js, forbid=over)
+        del groups[n_inter:], placements[n_inter:]
+        _intra_groups(ctx, idx, Ls, spans, unit_of, ulysses, groups, placements)
+        _local_groups(idx, Ls, spans, unit_of, groups, placements)
     queues: list[list[int]] = [[] for _ in range(ctx.num_units)]
     for gi, g in enumerate(groups):  # global order: inter, intra, local
         for u in g.units:
@@ -165,11 +172,34 @@ def _local_groups(idx, Ls, spans, unit_of, groups, placements) -> None:
                                       ranges=[[[0, int(Ls[j])]]], padded_length=None))
 
 
-def _ulysses_choice(ctx: PlanContext, spans, span_index, table, unit_of, node_of, inter_js) -> dict[int, bool]:
+def _ulysses_over_memory(ctx: PlanContext, groups: list[Group], placements: list[Placement]) -> set[int]:
+    """The units whose memory the micro-batch's Ulysses rows' extra copies overrun (as ``validate``
+    counts them, under the context's global recomputation); none where units may recompute on their
+    own (``PlanContext.unit_recompute``: their choice is made afterwards)."""
+    if ctx.unit_recompute:
+        return set()
+    mb = MicroBatch.model_construct(groups=groups, placements=placements, queues=[], linear_layout=None,
+                                   remap=RemapInfo(), routes=[])
+    n, cost = ctx.num_units, ctx.cost
+    uly = ulysses_held_tokens(mb, n, cost)
+    if uly is None:
+        return set()
+    held = np.zeros(n)
+    for p in placements:
+        for u, rs in zip(groups[p.group].units, p.ranges):
+            held[u] += ranges_tokens(rs)
+    cap = cost.recompute_capacity(None)
+    return {u for u in np.flatnonzero(uly > 0).tolist()
+            if cost.recompute_layout_tokens(held[u], uly[u], None) >= cap + 1}
+
+
+def _ulysses_choice(ctx: PlanContext, spans, span_index, table, unit_of, node_of, inter_js,
+                    forbid: set[int] | None = None) -> dict[int, bool]:
     """Which intra-node splits run as Ulysses. The runtime runs one kind family per unit and
     micro-batch (Ulysses, or rings and local work), so units linked by split groups decide
     together: all their splits as Ulysses (only where every one can be, and no inter-node ring
-    touches them) or all as rings, whichever the span table prices lower in sum."""
+    touches them, nor any unit of ``forbid``) or all as rings, whichever the span table prices
+    lower in sum."""
     if table.U is None:
         return {}
     per_node = ctx.units_per_node
@@ -183,7 +213,7 @@ def _ulysses_choice(ctx: PlanContext, spans, span_index, table, unit_of, node_of
     comp: dict[int, list[int]] = {}
     for j in intra_js:
         comp.setdefault(int(label[members[j][0]]), []).append(j)
-    blocked = {int(label[members[j][0]]) for j in inter_js}
+    blocked = {int(label[members[j][0]]) for j in inter_js} | {int(label[u]) for u in (forbid or ())}
     out: dict[int, bool] = {}
     for root, js in comp.items():
         ring = sum(float(table.R[span_index[j], j]) for j in js)

@@ -99,3 +99,22 @@ def test_planner_instance_reused_across_steps_of_same_shape():
     check_plan(ctx, a, [100, 200, 300])
     check_plan(ctx, b, [cap * 9, 200, 300])
     assert b.notes["tiers"]["inter"] == 1
+
+
+def test_ulysses_rows_that_overrun_a_units_memory_run_as_rings():
+    """Found by the property test above: on 2 nodes of A800s (LLaMA-7B, ZeRO-1), a step whose
+    node-wide splits the span table prices lower as Ulysses, on units packed by their ring tokens:
+    a unit's Ulysses rows' extra copies took it 1.1 token-equivalents past its memory (8,274.1 of
+    8,273). The node's splits run as rings instead (``groups._ulysses_over_memory``), and the plan
+    holds every invariant, memory included."""
+    from zeppelin.planner.costmodel.predict import microbatch_terms
+    from zeppelin.planner.tools.validate import step_problems
+
+    ctx = make_ctx("zeppelin-a", "llama-7b")
+    lengths = [1, 7713, 10721, 16561, 26329, 43099]
+    plan = ZeppelinPlanner().plan_step(ctx, 0, seqs_of(lengths))
+    assert step_problems(ctx, header_for(ctx), plan) == []
+    kinds = {g.kind for mb in plan.microbatches for g in mb.groups}
+    assert {"ulysses", "ring"} <= kinds  # (one node keeps Ulysses, the other runs rings)
+    for mb in plan.microbatches:
+        assert microbatch_terms(ctx, lengths, mb).mem_tokens.max() < ctx.cost.token_capacity + 1
