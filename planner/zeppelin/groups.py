@@ -15,10 +15,11 @@ import numpy as np
 from zeppelin.planner.core.base import PlanContext
 from zeppelin.planner.core.builder import record as _record
 from zeppelin.planner.costmodel.predict import coupled_components, ulysses_held_tokens, usp_row_sizes
+from zeppelin.planner.zeppelin.recompute import held_tokens
 from zeppelin.planner.zeppelin.remap import plan_remap
 from zeppelin.planner.zeppelin.routing import plan_routes
 from zeppelin.schemas.invariants import kv_replication
-from zeppelin.schemas.layout import contiguous_ranges, ranges_tokens, usp_ranges, zigzag_ranges
+from zeppelin.schemas.layout import contiguous_ranges, usp_ranges, zigzag_ranges
 from zeppelin.schemas.plan import Group, MicroBatch, Placement, RemapInfo
 
 
@@ -184,10 +185,7 @@ def _ulysses_over_memory(ctx: PlanContext, groups: list[Group], placements: list
     uly = ulysses_held_tokens(mb, n, cost)
     if uly is None:
         return set()
-    held = np.zeros(n)
-    for p in placements:
-        for u, rs in zip(groups[p.group].units, p.ranges):
-            held[u] += ranges_tokens(rs)
+    held = held_tokens(mb, n)
     cap = cost.recompute_capacity(None)
     return {u for u in np.flatnonzero(uly > 0).tolist()
             if cost.recompute_layout_tokens(held[u], uly[u], None) >= cap + 1}

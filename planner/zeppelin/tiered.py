@@ -286,6 +286,7 @@ def best_microbatch(search: StepState, idx: list[int], carry: np.ndarray, floors
     # nodes filled to the last token can leave their units no room for rings of assorted
     # widths: then level 1 keeps some token slack per node (before the caller falls back to
     # one more micro-batch, which costs far more)
+    lengths = [s.length for s in search.sequences]
     for usp in (True, False):
         spans: dict[tuple, Spans] = {}  # stage 1 does not depend on the fill: chosen once per (floor, balance)
         found = len(cands)
@@ -295,14 +296,13 @@ def best_microbatch(search: StepState, idx: list[int], carry: np.ndarray, floors
                     if (floor, bal) not in spans:
                         spans[floor, bal] = choose_spans(search, idx, bal, floor, usp=usp)
                     try:
-                        cands += _layouts(search, idx, carry, spans[floor, bal], bal, floor, fill, fixed_nodes)
+                        cands += _layouts(search, idx, carry, spans[floor, bal], bal, floor, fill, fixed_nodes,
+                                          lengths)
                     except PackInfeasible as e:
                         err = err or e
             if len(cands) > found:
                 break
-        if not any(sp.usp is not None for sp in spans.values()) or (cands and not any(sp.bounded for sp in spans.values())
-                                                                   and (ctx.num_units > MARKS_ALONE_UNITS or not any(
-                                                                       _crowded(ctx, sp) for sp in spans.values()))):
+        if not (any(sp.usp is not None for sp in spans.values()) and (not cands or _rings_alone_too(ctx, spans))):
             break
     if not cands:
         raise err
@@ -315,12 +315,13 @@ def best_microbatch(search: StepState, idx: list[int], carry: np.ndarray, floors
 
 
 def _layouts(search: StepState, idx: list[int], carry: np.ndarray, sp: Spans, bal: str, floor, fill: float,
-             fixed_nodes) -> list:
+             fixed_nodes, lengths: list[int]) -> list:
     """One layout of the micro-batch (:func:`plan_microbatch`) and, where its rings over whole nodes
     may run as usp groups, that one too: ``[(micro-batch, stats, terms)]``. Beyond
     :data:`MARKS_ALONE_UNITS` units, a layout with marked sequences is priced as usp groups alone
-    where they fit (its ring layout is left unrouted); raises :class:`PackInfeasible`."""
-    ctx, lengths = search.ctx, [s.length for s in search.sequences]
+    where they fit (its ring layout is left unrouted); ``lengths``: the step's sequences' lengths.
+    Raises :class:`PackInfeasible`."""
+    ctx = search.ctx
     remap = search.options.remap and bal == "attention"
     marked = None if sp.usp is None else {idx[j] for j in np.flatnonzero(sp.usp).tolist()}
     draft = marked is not None and ctx.num_units > MARKS_ALONE_UNITS and search.options.inter != "ring"
@@ -337,6 +338,14 @@ def _layouts(search: StepState, idx: list[int], carry: np.ndarray, sp: Spans, ba
     if alt is not None:
         out.append((alt[0], st, alt[1]))
     return out
+
+
+def _rings_alone_too(ctx, spans: dict) -> bool:
+    """Whether a micro-batch laid out with marked sequences (stage 1's ``spans``) is laid out with
+    rings alone too: a marked sequence bounds it, or (up to :data:`MARKS_ALONE_UNITS` units) the
+    marked sequences crowd the nodes."""
+    return any(sp.bounded for sp in spans.values()) or (
+        ctx.num_units <= MARKS_ALONE_UNITS and any(_crowded(ctx, sp) for sp in spans.values()))
 
 
 def _crowded(ctx, sp: Spans) -> bool:

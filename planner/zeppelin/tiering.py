@@ -99,7 +99,6 @@ class SpanTable:
     R: np.ndarray | None = None  # (spans, seqs): A as a ring (set when U is)
     Q: np.ndarray | None = None  # (spans, seqs): A as Ulysses, inf where the span cannot be Ulysses
     V: np.ndarray | None = None  # (spans, seqs): A as a usp group (Tiering.usp_prices), once asked
-    no_usp: bool = False  # (the model allows no usp row)
 
     def times(self, lin_rate: float) -> np.ndarray:
         """Per-unit busy time: attention + linear work on the unit's L/G tokens."""
@@ -280,14 +279,11 @@ class Tiering:
         inter-node span run as a usp group instead of a ring (rows of the widest usp row size inside
         each node, as :func:`.groups.as_usp` lays it out; the rows' all-to-alls included); inf on
         the other spans. None where the model allows no usp row. Kept on the table."""
-        if table.V is not None or table.no_usp:
-            return table.V
         from zeppelin.planner.costmodel.predict import usp_row_sizes
 
         rows = usp_row_sizes(self.ctx)
-        if not rows:
-            table.no_usp = True
-            return None
+        if table.V is not None or not rows:
+            return table.V
         u, c, L = max(rows), self.cost, table.L
         V = np.full((len(self.spans), len(L)), np.inf)
         for k, sp in enumerate(self.spans):
