@@ -205,7 +205,11 @@ def shard_model(model: nn.Module, mesh, zero_stage: int, mp_policy=None, recompu
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)
-            m.set_reduce_scatter_unused_params(True, recurse=False)
+            # gradients of parameters unused on a rank reduce-scattered as zeros (every rank joins the
+            # same collectives); torch releases without the switch reduce only the parameters with a
+            # gradient, the same set on every rank for the runtime's models (fused experts: one tensor)
+            if hasattr(m, "set_reduce_scatter_unused_params"):
+                m.set_reduce_scatter_unused_params(True, recurse=False)
     return model
 
 
