@@ -534,6 +534,8 @@ def _run_plan(chk: Check, plan: Path, model: str, tag: str, *extra: str, env=Non
     metrics, rep = chk.work / f"{tag}.metrics.jsonl", chk.work / f"{tag}.report.json"
     chk.zeppelin("run", plan, "--model", model, "--progress", "none", "--metrics", metrics, "--report-json", rep,
                  *extra, env=env, timeout=timeout)
+    if not tag.startswith("ring2"):  # the steps' report (per step and phase) beside the JSON
+        (chk.out / rep.name).write_text(rep.read_text())
     return json.loads(rep.read_text()), [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
 
 

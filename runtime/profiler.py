@@ -57,6 +57,11 @@ FULL = dict(att=[16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192],
             tp_lin=[64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384], tp_reps=10,
             p2p=[2**10, 2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24], remap=[16, 64, 256, 1024, 4096, 16384],
             fsdp=1024, reps=10, warmup=3)
+# on a GPU the full grid reaches the sizes a GPU's micro-batches have (32K-token sequences and
+# linear layouts): beyond its largest point the cost model scales the last measurement by the
+# kernel's work, so the largest point should be one at which the GPU runs at its full rate
+# (GPU timings vary little between passes: half the CPU's)
+FULL_CUDA = dict(FULL, att=FULL["att"] + [16384, 32768], lin=FULL["lin"] + [32768], reps=5, warmup=2)
 # the fewest points each fit takes, timed twice: seconds on a CPU, for checking that profiling runs
 # end to end (benchmarks/gpu_check.py --dry-run); its fits are rough
 SMOKE = dict(att=[64, 128, 256, 512], lin=[64, 256, 1024], tp_lin=[256, 1024, 2048], tp_reps=1,
@@ -74,6 +79,10 @@ class Timer:
 
     def _once(self, fn) -> float:
         if self.cuda:
+            # one untimed call first, without a synchronisation: the GPU is still busy with it
+            # when the timed call's kernels are queued, as in a step whose host runs ahead of the
+            # device layer after layer; timed alone, a call would count the host's launch latency
+            fn()
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             fn()
@@ -124,9 +133,16 @@ PACK_TOKENS = 2048
 PACK_MAX = 64
 
 
-def pack_count(L: int) -> int:
-    """How many sequences of length ``L`` one timed pack holds."""
-    return max(1, min(PACK_MAX, PACK_TOKENS // max(int(L), 1)))
+# on a GPU a pack as large as a micro-batch's local work: the engine's call costs the host a few
+# milliseconds whatever it holds, which a micro-batch pays once per layer, not once per sequence
+PACK_TOKENS_CUDA = 65536
+PACK_MAX_CUDA = 512
+
+
+def pack_count(L: int, cuda: bool = False) -> int:
+    """How many sequences of length ``L`` one timed pack holds (``cuda``: on a GPU)."""
+    tokens, most = (PACK_TOKENS_CUDA, PACK_MAX_CUDA) if cuda else (PACK_TOKENS, PACK_MAX)
+    return max(1, min(most, tokens // max(int(L), 1)))
 
 
 def measure_attention(model: ModelSpec, lengths, dev, timer, reps, warmup):
@@ -142,7 +158,7 @@ def measure_attention(model: ModelSpec, lengths, dev, timer, reps, warmup):
 
     dt = _dtype(model)
     rank = dist.get_rank()
-    counts = [pack_count(L) for L in lengths]
+    counts = [pack_count(L, dev.type == "cuda") for L in lengths]
 
     def make(L, n):
         T = L * n
@@ -209,7 +225,9 @@ def measure_model_parts(model: ModelSpec, tokens, dev, timer, reps, warmup):
       runtime's ``linear`` phase spends per layer;
     * the model without layers: embedding, final norm, LM head and the loss (once per model).
 
-    Returns (layer seconds, head seconds) per token count."""
+    Returns (layer seconds per token count, ``(token counts, head seconds)``): on a GPU the head
+    only where its fp32 logits' forward and backward (``16 V`` bytes per token) take at most half
+    of the device's memory."""
     from zeppelin.runtime.model import LlamaModel, compute_dtype, rope_tables
 
     lm = LlamaModel(model.model_copy(update={"num_layers": 1})).to(dev)
@@ -236,9 +254,17 @@ def measure_model_parts(model: ModelSpec, tokens, dev, timer, reps, warmup):
 
         return [layer, head]
 
-    fns = [f for T in tokens for f in make(T)]
+    cap = torch.cuda.get_device_properties(dev).total_memory / 2 if dev.type == "cuda" else float("inf")
+    head_tokens = [T for T in tokens if 16.0 * model.vocab_size * T <= cap] or [min(tokens)]
+    fns = [f for T in tokens for f in make(T)[:2 if T in head_tokens else 1]]
     t = timer.sweep(fns, reps, warmup, sync=dist.barrier)
-    return t[0::2], t[1::2]
+    lin, head, i = [], [], 0
+    for T in tokens:
+        lin.append(t[i])
+        if T in head_tokens:
+            head.append(t[i + 1])
+        i += 2 if T in head_tokens else 1
+    return lin, (head_tokens, head)
 
 
 def tp_degrees(gpn: int, model: ModelSpec) -> list[int]:
@@ -874,7 +900,8 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     grid_name = "smoke" if a.smoke else "quick" if a.quick else "full"
     say(f"{world} ranks ({a.nodes} node(s) x {world // a.nodes}), model {model.name}, {grid_name} grid")
-    raw = _measure(model, {"smoke": SMOKE, "quick": QUICK, "full": FULL}[grid_name], a.nodes, dev, say)
+    raw = _measure(model, {"smoke": SMOKE, "quick": QUICK, "full": FULL_CUDA if cuda else FULL}[grid_name], a.nodes,
+                   dev, say)
     if rank == 0:
         from zeppelin.planner.costmodel.profile_fit import build_profile
 
@@ -902,7 +929,7 @@ def _measure(model: ModelSpec, grid: dict, nodes: int, dev: torch.device, say) -
     say("attention blocks of ring rounds (every key visible) ...")
     att_block = measure_attention_block(model, blocks, dev, timer, reps, warm)
     say("decoder layer without attention, and embedding + LM head + loss, forward+backward ...")
-    lin, head = measure_model_parts(model, grid["lin"], dev, timer, reps, warm)
+    lin, (head_tokens, head) = measure_model_parts(model, grid["lin"], dev, timer, reps, warm)
     tp_lin = {}
     if world > 1 and tp_degrees(gpn, model):
         say(f"decoder layer without attention under tensor parallelism (TP {', '.join(map(str, tp_degrees(gpn, model)))}) ...")
@@ -939,7 +966,7 @@ def _measure(model: ModelSpec, grid: dict, nodes: int, dev: torch.device, say) -
     share = measure_concurrent_inter(gpn, grid["p2p"][-1], dev, reps, warm) if nodes >= 2 else None
     return dict(model=model.name, dtype=model.dtype, world=world, nodes=nodes, attention_lengths=grid["att"],
                 attention_s=att, attention_pack_counts=att_packs, attention_block_sizes=blocks,
-                attention_block_s=att_block, linear_tokens=grid["lin"], linear_s=lin, head_s=head, tp_linear_s=tp_lin,
+                attention_block_s=att_block, linear_tokens=grid["lin"], linear_s=lin, head_tokens=head_tokens, head_s=head, tp_linear_s=tp_lin,
                 optimizer_s=opt_s, num_params=nparams, grad_allreduce_s=ar, p2p_bytes=grid["p2p"], p2p_s=p2p,
                 collectives_s=coll, collective_bytes=grid["p2p"][-1], ring_round_s=ring,
                 ring_attention_s=ring_att, remap_exchange_s=remap_ex, fsdp_microbatch_s=fsdp_mb,

@@ -439,7 +439,7 @@ class CommCosts:
         if f is not None and f.linear is not None and mode in f.linear_tp_comm:
             # measured: the TP-SP layer with this mode's collectives minus its compute alone
             T = as_array(tokens)
-            extra = eval_fit(f.linear_tp_comm[mode], T) - eval_fit(f.linear, T)
+            extra = eval_fit(f.linear_tp_comm[mode], T, 1) - eval_fit(f.linear, T, 1)
             return np.where(T > 0, np.maximum(extra, 0.0), 0.0)
         if mode == "none":
             per_site = comm

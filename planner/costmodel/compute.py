@@ -63,14 +63,18 @@ def ring_position_ranges(L, G: int, contiguous) -> list[list[tuple[np.ndarray, n
     return out
 
 
-def eval_fit(fit, n) -> np.ndarray:
+def eval_fit(fit, n, growth: float) -> np.ndarray:
     """Seconds of a measured :class:`~zeppelin.schemas.profile.PolyFit` at sizes ``n``.
 
-    Without ``points``: the polynomial. With them: the polynomial times its measured correction,
-    i.e. the ratio measured / polynomial interpolated linearly over log n between the measured
-    points (constant beyond them). It passes through every measurement: kernels on real hardware
-    have steps a quadratic cannot follow (cache sizes, kernel tiling), while the polynomial keeps
-    the growth beyond the measured range. Points that lie on the polynomial change nothing."""
+    Without ``points``: the polynomial. With them: inside their range the polynomial times its
+    measured correction, i.e. the ratio measured / polynomial interpolated linearly over log n
+    between the measured points (constant below the first). It passes through every measurement:
+    kernels on real hardware have steps a quadratic cannot follow (cache sizes, kernel tiling).
+    Beyond the largest point the last measurement grows as the kernel's work does, ``n**growth``
+    (``1`` for token-wise modules, ``2`` for attention): a large kernel runs at a saturated rate,
+    while the polynomial's shape there reflects the small sizes' fixed costs (on a GPU the launch
+    floor of the small points bends a relative-error fit into a spurious ``n^2`` for linear layers
+    and a missing one for attention)."""
     n = as_array(n)
     c = list(fit.coeffs) + [0.0] * (3 - len(fit.coeffs))
     poly = np.maximum(c[0] + c[1] * n + c[2] * n * n, 0.0)
@@ -81,7 +85,8 @@ def eval_fit(fit, n) -> np.ndarray:
     ys = np.array([p[1] for p in pts], dtype=np.float64)
     at = np.maximum(c[0] + c[1] * xs + c[2] * xs * xs, 1e-30)
     ratio = np.interp(np.log(np.maximum(n, 1e-9)), np.log(xs), ys / at)
-    return poly * ratio
+    beyond = ys[-1] * (np.maximum(n, xs[-1]) / xs[-1]) ** growth
+    return np.where(n > xs[-1], beyond, poly * ratio)
 
 
 class ComputeCosts:
@@ -178,7 +183,7 @@ class ComputeCosts:
     def _attn_time_full(self, L) -> np.ndarray:
         L = as_array(L)
         if self._fits is not None and self._fits.attention is not None:
-            return np.where(L > 0, eval_fit(self._fits.attention, L), 0.0)
+            return np.where(L > 0, eval_fit(self._fits.attention, L, 2), 0.0)
         k = self.profile.attention
         fl = self.attn_flops_fwd(L) * (1.0 + self.profile.backward_attention_factor) / self.tp
         return np.where(L > 0, k.overhead_s + fl / (self.peak_flops * self._eff(k, L)), 0.0)
@@ -203,7 +208,7 @@ class ComputeCosts:
         if not causal and self._fits is not None and self._fits.attention_block is not None:
             # measured directly: a block with every key visible, at its geometric-mean size
             n = np.sqrt(np.maximum(lq * lk, 0.0))
-            return np.where(lq * lk > 0, eval_fit(self._fits.attention_block, n), 0.0)
+            return np.where(lq * lk > 0, eval_fit(self._fits.attention_block, n, 2), 0.0)
         if self._fits is not None and self._fits.attention is not None:
             # scale the whole-sequence fit by the block's share of a causal L x L square
             equiv_len = np.sqrt(np.maximum(lq * lk * (1.0 if causal else 2.0), 0.0))
@@ -219,7 +224,7 @@ class ComputeCosts:
         """fwd+bwd time per layer of every linear module for ``tokens`` tokens on one unit."""
         T = as_array(tokens)
         if self._fits is not None and self._fits.linear is not None:
-            return np.where(T > 0, eval_fit(self._fits.linear, T), 0.0)
+            return np.where(T > 0, eval_fit(self._fits.linear, T, 1), 0.0)
         if self._tp_unmeasured:
             # no measurement of this TP degree: each rank is charged the whole unit's TP=1 layer
             # (no compute gain from the split), an upper bound. The runtime's TP layer (weight
@@ -227,7 +232,7 @@ class ComputeCosts:
             # than the degree on some machines (gloo CPU ranks), so the TP=1 time's share would
             # be optimistic; the bound keeps a planner from choosing an unmeasured TP degree for
             # speed (it still may for memory)
-            return np.where(T > 0, eval_fit(self._fits_tp1.linear, T), 0.0)
+            return np.where(T > 0, eval_fit(self._fits_tp1.linear, T, 1), 0.0)
         k = self.profile.linear
         fl = self.linear_flops_fwd(T) * (1.0 + self.profile.backward_linear_factor) / self.tp
         return np.where(T > 0, k.overhead_s + fl / (self.peak_flops * self._eff(k, T)), 0.0)
@@ -236,12 +241,12 @@ class ComputeCosts:
         """Embedding + LM head + loss, fwd+bwd (once per model, not per layer)."""
         T = as_array(tokens)
         if self._fits is not None and self._fits.head is not None:
-            return np.where(T > 0, eval_fit(self._fits.head, T), 0.0)
+            return np.where(T > 0, eval_fit(self._fits.head, T, 1), 0.0)
         f1 = self._fits_tp1
         if self.tp > 1 and f1 is not None and f1.head is not None:
             # TP-SP runs the embedding, final norm, LM head and loss whole on each rank's
             # sequence shard: the measured head at a shard's tokens
-            return np.where(T > 0, eval_fit(f1.head, T / self.tp), 0.0)
+            return np.where(T > 0, eval_fit(f1.head, T / self.tp, 1), 0.0)
         fl = 2.0 * T * self.model.hidden * self.model.vocab_size * (1.0 + self.profile.backward_linear_factor)
         k = self.profile.linear
         return np.where(T > 0, k.overhead_s + fl / self.tp / (self.peak_flops * self._eff(k, T)), 0.0)
@@ -373,7 +378,7 @@ class ComputeCosts:
         if fit is None:
             return None
         L = as_array(L)
-        return np.where(L > 0, eval_fit(fit, L), 0.0)
+        return np.where(L > 0, eval_fit(fit, L, 2), 0.0)
 
     def ring_compute_time(self, L, G: int) -> np.ndarray:
         """Per-layer fwd+bwd compute of one unit of a zigzag ring (all G rounds), no communication."""

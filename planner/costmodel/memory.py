@@ -18,7 +18,7 @@ class MemoryCosts:
     # What one rank holds at its peak (the start of the backward), by component, as the runtime
     # allocates it (docs/RUNTIME.md, "Memory model"). ``c``: bytes of a compute-dtype element;
     # master weights, gradients and AdamW moments are fp32 whatever ``c`` is.
-    MEMORY_COMPONENTS = ("params", "grads", "optimizer", "unsharded", "activations", "recompute")
+    MEMORY_COMPONENTS = ("params", "grads", "optimizer", "unsharded", "activations", "recompute", "loss")
 
     @property
     def compute_bytes(self) -> int:
@@ -91,6 +91,18 @@ class MemoryCosts:
         m, c = self.model, self.compute_bytes
         rope = 2 * c * m.head_dim if self._hf_modules else 4.0 * m.head_dim
         return self.norm_bytes_per_token() + 4.0 * m.vocab_size + 16.0 + rope
+
+    def loss_backward_bytes(self) -> float:
+        """Per token, what the loss's backward holds beyond what the forward kept: the runtime
+        takes the cross-entropy of fp32 logits (``model.loss_sum``), and the log-softmax's
+        backward runs with its incoming gradient and its result alive, ``4 V`` each (its saved
+        output is the head's activation). A TP unit's ranks each take the loss of their shard."""
+        return 8.0 * self.model.vocab_size / self.tp
+
+    def loss_extra_bytes(self, rec: float) -> float:
+        """Per token, what the loss's backward holds beyond one recomputation's ``rec`` (the two
+        never overlap: the loss's backward ends before the first block's recomputation)."""
+        return max(self.loss_backward_bytes() - rec, 0.0)
 
     @cached_property
     def activation_split(self) -> tuple[float, float]:
@@ -213,10 +225,11 @@ class MemoryCosts:
 
     @cached_property
     def activation_bytes_per_token(self) -> float:
-        """Activation memory per token held, all layers: what the forward keeps plus what one
-        recomputation holds in the backward (:attr:`activation_split`)."""
+        """Activation memory per token held, all layers: what the forward keeps plus the most
+        the backward holds beyond it, one recomputation (:attr:`activation_split`) or the
+        loss's gradients (:meth:`loss_backward_bytes`)."""
         act, rec = self.activation_split
-        return act + rec
+        return act + rec + self.loss_extra_bytes(rec)
 
     def model_state_components(self, dp: int | None = None) -> dict[str, float]:
         """Parameter, gradient, optimizer and whole-parameter bytes per GPU by ZeRO stage
@@ -276,6 +289,7 @@ class MemoryCosts:
         out = {k: np.full_like(T, v) for k, v in self.model_state_components().items()}
         out["activations"] = T * act
         out["recompute"] = np.where(T > 0, T * rec, 0.0)
+        out["loss"] = np.where(T > 0, T * self.loss_extra_bytes(rec), 0.0)
         return out
 
     @cached_property

@@ -274,7 +274,8 @@ def _step_fits(raw: dict, model, report: dict):
             tp_fits.append(tp_fit)
     head_fit = None
     if raw.get("head_s"):  # embedding + final norm + LM head + loss, once per model
-        head_fit, head_rep = poly_fit_record(raw["linear_tokens"], raw["head_s"], 2, keep_points=True)
+        head_fit, head_rep = poly_fit_record(raw.get("head_tokens") or raw["linear_tokens"], raw["head_s"], 2,
+                                             keep_points=True)
         report["head"] = _fit_entry(head_rep)
     opt_s = raw.get("optimizer_s")
     nparams = raw.get("num_params") or model.num_params()

@@ -71,7 +71,7 @@ class RecomputeCosts:
 
     def recompute_bytes_per_token(self, mode: str | None) -> float:
         act, rec = self.recompute_split(mode)
-        return act + rec
+        return act + rec + self.loss_extra_bytes(rec)
 
     def recompute_capacity(self, mode: str | None) -> int:
         """Tokens one GPU can hold for activations under ``mode`` (:attr:`token_capacity` of it)."""
@@ -100,6 +100,7 @@ class RecomputeCosts:
         out = {k: np.full_like(T, v) for k, v in self.model_state_components().items()}
         out["activations"] = T * act
         out["recompute"] = np.where(T > 0, T * rec, 0.0)
+        out["loss"] = np.where(T > 0, T * self.loss_extra_bytes(rec), 0.0)
         return out
 
     def mlp_flops_share(self) -> float:

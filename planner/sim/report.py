@@ -259,7 +259,8 @@ def recompute_table(rows: list[dict]) -> list[str]:
 #: memory components: (name in the metrics record, name in the cost model, label)
 MEMORY_ROWS = (("params_bytes", "params", "weights (fp32)"), ("grads_bytes", "grads", "gradients"),
                ("optimizer_bytes", "optimizer", "AdamW moments"), ("unsharded_bytes", "unsharded", "whole weights"),
-               ("activation_bytes", "activations", "activations"), ("recompute_bytes", "recompute", "recompute"))
+               ("activation_bytes", "activations", "activations"), ("recompute_bytes", "recompute", "recompute"),
+               ("loss_bytes", "loss", "loss gradients"))
 
 
 def memory_components(mem: dict[str, Any], r: int, predicted: float | None, cost) -> dict[str, Any] | None:

@@ -229,16 +229,18 @@ def test_profile_plan_run_report_end_to_end(zeppelin_bin, tmp_path):
 
 
 def test_measured_points_correct_the_polynomial():
-    """Profiles keep their measurements: the cost model follows them exactly and uses the
-    polynomial's shape between (log-interpolated correction) and beyond them."""
+    """Profiles keep their measurements: the cost model follows them exactly, uses the
+    polynomial's shape between them (log-interpolated correction) and below them, and beyond the
+    largest grows the last measurement as the kernel's work (``n`` or ``n^2``)."""
     from zeppelin.planner.costmodel.cost import CostModel, eval_fit
 
     # measured: 2x the polynomial at 100 tokens, exactly the polynomial at 200
     fit = PolyFit(coeffs=[1e-3, 0.0, 1e-6], points=[[100.0, 0.022], [200.0, 0.041]])
     n = [50.0, 100.0, 200.0 ** 0.5 * 100.0 ** 0.5, 200.0, 400.0]
-    want = [2 * (1e-3 + 2.5e-3), 0.022, 1.5 * (1e-3 + 1e-6 * 20000.0), 0.041, 1e-3 + 1e-6 * 160000.0]
-    assert eval_fit(fit, n) == pytest.approx(want, rel=1e-9)
-    assert eval_fit(fit.model_copy(update={"points": None}), 100.0) == pytest.approx(0.011)
+    want = [2 * (1e-3 + 2.5e-3), 0.022, 1.5 * (1e-3 + 1e-6 * 20000.0), 0.041, 0.041 * 4.0]
+    assert eval_fit(fit, n, 2) == pytest.approx(want, rel=1e-9)
+    assert eval_fit(fit, [400.0, 800.0], 1) == pytest.approx([0.082, 0.164], rel=1e-9)
+    assert eval_fit(fit.model_copy(update={"points": None}), 100.0, 2) == pytest.approx(0.011)
     prof = PROFILE.model_copy(update={"fits": [PROFILE.fits[0].model_copy(update={"attention": fit})]})
     cm = CostModel(cluster_preset("local-cpu:1x2"), model_preset("tiny"), prof)
     assert float(cm.attn_time(100)) == pytest.approx(0.022) and float(cm.attn_time(0)) == 0.0
