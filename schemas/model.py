@@ -26,6 +26,9 @@ _PRESETS = {
     "llama-13b": lambda: _llama("llama-13b", 5120, 40, 40, 40, 13824),
     "llama-30b": lambda: _llama("llama-30b", 6656, 60, 52, 52, 17920),
     "llama3-8b": lambda: _llama("llama3-8b", 4096, 32, 32, 8, 14336, vocab=128256, theta=500000.0),
+    # Llama-3.2-1B's shapes (the model the h200-measured profile measured)
+    "llama3.2-1b": lambda: _llama("llama3.2-1b", 2048, 16, 32, 8, 8192, vocab=128256, theta=500000.0).model_copy(
+        update={"tie_embeddings": True}),
     # Mistral 7B: Llama-3-like GQA with a 4096-token sliding window on every layer
     "mistral-7b": lambda: _llama("mistral-7b", 4096, 32, 32, 8, 14336).model_copy(
         update={"sliding_window": 4096}),

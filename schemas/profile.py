@@ -214,3 +214,16 @@ def default_profile(cluster_name: str = "", device: str = "cuda") -> CostProfile
     # dim 128: non-causal ~95% of its top speed from 4K tokens, causal ~85-90%)
     return CostProfile(cluster=cluster_name, source=ProfileSource(kind="preset"),
                        attention_block=KernelEfficiency(eff_max=0.55, n_half=256.0, overhead_s=30e-6))
+
+
+#: measured profiles shipped with the package (``--profile NAME``): a device's kernels as
+#: `zeppelin profile` measured them there, the file in schemas/data/ (``source`` says where and when)
+MEASURED_PROFILES = {"h200-measured": "profile-h200-measured.json"}
+
+
+def measured_profile(name: str) -> CostProfile:
+    """The shipped measured profile ``name`` (one of :data:`MEASURED_PROFILES`)."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent / "data" / MEASURED_PROFILES[name]
+    return CostProfile.model_validate_json(path.read_text())

@@ -11,7 +11,7 @@ from zeppelin.schemas.common import InputError
 from zeppelin.schemas.io.documents import load_doc
 from zeppelin.schemas.io.safefiles import check_output
 from zeppelin.schemas.model import ModelSpec, resolve_model_ref
-from zeppelin.schemas.profile import CostProfile, default_profile
+from zeppelin.schemas.profile import MEASURED_PROFILES, CostProfile, default_profile, measured_profile
 
 
 def _looks_like_file(ref: str) -> bool:
@@ -47,8 +47,12 @@ def resolve_model(ref: str) -> ModelSpec:
 
 
 def resolve_profile(ref: str | None, cluster: ClusterSpec) -> CostProfile:
+    """The cluster's preset curves (None), a shipped measured profile (``h200-measured``) or a
+    profile JSON file."""
     if ref is None:
         return default_profile(cluster.name, cluster.device)
+    if ref in MEASURED_PROFILES and not os.path.exists(ref):
+        return measured_profile(ref)
     prof = load_doc(CostProfile, ref)
     return prof
 
@@ -67,7 +71,8 @@ def profile_mismatch(prof: CostProfile, ref: str, cluster: ClusterSpec, cluster_
         return (f"--profile {ref} was measured on {what[device]} ({prof.source.machine}) but --cluster "
                 f"{cluster_ref} has {what[cluster.device]}: profile the cluster's machines")
     fitted = sorted({f.model for f in prof.fits})
-    if fitted and model.name not in fitted:
+    # a shipped profile prices models it did not measure by its measured efficiency curves
+    if fitted and model.name not in fitted and ref not in MEASURED_PROFILES:
         return (f"--profile {ref} holds kernel fits of model {', '.join(fitted)}, not of --model {model_ref} "
                 f"({model.name}): measure it with `zeppelin profile --model {model_ref}`")
     return None

@@ -624,7 +624,9 @@ def verdict(doc: dict[str, Any], ctx: PlanContext, steps: list[list], baseline: 
                             "layout": layout_text(b.get("layout", {})),
                             "options": _set_options(name, b.get("options", {}))})
     out["setting"] = {"tp": ctx.tp, "zero_stage": ctx.zero_stage, "recompute": ctx.recompute}
-    ref = baseline or ("te-cp" if "te-cp" in names else names[0] if names else None)
+    if baseline is not None and baseline not in names and (by.get(baseline) or {}).get("error"):
+        out["baseline_error"] = by[baseline]["error"]  # the baseline named could not plan these steps
+    ref = baseline if baseline in names else ("te-cp" if "te-cp" in names else names[0] if names else None)
     ar = float(ctx.cost.step_collectives_time(1, ctx.num_units))
     for name in ["zeppelin", *([ref] if ref else [])]:
         out["where"][name] = _where(by[name], ar)
@@ -678,6 +680,11 @@ def verdict_lines(v: dict[str, Any]) -> list[str]:
         mine = "  (yours)" if r["baseline"] == v["baseline"] else ""
         lines.append(f"  {r['speedup']:5.2f}x  {r[f'p{lo_q}']:.2f}-{r[f'p{hi_q}']:.2f}  {r['baseline']:<{width}}  "
                      f"{r['system']}{mine}")
+    if v.get("baseline_error"):
+        import textwrap
+
+        lines += textwrap.wrap(f"{v['baseline']} (yours) could not plan these steps: {v['baseline_error']}", 78,
+                               initial_indent="  ", subsequent_indent="    ")
     lines += configuration_lines(v)
     a = v.get("assumptions") or {}
     if a.get("given"):

@@ -127,7 +127,8 @@ CLUSTER = Flag("cluster", ("--cluster", "-c"), str, ...,
 MODEL = Flag("model", ("--model",), str, ..., "model preset (llama-7b, tiny, ...), JSON file or hf:DIR (a Hugging "
              "Face model directory, docs/HF.md)")
 PROFILE = Flag("profile", ("--profile",), str, None,
-               "cost profile JSON from `zeppelin profile` (default: the preset curves of the cluster's GPU)")
+               "cost profile JSON from `zeppelin profile`, or a shipped measured one (h200-measured: one H200, "
+               "Llama-3.2-1B's kernels; docs/PROFILING.md) (default: the preset curves of the cluster's GPU)")
 FORCE_PROFILE = Flag("force_profile", ("--force-profile",), bool, False,
                      "use --profile even when it was measured on another kind of device or for another model")
 LENGTH_FIELD = Flag("length_field", ("--length-field",), str, None,

@@ -105,7 +105,7 @@ def test_demo_runs_on_defaults(capsys):
     ds = load_manifest(default_manifest_path())
     assert f"{ds.num_samples:,}" in out
     assert "zeppelin-a: 2 x 8 A800-SXM4-80GB" in out and "llama-7b" in out
-    assert "sampled steps  (tokens_per_step=132,368" in out  # the one default: 8,273 tokens x 16 GPUs
+    assert "sampled steps  (tokens_per_step=127,472" in out  # the one default: 7,967 tokens x 16 GPUs
     assert "why tiers" in out and "ring communication hides from" in out
 
 

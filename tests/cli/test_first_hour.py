@@ -25,7 +25,7 @@ def test_a_model_that_does_not_fit_is_refused_with_the_reason_and_a_remedy(tmp_p
     assert (code, out) == (2, "")
     assert err == ("zeppelin: error: model llama3-8b does not fit cluster h100:1x2: its model states take 81.8 GB of "
                    "a GPU's 76.0 GB (ZeRO stage 1, tp 1, 2 data-parallel unit(s)), leaving no room for activations; "
-                   "--zero-stage 3 leaves 972 tokens per GPU\n")
+                   "--zero-stage 3 leaves 855 tokens per GPU\n")
     # the remedy named is one the command takes: the same problem now has room
     code, out, err = run_cli(["plan", "-c", "h100:1x2", "--model", "llama3-8b", "--zero-stage", "3", "--explain"],
                              capsys)

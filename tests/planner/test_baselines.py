@@ -148,10 +148,11 @@ def test_packed_dp_fails_honestly():
     states = P + 2 * P + 2 * (V * h + h + m.params_per_layer())
     norm = 10 * h + 4
     per_token = L * (2 * norm + 2 * (2 * h + 2 * h) + 4 * m.num_heads + 8 * f) + norm + 4 * V + 16 + 4 * m.head_dim
-    assert cap == int((76e9 - states) / per_token) == 8273
+    per_token += 8 * V  # the loss's backward: its fp32 logits' gradients
+    assert cap == int((76e9 - states) / per_token) == 7967
     with pytest.raises(PlanningError) as e:
         get_planner("packed-dp").plan_step(ctx, 0, seqs([100, 200, 300, 250000]))
-    assert str(e.value) == ("sequence 3 (sample 33, 250000 tokens) does not fit one GPU (capacity 8273 tokens); "
+    assert str(e.value) == ("sequence 3 (sample 33, 250000 tokens) does not fit one GPU (capacity 7967 tokens); "
                             "packed-dp cannot split sequences")
 
 
@@ -231,7 +232,7 @@ def test_te_cp_one_size_for_the_run_from_max_seq_len():
     """The CP size comes from the run's max_seq_len, not from the step: a step of short sequences
     is still split over CP ranks, every sequence padded to a multiple of 2*CP, DP groups of
     contiguous ranks; te-cp-tuned picks its size per step."""
-    ctx = make_ctx("zeppelin-a", "llama-7b")  # 16 GPUs, capacity 8273 tokens per GPU
+    ctx = make_ctx("zeppelin-a", "llama-7b")  # 16 GPUs, capacity 7967 tokens per GPU
     cap = ctx.cost.token_capacity
     # (76 GB - model states) / activation bytes per token; ZeRO-1 over 16 GPUs, bf16: states
     # 16P/16 + 2P whole weights + 2 (LM head + final norm + one block) pending gradients
@@ -240,12 +241,13 @@ def test_te_cp_one_size_for_the_run_from_max_seq_len():
     states = P + 2 * P + 2 * (V * h + h + m.params_per_layer())
     norm = 10 * h + 4
     per_token = L * (2 * norm + 2 * (2 * h + 2 * h) + 4 * m.num_heads + 8 * f) + norm + 4 * V + 16 + 4 * m.head_dim
-    assert cap == int((76e9 - states) / per_token) == 8273
-    ctx.max_seq_len = 32768  # 32768 / 4 = 8192 <= 8273, / 2 = 16384 > 8273 -> CP = 4
+    per_token += 8 * V  # the loss's backward: its fp32 logits' gradients
+    assert cap == int((76e9 - states) / per_token) == 7967
+    ctx.max_seq_len = 31744  # 31744 / 4 = 7936 <= 7967, / 2 = 15872 > 7967 -> CP = 4
     lengths = [10, 100, 777, 2000, 5000, 300]
     plan = get_planner("te-cp").plan_step(ctx, 0, seqs(lengths))
     assert plan.notes["cp"] == 4 and plan.notes["dp"] == 4
-    assert plan.notes["cp_sized_for"] == 32768 and plan.notes["cp_basis"] == "max_seq_len"
+    assert plan.notes["cp_sized_for"] == 31744 and plan.notes["cp_basis"] == "max_seq_len"
     for _, g, ps in groups_of(plan):
         assert g.kind == "ring" and len(g.units) == 4
         assert g.units == list(range(g.units[0], g.units[0] + 4)) and g.units[0] % 4 == 0  # contiguous DP group
@@ -261,8 +263,8 @@ def test_te_cp_one_size_for_the_run_from_max_seq_len():
     ctx2 = make_ctx("zeppelin-a", "llama-7b")
     plan2 = get_planner("te-cp").plan_step(ctx2, 0, seqs(lengths))
     assert plan2.notes["cp"] == 1 and plan2.notes["cp_basis"] == "step"
-    # a larger run maximum: 65536 / 8 = 8192 fits -> CP = 8 for the same short step
-    ctx.max_seq_len = 65536
+    # a larger run maximum: 63488 / 8 = 7936 fits -> CP = 8 for the same short step
+    ctx.max_seq_len = 63488
     assert get_planner("te-cp").plan_step(ctx, 0, seqs(lengths)).notes["cp"] == 8
     # te-cp-tuned chooses per step among every size that fits the step (1 included), by predicted time
     tuned = get_planner("te-cp-tuned").plan_step(ctx, 0, seqs(lengths))
@@ -276,7 +278,7 @@ def test_te_cp_max_seq_len_does_not_fit():
     with pytest.raises(PlanningError) as e:
         get_planner("te-cp").plan_step(ctx, 0, seqs([500]))
     assert str(e.value) == ("te-cp: --max-seq-len 200000 does not fit even with cp=16 "
-                            "(12500 tokens per GPU, capacity 8273)")
+                            "(12500 tokens per GPU, capacity 7967)")
 
 
 @pytest.mark.parametrize("name", ["te-cp", "te-cp-tuned"])
@@ -285,7 +287,7 @@ def test_te_cp_fails_when_longest_does_not_fit_all_units(name):
     with pytest.raises(PlanningError) as e:
         get_planner(name).plan_step(ctx, 0, seqs([500, 200000]))
     assert str(e.value) == (f"sequence 1 (sample 13, 200000 tokens) does not fit {name} even with cp=16 "
-                            "(12500 tokens per GPU, capacity 8273)")
+                            "(12500 tokens per GPU, capacity 7967)")
 
 
 def test_ulysses_degree_divides_heads_contiguous():
@@ -656,11 +658,11 @@ def test_hydraulis_cp_replica_stage1_cost_by_hand():
 def test_hydraulis_without_long_sequence_unchanged():
     """No sequence needs CP: replicas, dispatch and makespan as recorded from the planner (stage 1
     is deterministic). The 40,000-token sequence exceeds what a TP-1, TP-2 or TP-4 replica holds
-    (8,273 / 15,339 / 26,773 tokens: every TP rank keeps whole parameters, so TP divides the
-    activations only) and fits a TP-8 replica (42,677); the short ones fill it and four TP-2
+    (7,967 / 14,812 / 25,965 tokens: every TP rank keeps whole parameters, so TP divides the
+    activations only) and fits a TP-8 replica (41,645); the short ones fill it and four TP-2
     replicas."""
     ctx = make_ctx("zeppelin-a", "llama-7b")
-    assert [ctx.cost_for(tp).token_capacity for tp in (1, 2, 4, 8)] == [8273, 15339, 26773, 42677]
+    assert [ctx.cost_for(tp).token_capacity for tp in (1, 2, 4, 8)] == [7967, 14812, 25965, 41645]
     rng = np.random.default_rng(11)
     lengths = [int(x) for x in rng.integers(300, 9000, 24)] + [40000]
     plan = get_planner("hydraulis", **FAST).plan_step(ctx, 0, seqs(lengths))

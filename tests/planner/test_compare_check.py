@@ -85,7 +85,7 @@ def test_run_compare_reports_failing_planner():
 def test_cli_compare_json(zeppelin_bin, tmp_path):
     png = tmp_path / "c.png"
     out = subprocess.run([zeppelin_bin, "compare", "--steps", "2", "--planners", "te-cp,packed-dp,hybrid-dp",
-                          "--dataset", "short", "--tokens-per-gpu", "4096", "--max-seq-len", "8192", "--json", "--png", str(png), "-j", "2"],
+                          "--dataset", "short", "--tokens-per-gpu", "4096", "--max-seq-len", "7680", "--json", "--png", str(png), "-j", "2"],
                          capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)

@@ -161,3 +161,22 @@ def test_short_sequences_split_by_a_family_are_explained():
     assert "    in Ulysses groups (heads split over the group): 1, 4,096 to 4,096" in lines
     assert "because a step took a whole-step family (Ulysses groups)" in " ".join(text.split())
     assert all(len(line) <= 80 for line in lines)
+
+
+def test_verdict_says_when_the_baseline_named_could_not_plan():
+    """`compare --baseline NAME` where NAME fails (a CP size that cannot hold the run's longest
+    sequence): the verdict says so under the rows, in lines of at most 80 columns, and breaks the
+    step down against the first baseline that planned (it used to fail on the missing figures)."""
+    from zeppelin.planner.tools.compare import verdict, verdict_lines
+
+    ctx = make_ctx("zeppelin-a:2", "llama-7b")
+    z = {"planner": "zeppelin", "error": None, "mean_s": 1.0, "lower_bound_mean_s": 0.9, "exposed_comm_s": 0.1,
+         "exposed_sync_s": 0.05, "exposed_transfers_s": 0.05, "step_times_s": [1.0]}
+    u = dict(z, planner="ulysses", mean_s=1.5, step_times_s=[1.5])
+    err = "step 0: te-cp: --max-seq-len 131072 does not fit even with cp=16 (8192 tokens per GPU, capacity 7967)"
+    te = {"planner": "te-cp", "error": err}
+    v = verdict({"planners": [te, u, z]}, ctx, [], baseline="te-cp")
+    assert v["baseline_error"] == err and list(v["where"]) == ["zeppelin", "ulysses"]
+    lines = verdict_lines(v)
+    assert all(len(ln) <= 80 for ln in lines)
+    assert f"te-cp (yours) could not plan these steps: {err}" in " ".join(" ".join(lines).split())

@@ -28,11 +28,11 @@ def test_hf_llama3_and_the_preset_differ_only_in_their_modules(tmp_path, capsys)
     assert {k for k in hf.keys() | preset.keys() if hf.get(k) != preset.get(k)} == {"name", "remap_payload"}
     code, out, err = run_cli(["plan", "-c", "h100:8x8", "--model", "llama3-8b", "--explain"], capsys)
     assert code == 0, err
-    assert "  one unit holds          7,520 tokens: longer sequences are split over units" in out
+    assert "  one unit holds          6,615 tokens: longer sequences are split over units" in out
     assert "transformers" not in out  # the note is for hf:DIR models only
     code, out, err = run_cli(["plan", "-c", "h100:8x8", "--model", ref, "--explain"], capsys)
     assert code == 0, err
-    assert "  one unit holds          8,094 tokens: longer sequences are split over units" in out
+    assert "  one unit holds          7,056 tokens: longer sequences are split over units" in out
     assert " ".join(out.split()).count(
-        "(hf:DIR runs transformers' modules, whose RMSNorm keeps its rows in bf16: 6.973 MB per token; the "
-        "runtime's own model of this shape, e.g. a preset, keeps them in fp32: 7.506 MB, 7,520 tokens per unit)") == 1
+        "(hf:DIR runs transformers' modules, whose RMSNorm keeps its rows in bf16: 7.999 MB per token; the "
+        "runtime's own model of this shape, e.g. a preset, keeps them in fp32: 8.532 MB, 6,615 tokens per unit)") == 1

@@ -67,17 +67,17 @@ def test_families_option_validated():
 
 def test_larger_tp_replicas_do_not_hold_what_the_units_cannot():
     """LLaMA-13B at tp=2 on 16 A800s, ZeRO-1: a 90,000-token sequence exceeds what the 8 units hold
-    together (8 x 6,447 tokens). Larger TP replicas hold less in all, not more: every TP rank keeps
+    together (8 x 6,303 tokens). Larger TP replicas hold less in all, not more: every TP rank keeps
     whole parameters (the runtime's TP multiplies slices of them), so TP divides only the
-    activations (4 x 11,245 at tp=4, 2 x 17,906 at tp=8). The step is rejected with the memory
+    activations (4 x 11,024 at tp=4, 2 x 17,626 at tp=8). The step is rejected with the memory
     message, families or not."""
     ctx = make_ctx("zeppelin-a:2", "llama-13b", tp=2)
     held = {tp: ctx.cost_for(tp).token_capacity * (16 // tp) for tp in (2, 4, 8)}
-    assert held == {2: 8 * 6447, 4: 4 * 11245, 8: 2 * 17906}
+    assert held == {2: 8 * 6303, 4: 4 * 11024, 8: 2 * 17626}
     lengths = [90000, 6000, 3000, 2000, 1500, 1000, 800, 500]
     for families in ("all", "none"):
         with pytest.raises(PlanningError, match=r"^sequence 0 \(sample 0\) has 90,000 tokens, more than the whole "
-                                                r"cluster can hold \(8 units x 6,447 tokens"):
+                                                r"cluster can hold \(8 units x 6,303 tokens"):
             ZeppelinPlanner(families=families).plan_step(ctx, 0, seqs_of(lengths))
 
 

@@ -60,7 +60,7 @@ def test_long_heavy_step_beats_te_cp_by_the_simulator():
     from zeppelin.schemas.plan import SamplerConfig
 
     ctx = make_ctx("zeppelin-a:8", "llama-7b")
-    steps = sample_steps(mix_dataset("long"), SamplerConfig(tokens_per_step=16384 * 64, seed=0,
+    steps = sample_steps(mix_dataset("long"), SamplerConfig(tokens_per_step=15360 * 64, seed=0,
                                                             max_seq_len=65536), 1)
     sim = Simulator(ctx)
     zp = ZeppelinPlanner().plan_step(ctx, 0, steps[0])

@@ -79,7 +79,7 @@ def test_check_finds_missing_duplicate_unmet_and_oversized(tmp_path):
 
 def test_gpu_check_sh_installs_from_the_wheelhouse_without_network():
     sh = (ROOT / "benchmarks" / "gpu_check.sh").read_text()
-    assert "pip install -q --no-index --find-links wheelhouse -r benchmarks/wheelhouse.txt" in sh
+    assert "pip install -q --no-index --find-links wheelhouse --upgrade -r benchmarks/wheelhouse.txt" in sh
     # zeppelin itself editable: a wheel built from pyproject's package list lacks every subpackage
     assert "pip install -q --no-deps --no-build-isolation -e ." in sh
     assert "/wheelhouse/" in (ROOT / ".gitignore").read_text().splitlines()

@@ -64,9 +64,9 @@ def tight_cluster(memory_gb: float = 0.505):
     return base.model_copy(update={"gpu": base.gpu.model_copy(update={"memory_gb": memory_gb})})
 
 
-# FlexSP's memory: about 180 tokens per process (model states charged as FSDP holds them), so its MILP
+# FlexSP's memory: about 190 tokens per process (model states charged as FSDP holds them), so its MILP
 # needs Ulysses groups of 2 and 4 processes and two micro-batches for the step below
-FLEXSP_GB = 0.5035
+FLEXSP_GB = 0.504
 
 
 def planned_step(name: str, header: PlanHeader, lens: list[int], k: int = 0, **options) -> StepPlan:
