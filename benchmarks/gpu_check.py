@@ -708,7 +708,7 @@ def table(results: dict) -> str:
         r = results.get(sec, {})
         if not r.get("ok"):
             add(sec, "FAILED" if "error" in r else "SKIPPED", (r.get("error") or r.get("skipped") or "not run")[:120])
-            if sec != "kernels":  # the kernels' items that ran still have figures
+            if sec != "kernels" or "local" not in r:  # the kernels' items that ran still have figures
                 continue
         try:
             _table_rows(sec, r, lambda what, val, sec=sec: add(sec, what, val))

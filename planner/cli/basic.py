@@ -113,6 +113,11 @@ def presets(
             f"{_params_text(m.num_params())} parameters active per token" for m in moe)
             + "; planned without expert parallelism, experts evenly loaded (docs/HF.md)")
     con.print(t)
+    from zeppelin.schemas.profile import MEASURED_PROFILES, measured_profile
+
+    for name in MEASURED_PROFILES:
+        src = measured_profile(name).source
+        con.print(f"measured profile (--profile {name}): {src.machine}, {src.created_at[:10]} (docs/PROFILING.md)")
 
 
 def _params_text(p: int) -> str:

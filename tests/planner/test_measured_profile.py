@@ -76,3 +76,10 @@ def test_zeppelin_plan_takes_it_by_name(tmp_path, capsys, monkeypatch):
     code, _, err = run_cli(["plan", "-c", "local-cpu:1x2", "--model", "tiny", "--profile", "h200-measured",
                             "--steps", "1", "-q", "-o", str(tmp_path / "q.jsonl")], capsys)
     assert code != 0 and "was measured on GPUs" in err
+
+
+def test_presets_lists_it(capsys):
+    code, out, _ = run_cli(["presets"], capsys)
+    assert code in (0, None)
+    assert "measured profile (--profile h200-measured): NVIDIA H200 SXM 141 GB (cuda, 1 ranks), 2026-11-29" in \
+        " ".join(out.split())
