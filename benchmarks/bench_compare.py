@@ -826,7 +826,12 @@ def chart(cells: list[dict], cluster: str, model: str, path: Path, planners: lis
                 style["ls"] = "--"
             ax.plot([GPUS.index(c["gpus"]) for c in sub], ys, marker="o", ms=3, label=p, **style)
         ax.axhline(1.0, color="k", lw=0.7)
+        for c in sub:  # no speedup to draw where te-cp itself cannot plan the cell's steps
+            if any(s["planner"] == "te-cp" and s.get("error") for s in c["planners"]):
+                ax.text(GPUS.index(c["gpus"]), 0.5, "te-cp\ncannot\nplan", transform=ax.get_xaxis_transform(),
+                        fontsize=8, color="0.35", ha="center", va="center")
         ax.set_xticks(range(len(GPUS)), [str(g) for g in GPUS])
+        ax.set_xlim(-0.5, len(GPUS) - 0.5)
         ax.set_title(f"{mix} mix", fontsize=9)
         ax.set_xlabel("GPUs")
     axes[0].set_ylabel("speedup over te-cp (simulated)")
