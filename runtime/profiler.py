@@ -256,14 +256,11 @@ def measure_model_parts(model: ModelSpec, tokens, dev, timer, reps, warmup):
 
     cap = torch.cuda.get_device_properties(dev).total_memory / 2 if dev.type == "cuda" else float("inf")
     head_tokens = [T for T in tokens if 16.0 * model.vocab_size * T <= cap] or [min(tokens)]
-    fns = [f for T in tokens for f in make(T)[:2 if T in head_tokens else 1]]
-    t = timer.sweep(fns, reps, warmup, sync=dist.barrier)
-    lin, head, i = [], [], 0
-    for T in tokens:
-        lin.append(t[i])
-        if T in head_tokens:
-            head.append(t[i + 1])
-        i += 2 if T in head_tokens else 1
+    jobs = [(part, fn) for T in tokens for part, fn in zip(("layer", "head"), make(T))
+            if part == "layer" or T in head_tokens]
+    t = timer.sweep([fn for _, fn in jobs], reps, warmup, sync=dist.barrier)
+    lin = [x for (part, _), x in zip(jobs, t) if part == "layer"]
+    head = [x for (part, _), x in zip(jobs, t) if part == "head"]
     return lin, (head_tokens, head)
 
 
@@ -966,7 +963,8 @@ def _measure(model: ModelSpec, grid: dict, nodes: int, dev: torch.device, say) -
     share = measure_concurrent_inter(gpn, grid["p2p"][-1], dev, reps, warm) if nodes >= 2 else None
     return dict(model=model.name, dtype=model.dtype, world=world, nodes=nodes, attention_lengths=grid["att"],
                 attention_s=att, attention_pack_counts=att_packs, attention_block_sizes=blocks,
-                attention_block_s=att_block, linear_tokens=grid["lin"], linear_s=lin, head_tokens=head_tokens, head_s=head, tp_linear_s=tp_lin,
+                attention_block_s=att_block, linear_tokens=grid["lin"], linear_s=lin, head_tokens=head_tokens,
+                head_s=head, tp_linear_s=tp_lin,
                 optimizer_s=opt_s, num_params=nparams, grad_allreduce_s=ar, p2p_bytes=grid["p2p"], p2p_s=p2p,
                 collectives_s=coll, collective_bytes=grid["p2p"][-1], ring_round_s=ring,
                 ring_attention_s=ring_att, remap_exchange_s=remap_ex, fsdp_microbatch_s=fsdp_mb,

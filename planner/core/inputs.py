@@ -46,12 +46,17 @@ def resolve_model(ref: str) -> ModelSpec:
     return resolve_model_ref(ref)
 
 
+def _shipped(ref: str) -> bool:
+    """Whether ``--profile ref`` names a shipped measured profile (a file of that name wins)."""
+    return ref in MEASURED_PROFILES and not os.path.exists(ref)
+
+
 def resolve_profile(ref: str | None, cluster: ClusterSpec) -> CostProfile:
     """The cluster's preset curves (None), a shipped measured profile (``h200-measured``) or a
     profile JSON file."""
     if ref is None:
         return default_profile(cluster.name, cluster.device)
-    if ref in MEASURED_PROFILES and not os.path.exists(ref):
+    if _shipped(ref):
         return measured_profile(ref)
     prof = load_doc(CostProfile, ref)
     return prof
@@ -72,7 +77,7 @@ def profile_mismatch(prof: CostProfile, ref: str, cluster: ClusterSpec, cluster_
                 f"{cluster_ref} has {what[cluster.device]}: profile the cluster's machines")
     fitted = sorted({f.model for f in prof.fits})
     # a shipped profile prices models it did not measure by its measured efficiency curves
-    if fitted and model.name not in fitted and ref not in MEASURED_PROFILES:
+    if fitted and model.name not in fitted and not _shipped(ref):
         return (f"--profile {ref} holds kernel fits of model {', '.join(fitted)}, not of --model {model_ref} "
                 f"({model.name}): measure it with `zeppelin profile --model {model_ref}`")
     return None
