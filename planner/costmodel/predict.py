@@ -11,6 +11,8 @@ out with explicit per-round timelines.
 
 from __future__ import annotations
 
+import math
+
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -183,34 +185,52 @@ def _attention_device_time(ctx: PlanContext, lengths: np.ndarray) -> np.ndarray:
 _BOUNDS: list[tuple] = []  # the last few (context, its cost model, lengths) priced, with their bounds
 
 
-def lower_bounds(ctx: PlanContext, lengths: np.ndarray) -> tuple[float, float]:
+def lower_bounds(ctx: PlanContext, lengths: np.ndarray, microbatches: int | None = None) -> tuple[float, float]:
     """(work bound, longest-sequence bound) in seconds (remembered for the last few steps: every
-    candidate plan of a step is predicted against the same bounds)."""
+    candidate plan of a step is predicted against the same bounds). ``microbatches``: the fewest
+    micro-batches any plan of the step runs (None: those memory forces, :func:`forced_microbatches`)."""
+    m = forced_microbatches(ctx, lengths) if microbatches is None else max(1, int(microbatches))
     key = np.asarray(lengths, dtype=np.float64).tobytes()
-    for c, cm, k, v in _BOUNDS:
-        if c is ctx and cm is ctx.cost and k == key:
+    for c, cm, k, mk, v in _BOUNDS:
+        if c is ctx and cm is ctx.cost and k == key and mk == m:
             return v
-    v = _lower_bounds(ctx, lengths)
-    _BOUNDS.insert(0, (ctx, ctx.cost, key, v))
+    v = _lower_bounds(ctx, lengths, m)
+    _BOUNDS.insert(0, (ctx, ctx.cost, key, m, v))
     del _BOUNDS[4:]
     return v
 
 
-def _lower_bounds(ctx: PlanContext, lengths: np.ndarray) -> tuple[float, float]:
+def forced_microbatches(ctx: PlanContext, lengths) -> int:
+    """The fewest micro-batches that can hold the step's tokens: every unit holds at most its token
+    capacity in each micro-batch (both layouts), under the most frugal recomputation the context
+    may choose (``full`` where it chooses per micro-batch or per unit, else its own mode)."""
+    cost = ctx.cost
+    frugal = ctx.recompute in ("auto", "per-microbatch") or ctx.unit_recompute
+    cap = cost.recompute_capacity("full") if frugal else cost.token_capacity
+    total = float(np.sum(lengths))
+    if cap <= 0 or ctx.num_units <= 0:
+        return 1
+    return max(1, math.ceil(total / (ctx.num_units * cap) - 1e-12))
+
+
+def _lower_bounds(ctx: PlanContext, lengths: np.ndarray, m: int = 1) -> tuple[float, float]:
     """(work bound, longest-sequence bound) in seconds.
 
     The work bound prices attention per sequence and the linear modules on an even share of the
-    step's tokens (kernels are priced on the tokens a unit holds). Both include the gradient
-    all-reduce, which every plan pays in full under this model (it is
-    charged as exposed communication to every unit), so a plan can reach its bound."""
+    step's tokens (kernels are priced on the tokens a unit holds), in ``m`` micro-batches (the
+    fewest the plan may run: each pays the linear kernels' and the head's fixed cost, and under
+    FSDP its own collectives - an even split pays least of them, the costs being affine in the
+    tokens and the collectives' exposed part convex in the compute hiding them). Both include the
+    gradient all-reduce, which every plan pays in full under this model (it is charged as exposed
+    communication to every unit), so a plan can reach its bound."""
     cost = ctx.cost
     n = ctx.num_units
     # attention of every sequence, plus the linear modules on an even share of the step's tokens
     # (linear kernels are priced on the tokens a unit holds, as predict_step does, not per sequence)
-    share = float(np.sum(lengths)) / n
-    lin = ctx.model.num_layers * float(cost.linear_time(share)) + float(cost.head_time(share))
+    share = float(np.sum(lengths)) / n / m
+    lin = m * (ctx.model.num_layers * float(cost.linear_time(share)) + float(cost.head_time(share)))
     work = ctx.model.num_layers * float(np.sum(_attention_device_time(ctx, lengths))) / n + lin
-    ar = cost.step_collectives_time(1, n, [work])  # (FSDP's prefetched collectives hide behind it)
+    ar = cost.step_collectives_time(m, n, [work / m] * m)  # (FSDP's prefetched collectives hide behind it)
     work += ar
     Lmax = int(lengths.max())
     best = float("inf")
@@ -860,11 +880,12 @@ def predict_replicas(ctx: PlanContext, step: StepPlan) -> Prediction:
     exposed = ar + tot.tpc + tot.ring_exp
     total = attn + lin + exposed
     lengths = np.array([s.length for s in step.sequences], dtype=np.float64)
-    # bounds for the best TP degree used (a larger degree shortens the longest sequence)
-    work_b, long_b = min((lower_bounds(PlanContext(ctx.cluster, ctx.model, ctx.profile, tp=d,
-                                                   zero_stage=ctx.zero_stage,
-                                                   recompute=ctx.recompute), lengths)
-                          for d in sorted(cms)), key=lambda wb: max(wb))
+    # bounds for the best TP degree used (a larger degree shortens the longest sequence), in the
+    # fewest micro-batches any of the degrees forces (replicas of mixed degrees hold between them)
+    ctxs = [PlanContext(ctx.cluster, ctx.model, ctx.profile, tp=d, zero_stage=ctx.zero_stage,
+                        recompute=ctx.recompute) for d in sorted(cms)]
+    fewest = min(forced_microbatches(c, lengths) for c in ctxs)
+    work_b, long_b = min((lower_bounds(c, lengths, fewest) for c in ctxs), key=lambda wb: max(wb))
     return Prediction(
         step_time_s=float(max((period + ar).max(), total.max()) if rings else total.max()),
         lower_bound_s=max(work_b, long_b),

@@ -97,8 +97,9 @@ def as_usp(search, mb: MicroBatch, rings: list[int], remap: bool) -> MicroBatch:
     u, m = max(usp_row_sizes(ctx)), ctx.model
     rep = kv_replication(m.num_heads, m.num_kv_heads, ctx.tp, u)
     groups, placements = list(mb.groups), list(mb.placements)
+    ring_set = set(rings)
     for pi, p in enumerate(placements):
-        if p.group not in rings:
+        if p.group not in ring_set:
             continue
         units = sorted(mb.groups[p.group].units)
         r = len(units) // u

@@ -168,6 +168,8 @@ class ZeppelinPlanner(Planner):
                 f"{c.model_state_bytes() / 1e9:.1f} GB of {c.gpu_capacity_bytes / 1e9:.1f} GB usable "
                 f"(try {'--zero-stage 3 or ' if ctx.zero_stage < 3 else ''}more GPUs: every GPU keeps whole "
                 f"parameters whatever the TP degree)")
+        if tiering.min_span(max((s.length for s in sequences), default=0)) is not None:
+            return  # (a span holding the longest holds every shorter one)
         for i, s in enumerate(sequences):
             if tiering.min_span(s.length) is None:
                 if self._replicas_hold(ctx, sequences):
@@ -204,9 +206,9 @@ class ZeppelinPlanner(Planner):
             raise PlanningError(f"step {step} has no sequences")
         self.check_feasible(ctx, sequences)
         tiering = self.tiering(ctx)
-        if any(tiering.min_span(s.length) is None for s in sequences):
-            return self._oversize_step(ctx, step, sequences, t0)
         lengths = np.array([s.length for s in sequences], dtype=np.int64)
+        if tiering.min_span(int(lengths.max())) is None:
+            return self._oversize_step(ctx, step, sequences, t0)
         state = StepState(options=self, ctx=ctx, tiering=tiering, sequences=sequences, lengths=lengths,
                           ilp_left=self.ilp_budget_calls)
         judge = self._judge(ctx)

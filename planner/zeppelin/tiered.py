@@ -76,7 +76,7 @@ def choose_spans(search: StepState, idx: list[int], balance: str, floor: int | N
     cost, layers, units = ctx.cost, ctx.model.num_layers, ctx.num_units
     Ls = np.array([search.sequences[i].length for i in idx], dtype=np.float64)
     T_avg = max(float(Ls.sum()) / units, 1.0)
-    lin_rate = float(layers * cost.linear_time(T_avg) + cost.head_time(T_avg)) / T_avg
+    lin_rate = marginal_token_time(cost, layers, T_avg)
     if balance == "attention":
         lin_rate = 0.0
     # Ulysses is offered to the node-CP layout (whole-node splits, where its all-to-all replaces a
@@ -111,6 +111,17 @@ def choose_spans(search: StepState, idx: list[int], balance: str, floor: int | N
                  span_units=span_units,
                  is_inter=np.array([s.tier == "inter" for s in tiering.spans], dtype=bool)[k], usp=marked,
                  bounded=bounded)
+
+
+def marginal_token_time(cost, layers: int, T: float) -> float:
+    """Seconds per token of the linear modules and the LM head on a unit holding about ``T`` tokens,
+    at the margin (the secant between T/2 and T): their fixed cost per call is paid by every unit
+    alike, so per-unit loads priced at the margin balance as the units' real times do, where the
+    average rate would price a unit of few tokens (a long sequence's group) short."""
+    def f(x: float) -> float:
+        return float(layers * cost.linear_time(x) + cost.head_time(x))
+
+    return (f(T) - f(T / 2)) / (T / 2)
 
 
 def _usp_spans(search: StepState) -> bool:

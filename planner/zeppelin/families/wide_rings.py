@@ -63,7 +63,7 @@ def wide_rings(ctx: PlanContext, step: int, sequences: list[Sequence], limit: fl
     slope = token_slope(ctx, cm, max(float(Lf.sum()) / n, 2.0))
     nic_share = 1.0 / max(len(ctx.cluster.nics), 1) if routing else 1.0
     t_narrow = _narrow_times(ctx, Lf, slope, g_mem, nic_share)
-    bound = max(lower_bounds(ctx, Lf))
+    bound = max(lower_bounds(ctx, Lf, microbatches=1))  # (the gate reads the step's work in one pass)
     if not far_from_bound(t_narrow, bound):
         return []
     return _search(ctx, step, sequences, L, slope, g_mem, t_narrow >= LONG_SHARE * bound, limit, routing, top,

@@ -17,6 +17,7 @@ from zeppelin.planner.zeppelin.assign import PackInfeasible
 from zeppelin.planner.zeppelin.protocols import Round
 from zeppelin.planner.zeppelin.step_searches.common import balances, node_cp_floor, whole_step
 from zeppelin.planner.zeppelin.step_state import StepState
+from zeppelin.planner.zeppelin.tiered import marginal_token_time
 from zeppelin.planner.zeppelin.tiering import zigzag_max_tokens_array
 
 name = "node-major"
@@ -84,7 +85,7 @@ def node_major(state: StepState, M: int):
     ring, exp, uly = state.tiering.split_prices(Ls, per_node, "intra", ulysses=state.options.intra == "auto")
     att = ring + exp if uly is None else np.minimum(ring + exp, uly[0] + uly[1])
     T_avg = max(float(Ls.sum()) / ctx.num_units, 1.0)
-    lin_rate = float(layers * c.linear_time(T_avg) + c.head_time(T_avg)) / T_avg
+    lin_rate = marginal_token_time(c, layers, T_avg)
     w = layers * att + lin_rate * Ls / per_node
     wl, pt = w.tolist(), per_tok.tolist()
     order = np.argsort(-w, kind="stable").tolist()
