@@ -207,10 +207,16 @@ def assign_units(search: StepState, sp: Spans, node_of: list[list[int]], carry: 
     for j, s in enumerate(sp.spans):
         if s.tier != "inter":
             by_node.setdefault(node_of[j][0], []).append(j)
-    results: dict[int, PackResult] = {}
-    for nd in range(nodes):
+    # the fullest nodes first: a layout whose nodes leave some unit no room fails at once (the
+    # caller then keeps more token slack per node); the results stay in node order
+    held = pre_tok.reshape(nodes, per_node).sum(axis=1)
+    for nd, js in by_node.items():
+        held[nd] += float(np.dot(sp.tokens_per_unit[js], sp.span_units[js]))
+    packed: dict[int, PackResult] = {}
+    for nd in np.argsort(-held, kind="stable").tolist():
         sl = slice(nd * per_node, (nd + 1) * per_node)
-        results[nd] = _pack_node_widening(search, sp, by_node.get(nd, []), pre[sl], pre_tok[sl])
+        packed[nd] = _pack_node_widening(search, sp, by_node.get(nd, []), pre[sl], pre_tok[sl])
+    results = {nd: packed[nd] for nd in range(nodes)}
     if polish and results:
         _polish_hot_nodes(search, sp, by_node, results, pre, pre_tok)
     unit_of: list[list[int]] = [[] for _ in sp.spans]
