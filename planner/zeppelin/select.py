@@ -5,7 +5,8 @@ already); the families (:mod:`.families`) hand in candidates scored by their own
 which only those that could win are built; both as :class:`.protocols.Candidate`.
 Every built plan is then judged the same way - on small clusters by the event-driven simulator,
 which sees ring pipeline waits and NIC contention the prediction approximates; beyond, by the
-analytic prediction, whose few best are confirmed by the simulator - and the fastest wins; ties
+analytic prediction, whose few best (beyond 32 units: the near ties) are confirmed by the simulator -
+and the fastest wins; ties
 keep the earlier candidate (the planner's own plans come first, then the families in registry
 order).
 """
@@ -30,6 +31,12 @@ CONFIRM_MAX_UNITS = 32
 #: tried, at most three a step) on clusters of at most this many units: a few simulations a step,
 #: where the prediction misprices one micro-batch with recomputation against two without
 MODE_CONFIRM_MAX_UNITS = 256
+
+#: beyond :data:`CONFIRM_MAX_UNITS` units (up to :data:`MODE_CONFIRM_MAX_UNITS`), the plans predicted
+#: within this share of the best are confirmed by the simulator: the prediction must not decide a
+#: near tie (a family's plan can be predicted a few percent short where rings of its shape wait on
+#: each other)
+CLOSE_MARGIN = 0.01
 
 #: up to this many units every family builds its two best configurations; beyond, only the best
 #: of each of the two best-scored families is built
@@ -95,6 +102,11 @@ def _judge(ctx: PlanContext, entries: list, simulator, simulate_all: bool):
             keep = scored
         elif ctx.num_units <= CONFIRM_MAX_UNITS:
             keep = sorted(scored, key=lambda x: (x[0], x[1]))[:CONFIRM_TOP]
+        elif ctx.num_units <= MODE_CONFIRM_MAX_UNITS:
+            best = min(x[0] for x in scored)
+            keep = [x for x in sorted(scored, key=lambda x: (x[0], x[1]))
+                    if x[0] <= best * (1 + CLOSE_MARGIN)][:CONFIRM_TOP]
+            keep = keep if len(keep) > 1 else []
         else:
             keep = []
         if keep:
@@ -116,7 +128,8 @@ def select(ctx: PlanContext, step: int, sequences: list[Sequence], own: list[Can
 
     ``simulator``: a function returning the simulator (made only when it is used), which judges
     every plan where ``simulate_all``, else confirms the
-    :data:`CONFIRM_TOP` best-predicted on clusters of at most :data:`CONFIRM_MAX_UNITS` units.
+    :data:`CONFIRM_TOP` best-predicted on clusters of at most :data:`CONFIRM_MAX_UNITS` units, and
+    up to :data:`MODE_CONFIRM_MAX_UNITS` units those predicted within :data:`CLOSE_MARGIN` of the best.
     ``margin``: a family configuration whose own score is more than this share above the fastest
     own candidate is not built - it would not win (None: every family's best are built, as
     :func:`family_plans` prunes them)."""
