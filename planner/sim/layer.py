@@ -220,6 +220,8 @@ class LayerGraph:
                 continue
             U = g.units
             G = len(U)
+            if not self.compute and len({self.node[u] for u in U}) == 1:
+                continue  # (counting NIC traffic: a group inside one node moves nothing over a NIC)
             if g.kind == "local" or G == 1:
                 self._local(U[0], pls, qpos.get((U[0], gi), 0))
             elif g.kind == "ring":
