@@ -41,7 +41,7 @@ from zeppelin.schemas.profile import default_profile
 MAX_LEN = 128 * 1024
 
 
-def draw(dist: str, rng: np.random.Generator, n: int) -> np.ndarray:
+def draw(dist: str, rng: np.random.Generator, n: int, max_len: int = MAX_LEN) -> np.ndarray:
     if dist == "short":
         L = rng.lognormal(7.0, 1.0, n)
     elif dist == "long":
@@ -52,16 +52,16 @@ def draw(dist: str, rng: np.random.Generator, n: int) -> np.ndarray:
         L = np.where(rng.random(n) < 0.1, tail, body)
     else:
         raise ValueError(dist)
-    return np.clip(L.astype(np.int64), 16, MAX_LEN)
+    return np.clip(L.astype(np.int64), 16, max_len)
 
 
-def steps_for(dist: str, budget: int, num_steps: int, seed: int) -> list[list[Sequence]]:
+def steps_for(dist: str, budget: int, num_steps: int, seed: int, max_len: int = MAX_LEN) -> list[list[Sequence]]:
     rng = np.random.default_rng(seed)
     out, sid = [], 0
     for _ in range(num_steps):
-        L = draw(dist, rng, 4096)
+        L = draw(dist, rng, 4096, max_len)
         while L.sum() < budget:
-            L = np.concatenate([L, draw(dist, rng, 4096)])
+            L = np.concatenate([L, draw(dist, rng, 4096, max_len)])
         cut = max(1, int(np.searchsorted(np.cumsum(L), budget, side="right")))
         out.append([Sequence(sample_id=sid + i, length=int(x)) for i, x in enumerate(L[:cut])])
         sid += cut
@@ -150,9 +150,12 @@ def quality(clusters, models, dists, steps: int) -> None:
             ctx = ctx_for(cluster, model, ZERO[model])
             budget = ctx.cost.token_capacity * ctx.num_units
             pl = ZeppelinPlanner()
+            # (the data's longest sequence: 128K, or what the cluster's units hold together)
+            longest = held_together(pl, ctx)
             for dist in dists:
                 ratios, times, mbs = [], [], []
-                for k, ss in enumerate(steps_for(dist, budget, steps, seed=zlib.crc32(f"{cluster}|{model}|{dist}".encode()))):
+                seed = zlib.crc32(f"{cluster}|{model}|{dist}".encode())
+                for k, ss in enumerate(steps_for(dist, budget, steps, seed=seed, max_len=longest)):
                     t0 = time.perf_counter()
                     sp = pl.plan_step(ctx, k, ss)
                     times.append(time.perf_counter() - t0)
@@ -160,11 +163,23 @@ def quality(clusters, models, dists, steps: int) -> None:
                     mbs.append(len(sp.microbatches))
                 r = np.array(ratios)
                 print(json.dumps({"bench": "plan_quality", "cluster": cluster, "model": model,
-                                  "zero_stage": ZERO[model], "dist": dist,
+                                  "zero_stage": ZERO[model], "dist": dist, "max_len": longest,
                                   "steps": steps, "tokens_per_step": budget, "median_ratio": round(float(np.median(r)), 4),
                                   "worst_ratio": round(float(r.max()), 4), "p90_ratio": round(float(np.quantile(r, 0.9)), 4),
                                   "median_plan_s": round(float(np.median(times)), 4),
                                   "median_microbatches": float(np.median(mbs))}), flush=True)
+
+
+def held_together(pl, ctx: PlanContext) -> int:
+    """The longest sequence (at most :data:`MAX_LEN`) some span of the cluster's units holds."""
+    tiering = pl.tiering(ctx)
+    lo, hi = 16, MAX_LEN
+    if tiering.min_span(hi) is not None:
+        return hi
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if tiering.min_span(mid) is not None else (lo, mid - 1)
+    return lo
 
 
 def ablation(cluster: str, model: str, dists, steps: int) -> None:
