@@ -27,12 +27,8 @@ from zeppelin.schemas.plan import Sequence, StepPlan
 
 #: the whole-step searches, in the order they run per micro-batch count
 REGISTRY: tuple[StepSearch, ...] = (tiered, node_cp, node_major)
-#: micro-batches are first counted for this share of the units' token capacity: the fewest that can
-#: hold the step's tokens (the count the lower bound charges). Where those leave the rings no room,
-#: each micro-batch's layout keeps token slack per node first (``tiered.best_microbatch``), then one
-#: more micro-batch is tried: a step filled to 90-100% of the capacity planned straight as two
-#: micro-batches ran slower than one (``benchmarks/bench_planner.py --only quality``)
-FILL = 1.0
+#: micro-batches are first counted for this share of the units' token capacity (slack for rings)
+FILL = 0.9
 #: beyond this many units, where a step needs several micro-batches and they are coupled (FSDP:
 #: every unit waits for the slowest in each layer of each micro-batch), node-major runs first and,
 #: when it finds a layout, alone: there its whole-step node balance beats the micro-batch-major
