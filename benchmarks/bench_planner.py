@@ -85,7 +85,7 @@ def latency(sizes: list[int], steps: int, breakdown: bool = False, simulate_max:
         ctx = ctx_for(f"zeppelin-c:{nodes}", "llama-7b", recompute=recompute)
         # ~8 sequences per GPU on the mixed distribution
         rng = np.random.default_rng(gpus)
-        n_steps = steps if gpus <= 1024 else max(3, steps // 2) if gpus <= 4096 else max(2, steps // 3)
+        n_steps = latency_steps(gpus, steps)
         pl = ZeppelinPlanner()
         times, cpu, seqs, ratios, solvers, parts, sims, one = [], [], [], [], [], [], [], []
         for k in range(n_steps):
@@ -121,6 +121,34 @@ def latency(sizes: list[int], steps: int, breakdown: bool = False, simulate_max:
                           "solvers": {s: solvers.count(s) for s in sorted(set(solvers))},
                           "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                           **row}), flush=True)
+
+
+def latency_steps(gpus: int, steps: int) -> int:
+    """Steps a latency row plans: ``steps`` up to 1,024 GPUs, half beyond, a third beyond 4,096."""
+    return steps if gpus <= 1024 else max(3, steps // 2) if gpus <= 4096 else max(2, steps // 3)
+
+
+def whole_cpu(sizes: list[int], steps: int, recompute: str = "none") -> None:
+    """The latency rows' steps planned back to back, each plan dropped before the next: process CPU
+    per step including whatever a step leaves to do after ``plan_step`` returns (the cyclic
+    collector's pass over its plan), which the latency rows' timer around ``plan_step`` does not see.
+    Runs any code on ``PYTHONPATH`` (it calls ``plan_step`` only)."""
+    import gc
+
+    for gpus in sizes:
+        ctx = ctx_for(f"zeppelin-c:{max(1, gpus // 8)}", "llama-7b", recompute=recompute)
+        rng = np.random.default_rng(gpus)
+        todo = [[Sequence(sample_id=i, length=int(x)) for i, x in enumerate(draw("mixed", rng, 8 * gpus))]
+                for _ in range(latency_steps(gpus, steps))]
+        pl = ZeppelinPlanner()
+        gc.collect()
+        c0 = time.process_time()
+        for k, ss in enumerate(todo):
+            sp = pl.plan_step(ctx, k, ss)
+            del sp
+        cpu = (time.process_time() - c0) / len(todo)
+        print(json.dumps({"bench": "planner_whole_cpu", "gpus": gpus, "recompute": recompute, "steps": len(todo),
+                          "cpu_s_per_step": round(cpu, 4)}), flush=True)
 
 
 def over_bound(ctx: PlanContext, plan) -> dict[str, float]:
@@ -231,7 +259,9 @@ def rss(gpus: int, step_counts: list[int]) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=["latency", "quality", "ablation", "rss"], default=None)
+    ap.add_argument("--only", choices=["latency", "whole-cpu", "quality", "ablation", "rss"], default=None,
+                    help="whole-cpu: the latency rows' steps back to back, CPU per step with what each leaves "
+                         "to do after plan_step (not in the default run)")
     ap.add_argument("--sizes", default="16,64,256,1024,4096,16384", help="GPUs (8 per node), comma list")
     ap.add_argument("--latency-steps", type=int, default=5, help="steps per size up to 1,024 GPUs (half beyond, "
                     "a third beyond 4,096)")
@@ -249,6 +279,8 @@ def main(argv=None) -> None:
     if a.only in (None, "latency"):
         latency(sorted(int(x) for x in a.sizes.split(",")), a.latency_steps, a.breakdown, a.simulate_max_gpus,
                 a.recompute)
+    if a.only == "whole-cpu":
+        whole_cpu(sorted(int(x) for x in a.sizes.split(",")), a.latency_steps, a.recompute)
     if a.only in (None, "quality"):
         quality(["zeppelin-a", "zeppelin-c"], ["llama-7b", "llama-13b"], ["short", "long", "mixed"], a.steps)
     if a.only in (None, "ablation"):
