@@ -82,15 +82,12 @@ def latency(sizes: list[int], steps: int, breakdown: bool = False, simulate_max:
             recompute: str = "none") -> None:
     for gpus in sizes:
         nodes = max(1, gpus // 8)
-        ctx = ctx_for(f"zeppelin-c:{nodes}", "llama-7b", recompute=recompute)
-        # ~8 sequences per GPU on the mixed distribution
-        rng = np.random.default_rng(gpus)
-        n_steps = latency_steps(gpus, steps)
+        ctx, todo = latency_inputs(gpus, steps, recompute)
+        n_steps = len(todo)
         pl = ZeppelinPlanner()
         times, cpu, seqs, ratios, solvers, parts, sims, one = [], [], [], [], [], [], [], []
-        for k in range(n_steps):
-            L = draw("mixed", rng, 8 * gpus)
-            ss = [Sequence(sample_id=i, length=int(x)) for i, x in enumerate(L)]
+        for k, ss in enumerate(todo):
+            L = np.array([q.length for q in ss], dtype=np.int64)
             t0, c0 = time.perf_counter(), time.process_time()
             sp = pl.plan_step(ctx, k, ss)
             times.append(time.perf_counter() - t0)
@@ -123,9 +120,14 @@ def latency(sizes: list[int], steps: int, breakdown: bool = False, simulate_max:
                           **row}), flush=True)
 
 
-def latency_steps(gpus: int, steps: int) -> int:
-    """Steps a latency row plans: ``steps`` up to 1,024 GPUs, half beyond, a third beyond 4,096."""
-    return steps if gpus <= 1024 else max(3, steps // 2) if gpus <= 4096 else max(2, steps // 3)
+def latency_inputs(gpus: int, steps: int, recompute: str = "none") -> tuple[PlanContext, list[list[Sequence]]]:
+    """A latency row's context (``zeppelin-c``, 8 GPUs a node, LLaMA-7B) and its steps: ~8 sequences
+    per GPU of the mixed distribution; ``steps`` up to 1,024 GPUs, half beyond, a third beyond 4,096."""
+    ctx = ctx_for(f"zeppelin-c:{max(1, gpus // 8)}", "llama-7b", recompute=recompute)
+    rng = np.random.default_rng(gpus)
+    n = steps if gpus <= 1024 else max(3, steps // 2) if gpus <= 4096 else max(2, steps // 3)
+    return ctx, [[Sequence(sample_id=i, length=int(x)) for i, x in enumerate(draw("mixed", rng, 8 * gpus))]
+                 for _ in range(n)]
 
 
 def whole_cpu(sizes: list[int], steps: int, recompute: str = "none") -> None:
@@ -136,10 +138,7 @@ def whole_cpu(sizes: list[int], steps: int, recompute: str = "none") -> None:
     import gc
 
     for gpus in sizes:
-        ctx = ctx_for(f"zeppelin-c:{max(1, gpus // 8)}", "llama-7b", recompute=recompute)
-        rng = np.random.default_rng(gpus)
-        todo = [[Sequence(sample_id=i, length=int(x)) for i, x in enumerate(draw("mixed", rng, 8 * gpus))]
-                for _ in range(latency_steps(gpus, steps))]
+        ctx, todo = latency_inputs(gpus, steps, recompute)
         pl = ZeppelinPlanner()
         gc.collect()
         c0 = time.process_time()

@@ -205,8 +205,7 @@ def forced_microbatches(ctx: PlanContext, lengths) -> int:
     capacity in each micro-batch (both layouts), under the most frugal recomputation the context
     may choose (``full`` where it chooses per micro-batch or per unit, else its own mode)."""
     cost = ctx.cost
-    frugal = ctx.recompute in ("auto", "per-microbatch") or ctx.unit_recompute
-    cap = cost.recompute_capacity("full") if frugal else cost.token_capacity
+    cap = cost.recompute_capacity("full") if cost.chooses_recompute or ctx.unit_recompute else cost.token_capacity
     total = float(np.sum(lengths))
     if cap <= 0 or ctx.num_units <= 0:
         return 1

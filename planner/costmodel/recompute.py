@@ -10,7 +10,8 @@ The choices (``MicroBatch.recompute``; docs/RUNTIME.md, "Activation recomputatio
 
 A cost model built for one global mode (``recompute``) prices that mode; one built for
 ``per-microbatch`` prices ``none`` by default and every choice through the functions here. The
-lower bound of a step stays the work without recomputation.
+lower bound of a step stays the work without recomputation, in the fewest micro-batches ``full``'s
+capacity allows where the micro-batches choose.
 """
 
 from __future__ import annotations
@@ -27,11 +28,16 @@ class RecomputeCosts:
     """Memory and time of each recomputation choice (see the module's docstring)."""
 
     @property
+    def chooses_recompute(self) -> bool:
+        """Whether the micro-batches choose their own recomputation (``per-microbatch``, ``auto``)."""
+        return self.recompute in (PER_MICROBATCH, "auto")
+
+    @property
     def global_recompute(self) -> str:
         """The mode of the micro-batches that name none: the plan's global mode (``none`` for a
         plan whose micro-batches each say their own, and for ``--recompute auto`` until a planner
         chooses)."""
-        return "none" if self.recompute in (PER_MICROBATCH, "auto") else self.recompute
+        return "none" if self.chooses_recompute else self.recompute
 
     def for_recompute(self, mode: str):
         """The cost model of this unit under the global ``mode`` (built once per mode)."""
