@@ -188,7 +188,7 @@ def hf_modules_note(ctx: PlanContext) -> list[str]:
 
 def explain_text(ctx: PlanContext) -> str:
     """The thresholds and how they were derived (the Zeppelin planner's :class:`Tiering`)."""
-    from zeppelin.planner.zeppelin.tiering import FREE_WASTE, GRANULARITY, Tiering
+    from zeppelin.planner.zeppelin.tiering import FREE_COMPUTE, FREE_WASTE, GRANULARITY, Tiering
 
     tg = Tiering(ctx)
     c, cl, m = tg.cost, ctx.cluster, ctx.model
@@ -215,8 +215,10 @@ def explain_text(ctx: PlanContext) -> str:
         "",
         *_wrap("Per step each sequence takes the smallest span that fits in memory and whose per-unit time "
                "is below the step's balanced per-unit load (total work / units); when the ring hides its "
-               f"communication (exposed <= {FREE_WASTE:.0%}), it is split further until each piece is at most "
-               f"{GRANULARITY:.0%} of that load. Spans above one node take whole nodes (inter tier); the rest "
+               f"communication (exposed <= {FREE_WASTE:.0%}) and its smaller blocks cost little (its units "
+               f"together compute at most {FREE_COMPUTE:.0%} more than one unit would; option split_waste), it "
+               f"is split further until each piece is at most {GRANULARITY:.0%} of that load. Spans above one "
+               "node take whole nodes (inter tier); the rest "
                "stay inside a node (intra tier) or on one unit (local). A plan may also take a whole-step "
                "family (FLOP share, Ulysses groups, replicas of a larger TP degree) when it is faster: its "
                "tiers are counted by the units each group spans, like every plan's, so short sequences "

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zeppelin.planner.core.options import PlannerOptions, option
+from zeppelin.planner.zeppelin.tiering import FREE_COMPUTE
 
 # Deterministic ILP work per step: at most ILP_SOLVES packing ILPs, each stopped after ILP_NODES
 # branch-and-bound nodes (the same plan on any machine, under any load)
@@ -61,6 +62,10 @@ class ZeppelinOptions(PlannerOptions):
                             "ring and a usp group and keeps the nodes of the sequences it gives one free of rings "
                             "(on), or as a ring (off: a layout's rings still run as usp groups where faster)",
                             choices=("on", "off"))
+    split_waste: float = option(float, FREE_COMPUTE, "stage 1 splits a sequence further for balance only where its "
+                                "units together spend at most this share more compute on its attention than one unit "
+                                "would (a ring's smaller blocks, a Ulysses shard's heads); a micro-batch that nearly "
+                                "fills its units' memory splits regardless", minimum=0.0)
     families: str = option(str, "all", "whole-step candidate families beside the tiered search: all, none, or a "
                            "comma list of ulysses-groups, flop-share, tp-replicas, wide-rings, usp-groups, long-blocks")
     families_max_units: int = option(int, 256, "beyond this many units only large_families are built", minimum=0)

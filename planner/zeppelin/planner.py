@@ -97,6 +97,8 @@ class ZeppelinPlanner(Planner):
         self.inter = o.inter
         # whether stage 1 prices spans over whole nodes as usp groups too (tiered.choose_spans)
         self.usp_spans = o.usp_spans
+        # the compute a split for balance may waste (tiered.choose_spans)
+        self.split_waste = o.split_waste
         # the whole-step candidate families of families/ (comma list, or "none"), tried on clusters
         # of at most ``families_max_units`` units; beyond, for planning latency, ``large_families``
         self.families = _fam_list(o.families)

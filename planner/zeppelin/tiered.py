@@ -16,6 +16,7 @@ planner.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -34,6 +35,10 @@ from zeppelin.planner.zeppelin.tiering import Span, SpanTable, zigzag_max_tokens
 #: layout's routes, remap and prediction being made first (for planning latency)
 MARKS_ALONE_UNITS = 256
 MARKS_CROWD_SHARE = 0.5
+#: a micro-batch whose tokens fill more than this share of what its units hold without recomputation
+#: keeps stage 1's fine pieces (``thrifty`` False, :func:`choose_spans`): tokens spread evenly over
+#: the units only in small pieces, and a unit left over its memory pays its recomputation
+THRIFT_FILL = 0.9
 
 
 @dataclass
@@ -63,9 +68,12 @@ class Spans:
     bounded: bool = False  # a marked sequence's per-unit time is above the balanced load (it bounds)
 
 
-def choose_spans(search: StepState, idx: list[int], balance: str, floor: int | None, usp: bool = True) -> Spans:
+def choose_spans(search: StepState, idx: list[int], balance: str, floor: int | None, usp: bool = True,
+                 thrifty: bool = True) -> Spans:
     """Stage 1: spans for a balanced per-unit load (target refined once with the chosen spans'
     costs). ``floor`` (node-CP): every sequence long enough to split spans at least that span.
+    ``thrifty``: a split for balance wastes at most the option ``split_waste`` of the sequence's
+    attention compute (:meth:`.Tiering.choose_span_index`); False: any split whose transfers hide.
 
     ``usp`` (with option ``inter=auto``, a model whose heads allow usp rows, no windowed layers): a
     span over whole nodes is priced as the cheaper of a ring and a usp group; a sequence whose
@@ -90,7 +98,8 @@ def choose_spans(search: StepState, idx: list[int], balance: str, floor: int | N
     target = float(times[0].sum()) / units
     cols = np.arange(len(Ls))
     for _ in range(2):
-        k = tiering.choose_span_index(table, target, lin_rate, times=times)
+        k = tiering.choose_span_index(table, target, lin_rate, times=times,
+                                      free_compute=search.options.split_waste if thrifty else math.inf)
         unit_time = times[k, cols]
         target = float((unit_time * table.G[k]).sum()) / units
     if floor is not None:
@@ -304,19 +313,27 @@ def best_microbatch(search: StepState, idx: list[int], carry: np.ndarray, floors
     # widths: then level 1 keeps some token slack per node (before the caller falls back to
     # one more micro-batch, which costs far more)
     lengths = [s.length for s in search.sequences]
+    held = sum(lengths[i] for i in idx)
+    thrifts = (False,) if held > THRIFT_FILL * ctx.num_units * ctx.cost.recompute_capacity("none") else (True, False)
     for usp in (True, False):
-        spans: dict[tuple, Spans] = {}  # stage 1 does not depend on the fill: chosen once per (floor, balance)
+        # stage 1 does not depend on the fill: chosen once per (floor, balance, thrift)
+        spans: dict[tuple, Spans] = {}
         found = len(cands)
         for fill in (1.0, 0.95, 0.9) if ctx.cluster.num_nodes > 1 else (1.0,):
-            for floor in floors if floors is not None else [None]:
-                for bal in balances if balances is not None else ["total"]:
-                    if (floor, bal) not in spans:
-                        spans[floor, bal] = choose_spans(search, idx, bal, floor, usp=usp)
-                    try:
-                        cands += _layouts(search, idx, carry, spans[floor, bal], bal, floor, fill, fixed_nodes,
-                                          lengths)
-                    except PackInfeasible as e:
-                        err = err or e
+            # thrifty spans first; where they leave no layout at this fill, finer pieces pack the tokens
+            for thrifty in thrifts:
+                for floor in floors if floors is not None else [None]:
+                    for bal in balances if balances is not None else ["total"]:
+                        if (floor, bal, thrifty) not in spans:
+                            spans[floor, bal, thrifty] = choose_spans(search, idx, bal, floor, usp=usp,
+                                                                      thrifty=thrifty)
+                        try:
+                            cands += _layouts(search, idx, carry, spans[floor, bal, thrifty], bal, floor, fill,
+                                              fixed_nodes, lengths)
+                        except PackInfeasible as e:
+                            err = err or e
+                if len(cands) > found:
+                    break
             if len(cands) > found:
                 break
         if not (any(sp.usp is not None for sp in spans.values()) and (not cands or _rings_alone_too(ctx, spans))):

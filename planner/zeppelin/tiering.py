@@ -33,6 +33,10 @@ from zeppelin.planner.core.base import PlanContext
 GRANULARITY = 0.25
 #: splitting counts as free when it adds at most this fraction of exposed communication
 FREE_WASTE = 0.02
+#: ... and when the span's units together spend at most this fraction more compute on the
+#: sequence's attention than one unit would: a ring's blocks (a Ulysses shard's heads) are smaller
+#: than the sequence's, so its kernels run less efficiently, the more so the shorter the sequence
+FREE_COMPUTE = 0.15
 _L_MAX = 1 << 26  # search ceiling for crossovers (67M tokens)
 
 
@@ -99,6 +103,7 @@ class SpanTable:
     R: np.ndarray | None = None  # (spans, seqs): A as a ring (set when U is)
     Q: np.ndarray | None = None  # (spans, seqs): A as Ulysses, inf where the span cannot be Ulysses
     V: np.ndarray | None = None  # (spans, seqs): A as a usp group (Tiering.usp_prices), once asked
+    W: np.ndarray | None = None  # (spans, seqs): the span's compute over the sequence's attention / one unit's, - 1
 
     def times(self, lin_rate: float) -> np.ndarray:
         """Per-unit busy time: attention + linear work on the unit's L/G tokens."""
@@ -156,6 +161,15 @@ class Tiering:
         base = float(c.ring_compute_time(L, span.G))
         return exp / base if base > 0 else float("inf")
 
+    def compute_waste(self, L: float, span: Span) -> float:
+        """How much more compute the span's units spend on a ring over the sequence's attention than
+        one unit spends on it whole, as a fraction of the latter."""
+        if span.G == 1:
+            return 0.0
+        c = self.cost
+        whole = float(c.attn_time(float(L)))
+        return span.G * float(c.ring_compute_time(float(L), span.G)) / whole - 1.0 if whole > 0 else float("inf")
+
     # ------------------------------------------------------------------ thresholds
     def hide_threshold(self, G: int, tier: str, routed_nics: int = 1) -> int | None:
         """Shortest length whose ring over G units (tier's link) hides its communication."""
@@ -209,7 +223,7 @@ class Tiering:
             nxt = self.spans[idx + 1]
             if nxt.tier == "inter" and self.spans[idx].tier != "inter":
                 break
-            if self.exposed_fraction(L, nxt, routed_nics) > FREE_WASTE:
+            if self.exposed_fraction(L, nxt, routed_nics) > FREE_WASTE or self.compute_waste(L, nxt) > FREE_COMPUTE:
                 break
             idx += 1
         return self.spans[idx]
@@ -245,6 +259,7 @@ class Tiering:
         F = np.empty((S, m), dtype=bool)
         E = np.empty((S, m))
         U = np.zeros((S, m), dtype=bool)
+        W = np.zeros((S, m))
         R = np.empty((S, m)) if ulysses else None
         Q = np.full((S, m), np.inf) if ulysses else None
         c = self.cost
@@ -263,6 +278,7 @@ class Tiering:
             q, r = np.divmod(Li, 2 * sp.G)
             F[k] = 2 * q + np.where(r >= sp.G + 1, 2, np.where(r >= 1, 1, 0)) <= self.cap
             E[k] = np.where(base > 0, exp / np.maximum(base, 1e-30), np.inf)
+            W[k] = np.where(attn_L > 0, sp.G * base / np.maximum(attn_L, 1e-30) - 1.0, np.inf)
             if R is not None:
                 R[k] = A[k]
             if uly is not None:
@@ -272,7 +288,10 @@ class Tiering:
                 U[k] = better
                 A[k] = np.where(better, self.layers * (u_comp + u_comm), A[k])
                 E[k] = np.where(better, u_comm / np.maximum(u_comp, 1e-30), E[k])
-        return SpanTable(L, A, F, E, np.array([sp.G for sp in self.spans], dtype=np.float64), U if ulysses else None, R, Q)
+                W[k] = np.where(better, np.where(attn_L > 0, sp.G * u_comp / np.maximum(attn_L, 1e-30) - 1.0, np.inf),
+                                W[k])
+        return SpanTable(L, A, F, E, np.array([sp.G for sp in self.spans], dtype=np.float64), U if ulysses else None, R, Q,
+                         W=W)
 
     def usp_prices(self, table: SpanTable) -> np.ndarray | None:
         """(spans, seqs): per-unit attention seconds (all layers) of each sequence alone on each
@@ -300,14 +319,16 @@ class Tiering:
         return [self.spans[k] for k in self.choose_span_index(table, target, lin_rate)]
 
     def choose_span_index(self, table: SpanTable, target: float, lin_rate: float,
-                          times: np.ndarray | None = None) -> np.ndarray:
+                          times: np.ndarray | None = None, free_compute: float | None = None) -> np.ndarray:
         """The spans of :meth:`choose_span`'s rule; ``times``: the per-unit times to compare
-        (default ``table.times(lin_rate)``)."""
+        (default ``table.times(lin_rate)``); ``free_compute``: the compute a free split may waste
+        (default :data:`FREE_COMPUTE`; infinite: a split whose transfers hide is free)."""
         m = len(table.L)
         S = len(self.spans)
         if m == 0:
             return np.zeros(0, dtype=np.int64)
-        F, E = table.F, table.E
+        F, E, W = table.F, table.E, table.W
+        waste = FREE_COMPUTE if free_compute is None else free_compute
         T = table.times(lin_rate) if times is None else times
         if not F.any(axis=0).all():
             raise ValueError("does not fit")
@@ -329,7 +350,8 @@ class Tiering:
                 break
             nxt = np.minimum(idx + 1, S - 1)
             step = (active & (idx + 1 < S) & (T[idx, cols] > GRANULARITY * target)
-                    & ~(tiers[nxt] & ~tiers[idx]) & (E[nxt, cols] <= FREE_WASTE) & F[nxt, cols])
+                    & ~(tiers[nxt] & ~tiers[idx]) & (E[nxt, cols] <= FREE_WASTE) & F[nxt, cols]
+                    & (True if W is None else W[nxt, cols] <= waste))
             idx = np.where(step, nxt, idx)
             active = step
         return idx

@@ -829,7 +829,7 @@ CASES = [
      ("cases/a.json: planner 'zeppelin': unknown option 'ilp_node' (known: attention_max_units, families, "
       "families_max_units, family_margin, ilp, ilp_budget_calls, ilp_iterations, ilp_nodes, inter, intra, "
       "large_families, max_ilp_vars_nodes, max_ilp_vars_units, node_cp_max_units, select, simulate_max_units, solver, "
-      "time_limit, tol, usp_spans)")),
+      "split_waste, time_limit, tol, usp_spans)")),
     ("option-none-taken", {"planner": "packed-dp", "options": {"cp": 2}},
      "cases/a.json: planner 'packed-dp': unknown option 'cp' (it takes none)"),
     ("steps-huge", {"steps": 100000},

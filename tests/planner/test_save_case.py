@@ -8,29 +8,30 @@ import json
 
 from tests.support.cli import run_cli
 
-FLAGS = ["-c", "zeppelin-a:2", "--model", "llama-7b", "--steps", "2", "--tokens-per-step", "131072",
+FLAGS = ["-c", "zeppelin-a:4", "--model", "llama-7b", "--steps", "2", "--tokens-per-step", "131072",
          "--max-seq-len", "32768"]
 
 
 def test_saved_case_checks_green_then_fails_on_a_slower_option(tmp_path, capsys):
-    target = tmp_path / "ci" / "a16"
+    target = tmp_path / "ci" / "a32"
     code, out, err = run_cli(["plan", *FLAGS, "--save-case", str(target)], capsys)
     assert code == 0, err
-    case = json.loads((tmp_path / "ci" / "a16.json").read_text())
+    case = json.loads((tmp_path / "ci" / "a32.json").read_text())
     assert {k: case[k] for k in ("cluster", "model", "dataset", "planner", "options", "steps", "tokens_per_step",
                                  "max_seq_len")} == {
-        "cluster": "zeppelin-a:2", "model": "llama-7b", "dataset": "sample", "planner": "zeppelin", "options": {},
+        "cluster": "zeppelin-a:4", "model": "llama-7b", "dataset": "sample", "planner": "zeppelin", "options": {},
         "steps": 2, "tokens_per_step": 131072, "max_seq_len": 32768}
     assert out.startswith(f"wrote {target}.json and its golden {target}.plan")
     code, out, err = run_cli(["check", str(tmp_path / "ci"), "--exact", "-j", "1"], capsys)
     assert code == 0 and out.splitlines()[-1].startswith("1 case(s) checked in ")
     assert out.splitlines()[-1].endswith(": passed")
-    case["options"] = {"ilp": "never", "families": "none"}  # a planner setting that gives slower steps
-    (tmp_path / "ci" / "a16.json").write_text(json.dumps(case))
+    # a planner setting that gives slower steps (here the tiered search alone, packed greedily)
+    case["options"] = {"ilp": "never", "families": "none"}
+    (tmp_path / "ci" / "a32.json").write_text(json.dumps(case))
     code, out, err = run_cli(["check", str(tmp_path / "ci"), "-j", "1"], capsys)
     assert code == 1
     flat = " ".join(out.split())  # (the FAIL line is wrapped at 80 columns)
-    fail = flat[flat.index("FAIL a16: "):]
+    fail = flat[flat.index("FAIL a32: "):]
     assert "zeppelin mean step time" in fail and "against the golden" in fail and "(tolerance 1%)" in fail
     assert "; worst step " in fail and "planner options changed: families default -> none, ilp default -> never" \
         in fail

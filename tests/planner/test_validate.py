@@ -30,7 +30,9 @@ def plan_file(tmp_path_factory):
     for k in range(2):
         L = list(np.clip(rng.lognormal(7, 1, 60).astype(int), 16, 6000)) + [cap * 9, cap * 3]
         steps.append([Sequence(sample_id=100 * k + i, length=int(x)) for i, x in enumerate(L)])
-    pl = ZeppelinPlanner(families="none")  # the tiered search: overlapping rings and routes to edit
+    # the tiered search, splitting short sequences whatever compute that wastes: overlapping rings
+    # and routes to edit
+    pl = ZeppelinPlanner(families="none", split_waste=1e9)
     hdr = make_header(ctx, pl, None, SamplerConfig(tokens_per_step=10**7), len(steps))
     path = tmp_path_factory.mktemp("plans") / "plan.jsonl"
     write_plan(path, hdr, list(plan_steps(ctx, pl, steps, progress=False)))

@@ -104,3 +104,29 @@ def test_choose_span_rules():
         a = tg.choose_spans(Ls, target, lin, 4)
         b = [tg.choose_span(int(x), target, lin, 4) for x in Ls]
         assert [(x.G, x.tier) for x in a] == [(x.G, x.tier) for x in b]
+
+
+def test_a_split_that_wastes_compute_is_not_free():
+    """The refinement splits a sequence whose piece is coarse (above GRANULARITY of the balanced
+    load) only where the split is free: its communication hides AND its units together spend at most
+    FREE_COMPUTE more compute on the attention than one unit (a ring's blocks are smaller than the
+    sequence's). A 2K-token sequence on 2 units wastes far more (stays whole, though its ring would
+    hide); an 8K one wastes less (split); the vectorised rule agrees."""
+    from zeppelin.planner.zeppelin import tiering as T
+
+    tg = Tiering(make_ctx())
+    lin = 1e-4
+    two = tg.spans[1]
+    assert (two.G, two.tier) == (2, "intra")
+    for L, split in ((2048, False), (8192, True)):
+        t1 = float(tg.per_unit_time(L, tg.spans[0], lin))
+        target = 0.5 * t1 / T.GRANULARITY  # the whole sequence is within the load, its piece coarse
+        assert t1 <= target
+        assert t1 > T.GRANULARITY * target
+        assert tg.exposed_fraction(L, two) <= T.FREE_WASTE  # (its ring on 2 units hides)
+        assert (tg.compute_waste(L, two) > T.FREE_COMPUTE) is not split
+        assert (tg.choose_span(L, target, lin).G > 1) is split
+        table = tg.span_table(np.array([float(L)]))
+        assert table.W[1, 0] == pytest.approx(tg.compute_waste(L, two))
+        assert (int(tg.choose_span_index(table, target, lin)[0]) > 0) is split
+        assert int(tg.choose_span_index(table, target, lin, free_compute=1e9)[0]) > 0  # (unbounded: split)
