@@ -37,7 +37,7 @@ MARKS_ALONE_UNITS = 256
 MARKS_CROWD_SHARE = 0.5
 #: a micro-batch whose tokens fill more than this share of what its units hold without recomputation
 #: keeps stage 1's fine pieces (``thrifty`` False, :func:`choose_spans`): tokens spread evenly over
-#: the units only in small pieces, and a unit left over its memory pays its recomputation
+#: the units only in small pieces, and a unit left over its memory would pay its recomputation
 THRIFT_FILL = 0.9
 
 
@@ -313,27 +313,21 @@ def best_microbatch(search: StepState, idx: list[int], carry: np.ndarray, floors
     # widths: then level 1 keeps some token slack per node (before the caller falls back to
     # one more micro-batch, which costs far more)
     lengths = [s.length for s in search.sequences]
-    held = sum(lengths[i] for i in idx)
-    thrifts = (False,) if held > THRIFT_FILL * ctx.num_units * ctx.cost.recompute_capacity("none") else (True, False)
+    # a micro-batch that nearly fills its units' memory keeps stage 1's fine pieces (THRIFT_FILL)
+    thrifty = sum(lengths[i] for i in idx) <= THRIFT_FILL * ctx.num_units * ctx.cost.recompute_capacity("none")
     for usp in (True, False):
-        # stage 1 does not depend on the fill: chosen once per (floor, balance, thrift)
-        spans: dict[tuple, Spans] = {}
+        spans: dict[tuple, Spans] = {}  # stage 1 does not depend on the fill: chosen once per (floor, balance)
         found = len(cands)
         for fill in (1.0, 0.95, 0.9) if ctx.cluster.num_nodes > 1 else (1.0,):
-            # thrifty spans first; where they leave no layout at this fill, finer pieces pack the tokens
-            for thrifty in thrifts:
-                for floor in floors if floors is not None else [None]:
-                    for bal in balances if balances is not None else ["total"]:
-                        if (floor, bal, thrifty) not in spans:
-                            spans[floor, bal, thrifty] = choose_spans(search, idx, bal, floor, usp=usp,
-                                                                      thrifty=thrifty)
-                        try:
-                            cands += _layouts(search, idx, carry, spans[floor, bal, thrifty], bal, floor, fill,
-                                              fixed_nodes, lengths)
-                        except PackInfeasible as e:
-                            err = err or e
-                if len(cands) > found:
-                    break
+            for floor in floors if floors is not None else [None]:
+                for bal in balances if balances is not None else ["total"]:
+                    if (floor, bal) not in spans:
+                        spans[floor, bal] = choose_spans(search, idx, bal, floor, usp=usp, thrifty=thrifty)
+                    try:
+                        cands += _layouts(search, idx, carry, spans[floor, bal], bal, floor, fill, fixed_nodes,
+                                          lengths)
+                    except PackInfeasible as e:
+                        err = err or e
             if len(cands) > found:
                 break
         if not (any(sp.usp is not None for sp in spans.values()) and (not cands or _rings_alone_too(ctx, spans))):
