@@ -65,7 +65,8 @@ class ZeppelinOptions(PlannerOptions):
     split_waste: float = option(float, FREE_COMPUTE, "stage 1 splits a sequence further for balance only where its "
                                 "units together spend at most this share more compute on its attention than one unit "
                                 "would (a ring's smaller blocks, a Ulysses shard's heads); a micro-batch that nearly "
-                                "fills its units' memory splits regardless", minimum=0.0)
+                                "fills its units' memory, or has fewer sequences than units, splits regardless",
+                                minimum=0.0)
     families: str = option(str, "all", "whole-step candidate families beside the tiered search: all, none, or a "
                            "comma list of ulysses-groups, flop-share, tp-replicas, wide-rings, usp-groups, long-blocks")
     families_max_units: int = option(int, 256, "beyond this many units only large_families are built", minimum=0)

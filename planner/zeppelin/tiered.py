@@ -313,8 +313,10 @@ def best_microbatch(search: StepState, idx: list[int], carry: np.ndarray, floors
     # widths: then level 1 keeps some token slack per node (before the caller falls back to
     # one more micro-batch, which costs far more)
     lengths = [s.length for s in search.sequences]
-    # a micro-batch that nearly fills its units' memory keeps stage 1's fine pieces (THRIFT_FILL)
-    thrifty = sum(lengths[i] for i in idx) <= THRIFT_FILL * ctx.num_units * ctx.cost.recompute_capacity("none")
+    # stage 1's splits for balance are thrifty where the micro-batch has a sequence per unit to spare
+    # (fewer, and splits are what occupies the units) and does not nearly fill their memory (THRIFT_FILL)
+    thrifty = (len(idx) >= ctx.num_units
+               and sum(lengths[i] for i in idx) <= THRIFT_FILL * ctx.num_units * ctx.cost.recompute_capacity("none"))
     for usp in (True, False):
         spans: dict[tuple, Spans] = {}  # stage 1 does not depend on the fill: chosen once per (floor, balance)
         found = len(cands)
