@@ -40,6 +40,13 @@ FREE_COMPUTE = 0.15
 _L_MAX = 1 << 26  # search ceiling for crossovers (67M tokens)
 
 
+def _waste(G: int, compute, whole):
+    """The compute G units spend on a sequence's attention (``compute`` each) beyond one unit's
+    ``whole``, as a fraction of it (inf where the sequence has no attention)."""
+    whole = np.asarray(whole, dtype=np.float64)
+    return np.where(whole > 0, G * np.asarray(compute, dtype=np.float64) / np.maximum(whole, 1e-30) - 1.0, np.inf)
+
+
 def zigzag_max_tokens(L: int, G: int) -> int:
     """Most tokens any ring position holds when ``L`` is cut into 2G zigzag chunks."""
     if G <= 1:
@@ -167,8 +174,7 @@ class Tiering:
         if span.G == 1:
             return 0.0
         c = self.cost
-        whole = float(c.attn_time(float(L)))
-        return span.G * float(c.ring_compute_time(float(L), span.G)) / whole - 1.0 if whole > 0 else float("inf")
+        return float(_waste(span.G, c.ring_compute_time(float(L), span.G), c.attn_time(float(L))))
 
     # ------------------------------------------------------------------ thresholds
     def hide_threshold(self, G: int, tier: str, routed_nics: int = 1) -> int | None:
@@ -278,7 +284,7 @@ class Tiering:
             q, r = np.divmod(Li, 2 * sp.G)
             F[k] = 2 * q + np.where(r >= sp.G + 1, 2, np.where(r >= 1, 1, 0)) <= self.cap
             E[k] = np.where(base > 0, exp / np.maximum(base, 1e-30), np.inf)
-            W[k] = np.where(attn_L > 0, sp.G * base / np.maximum(attn_L, 1e-30) - 1.0, np.inf)
+            W[k] = _waste(sp.G, base, attn_L)
             if R is not None:
                 R[k] = A[k]
             if uly is not None:
@@ -288,8 +294,7 @@ class Tiering:
                 U[k] = better
                 A[k] = np.where(better, self.layers * (u_comp + u_comm), A[k])
                 E[k] = np.where(better, u_comm / np.maximum(u_comp, 1e-30), E[k])
-                W[k] = np.where(better, np.where(attn_L > 0, sp.G * u_comp / np.maximum(attn_L, 1e-30) - 1.0, np.inf),
-                                W[k])
+                W[k] = np.where(better, _waste(sp.G, u_comp, attn_L), W[k])
         return SpanTable(L, A, F, E, np.array([sp.G for sp in self.spans], dtype=np.float64), U if ulysses else None, R, Q,
                          W=W)
 
