@@ -236,13 +236,15 @@ def _local_search(out, loads, toks, cost, tokens, width, cap, max_iter: int | No
         tk[a] -= tokens[i]
         tk[b] += tokens[i]
 
+    by_load = ld.__getitem__
     for _ in range(max_iter):
-        arr = np.array(ld)
-        hi = int(np.argmax(arr))
-        lo_order = np.argsort(arr)
+        hi = max(range(B), key=by_load)  # (the first of equal maxima)
         top = ld[hi]
         improved = False
-        for lo in lo_order[: min(B, 8)].tolist():
+        # the 8 least-loaded bins, equal loads in bin order: a stable order (numpy's default argsort
+        # orders ties by whatever sorting network the CPU's vector units select, so plans would
+        # differ from one machine to another)
+        for lo in heapq.nsmallest(8, range(B), key=by_load):
             if lo == hi:
                 continue
             diff = top - ld[lo]
