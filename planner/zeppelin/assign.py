@@ -238,13 +238,19 @@ def _local_search(out, loads, toks, cost, tokens, width, cap, max_iter: int | No
 
     by_load = ld.__getitem__
     for _ in range(max_iter):
-        hi = max(range(B), key=by_load)  # (the first of equal maxima)
+        # the most loaded bin (the first of equal maxima) and the 8 least loaded, equal loads in bin
+        # order: a stable order (numpy's default argsort orders ties by whatever sorting network
+        # the CPU's vector units select, so plans would differ from one machine to another)
+        if B <= 64:
+            hi = max(range(B), key=by_load)
+            lows = heapq.nsmallest(8, range(B), key=by_load)
+        else:
+            arr = np.array(ld)
+            hi = int(np.argmax(arr))
+            lows = np.argsort(arr, kind="stable")[:8].tolist()
         top = ld[hi]
         improved = False
-        # the 8 least-loaded bins, equal loads in bin order: a stable order (numpy's default argsort
-        # orders ties by whatever sorting network the CPU's vector units select, so plans would
-        # differ from one machine to another)
-        for lo in heapq.nsmallest(8, range(B), key=by_load):
+        for lo in lows:
             if lo == hi:
                 continue
             diff = top - ld[lo]
