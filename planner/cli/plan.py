@@ -72,7 +72,7 @@ def plan(**values: Any) -> None:
     if cfg.explain:
         from zeppelin.planner.tools.explain import explain_text
 
-        typer.echo(explain_text(ctx))
+        typer.echo(explain_text(ctx, getattr(pl, "split_waste", None)))
         if cfg.output is None and cfg.save_case is None:
             return
     ds = common.load_dataset(cfg.manifest, *cfg.field_flags)

@@ -186,9 +186,12 @@ def hf_modules_note(ctx: PlanContext) -> list[str]:
                  f"{int(own.token_capacity):,} tokens per unit)", indent="  ")
 
 
-def explain_text(ctx: PlanContext) -> str:
-    """The thresholds and how they were derived (the Zeppelin planner's :class:`Tiering`)."""
+def explain_text(ctx: PlanContext, split_waste: float | None = None) -> str:
+    """The thresholds and how they were derived (the Zeppelin planner's :class:`Tiering`);
+    ``split_waste``: the planner's option of that name (None: its default)."""
     from zeppelin.planner.zeppelin.tiering import FREE_COMPUTE, FREE_WASTE, GRANULARITY, Tiering
+
+    waste = FREE_COMPUTE if split_waste is None else split_waste
 
     tg = Tiering(ctx)
     c, cl, m = tg.cost, ctx.cluster, ctx.model
@@ -216,7 +219,7 @@ def explain_text(ctx: PlanContext) -> str:
         *_wrap("Per step each sequence takes the smallest span that fits in memory and whose per-unit time "
                "is below the step's balanced per-unit load (total work / units); when the ring hides its "
                f"communication (exposed <= {FREE_WASTE:.0%}) and its smaller blocks cost little (its units "
-               f"together compute at most {FREE_COMPUTE:.0%} more than one unit would; option split_waste), it "
+               f"together compute at most {waste:.0%} more than one unit would; option split_waste), it "
                f"is split further until each piece is at most {GRANULARITY:.0%} of that load. Spans above one "
                "node take whole nodes (inter tier); the rest "
                "stay inside a node (intra tier) or on one unit (local). A plan may also take a whole-step "

@@ -180,3 +180,21 @@ def test_verdict_says_when_the_baseline_named_could_not_plan():
     lines = verdict_lines(v)
     assert all(len(ln) <= 80 for ln in lines)
     assert f"te-cp (yours) could not plan these steps: {err}" in " ".join(" ".join(lines).split())
+
+
+def test_explain_states_the_split_waste_the_planner_uses():
+    """--explain states stage 1's compute-waste limit as the planner is set (-O split_waste), not
+    the default."""
+    from typer.testing import CliRunner
+
+    from zeppelin.planner.cli import app
+
+    def said(args):
+        out = CliRunner().invoke(app, ["plan", "-c", "zeppelin-c", "--model", "llama-7b", "--explain", *args],
+                                 env={"COLUMNS": "80"})
+        assert out.exit_code == 0, out.output
+        return " ".join(out.output.split())
+
+    assert "together compute at most 15% more than one unit would; option split_waste" in said([])
+    assert "together compute at most 30% more than one unit would; option split_waste" in said(
+        ["-O", "split_waste=0.3"])
