@@ -723,8 +723,8 @@ def _remap_times(ctx: PlanContext, layout, att_sets, seq_units, links: list) -> 
     """Per unit, per layer: the remap all-to-alls it takes part in, priced as the remap decision
     prices them (:func:`zeppelin.planner.zeppelin.remap.plan_remap`, over :func:`remap_link_loads`):
     its tokens inside its node over the intra-node link, and, when it sends or receives across
-    nodes, the busier direction of its NIC. Adds each receiver's senders to ``links`` (they meet
-    every layer)."""
+    nodes, the busiest direction of the NICs its moves cross (its own and its partners'). Adds each
+    receiver's senders to ``links`` (they meet every layer)."""
     moves: list[tuple[int, int, int]] = []
     for u in range(ctx.num_units):
         for seg in layout[u]:
@@ -740,9 +740,16 @@ def _remap_times(ctx: PlanContext, layout, att_sets, seq_units, links: list) -> 
     intra, nic_io = remap_link_loads(ctx, moves)
     cost, upn, cl, tp = ctx.cost, ctx.units_per_node, ctx.cluster, ctx.tp
     t = np.asarray(cost.remap_time(intra, "intra"), dtype=np.float64)
-    for u in sorted({w for a, b, _ in moves if a // upn != b // upn for w in (a, b)}):
-        nic = cl.nic_of(u * tp)
-        load = max(nic_io.get("out:" + nic, 0), nic_io.get("in:" + nic, 0))
+    # a move across nodes crosses its sender's NIC and its receiver's (out, then in on the way
+    # back): it ends when the busier of the two has carried its load, and both units wait for it
+    nics: dict[int, set[str]] = defaultdict(set)
+    for a, b, _ in moves:
+        if a // upn != b // upn:
+            pair = {cl.nic_of(a * tp), cl.nic_of(b * tp)}
+            nics[a] |= pair
+            nics[b] |= pair
+    for u in sorted(nics):
+        load = max(max(nic_io.get("out:" + nic, 0), nic_io.get("in:" + nic, 0)) for nic in nics[u])
         t[u] = max(t[u], float(cost.remap_time(load, "inter")))
     return t
 

@@ -280,6 +280,31 @@ def test_prediction_prices_an_inter_node_remap_on_the_nics():
     assert pred.step_time_s > no_remap.step_time_s - info.predicted_saving_s + 0.9 * nic_remap
 
 
+
+def test_a_remap_move_across_nodes_waits_for_the_busier_of_its_two_nics():
+    """Node 1's eight units each send 3,000 tokens to node 0, whose units 6 and 7 (one NIC) take
+    18,000 of them: a sender's move ends when the receiving NIC has carried its load, so the
+    senders wait for that NIC (their own carries 6,000). The prediction prices each unit on the
+    busiest NIC its moves cross, as the simulator plays the flows out; priced on its own NIC, the
+    step came out 16% short of the simulated one."""
+    from zeppelin.planner.costmodel.predict import predict_step, remap_link_loads
+    from zeppelin.planner.sim.simulate import Simulator
+    from zeppelin.planner.zeppelin.remap import balanced_targets, transfer_matrix
+
+    ctx = ctx_for()
+    held = [12000] * 4 + [0] * 4 + [12000] * 8
+    seqs, mb = local_mb(ctx, [[h] if h else [] for h in held])
+    layout, info = plan_remap(_with_measured_remap(ctx, 0.0, 0.0), seqs, mb)  # (the layout, whatever it costs)
+    assert info.tokens_moved_inter == 24000
+    nic_io = remap_link_loads(ctx, transfer_matrix(held, balanced_targets(held), ctx.units_per_node))[1]
+    assert nic_io["in:node0/nic3"] == 18000 and nic_io["out:node1/nic3"] == 6000
+    step = StepPlan(step=0, sequences=seqs, microbatches=[mb.model_copy(update={"linear_layout": layout})])
+    pred = predict_step(ctx, step)
+    busiest = ctx.model.num_layers * float(ctx.cost.remap_time(18000, "inter"))
+    # unit 15 sends to unit 7 through node 0's NIC 3
+    assert pred.per_unit.exposed_comm_s[15] >= busiest
+    assert pred.step_time_s == pytest.approx(Simulator(ctx).simulate_step(step).step_time_s, rel=0.005)
+
 def _with_measured_remap(ctx, seconds: float, per_byte: float) -> PlanContext:
     from zeppelin.schemas.profile import ModelFits
 
