@@ -28,8 +28,9 @@ priced as a fluid (:func:`_fluid`), and the configurations kept are laid out in 
 are searched from a level shared by every micro-batch (each long sequence on the fewest nodes
 where its time per unit is at most the level; the levels are the longest sequence's times at each
 width): from the :data:`STARTS` best, one micro-batch's widths at a time (``B`` nodes dealt one by
-one to its long sequence that is slowest per unit, every ``B``) while that lowers the score. The
-best few are built and ranked by the prediction (:func:`.common.ranked_by_prediction`).
+one to its long sequence that is slowest per unit; from its current ``B`` one node fewer or more at
+a time) while that lowers the score. The best few are built and ranked by the prediction
+(:func:`.common.ranked_by_prediction`).
 
 Under ``--recompute auto`` (the pass without recomputation, ``PlanContext.unit_recompute``) a unit
 may hold more than its memory share, up to what it holds under ``selective``, paying the forward of
@@ -296,19 +297,46 @@ def _mb_options(part, blocks, nodes: int) -> list[tuple]:
 
 def _descend(key: tuple, choices: list[list[tuple]], score) -> None:
     """Coordinate descent from ``key`` over the micro-batches' width choices: per micro-batch in
-    turn, its best choice with the others fixed, while one improves the score."""
+    turn, its best choice with the others fixed, while one improves the score. A micro-batch's
+    choices give its long sequences one node more each, and its score falls while the long ones
+    gain more than the short ones lose, then rises: from the current choice the descent walks to
+    the next one down or up while that improves the score (:func:`_walk`); a current choice not
+    among them (a start from a shared level) is compared with all of them."""
     parts, widths = key
-    m = len(parts)
     best = score(key)
     improved = True
     while improved:
         improved = False
-        for k in range(m):
-            for ws in choices[k]:
-                cand = (parts, widths[:k] + (ws,) + widths[k + 1:])
-                t = score(cand)
-                if t < best * (1 - _EPS):
-                    best, widths, improved = t, cand[1], True
+        for k, opts in enumerate(choices):
+            if widths[k] in opts:
+                t, widths = _walk(parts, widths, k, opts, best, score)
+            else:
+                t = best
+                for ws in opts:
+                    cand = (parts, widths[:k] + (ws,) + widths[k + 1:])
+                    s = score(cand)
+                    if s < t * (1 - _EPS):
+                        t, widths = s, cand[1]
+            if t < best:
+                best, improved = t, True
+
+
+def _walk(parts, widths, k: int, opts: list[tuple], best: float, score) -> tuple[float, tuple]:
+    """From micro-batch ``k``'s current choice in ``opts``, the neighbouring choices down, else up,
+    taken while each improves the score: ``(score, widths)``."""
+    here = opts.index(widths[k])
+    for step in (-1, 1):
+        q, moved = here + step, False
+        while 0 <= q < len(opts):
+            cand = (parts, widths[:k] + (opts[q],) + widths[k + 1:])
+            t = score(cand)
+            if not t < best * (1 - _EPS):
+                break
+            best, widths, moved = t, cand[1], True
+            q += step
+        if moved:
+            break
+    return best, widths
 
 
 def _widths(parts, blocks, levels: list[float], nodes: int):
