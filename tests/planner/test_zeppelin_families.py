@@ -159,3 +159,49 @@ def test_long_blocks_price_the_usp_cut_a_unit_gets(length, u, r):
     from zeppelin.schemas.layout import ranges_tokens, usp_ranges
 
     assert _usp_max_tokens(length, u, r) == max(ranges_tokens(rg) for rg in usp_ranges(length, u, r))
+
+
+def test_long_blocks_walks_the_widths_of_many_nodes():
+    """long-blocks' descent scores every width choice of a micro-batch up to ``SCAN_CHOICES`` of
+    them and walks from the current one beyond, stopping ``WALK_PATIENCE`` choices past the best:
+    a bump narrower than that does not stop it, and it scores fewer choices than the scan."""
+    from zeppelin.planner.zeppelin.families import long_blocks as lb
+
+    n = 40
+    opts = [(w,) for w in range(n)]
+    # falls to 30 with a bump of two choices at 20-21, then rises; starts at 10
+    curve = [abs(w - 30) + (3 if w in (20, 21) else 0) for w in range(n)]
+
+    def score(key):
+        return float(curve[key[1][0][0]])
+
+    key = (((0,),), (opts[10],))  # (one micro-batch of one long sequence, its width)
+    found = {}
+
+    def memo(k):
+        if k not in found:
+            found[k] = score(k)
+        return found[k]
+
+    lb._descend(key, [opts], memo)
+    best = min(found, key=found.get)
+    assert best[1] == (opts[30],) and found[best] == 0.0
+    assert len(found) < n  # (the scan would have scored all of them)
+    found.clear()
+    lb._descend(key, [opts[:lb.SCAN_CHOICES]], memo)
+    assert len(found) == lb.SCAN_CHOICES  # few choices: every one is scored
+
+
+def test_long_blocks_walk_finds_what_the_scan_finds_on_256_gpus(monkeypatch):
+    """On a 256-GPU step of the latency benchmark's mixed lengths (32 nodes: up to 32 width choices
+    a micro-batch), the walk finds the configurations scoring every choice finds."""
+    from zeppelin.planner.zeppelin.families import long_blocks as lb
+
+    rng = np.random.default_rng(256)
+    body = rng.lognormal(7.0, 1.0, 2048)
+    tail = (rng.pareto(1.2, 2048) + 1.0) * 4096
+    L = np.clip(np.where(rng.random(2048) < 0.1, tail, body).astype(np.int64), 16, 131072)
+    ctx, seqs = make_ctx("zeppelin-c:32"), seqs_of(L)
+    walked = [c.score for c in lb.candidates(ctx, 0, seqs, top=2)]
+    monkeypatch.setattr(lb, "SCAN_CHOICES", 10**6)
+    assert walked and walked == [c.score for c in lb.candidates(ctx, 0, seqs, top=2)]

@@ -28,8 +28,8 @@ priced as a fluid (:func:`_fluid`), and the configurations kept are laid out in 
 are searched from a level shared by every micro-batch (each long sequence on the fewest nodes
 where its time per unit is at most the level; the levels are the longest sequence's times at each
 width): from the :data:`STARTS` best, one micro-batch's widths at a time (``B`` nodes dealt one by
-one to its long sequence that is slowest per unit; from its current ``B`` one node fewer or more at
-a time) while that lowers the score. The best few are built and ranked by the prediction
+one to its long sequence that is slowest per unit; beyond :data:`SCAN_CHOICES` choices, from its
+current ``B`` one node fewer or more at a time) while that lowers the score. The best few are built and ranked by the prediction
 (:func:`.common.ranked_by_prediction`).
 
 Under ``--recompute auto`` (the pass without recomputation, ``PlanContext.unit_recompute``) a unit
@@ -77,6 +77,11 @@ EXACT = 16
 #: the best shared levels from which each micro-batch's widths are searched on
 STARTS = 2
 _EPS = 1e-9
+#: a micro-batch with at most this many width choices has every one scored in the descent; one with
+#: more (a cluster of more nodes) walks from its current choice (:func:`_walk`)
+SCAN_CHOICES = 16
+#: the walk stops this many choices past the best it has found
+WALK_PATIENCE = 3
 
 
 def candidates(ctx: PlanContext, step: int, sequences: list[Sequence], limit: float | None = None,
@@ -298,17 +303,18 @@ def _mb_options(part, blocks, nodes: int) -> list[tuple]:
 def _descend(key: tuple, choices: list[list[tuple]], score) -> None:
     """Coordinate descent from ``key`` over the micro-batches' width choices: per micro-batch in
     turn, its best choice with the others fixed, while one improves the score. A micro-batch's
-    choices give its long sequences one node more each, and its score falls while the long ones
-    gain more than the short ones lose, then rises: from the current choice the descent walks to
-    the next one down or up while that improves the score (:func:`_walk`); a current choice not
-    among them (a start from a shared level) is compared with all of them."""
+    choices give its long sequences one node more each; up to :data:`SCAN_CHOICES` of them every
+    one is scored. Beyond (clusters of more nodes), the score mostly falls while the long sequences
+    gain more than the short ones lose, then rises, so the descent walks from the current choice
+    down or up (:func:`_walk`); a current choice not among them (a start from a shared level) is
+    compared with all of them."""
     parts, widths = key
     best = score(key)
     improved = True
     while improved:
         improved = False
         for k, opts in enumerate(choices):
-            if widths[k] in opts:
+            if len(opts) > SCAN_CHOICES and widths[k] in opts:
                 t, widths = _walk(parts, widths, k, opts, best, score)
             else:
                 t = best
@@ -322,17 +328,21 @@ def _descend(key: tuple, choices: list[list[tuple]], score) -> None:
 
 
 def _walk(parts, widths, k: int, opts: list[tuple], best: float, score) -> tuple[float, tuple]:
-    """From micro-batch ``k``'s current choice in ``opts``, the neighbouring choices down, else up,
-    taken while each improves the score: ``(score, widths)``."""
+    """From micro-batch ``k``'s current choice in ``opts``, the choices down, else up, one at a
+    time: the best of them, the walk stopping :data:`WALK_PATIENCE` choices past it (the score is
+    not smooth: the short sequences are placed whole): ``(score, widths)``."""
     here = opts.index(widths[k])
     for step in (-1, 1):
-        q, moved = here + step, False
+        q, moved, misses = here + step, False, 0
         while 0 <= q < len(opts):
             cand = (parts, widths[:k] + (opts[q],) + widths[k + 1:])
             t = score(cand)
-            if not t < best * (1 - _EPS):
-                break
-            best, widths, moved = t, cand[1], True
+            if t < best * (1 - _EPS):
+                best, widths, moved, misses = t, cand[1], True, 0
+            else:
+                misses += 1
+                if misses >= WALK_PATIENCE:
+                    break
             q += step
         if moved:
             break
