@@ -85,3 +85,33 @@ def test_family_dispatch_bound_and_pruned_search_match_trying_every_configuratio
         for keep in (1, 3):
             got = _best_dispatches(configs, run, bound, keep)
             assert [(x[0], x[1]) for x in got] == every[:keep]
+
+
+_REPARTITION_CASE = """
+import numpy as np
+from zeppelin.planner.zeppelin.families.common import repartition
+c = np.array([0.291, 1.28, 2.185, 3.275, 1.642, 2.913, 2.298])
+hot, cold = (0, 0), (0, 1)
+members, loads = {hot: list(range(len(c))), cold: []}, {0: [float(c.sum()), 0.0]}
+repartition({0: c}, {0: np.ones(len(c), dtype=bool)}, [hot] * len(c), members, loads, hot, float(c.sum()),
+            [hot, cold], np.array(loads[0]), 1)
+print(members[hot])
+"""
+
+
+def test_repartition_splits_alike_whatever_blas_kernel_runs():
+    """Seven sequences of one group type split between two groups: several splits come within a
+    rounding of the best, and the one chosen must not depend on the CPU. Summed by matrix products,
+    OpenBLAS added in its CPU kernel's order and chose [0, 2, 4, 5] under its generic x86 kernel,
+    [0, 1, 2, 3] under its AVX2 one; row sums choose the same on both."""
+    import os
+    import subprocess
+    import sys
+
+    picks = set()
+    for core in ("Prescott", "Haswell"):  # (OpenBLAS' DYNAMIC_ARCH kernels; others ignore the variable)
+        env = {**os.environ, "OPENBLAS_CORETYPE": core}
+        out = subprocess.run([sys.executable, "-c", _REPARTITION_CASE], env=env, capture_output=True, text=True,
+                             check=True)
+        picks.add(out.stdout.strip())
+    assert picks == {"[0, 1, 2, 3]"}

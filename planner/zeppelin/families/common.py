@@ -263,7 +263,9 @@ def repartition(cost, fits, out, members, loads, hot, top, keys, lv, cold_groups
         m = _SPLITS[k]  # 1: on the slow group's type
         ch, cc = cost[hot[0]][union], cost[cold[0]][union]
         bad = m @ (~fits[hot[0]][union]).astype(np.float64) + (1 - m) @ (~fits[cold[0]][union]).astype(np.float64)
-        val = np.where(bad > 0, np.inf, np.maximum(m @ ch, (1 - m) @ cc))
+        # (row sums, not matrix products: BLAS adds in an order of its CPU kernel's choosing, and
+        # near-equal splits must rank alike on every machine)
+        val = np.where(bad > 0, np.inf, np.maximum((m * ch).sum(axis=1), ((1 - m) * cc).sum(axis=1)))
         a = int(np.argmin(val))
         if best is None or val[a] < best[0]:
             best = (float(val[a]), cold, union, m[a] > 0)
