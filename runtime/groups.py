@@ -212,12 +212,34 @@ class GroupCache:
 
 
 _DEFAULT: GroupCache | None = None
+_RELEASE_AT_EXIT = False
 
 
 def set_default_cache(cache: GroupCache | None) -> None:
-    """Install the cache :func:`get_group` looks groups up in (the executor does this at start-up)."""
-    global _DEFAULT
+    """Install the cache :func:`get_group` looks groups up in (the executor does this at start-up).
+
+    The first install also registers :func:`_release_at_exit`: a training script that ends with
+    ``dist.destroy_process_group()`` (or without it) still holds process groups - in this cache, in
+    the model's FSDP state, in collected-later cycles - and a gloo group destroyed while the
+    interpreter finalises aborts the process ("terminate called without an active exception": its
+    worker thread cannot take the GIL any more) after the job itself succeeded."""
+    global _DEFAULT, _RELEASE_AT_EXIT
     _DEFAULT = cache
+    if cache is not None and not _RELEASE_AT_EXIT:
+        import atexit
+
+        atexit.register(_release_at_exit)
+        _RELEASE_AT_EXIT = True
+
+
+def _release_at_exit() -> None:
+    """At exit, before the interpreter finalises: drop the default cache and collect the garbage
+    cycles, so that the process groups they hold are destroyed while threads can still take the
+    GIL (a group's destructor releases it and joins its worker threads)."""
+    import gc
+
+    set_default_cache(None)
+    gc.collect()
 
 
 def default_cache() -> GroupCache | None:

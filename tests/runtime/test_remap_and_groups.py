@@ -287,3 +287,37 @@ def test_group_cache_creates_blocks_once_and_refuses_unknown(pool):
                             "(the plan does not name it); groups are created once, collectively, "
                             "before training — add it to GroupCache(extra=...)")
 
+
+
+_EXIT_SCRIPT = """
+import gc, sys
+import torch.distributed as dist
+from zeppelin.runtime.groups import GroupCache, set_default_cache
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+set_default_cache(GroupCache(1))
+gc.disable()  # (cycles wait for a collection, as after a training loop)
+
+class Holder:  # a garbage cycle holding the process group, as a model's FSDP state does
+    def __init__(self):
+        self.me, self.pg = self, dist.group.WORLD
+    def __del__(self):
+        print("collected while finalizing:", sys.is_finalizing(), flush=True)
+
+Holder()
+dist.destroy_process_group()
+"""
+
+
+def test_process_groups_left_in_cycles_are_collected_before_the_interpreter_finalizes(tmp_path):
+    """A script that installs the runtime's group cache and ends with garbage cycles holding a
+    process group: they are collected at exit while the interpreter is alive (an ``atexit`` hook
+    of ``set_default_cache``). Collected during finalisation, a gloo group's worker thread cannot
+    take the GIL and aborts the process ("terminate called without an active exception"), as
+    examples/torchtitan_llama.py did at the end of about half its runs."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(tmp_path / "store")], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "collected while finalizing: False" in out.stdout, (out.stdout, out.stderr)
