@@ -32,6 +32,9 @@ ALL_LAYOUTS_MAX_UNITS = 32
 #: in its other micro-batches while the others' halves set those micro-batches' maxima (7-9% of
 #: the step at 512-1,024 GPUs, benchmarks/bench_planner.py)
 FREE_NODES_MIN_UNITS = 256
+#: up to this many bins :func:`lpt_with_room` scans them for the least-loaded with room (a node's
+#: micro-batches) instead of keeping a heap (the nodes)
+SCAN_BINS = 8
 
 
 def search(state: StepState, parts: list[list[int]], found: Round) -> None:
@@ -129,11 +132,6 @@ def lpt_with_room(items: list[int], bins: int, room: float, weight: list[float],
         for e in aside:
             heapq.heappush(heap, e)
     return out
-
-
-#: up to this many bins :func:`lpt_with_room` scans them for the least-loaded with room (a node's
-#: micro-batches) instead of keeping a heap (the nodes)
-SCAN_BINS = 8
 
 
 def _lpt_scan(items: list[int], bins: int, room: float, weight: list[float], size: list[float]):
