@@ -294,7 +294,8 @@ def test_a_remap_move_across_nodes_waits_for_the_busier_of_its_two_nics():
     ctx = ctx_for()
     held = [12000] * 4 + [0] * 4 + [12000] * 8
     seqs, mb = local_mb(ctx, [[h] if h else [] for h in held])
-    layout, info = plan_remap(_with_measured_remap(ctx, 0.0, 0.0), seqs, mb)  # (the layout, whatever it costs)
+    # (the layout, whatever it costs)
+    layout, info = plan_remap(_with_measured_remap(ctx, 0.0, 0.0), seqs, mb)
     assert info.tokens_moved_inter == 24000
     nic_io = remap_link_loads(ctx, transfer_matrix(held, balanced_targets(held), ctx.units_per_node))[1]
     assert nic_io["in:node0/nic3"] == 18000 and nic_io["out:node1/nic3"] == 6000

@@ -111,7 +111,7 @@ def test_repartition_splits_alike_whatever_blas_kernel_runs():
     picks = set()
     for core in ("Prescott", "Haswell"):  # (OpenBLAS' DYNAMIC_ARCH kernels; others ignore the variable)
         env = {**os.environ, "OPENBLAS_CORETYPE": core}
-        out = subprocess.run([sys.executable, "-c", _REPARTITION_CASE], env=env, capture_output=True, text=True,
-                             check=True)
+        out = subprocess.run([sys.executable, "-c", _REPARTITION_CASE], env=env, capture_output=True,
+                             text=True, check=True)
         picks.add(out.stdout.strip())
     assert picks == {"[0, 1, 2, 3]"}

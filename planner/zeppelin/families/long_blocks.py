@@ -29,8 +29,8 @@ are searched from a level shared by every micro-batch (each long sequence on the
 where its time per unit is at most the level; the levels are the longest sequence's times at each
 width): from the :data:`STARTS` best, one micro-batch's widths at a time (``B`` nodes dealt one by
 one to its long sequence that is slowest per unit; beyond :data:`SCAN_CHOICES` choices, from its
-current ``B`` one node fewer or more at a time) while that lowers the score. The best few are built and ranked by the prediction
-(:func:`.common.ranked_by_prediction`).
+current ``B`` one node fewer or more at a time) while that lowers the score. The best few are built
+and ranked by the prediction (:func:`.common.ranked_by_prediction`).
 
 Under ``--recompute auto`` (the pass without recomputation, ``PlanContext.unit_recompute``) a unit
 may hold more than its memory share, up to what it holds under ``selective``, paying the forward of
