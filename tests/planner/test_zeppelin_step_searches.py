@@ -144,23 +144,3 @@ def test_node_major_leads_at_scale_with_coupled_microbatches(monkeypatch):
         else:  # node-major alone, over every node afresh; no family
             assert calls and [nm for _, nm in calls] == expect * len(calls) and families == []
             assert len(plan.microbatches) >= 2
-
-
-def test_lpt_with_room_scans_few_bins_as_its_heap_chooses(monkeypatch):
-    """Node-major's LPT over a node's few micro-batches scans the bins; over the nodes it keeps a
-    heap: both choose the least-loaded bin with room, ties to the lowest, with the same sums."""
-    import random
-
-    from zeppelin.planner.zeppelin.step_searches import node_major
-
-    rng = random.Random(0)
-    cases = []
-    for _ in range(3000):
-        n, bins = rng.randint(1, 60), rng.randint(1, node_major.SCAN_BINS)
-        w = [rng.choice([0.0, 1.0, 2.0, rng.random()]) for _ in range(n)]  # (ties)
-        size = [float(rng.randint(1, 10)) for _ in range(n)]
-        cases.append((sorted(range(n), key=lambda i: -w[i]), bins, float(rng.randint(5, 80)), w, size))
-    scanned = [node_major.lpt_with_room(*c) for c in cases]
-    monkeypatch.setattr(node_major, "SCAN_BINS", 0)
-    assert scanned == [node_major.lpt_with_room(*c) for c in cases]
-    assert any(s is None for s in scanned) and any(s is not None and len(set(s)) > 2 for s in scanned)

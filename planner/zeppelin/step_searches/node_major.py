@@ -32,9 +32,6 @@ ALL_LAYOUTS_MAX_UNITS = 32
 #: in its other micro-batches while the others' halves set those micro-batches' maxima (7-9% of
 #: the step at 512-1,024 GPUs, benchmarks/bench_planner.py)
 FREE_NODES_MIN_UNITS = 256
-#: up to this many bins :func:`lpt_with_room` scans them for the least-loaded with room (a node's
-#: micro-batches) instead of keeping a heap (the nodes)
-SCAN_BINS = 8
 
 
 def search(state: StepState, parts: list[list[int]], found: Round) -> None:
@@ -114,8 +111,6 @@ def lpt_with_room(items: list[int], bins: int, room: float, weight: list[float],
     """Each item in the given order to the least-loaded bin (by ``weight``) whose ``size`` total
     stays within ``room`` (ties: lowest bin). Returns the bin of each item (in ``items`` order), or
     None when an item fits no bin."""
-    if bins <= SCAN_BINS:
-        return _lpt_scan(items, bins, room, weight, size)
     heap = [(0.0, b) for b in range(bins)]
     tok = [0.0] * bins
     out = []
@@ -131,23 +126,4 @@ def lpt_with_room(items: list[int], bins: int, room: float, weight: list[float],
         heapq.heappush(heap, (ld + weight[i], b))
         for e in aside:
             heapq.heappush(heap, e)
-    return out
-
-
-def _lpt_scan(items: list[int], bins: int, room: float, weight: list[float], size: list[float]):
-    """:func:`lpt_with_room` over a few bins: the same choices (least load, then lowest bin, among
-    the bins with room) and the same sums, by a scan."""
-    load, tok = [0.0] * bins, [0.0] * bins
-    out = []
-    for i in items:
-        s = size[i]
-        best = -1
-        for b in range(bins):
-            if tok[b] + s <= room and (best < 0 or load[b] < load[best]):
-                best = b
-        if best < 0:
-            return None
-        out.append(best)
-        tok[best] += s
-        load[best] += weight[i]
     return out
