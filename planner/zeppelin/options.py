@@ -72,6 +72,9 @@ class ZeppelinOptions(PlannerOptions):
     families_max_units: int = option(int, 256, "beyond this many units only large_families are built", minimum=0)
     family_margin: float = option(float, 0.05, "a family configuration whose own score is more than this share above "
                                   "the best tiered candidate is not built", minimum=0.0)
+    family_gap: float = option(float, 0.05, "on clusters of more than 32 units the families are searched only "
+                               "for steps whose best tiered candidate is predicted more than this share above the "
+                               "step's lower bound (0: always)", minimum=0.0)
     large_families: str = option(str, "flop-share", "the families built beyond families_max_units units (same "
                                  "values as families)")
     attention_max_units: int = option(int, 256, "beyond this many units the attention-balanced remap layout is "

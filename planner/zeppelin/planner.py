@@ -14,7 +14,8 @@ Option ``families`` (``all``, ``none`` or a comma list). Beyond ``families_max_u
 is not a candidate, and beyond ``node_cp_max_units`` neither are the node-CP layout nor
 node-major micro-batches (for planning latency: FLOP-share takes their place); beyond 256 units a
 step of several coupled micro-batches that node-major plans is planned by it alone, without the
-families (``step_searches.NODE_MAJOR_FIRST_UNITS``). A step with a
+families (``step_searches.NODE_MAJOR_FIRST_UNITS``); beyond 32 units the families are not searched
+for a step whose tiered plan is predicted within ``family_gap`` of its lower bound. A step with a
 sequence longer than the context's units hold together runs on replicas of a larger TP degree
 when they hold it.
 
@@ -35,7 +36,7 @@ from zeppelin.planner.core.solver import SolveLimits
 from zeppelin.planner.zeppelin import families as families_mod
 from zeppelin.planner.zeppelin import recompute as recompute_mod
 from zeppelin.planner.zeppelin.options import ZeppelinOptions
-from zeppelin.planner.zeppelin.select import CONFIRM_MAX_UNITS, MODE_CONFIRM_MAX_UNITS, select
+from zeppelin.planner.zeppelin.select import BUILD_ALL_MAX_UNITS, CONFIRM_MAX_UNITS, MODE_CONFIRM_MAX_UNITS, select
 from zeppelin.planner.zeppelin.step_searches import search_step
 from zeppelin.planner.zeppelin.step_state import StepState
 from zeppelin.planner.zeppelin.tiering import Tiering
@@ -104,6 +105,9 @@ class ZeppelinPlanner(Planner):
         self.families = _fam_list(o.families)
         self.families_max_units = o.families_max_units
         self.family_margin = o.family_margin
+        # beyond BUILD_ALL_MAX_UNITS units, the families' search (which then costs more than the
+        # tiered one) only for steps whose tiered plan leaves more than this share above the bound
+        self.family_gap = o.family_gap
         self.large_families = _fam_list(o.large_families)
         self.attention_max_units = o.attention_max_units
         self.node_cp_max_units = o.node_cp_max_units
@@ -222,7 +226,10 @@ class ZeppelinPlanner(Planner):
                           ilp_left=self.ilp_budget_calls)
         judge = self._judge(ctx)
         own = search_step(state, step, simulate=judge is not None)
-        if ctx.num_units <= self.families_max_units:
+        own, suffices = self._tiered_suffices(ctx, own)
+        if suffices:
+            margin, names = None, []
+        elif ctx.num_units <= self.families_max_units:
             margin, names = self.family_margin, self._family_names()
         elif state.node_major_led:
             # node-major micro-batches at scale (step_searches.NODE_MAJOR_FIRST_UNITS): FLOP-share's
@@ -235,6 +242,24 @@ class ZeppelinPlanner(Planner):
         return select(ctx, step, sequences, own, names, margin=margin, routing=self.routing,
                       simulator=self._confirmer(ctx), simulate_all=judge is not None, t0=t0,
                       wall_hit=state.wall_hit, collector=self.collector)
+
+    def _tiered_suffices(self, ctx: PlanContext, own: list) -> tuple[list, bool]:
+        """Whether the families are not searched for this step: on clusters of more than
+        :data:`.select.BUILD_ALL_MAX_UNITS` units, where their searches cost more than the tiered
+        one, when the best tiered candidate's plan is predicted within ``family_gap`` of the step's
+        lower bound: what a family could still gain is less than what every plan pays above that
+        bound (splits, exposure; docs/BENCHMARKS.md, "Planner latency"). Returns the candidates
+        (the one built for this hands its plan on) and the verdict."""
+        if not own or ctx.num_units <= BUILD_ALL_MAX_UNITS or self.family_gap <= 0:
+            return own, False
+        best = min(own, key=lambda c: (c.score, c.index))
+        try:
+            plan = best.build()
+        except PlanningError:
+            return own, False
+        pr = plan.prediction
+        own = [c._replace(build=lambda plan=plan: plan) if c is best else c for c in own]
+        return own, pr.step_time_s <= (1 + self.family_gap) * pr.lower_bound_s
 
     def _oversize_step(self, ctx: PlanContext, step: int, sequences: list[Sequence], t0: float) -> StepPlan:
         """A step with a sequence longer than the context's units can hold together, planned on

@@ -827,7 +827,7 @@ CASES = [
     ("option-time-limit", {"options": {"time_limit": -1}}, "cases/a.json: --time-limit must be positive (got -1)"),
     ("option-misspelt", {"options": {"ilp_node": 5}},
      ("cases/a.json: planner 'zeppelin': unknown option 'ilp_node' (known: attention_max_units, families, "
-      "families_max_units, family_margin, ilp, ilp_budget_calls, ilp_iterations, ilp_nodes, inter, intra, "
+      "families_max_units, family_gap, family_margin, ilp, ilp_budget_calls, ilp_iterations, ilp_nodes, inter, intra, "
       "large_families, max_ilp_vars_nodes, max_ilp_vars_units, node_cp_max_units, select, simulate_max_units, solver, "
       "split_waste, time_limit, tol, usp_spans)")),
     ("option-none-taken", {"planner": "packed-dp", "options": {"cp": 2}},

@@ -205,3 +205,48 @@ def test_long_blocks_walk_finds_what_the_scan_finds_on_256_gpus(monkeypatch):
     walked = [c.score for c in lb.candidates(ctx, 0, seqs, top=2)]
     monkeypatch.setattr(lb, "SCAN_CHOICES", 10**6)
     assert walked and walked == [c.score for c in lb.candidates(ctx, 0, seqs, top=2)]
+
+
+def _latency_steps_64(n: int):
+    """The latency benchmark's first ``n`` steps at 64 GPUs (cluster C, 8 nodes; ~8 sequences per
+    GPU of its mixed lengths, one generator for all steps)."""
+    rng = np.random.default_rng(64)
+    steps = []
+    for _ in range(n):
+        body = rng.lognormal(7.0, 1.0, 512)
+        tail = (rng.pareto(1.2, 512) + 1.0) * 4096
+        L = np.clip(np.where(rng.random(512) < 0.1, tail, body).astype(np.int64), 16, 131072)
+        steps.append(seqs_of(L))
+    return steps
+
+
+def test_families_are_searched_only_where_the_tiered_plan_leaves_room(monkeypatch):
+    """On 64 GPUs (more than 32 units) the families are searched only for steps whose best tiered
+    plan is predicted more than ``family_gap`` (5%) above the step's lower bound. Of the latency
+    benchmark's first six steps that skips three, and every plan is the one searching them always
+    (``family_gap=0``) makes; step 4, whose tiered plan is 8.8% above its bound, takes long-blocks'
+    (4.8% above)."""
+    from zeppelin.planner.zeppelin import select as select_mod
+
+    searched = []
+    real = select_mod.family_plans
+
+    def counting(*a, **k):
+        searched.append(True)
+        return real(*a, **k)
+
+    monkeypatch.setattr(select_mod, "family_plans", counting)
+    ctx = make_ctx("zeppelin-c:8")
+    gated, always = ZeppelinPlanner(), ZeppelinPlanner(family_gap=0)
+    skipped, family = [], []
+    for k, seqs in enumerate(_latency_steps_64(6)):
+        searched.clear()
+        plan = gated.plan_step(ctx, k, seqs)
+        skipped.append(not searched)
+        family.append(plan.notes.get("family"))
+        pr = plan.prediction
+        assert not skipped[-1] or pr.step_time_s <= 1.05 * pr.lower_bound_s
+        ref = always.plan_step(ctx, k, seqs)
+        assert plan.model_dump(exclude={"solver"}) == ref.model_dump(exclude={"solver"}), k
+    assert skipped == [True, True, False, True, False, False]
+    assert family[4] == "long-blocks"
