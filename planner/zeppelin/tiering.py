@@ -111,6 +111,7 @@ class SpanTable:
     Q: np.ndarray | None = None  # (spans, seqs): A as Ulysses, inf where the span cannot be Ulysses
     V: np.ndarray | None = None  # (spans, seqs): A as a usp group (Tiering.usp_prices), once asked
     W: np.ndarray | None = None  # (spans, seqs): the span's compute over the sequence's attention / one unit's, - 1
+    #   (always set by Tiering.span_table; a default only because the fields before it have them)
 
     def times(self, lin_rate: float) -> np.ndarray:
         """Per-unit busy time: attention + linear work on the unit's L/G tokens."""
@@ -356,7 +357,7 @@ class Tiering:
             nxt = np.minimum(idx + 1, S - 1)
             step = (active & (idx + 1 < S) & (T[idx, cols] > GRANULARITY * target)
                     & ~(tiers[nxt] & ~tiers[idx]) & (E[nxt, cols] <= FREE_WASTE) & F[nxt, cols]
-                    & (True if W is None else W[nxt, cols] <= waste))
+                    & (W[nxt, cols] <= waste))
             idx = np.where(step, nxt, idx)
             active = step
         return idx
