@@ -443,12 +443,11 @@ def inter_ring_transfers(mb: MicroBatch, node_of_unit: Sequence[int]) -> dict[tu
     (a usp position: its whole row's, which its row's all-to-all gathers for its heads; a transfer
     of no tokens needs no route)."""
     held: dict[int, list[int]] = {}
+    inter = {gi for gi, g in enumerate(mb.groups) if g.kind in ("ring", "usp") and g.tier == "inter"}
     for p in mb.placements:
-        if not 0 <= p.group < len(mb.groups):
+        if p.group not in inter:
             continue
         g = mb.groups[p.group]
-        if g.kind not in ("ring", "usp") or g.tier != "inter":
-            continue
         row = held.setdefault(p.group, [0] * len(g.units))
         for pos in range(min(len(g.units), len(p.ranges))):
             row[pos] += ranges_tokens(p.ranges[pos])

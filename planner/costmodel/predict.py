@@ -29,8 +29,13 @@ def nic_loads(ctx: PlanContext, mb: MicroBatch, routed: bool = True) -> dict[str
     cost, L = ctx.cost, ctx.model.num_layers
     loads: dict[str, float] = defaultdict(float)
     upn = ctx.units_per_node
+    hops: dict[int, tuple[int, float]] = {}  # group -> its ring hop's (rounds, share): one per group
+    nics: dict[int, str] = {}  # unit -> its NIC
     for r in mb.routes:
-        rounds, share = cost.ring_hop_share(mb.groups[r.group])
+        hop = hops.get(r.group)
+        if hop is None:
+            hop = hops[r.group] = cost.ring_hop_share(mb.groups[r.group])
+        rounds, share = hop
         total = cost.ring_round_bytes_of(r.tokens) * share * rounds * L
         if routed:
             for p in r.paths:
@@ -38,8 +43,11 @@ def nic_loads(ctx: PlanContext, mb: MicroBatch, routed: bool = True) -> dict[str
                 loads[p.nic_src] += share
                 loads[p.nic_dst] += share
         else:
-            loads[_unit_nic(ctx, r.src, upn)] += total
-            loads[_unit_nic(ctx, r.dst, upn)] += total
+            for u in (r.src, r.dst):
+                nic = nics.get(u)
+                if nic is None:
+                    nic = nics[u] = _unit_nic(ctx, u, upn)
+                loads[nic] += total
     return dict(loads)
 
 
@@ -399,9 +407,13 @@ def _held_tokens(mb: MicroBatch, n: int) -> np.ndarray:
     h_units: list[int] = []
     h_toks: list[int] = []
     for p in mb.placements:
-        units = groups[p.group].units
-        h_units += units[:len(p.ranges)]
-        h_toks += map(ranges_tokens, p.ranges)
+        rs = p.ranges
+        if len(rs) == 1:  # (a local sequence: most placements)
+            h_units.append(groups[p.group].units[0])
+            h_toks.append(ranges_tokens(rs[0]))
+        else:
+            h_units += groups[p.group].units[:len(rs)]
+            h_toks += map(ranges_tokens, rs)
     if h_units:
         held += np.bincount(np.asarray(h_units, dtype=np.int64), weights=np.asarray(h_toks, dtype=np.float64),
                             minlength=n)

@@ -146,7 +146,8 @@ def greedy_pack(pre: np.ndarray, pre_tok: np.ndarray, cost: np.ndarray, tokens: 
                 heapq.heappush(split_heap, (key[chosen], chosen))
             out[i] = [chosen]
         else:
-            sel = _wide_bins(i, w, k, kind, loads, toks, state, cap, by_tokens)
+            sel = (_wide_bins_heap(i, w, k, kind, heap, toks, state, cap) if B > WIDE_HEAP_MIN_BINS
+                   and not by_tokens else _wide_bins(i, w, k, kind, loads, toks, state, cap, by_tokens))
             for b in sel:
                 loads[b] += c
                 toks[b] += k
@@ -182,6 +183,37 @@ def _wide_bins(i: int, w: int, k: float, kind: int, loads: list, toks: list, sta
     if by_tokens:
         return sorted(sorted(cand, key=lambda b: (toks[b], loads[b]))[:w])
     return sorted(sorted(cand, key=loads.__getitem__)[:w])  # least loaded; ties: lowest bin
+
+
+#: beyond this many bins, :func:`greedy_pack` takes a wide item's bins from its heap
+#: (:func:`_wide_bins_heap`) instead of scanning every bin for each item
+WIDE_HEAP_MIN_BINS = 64
+
+
+def _wide_bins_heap(i: int, w: int, k: float, kind: int, heap: list, toks: list, state: list,
+                    cap: float) -> list[int]:
+    """:func:`_wide_bins` (not ``by_tokens``) from :func:`greedy_pack`'s heap of ``(load, bin)``:
+    entries pop in the order the scan sorts its candidates (load, then bin), so the first ``w``
+    bins with room and of an allowed kind are its choice, without visiting the others. Valid while
+    the heap holds exactly one entry per bin, its load: the wide items come first (before any bin
+    is set aside), the bins passed over go back as they were, and the caller pushes the chosen ones
+    back with their new loads."""
+    bar = None if kind == LOCAL else EXCLUSIVE if kind == SPLIT else SPLIT
+    sel: list[int] = []
+    passed: list[tuple[float, int]] = []
+    while heap and len(sel) < w:
+        entry = heapq.heappop(heap)
+        b = entry[1]
+        if toks[b] + k <= cap and (bar is None or state[b] < bar):
+            sel.append(b)
+        else:
+            passed.append(entry)
+    for e in passed:
+        heapq.heappush(heap, e)
+    if len(sel) < w:  # (the heap is spent: every bin was seen, ``sel`` is all that have room)
+        raise PackInfeasible(i, f"item {i} needs {w} bins with {int(k)} tokens of room"
+                                f"{('', ' and no exclusive item', ' and no split item')[kind]}, {len(sel)} have it")
+    return sorted(sel)
 
 
 def _least_with_room(heap: list, aside: list, key: list, toks: list, k: float, cap: float) -> int:

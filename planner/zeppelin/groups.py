@@ -72,14 +72,17 @@ def usp_rings(ctx: PlanContext, mb: MicroBatch) -> list[int]:
         if g.kind in ("ring", "allgather"):
             for u in g.units:
                 ringed[u] = ringed.get(u, 0) + 1
+    inter = {gi for gi, g in enumerate(mb.groups) if g.kind == "ring" and g.tier == "inter"}
     count: dict[int, int] = {}
     zigzag: dict[int, bool] = {}
     for p in mb.placements:
-        count[p.group] = count.get(p.group, 0) + 1
-        zigzag[p.group] = p.scheme == "zigzag" and p.padded_length is None
+        if p.group in inter:
+            count[p.group] = count.get(p.group, 0) + 1
+            zigzag[p.group] = p.scheme == "zigzag" and p.padded_length is None
     out = []
-    for gi, g in enumerate(mb.groups):
-        if g.kind != "ring" or g.tier != "inter" or count.get(gi) != 1 or not zigzag.get(gi):
+    for gi in sorted(inter):
+        g = mb.groups[gi]
+        if count.get(gi) != 1 or not zigzag.get(gi):
             continue
         nodes = {u // upn for u in g.units}
         if len(g.units) == len(nodes) * upn and all(ringed[u] == 1 for u in g.units):
@@ -163,15 +166,21 @@ def _intra_groups(ctx: PlanContext, idx, Ls, spans, unit_of, ulysses: dict[int, 
 
 def _local_groups(idx, Ls, spans, unit_of, groups, placements) -> None:
     """One local group per unit with local sequences (longest first)."""
+    lengths = Ls.tolist() if isinstance(Ls, np.ndarray) else list(Ls)  # (plain floats: numpy scalars cost more)
     local_by_unit: dict[int, list[int]] = {}
     for j, s in enumerate(spans):
         if s.tier == "local":
             local_by_unit.setdefault(unit_of[j][0], []).append(j)
+    neg = [-x for x in lengths]
     for u in sorted(local_by_unit):
         groups.append(_record(Group, kind="local", tier="local", units=[u]))
-        for j in sorted(local_by_unit[u], key=lambda j: -Ls[j]):
-            placements.append(_record(Placement, seq=idx[j], group=len(groups) - 1, scheme="whole",
-                                      ranges=[[[0, int(Ls[j])]]], padded_length=None))
+        gi = len(groups) - 1
+        js = local_by_unit[u]
+        if len(js) > 1:
+            js.sort(key=neg.__getitem__)  # (stable: equal lengths in micro-batch order)
+        for j in js:
+            placements.append(_record(Placement, seq=idx[j], group=gi, scheme="whole",
+                                      ranges=[[[0, int(lengths[j])]]], padded_length=None))
 
 
 def _ulysses_over_memory(ctx: PlanContext, groups: list[Group], placements: list[Placement]) -> set[int]:

@@ -159,3 +159,36 @@ def test_local_search_breaks_equal_loads_by_bin_order(bins):
     _local_search(out, loads, toks, cost, tokens, width, cap=10.0)
     assert out == [[2], [0], [1], [4]]
     assert loads[:8].tolist() == [3.0, 1.0, 3.0, 0.0, 1.0, 0.0, 0.0, 0.0] and loads.sum() == 8.0
+
+
+def test_wide_items_take_the_same_bins_from_the_heap_as_from_a_scan(monkeypatch):
+    """Beyond ``WIDE_HEAP_MIN_BINS`` bins a wide item's bins come from the packing's heap instead of
+    a scan of every bin: the same bins (least loaded with room and of an allowed kind, ties by bin),
+    the same loads and the same error where too few have room - on many small integer loads (ties),
+    preloads, tight token room and every kind."""
+    from zeppelin.planner.zeppelin import assign
+
+    rng = np.random.default_rng(7)
+    errors = 0
+    for case in range(60):
+        B = int(rng.integers(65, 160))
+        m = int(rng.integers(20, 120))
+        width = np.where(rng.random(m) < 0.5, rng.integers(2, 9, m), 1)
+        cost = rng.integers(1, 6, m).astype(np.float64)
+        tokens = rng.integers(1, 4, m).astype(np.float64)
+        kinds = np.where(width > 1, rng.choice([assign.LOCAL, assign.SPLIT, assign.EXCLUSIVE], m),
+                         rng.choice([assign.LOCAL, assign.SPLIT], m))
+        pre = rng.integers(0, 3, B).astype(np.float64) * (case % 2)
+        pre_tok = rng.integers(0, 2, B).astype(np.float64)
+        cap = float(rng.integers(3, 9))
+        got = []
+        for min_bins in (assign.WIDE_HEAP_MIN_BINS, 10**9):  # the heap, then the scan
+            monkeypatch.setattr(assign, "WIDE_HEAP_MIN_BINS", min_bins)
+            try:
+                r = assign.greedy_pack(pre, pre_tok, cost, tokens, width, cap, kinds=kinds)
+                got.append((r.bins, r.loads.tolist(), r.tokens.tolist()))
+            except assign.PackInfeasible as e:
+                got.append(str(e))
+        assert got[0] == got[1], case
+        errors += isinstance(got[0], str)
+    assert 5 <= errors <= 55  # (both outcomes are exercised)
