@@ -182,10 +182,15 @@ def _transfers(ctx: PlanContext, mb: MicroBatch) -> list[_Transfer]:
     per_node = ctx.units_per_node
     node_of_unit = [u // per_node for u in range(ctx.num_units)]
     out = []
+    column_ring: dict[int, dict[int, list[int]]] = {}  # usp group -> unit -> its column ring (read only)
     for (gi, s, d), tokens in inter_ring_transfers(mb, node_of_unit).items():
         g = mb.groups[gi]
         rounds, share = ctx.cost.ring_hop_share(g)
-        ring = next(x for x in group_rings(g) if s in x) if g.kind == "usp" else None
+        ring = None
+        if g.kind == "usp":
+            if gi not in column_ring:
+                column_ring[gi] = {u: x for x in group_rings(g) for u in x}
+            ring = column_ring[gi][s]
         out.append(_Transfer(gi, s, d, tokens, rounds, share, ring))
     return out
 

@@ -3,6 +3,8 @@ node-CP and node-major up to their unit limits, no per-step table outliving its 
 
 from __future__ import annotations
 
+import numpy as np
+
 from tests.support.zeppelin_steps import check_plan, header_for, make_ctx, seqs_of
 from zeppelin.planner.zeppelin.planner import ZeppelinPlanner
 from zeppelin.schemas.plan import structural_problems
@@ -144,3 +146,40 @@ def test_node_major_leads_at_scale_with_coupled_microbatches(monkeypatch):
         else:  # node-major alone, over every node afresh; no family
             assert calls and [nm for _, nm in calls] == expect * len(calls) and families == []
             assert len(plan.microbatches) >= 2
+
+
+def test_node_major_cuts_a_node_in_two_as_its_heap_does():
+    """``lpt_with_room`` over two bins (every node's cut into a step's two micro-batches) takes a
+    path without a heap: each item to the less loaded bin with room, ties to bin 0, None where
+    neither has room - the heap's choices, checked against it on integer weights (ties) and tight
+    room."""
+    import heapq
+
+    from zeppelin.planner.zeppelin.step_searches.node_major import lpt_with_room
+
+    def by_heap(items, room, weight, size):
+        heap, tok, out = [(0.0, 0), (0.0, 1)], [0.0, 0.0], []
+        for i in items:
+            fits = [e for e in heap if tok[e[1]] + size[i] <= room]
+            if not fits:
+                return None
+            ld, b = min(fits)
+            heap.remove((ld, b))
+            heapq.heappush(heap, (ld + weight[i], b))
+            tok[b] += size[i]
+            out.append(b)
+        return out
+
+    rng = np.random.default_rng(3)
+    nones = 0
+    for _ in range(300):
+        n = int(rng.integers(1, 40))
+        weight = rng.integers(0, 4, n).astype(float).tolist()
+        size = rng.integers(1, 5, n).astype(float).tolist()
+        room = float(rng.integers(2, 50))
+        items = rng.permutation(n).tolist()
+        got = lpt_with_room(items, 2, room, weight, size)
+        assert got == by_heap(items, room, weight, size)
+        nones += got is None
+    assert 10 <= nones <= 290
+    assert lpt_with_room([0, 1, 2], 2, 10.0, [3.0, 1.0, 1.0], [1.0, 1.0, 1.0]) == [0, 1, 1]
