@@ -178,8 +178,7 @@ def _wide_bins(i: int, w: int, k: float, kind: int, loads: list, toks: list, sta
         bar = EXCLUSIVE if kind == SPLIT else SPLIT
         cand = [b for b in range(len(toks)) if toks[b] + k <= cap and state[b] < bar]
     if len(cand) < w:
-        raise PackInfeasible(i, f"item {i} needs {w} bins with {int(k)} tokens of room"
-                                f"{('', ' and no exclusive item', ' and no split item')[kind]}, {len(cand)} have it")
+        raise _too_few_bins(i, w, k, kind, len(cand))
     if by_tokens:
         return sorted(sorted(cand, key=lambda b: (toks[b], loads[b]))[:w])
     return sorted(sorted(cand, key=loads.__getitem__)[:w])  # least loaded; ties: lowest bin
@@ -211,9 +210,14 @@ def _wide_bins_heap(i: int, w: int, k: float, kind: int, heap: list, toks: list,
     for e in passed:
         heapq.heappush(heap, e)
     if len(sel) < w:  # (the heap is spent: every bin was seen, ``sel`` is all that have room)
-        raise PackInfeasible(i, f"item {i} needs {w} bins with {int(k)} tokens of room"
-                                f"{('', ' and no exclusive item', ' and no split item')[kind]}, {len(sel)} have it")
+        raise _too_few_bins(i, w, k, kind, len(sel))
     return sorted(sel)
+
+
+def _too_few_bins(i: int, w: int, k: float, kind: int, have: int) -> PackInfeasible:
+    """The error of a wide item ``i`` for which only ``have`` bins have room (and allow its kind)."""
+    return PackInfeasible(i, f"item {i} needs {w} bins with {int(k)} tokens of room"
+                             f"{('', ' and no exclusive item', ' and no split item')[kind]}, {have} have it")
 
 
 def _least_with_room(heap: list, aside: list, key: list, toks: list, k: float, cap: float) -> int:
