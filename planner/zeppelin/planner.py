@@ -14,8 +14,9 @@ Option ``families`` (``all``, ``none`` or a comma list). Beyond ``families_max_u
 is not a candidate, and beyond ``node_cp_max_units`` neither are the node-CP layout nor
 node-major micro-batches (for planning latency: FLOP-share takes their place); beyond 256 units a
 step of several coupled micro-batches that node-major plans is planned by it alone, without the
-families (``step_searches.NODE_MAJOR_FIRST_UNITS``); beyond 32 units the families are not searched
-for a step whose tiered plan is predicted within ``family_gap`` of its lower bound. A step with a
+families (``step_searches.NODE_MAJOR_FIRST_UNITS``), and from 33 units up alone when its plan is
+predicted within ``search_gap`` of the step's lower bound; beyond 32 units the families are not
+searched for a step whose tiered plan is predicted within ``family_gap`` of its lower bound. A step with a
 sequence longer than the context's units hold together runs on replicas of a larger TP degree
 when they hold it.
 
@@ -108,6 +109,9 @@ class ZeppelinPlanner(Planner):
         # beyond BUILD_ALL_MAX_UNITS units, the families' search (which then costs more than the
         # tiered one) only for steps whose tiered plan leaves more than this share above the bound
         self.family_gap = o.family_gap
+        # from 33 to 256 units, node-major first and alone for a step it plans within this share of
+        # the bound (step_searches.NEAR_BOUND_MIN_UNITS)
+        self.search_gap = o.search_gap
         self.large_families = _fam_list(o.large_families)
         self.attention_max_units = o.attention_max_units
         self.node_cp_max_units = o.node_cp_max_units

@@ -828,7 +828,7 @@ CASES = [
     ("option-misspelt", {"options": {"ilp_node": 5}},
      ("cases/a.json: planner 'zeppelin': unknown option 'ilp_node' (known: attention_max_units, families, "
       "families_max_units, family_gap, family_margin, ilp, ilp_budget_calls, ilp_iterations, ilp_nodes, inter, intra, "
-      "large_families, max_ilp_vars_nodes, max_ilp_vars_units, node_cp_max_units, select, simulate_max_units, solver, "
+      "large_families, max_ilp_vars_nodes, max_ilp_vars_units, node_cp_max_units, search_gap, select, simulate_max_units, solver, "
       "split_waste, time_limit, tol, usp_spans)")),
     ("option-none-taken", {"planner": "packed-dp", "options": {"cp": 2}},
      "cases/a.json: planner 'packed-dp': unknown option 'cp' (it takes none)"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.support.zeppelin_steps import check_plan, grid_step, make_ctx, seqs_of, valid_plan
+from tests.support.zeppelin_steps import check_plan, grid_step, latency_steps_64, make_ctx, seqs_of, valid_plan
 from zeppelin.planner.core.base import PlanningError
 from zeppelin.planner.costmodel.predict import predict_step
 from zeppelin.planner.zeppelin.planner import ZeppelinPlanner
@@ -207,19 +207,6 @@ def test_long_blocks_walk_finds_what_the_scan_finds_on_256_gpus(monkeypatch):
     assert walked and walked == [c.score for c in lb.candidates(ctx, 0, seqs, top=2)]
 
 
-def _latency_steps_64(n: int):
-    """The latency benchmark's first ``n`` steps at 64 GPUs (cluster C, 8 nodes; ~8 sequences per
-    GPU of its mixed lengths, one generator for all steps)."""
-    rng = np.random.default_rng(64)
-    steps = []
-    for _ in range(n):
-        body = rng.lognormal(7.0, 1.0, 512)
-        tail = (rng.pareto(1.2, 512) + 1.0) * 4096
-        L = np.clip(np.where(rng.random(512) < 0.1, tail, body).astype(np.int64), 16, 131072)
-        steps.append(seqs_of(L))
-    return steps
-
-
 def test_families_are_searched_only_where_the_tiered_plan_leaves_room(monkeypatch):
     """On 64 GPUs (more than 32 units) the families are searched only for steps whose best tiered
     plan is predicted more than ``family_gap`` (5%) above the step's lower bound. Of the latency
@@ -239,7 +226,7 @@ def test_families_are_searched_only_where_the_tiered_plan_leaves_room(monkeypatc
     ctx = make_ctx("zeppelin-c:8")
     gated, always = ZeppelinPlanner(), ZeppelinPlanner(family_gap=0)
     skipped, family = [], []
-    for k, seqs in enumerate(_latency_steps_64(6)):
+    for k, seqs in enumerate(latency_steps_64(6)):
         searched.clear()
         plan = gated.plan_step(ctx, k, seqs)
         skipped.append(not searched)

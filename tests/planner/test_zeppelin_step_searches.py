@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tests.support.zeppelin_steps import check_plan, header_for, make_ctx, seqs_of
+from tests.support.zeppelin_steps import check_plan, header_for, latency_steps_64, make_ctx, seqs_of
 from zeppelin.planner.zeppelin.planner import ZeppelinPlanner
 from zeppelin.schemas.plan import structural_problems
 
@@ -146,6 +146,39 @@ def test_node_major_leads_at_scale_with_coupled_microbatches(monkeypatch):
         else:  # node-major alone, over every node afresh; no family
             assert calls and [nm for _, nm in calls] == expect * len(calls) and families == []
             assert len(plan.microbatches) >= 2
+
+
+def test_node_major_alone_where_its_plan_is_near_the_bound(monkeypatch):
+    """From 33 units up, with coupled micro-batches, node-major runs first; the micro-batch-major
+    searches (tiered, node-CP) run only for steps whose node-major plan is predicted more than
+    ``search_gap`` (5%) above the step's lower bound. Of the latency benchmark's first six steps at
+    64 GPUs that skips steps 0 and 1, whose plans stay within the gap (and within it of the plans
+    every search makes, ``search_gap=0``); the other steps' plans are those of ``search_gap=0``."""
+    from zeppelin.planner.zeppelin.step_searches import node_cp, tiered
+
+    ran = []
+    for mod in (tiered, node_cp):
+        real = mod.search
+        monkeypatch.setattr(mod, "search", lambda *a, real=real, name=mod.name: (ran.append(name), real(*a))[1])
+    ctx = make_ctx("zeppelin-c:8")
+    assert ctx.microbatches_coupled and ctx.num_units == 64
+    gated, always = ZeppelinPlanner(), ZeppelinPlanner(search_gap=0)
+    skipped = []
+    for k, seqs in enumerate(latency_steps_64(6)):
+        ran.clear()
+        plan = gated.plan_step(ctx, k, seqs)
+        skipped.append(not ran)
+        ref = always.plan_step(ctx, k, seqs)
+        if skipped[-1]:
+            pr = plan.prediction
+            assert len(plan.microbatches) == 2
+            assert pr.step_time_s <= 1.05 * pr.lower_bound_s
+            assert pr.step_time_s <= 1.05 * ref.prediction.step_time_s
+            assert not structural_problems(header_for(ctx), plan)
+        else:
+            assert sorted(set(ran)) == ["node-cp", "tiered"]
+            assert plan.model_dump(exclude={"solver"}) == ref.model_dump(exclude={"solver"}), k
+    assert skipped == [True, True, False, False, False, False]
 
 
 def test_node_major_cuts_a_node_in_two_as_its_heap_does():

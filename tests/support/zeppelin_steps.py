@@ -102,3 +102,16 @@ def record_results(monkeypatch, obj, name: str) -> list:
 
     monkeypatch.setattr(obj, name, spy)
     return seen
+
+
+def latency_steps_64(n: int):
+    """The latency benchmark's first ``n`` steps at 64 GPUs (cluster C, 8 nodes; ~8 sequences per
+    GPU of its mixed lengths, one generator for all steps)."""
+    rng = np.random.default_rng(64)
+    steps = []
+    for _ in range(n):
+        body = rng.lognormal(7.0, 1.0, 512)
+        tail = (rng.pareto(1.2, 512) + 1.0) * 4096
+        L = np.clip(np.where(rng.random(512) < 0.1, tail, body).astype(np.int64), 16, 131072)
+        steps.append(seqs_of(L))
+    return steps

@@ -35,6 +35,11 @@ FILL = 0.9
 #: layouts by 20-25% of the step (benchmarks/bench_planner.py, 512-4,096 GPUs), and they cost
 #: as much again to plan; nor are the large families built then (FLOP-share: 25-30% slower there)
 NODE_MAJOR_FIRST_UNITS = 256
+#: from this many units up to :data:`NODE_MAJOR_FIRST_UNITS`, node-major also runs first where
+#: micro-batches are coupled, and alone where its plan is predicted within the option
+#: ``search_gap`` of the step's lower bound (the families' threshold, ``select.BUILD_ALL_MAX_UNITS``
+#: + 1): no micro-batch-major layout could gain more than every plan pays above that bound
+NEAR_BOUND_MIN_UNITS = 33
 
 
 def search_step(state: StepState, step: int, simulate: bool) -> list[Candidate]:
@@ -79,16 +84,29 @@ def _search_counts(state: StepState, step: int, simulate: bool) -> list:
 
 
 def _searches(state: StepState, parts: list[list[int]], found: Round):
-    """The searches to run for a micro-batch count: every one of :data:`REGISTRY`, or, node-major
-    first (:data:`NODE_MAJOR_FIRST_UNITS`), none more where it found a layout."""
+    """The searches still to run for a micro-batch count. Where micro-batches are coupled beyond
+    :data:`NODE_MAJOR_FIRST_UNITS` units, or from :data:`NEAR_BOUND_MIN_UNITS` units up, node-major
+    runs here first: beyond the former no other search where it found a layout, below it none where
+    that layout is predicted within ``search_gap`` of the step's lower bound, else the others; on
+    smaller clusters every one of :data:`REGISTRY`."""
     ctx = state.ctx
-    if len(parts) > 1 and ctx.microbatches_coupled and ctx.num_units > NODE_MAJOR_FIRST_UNITS:
-        node_major.search(state, parts, found)
-        if found.best_built is not None:
-            state.node_major_led = True
-            return ()
-        return tuple(s for s in REGISTRY if s is not node_major)
-    return REGISTRY
+    leads = ctx.num_units > NODE_MAJOR_FIRST_UNITS
+    if not (len(parts) > 1 and ctx.microbatches_coupled and (leads or ctx.num_units >= NEAR_BOUND_MIN_UNITS)):
+        return REGISTRY
+    node_major.search(state, parts, found)
+    if found.best_built is not None and (leads or _near_bound(state, found.best_built)):
+        state.node_major_led = leads
+        return ()
+    return tuple(s for s in REGISTRY if s is not node_major)
+
+
+def _near_bound(state: StepState, built) -> bool:
+    """Whether a whole-step layout is predicted within ``search_gap`` of the step's lower bound."""
+    gap = state.options.search_gap
+    if gap <= 0:
+        return False
+    pr = predict_from_terms(state.ctx, state.lengths, [b[2] for b in built])
+    return pr.step_time_s <= (1 + gap) * pr.lower_bound_s
 
 
 def split_microbatches(ctx, lengths: np.ndarray, M: int, budget: int) -> list[list[int]] | None:
