@@ -21,6 +21,7 @@ from zeppelin.planner.core.base import PlanContext, PlanningError
 from zeppelin.planner.costmodel.predict import predict_from_terms
 from zeppelin.planner.zeppelin.protocols import Candidate, Round, StepSearch
 from zeppelin.planner.zeppelin.record import tiered_finisher
+from zeppelin.planner.zeppelin.select import BUILD_ALL_MAX_UNITS
 from zeppelin.planner.zeppelin.step_searches import node_cp, node_major, tiered
 from zeppelin.planner.zeppelin.step_state import StepState
 from zeppelin.schemas.plan import Sequence, StepPlan
@@ -37,9 +38,9 @@ FILL = 0.9
 NODE_MAJOR_FIRST_UNITS = 256
 #: from this many units up to :data:`NODE_MAJOR_FIRST_UNITS`, node-major also runs first where
 #: micro-batches are coupled, and alone where its plan is predicted within the option
-#: ``search_gap`` of the step's lower bound (the families' threshold, ``select.BUILD_ALL_MAX_UNITS``
-#: + 1): no micro-batch-major layout could gain more than every plan pays above that bound
-NEAR_BOUND_MIN_UNITS = 33
+#: ``search_gap`` of the step's lower bound: no micro-batch-major layout could gain more than every
+#: plan pays above that bound (where the families' ``family_gap`` applies too)
+NEAR_BOUND_MIN_UNITS = BUILD_ALL_MAX_UNITS + 1
 
 
 def search_step(state: StepState, step: int, simulate: bool) -> list[Candidate]:
