@@ -26,7 +26,12 @@ from collections.abc import Callable
 import numpy as np
 
 from zeppelin.planner.costmodel.context import PlanContext, PlanningError
-from zeppelin.planner.costmodel.predict import microbatch_terms, predict_step, ulysses_held_tokens
+from zeppelin.planner.costmodel.predict import (
+    microbatch_terms,
+    predict_from_terms,
+    predict_step,
+    ulysses_held_tokens,
+)
 from zeppelin.schemas.plan import PER_MICROBATCH, MicroBatch, Sequence, StepPlan
 
 #: the ``--recompute`` value that lets a planner choose per micro-batch
@@ -143,14 +148,16 @@ def as_choices(by_unit: dict[int, str], held: np.ndarray) -> tuple[str | None, d
     return None, units
 
 
-def choose_microbatch(ctx: PlanContext, step: StepPlan, mb: MicroBatch) -> tuple[str | None, dict | None]:
+def choose_microbatch(ctx: PlanContext, step: StepPlan, mb: MicroBatch,
+                      terms_of: Callable[[MicroBatch], object] | None = None) -> tuple[str | None, dict | None]:
     """``(recompute, recompute_units)`` of ``mb``: each unit that does not fit without
     recomputation runs, of the choices under which it fits, the one that adds the least forward
     (its attention and linear work priced by the prediction's terms) - so the micro-batch's slowest
     unit is as fast as any choice makes it - and every other unit none (a unit that fits without
     recomputation need not pay for it; the choices' collectives are the same, so the runtime lets
     ranks differ); ``full`` on every unit where some unit fits under no choice (the plan's memory
-    check then names it)."""
+    check then names it). ``terms_of``: the micro-batch's prediction terms as it stands (default:
+    :func:`.predict.microbatch_terms`)."""
     costs, held, fits = _fit_of(ctx, step, mb)
     n = len(held)
     need = [u for u in range(n) if not fits("none", u)]
@@ -162,7 +169,7 @@ def choose_microbatch(ctx: PlanContext, step: StepPlan, mb: MicroBatch) -> tuple
         return "full", None
     mb.recompute, mb.recompute_units = None, None
     lengths = [q.length for q in step.sequences]
-    terms = microbatch_terms(ctx, lengths, mb) if step.replicas is None else None
+    terms = None if step.replicas is not None else terms_of(mb) if terms_of else microbatch_terms(ctx, lengths, mb)
     if terms is None:  # replicas of mixed TP: the choice that adds the least forward
         attn, lin = np.zeros(n), np.ones(n)
     else:
@@ -172,13 +179,37 @@ def choose_microbatch(ctx: PlanContext, step: StepPlan, mb: MicroBatch) -> tuple
     return as_choices(by_unit, held)
 
 
-def assign(ctx: PlanContext, plan: StepPlan) -> StepPlan:
+def assign(ctx: PlanContext, plan: StepPlan, predictor: ChoicePredictor | None = None) -> StepPlan:
     """``plan`` with each micro-batch's choices set (:func:`choose_microbatch`; left out where no
-    unit recomputes) and its prediction under them."""
+    unit recomputes) and its prediction under them (``predictor``: by it)."""
     for mb in plan.microbatches:
-        mb.recompute, mb.recompute_units = choose_microbatch(ctx, plan, mb)
-    plan.prediction = predict_step(ctx, plan)
+        mb.recompute, mb.recompute_units = choose_microbatch(ctx, plan, mb, predictor.terms if predictor else None)
+    plan.prediction = predictor() if predictor else predict_step(ctx, plan)
     return plan
+
+
+class ChoicePredictor:
+    """``predict_step(ctx, plan)`` for a plan whose micro-batches change only their recomputation
+    choices while it is judged: each micro-batch's terms are computed once per choice (a choice
+    tried on one micro-batch leaves the others' terms as they were)."""
+
+    def __init__(self, ctx: PlanContext, plan: StepPlan):
+        self.ctx, self.plan = ctx, plan
+        self.lengths = [q.length for q in plan.sequences]
+        self._terms: dict[tuple, object] = {}
+
+    def terms(self, mb: MicroBatch):
+        units = mb.recompute_units
+        key = (id(mb), mb.recompute, None if units is None else tuple((m, tuple(us)) for m, us in units.items()))
+        got = self._terms.get(key)
+        if got is None:
+            got = self._terms[key] = microbatch_terms(self.ctx, self.lengths, mb)
+        return got
+
+    def __call__(self):
+        if self.plan.replicas is not None:  # (replicas of mixed TP degree: predicted per replica)
+            return predict_step(self.ctx, self.plan)
+        return predict_from_terms(self.ctx, self.lengths, [self.terms(mb) for mb in self.plan.microbatches])
 
 
 def plan_step(ctx: PlanContext, step: int, sequences: list[Sequence],
@@ -238,12 +269,14 @@ def _fits_as(ctx: PlanContext, plan: StepPlan, mb: MicroBatch, mode: str) -> boo
     return mode in choices or (mode == "full" and any(c.startswith("full") for c in choices))
 
 
-def _each_choice_judged(ctx: PlanContext, plan: StepPlan, score: Callable[[StepPlan], float]) -> float:
+def _each_choice_judged(ctx: PlanContext, plan: StepPlan, score: Callable[[StepPlan], float],
+                        predict: ChoicePredictor) -> float:
     """``plan``'s score after each micro-batch that recomputes has tried, in turn, each choice that
     fits all its units needing one on those units alone, under ``score``, keeping any that rates the
     plan faster: the choices are priced from the prediction's terms, and a choice on a few units can
     come out within what the simulator's waits decide."""
     t = score(plan)
+    kept = plan.prediction  # the prediction of the choices kept so far
     for mb in plan.microbatches:
         if not mb.recomputes():
             continue
@@ -255,12 +288,13 @@ def _each_choice_judged(ctx: PlanContext, plan: StepPlan, score: Callable[[StepP
             if m == "none" or alt == best:
                 continue
             mb.recompute, mb.recompute_units = alt
-            plan.prediction = predict_step(ctx, plan)
+            plan.prediction = predict()
             tm = score(plan)
             if tm < t:
-                t, best = tm, alt
+                t, best, kept = tm, alt, plan.prediction
         mb.recompute, mb.recompute_units = best
-    plan.prediction = predict_step(ctx, plan)
+    # (a prediction depends on the plan and its choices alone: the kept choices' is reused)
+    plan.prediction = kept
     return t
 
 
@@ -270,19 +304,21 @@ def _judged(ctx: PlanContext, plan: StepPlan, mode: str, score: Callable[[StepPl
     choice prices the slowest unit's forward, the simulator also plays out its waits) and every
     micro-batch fits so, that one: a choice per micro-batch never loses to the global mode its plan
     was made for."""
-    assign(ctx, plan)
-    t = _each_choice_judged(ctx, plan, score)
+    predict = ChoicePredictor(ctx, plan)
+    assign(ctx, plan, predict)
+    t = _each_choice_judged(ctx, plan, score, predict)
     chosen = [(mb.recompute, mb.recompute_units) for mb in plan.microbatches]
     as_made = None if mode == "none" else mode
     if all(c == (as_made, None) for c in chosen) or not all(_fits_as(ctx, plan, mb, mode) for mb in plan.microbatches):
         return plan, t  # as chosen, or as made would not fit (a layout's extra copies the capacity misses)
+    kept = plan.prediction
     for mb in plan.microbatches:
         mb.recompute, mb.recompute_units = as_made, None
-    plan.prediction = predict_step(ctx, plan)
+    plan.prediction = predict()
     t_made = score(plan)
     if t_made < t:
         return plan, t_made
     for mb, (c, us) in zip(plan.microbatches, chosen):
         mb.recompute, mb.recompute_units = c, us
-    plan.prediction = predict_step(ctx, plan)
+    plan.prediction = kept
     return plan, t

@@ -383,3 +383,35 @@ def test_show_says_which_units_recompute():
         "recompute (micro-batch 1): full:2 on units 0-1,3 (3); selective on the other 1 of 4",
         "recompute (micro-batch 2): full:1 on unit 1; none on units 2-3 (2); full on the other 1 of 4",
         "recompute (micro-batch 3): full:2 on every unit"]
+
+
+def test_judging_choices_computes_each_micro_batchs_terms_once_per_choice(monkeypatch):
+    """``--recompute auto`` tries choices one micro-batch at a time (:class:`recompute.ChoicePredictor`):
+    a step of two micro-batches computes each one's prediction terms once per choice it takes - not
+    once per prediction for every micro-batch - and the plan it returns carries exactly the
+    prediction ``predict_step`` makes of it, whichever choices the judge keeps."""
+    from zeppelin.planner.zeppelin import recompute as recompute_mod
+
+    cap = CostModel(tight_cluster(0.56), model_preset("small")).recompute_capacity("none")
+    ctx, seqs, plan_one = _made_under("selective", [int(1.5 * cap)] * 6)
+    real_terms, real_call = recompute_mod.microbatch_terms, recompute_mod.ChoicePredictor.__call__
+    terms, predictions = [], []
+
+    def counted_terms(c, lengths, mb, *a):
+        terms.append((id(mb), mb.recompute, str(mb.recompute_units)))
+        return real_terms(c, lengths, mb, *a)
+
+    def counted_call(self):
+        predictions.append(len(self.plan.microbatches))
+        return real_call(self)
+
+    monkeypatch.setattr(recompute_mod, "microbatch_terms", counted_terms)
+    monkeypatch.setattr(recompute_mod.ChoicePredictor, "__call__", counted_call)
+    for judge in (None, lambda p: p.prediction.step_time_s * (0.9 if p.microbatches[1].recompute == "selective" else 1)):
+        terms.clear()
+        predictions.clear()
+        plan = recompute_mod.plan_step(ctx, 0, seqs, plan_one, judge)
+        assert len(plan.microbatches) == 2
+        assert plan.prediction == predict_step(ctx, plan)
+        assert len(terms) == len(set(terms)) < sum(predictions)
+    assert [mb.recompute for mb in plan.microbatches] == ["full:2", "selective"]
