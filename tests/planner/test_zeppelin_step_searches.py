@@ -181,6 +181,31 @@ def test_node_major_alone_where_its_plan_is_near_the_bound(monkeypatch):
     assert skipped == [True, True, False, False, False, False]
 
 
+def test_node_major_is_judged_against_the_bound_of_its_micro_batch_count(monkeypatch):
+    """Under ``--recompute auto`` a step's lower bound counts the fewest micro-batches recomputation
+    allows (one, on these steps), while its ``none`` pass searches two: node-major's plan there is
+    judged against the bound of two micro-batches, so the ``none`` pass of the steps whose node-major
+    plan is within ``search_gap`` of it (steps 0 and 1 of the latency benchmark at 64 GPUs, as under
+    ``none``) runs no micro-batch-major search; with the step's own bound it ran them on every step."""
+    from zeppelin.planner.costmodel.predict import lower_bounds
+    from zeppelin.planner.zeppelin.step_searches import tiered
+
+    ran = []
+    real = tiered.search
+    monkeypatch.setattr(tiered, "search", lambda state, parts, found: (
+        ran.append((state.ctx.recompute, len(parts))), real(state, parts, found))[1])
+    ctx = make_ctx("zeppelin-c:8", recompute="auto")
+    planner = ZeppelinPlanner()
+    searched = []
+    for k, seqs in enumerate(latency_steps_64(3)):
+        ran.clear()
+        plan = planner.plan_step(ctx, k, seqs)
+        searched.append(("none", 2) in ran)
+        lengths = np.array([q.length for q in seqs], dtype=np.float64)
+        assert plan.prediction.lower_bound_s == max(lower_bounds(ctx, lengths, microbatches=1))
+    assert searched == [False, False, True]
+
+
 def test_node_major_cuts_a_node_in_two_as_its_heap_does():
     """``lpt_with_room`` over two bins (every node's cut into a step's two micro-batches) takes a
     path without a heap: each item to the less loaded bin with room, ties to bin 0, None where

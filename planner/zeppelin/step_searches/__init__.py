@@ -18,7 +18,7 @@ from functools import partial
 import numpy as np
 
 from zeppelin.planner.core.base import PlanContext, PlanningError
-from zeppelin.planner.costmodel.predict import predict_from_terms
+from zeppelin.planner.costmodel.predict import lower_bounds, predict_from_terms
 from zeppelin.planner.zeppelin.protocols import Candidate, Round, StepSearch
 from zeppelin.planner.zeppelin.record import tiered_finisher
 from zeppelin.planner.zeppelin.select import BUILD_ALL_MAX_UNITS
@@ -102,12 +102,14 @@ def _searches(state: StepState, parts: list[list[int]], found: Round):
 
 
 def _near_bound(state: StepState, built) -> bool:
-    """Whether a whole-step layout is predicted within ``search_gap`` of the step's lower bound."""
+    """Whether a whole-step layout is predicted within ``search_gap`` of the lower bound of a step
+    in as many micro-batches (what the other searches of this count could reach: under
+    ``--recompute auto`` the step's own bound counts the fewest micro-batches recomputation allows)."""
     gap = state.options.search_gap
     if gap <= 0:
         return False
     pr = predict_from_terms(state.ctx, state.lengths, [b[2] for b in built])
-    return pr.step_time_s <= (1 + gap) * pr.lower_bound_s
+    return pr.step_time_s <= (1 + gap) * max(lower_bounds(state.ctx, state.lengths, microbatches=len(built)))
 
 
 def split_microbatches(ctx, lengths: np.ndarray, M: int, budget: int) -> list[list[int]] | None:
