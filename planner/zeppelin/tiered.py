@@ -243,11 +243,18 @@ def assign_units(search: StepState, sp: Spans, node_of: list[list[int]], carry: 
 
 
 def _polish_hot_nodes(search: StepState, sp: Spans, by_node, results: dict[int, PackResult], pre, pre_tok):
-    """The ILP on the nodes that set the micro-batch's maximum and whose greedy packing is not
-    provably close (within the step's ILP budget)."""
+    """The ILP on the nodes that set the micro-batch's maximum (within ``tol`` of it) and whose
+    greedy packing is not provably close, where the step's ILP budget reaches every such node and
+    each may still improve: else no solve could lower the maximum by more than ``tol``, and none
+    runs (``ilp=always``: every node)."""
     opts, per_node = search.options, search.ctx.units_per_node
     lb = max(r.lower_bound for r in results.values())
     top = max(r.makespan for r in results.values())
+    if opts.ilp != "always":
+        setters = [r for r in results.values() if r.makespan >= top * (1 - opts.tol)]
+        if len(setters) > search.ilp_left or any(r.makespan <= (1 + opts.tol) * lb or r.gap <= opts.tol
+                                                 for r in setters):
+            return
     for nd, r in results.items():
         hot = r.makespan > (1 + opts.tol) * lb and r.makespan >= top * (1 - opts.tol)
         if search.ilp_mode() != "never" and (opts.ilp == "always" or (hot and r.gap > opts.tol)):

@@ -82,3 +82,41 @@ def test_planner_prediction_equals_predict_step_from_scratch():
     assert fresh.per_unit.tokens == plan.prediction.per_unit.tokens
     assert np.allclose(fresh.per_unit.total_s, plan.prediction.per_unit.total_s, rtol=1e-12)
     assert fresh.step_time_s == pytest.approx(plan.prediction.step_time_s, rel=1e-12)
+
+
+def test_the_packing_ilp_runs_only_where_one_solve_can_lower_the_maximum(monkeypatch):
+    """Level 2's ILP polish (``ilp_budget_calls`` solves a step) runs on the nodes that set the
+    micro-batch's maximum only where the solves left can reach every one of them and each may still
+    improve (greedy not provably within ``tol`` of its bound): where two nodes share the maximum and
+    one solve is left, or a node sharing it is already provably close, no solve could lower the
+    maximum by more than ``tol`` and none runs."""
+    from types import SimpleNamespace
+
+    import zeppelin.planner.zeppelin.tiered as zp
+    from zeppelin.planner.zeppelin.assign import PackResult
+
+    solved = []
+
+    def fake_pack(search, sp, js, pre, pre_tok, **kw):
+        solved.append(kw["ilp"])
+        return PackResult(bins=[], loads=np.zeros(2), tokens=np.zeros(2), makespan=1.0, lower_bound=1.0)
+
+    monkeypatch.setattr(zp, "_pack_node", fake_pack)
+
+    def res(makespan, lb, ilp_gap=None):
+        return PackResult(bins=[], loads=np.full(2, makespan), tokens=np.zeros(2), makespan=makespan,
+                          lower_bound=lb, ilp_gap=ilp_gap)
+
+    def polished(results, ilp_left=1):
+        solved.clear()
+        search = SimpleNamespace(options=SimpleNamespace(ilp="auto", tol=0.01, limits=None, solver="highs",
+                                                         max_ilp_vars_units=400),
+                                 ctx=SimpleNamespace(units_per_node=2), ilp_left=ilp_left,
+                                 ilp_mode=lambda: "auto", ilp_spent=lambda r: None)
+        zp._polish_hot_nodes(search, None, {}, results, np.zeros(4), np.zeros(4))
+        return list(solved)
+
+    assert polished({0: res(1.10, 1.0), 1: res(1.00, 0.99)}) == ["auto"]  # one node sets the maximum
+    assert polished({0: res(1.10, 1.0), 1: res(1.095, 1.0)}) == []  # two do, one solve left
+    assert polished({0: res(1.10, 1.0), 1: res(1.095, 1.0)}, ilp_left=2) == ["auto", "auto"]
+    assert polished({0: res(1.10, 1.0), 1: res(1.095, 1.0, ilp_gap=0.001)}) == []  # one provably close
