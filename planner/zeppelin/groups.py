@@ -37,7 +37,7 @@ def build_microbatch(search, idx: list[int], Ls: np.ndarray, spans, span_index, 
     n_inter = len(groups)
     _intra_groups(ctx, idx, Ls, spans, unit_of, ulysses, groups, placements)
     _local_groups(idx, Ls, spans, unit_of, groups, placements)
-    over = _ulysses_over_memory(ctx, groups, placements) if any(ulysses.values()) else set()
+    over = ulysses_over_memory(ctx, groups, placements) if any(ulysses.values()) else set()
     if over:  # (the units were packed by their ring tokens: Ulysses rows' extra copies may not fit)
         ulysses = _ulysses_choice(ctx, spans, span_index, table, unit_of, node_of, inter_js, forbid=over)
         del groups[n_inter:], placements[n_inter:]
@@ -183,7 +183,7 @@ def _local_groups(idx, Ls, spans, unit_of, groups, placements) -> None:
                                       ranges=[[[0, int(lengths[j])]]], padded_length=None))
 
 
-def _ulysses_over_memory(ctx: PlanContext, groups: list[Group], placements: list[Placement]) -> set[int]:
+def ulysses_over_memory(ctx: PlanContext, groups: list[Group], placements: list[Placement]) -> set[int]:
     """The units whose memory the micro-batch's Ulysses rows' extra copies overrun (as ``validate``
     counts them, under the context's global recomputation); none where units may recompute on their
     own (``PlanContext.unit_recompute``: their choice is made afterwards)."""

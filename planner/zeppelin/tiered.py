@@ -23,7 +23,7 @@ import numpy as np
 
 from zeppelin.planner.costmodel.predict import attention_layout_memory_tokens, microbatch_terms
 from zeppelin.planner.zeppelin.assign import EXCLUSIVE, LOCAL, SPLIT, PackInfeasible, PackResult, pack
-from zeppelin.planner.zeppelin.groups import as_usp, build_microbatch, finish_microbatch, usp_rings
+from zeppelin.planner.zeppelin.groups import as_usp, build_microbatch, finish_microbatch, ulysses_over_memory, usp_rings
 from zeppelin.planner.zeppelin.step_state import StepState
 from zeppelin.planner.zeppelin.tiering import Span, SpanTable, zigzag_max_tokens_array
 
@@ -417,9 +417,14 @@ def _usp_alternative(search: StepState, mb, terms, lengths, remap: bool, marked:
     room = np.maximum(held, ctx.cost.token_capacity)
     while rings:
         alt = as_usp(search, mb, rings, remap)
-        alt_terms = microbatch_terms(ctx, lengths, alt)
-        over = {g for g in rings if (alt_terms.mem_tokens[mb.groups[g].units] > room[mb.groups[g].units]).any()}
+        # (a usp row's extra copies counted whole against each unit's attention layout, as validate
+        # counts them: the remapped prediction charges the attention layout only its share of them)
+        strict = ulysses_over_memory(ctx, alt.groups, alt.placements)
+        over = {g for g in rings if strict.intersection(mb.groups[g].units)}
         if not over:
-            return alt, alt_terms
+            alt_terms = microbatch_terms(ctx, lengths, alt)
+            over = {g for g in rings if (alt_terms.mem_tokens[mb.groups[g].units] > room[mb.groups[g].units]).any()}
+            if not over:
+                return alt, alt_terms
         rings = [g for g in rings if g not in over]
     return None
