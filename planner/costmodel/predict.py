@@ -453,8 +453,9 @@ def layout_memory_tokens(cost, mb: MicroBatch, held: np.ndarray, lin_held: np.nd
     its share of a token's bytes (:attr:`CostModel.remap_split`)."""
     uly = ulysses_held_tokens(mb, len(held), cost)
     att = held if uly is None else cost.layout_tokens(held, uly)
-    if mb.linear_layout is not None:  # each layout holds its own part of every layer
-        return cost.remap_tokens(att, lin_held)
+    if mb.linear_layout is not None:  # each layout holds its own part of every layer; Ulysses rows'
+        # extra copies are whole tensors beside them (not a share of a token's bytes)
+        return cost.remap_tokens(held, lin_held) + (att - held)
     return np.maximum(att, lin_held)
 
 
