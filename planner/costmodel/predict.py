@@ -450,7 +450,7 @@ def attention_layout_memory_tokens(ctx: PlanContext, mb: MicroBatch) -> np.ndarr
 def layout_memory_tokens(cost, mb: MicroBatch, held: np.ndarray, lin_held: np.ndarray) -> np.ndarray:
     """Per unit: the token-equivalents its memory holds in the micro-batch: its attention-layout
     tokens (Ulysses members' extra copies counted), or with a remap both layouts' tokens, each at
-    its share of a token's bytes (:attr:`CostModel.remap_split`)."""
+    its share of a token's bytes (:attr:`CostModel.remap_split`), and the copies whole."""
     uly = ulysses_held_tokens(mb, len(held), cost)
     att = held if uly is None else cost.layout_tokens(held, uly)
     if mb.linear_layout is not None:  # each layout holds its own part of every layer; Ulysses rows'

@@ -417,8 +417,8 @@ def _usp_alternative(search: StepState, mb, terms, lengths, remap: bool, marked:
     room = np.maximum(held, ctx.cost.token_capacity)
     while rings:
         alt = as_usp(search, mb, rings, remap)
-        # (a usp row's extra copies counted whole against each unit's attention layout, as validate
-        # counts them: the remapped prediction charges the attention layout only its share of them)
+        # (each unit's attention layout with its rows' extra copies within memory as validate counts
+        # it - every token at its whole bytes -, stricter than the prediction of a remapped one)
         strict = ulysses_over_memory(ctx, alt.groups, alt.placements)
         over = {g for g in rings if strict.intersection(mb.groups[g].units)}
         if not over:
