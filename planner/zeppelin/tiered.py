@@ -250,14 +250,14 @@ def _polish_hot_nodes(search: StepState, sp: Spans, by_node, results: dict[int, 
     opts, per_node = search.options, search.ctx.units_per_node
     lb = max(r.lower_bound for r in results.values())
     top = max(r.makespan for r in results.values())
+    targets = list(results)
     if opts.ilp != "always":
-        setters = [r for r in results.values() if r.makespan >= top * (1 - opts.tol)]
-        if len(setters) > search.ilp_left or any(r.makespan <= (1 + opts.tol) * lb or r.gap <= opts.tol
-                                                 for r in setters):
+        targets = [nd for nd in targets if results[nd].makespan >= top * (1 - opts.tol)]
+        if len(targets) > search.ilp_left or any(results[nd].makespan <= (1 + opts.tol) * lb
+                                                 or results[nd].gap <= opts.tol for nd in targets):
             return
-    for nd, r in results.items():
-        hot = r.makespan > (1 + opts.tol) * lb and r.makespan >= top * (1 - opts.tol)
-        if search.ilp_mode() != "never" and (opts.ilp == "always" or (hot and r.gap > opts.tol)):
+    for nd in targets:
+        if search.ilp_mode() != "never":
             sl = slice(nd * per_node, (nd + 1) * per_node)
             results[nd] = _pack_node(search, sp, by_node.get(nd, []), pre[sl], pre_tok[sl],
                                      ilp="always" if opts.ilp == "always" else "auto", limits=opts.limits,
