@@ -57,7 +57,8 @@ class Spans:
 
     lengths: np.ndarray  # tokens (float)
     table: SpanTable
-    times: np.ndarray  # (spans, sequences): per-unit time of each sequence on each span
+    times: np.ndarray  # (spans, columns): per-unit time on each span of the column of ...
+    time_cols: np.ndarray  # ... each sequence (one per sequence, or per distinct length)
     spans: list[Span]
     span_index: np.ndarray  # index into the tiering's spans
     unit_time: np.ndarray  # per-unit time on its span
@@ -82,7 +83,7 @@ def choose_spans(search: StepState, idx: list[int], balance: str, floor: int | N
     family of split groups per unit), and :func:`best_microbatch` lays it out so."""
     ctx, tiering = search.ctx, search.tiering
     cost, layers, units = ctx.cost, ctx.model.num_layers, ctx.num_units
-    Ls = np.array([search.sequences[i].length for i in idx], dtype=np.float64)
+    Ls = search.lengths[idx].astype(np.float64)
     T_avg = max(float(Ls.sum()) / units, 1.0)
     lin_rate = marginal_token_time(cost, layers, T_avg)
     if balance == "attention":
@@ -91,20 +92,23 @@ def choose_spans(search: StepState, idx: list[int], balance: str, floor: int | N
     # ring of small blocks); the tiered layout keeps rings, whose transfers local work can fill
     ulysses = search.options.intra == "auto" and floor is not None
     table = search.span_table(Ls, search.routed_nics(), ulysses)
-    times = ring_times = table.times(lin_rate)
-    V = tiering.usp_prices(table) if usp and _usp_spans(search) else None
+    # every per-sequence choice below depends on the sequence's length alone (and on the target):
+    # it is made once per distinct length where the table was priced so (``cols``: each sequence's
+    # column), the sums over the sequences still taken over every one, in order
+    base, cols = table.distinct if table.distinct is not None else (table, np.arange(len(Ls)))
+    times = ring_times = base.times(lin_rate)
+    V = tiering.usp_prices(base) if usp and _usp_spans(search) else None
     if V is not None:
-        times = np.minimum(ring_times, V + lin_rate * table.L[None, :] / table.G[:, None])
-    target = float(times[0].sum()) / units
-    cols = np.arange(len(Ls))
+        times = np.minimum(ring_times, V + lin_rate * base.L[None, :] / base.G[:, None])
+    target = float(times[0][cols].sum()) / units
     for _ in range(2):
-        k = tiering.choose_span_index(table, target, lin_rate, times=times,
-                                      free_compute=search.options.split_waste if thrifty else math.inf)
+        k = tiering.choose_span_index(base, target, lin_rate, times=times,
+                                      free_compute=search.options.split_waste if thrifty else math.inf)[cols]
         unit_time = times[k, cols]
         target = float((unit_time * table.G[k]).sum()) / units
     if floor is not None:
         splittable = Ls >= 2 * table.G[floor]
-        k = np.where(table.F[floor] & splittable, floor, np.maximum(k, floor * splittable))
+        k = np.where(base.F[floor][cols] & splittable, floor, np.maximum(k, floor * splittable))
         unit_time = times[k, cols]
     marked, bounded = None, False
     if V is not None:
@@ -114,7 +118,7 @@ def choose_spans(search: StepState, idx: list[int], balance: str, floor: int | N
         else:
             bounded = bool((unit_time[marked] > target).any())
     span_units = np.array([sp.G for sp in tiering.spans], dtype=np.int64)[k]
-    return Spans(lengths=Ls, table=table, times=times, spans=[tiering.spans[x] for x in k],
+    return Spans(lengths=Ls, table=table, times=times, time_cols=cols, spans=[tiering.spans[x] for x in k],
                  span_index=np.array(k, dtype=np.int64), unit_time=unit_time,
                  tokens_per_unit=zigzag_max_tokens_array(Ls, span_units).astype(np.float64),
                  span_units=span_units,
@@ -188,7 +192,7 @@ def _pack_node_widening(search: StepState, sp: Spans, js: list[int], pre, pre_to
             if (sp.spans[j].G > 1 if min_len is None else sp.lengths[j] >= min_len) and per_node > 1:
                 sp.spans[j] = search.tiering.spans[whole]
                 sp.span_index[j] = whole
-                sp.unit_time[j] = sp.times[whole, j]
+                sp.unit_time[j] = sp.times[whole, sp.time_cols[j]]
                 sp.tokens_per_unit[j] = float(zigzag_max_tokens_array(sp.lengths[j:j + 1], [per_node])[0])
         try:
             return _pack_node(search, sp, js, pre, pre_tok, ilp="never")
@@ -319,7 +323,7 @@ def best_microbatch(search: StepState, idx: list[int], carry: np.ndarray, floors
     # nodes filled to the last token can leave their units no room for rings of assorted
     # widths: then level 1 keeps some token slack per node (before the caller falls back to
     # one more micro-batch, which costs far more)
-    lengths = [s.length for s in search.sequences]
+    lengths = search.lengths.tolist()
     # stage 1's splits for balance are thrifty where the micro-batch has a sequence per unit to spare
     # (fewer, and splits are what occupies the units) and does not nearly fill their memory (THRIFT_FILL)
     thrifty = (len(idx) >= ctx.num_units

@@ -90,6 +90,13 @@ def _first_true(pred, lo: int = 1, hi: int = _L_MAX) -> int | None:
     return b
 
 
+#: a span table of at least this many sequences is priced once per distinct length where those are
+#: at most :data:`DISTINCT_LENGTHS_SHARE` of the sequences (copying columns costs far less than
+#: pricing them; below these, finding the distinct lengths would cost more than it saves)
+DISTINCT_LENGTHS_MIN = 2048
+DISTINCT_LENGTHS_SHARE = 0.75
+
+
 @dataclass
 class Span:
     """How one sequence is split: ``G`` units; inter tier spans ``nodes`` whole nodes."""
@@ -112,10 +119,38 @@ class SpanTable:
     V: np.ndarray | None = None  # (spans, seqs): A as a usp group (Tiering.usp_prices), once asked
     W: np.ndarray | None = None  # (spans, seqs): the span's compute over the sequence's attention / one unit's, - 1
     #   (always set by Tiering.span_table; a default only because the fields before it have them)
+    #: priced per sequence (a :class:`DistinctSpanTable` holds the table of the distinct lengths)
+    distinct = None
 
     def times(self, lin_rate: float) -> np.ndarray:
         """Per-unit busy time: attention + linear work on the unit's L/G tokens."""
         return self.A + lin_rate * self.L[None, :] / self.G[:, None]
+
+
+class DistinctSpanTable:
+    """A :class:`SpanTable` of sequences ``L`` priced once per distinct length: ``distinct`` is
+    ``(the table of the distinct lengths, each sequence's column in it)``. Its entries are those of
+    the table priced per sequence (each is a function of its span and its sequence's length alone);
+    a whole (spans, sequences) array is made on first use, and callers that can work on the distinct
+    columns use ``distinct`` instead."""
+
+    _EXPANDED = ("A", "F", "E", "U", "R", "Q", "W")
+
+    def __init__(self, L: np.ndarray, base: SpanTable, cols: np.ndarray):
+        self.L, self.G, self.distinct, self.V = L, base.G, (base, cols), None
+
+    def __getattr__(self, name: str):
+        if name not in DistinctSpanTable._EXPANDED:
+            raise AttributeError(name)
+        base, cols = self.distinct
+        x = getattr(base, name)
+        x = None if x is None else x[:, cols]
+        setattr(self, name, x)  # (found as an attribute from now on)
+        return x
+
+    def times(self, lin_rate: float) -> np.ndarray:
+        base, cols = self.distinct
+        return base.times(lin_rate)[:, cols]
 
 
 class Tiering:
@@ -258,8 +293,20 @@ class Tiering:
 
         ``ulysses``: an intra-node span may instead run as Ulysses (all-to-all to head shards,
         whole-sequence kernels on H/G heads, communication exposed); the table keeps, per span and
-        sequence, the cheaper of the two and marks Ulysses in ``U``."""
+        sequence, the cheaper of the two and marks Ulysses in ``U``.
+
+        Every entry is a function of its span and its sequence's length alone, so where many
+        sequences share a length (:data:`DISTINCT_LENGTHS_MIN`) the table is priced once per distinct
+        length and each sequence's column copied from its length's: the same values."""
         L = np.asarray(L, dtype=np.float64)
+        if len(L) >= DISTINCT_LENGTHS_MIN:
+            Lu, inv = np.unique(L, return_inverse=True)
+            if len(Lu) <= DISTINCT_LENGTHS_SHARE * len(L):
+                return DistinctSpanTable(L, self._span_table(Lu, routed_nics, ulysses), inv)
+        return self._span_table(L, routed_nics, ulysses)
+
+    def _span_table(self, L: np.ndarray, routed_nics: int, ulysses: bool) -> SpanTable:
+        """:meth:`span_table` priced per entry of ``L``."""
         S, m = len(self.spans), len(L)
         Li = L.astype(np.int64)
         A = np.empty((S, m))
@@ -308,6 +355,10 @@ class Tiering:
 
         rows = usp_row_sizes(self.ctx)
         if table.V is not None or not rows:
+            return table.V
+        if table.distinct is not None:
+            base, cols = table.distinct
+            table.V = self.usp_prices(base)[:, cols]
             return table.V
         u, c, L = max(rows), self.cost, table.L
         V = np.full((len(self.spans), len(L)), np.inf)

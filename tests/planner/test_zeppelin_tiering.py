@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.support.zeppelin_steps import make_ctx
+from tests.support.zeppelin_steps import make_ctx, seqs_of
 from zeppelin.planner.zeppelin.tiering import Tiering, zigzag_max_tokens
 from zeppelin.schemas.layout import zigzag_ranges
 
@@ -130,3 +130,58 @@ def test_a_split_that_wastes_compute_is_not_free():
         assert table.W[1, 0] == pytest.approx(tg.compute_waste(L, two))
         assert (int(tg.choose_span_index(table, target, lin)[0]) > 0) is split
         assert int(tg.choose_span_index(table, target, lin, free_compute=1e9)[0]) > 0  # (unbounded: split)
+
+
+def _repeating_lengths(n: int, seed: int) -> np.ndarray:
+    """``n`` lengths from a long-tailed mix, rounded so that many repeat."""
+    rng = np.random.default_rng(seed)
+    body = rng.lognormal(7.0, 1.0, n)
+    tail = (rng.pareto(1.2, n) + 1.0) * 4096
+    L = np.clip(np.where(rng.random(n) < 0.1, tail, body), 16, 131072)
+    return (np.round(L / 64) * 64).clip(16).astype(np.float64)
+
+
+@pytest.mark.parametrize("ulysses", [False, True])
+def test_a_table_priced_per_distinct_length_equals_one_priced_per_sequence(ulysses):
+    """A micro-batch of thousands of sequences is priced once per distinct length: every entry,
+    the unit times and the usp prices equal those priced per sequence, bit for bit."""
+    from zeppelin.planner.zeppelin.tiering import DISTINCT_LENGTHS_MIN, DistinctSpanTable
+
+    ctx = make_ctx("zeppelin-c:4")
+    tg = Tiering(ctx)
+    L = _repeating_lengths(DISTINCT_LENGTHS_MIN + 100, 3)
+    got, want = tg.span_table(L, 2, ulysses=ulysses), tg._span_table(L, 2, ulysses)
+    assert isinstance(got, DistinctSpanTable) and len(got.distinct[0].L) < len(L) / 2
+    for name in ("A", "F", "E", "U", "R", "Q", "W"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert (a is None) == (b is None) and (a is None or np.array_equal(a, b)), name
+    assert np.array_equal(got.times(3e-7), want.times(3e-7))
+    assert np.array_equal(tg.usp_prices(got), tg.usp_prices(want))
+
+
+@pytest.mark.parametrize("floor", [None, 7])
+@pytest.mark.parametrize("balance", ["total", "attention"])
+def test_stage_one_chooses_per_distinct_length_as_per_sequence(monkeypatch, balance, floor):
+    """Stage 1's choices made once per distinct length (from a table priced so) equal those made
+    per sequence: each depends on its sequence's length alone, the targets' sums on every one."""
+    import zeppelin.planner.zeppelin.tiering as tiering_mod
+    from zeppelin.planner.zeppelin.planner import ZeppelinPlanner
+    from zeppelin.planner.zeppelin.step_state import StepState
+    from zeppelin.planner.zeppelin.tiered import choose_spans
+
+    ctx = make_ctx("zeppelin-c:4")
+    seqs = seqs_of(_repeating_lengths(12 * ctx.num_units, 5))
+    planner = ZeppelinPlanner()
+    got = []
+    for least in (10**9, 64):  # per sequence; then per distinct length from 64 sequences up
+        monkeypatch.setattr(tiering_mod, "DISTINCT_LENGTHS_MIN", least)
+        state = StepState(options=planner, ctx=ctx, tiering=planner.tiering(ctx), sequences=seqs,
+                          lengths=np.array([s.length for s in seqs]), ilp_left=planner.ilp_budget_calls)
+        sp = choose_spans(state, list(range(len(seqs))), balance, floor)
+        got.append((sp.table.distinct is not None, [(x.G, x.tier) for x in sp.spans], sp.unit_time.tolist(),
+                    sp.tokens_per_unit.tolist(), None if sp.usp is None else sp.usp.tolist(), sp.bounded,
+                    sp.times[:, sp.time_cols].tolist()))
+    assert not got[0][0] and got[1][0]
+    assert got[0][1:] == got[1][1:]
+    if floor is None:  # (local, intra and inter spans chosen; node-CP: every sequence spans its node)
+        assert len(set(got[0][1])) >= 3
