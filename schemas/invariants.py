@@ -38,6 +38,7 @@ This module imports the plan types only for annotations, so that ``plan.py`` can
 from __future__ import annotations
 
 import itertools
+import operator
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -48,6 +49,8 @@ from .layout import ranges_tokens, usp_ranges, zigzag_ranges
 if TYPE_CHECKING:  # pragma: no cover
     from .cluster import ClusterSpec
     from .plan import MicroBatch, PlanHeader, Replica, StepPlan
+
+_GROUP = operator.attrgetter("group")
 
 __all__ = [
     "INVARIANTS",
@@ -444,9 +447,9 @@ def inter_ring_transfers(mb: MicroBatch, node_of_unit: Sequence[int]) -> dict[tu
     of no tokens needs no route)."""
     held: dict[int, list[int]] = {}
     inter = {gi for gi, g in enumerate(mb.groups) if g.kind in ("ring", "usp") and g.tier == "inter"}
-    for p in mb.placements:
-        if p.group not in inter:
-            continue
+    pls = mb.placements
+    # (the placements of those groups, in order, picked without a Python step per placement)
+    for p in itertools.compress(pls, map(inter.__contains__, map(_GROUP, pls))):
         g = mb.groups[p.group]
         row = held.setdefault(p.group, [0] * len(g.units))
         for pos in range(min(len(g.units), len(p.ranges))):

@@ -17,11 +17,15 @@ def zigzag_ranges(length: int, G: int) -> list[list[list[int]]]:
     """
     if G == 1:
         return [[[0, length]]]
-    sizes = split_even(length, 2 * G)
-    bounds = [0]
-    for s in sizes:
-        bounds.append(bounds[-1] + s)
-    return [[[bounds[i], bounds[i + 1]], [bounds[2 * G - 1 - i], bounds[2 * G - i]]] for i in range(G)]
+    n = 2 * G
+    if type(length) is int:  # (whole numbers: chunk k starts at k q + min(k, r), the sizes' prefix sum)
+        q, r = divmod(length, n)
+        bounds = [k * q + min(k, r) for k in range(n + 1)]
+    else:
+        bounds = [0]
+        for s in split_even(length, n):
+            bounds.append(bounds[-1] + s)
+    return [[[bounds[i], bounds[i + 1]], [bounds[n - 1 - i], bounds[n - i]]] for i in range(G)]
 
 
 def contiguous_ranges(length: int, G: int) -> list[list[list[int]]]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from pydantic import BaseModel
+
 from zeppelin.planner.costmodel.context import PlanContext, PlanningError
 from zeppelin.schemas.invariants import inter_ring_transfers, kv_replication
 from zeppelin.schemas.layout import contiguous_ranges, ranges_tokens, usp_ranges, zigzag_ranges
@@ -28,17 +30,63 @@ from zeppelin.schemas.plan import (
 _TIER_ORDER = {"inter": 0, "intra": 1, "local": 2}
 
 
+# (the slots every pydantic model carries, set directly: ``object.__setattr__`` costs more per record)
+_SET_DICT = BaseModel.__dict__["__dict__"].__set__
+_SET_FIELDS_SET = BaseModel.__pydantic_fields_set__.__set__
+_SET_EXTRA = BaseModel.__pydantic_extra__.__set__
+_SET_PRIVATE = BaseModel.__pydantic_private__.__set__
+
+
 def record(cls, **fields):
     """``cls.model_construct(**fields)`` for records built from validated parts, with every field
     given: pydantic's validation (or model_construct) costs microseconds per call, and a step at
     4,096 GPUs builds tens of thousands of groups and placements."""
     m = cls.__new__(cls)
-    defaults = _defaults(cls)
-    object.__setattr__(m, "__dict__", {**defaults, **fields} if defaults else fields)
-    object.__setattr__(m, "__pydantic_fields_set__", set(fields))
-    object.__setattr__(m, "__pydantic_extra__", None)
-    object.__setattr__(m, "__pydantic_private__", None)
+    defaults = _DEFAULTS.get(cls)
+    if defaults is None:
+        defaults = _defaults(cls)
+    _SET_DICT(m, {**defaults, **fields} if defaults else fields)
+    _SET_FIELDS_SET(m, set(fields))
+    _SET_EXTRA(m, None)
+    _SET_PRIVATE(m, None)
     return m
+
+
+#: the fields a placement built by :func:`local_records` sets: all of them, so its placements share
+#: this set (pydantic only ever adds a field's name to it, on assignment, and it holds them all)
+_PLACEMENT_FIELDS = set(Placement.model_fields)
+
+
+def local_records(seqs: list[int], units: list[int], lengths: list[int], first_group: int) -> tuple[list, list]:
+    """The local groups and whole placements of local sequences, each as :func:`record` builds
+    them (``record(Group, kind="local", tier="local", units=[u])``, ``record(Placement, seq=..,
+    group=.., scheme="whole", ranges=[[[0, length]]], padded_length=None)``), without its generic
+    work per record: sequence ``seqs[i]`` (of ``lengths[i]`` tokens) on unit ``units[i]``, the
+    sequences of a unit together (a group per run of one unit, numbered from ``first_group``)."""
+    new_g, new_p = Group.__new__, Placement.__new__
+    g_copy = {"kind", "tier", "units"}.copy  # (a group leaves fields unset: each has its own set)
+    p_set = _PLACEMENT_FIELDS
+    set_dict, set_fs, set_extra, set_private = _SET_DICT, _SET_FIELDS_SET, _SET_EXTRA, _SET_PRIVATE
+    g_defaults = _defaults(Group)
+    groups: list = []
+    placements: list = []
+    gi, last = first_group - 1, None
+    for seq, u, length in zip(seqs, units, lengths):
+        if u != last:
+            last, gi = u, gi + 1
+            g = new_g(Group)
+            set_dict(g, {**g_defaults, "kind": "local", "tier": "local", "units": [u]})
+            set_fs(g, g_copy())
+            set_extra(g, None)
+            set_private(g, None)
+            groups.append(g)
+        p = new_p(Placement)
+        set_dict(p, {"seq": seq, "group": gi, "scheme": "whole", "ranges": [[[0, length]]], "padded_length": None})
+        set_fs(p, p_set)
+        set_extra(p, None)
+        set_private(p, None)
+        placements.append(p)
+    return groups, placements
 
 
 _DEFAULTS: dict[type, dict] = {}

@@ -15,6 +15,8 @@ import math
 
 from collections import defaultdict
 from dataclasses import dataclass
+from itertools import chain
+from operator import attrgetter
 
 import numpy as np
 
@@ -23,32 +25,56 @@ from zeppelin.schemas.invariants import kv_replication
 from zeppelin.schemas.layout import ranges_tokens
 from zeppelin.schemas.plan import MicroBatch, Prediction, RankLoads, StepPlan
 
+_GROUP = attrgetter("group")
+_RANGES = attrgetter("ranges")
+_UNITS = attrgetter("units")
+_SEQ = attrgetter("seq")
+_KIND = attrgetter("kind")
+_PADDED = attrgetter("padded_length")
+
+
+def placement_groups(mb: MicroBatch) -> np.ndarray:
+    """Per placement of ``mb``, the index of its group."""
+    return np.fromiter(map(_GROUP, mb.placements), dtype=np.int64, count=len(mb.placements))
+
 
 def nic_loads(ctx: PlanContext, mb: MicroBatch, routed: bool = True) -> dict[str, float]:
     """Bytes each NIC sends+receives per step for the micro-batch's inter-node ring transfers."""
+    ro, un = route_nic_loads(ctx, mb.groups, mb.routes, routed=routed, unrouted=not routed)
+    return ro if routed else un
+
+
+def route_nic_loads(ctx: PlanContext, groups, routes, routed: bool = True,
+                    unrouted: bool = True) -> tuple[dict[str, float], dict[str, float]]:
+    """:func:`nic_loads` of a micro-batch's ``groups`` and ``routes`` along the routes' paths
+    (``routed``) and direct (``unrouted``), in one pass over the routes (an empty dict where not
+    asked for)."""
     cost, L = ctx.cost, ctx.model.num_layers
-    loads: dict[str, float] = defaultdict(float)
+    ro: dict[str, float] = defaultdict(float)
+    un: dict[str, float] = defaultdict(float)
     upn = ctx.units_per_node
     hops: dict[int, tuple[int, float]] = {}  # group -> its ring hop's (rounds, share): one per group
     nics: dict[int, str] = {}  # unit -> its NIC
-    for r in mb.routes:
+    # (CostModel.ring_round_bytes_of's operations, in its order: a call per route costs more)
+    kv, act, tp = cost.model.kv_dim, cost.act_bytes, cost.tp
+    for r in routes:
         hop = hops.get(r.group)
         if hop is None:
-            hop = hops[r.group] = cost.ring_hop_share(mb.groups[r.group])
+            hop = hops[r.group] = cost.ring_hop_share(groups[r.group])
         rounds, share = hop
-        total = cost.ring_round_bytes_of(r.tokens) * share * rounds * L
+        total = 3.0 * (float(r.tokens) * 2 * kv * act / tp) * share * rounds * L
         if routed:
             for p in r.paths:
-                share = total * (p.tokens / r.tokens if r.tokens else 0.0)
-                loads[p.nic_src] += share
-                loads[p.nic_dst] += share
-        else:
+                part = total * (p.tokens / r.tokens if r.tokens else 0.0)
+                ro[p.nic_src] += part
+                ro[p.nic_dst] += part
+        if unrouted:
             for u in (r.src, r.dst):
                 nic = nics.get(u)
                 if nic is None:
                     nic = nics[u] = _unit_nic(ctx, u, upn)
-                loads[nic] += total
-    return dict(loads)
+                un[nic] += total
+    return dict(ro), dict(un)
 
 
 def _unit_nic(ctx: PlanContext, unit: int, upn: int) -> str:
@@ -89,36 +115,52 @@ def _route_round_time(ctx: PlanContext, mb: MicroBatch, routed: bool) -> tuple[d
     every group crossing it: a group takes at least as long as the busiest NIC side it crosses."""
     cost = ctx.cost
     shared = ctx.profile.nic_shared_by_concurrent_transfers
-    hop = {r.group: cost.ring_hop_share(mb.groups[r.group]) for r in mb.routes}  # (rounds, K/V share)
+    groups, tp = mb.groups, ctx.tp
+    hop: dict[int, tuple[int, float]] = {}  # per group: (rounds, K/V share)
+    for r in mb.routes:
+        if r.group not in hop:
+            hop[r.group] = cost.ring_hop_share(groups[r.group])
+    # (CostModel.ring_round_bytes_of's and p2p_seconds' operations, in their order: a call per flow
+    # costs more than its arithmetic)
+    kv, act, cost_tp = cost.model.kv_dim, cost.act_bytes, cost.tp
+    intra, inter = cost.link("intra"), cost.link("inter")
+    a_intra, bw_intra, a_inter, bw_inter = intra.alpha_s, intra.bandwidth_GBps, inter.alpha_s, inter.bandwidth_GBps
     flows = []
     # per route: the bytes its source GPU dispatches to proxies and its destination GPU combines
     # from them (one NVLink port each way, shared by all of the route's paths)
     spread: dict[int, list] = {}
     for r, p, tokens, a, b in _route_flows(ctx, mb, routed):
-        nbytes = cost.ring_round_bytes_of(tokens) * hop[r.group][1]
-        flows.append((r.group, nbytes, a, b))
+        g = r.group
+        nbytes = 3.0 * (float(tokens) * 2 * kv * act / cost_tp) * hop[g][1]
+        flows.append((g, nbytes, a, b))
         if p is not None:
-            d = spread.setdefault(id(r), [r.group, 0.0, 0.0])
-            d[1] += nbytes * (p.via_src != r.src) / ctx.tp
-            d[2] += nbytes * (p.via_dst != r.dst) / ctx.tp
+            d = spread.get(id(r))
+            if d is None:
+                d = spread[id(r)] = [g, 0.0, 0.0]
+            d[1] += nbytes * (p.via_src != r.src) / tp
+            d[2] += nbytes * (p.via_dst != r.dst) / tp
     hops: dict[int, float] = defaultdict(float)  # per group: the slowest dispatch + combine of a round
     for g, out_b, in_b in spread.values():
-        hops[g] = max(hops[g], cost.p2p_seconds(out_b, "intra") + cost.p2p_seconds(in_b, "intra"))
-    own: dict[tuple, float] = defaultdict(float)
-    busy: dict[tuple, float] = defaultdict(float)
-    for g, nbytes, a, b in flows:
-        if shared:
-            own["tx", g, a] += nbytes
-            own["rx", g, b] += nbytes
-            alone = cost.p2p_seconds(nbytes, "inter") * hop[g][0]
-            busy["tx", a] += alone
-            busy["rx", b] += alone
+        t = ((a_intra + out_b * 1.0 / (bw_intra * 1e9) if out_b > 0 else 0.0)
+             + (a_intra + in_b * 1.0 / (bw_intra * 1e9) if in_b > 0 else 0.0))
+        hops[g] = max(hops[g], t)
+    own_tx: dict[tuple, float] = defaultdict(float)
+    own_rx: dict[tuple, float] = defaultdict(float)
+    busy_tx: dict[str, float] = defaultdict(float)
+    busy_rx: dict[str, float] = defaultdict(float)
+    if shared:
+        for g, nbytes, a, b in flows:
+            own_tx[g, a] += nbytes
+            own_rx[g, b] += nbytes
+            alone = (a_inter + nbytes * 1.0 / (bw_inter * 1e9) if nbytes > 0 else 0.0) * hop[g][0]
+            busy_tx[a] += alone
+            busy_rx[b] += alone
     out: dict[int, float] = defaultdict(float)
     floor: dict[int, float] = defaultdict(float)
     for g, nbytes, a, b in flows:
-        load = max(own["tx", g, a], own["rx", g, b]) if shared else nbytes
-        out[g] = max(out[g], cost.p2p_seconds(load, "inter") + hops.get(g, 0.0))
-        floor[g] = max(floor[g], busy.get(("tx", a), 0.0), busy.get(("rx", b), 0.0))
+        load = max(own_tx[g, a], own_rx[g, b]) if shared else nbytes
+        out[g] = max(out[g], (a_inter + load * 1.0 / (bw_inter * 1e9) if load > 0 else 0.0) + hops.get(g, 0.0))
+        floor[g] = max(floor[g], busy_tx.get(a, 0.0), busy_rx.get(b, 0.0))
     return out, floor
 
 
@@ -369,7 +411,8 @@ def _group_sum(pg: np.ndarray, pL: np.ndarray, G: np.ndarray, mask: np.ndarray, 
 class _GroupArrays:
     """A micro-batch's placements and groups as arrays: per placement its group ``pg`` and (padded)
     length ``pL``; per group its size ``G``, kind, whether it is local / a ring, the sum of its
-    placements' attention time ``g_att`` and lengths ``g_len``, and whether it has any ``g_has``."""
+    placements' attention time ``g_att`` and lengths ``g_len``, whether it has any ``g_has``, and its
+    ``units``."""
 
     pg: np.ndarray
     pL: np.ndarray
@@ -380,39 +423,61 @@ class _GroupArrays:
     g_att: np.ndarray
     g_len: np.ndarray
     g_has: np.ndarray
+    units: list  # per group, its units
+    _by_group: tuple | None = None
 
     @classmethod
     def of(cls, cost, seq_lengths, mb: MicroBatch) -> _GroupArrays:
         groups = mb.groups
         ng = len(groups)
         pls = mb.placements
-        pg = np.fromiter((p.group for p in pls), dtype=np.int64, count=len(pls))
-        pL = np.fromiter(((p.padded_length or seq_lengths[p.seq]) for p in pls), dtype=np.float64, count=len(pls))
+        pg = placement_groups(mb)
+        pads = list(map(_PADDED, pls))
+        if any(pads):
+            pL = np.fromiter(((p.padded_length or seq_lengths[p.seq]) for p in pls), dtype=np.float64, count=len(pls))
+        else:  # (no placement padded: every length is its sequence's, gathered from all of them at once)
+            seqs = np.fromiter(map(_SEQ, pls), dtype=np.int64, count=len(pls))
+            pL = np.asarray(seq_lengths, dtype=np.float64)[seqs]
         # per group: sum of attention time and of lengths of its placements
         g_att = np.bincount(pg, weights=cost.attn_time(pL), minlength=ng) if len(pls) else np.zeros(ng)
         g_len = np.bincount(pg, weights=pL, minlength=ng) if len(pls) else np.zeros(ng)
         g_has = np.bincount(pg, minlength=ng) > 0 if len(pls) else np.zeros(ng, dtype=bool)
-        G = np.fromiter((len(g.units) for g in groups), dtype=np.float64, count=ng)
-        kind = [g.kind for g in groups]
+        units = list(map(_UNITS, groups))
+        G = np.fromiter(map(len, units), dtype=np.float64, count=ng)
+        kind = list(map(_KIND, groups))
         is_local = np.fromiter((k == "local" for k in kind), dtype=bool, count=ng) | (G == 1)
         is_ring = np.fromiter((k == "ring" for k in kind), dtype=bool, count=ng) & ~is_local
         return cls(pg=pg, pL=pL, G=G, kind=kind, is_local=is_local, is_ring=is_ring, g_att=g_att, g_len=g_len,
-                   g_has=g_has)
+                   g_has=g_has, units=units)
+
+    def lengths_of(self, gi: int) -> np.ndarray:
+        """The (padded) lengths of group ``gi``'s placements, in placement order (``pL[pg == gi]``)."""
+        if self._by_group is None:  # (placements sorted by group, stably: each group's in order)
+            order = np.argsort(self.pg, kind="stable")
+            self._by_group = (order, np.searchsorted(self.pg[order], np.arange(len(self.G) + 1)))
+        order, bounds = self._by_group
+        return self.pL[order[bounds[gi]:bounds[gi + 1]]]
 
 
-def _held_tokens(mb: MicroBatch, n: int) -> np.ndarray:
-    """Per unit: the tokens it holds in the micro-batch's attention layout."""
-    groups = mb.groups
+def _held_tokens(mb: MicroBatch, n: int, pg: np.ndarray | None = None) -> np.ndarray:
+    """Per unit: the tokens it holds in the micro-batch's attention layout (``pg``: its
+    :func:`placement_groups`, where known)."""
+    units_of = list(map(_UNITS, mb.groups))
     held = np.zeros(n)
     h_units: list[int] = []
     h_toks: list[int] = []
-    for p in mb.placements:
-        rs = p.ranges
+    add_unit, add_toks = h_units.append, h_toks.append
+    for g, rs in zip(map(_GROUP, mb.placements) if pg is None else pg.tolist(), map(_RANGES, mb.placements)):
         if len(rs) == 1:  # (a local sequence: most placements)
-            h_units.append(groups[p.group].units[0])
-            h_toks.append(ranges_tokens(rs[0]))
+            add_unit(units_of[g][0])
+            r0 = rs[0]
+            if len(r0) == 1:
+                s, e = r0[0]
+                add_toks(e - s)
+            else:
+                add_toks(ranges_tokens(r0))
         else:
-            h_units += groups[p.group].units[:len(rs)]
+            h_units += units_of[g][:len(rs)]
             h_toks += map(ranges_tokens, rs)
     if h_units:
         held += np.bincount(np.asarray(h_units, dtype=np.int64), weights=np.asarray(h_toks, dtype=np.float64),
@@ -420,11 +485,17 @@ def _held_tokens(mb: MicroBatch, n: int) -> np.ndarray:
     return held
 
 
-def ulysses_held_tokens(mb: MicroBatch, n: int, costs) -> np.ndarray | None:
+def attention_tokens(mb: MicroBatch, n: int, pg: np.ndarray | None = None) -> np.ndarray:
+    """Per unit: the tokens it holds in the micro-batch's attention layout (of ``n`` units; ``pg``:
+    its :func:`placement_groups`, where known)."""
+    return _held_tokens(mb, n, pg)
+
+
+def ulysses_held_tokens(mb: MicroBatch, n: int, costs, pg: np.ndarray | None = None) -> np.ndarray | None:
     """Per unit: the tokens it holds in Ulysses rows of two or more positions (Ulysses groups, usp
     groups' rows), each counted :meth:`ulysses_weight` times (replicated K/V heads on top) by the
     cost model of its group's units (``costs``: one for every unit, or a list per unit); None: the
-    micro-batch has none."""
+    micro-batch has none. ``pg``: the micro-batch's :func:`placement_groups`, where known."""
     groups = mb.groups
     w = {gi: g.row_size() for gi, g in enumerate(groups) if g.kind in ("ulysses", "usp")}
     w = {gi: (costs[groups[gi].units[0]] if isinstance(costs, list) else costs).ulysses_weight(u)
@@ -432,26 +503,31 @@ def ulysses_held_tokens(mb: MicroBatch, n: int, costs) -> np.ndarray | None:
     if not w:
         return None
     held = np.zeros(n)
-    for p in mb.placements:
-        if p.group in w:
-            for u, rs in zip(groups[p.group].units, p.ranges):
-                if 0 <= u < n:
-                    held[u] += ranges_tokens(rs) * w[p.group]
+    pls = mb.placements
+    pg = placement_groups(mb) if pg is None else pg
+    for i in np.flatnonzero(np.isin(pg, list(w))).tolist():  # (in placement order: the sums' order)
+        p = pls[i]
+        for u, rs in zip(groups[p.group].units, p.ranges):
+            if 0 <= u < n:
+                held[u] += ranges_tokens(rs) * w[p.group]
     return held
 
 
 def attention_layout_memory_tokens(ctx: PlanContext, mb: MicroBatch) -> np.ndarray:
     """Per unit: :func:`layout_memory_tokens` of ``mb`` without its remap (the linear modules where
     attention ran), which ``microbatch_terms`` gives as ``mem_tokens`` where ``mb`` has none."""
-    held = _held_tokens(mb, ctx.num_units)
-    return layout_memory_tokens(ctx.cost, mb, held, held.copy())
+    pg = placement_groups(mb)
+    held = _held_tokens(mb, ctx.num_units, pg)
+    return layout_memory_tokens(ctx.cost, mb, held, held.copy(), pg)
 
 
-def layout_memory_tokens(cost, mb: MicroBatch, held: np.ndarray, lin_held: np.ndarray) -> np.ndarray:
+def layout_memory_tokens(cost, mb: MicroBatch, held: np.ndarray, lin_held: np.ndarray,
+                         pg: np.ndarray | None = None) -> np.ndarray:
     """Per unit: the token-equivalents its memory holds in the micro-batch: its attention-layout
     tokens (Ulysses members' extra copies counted), or with a remap both layouts' tokens, each at
-    its share of a token's bytes (:attr:`CostModel.remap_split`), and the copies whole."""
-    uly = ulysses_held_tokens(mb, len(held), cost)
+    its share of a token's bytes (:attr:`CostModel.remap_split`), and the copies whole (``pg``:
+    the micro-batch's :func:`placement_groups`, where known)."""
+    uly = ulysses_held_tokens(mb, len(held), cost, pg)
     att = held if uly is None else cost.layout_tokens(held, uly)
     if mb.linear_layout is not None:  # each layout holds its own part of every layer; Ulysses rows'
         # extra copies are whole tensors beside them (not a share of a token's bytes)
@@ -517,7 +593,7 @@ def _collective_terms(cost, mb: MicroBatch, ga: _GroupArrays, inter_round: dict[
             t_comm[gi] = t_exp[gi] = float(cost.allgather_kv_time(ga.g_len[gi] / Gi, int(Gi), cost.tier_link(g.tier)))
         elif g.kind == "usp":
             u, r = g.shape
-            Ls = ga.pL[ga.pg == gi]
+            Ls = ga.lengths_of(int(gi))
             t_att[gi], t_comm[gi], t_exp[gi] = cost.usp_terms(Ls, u, r, cost.tier_link(usp_row_tier(g, cost)),
                                                                cost.tier_link(g.tier), inter_round.get(int(gi)),
                                                                nic_floor.get(int(gi), 0.0))
@@ -587,7 +663,7 @@ def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool
     ng = len(groups)
     inter_round, nic_floor = _route_round_time(ctx, mb, routed)
     ga = _GroupArrays.of(cost, seq_lengths, mb)
-    held = _held_tokens(mb, n)
+    held = _held_tokens(mb, n, ga.pg)
     t_att = np.zeros(ng)
     t_comm = np.zeros(ng)
     t_exp = np.zeros(ng)
@@ -598,7 +674,7 @@ def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool
     for a in (t_att, t_comm, t_exp):
         a[~ga.g_has] = 0.0
     # ---- scatter group terms to their units
-    gu = np.fromiter((u for g in groups for u in g.units), dtype=np.int64)
+    gu = np.fromiter(chain.from_iterable(ga.units), dtype=np.int64)
     gi_rep = np.repeat(np.arange(ng), ga.G.astype(np.int64))
     attn = layers * np.bincount(gu, weights=t_att[gi_rep], minlength=n)
     comm = layers * np.bincount(gu, weights=t_comm[gi_rep], minlength=n)
@@ -615,9 +691,10 @@ def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool
     # under FSDP every unit is one component (:attr:`PlanContext.microbatches_coupled`)
     labels = microbatch_components(ctx, n, links)
     coupled = component_max(labels, attn + lin - head + exposed) + head
+    nic_r, nic_u = route_nic_loads(ctx, groups, mb.routes)
     return MBTerms(attn=attn, lin=lin, comm=comm, exposed=exposed,
-                   tokens=lin_held.astype(np.int64), mem_tokens=layout_memory_tokens(cost, mb, held, lin_held),
-                   nic_routed=nic_loads(ctx, mb, routed=True), nic_unrouted=nic_loads(ctx, mb, routed=False),
+                   tokens=lin_held.astype(np.int64), mem_tokens=layout_memory_tokens(cost, mb, held, lin_held, ga.pg),
+                   nic_routed=nic_r, nic_unrouted=nic_u,
                    coupled=coupled, recompute=mb.recompute, recompute_modes=modes)
 
 

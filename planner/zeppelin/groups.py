@@ -10,17 +10,29 @@ local group - in one global group order, so no two units wait on each other in o
 
 from __future__ import annotations
 
+from itertools import compress, repeat
+from operator import attrgetter, eq, itemgetter
+
 import numpy as np
 
 from zeppelin.planner.core.base import PlanContext
+from zeppelin.planner.core.builder import local_records
 from zeppelin.planner.core.builder import record as _record
-from zeppelin.planner.costmodel.predict import coupled_components, ulysses_held_tokens, usp_row_sizes
-from zeppelin.planner.zeppelin.recompute import held_tokens
+from zeppelin.planner.costmodel.predict import (
+    attention_tokens,
+    coupled_components,
+    placement_groups,
+    ulysses_held_tokens,
+    usp_row_sizes,
+)
 from zeppelin.planner.zeppelin.remap import plan_remap
 from zeppelin.planner.zeppelin.routing import plan_routes
 from zeppelin.schemas.invariants import kv_replication
 from zeppelin.schemas.layout import contiguous_ranges, usp_ranges, zigzag_ranges
 from zeppelin.schemas.plan import Group, MicroBatch, Placement, RemapInfo
+
+_TIER = attrgetter("tier")
+_FIRST = itemgetter(0)
 
 
 def build_microbatch(search, idx: list[int], Ls: np.ndarray, spans, span_index, table, node_of, unit_of,
@@ -29,20 +41,23 @@ def build_microbatch(search, idx: list[int], Ls: np.ndarray, spans, span_index, 
     nodes and units as the earlier stages chose), then (``finish``; else :func:`finish_microbatch`
     later) its routes and (``remap``) its remap."""
     ctx = search.ctx
-    inter_js = [j for j, s in enumerate(spans) if s.tier == "inter"]
+    tiers = list(map(_TIER, spans))
+    inter_js, intra_js, local_js = (list(compress(range(len(tiers)), map(eq, tiers, repeat(t))))
+                                    for t in ("inter", "intra", "local"))
+    lengths = Ls.tolist() if isinstance(Ls, np.ndarray) else list(Ls)  # (plain numbers: numpy scalars cost more)
     groups: list[Group] = []
     placements: list[Placement] = []
     _inter_groups(ctx, idx, Ls, inter_js, node_of, groups, placements)
-    ulysses = _ulysses_choice(ctx, spans, span_index, table, unit_of, node_of, inter_js)
+    ulysses = _ulysses_choice(ctx, intra_js, span_index, table, unit_of, node_of, inter_js)
     n_inter = len(groups)
-    _intra_groups(ctx, idx, Ls, spans, unit_of, ulysses, groups, placements)
-    _local_groups(idx, Ls, spans, unit_of, groups, placements)
+    _intra_groups(ctx, idx, lengths, intra_js, unit_of, ulysses, groups, placements)
+    _local_groups(idx, lengths, local_js, unit_of, groups, placements)
     over = ulysses_over_memory(ctx, groups, placements) if any(ulysses.values()) else set()
     if over:  # (the units were packed by their ring tokens: Ulysses rows' extra copies may not fit)
-        ulysses = _ulysses_choice(ctx, spans, span_index, table, unit_of, node_of, inter_js, forbid=over)
+        ulysses = _ulysses_choice(ctx, intra_js, span_index, table, unit_of, node_of, inter_js, forbid=over)
         del groups[n_inter:], placements[n_inter:]
-        _intra_groups(ctx, idx, Ls, spans, unit_of, ulysses, groups, placements)
-        _local_groups(idx, Ls, spans, unit_of, groups, placements)
+        _intra_groups(ctx, idx, lengths, intra_js, unit_of, ulysses, groups, placements)
+        _local_groups(idx, lengths, local_js, unit_of, groups, placements)
     queues: list[list[int]] = [[] for _ in range(ctx.num_units)]
     for gi, g in enumerate(groups):  # global order: inter, intra, local
         for u in g.units:
@@ -75,10 +90,9 @@ def usp_rings(ctx: PlanContext, mb: MicroBatch) -> list[int]:
     inter = {gi for gi, g in enumerate(mb.groups) if g.kind == "ring" and g.tier == "inter"}
     count: dict[int, int] = {}
     zigzag: dict[int, bool] = {}
-    for p in mb.placements:
-        if p.group in inter:
-            count[p.group] = count.get(p.group, 0) + 1
-            zigzag[p.group] = p.scheme == "zigzag" and p.padded_length is None
+    for p in _placements_in(mb, inter):
+        count[p.group] = count.get(p.group, 0) + 1
+        zigzag[p.group] = p.scheme == "zigzag" and p.padded_length is None
     out = []
     for gi in sorted(inter):
         g = mb.groups[gi]
@@ -100,10 +114,8 @@ def as_usp(search, mb: MicroBatch, rings: list[int], remap: bool) -> MicroBatch:
     u, m = max(usp_row_sizes(ctx)), ctx.model
     rep = kv_replication(m.num_heads, m.num_kv_heads, ctx.tp, u)
     groups, placements = list(mb.groups), list(mb.placements)
-    ring_set = set(rings)
-    for pi, p in enumerate(placements):
-        if p.group not in ring_set:
-            continue
+    for pi in _placement_indices(mb, set(rings)):
+        p = placements[pi]
         units = sorted(mb.groups[p.group].units)
         r = len(units) // u
         groups[p.group] = _record(Group, kind="usp", tier="inter", units=units, shape=[u, r], kv_replication=rep)
@@ -116,6 +128,19 @@ def as_usp(search, mb: MicroBatch, rings: list[int], remap: bool) -> MicroBatch:
     out.routes = plan_routes(ctx, out, enable=search.options.routing)
     out.linear_layout, out.remap = _remap(ctx, search.sequences, out, search.options.remap, enable=remap)
     return out
+
+
+def _placement_indices(mb: MicroBatch, groups: set[int]) -> list[int]:
+    """The indices of ``mb``'s placements in ``groups``, in order."""
+    if not groups:
+        return []
+    return np.flatnonzero(np.isin(placement_groups(mb), list(groups))).tolist()
+
+
+def _placements_in(mb: MicroBatch, groups: set[int]) -> list[Placement]:
+    """``mb``'s placements in ``groups``, in order."""
+    pls = mb.placements
+    return [pls[i] for i in _placement_indices(mb, groups)]
 
 
 def _inter_groups(ctx: PlanContext, idx, Ls, inter_js, node_of, groups, placements) -> None:
@@ -135,52 +160,72 @@ def _inter_groups(ctx: PlanContext, idx, Ls, inter_js, node_of, groups, placemen
         placements.append(_ring_placement(ctx, idx[j], len(groups) - 1, int(Ls[j]), len(units)))
 
 
-def _ring_placement(ctx: PlanContext, seq: int, group: int, length: int, G: int) -> Placement:
+def _ring_placement(ctx: PlanContext, seq: int, group: int, length: int, G: int,
+                    contiguous: bool | None = None) -> Placement:
     """A ring's cut of one sequence: zigzag, or contiguous where the model's windows make a
-    neighbour exchange enough (:meth:`CostModel.ring_contiguous`)."""
-    if bool(ctx.cost.ring_contiguous(length, G)):
+    neighbour exchange enough (:meth:`CostModel.ring_contiguous`; ``contiguous``: its answer, asked
+    before)."""
+    if contiguous is None:
+        contiguous = bool(ctx.cost.ring_contiguous(length, G))
+    if contiguous:
         return _record(Placement, seq=seq, group=group, scheme="contiguous",
                        ranges=contiguous_ranges(length, G), padded_length=None)
     return _record(Placement, seq=seq, group=group, scheme="zigzag", ranges=zigzag_ranges(length, G),
                    padded_length=None)
 
 
-def _intra_groups(ctx: PlanContext, idx, Ls, spans, unit_of, ulysses: dict[int, bool], groups, placements) -> None:
+def _ring_cuts(ctx: PlanContext, lengths: list[int], sizes: list[int]) -> list[bool]:
+    """:meth:`CostModel.ring_contiguous` of each ring of ``sizes[i]`` units over a sequence of
+    ``lengths[i]`` tokens, asked once per ring size."""
+    out = [False] * len(lengths)
+    at: dict[int, list[int]] = {}
+    for i, G in enumerate(sizes):
+        at.setdefault(G, []).append(i)
+    for G, where in at.items():
+        cut = ctx.cost.ring_contiguous(np.array([lengths[i] for i in where], dtype=np.float64), G).tolist()
+        for i, c in zip(where, cut):
+            out[i] = bool(c)
+    return out
+
+
+def _intra_groups(ctx: PlanContext, idx, lengths: list, intra_js: list[int], unit_of, ulysses: dict[int, bool],
+                  groups, placements) -> None:
     """Intra-node splits on the same units share one group (one ring / one all-to-all per round for
-    all of them: fewer, larger transfers, one latency); inter rings stay one per sequence."""
+    all of them: fewer, larger transfers, one latency); inter rings stay one per sequence.
+    ``intra_js``: the intra-node splits, in micro-batch order."""
     shared: dict[tuple, int] = {}
-    for j in sorted((j for j, s in enumerate(spans) if s.tier == "intra"), key=lambda j: -Ls[j]):
-        units = sorted(unit_of[j])
-        uly = ulysses.get(j, False)
-        key = ("ulysses" if uly else "ring", tuple(units))
+    js = sorted(intra_js, key=lambda j: -lengths[j])
+    units_of = [sorted(unit_of[j]) for j in js]
+    tokens = [int(lengths[j]) for j in js]
+    uly = [ulysses.get(j, False) for j in js]
+    contiguous = _ring_cuts(ctx, tokens, [len(u) for u in units_of])
+    for j, units, length, is_uly, cut in zip(js, units_of, tokens, uly, contiguous):
+        key = ("ulysses" if is_uly else "ring", tuple(units))
         gi = shared.get(key)
         if gi is None:
             groups.append(_record(Group, kind=key[0], tier="intra", units=units))
             gi = shared[key] = len(groups) - 1
-        if uly:
+        if is_uly:
             placements.append(_record(Placement, seq=idx[j], group=gi, scheme="contiguous",
-                                      ranges=contiguous_ranges(int(Ls[j]), len(units)), padded_length=None))
+                                      ranges=contiguous_ranges(length, len(units)), padded_length=None))
         else:
-            placements.append(_ring_placement(ctx, idx[j], gi, int(Ls[j]), len(units)))
+            placements.append(_ring_placement(ctx, idx[j], gi, length, len(units), cut))
 
 
-def _local_groups(idx, Ls, spans, unit_of, groups, placements) -> None:
-    """One local group per unit with local sequences (longest first)."""
-    lengths = Ls.tolist() if isinstance(Ls, np.ndarray) else list(Ls)  # (plain floats: numpy scalars cost more)
-    local_by_unit: dict[int, list[int]] = {}
-    for j, s in enumerate(spans):
-        if s.tier == "local":
-            local_by_unit.setdefault(unit_of[j][0], []).append(j)
-    neg = [-x for x in lengths]
-    for u in sorted(local_by_unit):
-        groups.append(_record(Group, kind="local", tier="local", units=[u]))
-        gi = len(groups) - 1
-        js = local_by_unit[u]
-        if len(js) > 1:
-            js.sort(key=neg.__getitem__)  # (stable: equal lengths in micro-batch order)
-        for j in js:
-            placements.append(_record(Placement, seq=idx[j], group=gi, scheme="whole",
-                                      ranges=[[[0, int(lengths[j])]]], padded_length=None))
+def _local_groups(idx, lengths: list, local_js: list[int], unit_of, groups, placements) -> None:
+    """One local group per unit with local sequences (units in order; on each, longest first, equal
+    lengths in micro-batch order). ``local_js``: the local sequences, in micro-batch order."""
+    if not local_js:
+        return
+    units = np.fromiter(map(_FIRST, map(unit_of.__getitem__, local_js)), dtype=np.int64, count=len(local_js))
+    L = np.array([lengths[j] for j in local_js])
+    # by unit, then longest first, then micro-batch order (lexsort is stable)
+    order = np.lexsort((-L, units))
+    js = [local_js[i] for i in order.tolist()]
+    new_groups, new_placements = local_records(list(map(idx.__getitem__, js)), units[order].tolist(),
+                                               [int(x) for x in L[order].tolist()], len(groups))
+    groups += new_groups
+    placements += new_placements
 
 
 def ulysses_over_memory(ctx: PlanContext, groups: list[Group], placements: list[Placement]) -> set[int]:
@@ -192,16 +237,17 @@ def ulysses_over_memory(ctx: PlanContext, groups: list[Group], placements: list[
     mb = MicroBatch.model_construct(groups=groups, placements=placements, queues=[], linear_layout=None,
                                    remap=RemapInfo(), routes=[])
     n, cost = ctx.num_units, ctx.cost
-    uly = ulysses_held_tokens(mb, n, cost)
+    pg = placement_groups(mb)
+    uly = ulysses_held_tokens(mb, n, cost, pg)
     if uly is None:
         return set()
-    held = held_tokens(mb, n)
+    held = attention_tokens(mb, n, pg)  # (recompute.held_tokens: no linear layout here)
     cap = cost.recompute_capacity(None)
     return {u for u in np.flatnonzero(uly > 0).tolist()
             if cost.recompute_layout_tokens(held[u], uly[u], None) >= cap + 1}
 
 
-def _ulysses_choice(ctx: PlanContext, spans, span_index, table, unit_of, node_of, inter_js,
+def _ulysses_choice(ctx: PlanContext, intra_js: list[int], span_index, table, unit_of, node_of, inter_js,
                     forbid: set[int] | None = None) -> dict[int, bool]:
     """Which intra-node splits run as Ulysses. The runtime runs one kind family per unit and
     micro-batch (Ulysses, or rings and local work), so units linked by split groups decide
@@ -211,7 +257,6 @@ def _ulysses_choice(ctx: PlanContext, spans, span_index, table, unit_of, node_of
     if table.U is None:
         return {}
     per_node = ctx.units_per_node
-    intra_js = [j for j, s in enumerate(spans) if s.tier == "intra"]
     members: dict[int, list[int]] = {}
     for j in inter_js:
         members[j] = [nd * per_node + b for nd in node_of[j] for b in range(per_node)]

@@ -27,6 +27,7 @@ import numpy as np
 
 from zeppelin.planner.costmodel.context import PlanContext, PlanningError
 from zeppelin.planner.costmodel.predict import (
+    attention_tokens,
     microbatch_terms,
     predict_from_terms,
     predict_step,
@@ -64,11 +65,7 @@ def mode_context(ctx: PlanContext, mode: str) -> PlanContext:
 
 def held_tokens(mb: MicroBatch, n: int) -> np.ndarray:
     """Per unit, the most tokens it holds in the micro-batch (attention or linear layout)."""
-    att = np.zeros(n)
-    for p in mb.placements:
-        units = mb.groups[p.group].units
-        for pos, rs in enumerate(p.ranges):
-            att[units[pos]] += sum(e - s for s, e in rs)
+    att = attention_tokens(mb, n)  # (token counts: whole numbers, summed exactly in any order)
     if mb.linear_layout is None:
         return att
     lin = np.array([sum(e - s for _, s, e in segs) for segs in mb.linear_layout], dtype=np.float64)

@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from zeppelin.planner.core.base import PlanContext
-from zeppelin.planner.core.builder import direct_routes
+from zeppelin.planner.core.builder import direct_routes, record
 from zeppelin.schemas.cluster import ClusterSpec
 from zeppelin.schemas.invariants import group_rings, inter_ring_transfers
 from zeppelin.schemas.invariants import route_problems as invariant_route_problems
@@ -201,24 +201,25 @@ def _transfers(ctx: PlanContext, mb: MicroBatch) -> list[_Transfer]:
 
 
 class _Node:
-    """Per-node facts used by the router: the NICs units use and the proxy candidates on each."""
+    """Per-node facts used by the router: the NICs units use and the proxy candidates on each
+    (``bw``: each NIC's bandwidth by its id in the cluster spec)."""
 
-    def __init__(self, ctx: PlanContext, k: int, inter_members: set[int], busy: set[int], nic_of: _NicOf):
+    def __init__(self, ctx: PlanContext, k: int, bw: dict[str, float], nic_of: _NicOf):
         per_node = ctx.units_per_node
         self.units_on: dict[str, list[int]] = defaultdict(list)
         self.units = range(k * per_node, (k + 1) * per_node)
         for u in self.units:
             self.units_on[nic_of[u]].append(u)
         self.nics = sorted(self.units_on)
-        bw = {n.id: n.bandwidth_GBps for n in ctx.cluster.nics}
         self.bw = {n: bw[n.split("/", 1)[1]] for n in self.nics}
-        # proxy candidates, best first: not an inter ring member, then not in any multi-unit group
-        self.cands = {
-            n: sorted(us, key=lambda u: (u in inter_members, u in busy, u)) for n, us in self.units_on.items()
-        }
+        self.cands: dict[str, list[int]] | None = None  # (sorted when a proxy is first asked for)
         self._rr: dict[str, int] = defaultdict(int)
 
     def proxy(self, nic: str, inter_members: set[int], busy: set[int]) -> int:
+        if self.cands is None:  # proxy candidates, best first: not an inter ring member, then not in any
+            # multi-unit group
+            self.cands = {n: sorted(us, key=lambda u: (u in inter_members, u in busy, u))
+                          for n, us in self.units_on.items()}
         cands = self.cands[nic]
         best = (cands[0] in inter_members, cands[0] in busy)
         tied = [u for u in cands if (u in inter_members, u in busy) == best]
@@ -228,11 +229,13 @@ class _Node:
 
 
 def _spread(ctx: PlanContext, node: _Node, items: list[tuple[_Transfer, int]], side: str,
-            inter_members: set[int], busy: set[int], nic_of: _NicOf) -> None:
-    """Water-fill one (node, direction): ``items`` are (transfer, home unit) pairs."""
-    cost = ctx.cost
-    round_b = float(cost.ring_round_bytes(1))  # bytes per token per ring round (fwd + bwd), one layer
-    secs = _nic_secs(ctx, node)
+            inter_members: set[int], busy: set[int], nic_of: _NicOf, consts: tuple[float, float, float]) -> None:
+    """Water-fill one (node, direction): ``items`` are (transfer, home unit) pairs; ``consts``:
+    :func:`_link_consts`."""
+    if not items:  # (no load: nothing to move)
+        return
+    round_b = consts[0]  # bytes per token per ring round (fwd + bwd), one layer
+    secs = _nic_secs(ctx, node, consts)
     load: dict[str, float] = {n: 0.0 for n in node.nics}
     on: dict[str, list[_Transfer]] = defaultdict(list)
     for t, home in items:
@@ -259,7 +262,7 @@ def _spread(ctx: PlanContext, node: _Node, items: list[tuple[_Transfer, int]], s
     if not moves:
         return
     # NVLink dispatch (or combine) of the moved part, every ring round of every layer: alpha + bytes / bw
-    nv = cost.intra_link
+    nv = ctx.cost.intra_link
     hop = max((nv.alpha_s + x * t.share * round_b / (nv.bandwidth_GBps * 1e9)) * t.rounds * ctx.model.num_layers
               for t, x in moves)
     if t_lvl + hop >= t_dir:  # the NVLink dispatch/combine would eat the gain
@@ -285,11 +288,18 @@ def _spread(ctx: PlanContext, node: _Node, items: list[tuple[_Transfer, int]], s
         parts[home] = parts.get(home, 0) - (x - left)  # what did not fit stays at home
 
 
-def _nic_secs(ctx: PlanContext, node: _Node):
-    """``secs(load, nic)``: a NIC's busy time over the step for a load of tokens x rounds x share."""
-    kvb = float(ctx.cost.ring_round_bytes(1)) * ctx.model.num_layers
-    ref_bw = float(ctx.cost.inter_link.bandwidth_GBps)
-    nic0_bw = ctx.cluster.nics[0].bandwidth_GBps
+def _link_consts(ctx: PlanContext) -> tuple[float, float, float]:
+    """``(bytes per token per ring round (fwd + bwd, one layer), the inter-node link's bandwidth,
+    the first NIC's bandwidth)``: what :func:`_nic_secs` and the spreads price loads with."""
+    return (float(ctx.cost.ring_round_bytes(1)), float(ctx.cost.inter_link.bandwidth_GBps),
+            ctx.cluster.nics[0].bandwidth_GBps)
+
+
+def _nic_secs(ctx: PlanContext, node: _Node, consts: tuple[float, float, float]):
+    """``secs(load, nic)``: a NIC's busy time over the step for a load of tokens x rounds x share
+    (``consts``: :func:`_link_consts`)."""
+    kvb = consts[0] * ctx.model.num_layers
+    ref_bw, nic0_bw = consts[1], consts[2]
 
     def secs(load_tokens: float, nic: str) -> float:
         return load_tokens * kvb / (ref_bw * node.bw[nic] / nic0_bw * 1e9)
@@ -298,26 +308,32 @@ def _nic_secs(ctx: PlanContext, node: _Node):
 
 
 def _spread_columns(ctx: PlanContext, node: _Node, items: list[tuple[_Transfer, int]], side: str,
-                    base: dict[str, float], nic_of: _NicOf) -> None:
+                    base: dict[str, float], nic_of: _NicOf, consts: tuple[float, float, float]) -> None:
     """Water-fill one (node, direction) for usp transfers, each only over the NICs of its column
     ring's units on the node (the runtime relays a usp transfer inside its column ring), on top of
     the loads ``base`` of the node's other transfers: largest first, each raised to the lowest
     common level its NICs reach; kept when the NVLink dispatch (or combine) costs less than the
-    busiest NIC gains, else every transfer goes direct."""
-    secs = _nic_secs(ctx, node)
-    load = {n: base.get(n, 0.0) for n in node.nics}
+    busiest NIC gains, else every transfer goes direct (``consts``: :func:`_link_consts`)."""
+    # the NICs each transfer may use: its home unit's and those of its column ring's units here
+    # (a transfer with no other moves nothing, and leaves the loads as they were)
+    movable = []
     for t, home in items:
-        load[nic_of[home]] += t.tokens * t.weight
-    t_dir = max(secs(load[n], n) for n in node.nics)
-    nv, round_b = ctx.cost.intra_link, float(ctx.cost.ring_round_bytes(1))
-    hop, moved = 0.0, []
-    for t, home in sorted(items, key=lambda x: (-x[0].tokens * x[0].weight, x[1])):
         mine = {nic_of[home]: home}
         for u in t.ring or []:
             if u in node.units and nic_of[u] not in mine:
                 mine[nic_of[u]] = u
-        if len(mine) < 2:
-            continue
+        if len(mine) >= 2:
+            movable.append((t, home, mine))
+    if not movable:
+        return
+    secs = _nic_secs(ctx, node, consts)
+    load = {n: base.get(n, 0.0) for n in node.nics}
+    for t, home in items:
+        load[nic_of[home]] += t.tokens * t.weight
+    t_dir = max(secs(load[n], n) for n in node.nics)
+    nv, round_b = ctx.cost.intra_link, consts[0]
+    hop, moved = 0.0, []
+    for t, home, mine in sorted(movable, key=lambda x: (-x[0].tokens * x[0].weight, x[1])):
         w = t.tokens * t.weight
         load[nic_of[home]] -= w
         level = _water_level([load[n] for n in mine], [node.bw[n] for n in mine], w)
@@ -375,39 +391,52 @@ def plan_routes(ctx: PlanContext, mb: MicroBatch, enable: bool = True) -> list[R
         sends[t.src // per_node].append((t, t.src))
         recvs[t.dst // per_node].append((t, t.dst))
     nodes: dict[int, _Node] = {}
+    bw = {n.id: n.bandwidth_GBps for n in ctx.cluster.nics}
+    consts = _link_consts(ctx)
     for side, table in (("send", sends), ("recv", recvs)):
         for k, items in table.items():
             if k not in nodes:
-                nodes[k] = _Node(ctx, k, inter_members, busy, nic_of)
+                nodes[k] = _Node(ctx, k, bw, nic_of)
             rings = [x for x in items if x[0].ring is None]
-            _spread(ctx, nodes[k], rings, side, inter_members, busy, nic_of)
+            _spread(ctx, nodes[k], rings, side, inter_members, busy, nic_of, consts)
             if len(rings) < len(items):  # usp transfers, over their column rings' NICs beside the rings' loads
                 base: dict[str, float] = defaultdict(float)
                 for t, _ in rings:
                     for u, x in (t.send if side == "send" else t.recv).items():
                         base[nic_of[u]] += x * t.weight
-                _spread_columns(ctx, nodes[k], [x for x in items if x[0].ring is not None], side, base, nic_of)
-    nbytes = cost.kv_bytes(np.array([t.tokens for t in transfers], dtype=np.float64))
-    routes = [Route(group=t.group, src=t.src, dst=t.dst, tokens=t.tokens, bytes=int(b * t.share),
-                    paths=_pair(nic_of, t)) for t, b in zip(transfers, nbytes)]
+                _spread_columns(ctx, nodes[k], [x for x in items if x[0].ring is not None], side, base, nic_of,
+                                consts)
+    nbytes = cost.kv_bytes(np.array([t.tokens for t in transfers], dtype=np.float64)).tolist()
+    routes = [_route(t, int(b * t.share), _pair(nic_of, t)) for t, b in zip(transfers, nbytes)]
     # whole-token splits of tiny transfers can load a NIC more than the direct paths: never worse
-    from zeppelin.planner.costmodel.predict import nic_loads
+    from zeppelin.planner.costmodel.predict import route_nic_loads
 
-    routed = mb.model_copy(update={"routes": routes})
-    ro, un = nic_loads(ctx, routed, routed=True), nic_loads(ctx, routed, routed=False)
+    ro, un = route_nic_loads(ctx, mb.groups, routes)
     if max(ro.values(), default=0) > max(un.values(), default=0) * (1 + 1e-9):
         return direct_routes(ctx, mb)
     return routes
 
 
+def _route(t: _Transfer, nbytes: int, paths: list[RoutePath]) -> Route:
+    """``Route(group=.., src=.., dst=.., tokens=.., bytes=nbytes, paths=paths)`` of transfer ``t``,
+    recorded without re-validating what the router derived itself (every field given: the fields
+    are set as validation sets them); raises ``ValueError`` where the paths' tokens do not add up,
+    as the record's own check does."""
+    if sum(p.tokens for p in paths) != t.tokens:
+        raise ValueError(f"route {t.src}->{t.dst}: path tokens do not add up to {t.tokens}")
+    return record(Route, group=t.group, src=t.src, dst=t.dst, tokens=t.tokens, bytes=nbytes, paths=paths)
+
+
 def _pair(nic_of: _NicOf, t: _Transfer) -> list[RoutePath]:
     """Pair the send-side and receive-side splits of a transfer into paths (direct part first)."""
+    if len(t.send) == 1 and len(t.recv) == 1 and t.tokens > 0 and t.send.get(t.src) == t.tokens == t.recv.get(t.dst):
+        return [_path(nic_of, t.src, t.dst, t.tokens)]  # (unrouted: the direct path alone)
     s = {u: x for u, x in t.send.items() if x > 0}
     r = {u: x for u, x in t.recv.items() if x > 0}
     paths: list[RoutePath] = []
 
     def add(a: int, b: int, x: int) -> None:
-        paths.append(RoutePath(via_src=a, via_dst=b, nic_src=nic_of[a], nic_dst=nic_of[b], tokens=x))
+        paths.append(_path(nic_of, a, b, x))
 
     direct = min(s.get(t.src, 0), r.get(t.dst, 0))
     if direct:
@@ -425,6 +454,12 @@ def _pair(nic_of: _NicOf, t: _Transfer) -> list[RoutePath]:
         i += sl[i][1] == 0
         j += rl[j][1] == 0
     return paths
+
+
+def _path(nic_of: _NicOf, a: int, b: int, x: int) -> RoutePath:
+    """``RoutePath(via_src=a, via_dst=b, nic_src=.., nic_dst=.., tokens=x)`` over the units' own NICs,
+    recorded without re-validation (every field given, of its type)."""
+    return record(RoutePath, via_src=a, via_dst=b, nic_src=nic_of[a], nic_dst=nic_of[b], tokens=x)
 
 
 def nic_load_table(ctx: PlanContext, mb: MicroBatch, routed: bool) -> dict[str, float]:
