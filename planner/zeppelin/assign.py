@@ -73,12 +73,23 @@ class PackInfeasible(Exception):
 
 def lower_bound(pre: np.ndarray, cost: np.ndarray, width: np.ndarray) -> float:
     """max(average load, heaviest item on the least preloaded bins)."""
-    B = len(pre)
+    pre = np.asarray(pre, dtype=np.float64)
+    cost = np.asarray(cost, dtype=np.float64)
+    width = np.asarray(width, dtype=np.int64)
+    return _bound(pre, pre.tolist(), cost, cost.tolist(), width, width.tolist())
+
+
+def _bound(pre: np.ndarray, pre_l: list, cost: np.ndarray, cost_l: list, width: np.ndarray, width_l: list) -> float:
+    """:func:`lower_bound` of the arrays and their lists: the sums on the arrays (numpy's summation
+    order), the maxima and the sort on the lists where the items are few (exact either way)."""
+    B = len(pre_l)
     avg = (float(pre.sum()) + float((cost * width).sum())) / B if B else 0.0
-    lb = max(avg, float(pre.max()) if B else 0.0)
-    if len(cost):
-        srt = np.sort(pre)
-        lb = max(lb, float((np.asarray(cost, dtype=np.float64) + srt[np.asarray(width, dtype=np.int64) - 1]).max()))
+    lb = max(avg, max(pre_l) if B else 0.0)
+    if len(cost_l) > 64:  # (many items: the same sums, on arrays)
+        lb = max(lb, float((cost + np.sort(pre)[width - 1]).max()))
+    elif cost_l:
+        srt = sorted(pre_l)
+        lb = max(lb, max([c + srt[w - 1] for c, w in zip(cost_l, width_l)]))
     return lb
 
 
@@ -98,21 +109,41 @@ def greedy_pack(pre: np.ndarray, pre_tok: np.ndarray, cost: np.ndarray, tokens: 
     ``kinds`` (per item: :data:`LOCAL`, :data:`SPLIT`, :data:`EXCLUSIVE`; None: all local): which
     items may share a bin. Exclusive items must be wider than one bin (they are placed first)."""
     t0 = time.perf_counter()
-    B = len(pre)
+    pre = np.asarray(pre, dtype=np.float64)
+    costs = np.asarray(cost, dtype=np.float64)
+    tok_a = np.asarray(tokens, dtype=np.float64)
+    widths = np.asarray(width, dtype=np.int64)
+    B, m = len(pre), len(costs)
     # plain Python floats in the loop (numpy scalar indexing costs more than the arithmetic);
     # the same IEEE operations in the same order as on arrays
-    loads = np.asarray(pre, dtype=np.float64).tolist()
-    toks = np.asarray(pre_tok, dtype=np.float64).tolist()
-    costs = np.asarray(cost, dtype=np.float64)
-    m = len(costs)
-    widths = np.asarray(width, dtype=np.int64)
-    cost_l, tok_l, width_l = costs.tolist(), np.asarray(tokens, dtype=np.float64).tolist(), widths.tolist()
-    out: list[list[int]] = [[] for _ in range(m)]
+    pre_l, toks = pre.tolist(), np.asarray(pre_tok, dtype=np.float64).tolist()
+    loads = list(pre_l)
+    cost_l, tok_l, width_l = costs.tolist(), tok_a.tolist(), widths.tolist()
     # wide items first (they constrain most), each group by cost descending (stable: ties by index)
     if by_tokens:
-        order = np.lexsort((-costs, -np.asarray(tokens, dtype=np.float64), -widths)).tolist() if m else []
+        order = np.lexsort((-costs, -tok_a, -widths)).tolist() if m else []
     else:
         order = np.lexsort((-costs, -widths)).tolist() if m else []
+    kind_l = None if kinds is None else np.asarray(kinds, dtype=np.int64).tolist()
+    state = [LOCAL] * B  # per bin: LOCAL (no split nor exclusive item yet), SPLIT or EXCLUSIVE
+    out = _lpt(order, loads, toks, cost_l, tok_l, width_l, cap, state, kind_l, by_tokens)
+    lb = _bound(pre, pre_l, costs, cost_l, widths, width_l)
+    if search and m and B and max(loads) > lb * (1.0 + tol):
+        _search(out, loads, toks, cost_l, tok_l, width_l, cap, 4 * B + 50,
+                None if kind_l is None else _barred(kind_l, state))
+    mk = max(loads) if B else 0.0
+    return PackResult(out, np.array(loads, dtype=np.float64), np.array(toks, dtype=np.float64), mk, lb,
+                      time_s=time.perf_counter() - t0, greedy_makespan=mk)
+
+
+def _lpt(order: list[int], loads: list, toks: list, cost_l: list, tok_l: list, width_l: list, cap: float,
+         state: list, kind_l: list | None, by_tokens: bool) -> list[list[int]]:
+    """:func:`greedy_pack`'s longest-processing-time placement, items in ``order``: a wide item on
+    its least-loaded bins with room (``by_tokens``: most token room), a width-1 one on the
+    least-loaded bin with room, each of a kind it may share (``state``, per bin, updated). ``loads``
+    and ``toks`` (lists) are updated in place. Returns each item's bins."""
+    B = len(loads)
+    out: list = [None] * len(order)
     key = toks if by_tokens else loads
     heap = [(key[b], b) for b in range(B)]
     heapq.heapify(heap)
@@ -120,51 +151,71 @@ def greedy_pack(pre: np.ndarray, pre_tok: np.ndarray, cost: np.ndarray, tokens: 
     # heap once an item small enough for them comes: a nearly full cluster of hundreds of bins
     # would otherwise have every item pop (and push back) every full bin
     aside: list[tuple[float, int]] = []
-    kind_l = None if kinds is None else np.asarray(kinds, dtype=np.int64).tolist()
-    state = [LOCAL] * B  # per bin: LOCAL (no split nor exclusive item yet), SPLIT or EXCLUSIVE
     split_heap, split_aside = None, []  # width-1 splits': no exclusive bin (built after the wide items)
+    pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
     for i in order:
         w, c, k = width_l[i], cost_l[i], tok_l[i]
-        if w > B:
-            raise PackInfeasible(i, f"item {i} needs {w} bins, only {B} exist")
         kind = LOCAL if kind_l is None else kind_l[i]
-        if w == 1:
+        if w != 1:
+            out[i] = _place_wide(i, w, c, k, kind, heap, split_heap, loads, toks, key, state, cap, by_tokens)
+            continue
+        if kind == LOCAL:
+            h, a = heap, aside
+        else:
             if kind == EXCLUSIVE:
-                raise ValueError(f"item {i}: an exclusive item spans more than one bin")
-            if kind == SPLIT and split_heap is None:
+                raise (ValueError(f"item {i}: an exclusive item spans more than one bin") if B else
+                       PackInfeasible(i, f"item {i} needs 1 bins, only 0 exist"))
+            if split_heap is None:
                 split_heap = [(key[b], b) for b in range(B) if state[b] != EXCLUSIVE]
                 heapq.heapify(split_heap)
-            chosen = (_least_with_room(heap, aside, key, toks, k, cap) if kind == LOCAL
-                      else _least_with_room(split_heap, split_aside, key, toks, k, cap))
-            if chosen < 0:
-                raise PackInfeasible(i, f"item {i} ({int(k)} tokens) does not fit any bin"
-                                        f"{' without an exclusive item' if kind == SPLIT else ''}")
-            loads[chosen] += c
-            toks[chosen] += k
-            heapq.heappush(heap, (key[chosen], chosen))
-            if split_heap is not None:
-                heapq.heappush(split_heap, (key[chosen], chosen))
-            out[i] = [chosen]
+            h, a = split_heap, split_aside
+        # the least-loaded bin of ``h`` with room; bins without room wait in ``a`` until an item
+        # small enough comes; entries whose key is no longer the bin's are stale and dropped
+        while a and toks[a[0][1]] + k <= cap:
+            b = pop(a)[1]
+            push(h, (key[b], b))
+        while h:
+            ld, b = h[0]
+            if ld != key[b]:
+                pop(h)
+            elif toks[b] + k <= cap:
+                break
+            else:
+                pop(h)
+                push(a, (toks[b], b))
         else:
-            sel = (_wide_bins_heap(i, w, k, kind, heap, toks, state, cap) if B > WIDE_HEAP_MIN_BINS
-                   and not by_tokens else _wide_bins(i, w, k, kind, loads, toks, state, cap, by_tokens))
-            for b in sel:
-                loads[b] += c
-                toks[b] += k
-                heapq.heappush(heap, (key[b], b))
-                if kind != LOCAL:
-                    state[b] = kind
-                if split_heap is not None:
-                    heapq.heappush(split_heap, (key[b], b))
-            out[i] = sel
-    loads = np.array(loads, dtype=np.float64)
-    toks = np.array(toks, dtype=np.float64)
-    lb = lower_bound(np.asarray(pre, dtype=np.float64), np.asarray(cost, dtype=np.float64), np.asarray(width))
-    if search and m and B and float(loads.max()) > lb * (1.0 + tol):
-        _local_search(out, loads, toks, cost, tokens, width, cap,
-                      barred=None if kind_l is None else _barred(kind_l, state))
-    mk = float(loads.max()) if B else 0.0
-    return PackResult(out, loads, toks, mk, lb, time_s=time.perf_counter() - t0, greedy_makespan=mk)
+            raise PackInfeasible(i, f"item {i} needs 1 bins, only 0 exist" if not B else
+                                    f"item {i} ({int(k)} tokens) does not fit any bin"
+                                    f"{' without an exclusive item' if kind == SPLIT else ''}")
+        loads[b] += c
+        toks[b] += k
+        # the chosen bin's entry, still on top of ``h``, replaced with its new key (the heap then
+        # pops in the same order as after a pop and a push, for one sift instead of two)
+        replace(h, (key[b], b))
+        if split_heap is not None:
+            push(split_heap if h is heap else heap, (key[b], b))
+        out[i] = [b]
+    return out
+
+
+def _place_wide(i: int, w: int, c: float, k: float, kind: int, heap: list, split_heap: list | None,
+                loads: list, toks: list, key: list, state: list, cap: float, by_tokens: bool) -> list[int]:
+    """:func:`_lpt`'s placement of item ``i`` over ``w`` bins (:func:`_wide_bins`): ``loads``,
+    ``toks``, ``state`` and the heaps updated. Returns its bins."""
+    B = len(loads)
+    if w > B:
+        raise PackInfeasible(i, f"item {i} needs {w} bins, only {B} exist")
+    sel = (_wide_bins_heap(i, w, k, kind, heap, toks, state, cap) if B > WIDE_HEAP_MIN_BINS
+           and not by_tokens else _wide_bins(i, w, k, kind, loads, toks, state, cap, by_tokens))
+    for b in sel:
+        loads[b] += c
+        toks[b] += k
+        heapq.heappush(heap, (key[b], b))
+        if kind != LOCAL:
+            state[b] = kind
+        if split_heap is not None:
+            heapq.heappush(split_heap, (key[b], b))
+    return sel
 
 
 def _wide_bins(i: int, w: int, k: float, kind: int, loads: list, toks: list, state: list, cap: float,
@@ -184,9 +235,10 @@ def _wide_bins(i: int, w: int, k: float, kind: int, loads: list, toks: list, sta
     return sorted(sorted(cand, key=loads.__getitem__)[:w])  # least loaded; ties: lowest bin
 
 
-#: beyond this many bins, :func:`greedy_pack` takes a wide item's bins from its heap
-#: (:func:`_wide_bins_heap`) instead of scanning every bin for each item
-WIDE_HEAP_MIN_BINS = 64
+#: beyond this many bins (0: at every size), :func:`greedy_pack` takes a wide item's bins from its
+#: heap (:func:`_wide_bins_heap`) instead of scanning every bin for each item; the scan remains for
+#: ``by_tokens`` and as the reference the heap's choice is tested against
+WIDE_HEAP_MIN_BINS = 0
 
 
 def _wide_bins_heap(i: int, w: int, k: float, kind: int, heap: list, toks: list, state: list,
@@ -221,19 +273,21 @@ def _too_few_bins(i: int, w: int, k: float, kind: int, have: int) -> PackInfeasi
 
 
 def _least_with_room(heap: list, aside: list, key: list, toks: list, k: float, cap: float) -> int:
-    """The bin of ``heap`` with the least ``key`` and room for ``k`` more tokens (-1: none); bins
-    without room wait in ``aside`` (fewest tokens first) until an item small enough comes. Entries
-    whose key is no longer the bin's are stale and dropped."""
+    """The bin of ``heap`` with the least ``key`` and room for ``k`` more tokens (-1: none), its entry
+    left on top of ``heap``; bins without room wait in ``aside`` (fewest tokens first) until an item
+    small enough comes. Entries whose key is no longer the bin's are stale and dropped."""
     while aside and toks[aside[0][1]] + k <= cap:
         _, b = heapq.heappop(aside)
         heapq.heappush(heap, (key[b], b))
     while heap:
-        ld, b = heapq.heappop(heap)
+        ld, b = heap[0]
         if ld != key[b]:
-            continue  # stale entry
-        if toks[b] + k <= cap:
-            return b
-        heapq.heappush(aside, (toks[b], b))
+            heapq.heappop(heap)  # stale entry
+        elif toks[b] + k <= cap:
+            return b  # (its entry left on top of ``heap``: the caller replaces it)
+        else:
+            heapq.heappop(heap)
+            heapq.heappush(aside, (toks[b], b))
     return -1
 
 
@@ -249,19 +303,23 @@ def _barred(kinds: list[int], state: list[int]):
 def _local_search(out, loads, toks, cost, tokens, width, cap, max_iter: int | None = None, barred=None) -> None:
     """Move or swap width-1 items off the most loaded bin while the maximum drops (``loads`` and
     ``toks``, float arrays, updated in place); ``barred(item, bin)``: moves not allowed."""
-    B = len(loads)
-    if B < 2:
-        return
-    members: list[list[int]] = [[] for _ in range(B)]
-    for i, bs in enumerate(out):
-        if int(width[i]) == 1:
-            members[bs[0]].append(i)
     # plain Python floats in the loops (numpy scalar indexing costs more than the arithmetic); the
     # same IEEE operations in the same order, written back at the end
-    cost = np.asarray(cost, dtype=np.float64).tolist()
-    tokens = np.asarray(tokens, dtype=np.float64).tolist()
     ld, tk = np.asarray(loads, dtype=np.float64).tolist(), np.asarray(toks, dtype=np.float64).tolist()
-    max_iter = max_iter if max_iter is not None else 4 * B + 50
+    _search(out, ld, tk, np.asarray(cost, dtype=np.float64).tolist(), np.asarray(tokens, dtype=np.float64).tolist(),
+            np.asarray(width, dtype=np.int64).tolist(), cap, max_iter if max_iter is not None else 4 * len(ld) + 50,
+            barred)
+    loads[:] = ld
+    toks[:] = tk
+
+
+def _search(out: list, ld: list, tk: list, cost: list, tokens: list, width: list, cap: float, max_iter: int,
+            barred) -> None:
+    """:func:`_local_search` on lists (``ld``, ``tk`` updated in place)."""
+    B = len(ld)
+    if B < 2:
+        return
+    members = _members(out, width, B)
 
     def shift(i: int, a: int, b: int) -> None:  # item i from bin a to bin b
         members[a].remove(i)
@@ -279,52 +337,85 @@ def _local_search(out, loads, toks, cost, tokens, width, cap, max_iter: int | No
         # the CPU's vector units select, so plans would differ from one machine to another)
         if B <= 64:
             hi = max(range(B), key=by_load)
-            lows = heapq.nsmallest(8, range(B), key=by_load)
+            # (what heapq.nsmallest does when it is asked for all of them: a stable sort)
+            lows = sorted(range(B), key=by_load) if B <= 8 else heapq.nsmallest(8, range(B), key=by_load)
         else:
             arr = np.array(ld)
             hi = int(np.argmax(arr))
             lows = np.argsort(arr, kind="stable")[:8].tolist()
-        top = ld[hi]
-        improved = False
-        for lo in lows:
-            if lo == hi:
-                continue
-            diff = top - ld[lo]
-            if diff <= 1e-12:
-                break
-            # best single move: item with cost closest to diff/2, not exceeding diff
-            best, best_gain = None, 1e-12
-            t_lo = tk[lo]
+        best = _best_exchange(hi, lows, members, ld, tk, cost, tokens, cap, barred)
+        if best is None:
+            break
+        i, j, lo = best
+        shift(i, hi, lo)
+        if j is not None:
+            shift(j, lo, hi)
+
+
+class _LazyMembers(dict):
+    """Per bin, its width-1 items in item order, each bin's found (``np.flatnonzero`` over the items'
+    first bins) when the search first looks at it: over many bins it looks at few. A bin's list,
+    once found, is kept up to date by the search's moves; a bin not looked at yet has had none."""
+
+    def __init__(self, first: np.ndarray):
+        super().__init__()
+        self.first = first
+
+    def __missing__(self, b: int) -> list[int]:
+        got = self[b] = np.flatnonzero(self.first == b).tolist()
+        return got
+
+
+def _members(out: list, width: list, B: int):
+    """Per bin, the width-1 items on it in item order (what :func:`_search` moves): a list of
+    lists, or over more than 64 bins a :class:`_LazyMembers`."""
+    if B > 64 and 0 not in width:
+        first = np.array([bs[0] for bs in out], dtype=np.int64)
+        first[np.asarray(width, dtype=np.int64) != 1] = -1
+        return _LazyMembers(first)
+    members: list[list[int]] = [[] for _ in range(B)]
+    for i, bs in enumerate(out):
+        if width[i] == 1:
+            members[bs[0]].append(i)
+    return members
+
+
+def _best_exchange(hi: int, lows: list[int], members: list, ld: list, tk: list, cost: list, tokens: list,
+                   cap: float, barred):
+    """:func:`_search`'s step: for the first of ``lows`` (in order) where one helps, the move of an
+    item off ``hi`` or the swap of one there with one on it that lowers the pair's maximum most,
+    as ``(item, swapped item or None, low bin)``; None: none helps."""
+    top = ld[hi]
+    for lo in lows:
+        if lo == hi:
+            continue
+        diff = top - ld[lo]
+        if diff <= 1e-12:
+            break
+        # best single move: item with cost closest to diff/2, not exceeding diff
+        best, best_gain = None, 1e-12
+        t_lo = tk[lo]
+        for i in members[hi]:
+            c = cost[i]
+            if c < diff and t_lo + tokens[i] <= cap:
+                gain = min(c, diff - c)
+                if gain > best_gain and not (barred is not None and barred(i, lo)):
+                    best, best_gain = (i, None, lo), gain
+        # best swap: i from hi, j from lo with 0 < c_i - c_j < diff
+        if len(members[hi]) * len(members[lo]) <= 4096:
             for i in members[hi]:
-                c = cost[i]
-                if c < diff and t_lo + tokens[i] <= cap:
-                    gain = min(c, diff - c)
-                    if gain > best_gain and not (barred is not None and barred(i, lo)):
-                        best, best_gain = (i, None), gain
-            # best swap: i from hi, j from lo with 0 < c_i - c_j < diff
-            if len(members[hi]) * len(members[lo]) <= 4096:
-                for i in members[hi]:
-                    ci = cost[i]
-                    for j in members[lo]:
-                        d = ci - cost[j]
-                        if 0 < d < diff:
-                            gain = min(d, diff - d)
-                            if gain > best_gain and tk[lo] - tokens[j] + tokens[i] <= cap \
-                                    and tk[hi] - tokens[i] + tokens[j] <= cap \
-                                    and not (barred is not None and (barred(i, lo) or barred(j, hi))):
-                                best, best_gain = (i, j), gain
-            if best is None:
-                continue
-            i, j = best
-            shift(i, hi, lo)
-            if j is not None:
-                shift(j, lo, hi)
-            improved = True
-            break
-        if not improved:
-            break
-    loads[:] = ld
-    toks[:] = tk
+                ci = cost[i]
+                for j in members[lo]:
+                    d = ci - cost[j]
+                    if 0 < d < diff:
+                        gain = min(d, diff - d)
+                        if gain > best_gain and tk[lo] - tokens[j] + tokens[i] <= cap \
+                                and tk[hi] - tokens[i] + tokens[j] <= cap \
+                                and not (barred is not None and (barred(i, lo) or barred(j, hi))):
+                            best, best_gain = (i, j, lo), gain
+        if best is not None:
+            return best
+    return None
 
 
 def ilp_pack(pre: np.ndarray, pre_tok: np.ndarray, cost: np.ndarray, tokens: np.ndarray, width: np.ndarray,

@@ -211,20 +211,25 @@ def assign_units(search: StepState, sp: Spans, node_of: list[list[int]], carry: 
     units, per_node, nodes = ctx.num_units, ctx.units_per_node, ctx.cluster.num_nodes
     pre = np.array(carry, dtype=np.float64)
     pre_tok = np.zeros(units)
-    for j, s in enumerate(sp.spans):
-        if s.tier == "inter":
-            for nd in node_of[j]:
-                pre[nd * per_node:(nd + 1) * per_node] += sp.unit_time[j]
-                pre_tok[nd * per_node:(nd + 1) * per_node] += sp.tokens_per_unit[j]
-    by_node: dict[int, list[int]] = {}
-    for j, s in enumerate(sp.spans):
-        if s.tier != "inter":
-            by_node.setdefault(node_of[j][0], []).append(j)
+    for j in np.flatnonzero(sp.is_inter).tolist():  # (in sequence order: the same sums per unit)
+        for nd in node_of[j]:
+            pre[nd * per_node:(nd + 1) * per_node] += sp.unit_time[j]
+            pre_tok[nd * per_node:(nd + 1) * per_node] += sp.tokens_per_unit[j]
+    # each node's sequences in sequence order: the local ones grouped by node (a stable sort, by
+    # radix on 16-bit node numbers)
+    local = np.flatnonzero(~sp.is_inter)
+    first = np.array([b[0] for b in node_of], dtype=np.int64)[local]
+    grouped = local[np.argsort(first.astype(np.uint16) if nodes <= 1 << 16 else first, kind="stable")]
+    counts = np.bincount(first, minlength=nodes)
+    ends = np.cumsum(counts).tolist()
+    flat = grouped.tolist()
+    by_node = {nd: flat[ends[nd - 1] if nd else 0:ends[nd]] for nd in np.flatnonzero(counts).tolist()}
     # the fullest nodes first: a layout whose nodes leave some unit no room fails at once (the
     # caller then keeps more token slack per node); the results stay in node order
     held = pre_tok.reshape(nodes, per_node).sum(axis=1)
-    for nd, js in by_node.items():
-        held[nd] += float(np.dot(sp.tokens_per_unit[js], sp.span_units[js]))
+    for nd in by_node:
+        ix = grouped[ends[nd] - len(by_node[nd]):ends[nd]]
+        held[nd] += float(np.dot(sp.tokens_per_unit[ix], sp.span_units[ix]))
     packed: dict[int, PackResult] = {}
     for nd in np.argsort(-held, kind="stable").tolist():
         sl = slice(nd * per_node, (nd + 1) * per_node)
@@ -233,15 +238,15 @@ def assign_units(search: StepState, sp: Spans, node_of: list[list[int]], carry: 
     if polish and results:
         _polish_hot_nodes(search, sp, by_node, results, pre, pre_tok)
     unit_of: list[list[int]] = [[] for _ in sp.spans]
-    loads = np.zeros(units)
     for nd, r in results.items():
-        loads[nd * per_node:(nd + 1) * per_node] = r.loads
-        for jj, j in enumerate(by_node.get(nd, [])):
-            unit_of[j] = [nd * per_node + b for b in r.bins[jj]]
+        base = nd * per_node
+        for j, bs in zip(by_node.get(nd, ()), r.bins):
+            unit_of[j] = [base + bs[0]] if len(bs) == 1 else [base + b for b in bs]
         stats.results.append(r)
-    stats.unit_loads = loads
-    for s in sp.spans:
-        stats.tiers[s.tier] += 1
+    stats.unit_loads = np.concatenate([r.loads for r in results.values()]) if results else np.zeros(units)
+    tiers = [s.tier for s in sp.spans]
+    for tier in stats.tiers:
+        stats.tiers[tier] += tiers.count(tier)
     stats.level2_lb = max((r.lower_bound for r in results.values()), default=0.0)
     return unit_of
 

@@ -192,3 +192,78 @@ def test_wide_items_take_the_same_bins_from_the_heap_as_from_a_scan(monkeypatch)
         assert got[0] == got[1], case
         errors += isinstance(got[0], str)
     assert 5 <= errors <= 55  # (both outcomes are exercised)
+
+
+def test_wide_items_take_the_same_bins_from_the_heap_as_from_a_scan_on_few_bins(monkeypatch):
+    """The heap's choice of a wide item's bins (:func:`_wide_bins_heap`) is the scan's at every
+    size, down to a node's few units: the same bins, loads and errors, on integer loads (ties),
+    preloads, tight token room, every kind and without kinds."""
+    from zeppelin.planner.zeppelin import assign
+
+    rng = np.random.default_rng(9)
+    errors = 0
+    for case in range(200):
+        B = int(rng.integers(1, 17))
+        m = int(rng.integers(1, 40))
+        width = np.where(rng.random(m) < 0.4, rng.integers(1, B + 1, m), 1)
+        cost = rng.integers(0, 6, m).astype(np.float64)
+        tokens = rng.integers(1, 4, m).astype(np.float64)
+        kinds = None if case % 3 == 0 else np.where(
+            width > 1, rng.choice([assign.LOCAL, assign.SPLIT, assign.EXCLUSIVE], m),
+            rng.choice([assign.LOCAL, assign.SPLIT], m))
+        pre = rng.integers(0, 3, B).astype(np.float64) * (case % 2)
+        pre_tok = rng.integers(0, 2, B).astype(np.float64)
+        cap = float(np.ceil(float((tokens * width).sum()) / B * rng.choice([1.0, 1.5, 3.0]))) + 2
+        got = []
+        for min_bins in (0, 10**9):  # the heap, then the scan
+            monkeypatch.setattr(assign, "WIDE_HEAP_MIN_BINS", min_bins)
+            try:
+                r = assign.greedy_pack(pre, pre_tok, cost, tokens, width, cap, kinds=kinds)
+                got.append((r.bins, r.loads.tolist(), r.tokens.tolist()))
+            except assign.PackInfeasible as e:
+                got.append(str(e))
+        assert got[0] == got[1], case
+        errors += isinstance(got[0], str)
+    assert 10 <= errors <= 150  # (both outcomes are exercised)
+
+
+def test_greedy_packing_choices_are_pinned():
+    """The greedy packing's every choice is pinned by a digest of its results (bins, loads, tokens,
+    makespan, bound, or the error) on random instances - a node's few bins to hundreds, integer
+    costs (ties) and fractional ones, zero costs, preloads, tight and loose token room, with and
+    without kinds, LPT and by token room: a faster implementation must choose the same (plans
+    stay byte-identical); a deliberate change of the algorithm updates the digest."""
+    import hashlib
+    import json
+
+    from zeppelin.planner.zeppelin.assign import PackInfeasible
+
+    rng = np.random.default_rng(11)
+    h = hashlib.sha256()
+    outcomes = {"ok": 0, "infeasible": 0, "error": 0}
+    for case in range(400):
+        B = int(rng.choice([1, 2, 3, 5, 8, 8, 8, 16, 40, 64, 65, 130]))
+        m = int(rng.integers(0, 60))
+        width = np.where(rng.random(m) < 0.3, rng.integers(2, max(3, min(B, 6) + 1), m), 1)
+        cost = rng.integers(0, 6, m).astype(np.float64) * (rng.random(m) if case % 3 == 0 else 1.0)
+        tokens = rng.integers(1, 5, m).astype(np.float64)
+        pre = rng.integers(0, 4, B).astype(np.float64) * (case % 2)
+        pre_tok = rng.integers(0, 3, B).astype(np.float64) * (case % 4 == 1)
+        need = (float((tokens * width).sum()) + float(pre_tok.sum())) / B + 4
+        cap = float(np.ceil(need * rng.choice([0.9, 1.1, 1.5, 3.0])))
+        kinds = None
+        if case % 5 == 2:
+            kinds = np.where(width > 1, rng.choice([0, 1, 2], m), rng.choice([0, 1], m))
+        for by_tokens in (False, True):
+            try:
+                r = greedy_pack(pre, pre_tok, cost, tokens, width, cap, by_tokens=by_tokens, kinds=kinds,
+                                tol=0.0 if case % 2 else 0.01)
+                got = [r.bins, r.loads.tolist(), r.tokens.tolist(), r.makespan, r.lower_bound]
+            except PackInfeasible as e:
+                got = ["infeasible", e.item, str(e)]
+            except ValueError as e:
+                got = ["error", str(e)]
+            outcomes[got[0] if isinstance(got[0], str) else "ok"] += 1
+            h.update(json.dumps(got).encode())
+    assert outcomes["ok"] >= 500 and outcomes["infeasible"] >= 100
+    assert h.hexdigest()[:16] == "702ada8d9aa93acd"

@@ -92,19 +92,24 @@ def node_major(state: StepState, M: int):
     node = lpt_with_room(order, nodes, M * cap, wl, pt)
     if node is None:
         return None
-    by_node: list[list[int]] = [[] for _ in range(nodes)]
-    for i, nd in zip(order, node):  # heaviest first within each node
-        by_node[nd].append(i)
-    parts: list[list[int]] = [[] for _ in range(M)]
+    # each node's sequences, heaviest first (``order`` grouped by node, a stable sort)
+    node_arr = np.array(node, dtype=np.int64)
+    keys = node_arr.astype(np.uint16) if nodes <= 1 << 16 else node_arr  # (16 bits: sorted by radix)
+    grouped = np.array(order, dtype=np.int64)[np.argsort(keys, kind="stable")].tolist()
+    ends = np.cumsum(np.bincount(node_arr, minlength=nodes)).tolist()
+    mb = []  # the micro-batch of each sequence in ``grouped``
+    start = 0
     for nd in range(nodes):
-        mbs = lpt_with_room(by_node[nd], M, cap, wl, pt)
+        mbs = lpt_with_room(grouped[start:ends[nd]], M, cap, wl, pt)
         if mbs is None:
             return None
-        for i, k in zip(by_node[nd], mbs):
-            parts[k].append(i)
-    node_of = dict(zip(order, node))
-    parts = [sorted(p) for p in parts if p]
-    return parts, {i: node_of[i] for i in range(len(lengths))}
+        mb += mbs
+        start = ends[nd]
+    mb_arr, grouped_arr = np.array(mb, dtype=np.int64), np.array(grouped, dtype=np.int64)
+    parts = [np.sort(grouped_arr[mb_arr == k]).tolist() for k in range(M)]
+    node_of = np.empty(len(lengths), dtype=np.int64)
+    node_of[order] = node_arr
+    return [p for p in parts if p], dict(enumerate(node_of.tolist()))
 
 
 def lpt_with_room(items: list[int], bins: int, room: float, weight: list[float], size: list[float]):
@@ -113,21 +118,32 @@ def lpt_with_room(items: list[int], bins: int, room: float, weight: list[float],
     None when an item fits no bin."""
     if bins == 2:
         return _lpt_two(items, room, weight, size)
+    if bins < 1:
+        return [] if not items else None
     heap = [(0.0, b) for b in range(bins)]
     tok = [0.0] * bins
     out = []
+    pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
     for i in items:
-        aside = []
-        while heap and tok[heap[0][1]] + size[i] > room:
-            aside.append(heapq.heappop(heap))
-        if not heap:
-            return None
-        ld, b = heapq.heappop(heap)
-        out.append(b)
-        tok[b] += size[i]
-        heapq.heappush(heap, (ld + weight[i], b))
-        for e in aside:
-            heapq.heappush(heap, e)
+        s = size[i]
+        ld, b = heap[0]
+        if tok[b] + s > room:  # bins without room wait aside while this item takes its bin
+            aside = []
+            while heap and tok[heap[0][1]] + s > room:
+                aside.append(pop(heap))
+            if not heap:
+                return None
+            ld, b = heap[0]
+            out.append(b)
+            tok[b] += s
+            replace(heap, (ld + weight[i], b))
+            for e in aside:
+                push(heap, e)
+        else:
+            out.append(b)
+            tok[b] += s
+            # (one sift where a pop and a push take two: the heap pops in the same order)
+            replace(heap, (ld + weight[i], b))
     return out
 
 
