@@ -275,3 +275,58 @@ def test_node_major_lpt_takes_the_least_loaded_bin_with_room():
         assert got == by_scan(items, bins, room, weight, size), case
         nones += got is None
     assert 20 <= nones <= 380
+
+
+def test_split_fits_only_where_the_split_finds_every_micro_batch():
+    """``split_fits`` (no cut needed) holds only where ``split_microbatches`` finds ``M`` micro-batches,
+    none empty; it holds on most roomy instances, and the split fails on some tight ones."""
+    from zeppelin.planner.zeppelin.step_searches import split_fits, split_microbatches
+
+    ctx = make_ctx("zeppelin-a:2x4")
+    rng = np.random.default_rng(11)
+    held = failed = 0
+    for _ in range(400):
+        n, M = int(rng.integers(2, 40)), int(rng.integers(2, 6))
+        L = np.maximum(1, rng.pareto(1.1, n) * 500).astype(np.int64)
+        budget = int(L.sum() / M * rng.uniform(1.0, 1.6)) + int(rng.integers(0, 2)) * int(L.max())
+        parts = split_microbatches(ctx, L, M, budget)
+        failed += parts is None
+        if split_fits(ctx, L, M, budget):
+            held += 1
+            assert parts is not None and len(parts) == M and all(parts)
+    assert held >= 100 and failed >= 20
+    # the condition's edge: all the tokens but the longest's M - 1 times exactly fill the micro-batches
+    L = np.array([700, 500, 300, 300, 200], dtype=np.int64)
+    budget = (int(L.sum()) + 700) // 2
+    assert split_fits(ctx, L, 2, budget) and split_microbatches(ctx, L, 2, budget) is not None
+    assert not split_fits(ctx, L, 2, budget - 1)
+
+
+def test_micro_batches_are_cut_only_where_a_search_reads_them(monkeypatch):
+    """Node-major leading (alone, with its own micro-batches) never needs the count's split: it is
+    not cut; where every search runs each count's is cut once for all of them."""
+    from zeppelin.planner.zeppelin import step_searches
+    from zeppelin.planner.zeppelin.step_searches import node_major
+
+    cuts = []
+    real = step_searches.split_microbatches
+
+    def spy(*a):
+        cuts.append(a[2])
+        return real(*a)
+
+    monkeypatch.setattr(step_searches, "split_microbatches", spy)
+    monkeypatch.setattr(node_major, "ALL_LAYOUTS_MAX_UNITS", 0)
+    ctx = make_ctx("zeppelin-a:2x4")
+    lengths = [ctx.cost.token_capacity // 3] * (3 * ctx.num_units)  # two micro-batches are needed
+    plans = []
+    for first in (ctx.num_units - 1, ctx.num_units):  # node-major leads; then every search runs
+        monkeypatch.setattr(step_searches, "NODE_MAJOR_FIRST_UNITS", first)
+        monkeypatch.setattr(node_major, "FREE_NODES_MIN_UNITS", first)
+        cuts.clear()
+        plans.append(ZeppelinPlanner(families_max_units=0).plan_step(ctx, 0, seqs_of(lengths)))
+        check_plan(ctx, plans[-1], lengths)
+        if first < ctx.num_units:
+            assert cuts == []
+        else:  # (each count searched cut once, whichever searches read it)
+            assert cuts[0] == 2 and len(cuts) == len(set(cuts))

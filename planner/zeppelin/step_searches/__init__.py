@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Sequence as _Seq
 from functools import partial
 
 import numpy as np
@@ -65,8 +66,8 @@ def _search_counts(state: StepState, step: int, simulate: bool) -> list:
     M = max(1, min(n_seq, math.ceil(int(lengths.sum()) / (FILL * budget))))
     found = Round()
     while M <= n_seq:
-        parts = split_microbatches(ctx, lengths, M, budget)
-        if parts is None:
+        parts = MicroBatchSplit(ctx, lengths, M, budget)
+        if not parts.fits():
             M += 1
             continue
         found = Round(found=found.found)
@@ -110,6 +111,45 @@ def _near_bound(state: StepState, built) -> bool:
         return False
     pr = predict_from_terms(state.ctx, state.lengths, [b[2] for b in built])
     return pr.step_time_s <= (1 + gap) * max(lower_bounds(state.ctx, state.lengths, microbatches=len(built)))
+
+
+class MicroBatchSplit(_Seq):
+    """The step's sequences in ``M`` micro-batches (:func:`split_microbatches`), cut when a search
+    first reads them: node-major, which runs alone at scale, makes its own and reads only how many
+    there are. Whether they fit is known without cutting where :func:`split_fits` proves it."""
+
+    def __init__(self, ctx, lengths: np.ndarray, M: int, budget: int):
+        self.ctx, self.lengths, self.M, self.budget = ctx, lengths, M, budget
+        self._parts: list[list[int]] | None = None
+        self._cut = False
+
+    def fits(self) -> bool:
+        """Whether :func:`split_microbatches` finds ``M`` micro-batches (none empty)."""
+        return split_fits(self.ctx, self.lengths, self.M, self.budget) or self.parts() is not None
+
+    def parts(self) -> list[list[int]] | None:
+        if not self._cut:
+            self._parts, self._cut = split_microbatches(self.ctx, self.lengths, self.M, self.budget), True
+        return self._parts
+
+    def __len__(self) -> int:
+        return self.M
+
+    def __getitem__(self, k):
+        return self.parts()[k]
+
+
+def split_fits(ctx, lengths: np.ndarray, M: int, budget: int) -> bool:
+    """A sufficient condition for :func:`split_microbatches` to find ``M`` micro-batches, none empty.
+    A sequence of L tokens finds no micro-batch with room only when the others hold more than
+    ``M * (budget - L)`` tokens, which all the tokens, less its own, cannot where ``total <=
+    M * budget - (M - 1) * L``; and the first ``M`` sequences (heaviest first) each go to an empty
+    micro-batch where every sequence has work (an empty one has the least)."""
+    n = len(lengths)
+    if M < 2 or n < M:
+        return False
+    total, longest = int(lengths.sum()), int(lengths.max())
+    return total <= M * budget - (M - 1) * longest and bool((ctx.cost.work(lengths) > 0).all())
 
 
 def split_microbatches(ctx, lengths: np.ndarray, M: int, budget: int) -> list[list[int]] | None:
