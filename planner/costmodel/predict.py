@@ -427,11 +427,11 @@ class _GroupArrays:
     _by_group: tuple | None = None
 
     @classmethod
-    def of(cls, cost, seq_lengths, mb: MicroBatch) -> _GroupArrays:
+    def of(cls, cost, seq_lengths, mb: MicroBatch, pg: np.ndarray | None = None) -> _GroupArrays:
         groups = mb.groups
         ng = len(groups)
         pls = mb.placements
-        pg = placement_groups(mb)
+        pg = placement_groups(mb) if pg is None else pg
         pads = list(map(_PADDED, pls))
         if any(pads):
             pL = np.fromiter(((p.padded_length or seq_lengths[p.seq]) for p in pls), dtype=np.float64, count=len(pls))
@@ -511,14 +511,6 @@ def ulysses_held_tokens(mb: MicroBatch, n: int, costs, pg: np.ndarray | None = N
             if 0 <= u < n:
                 held[u] += ranges_tokens(rs) * w[p.group]
     return held
-
-
-def attention_layout_memory_tokens(ctx: PlanContext, mb: MicroBatch) -> np.ndarray:
-    """Per unit: :func:`layout_memory_tokens` of ``mb`` without its remap (the linear modules where
-    attention ran), which ``microbatch_terms`` gives as ``mem_tokens`` where ``mb`` has none."""
-    pg = placement_groups(mb)
-    held = _held_tokens(mb, ctx.num_units, pg)
-    return layout_memory_tokens(ctx.cost, mb, held, held.copy(), pg)
 
 
 def layout_memory_tokens(cost, mb: MicroBatch, held: np.ndarray, lin_held: np.ndarray,
@@ -652,8 +644,11 @@ def _linear_terms(ctx: PlanContext, mb: MicroBatch, held: np.ndarray, comm: np.n
     return lin_held, head, lin, comm, exposed, links
 
 
-def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool = True) -> MBTerms:
+def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool = True,
+                     pg: np.ndarray | None = None, held: np.ndarray | None = None) -> MBTerms:
     """Per-unit terms of one micro-batch; ``seq_lengths[i]`` is the length of the step's sequence i.
+    ``pg`` (its :func:`placement_groups`) and ``held`` (its :func:`attention_tokens`): where the
+    caller knows them.
 
     Vectorised over placements and groups: plans have thousands of units and sequences."""
     cost = ctx.cost
@@ -662,8 +657,8 @@ def microbatch_terms(ctx: PlanContext, seq_lengths, mb: MicroBatch, routed: bool
     groups = mb.groups
     ng = len(groups)
     inter_round, nic_floor = _route_round_time(ctx, mb, routed)
-    ga = _GroupArrays.of(cost, seq_lengths, mb)
-    held = _held_tokens(mb, n, ga.pg)
+    ga = _GroupArrays.of(cost, seq_lengths, mb, pg)
+    held = _held_tokens(mb, n, ga.pg) if held is None else held
     t_att = np.zeros(ng)
     t_comm = np.zeros(ng)
     t_exp = np.zeros(ng)

@@ -104,7 +104,7 @@ def usp_rings(ctx: PlanContext, mb: MicroBatch) -> list[int]:
     return out
 
 
-def as_usp(search, mb: MicroBatch, rings: list[int], remap: bool) -> MicroBatch:
+def as_usp(search, mb: MicroBatch, rings: list[int], remap: bool, pg: np.ndarray | None = None) -> MicroBatch:
     """``mb`` with each of the inter-node ``rings`` (:func:`usp_rings`) run as a usp group over the
     same units instead: rows of the widest usp row size inside a node, the ring of rows across the
     nodes (each column ring crosses the network over its own units' NICs, where a ring's hop from
@@ -114,7 +114,7 @@ def as_usp(search, mb: MicroBatch, rings: list[int], remap: bool) -> MicroBatch:
     u, m = max(usp_row_sizes(ctx)), ctx.model
     rep = kv_replication(m.num_heads, m.num_kv_heads, ctx.tp, u)
     groups, placements = list(mb.groups), list(mb.placements)
-    for pi in _placement_indices(mb, set(rings)):
+    for pi in _placement_indices(mb, set(rings), pg):
         p = placements[pi]
         units = sorted(mb.groups[p.group].units)
         r = len(units) // u
@@ -130,11 +130,12 @@ def as_usp(search, mb: MicroBatch, rings: list[int], remap: bool) -> MicroBatch:
     return out
 
 
-def _placement_indices(mb: MicroBatch, groups: set[int]) -> list[int]:
-    """The indices of ``mb``'s placements in ``groups``, in order."""
+def _placement_indices(mb: MicroBatch, groups: set[int], pg: np.ndarray | None = None) -> list[int]:
+    """The indices of ``mb``'s placements in ``groups``, in order (``pg``: its placements' groups,
+    where known)."""
     if not groups:
         return []
-    return np.flatnonzero(np.isin(placement_groups(mb), list(groups))).tolist()
+    return np.flatnonzero(np.isin(placement_groups(mb) if pg is None else pg, list(groups))).tolist()
 
 
 def _placements_in(mb: MicroBatch, groups: set[int]) -> list[Placement]:
@@ -228,20 +229,23 @@ def _local_groups(idx, lengths: list, local_js: list[int], unit_of, groups, plac
     placements += new_placements
 
 
-def ulysses_over_memory(ctx: PlanContext, groups: list[Group], placements: list[Placement]) -> set[int]:
+def ulysses_over_memory(ctx: PlanContext, groups: list[Group], placements: list[Placement],
+                        pg: np.ndarray | None = None, held: np.ndarray | None = None) -> set[int]:
     """The units whose memory the micro-batch's Ulysses rows' extra copies overrun (as ``validate``
     counts them, under the context's global recomputation); none where units may recompute on their
-    own (``PlanContext.unit_recompute``: their choice is made afterwards)."""
+    own (``PlanContext.unit_recompute``: their choice is made afterwards). ``pg`` (the placements'
+    groups) and ``held`` (:func:`.predict.attention_tokens`): where the caller knows them."""
     if ctx.unit_recompute:
         return set()
     mb = MicroBatch.model_construct(groups=groups, placements=placements, queues=[], linear_layout=None,
                                    remap=RemapInfo(), routes=[])
     n, cost = ctx.num_units, ctx.cost
-    pg = placement_groups(mb)
+    pg = placement_groups(mb) if pg is None else pg
     uly = ulysses_held_tokens(mb, n, cost, pg)
     if uly is None:
         return set()
-    held = attention_tokens(mb, n, pg)  # (recompute.held_tokens: no linear layout here)
+    if held is None:
+        held = attention_tokens(mb, n, pg)  # (recompute.held_tokens: no linear layout here)
     cap = cost.recompute_capacity(None)
     return {u for u in np.flatnonzero(uly > 0).tolist()
             if cost.recompute_layout_tokens(held[u], uly[u], None) >= cap + 1}

@@ -21,11 +21,17 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from zeppelin.planner.costmodel.predict import attention_layout_memory_tokens, microbatch_terms
+from zeppelin.planner.costmodel.predict import (
+    attention_tokens,
+    layout_memory_tokens,
+    microbatch_terms,
+    placement_groups,
+)
 from zeppelin.planner.zeppelin.assign import EXCLUSIVE, LOCAL, SPLIT, PackInfeasible, PackResult, pack
 from zeppelin.planner.zeppelin.groups import as_usp, build_microbatch, finish_microbatch, ulysses_over_memory, usp_rings
 from zeppelin.planner.zeppelin.step_state import StepState
 from zeppelin.planner.zeppelin.tiering import Span, SpanTable, zigzag_max_tokens_array
+from zeppelin.schemas.layout import ranges_tokens
 
 
 #: up to this many units, a micro-batch whose sequences stage 1 marks for usp groups
@@ -147,7 +153,7 @@ def _usp_spans(search: StepState) -> bool:
 
 
 def assign_nodes(search: StepState, idx: list[int], sp: Spans, carry: np.ndarray, node_fill: float,
-                 fixed_nodes: dict[int, int] | None, stats: MicroBatchStats) -> list[list[int]]:
+                 fixed_nodes: list[int] | None, stats: MicroBatchStats) -> list[list[int]]:
     """Stage 2 (level 1): the nodes of each sequence. ``fixed_nodes``: the whole step's node
     assignment, made up front (node-major micro-batches)."""
     ctx, opts = search.ctx, search.options
@@ -275,7 +281,7 @@ def _polish_hot_nodes(search: StepState, sp: Spans, by_node, results: dict[int, 
 
 
 def plan_microbatch(search: StepState, idx: list[int], carry: np.ndarray, balance: str = "total",
-                    floor: int | None = None, node_fill: float = 1.0, fixed_nodes: dict[int, int] | None = None,
+                    floor: int | None = None, node_fill: float = 1.0, fixed_nodes: list[int] | None = None,
                     spans: Spans | None = None, finish: bool = True):
     """One candidate layout of the micro-batch of sequences ``idx``: the stages in order.
     ``node_fill``: the share of a node's token capacity level 1 may fill (below 1 when a node
@@ -300,7 +306,7 @@ def _copy_spans(sp: Spans) -> Spans:
 
 
 def best_microbatch(search: StepState, idx: list[int], carry: np.ndarray, floors: list | None = None,
-                    balances: list[str] | None = None, fixed_nodes: dict[int, int] | None = None):
+                    balances: list[str] | None = None, fixed_nodes: list[int] | None = None):
     """Candidate layouts, the faster by the prediction (``carry`` + the period) wins:
 
     * spans from the tiers (``floor`` None) or node-CP (``floor``: every splittable sequence
@@ -386,6 +392,19 @@ def _layouts(search: StepState, idx: list[int], carry: np.ndarray, sp: Spans, ba
     return out
 
 
+def _usp_token_change(n: int, mb, alt, changed: list[int]) -> np.ndarray:
+    """Per unit of ``n``, the attention-layout tokens ``alt`` holds beyond ``mb``, which differ in
+    the placements ``changed`` alone (whole numbers: ``attention_tokens(mb) +`` this is
+    ``attention_tokens(alt)`` exactly)."""
+    d = np.zeros(n)
+    for i in changed:
+        for layout, sign in ((mb, -1), (alt, 1)):
+            p = layout.placements[i]
+            for u, rs in zip(layout.groups[p.group].units, p.ranges):
+                d[u] += sign * ranges_tokens(rs)
+    return d
+
+
 def _rings_alone_too(ctx, spans: dict) -> bool:
     """Whether a micro-batch laid out with marked sequences (stage 1's ``spans``) is laid out with
     rings alone too: a marked sequence bounds it, or (up to :data:`MARKS_ALONE_UNITS` units) the
@@ -414,24 +433,29 @@ def _usp_alternative(search: StepState, mb, terms, lengths, remap: bool, marked:
     ``terms`` None: ``mb`` is not routed nor priced (its memory is its attention layout's)."""
     ctx = search.ctx
     rings = usp_rings(ctx, mb)
-    ring_set = set(rings)
-    if not (marked and any(p.seq in marked for p in mb.placements if p.group in ring_set)):
+    if not rings:
+        return None
+    pg = placement_groups(mb)  # (a usp layout's placements are in the same groups, in the same order)
+    at = {int(pg[i]): i for i in np.flatnonzero(np.isin(pg, rings)).tolist()}  # ring -> its placement
+    if not (marked and any(mb.placements[i].seq in marked for i in sorted(at.values()))):
         if terms is None:
             return None
         busy = terms.busy
         slowest = set(np.flatnonzero(busy >= busy.max()).tolist())
         if not any(slowest.intersection(mb.groups[g].units) for g in rings):
             return None  # (the micro-batch's slowest unit runs none of them: the layout would not be faster)
-    held = terms.mem_tokens if terms is not None else attention_layout_memory_tokens(ctx, mb)
+    att = attention_tokens(mb, ctx.num_units, pg)
+    held = terms.mem_tokens if terms is not None else layout_memory_tokens(ctx.cost, mb, att, att.copy(), pg)
     room = np.maximum(held, ctx.cost.token_capacity)
     while rings:
-        alt = as_usp(search, mb, rings, remap)
+        alt = as_usp(search, mb, rings, remap, pg)
+        alt_att = att + _usp_token_change(ctx.num_units, mb, alt, [at[g] for g in rings])
         # (each unit's attention layout with its rows' extra copies within memory as validate counts
         # it - every token at its whole bytes -, stricter than the prediction of a remapped one)
-        strict = ulysses_over_memory(ctx, alt.groups, alt.placements)
+        strict = ulysses_over_memory(ctx, alt.groups, alt.placements, pg, alt_att)
         over = {g for g in rings if strict.intersection(mb.groups[g].units)}
         if not over:
-            alt_terms = microbatch_terms(ctx, lengths, alt)
+            alt_terms = microbatch_terms(ctx, lengths, alt, pg=pg, held=alt_att)
             over = {g for g in rings if (alt_terms.mem_tokens[mb.groups[g].units] > room[mb.groups[g].units]).any()}
             if not over:
                 return alt, alt_terms

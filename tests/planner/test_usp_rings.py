@@ -168,3 +168,31 @@ def test_a_marked_sequence_that_bounds_its_microbatch_competes_with_rings_alone(
     rings = ZeppelinPlanner(usp_spans="off").plan_step(ctx, 1, seqs)
     sim = Simulator(ctx)
     assert sim.simulate_step(plan).step_time_s <= sim.simulate_step(rings).step_time_s * (1 + 1e-9)
+
+
+def test_a_usp_layout_is_priced_from_its_ring_layouts_tokens(monkeypatch):
+    """A usp layout's attention tokens per unit are its ring layout's, changed where its rings
+    became usp groups alone: the tokens (and placements' groups) the conversion hands the memory
+    check and the prediction equal those counted afresh, bit for bit - on a cluster whose ring
+    layout is priced first (128 GPUs) and on one where it is not (320 GPUs: beyond
+    ``MARKS_ALONE_UNITS`` units)."""
+    from zeppelin.planner.costmodel.predict import attention_tokens, placement_groups
+    from zeppelin.planner.zeppelin import tiered
+
+    real = tiered.microbatch_terms
+    seen = []
+
+    def spy(ctx, lengths, mb, routed=True, pg=None, held=None):
+        if held is not None:
+            seen.append(np.array_equal(pg, placement_groups(mb))
+                        and np.array_equal(held, attention_tokens(mb, ctx.num_units)))
+        return real(ctx, lengths, mb, routed, pg=pg, held=held)
+
+    monkeypatch.setattr(tiered, "microbatch_terms", spy)
+    for nodes in (16, 40):
+        cl = cluster_preset(f"zeppelin-c:{nodes}")
+        ctx = PlanContext(cl, model_preset("llama-7b"), default_profile(cl.name))
+        seen.clear()
+        plan = ZeppelinPlanner().plan_step(ctx, 0, _mixed_step(8 * ctx.num_units, nodes))
+        assert seen and all(seen), nodes
+        assert any(g.kind == "usp" for mb in plan.microbatches for g in mb.groups), nodes

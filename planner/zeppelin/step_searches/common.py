@@ -27,7 +27,7 @@ def node_cp_floor(search: StepState) -> int | None:
 
 
 def whole_step(search: StepState, parts: list[list[int]], floors, balances,
-               fixed_nodes: dict[int, int] | None = None):
+               fixed_nodes: list[int] | None = None):
     """Plan every micro-batch of a step, coarse ones first, each balanced on top of the per-unit
     load the earlier ones left (per unit, the step is the sum of its micro-batch periods, a
     period including the waits for the unit's coupled partners). Returns (built micro-batches,

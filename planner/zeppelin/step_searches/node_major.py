@@ -58,7 +58,7 @@ def search(state: StepState, parts: list[list[int]], found: Round) -> None:
             found.offer(built, t)
 
 
-def node_choices(state: StepState, M: int, nodes: dict[int, int]) -> list:
+def node_choices(state: StepState, M: int, nodes: list[int]) -> list:
     """The node assignments node-major's micro-batches are laid out with: its own (``nodes``) and,
     where micro-batches are coupled on more than :data:`ALL_LAYOUTS_MAX_UNITS` units, none (each
     micro-batch over every node afresh) - beyond :data:`FREE_NODES_MIN_UNITS` units that alone."""
@@ -109,7 +109,7 @@ def node_major(state: StepState, M: int):
     parts = [np.sort(grouped_arr[mb_arr == k]).tolist() for k in range(M)]
     node_of = np.empty(len(lengths), dtype=np.int64)
     node_of[order] = node_arr
-    return [p for p in parts if p], dict(enumerate(node_of.tolist()))
+    return [p for p in parts if p], node_of.tolist()
 
 
 def lpt_with_room(items: list[int], bins: int, room: float, weight: list[float], size: list[float]):
