@@ -277,6 +277,34 @@ def test_node_major_lpt_takes_the_least_loaded_bin_with_room():
     assert 20 <= nones <= 380
 
 
+def test_every_node_cut_at_once_as_each_node_alone():
+    """``lpt_each`` (every node's items placed together, k-th item by k-th item) gives each node the
+    bins ``lpt_with_room`` gives it alone, and None exactly where some node's items do not fit -
+    on 1 to 4 bins, ties (integer and zero weights), empty nodes and tight room."""
+    from zeppelin.planner.zeppelin.step_searches.node_major import lpt_each, lpt_with_room
+
+    rng = np.random.default_rng(9)
+    nones = 0
+    for case in range(300):
+        bins, nodes = int(rng.integers(1, 5)), int(rng.integers(1, 12))
+        counts = rng.integers(0, 30, nodes)
+        n = int(counts.sum())
+        weight = rng.integers(0, 4, n) * (rng.random(n) if case % 2 else 1.0)
+        size = rng.integers(1, 5, n).astype(float)
+        room = float(rng.integers(3, 30))
+        items = rng.permutation(n)
+        got = lpt_each(items, counts, bins, room, weight, size)
+        start, want = 0, []
+        for c in counts.tolist():
+            alone = lpt_with_room(items[start:start + c].tolist(), bins, room, weight.tolist(), size.tolist())
+            want = None if alone is None or want is None else want + alone
+            start += c
+        assert (got is None) == (want is None), case
+        assert got is None or got.tolist() == want, case
+        nones += got is None
+    assert 30 <= nones <= 270
+
+
 def test_split_fits_only_where_the_split_finds_every_micro_batch():
     """``split_fits`` (no cut needed) holds only where ``split_microbatches`` finds ``M`` micro-batches,
     none empty; it holds on most roomy instances, and the split fails on some tight ones."""

@@ -95,21 +95,48 @@ def node_major(state: StepState, M: int):
     # each node's sequences, heaviest first (``order`` grouped by node, a stable sort)
     node_arr = np.array(node, dtype=np.int64)
     keys = node_arr.astype(np.uint16) if nodes <= 1 << 16 else node_arr  # (16 bits: sorted by radix)
-    grouped = np.array(order, dtype=np.int64)[np.argsort(keys, kind="stable")].tolist()
-    ends = np.cumsum(np.bincount(node_arr, minlength=nodes)).tolist()
-    mb = []  # the micro-batch of each sequence in ``grouped``
-    start = 0
-    for nd in range(nodes):
-        mbs = lpt_with_room(grouped[start:ends[nd]], M, cap, wl, pt)
-        if mbs is None:
-            return None
-        mb += mbs
-        start = ends[nd]
-    mb_arr, grouped_arr = np.array(mb, dtype=np.int64), np.array(grouped, dtype=np.int64)
+    grouped_arr = np.array(order, dtype=np.int64)[np.argsort(keys, kind="stable")]
+    mb_arr = lpt_each(grouped_arr, np.bincount(node_arr, minlength=nodes), M, cap, w, per_tok)
+    if mb_arr is None:
+        return None
     parts = [np.sort(grouped_arr[mb_arr == k]).tolist() for k in range(M)]
     node_of = np.empty(len(lengths), dtype=np.int64)
     node_of[order] = node_arr
     return [p for p in parts if p], node_of.tolist()
+
+
+def lpt_each(items: np.ndarray, counts: np.ndarray, bins: int, room: float, weight: np.ndarray,
+             size: np.ndarray) -> np.ndarray | None:
+    """:func:`lpt_with_room` of every node at once: ``items`` holds each node's items in turn (its
+    ``counts`` of them, in order); returns the bin of each item, or None when an item of some node
+    fits none of its bins. The nodes' k-th items are placed together, each by the same comparisons
+    and additions as its node's own loop makes."""
+    nodes = len(counts)
+    if not len(items):
+        return np.zeros(0, dtype=np.int64)
+    width = int(counts.max())
+    starts = np.cumsum(counts) - counts
+    node_of = np.repeat(np.arange(nodes), counts)
+    col = np.arange(len(items)) - starts[node_of]
+    W = np.zeros((nodes, width))
+    S = np.zeros((nodes, width))
+    W[node_of, col] = weight[items]
+    S[node_of, col] = size[items]
+    load = np.zeros((nodes, bins))
+    tok = np.zeros((nodes, bins))
+    chosen = np.zeros((nodes, width), dtype=np.int64)
+    rows = np.arange(nodes)
+    for k in range(width):
+        live = rows[counts > k]
+        s = S[live, k]
+        fits = tok[live] + s[:, None] <= room
+        if not fits.any(axis=1).all():
+            return None
+        b = np.where(fits, load[live], np.inf).argmin(axis=1)  # (least loaded with room; ties: lowest bin)
+        load[live, b] += W[live, k]
+        tok[live, b] += s
+        chosen[live, k] = b
+    return chosen[node_of, col]
 
 
 def lpt_with_room(items: list[int], bins: int, room: float, weight: list[float], size: list[float]):
