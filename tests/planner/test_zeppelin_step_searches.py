@@ -277,6 +277,36 @@ def test_node_major_lpt_takes_the_least_loaded_bin_with_room():
     assert 20 <= nones <= 380
 
 
+def test_lpt_over_many_bins_places_runs_as_the_heap_places_items(monkeypatch):
+    """Over many bins ``lpt_with_room`` places runs of items at once: the same bins as the heap
+    item by item, ties (integer and zero weights), tight room (None) and runs too short (the rest
+    through the heap, from the loads the runs made) included."""
+    from zeppelin.planner.zeppelin.step_searches import node_major
+
+    handed = []
+    heap = node_major._lpt_heap
+
+    def spy(items, load, tok, *a):
+        handed.append(any(load))
+        return heap(items, load, tok, *a)
+
+    rng = np.random.default_rng(21)
+    nones = 0
+    for case in range(60):
+        bins, n = int(rng.choice([65, 100, 300])), int(rng.integers(0, 3000))
+        weight = rng.integers(0, 5, n) * (rng.pareto(1.0, n) if case % 3 == 0 else 1.0 if case % 3 == 1 else rng.random(n))
+        size = rng.integers(1, 9, n).astype(float)
+        room = float(rng.integers(4, 14)) * max(1, n // bins)
+        items = sorted(range(n), key=lambda i: -weight[i]) if case % 2 else rng.permutation(n).tolist()
+        args = (items, bins, room, weight.tolist(), size.tolist())
+        monkeypatch.setattr(node_major, "_lpt_heap", spy)
+        got = node_major.lpt_with_room(*args)
+        monkeypatch.setattr(node_major, "_lpt_heap", heap)
+        assert got == heap(items, [0.0] * bins, [0.0] * bins, *args[2:]), case
+        nones += got is None
+    assert 5 <= nones <= 55 and any(handed)
+
+
 def test_every_node_cut_at_once_as_each_node_alone():
     """``lpt_each`` (every node's items placed together, k-th item by k-th item) gives each node the
     bins ``lpt_with_room`` gives it alone, and None exactly where some node's items do not fit -
