@@ -142,8 +142,39 @@ def _lpt(order: list[int], loads: list, toks: list, cost_l: list, tok_l: list, w
     its least-loaded bins with room (``by_tokens``: most token room), a width-1 one on the
     least-loaded bin with room, each of a kind it may share (``state``, per bin, updated). ``loads``
     and ``toks`` (lists) are updated in place. Returns each item's bins."""
-    B = len(loads)
     out: list = [None] * len(order)
+    tail = []  # (width-1 items of one kind, least loaded first, over many bins: placed in runs)
+    if kind_l is None and not by_tokens and len(loads) > RUNS_MIN_BINS and order and width_l[order[-1]] == 1:
+        wide = next(t for t, i in enumerate(order) if width_l[i] == 1)  # (wide items come first)
+        order, tail = order[:wide], order[wide:]
+    _lpt_items(order, out, loads, toks, cost_l, tok_l, width_l, cap, state, kind_l, by_tokens)
+    if tail:
+        rest = _lpt_tail(tail, out, loads, toks, cost_l, tok_l, cap)
+        _lpt_items(rest, out, loads, toks, cost_l, tok_l, width_l, cap, state, kind_l, by_tokens)
+    return out
+
+
+def _lpt_tail(items: list[int], out: list, loads: list, toks: list, cost_l: list, tok_l: list,
+              cap: float) -> list[int]:
+    """:func:`_lpt`'s width-1 items of one kind over many bins, in runs (:func:`lpt_runs`): ``out``,
+    ``loads`` and ``toks`` updated. Returns the items left to place one at a time."""
+    load, tok, it = np.array(loads, dtype=np.float64), np.array(toks, dtype=np.float64), np.array(items)
+    bins, k, failed = lpt_runs(load, tok, cap, np.array(cost_l, dtype=np.float64)[it],
+                               np.array(tok_l, dtype=np.float64)[it])
+    if failed:
+        i = items[k]
+        raise PackInfeasible(i, f"item {i} ({int(tok_l[i])} tokens) does not fit any bin")
+    for i, b in zip(items[:k], bins[:k].tolist()):
+        out[i] = [b]
+    loads[:], toks[:] = load.tolist(), tok.tolist()
+    return items[k:]
+
+
+def _lpt_items(order: list[int], out: list, loads: list, toks: list, cost_l: list, tok_l: list, width_l: list,
+               cap: float, state: list, kind_l: list | None, by_tokens: bool) -> None:
+    """:func:`_lpt`'s placement of the items ``order``, one at a time (``out``, ``loads``, ``toks``
+    and ``state`` updated)."""
+    B = len(loads)
     key = toks if by_tokens else loads
     heap = [(key[b], b) for b in range(B)]
     heapq.heapify(heap)
@@ -195,7 +226,50 @@ def _lpt(order: list[int], loads: list, toks: list, cost_l: list, tok_l: list, w
         if split_heap is not None:
             push(split_heap if h is heap else heap, (key[b], b))
         out[i] = [b]
-    return out
+
+
+#: beyond this many bins, width-1 items placed least loaded first take their bins in runs
+#: (:func:`lpt_runs`); after :data:`RUNS_CHECK` runs of fewer than :data:`RUNS_MIN_MEAN` items
+#: on average the caller places the rest item by item (a run costs a sort of the bins)
+RUNS_MIN_BINS = 64
+RUNS_CHECK = 64
+RUNS_MIN_MEAN = 8
+
+
+def lpt_runs(load: np.ndarray, tok: np.ndarray, room: float, cost: np.ndarray,
+             tokens: np.ndarray) -> tuple[np.ndarray, int, bool]:
+    """Items in order, each on the least loaded bin (by ``load``, ties: the lowest bin) with room
+    for its ``tokens`` within ``room``, placed in runs: with the bins in (load, bin) order, the
+    next items take the first bins in turn for as long as each next bin is still, strictly, the
+    least loaded with room - its load below every load the run has made (an equal one stops the
+    run: its tie would go to the lower bin) and room for its item. The same choices and additions
+    as one item at a time. ``load`` and ``tok`` (arrays) are updated in place. Returns (each item's
+    bin, ``k``, failed): ``k`` items placed; failed: item ``k`` fits no bin; else where ``k`` falls
+    short of the items, runs stayed short and the caller places the rest."""
+    n, B = len(cost), len(load)
+    out = np.empty(n, dtype=np.int64)
+    k = runs = 0
+    while k < n:
+        runs += 1
+        if runs > RUNS_CHECK and k < RUNS_MIN_MEAN * runs:
+            return out, k, False
+        by_load = np.argsort(load, kind="stable")[:min(B, n - k)]
+        lo, sz = load[by_load], tokens[k:k + len(by_load)]
+        new = lo + cost[k:k + len(by_load)]
+        ok = tok[by_load] + sz <= room
+        ok[1:] &= lo[1:] < np.minimum.accumulate(new)[:-1]
+        j = len(ok) if ok.all() else int(np.argmin(ok))
+        if j == 0:  # (the least loaded bin has no room for it: the least loaded with room)
+            fits = tok + tokens[k] <= room
+            if not fits.any():
+                return out, k, True
+            j, by_load = 1, np.array([int(np.argmin(np.where(fits, load, np.inf)))])
+            new, sz = load[by_load] + cost[k], tokens[k:k + 1]
+        out[k:k + j] = by_load[:j]
+        load[by_load[:j]] = new[:j]
+        tok[by_load[:j]] += sz[:j]
+        k += j
+    return out, k, False
 
 
 def _place_wide(i: int, w: int, c: float, k: float, kind: int, heap: list, split_heap: list | None,

@@ -170,6 +170,7 @@ def test_wide_items_take_the_same_bins_from_the_heap_as_from_a_scan(monkeypatch)
 
     rng = np.random.default_rng(7)
     errors = 0
+    heap_from = assign.WIDE_HEAP_MIN_BINS  # (read once: the loop below sets it)
     for case in range(60):
         B = int(rng.integers(65, 160))
         m = int(rng.integers(20, 120))
@@ -182,7 +183,7 @@ def test_wide_items_take_the_same_bins_from_the_heap_as_from_a_scan(monkeypatch)
         pre_tok = rng.integers(0, 2, B).astype(np.float64)
         cap = float(rng.integers(3, 9))
         got = []
-        for min_bins in (assign.WIDE_HEAP_MIN_BINS, 10**9):  # the heap, then the scan
+        for min_bins in (heap_from, 10**9):  # the heap, then the scan
             monkeypatch.setattr(assign, "WIDE_HEAP_MIN_BINS", min_bins)
             try:
                 r = assign.greedy_pack(pre, pre_tok, cost, tokens, width, cap, kinds=kinds)
@@ -267,3 +268,34 @@ def test_greedy_packing_choices_are_pinned():
             h.update(json.dumps(got).encode())
     assert outcomes["ok"] >= 500 and outcomes["infeasible"] >= 100
     assert h.hexdigest()[:16] == "702ada8d9aa93acd"
+
+
+def test_width_one_items_over_many_bins_take_the_same_bins_in_runs(monkeypatch):
+    """Beyond ``RUNS_MIN_BINS`` bins the width-1 items of a packing without kinds take their bins in
+    runs (:func:`lpt_runs`) instead of one at a time from the heap: the same bins, loads and tokens
+    and the same error where one fits no bin - with preloads, wide items placed first, integer
+    costs (ties) and tight room."""
+    from zeppelin.planner.zeppelin import assign
+
+    rng = np.random.default_rng(17)
+    errors = 0
+    runs_from = assign.RUNS_MIN_BINS  # (read once: the loop below sets it)
+    for case in range(60):
+        B, m = int(rng.integers(65, 300)), int(rng.integers(50, 3000))
+        width = np.where(rng.random(m) < 0.05, rng.integers(2, 9, m), 1)
+        cost = rng.integers(1, 6, m) * (rng.random(m) if case % 2 else 1.0)
+        tokens = rng.integers(1, 4, m).astype(np.float64)
+        pre = rng.integers(0, 3, B).astype(np.float64) * (case % 3 == 0)
+        pre_tok = rng.integers(0, 2, B).astype(np.float64)
+        cap = float(rng.integers(2, 6)) * max(1, m // B) + 1
+        got = []
+        for min_bins in (runs_from, 10**9):  # runs, then one at a time
+            monkeypatch.setattr(assign, "RUNS_MIN_BINS", min_bins)
+            try:
+                r = assign.greedy_pack(pre, pre_tok, cost, tokens, width, cap, search=False)
+                got.append((r.bins, r.loads.tolist(), r.tokens.tolist()))
+            except assign.PackInfeasible as e:
+                got.append(str(e))
+        assert got[0] == got[1], case
+        errors += isinstance(got[0], str)
+    assert 5 <= errors <= 55  # (both outcomes are exercised)

@@ -13,7 +13,7 @@ import heapq
 
 import numpy as np
 
-from zeppelin.planner.zeppelin.assign import PackInfeasible
+from zeppelin.planner.zeppelin.assign import RUNS_MIN_BINS, PackInfeasible, lpt_runs
 from zeppelin.planner.zeppelin.protocols import Round
 from zeppelin.planner.zeppelin.step_searches.common import balances, node_cp_floor, whole_step
 from zeppelin.planner.zeppelin.step_state import StepState
@@ -147,53 +147,24 @@ def lpt_with_room(items: list[int], bins: int, room: float, weight: list[float],
         return _lpt_two(items, room, weight, size)
     if bins < 1:
         return [] if not items else None
-    if bins > LPT_RUNS_MIN_BINS:
+    if bins > RUNS_MIN_BINS:
         return _lpt_runs(items, bins, room, weight, size)
     return _lpt_heap(items, [0.0] * bins, [0.0] * bins, room, weight, size)
 
 
-#: beyond this many bins, :func:`lpt_with_room` places runs of items at once (:func:`_lpt_runs`);
-#: after :data:`LPT_RUNS_CHECK` runs of fewer than :data:`LPT_RUNS_MIN_MEAN` items on average, the
-#: rest goes through the heap (a run costs a sort of the bins)
-LPT_RUNS_MIN_BINS = 64
-LPT_RUNS_CHECK = 64
-LPT_RUNS_MIN_MEAN = 8
-
-
 def _lpt_runs(items: list[int], bins: int, room: float, weight: list[float], size: list[float]):
-    """:func:`lpt_with_room` placing runs of items together. With the bins in (load, bin) order,
-    the next items take the first bins in turn for as long as each next bin is still, strictly, the
-    least loaded with room: its load below every load the run has made so far (an equal load stops
-    the run - its tie would go to the lower bin) and room for its item. The same choices, the same
-    additions; where runs stay short (loads far apart) the rest goes through the heap."""
+    """:func:`lpt_with_room` placing runs of items at once (:func:`.assign.lpt_runs`), the rest
+    through the heap where runs stay short."""
     it = np.asarray(items, dtype=np.int64)
-    w, s = np.asarray(weight, dtype=np.float64)[it], np.asarray(size, dtype=np.float64)[it]
-    n = len(it)
     load, tok = np.zeros(bins), np.zeros(bins)
-    out = np.empty(n, dtype=np.int64)
-    k = runs = 0
-    while k < n:
-        runs += 1
-        if runs > LPT_RUNS_CHECK and k < LPT_RUNS_MIN_MEAN * runs:
-            rest = _lpt_heap(items[k:], load.tolist(), tok.tolist(), room, weight, size)
-            return None if rest is None else out[:k].tolist() + rest
-        by_load = np.argsort(load, kind="stable")[:min(bins, n - k)]
-        lo, sz = load[by_load], s[k:k + len(by_load)]
-        new = lo + w[k:k + len(by_load)]
-        ok = tok[by_load] + sz <= room
-        ok[1:] &= lo[1:] < np.minimum.accumulate(new)[:-1]
-        j = len(ok) if ok.all() else int(np.argmin(ok))
-        if j == 0:  # (the least loaded bin has no room for it: the least loaded with room)
-            fits = tok + s[k] <= room
-            if not fits.any():
-                return None
-            j, by_load = 1, np.array([int(np.argmin(np.where(fits, load, np.inf)))])
-            new, sz = load[by_load] + w[k], s[k:k + 1]
-        out[k:k + j] = by_load[:j]
-        load[by_load[:j]] = new[:j]
-        tok[by_load[:j]] += sz[:j]
-        k += j
-    return out.tolist()
+    out, k, failed = lpt_runs(load, tok, room, np.asarray(weight, dtype=np.float64)[it],
+                              np.asarray(size, dtype=np.float64)[it])
+    if failed:
+        return None
+    if k == len(it):
+        return out.tolist()
+    rest = _lpt_heap(items[k:], load.tolist(), tok.tolist(), room, weight, size)
+    return None if rest is None else out[:k].tolist() + rest
 
 
 def _lpt_heap(items: list[int], load: list[float], tok: list[float], room: float, weight: list[float],
