@@ -161,6 +161,22 @@ def test_local_search_breaks_equal_loads_by_bin_order(bins):
     assert loads[:8].tolist() == [3.0, 1.0, 3.0, 0.0, 1.0, 0.0, 0.0, 0.0] and loads.sum() == 8.0
 
 
+def _packed_both_ways(monkeypatch, name: str, values, *args, **kw) -> list:
+    """``greedy_pack(*args, **kw)``'s (bins, loads, tokens), or its error's text, with the packing
+    module's threshold ``name`` set to each of ``values`` in turn."""
+    from zeppelin.planner.zeppelin import assign
+
+    got = []
+    for v in values:
+        monkeypatch.setattr(assign, name, v)
+        try:
+            r = assign.greedy_pack(*args, **kw)
+            got.append((r.bins, r.loads.tolist(), r.tokens.tolist()))
+        except assign.PackInfeasible as e:
+            got.append(str(e))
+    return got
+
+
 def test_wide_items_take_the_same_bins_from_the_heap_as_from_a_scan(monkeypatch):
     """Beyond ``WIDE_HEAP_MIN_BINS`` bins a wide item's bins come from the packing's heap instead of
     a scan of every bin: the same bins (least loaded with room and of an allowed kind, ties by bin),
@@ -182,14 +198,8 @@ def test_wide_items_take_the_same_bins_from_the_heap_as_from_a_scan(monkeypatch)
         pre = rng.integers(0, 3, B).astype(np.float64) * (case % 2)
         pre_tok = rng.integers(0, 2, B).astype(np.float64)
         cap = float(rng.integers(3, 9))
-        got = []
-        for min_bins in (heap_from, 10**9):  # the heap, then the scan
-            monkeypatch.setattr(assign, "WIDE_HEAP_MIN_BINS", min_bins)
-            try:
-                r = assign.greedy_pack(pre, pre_tok, cost, tokens, width, cap, kinds=kinds)
-                got.append((r.bins, r.loads.tolist(), r.tokens.tolist()))
-            except assign.PackInfeasible as e:
-                got.append(str(e))
+        got = _packed_both_ways(monkeypatch, "WIDE_HEAP_MIN_BINS", (heap_from, 10**9),  # the heap, then the scan
+                                pre, pre_tok, cost, tokens, width, cap, kinds=kinds)
         assert got[0] == got[1], case
         errors += isinstance(got[0], str)
     assert 5 <= errors <= 55  # (both outcomes are exercised)
@@ -215,14 +225,8 @@ def test_wide_items_take_the_same_bins_from_the_heap_as_from_a_scan_on_few_bins(
         pre = rng.integers(0, 3, B).astype(np.float64) * (case % 2)
         pre_tok = rng.integers(0, 2, B).astype(np.float64)
         cap = float(np.ceil(float((tokens * width).sum()) / B * rng.choice([1.0, 1.5, 3.0]))) + 2
-        got = []
-        for min_bins in (0, 10**9):  # the heap, then the scan
-            monkeypatch.setattr(assign, "WIDE_HEAP_MIN_BINS", min_bins)
-            try:
-                r = assign.greedy_pack(pre, pre_tok, cost, tokens, width, cap, kinds=kinds)
-                got.append((r.bins, r.loads.tolist(), r.tokens.tolist()))
-            except assign.PackInfeasible as e:
-                got.append(str(e))
+        got = _packed_both_ways(monkeypatch, "WIDE_HEAP_MIN_BINS", (0, 10**9),  # the heap, then the scan
+                                pre, pre_tok, cost, tokens, width, cap, kinds=kinds)
         assert got[0] == got[1], case
         errors += isinstance(got[0], str)
     assert 10 <= errors <= 150  # (both outcomes are exercised)
@@ -288,14 +292,8 @@ def test_width_one_items_over_many_bins_take_the_same_bins_in_runs(monkeypatch):
         pre = rng.integers(0, 3, B).astype(np.float64) * (case % 3 == 0)
         pre_tok = rng.integers(0, 2, B).astype(np.float64)
         cap = float(rng.integers(2, 6)) * max(1, m // B) + 1
-        got = []
-        for min_bins in (runs_from, 10**9):  # runs, then one at a time
-            monkeypatch.setattr(assign, "RUNS_MIN_BINS", min_bins)
-            try:
-                r = assign.greedy_pack(pre, pre_tok, cost, tokens, width, cap, search=False)
-                got.append((r.bins, r.loads.tolist(), r.tokens.tolist()))
-            except assign.PackInfeasible as e:
-                got.append(str(e))
+        got = _packed_both_ways(monkeypatch, "RUNS_MIN_BINS", (runs_from, 10**9),  # runs, then one at a time
+                                pre, pre_tok, cost, tokens, width, cap, search=False)
         assert got[0] == got[1], case
         errors += isinstance(got[0], str)
     assert 5 <= errors <= 55  # (both outcomes are exercised)
