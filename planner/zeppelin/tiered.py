@@ -63,8 +63,8 @@ class Spans:
 
     lengths: np.ndarray  # tokens (float)
     table: SpanTable
-    times: np.ndarray  # (spans, columns): per-unit time on each span of the column of ...
-    time_cols: np.ndarray  # ... each sequence (one per sequence, or per distinct length)
+    times: np.ndarray  # (spans, columns): per-unit time on each span, a column per length priced
+    time_cols: np.ndarray  # each sequence's column of ``times`` (its own, or its length's)
     spans: list[Span]
     span_index: np.ndarray  # index into the tiering's spans
     unit_time: np.ndarray  # per-unit time on its span
@@ -392,6 +392,13 @@ def _layouts(search: StepState, idx: list[int], carry: np.ndarray, sp: Spans, ba
     return out
 
 
+def _ring_placements(mb, rings: list[int]) -> tuple[np.ndarray, dict[int, int]]:
+    """``mb``'s placements' groups (a usp layout of it has the same, in the same order) and the
+    placement of each of the ``rings`` (one sequence each)."""
+    pg = placement_groups(mb)
+    return pg, {int(pg[i]): i for i in np.flatnonzero(np.isin(pg, rings)).tolist()}
+
+
 def _usp_token_change(n: int, mb, alt, changed: list[int]) -> np.ndarray:
     """Per unit of ``n``, the attention-layout tokens ``alt`` holds beyond ``mb``, which differ in
     the placements ``changed`` alone (whole numbers: ``attention_tokens(mb) +`` this is
@@ -435,8 +442,9 @@ def _usp_alternative(search: StepState, mb, terms, lengths, remap: bool, marked:
     rings = usp_rings(ctx, mb)
     if not rings:
         return None
-    pg = placement_groups(mb)  # (a usp layout's placements are in the same groups, in the same order)
-    at = {int(pg[i]): i for i in np.flatnonzero(np.isin(pg, rings)).tolist()}  # ring -> its placement
+    pg = at = None
+    if marked:
+        pg, at = _ring_placements(mb, rings)
     if not (marked and any(mb.placements[i].seq in marked for i in sorted(at.values()))):
         if terms is None:
             return None
@@ -444,6 +452,8 @@ def _usp_alternative(search: StepState, mb, terms, lengths, remap: bool, marked:
         slowest = set(np.flatnonzero(busy >= busy.max()).tolist())
         if not any(slowest.intersection(mb.groups[g].units) for g in rings):
             return None  # (the micro-batch's slowest unit runs none of them: the layout would not be faster)
+    if pg is None:
+        pg, at = _ring_placements(mb, rings)
     att = attention_tokens(mb, ctx.num_units, pg)
     held = terms.mem_tokens if terms is not None else layout_memory_tokens(ctx.cost, mb, att, att.copy(), pg)
     room = np.maximum(held, ctx.cost.token_capacity)

@@ -297,7 +297,7 @@ class Tiering:
 
         Every entry is a function of its span and its sequence's length alone, so where many
         sequences share a length (:data:`DISTINCT_LENGTHS_MIN`) the table is priced once per distinct
-        length and each sequence's column copied from its length's: the same values."""
+        length (:class:`DistinctSpanTable`: each sequence's column is its length's, the same values)."""
         L = np.asarray(L, dtype=np.float64)
         if len(L) >= DISTINCT_LENGTHS_MIN:
             Lu, inv = np.unique(L, return_inverse=True)

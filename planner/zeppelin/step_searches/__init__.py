@@ -128,6 +128,7 @@ class MicroBatchSplit(_Seq):
         return split_fits(self.ctx, self.lengths, self.M, self.budget) or self.parts() is not None
 
     def parts(self) -> list[list[int]] | None:
+        """The micro-batches (sequence indices), cut on first call; None where they do not fit."""
         if not self._cut:
             self._parts, self._cut = split_microbatches(self.ctx, self.lengths, self.M, self.budget), True
         return self._parts
