@@ -346,25 +346,6 @@ def _too_few_bins(i: int, w: int, k: float, kind: int, have: int) -> PackInfeasi
                              f"{('', ' and no exclusive item', ' and no split item')[kind]}, {have} have it")
 
 
-def _least_with_room(heap: list, aside: list, key: list, toks: list, k: float, cap: float) -> int:
-    """The bin of ``heap`` with the least ``key`` and room for ``k`` more tokens (-1: none), its entry
-    left on top of ``heap``; bins without room wait in ``aside`` (fewest tokens first) until an item
-    small enough comes. Entries whose key is no longer the bin's are stale and dropped."""
-    while aside and toks[aside[0][1]] + k <= cap:
-        _, b = heapq.heappop(aside)
-        heapq.heappush(heap, (key[b], b))
-    while heap:
-        ld, b = heap[0]
-        if ld != key[b]:
-            heapq.heappop(heap)  # stale entry
-        elif toks[b] + k <= cap:
-            return b  # (its entry left on top of ``heap``: the caller replaces it)
-        else:
-            heapq.heappop(heap)
-            heapq.heappush(aside, (toks[b], b))
-    return -1
-
-
 def _barred(kinds: list[int], state: list[int]):
     """``(item, bin)`` -> whether the item may not move to the bin (:func:`_local_search`): split
     items stay off exclusive bins."""

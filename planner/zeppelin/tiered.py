@@ -445,7 +445,7 @@ def _usp_alternative(search: StepState, mb, terms, lengths, remap: bool, marked:
     pg = at = None
     if marked:
         pg, at = _ring_placements(mb, rings)
-    if not (marked and any(mb.placements[i].seq in marked for i in sorted(at.values()))):
+    if not (marked and any(mb.placements[i].seq in marked for i in at.values())):
         if terms is None:
             return None
         busy = terms.busy
