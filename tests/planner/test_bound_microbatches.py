@@ -115,8 +115,12 @@ def _usp_units_excess(monkeypatch=None) -> float:
 
 
 def test_usp_group_units_are_not_left_the_hottest(monkeypatch):
-    assert _usp_units_excess() < 0.002
+    """Level 1 prices a local sequence beside a usp group's share at the marginal rate of the
+    linear modules: the groups' units end within 0.8% of the micro-batch's mean (node-major's turned
+    cut puts usp groups in both micro-batches of this step, each beside half the short sequences:
+    0.5%), against three times as much priced at the average rate."""
+    assert _usp_units_excess() < 0.008
     # priced at the average rate (the fixed cost spread over the tokens), they were
     monkeypatch.setattr(tiered, "marginal_token_time",
                         lambda cost, layers, T: (layers * float(cost.linear_time(T)) + float(cost.head_time(T))) / T)
-    assert _usp_units_excess() > 0.004
+    assert _usp_units_excess() > 0.012

@@ -105,13 +105,18 @@ def record_results(monkeypatch, obj, name: str) -> list:
 
 
 def latency_steps_64(n: int):
-    """The latency benchmark's first ``n`` steps at 64 GPUs (cluster C, 8 nodes; ~8 sequences per
-    GPU of its mixed lengths, one generator for all steps)."""
-    rng = np.random.default_rng(64)
+    """The latency benchmark's first ``n`` steps at 64 GPUs (cluster C, 8 nodes)."""
+    return latency_steps(64, n)
+
+
+def latency_steps(gpus: int, n: int):
+    """The latency benchmark's first ``n`` steps at ``gpus`` GPUs (cluster C, 8 a node; 8 sequences
+    per GPU of its mixed lengths, one generator for all steps)."""
+    rng = np.random.default_rng(gpus)
     steps = []
     for _ in range(n):
-        body = rng.lognormal(7.0, 1.0, 512)
-        tail = (rng.pareto(1.2, 512) + 1.0) * 4096
-        L = np.clip(np.where(rng.random(512) < 0.1, tail, body).astype(np.int64), 16, 131072)
+        body = rng.lognormal(7.0, 1.0, 8 * gpus)
+        tail = (rng.pareto(1.2, 8 * gpus) + 1.0) * 4096
+        L = np.clip(np.where(rng.random(8 * gpus) < 0.1, tail, body).astype(np.int64), 16, 131072)
         steps.append(seqs_of(L))
     return steps

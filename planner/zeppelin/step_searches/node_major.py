@@ -30,7 +30,9 @@ ALL_LAYOUTS_MAX_UNITS = 32
 #: many, both are tried): the whole-step node
 #: assignment balances node totals, which leaves a node holding one very long sequence with little
 #: in its other micro-batches while the others' halves set those micro-batches' maxima (7-9% of
-#: the step at 512-1,024 GPUs, benchmarks/bench_planner.py)
+#: the step at 512-1,024 GPUs, benchmarks/bench_planner.py). Laid out afresh alone, the cut is
+#: turned (:func:`node_major`'s ``turned``): each micro-batch takes the heaviest shares of 1/M of
+#: the nodes rather than micro-batch 0 all of them
 FREE_NODES_MIN_UNITS = 256
 
 
@@ -39,7 +41,7 @@ def search(state: StepState, parts: list[list[int]], found: Round) -> None:
     if not (len(parts) > 1 and ctx.cluster.num_nodes > 1 and ctx.units_per_node > 1
             and ctx.num_units <= state.options.node_cp_max_units):
         return
-    assigned = node_major(state, len(parts))
+    assigned = node_major(state, len(parts), turned=free_alone(state, len(parts)))
     if assigned is None:
         return
     if ctx.num_units <= ALL_LAYOUTS_MAX_UNITS:
@@ -65,14 +67,29 @@ def node_choices(state: StepState, M: int, nodes: list[int]) -> list:
     ctx = state.ctx
     if not (M > 1 and ctx.microbatches_coupled and ctx.num_units > ALL_LAYOUTS_MAX_UNITS):
         return [nodes]
-    return [None] if ctx.num_units > FREE_NODES_MIN_UNITS else [nodes, None]
+    return [None] if free_alone(state, M) else [nodes, None]
 
 
-def node_major(state: StepState, M: int):
+def free_alone(state: StepState, M: int) -> bool:
+    """Whether node-major's ``M`` micro-batches are laid out over every node afresh only (beyond
+    :data:`FREE_NODES_MIN_UNITS` units, coupled micro-batches)."""
+    ctx = state.ctx
+    return M > 1 and ctx.microbatches_coupled and ctx.num_units > FREE_NODES_MIN_UNITS
+
+
+def node_major(state: StepState, M: int, turned: bool = False):
     """Whole-step node assignment: sequences to nodes by work (LPT, each node holding at most
     ``M`` micro-batches of tokens), then each node's share cut into ``M`` micro-batches that fit
     its units' memory (work-balanced). Returns (micro-batches, node of each sequence), or None
-    where a sequence needs more than one node or nothing fits."""
+    where a sequence needs more than one node or nothing fits.
+
+    ``turned``: node ``n``'s ``k``-th share goes to micro-batch ``(k + n) mod M`` (its first, the
+    heaviest, to micro-batch ``n mod M``), for micro-batches laid out over every node afresh. Left
+    in place, micro-batch 0 holds every node's heaviest share: the step's long sequences
+    together, with too few denser short ones beside them - nodes without a long sequence fill their
+    memory before their time (the step's long-tailed mixes at 4,096-16,384 GPUs); turned, every
+    micro-batch holds a like mix. With each node's shares on that node (the nodes kept), it is
+    left: there the heaviest shares together are what balances each micro-batch."""
     ctx, lengths = state.ctx, state.lengths
     nodes, per_node, cap = ctx.cluster.num_nodes, ctx.units_per_node, state.tiering.cap
     per_tok = zigzag_max_tokens_array(lengths, per_node).astype(np.float64)  # tokens per unit, node-wide split
@@ -96,9 +113,12 @@ def node_major(state: StepState, M: int):
     node_arr = np.array(node, dtype=np.int64)
     keys = node_arr.astype(np.uint16) if nodes <= 1 << 16 else node_arr  # (16 bits: sorted by radix)
     grouped_arr = np.array(order, dtype=np.int64)[np.argsort(keys, kind="stable")]
-    mb_arr = lpt_each(grouped_arr, np.bincount(node_arr, minlength=nodes), M, cap, w, per_tok)
+    counts = np.bincount(node_arr, minlength=nodes)
+    mb_arr = lpt_each(grouped_arr, counts, M, cap, w, per_tok)
     if mb_arr is None:
         return None
+    if turned:
+        mb_arr = (mb_arr + np.repeat(np.arange(nodes), counts)) % M  # (grouped_arr's nodes, in order)
     parts = [np.sort(grouped_arr[mb_arr == k]).tolist() for k in range(M)]
     node_of = np.empty(len(lengths), dtype=np.int64)
     node_of[order] = node_arr
