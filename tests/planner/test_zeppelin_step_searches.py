@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from tests.support.zeppelin_steps import check_plan, header_for, latency_steps, latency_steps_64, make_ctx, seqs_of
+from tests.support.zeppelin_steps import (
+    check_plan,
+    header_for,
+    latency_steps,
+    latency_steps_64,
+    make_ctx,
+    seqs_of,
+)
 from zeppelin.planner.zeppelin.planner import ZeppelinPlanner
 from zeppelin.schemas.plan import structural_problems
 
