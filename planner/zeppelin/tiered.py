@@ -41,6 +41,11 @@ from zeppelin.schemas.layout import ranges_tokens
 #: layout's routes, remap and prediction being made first (for planning latency)
 MARKS_ALONE_UNITS = 256
 MARKS_CROWD_SHARE = 0.5
+#: beyond :data:`MARKS_ALONE_UNITS` units, a micro-batch laid out with stage 1's usp marks and its
+#: nodes filled to the last token whose slowest unit ends more than this share above the units'
+#: mean (a node whose rings level 2 had to widen to the whole node, a marked sequence's ring left
+#: no room for its usp copies) is laid out at the next node fill too, and the faster kept
+CLIFF_SHARE = 0.1
 #: a micro-batch whose tokens fill more than this share of what its units hold without recomputation
 #: keeps stage 1's fine pieces (``thrifty`` False, :func:`choose_spans`): tokens spread evenly over
 #: the units only in small pieces, and a unit left over its memory would pay its recomputation
@@ -352,7 +357,7 @@ def best_microbatch(search: StepState, idx: list[int], carry: np.ndarray, floors
                                           lengths)
                     except PackInfeasible as e:
                         err = err or e
-            if len(cands) > found:
+            if len(cands) > found and not (fill == 1.0 and usp and _cliff(ctx, cands[found:])):
                 break
         if not (any(sp.usp is not None for sp in spans.values()) and (not cands or _rings_alone_too(ctx, spans))):
             break
@@ -364,6 +369,13 @@ def best_microbatch(search: StepState, idx: list[int], carry: np.ndarray, floors
         if best is None or t < best[0]:
             best = (t, mb, st, terms)
     return best[1], best[2], best[3]
+
+
+def _cliff(ctx, cands: list) -> bool:
+    """Whether, beyond :data:`MARKS_ALONE_UNITS` units, every layout of ``cands`` ((micro-batch,
+    stats, terms)) has a unit more than :data:`CLIFF_SHARE` above the units' mean busy time."""
+    return ctx.num_units > MARKS_ALONE_UNITS and all(
+        float(t.period.max()) > (1 + CLIFF_SHARE) * float(t.busy.mean()) for _, _, t in cands)
 
 
 def _layouts(search: StepState, idx: list[int], carry: np.ndarray, sp: Spans, bal: str, floor, fill: float,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.support.zeppelin_steps import check_plan, make_ctx, record_results, seqs_of
+from tests.support.zeppelin_steps import check_plan, latency_steps, make_ctx, record_results, seqs_of
 from zeppelin.planner.costmodel.predict import predict_step
 from zeppelin.planner.zeppelin.planner import ZeppelinPlanner
 from zeppelin.planner.zeppelin.tiering import Tiering
@@ -120,3 +120,29 @@ def test_the_packing_ilp_runs_only_where_one_solve_can_lower_the_maximum(monkeyp
     assert polished({0: res(1.10, 1.0), 1: res(1.095, 1.0)}) == []  # two do, one solve left
     assert polished({0: res(1.10, 1.0), 1: res(1.095, 1.0)}, ilp_left=2) == ["auto", "auto"]
     assert polished({0: res(1.10, 1.0), 1: res(1.095, 1.0, ilp_gap=0.001)}) == []  # one provably close
+
+
+def test_a_full_fill_layout_with_a_unit_far_above_the_mean_meets_the_next_fill(monkeypatch):
+    """Beyond 256 units a micro-batch laid out with usp marks and its nodes filled to the last token
+    whose slowest unit ends more than ``CLIFF_SHARE`` above the mean is laid out at 95% fill too, the
+    faster kept: on the latency benchmark's 1,024-GPU step 9 the second micro-batch's full-fill layout
+    leaves a node's ring 27% above the mean (its rings widened to the whole node), the step 1.19x its
+    bound; with the 95% layout beside it, under 1.06x. Elsewhere on these steps the rule adds nothing."""
+    from zeppelin.planner.zeppelin import tiered
+
+    ctx = make_ctx("zeppelin-c:128")
+    steps = latency_steps(1024, 10)
+    seen = []
+    real = tiered._cliff
+    monkeypatch.setattr(tiered, "_cliff", lambda c, cands: seen.append(real(c, cands)) or seen[-1])
+
+    def ratio(k):
+        plan = ZeppelinPlanner().plan_step(ctx, k, steps[k])
+        check_plan(ctx, plan, [s.length for s in steps[k]])
+        return plan.prediction.step_time_s / plan.prediction.lower_bound_s
+
+    assert ratio(9) < 1.06 and True in seen
+    seen.clear()
+    assert ratio(0) < 1.05 and seen and True not in seen
+    monkeypatch.setattr(tiered, "CLIFF_SHARE", float("inf"))
+    assert ratio(9) > 1.15
