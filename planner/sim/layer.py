@@ -383,8 +383,11 @@ class LayerGraph:
         """One all-to-all over units ``U`` (position i holds ``held[i]`` tokens of ``per_tok``
         bytes and keeps 1/G of them); per position, its flows."""
         G = len(U)
-        eff = self.sim.cost_for(self.reps[U[0]].tp).profile.alltoall_efficiency.get(str(G), 1.0)
         out: dict[int, list[int]] = defaultdict(list)
+        node_of = self.sim.cluster.node_of
+        if not self.compute and len({node_of(g) for x in U for g in self.reps[x].ranks}) == 1:
+            return out  # (counting NIC traffic: an all-to-all inside one node moves nothing over a NIC)
+        eff = self.sim.cost_for(self.reps[U[0]].tp).profile.alltoall_efficiency.get(str(G), 1.0)
         for i in range(G):
             for k in range(G):
                 if i == k:

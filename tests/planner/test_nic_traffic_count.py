@@ -1,7 +1,8 @@
 """Counting a plan's NIC traffic without running its simulation (``Simulator.nic_traffic``, what
 ``zeppelin plan``'s summary prints) gives the bytes per NIC and kind that the simulation moves:
-groups inside one node are skipped there (they cross no NIC), every node-crossing ring, usp column,
-all-gather and remap flow is counted, routed or direct."""
+groups inside one node and the all-to-alls of usp rows inside a node are skipped there (they cross
+no NIC), every node-crossing ring, usp column, all-gather and remap flow is counted, routed or
+direct (the cases run usp groups, TP-1 and TP-2)."""
 
 from __future__ import annotations
 
