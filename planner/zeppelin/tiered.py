@@ -338,7 +338,8 @@ def best_microbatch(search: StepState, idx: list[int], carry: np.ndarray, floors
     err = None
     # nodes filled to the last token can leave their units no room for rings of assorted
     # widths: then level 1 keeps some token slack per node (before the caller falls back to
-    # one more micro-batch, which costs far more)
+    # one more micro-batch, which costs far more); at scale, so it does beside a full-fill layout
+    # with the usp marks that came out far out of balance (_cliff)
     lengths = search.lengths.tolist()
     # stage 1's splits for balance are thrifty where the micro-batch has a sequence per unit to spare
     # (fewer, and splits are what occupies the units) and does not nearly fill their memory (THRIFT_FILL)

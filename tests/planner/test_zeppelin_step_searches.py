@@ -416,13 +416,14 @@ def test_turned_cut_gives_each_micro_batch_the_heaviest_shares_of_its_nodes():
     work = ctx.cost.work(lengths)
     for M in (2, 3):
         state = _node_major_state(ctx, lengths)
-        plain, nodes, turned = *node_major(state, M), node_major(state, M, turned=True)
-        assert turned[1] == nodes and len(plain) == len(turned[0]) == M
+        plain, nodes = node_major(state, M)
+        turned, turned_nodes = node_major(state, M, turned=True)
+        assert turned_nodes == nodes and len(plain) == len(turned) == M
         node_arr = np.array(nodes)
         mb_plain, mb_turned = np.empty(len(lengths), int), np.empty(len(lengths), int)
         for k in range(M):
             mb_plain[plain[k]] = k
-            mb_turned[turned[0][k]] = k
+            mb_turned[turned[k]] = k
         assert (mb_turned == (mb_plain + node_arr) % M).all()
         for n in range(ctx.cluster.num_nodes):
             mine = np.flatnonzero(node_arr == n)

@@ -87,8 +87,7 @@ def node_major(state: StepState, M: int, turned: bool = False):
     heaviest, to micro-batch ``n mod M``), for micro-batches laid out over every node afresh. Left
     in place, micro-batch 0 holds every node's heaviest share: the step's long sequences
     together, with too few denser short ones beside them - nodes without a long sequence fill their
-    memory before their time (the step's long-tailed mixes at 4,096-16,384 GPUs); turned, every
-    micro-batch holds a like mix. With each node's shares on that node (the nodes kept), it is
+    memory before their time; turned, every micro-batch holds a like mix. With each node's shares on that node (the nodes kept), it is
     left: there the heaviest shares together are what balances each micro-batch."""
     ctx, lengths = state.ctx, state.lengths
     nodes, per_node, cap = ctx.cluster.num_nodes, ctx.units_per_node, state.tiering.cap
