@@ -288,3 +288,30 @@ def test_ring_cuts_asked_per_ring_size_match_one_question_per_ring():
         want = [bool(_Ctx.cost.ring_contiguous(L, G)) for L, G in zip(lengths, sizes)]
         assert zgroups._ring_cuts(_Ctx, lengths, sizes) == want
         assert (window is None) != any(want)
+
+
+def test_nic_loads_asked_again_for_the_same_lists_are_the_loads(planned):
+    """``route_nic_loads`` hands out its last answer again only for the very same context, groups,
+    routes and flags - copies, so a caller changing one changes nothing later - and prices any other
+    lists afresh, equal contents included."""
+    ctx, plan = planned
+    mbs = [mb for mb in _usp_versions(ctx, plan) if mb.routes]
+    assert len(mbs) >= 2
+    for mb in mbs:
+        want = [list(_nic_loads_reference(ctx, mb, r).items()) for r in (True, False)]
+        first = predict.route_nic_loads(ctx, mb.groups, mb.routes)
+        assert [list(d.items()) for d in first] == want
+        first[0].clear()
+        first[1]["x"] = 1.0
+        again = predict.route_nic_loads(ctx, mb.groups, mb.routes)
+        assert [list(d.items()) for d in again] == want
+        again[0].clear()
+        assert [list(d.items()) for d in predict.route_nic_loads(ctx, mb.groups, mb.routes)] == want
+        assert [list(d.items()) for d in predict.route_nic_loads(ctx, list(mb.groups), list(mb.routes))] == want
+        assert predict.route_nic_loads(ctx, mb.groups, mb.routes, unrouted=False)[1] == {}
+    # another micro-batch's lists right after: its own loads, not the last answer
+    a, b = mbs[0], mbs[-1]
+    predict.route_nic_loads(ctx, a.groups, a.routes)
+    assert list(predict.route_nic_loads(ctx, b.groups, b.routes)[0].items()) == list(
+        _nic_loads_reference(ctx, b, True).items())
+    assert predict.route_nic_loads(ctx, a.groups, b.routes[:1]) != predict.route_nic_loads(ctx, a.groups, a.routes)
