@@ -44,8 +44,9 @@ def nic_loads(ctx: PlanContext, mb: MicroBatch, routed: bool = True) -> dict[str
     return ro if routed else un
 
 
-#: the last :func:`route_nic_loads` call's (context, groups, routes, flags) and result: the router
-#: prices its routes once, and the micro-batch's prediction asks again for the same lists
+#: the last :func:`route_nic_loads` call's (context, its cost model, groups, routes, flags) and
+#: result: the router prices its routes once, and the micro-batch's prediction asks again for the
+#: same lists
 _LAST_NIC_LOADS: list = []
 
 
@@ -56,11 +57,11 @@ def route_nic_loads(ctx: PlanContext, groups, routes, routed: bool = True,
     asked for). Asked again for the very same lists (routes are never changed in place), the
     last answer is handed out again (copies)."""
     if _LAST_NIC_LOADS:
-        c, g, r, flags, (ro, un) = _LAST_NIC_LOADS[0]
-        if c is ctx and g is groups and r is routes and flags == (routed, unrouted):
+        c, cm, g, r, flags, (ro, un) = _LAST_NIC_LOADS[0]
+        if c is ctx and cm is ctx.cost and g is groups and r is routes and flags == (routed, unrouted):
             return dict(ro), dict(un)
     ro, un = _route_nic_loads(ctx, groups, routes, routed, unrouted)
-    _LAST_NIC_LOADS[:] = [(ctx, groups, routes, (routed, unrouted), (ro, un))]
+    _LAST_NIC_LOADS[:] = [(ctx, ctx.cost, groups, routes, (routed, unrouted), (ro, un))]
     return dict(ro), dict(un)
 
 
