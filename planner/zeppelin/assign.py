@@ -346,31 +346,27 @@ def _too_few_bins(i: int, w: int, k: float, kind: int, have: int) -> PackInfeasi
                              f"{('', ' and no exclusive item', ' and no split item')[kind]}, {have} have it")
 
 
+def grouped_by_bin(bin_of: np.ndarray, bins: int) -> np.ndarray:
+    """The positions of ``bin_of`` (a bin in ``0..bins-1`` per item) grouped by bin, each bin's in
+    item order: a stable sort, by radix on 16-bit bin numbers."""
+    return np.argsort(bin_of.astype(np.uint16) if bins <= 1 << 16 else bin_of, kind="stable")
+
+
 def _barred(kinds: list[int], state: list[int]):
-    """``(item, bin)`` -> whether the item may not move to the bin (:func:`_local_search`): split
-    items stay off exclusive bins."""
+    """``(item, bin)`` -> whether the item may not move to the bin (:func:`_search`): split items
+    stay off exclusive bins."""
     excl = {b for b, s in enumerate(state) if s == EXCLUSIVE}
     if not excl:
         return None
     return lambda i, b: kinds[i] == SPLIT and b in excl
 
 
-def _local_search(out, loads, toks, cost, tokens, width, cap, max_iter: int | None = None, barred=None) -> None:
-    """Move or swap width-1 items off the most loaded bin while the maximum drops (``loads`` and
-    ``toks``, float arrays, updated in place); ``barred(item, bin)``: moves not allowed."""
-    # plain Python floats in the loops (numpy scalar indexing costs more than the arithmetic); the
-    # same IEEE operations in the same order, written back at the end
-    ld, tk = np.asarray(loads, dtype=np.float64).tolist(), np.asarray(toks, dtype=np.float64).tolist()
-    _search(out, ld, tk, np.asarray(cost, dtype=np.float64).tolist(), np.asarray(tokens, dtype=np.float64).tolist(),
-            np.asarray(width, dtype=np.int64).tolist(), cap, max_iter if max_iter is not None else 4 * len(ld) + 50,
-            barred)
-    loads[:] = ld
-    toks[:] = tk
-
-
 def _search(out: list, ld: list, tk: list, cost: list, tokens: list, width: list, cap: float, max_iter: int,
             barred) -> None:
-    """:func:`_local_search` on lists (``ld``, ``tk`` updated in place)."""
+    """Move or swap width-1 items off the most loaded bin while the maximum drops (at most
+    ``max_iter`` times): ``ld``, ``tk`` (the bins' loads and tokens, plain floats: numpy scalar
+    indexing costs more than the arithmetic) and ``out`` updated in place; ``barred(item, bin)``:
+    moves not allowed."""
     B = len(ld)
     if B < 2:
         return

@@ -104,17 +104,18 @@ def usp_rings(ctx: PlanContext, mb: MicroBatch) -> list[int]:
     return out
 
 
-def as_usp(search, mb: MicroBatch, rings: list[int], remap: bool, pg: np.ndarray | None = None) -> MicroBatch:
+def as_usp(search, mb: MicroBatch, rings: list[int], remap: bool, at: list[int] | None = None) -> MicroBatch:
     """``mb`` with each of the inter-node ``rings`` (:func:`usp_rings`) run as a usp group over the
     same units instead: rows of the widest usp row size inside a node, the ring of rows across the
     nodes (each column ring crosses the network over its own units' NICs, where a ring's hop from
     node to node goes through one unit's, or its relays'), the same sequence cut as
-    :func:`zeppelin.schemas.layout.usp_ranges`; then its routes and (``remap``) its remap again."""
+    :func:`zeppelin.schemas.layout.usp_ranges`; then its routes and (``remap``) its remap again.
+    ``at``: the rings' placements (indices, in order), where the caller knows them."""
     ctx = search.ctx
     u, m = max(usp_row_sizes(ctx)), ctx.model
     rep = kv_replication(m.num_heads, m.num_kv_heads, ctx.tp, u)
     groups, placements = list(mb.groups), list(mb.placements)
-    for pi in _placement_indices(mb, set(rings), pg):
+    for pi in _placement_indices(mb, set(rings)) if at is None else at:
         p = placements[pi]
         units = sorted(mb.groups[p.group].units)
         r = len(units) // u
@@ -130,12 +131,11 @@ def as_usp(search, mb: MicroBatch, rings: list[int], remap: bool, pg: np.ndarray
     return out
 
 
-def _placement_indices(mb: MicroBatch, groups: set[int], pg: np.ndarray | None = None) -> list[int]:
-    """The indices of ``mb``'s placements in ``groups``, in order (``pg``: its placements' groups,
-    where known)."""
+def _placement_indices(mb: MicroBatch, groups: set[int]) -> list[int]:
+    """The indices of ``mb``'s placements in ``groups``, in order."""
     if not groups:
         return []
-    return np.flatnonzero(np.isin(placement_groups(mb) if pg is None else pg, list(groups))).tolist()
+    return np.flatnonzero(np.isin(placement_groups(mb), list(groups))).tolist()
 
 
 def _placements_in(mb: MicroBatch, groups: set[int]) -> list[Placement]:

@@ -27,7 +27,7 @@ from zeppelin.planner.costmodel.predict import (
     microbatch_terms,
     placement_groups,
 )
-from zeppelin.planner.zeppelin.assign import EXCLUSIVE, LOCAL, SPLIT, PackInfeasible, PackResult, pack
+from zeppelin.planner.zeppelin.assign import EXCLUSIVE, LOCAL, SPLIT, PackInfeasible, PackResult, grouped_by_bin, pack
 from zeppelin.planner.zeppelin.groups import as_usp, build_microbatch, finish_microbatch, ulysses_over_memory, usp_rings
 from zeppelin.planner.zeppelin.step_state import StepState
 from zeppelin.planner.zeppelin.tiering import Span, SpanTable, zigzag_max_tokens_array
@@ -226,11 +226,10 @@ def assign_units(search: StepState, sp: Spans, node_of: list[list[int]], carry: 
         for nd in node_of[j]:
             pre[nd * per_node:(nd + 1) * per_node] += sp.unit_time[j]
             pre_tok[nd * per_node:(nd + 1) * per_node] += sp.tokens_per_unit[j]
-    # each node's sequences in sequence order: the local ones grouped by node (a stable sort, by
-    # radix on 16-bit node numbers)
+    # each node's sequences in sequence order: the local ones grouped by node
     local = np.flatnonzero(~sp.is_inter)
     first = np.array([b[0] for b in node_of], dtype=np.int64)[local]
-    grouped = local[np.argsort(first.astype(np.uint16) if nodes <= 1 << 16 else first, kind="stable")]
+    grouped = local[grouped_by_bin(first, nodes)]
     counts = np.bincount(first, minlength=nodes)
     ends = np.cumsum(counts).tolist()
     flat = grouped.tolist()
@@ -471,7 +470,7 @@ def _usp_alternative(search: StepState, mb, terms, lengths, remap: bool, marked:
     held = terms.mem_tokens if terms is not None else layout_memory_tokens(ctx.cost, mb, att, att.copy(), pg)
     room = np.maximum(held, ctx.cost.token_capacity)
     while rings:
-        alt = as_usp(search, mb, rings, remap, pg)
+        alt = as_usp(search, mb, rings, remap, sorted(at[g] for g in rings))
         alt_att = att + _usp_token_change(ctx.num_units, mb, alt, [at[g] for g in rings])
         # (each unit's attention layout with its rows' extra copies within memory as validate counts
         # it - every token at its whole bytes -, stricter than the prediction of a remapped one)

@@ -128,10 +128,20 @@ def test_exclusive_items_keep_their_bins_free_of_split_items():
                     kinds=np.array([EXCLUSIVE, SPLIT]))
 
 
+def _local_search(out, loads, toks, cost, tokens, width, cap, barred=None) -> None:
+    """The packing's local search (``assign._search``) on arrays: ``loads``, ``toks`` updated in place."""
+    from zeppelin.planner.zeppelin.assign import _search
+
+    ld, tk = loads.tolist(), toks.tolist()
+    _search(out, ld, tk, cost.tolist(), tokens.tolist(), width.tolist(), cap, 4 * len(ld) + 50, barred)
+    loads[:] = ld
+    toks[:] = tk
+
+
 def test_local_search_keeps_split_items_off_exclusive_bins():
     """The local search moves a split item off the most loaded bin only to bins without an exclusive
     item: with its only lighter bins exclusive, the heavy bin keeps its splits."""
-    from zeppelin.planner.zeppelin.assign import EXCLUSIVE, SPLIT, _barred, _local_search
+    from zeppelin.planner.zeppelin.assign import EXCLUSIVE, SPLIT, _barred
 
     out = [[0, 1], [2], [2]]  # item 0: exclusive on bins 0-1; items 1, 2: splits on bin 2
     loads = np.array([1.0, 1.0, 6.0])
@@ -149,8 +159,6 @@ def test_local_search_breaks_equal_loads_by_bin_order(bins):
     """Among equally loaded lighter bins the local search tries the lowest first, on any machine:
     numpy's default argsort orders equal keys by whatever sorting network the CPU's vector units
     select (on AVX-512 it put bin 3 before bin 2 for these loads), which made plans machine-dependent."""
-    from zeppelin.planner.zeppelin.assign import _local_search
-
     # bin 0 holds two items of cost 3; bins 1 and 4 one of cost 1; the others are empty
     out = [[0], [0], [1], [4]]
     loads, toks = np.zeros(bins), np.zeros(bins)

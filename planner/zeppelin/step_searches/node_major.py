@@ -13,7 +13,7 @@ import heapq
 
 import numpy as np
 
-from zeppelin.planner.zeppelin.assign import RUNS_MIN_BINS, PackInfeasible, lpt_runs
+from zeppelin.planner.zeppelin.assign import RUNS_MIN_BINS, PackInfeasible, grouped_by_bin, lpt_runs
 from zeppelin.planner.zeppelin.protocols import Round
 from zeppelin.planner.zeppelin.step_searches.common import balances, node_cp_floor, whole_step
 from zeppelin.planner.zeppelin.step_state import StepState
@@ -110,8 +110,7 @@ def node_major(state: StepState, M: int, turned: bool = False):
         return None
     # each node's sequences, heaviest first (``order`` grouped by node, a stable sort)
     node_arr = np.array(node, dtype=np.int64)
-    keys = node_arr.astype(np.uint16) if nodes <= 1 << 16 else node_arr  # (16 bits: sorted by radix)
-    grouped_arr = np.array(order, dtype=np.int64)[np.argsort(keys, kind="stable")]
+    grouped_arr = np.array(order, dtype=np.int64)[grouped_by_bin(node_arr, nodes)]
     counts = np.bincount(node_arr, minlength=nodes)
     mb_arr = lpt_each(grouped_arr, counts, M, cap, w, per_tok)
     if mb_arr is None:
