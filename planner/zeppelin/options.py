@@ -78,7 +78,8 @@ class ZeppelinOptions(PlannerOptions):
     search_gap: float = option(float, 0.05, "on clusters of 33 to 256 units whose micro-batches are coupled (FSDP), "
                                "node-major's whole-step layouts are searched first, and the micro-batch-major ones "
                                "only for steps whose node-major plan is predicted more than this share above the "
-                               "step's lower bound (0: always)", minimum=0.0)
+                               "step's lower bound (node-CP's only where the tiered plan is too; 0: always)",
+                               minimum=0.0)
     large_families: str = option(str, "flop-share", "the families built beyond families_max_units units (same "
                                  "values as families)")
     attention_max_units: int = option(int, 256, "beyond this many units the attention-balanced remap layout is "

@@ -15,7 +15,8 @@ is not a candidate, and beyond ``node_cp_max_units`` neither are the node-CP lay
 node-major micro-batches (for planning latency: FLOP-share takes their place); beyond 256 units a
 step of several coupled micro-batches that node-major plans is planned by it alone, without the
 families (``step_searches.NODE_MAJOR_FIRST_UNITS``), and from 33 units up alone when its plan is
-predicted within ``search_gap`` of the step's lower bound; beyond 32 units the families are not
+predicted within ``search_gap`` of the step's lower bound (node-CP runs only where the tiered
+plan is not either); beyond 32 units the families are not
 searched for a step whose tiered plan is predicted within ``family_gap`` of its lower bound. A step with a
 sequence longer than the context's units hold together runs on replicas of a larger TP degree
 when they hold it.

@@ -148,6 +148,12 @@ def marginal_token_time(cost, layers: int, T: float) -> float:
     return (f(T) - f(T / 2)) / (T / 2)
 
 
+#: the shares of a node's token capacity level 1 fills, in turn, until a layout fits: a node filled
+#: to the last token can leave its units no room for rings of assorted widths (or node-major's cut
+#: into micro-batches no room for its sequences)
+NODE_FILLS = (1.0, 0.95, 0.9)
+
+
 def _usp_spans(search: StepState) -> bool:
     """Whether stage 1 may price spans over whole nodes as usp groups: options ``inter=auto`` and
     ``usp_spans=on``, more than one node, and no windowed layers (their rings may be cut
@@ -347,7 +353,7 @@ def best_microbatch(search: StepState, idx: list[int], carry: np.ndarray, floors
     for usp in (True, False):
         spans: dict[tuple, Spans] = {}  # stage 1 does not depend on the fill: chosen once per (floor, balance)
         found = len(cands)
-        for fill in (1.0, 0.95, 0.9) if ctx.cluster.num_nodes > 1 else (1.0,):
+        for fill in NODE_FILLS if ctx.cluster.num_nodes > 1 else (1.0,):
             for floor in floors if floors is not None else [None]:
                 for bal in balances if balances is not None else ["total"]:
                     if (floor, bal) not in spans:

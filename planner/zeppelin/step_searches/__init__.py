@@ -73,6 +73,8 @@ def _search_counts(state: StepState, step: int, simulate: bool) -> list:
         found = Round(found=found.found)
         for strategy in _searches(state, parts, found):
             strategy.search(state, parts, found)
+            if _settled(state, parts, found):
+                break
         if found.best_built is None:
             M += 1
             continue
@@ -100,6 +102,16 @@ def _searches(state: StepState, parts: list[list[int]], found: Round):
         state.node_major_led = leads
         return ()
     return tuple(s for s in REGISTRY if s is not node_major)
+
+
+def _settled(state: StepState, parts, found: Round) -> bool:
+    """Whether the searches still to run for this count are skipped: where node-major runs
+    first (coupled micro-batches from :data:`NEAR_BOUND_MIN_UNITS` units up), a count whose best
+    layout so far is predicted within ``search_gap`` of the lower bound - what a later search could
+    gain is less than every plan pays above that bound, as for node-major's own layout."""
+    ctx = state.ctx
+    return (len(parts) > 1 and ctx.microbatches_coupled and ctx.num_units >= NEAR_BOUND_MIN_UNITS
+            and found.best_built is not None and _near_bound(state, found.best_built))
 
 
 def _near_bound(state: StepState, built) -> bool:

@@ -17,7 +17,7 @@ from zeppelin.planner.zeppelin.assign import RUNS_MIN_BINS, PackInfeasible, grou
 from zeppelin.planner.zeppelin.protocols import Round
 from zeppelin.planner.zeppelin.step_searches.common import balances, node_cp_floor, whole_step
 from zeppelin.planner.zeppelin.step_state import StepState
-from zeppelin.planner.zeppelin.tiered import marginal_token_time
+from zeppelin.planner.zeppelin.tiered import NODE_FILLS, marginal_token_time
 from zeppelin.planner.zeppelin.tiering import zigzag_max_tokens_array
 
 name = "node-major"
@@ -80,8 +80,10 @@ def free_alone(state: StepState, M: int) -> bool:
 def node_major(state: StepState, M: int, turned: bool = False):
     """Whole-step node assignment: sequences to nodes by work (LPT, each node holding at most
     ``M`` micro-batches of tokens), then each node's share cut into ``M`` micro-batches that fit
-    its units' memory (work-balanced). Returns (micro-batches, node of each sequence), or None
-    where a sequence needs more than one node or nothing fits.
+    its units' memory (work-balanced); where a node so filled cannot be cut, the nodes are assigned
+    again holding at most the next share of :data:`.tiered.NODE_FILLS` of that. Returns
+    (micro-batches, node of each sequence), or None where a sequence needs more than one node or
+    nothing fits.
 
     ``turned``: node ``n``'s ``k``-th share goes to micro-batch ``(k + n) mod M`` (its first, the
     heaviest, to micro-batch ``n mod M``), for micro-batches laid out over every node afresh. Left
@@ -105,15 +107,20 @@ def node_major(state: StepState, M: int, turned: bool = False):
     w = layers * att + lin_rate * Ls / per_node
     wl, pt = w.tolist(), per_tok.tolist()
     order = np.argsort(-w, kind="stable").tolist()
-    node = lpt_with_room(order, nodes, M * cap, wl, pt)
-    if node is None:
-        return None
-    # each node's sequences, heaviest first (``order`` grouped by node, a stable sort)
-    node_arr = np.array(node, dtype=np.int64)
-    grouped_arr = np.array(order, dtype=np.int64)[grouped_by_bin(node_arr, nodes)]
-    counts = np.bincount(node_arr, minlength=nodes)
-    mb_arr = lpt_each(grouped_arr, counts, M, cap, w, per_tok)
-    if mb_arr is None:
+    # a node filled to its last token can leave its cut into micro-batches no room for a sequence:
+    # then the nodes are assigned again with some token slack each
+    for fill in NODE_FILLS:
+        node = lpt_with_room(order, nodes, M * cap * fill, wl, pt)
+        if node is None:
+            return None
+        # each node's sequences, heaviest first (``order`` grouped by node, a stable sort)
+        node_arr = np.array(node, dtype=np.int64)
+        grouped_arr = np.array(order, dtype=np.int64)[grouped_by_bin(node_arr, nodes)]
+        counts = np.bincount(node_arr, minlength=nodes)
+        mb_arr = lpt_each(grouped_arr, counts, M, cap, w, per_tok)
+        if mb_arr is not None:
+            break
+    else:
         return None
     if turned:
         mb_arr = (mb_arr + np.repeat(np.arange(nodes), counts)) % M  # (grouped_arr's nodes, in order)
