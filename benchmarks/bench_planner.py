@@ -78,8 +78,19 @@ def ctx_for(cluster: str, model: str, zero_stage: int = 1, recompute: str = "non
 ZERO = {"llama-7b": 1, "llama-13b": 3}
 
 
+def warm_solvers() -> None:
+    """The MILP solvers' one-time set-up (HiGHS imported, PuLP's probe of the solvers it can run),
+    made before any timing: the planner makes it at its first packing ILP, which a run pays once,
+    not at whichever timed step happens to solve one first."""
+    from zeppelin.planner.core.solver import available_solvers, quiet_highs
+
+    quiet_highs()
+    available_solvers()
+
+
 def latency(sizes: list[int], steps: int, breakdown: bool = False, simulate_max: int = 0,
             recompute: str = "none") -> None:
+    warm_solvers()
     for gpus in sizes:
         nodes = max(1, gpus // 8)
         ctx, todo = latency_inputs(gpus, steps, recompute)
@@ -137,6 +148,7 @@ def whole_cpu(sizes: list[int], steps: int, recompute: str = "none") -> None:
     Runs any code on ``PYTHONPATH`` (it calls ``plan_step`` only)."""
     import gc
 
+    warm_solvers()
     for gpus in sizes:
         ctx, todo = latency_inputs(gpus, steps, recompute)
         pl = ZeppelinPlanner()
