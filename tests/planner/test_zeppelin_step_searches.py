@@ -115,8 +115,9 @@ def test_plan_steps_streams_with_bounded_memory():
 
 def test_node_major_leads_at_scale_with_coupled_microbatches(monkeypatch):
     """Past ``NODE_MAJOR_FIRST_UNITS`` units (lowered here to the test's 8), a step of two coupled
-    micro-batches is planned by node-major alone - its micro-batches laid out over every node
-    afresh past ``FREE_NODES_MIN_UNITS`` - and no large family is built; below, every search runs."""
+    micro-batches is planned by node-major alone and no large family is built; below, every search
+    runs. Past ``ALL_LAYOUTS_MAX_UNITS`` (lowered to 0) node-major's coupled micro-batches are laid
+    out over every node afresh only, never with its own node assignment kept."""
     from zeppelin.planner.zeppelin import select as select_mod
     from zeppelin.planner.zeppelin import step_searches
     from zeppelin.planner.zeppelin.step_searches import node_major
@@ -140,18 +141,19 @@ def test_node_major_leads_at_scale_with_coupled_microbatches(monkeypatch):
     assert ctx.microbatches_coupled
     lengths = [ctx.cost.token_capacity // 3] * (3 * ctx.num_units)  # two micro-batches are needed
     opts = dict(families_max_units=0, large_families="flop-share")
-    for first, free, expect in ((ctx.num_units, ctx.num_units, None), (ctx.num_units - 1, ctx.num_units - 1, [False])):
+    for first, alone in ((ctx.num_units, False), (ctx.num_units - 1, True)):
         monkeypatch.setattr(step_searches, "NODE_MAJOR_FIRST_UNITS", first)
-        monkeypatch.setattr(node_major, "FREE_NODES_MIN_UNITS", free)
+        monkeypatch.setattr(node_major, "TURNED_CUT_MIN_UNITS", first)
         monkeypatch.setattr(node_major, "ALL_LAYOUTS_MAX_UNITS", 0)
         calls.clear()
         families.clear()
         plan = ZeppelinPlanner(**opts).plan_step(ctx, 0, seqs_of(lengths))
         check_plan(ctx, plan, lengths)
-        if expect is None:  # every search, node-major with its own nodes; FLOP-share built
-            assert ((None,), False) in calls and ((None,), True) in calls and families == ["flop-share"]
-        else:  # node-major alone, over every node afresh; no family
-            assert calls and [nm for _, nm in calls] == expect * len(calls) and families == []
+        assert calls and not any(fixed for _, fixed in calls)
+        if not alone:  # every search (node-CP's floor among them); FLOP-share built
+            assert ((None,), False) in calls and any(f != (None,) for f, _ in calls) and families == ["flop-share"]
+        else:  # node-major alone: its one layout per count searched; no family
+            assert set(calls) == {((None,), False)} and families == []
             assert len(plan.microbatches) >= 2
 
 
@@ -388,7 +390,7 @@ def test_micro_batches_are_cut_only_where_a_search_reads_them(monkeypatch):
     plans = []
     for first in (ctx.num_units - 1, ctx.num_units):  # node-major leads; then every search runs
         monkeypatch.setattr(step_searches, "NODE_MAJOR_FIRST_UNITS", first)
-        monkeypatch.setattr(node_major, "FREE_NODES_MIN_UNITS", first)
+        monkeypatch.setattr(node_major, "TURNED_CUT_MIN_UNITS", first)
         cuts.clear()
         plans.append(ZeppelinPlanner(families_max_units=0).plan_step(ctx, 0, seqs_of(lengths)))
         check_plan(ctx, plans[-1], lengths)
@@ -433,7 +435,7 @@ def test_turned_cut_gives_each_micro_batch_the_heaviest_shares_of_its_nodes():
 
 
 def test_free_layouts_lay_out_the_turned_cut_and_gain_on_it(monkeypatch):
-    """Beyond ``FREE_NODES_MIN_UNITS`` units (coupled micro-batches), node-major lays out the turned
+    """Beyond ``TURNED_CUT_MIN_UNITS`` units (coupled micro-batches), node-major lays out the turned
     cut, and only it; up to it, with each node's own shares, the cut in place. On the latency
     benchmark's 1,024-GPU step 6 the turned cut's layout is predicted >= 2% faster than the cut in
     place laid out the same way (micro-batch 0 holding every node's long sequence leaves nodes
@@ -443,7 +445,7 @@ def test_free_layouts_lay_out_the_turned_cut_and_gain_on_it(monkeypatch):
     from zeppelin.planner.zeppelin.step_searches.common import whole_step
 
     ctx = make_ctx("zeppelin-c:128")
-    assert ctx.microbatches_coupled and ctx.num_units > node_major.FREE_NODES_MIN_UNITS
+    assert ctx.microbatches_coupled and ctx.num_units > node_major.TURNED_CUT_MIN_UNITS
     seqs = latency_steps(1024, 7)[6]
     lengths = np.array([q.length for q in seqs])
     calls = []
@@ -463,12 +465,12 @@ def test_free_layouts_lay_out_the_turned_cut_and_gain_on_it(monkeypatch):
     t_turned = whole_step(_node_major_state(ctx, lengths), turned, [None], ["total"])[1]
     t_plain = whole_step(_node_major_state(ctx, lengths), plain, [None], ["total"])[1]
     assert t_turned < 0.98 * t_plain
-    # up to the threshold (lowered to this cluster) both node choices lay out the cut in place
-    monkeypatch.setattr(node_major, "FREE_NODES_MIN_UNITS", ctx.num_units)
+    # up to the threshold (lowered to this cluster) the cut in place is laid out, over every node afresh
+    monkeypatch.setattr(node_major, "TURNED_CUT_MIN_UNITS", ctx.num_units)
     monkeypatch.setattr(step_searches, "NODE_MAJOR_FIRST_UNITS", ctx.num_units - 1)
     calls.clear()
     ZeppelinPlanner().plan_step(ctx, 0, seqs)
-    assert [c[1] for c in calls] == [True, False] and all(c[0] == plain for c in calls)
+    assert calls == [(plain, False)]
 
 
 def test_node_major_assigns_nodes_again_with_slack_where_its_cut_fails(monkeypatch):

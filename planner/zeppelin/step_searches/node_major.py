@@ -24,16 +24,17 @@ name = "node-major"
 #: up to this many units every layout (tiered and node-CP, each objective) is tried node-major;
 #: beyond, for planning latency, only the one that won the micro-batch count, balanced on total cost
 ALL_LAYOUTS_MAX_UNITS = 32
-#: beyond this many units, where micro-batches are coupled (a step costs the sum over micro-batches
-#: of the slowest unit), node-major's cut of the step into micro-batches is kept but each
-#: micro-batch is laid out over every node afresh, balanced on its own (from 33 units up to this
-#: many, both are tried): the whole-step node
+#: beyond :data:`ALL_LAYOUTS_MAX_UNITS` units, where micro-batches are coupled (a step costs the sum
+#: over micro-batches of the slowest unit), node-major's cut of the step into micro-batches is kept
+#: but each micro-batch is laid out over every node afresh, balanced on its own: the whole-step node
 #: assignment balances node totals, which leaves a node holding one very long sequence with little
-#: in its other micro-batches while the others' halves set those micro-batches' maxima (7-9% of
-#: the step at 512-1,024 GPUs, benchmarks/bench_planner.py). Laid out afresh alone, the cut is
-#: turned (:func:`node_major`'s ``turned``): each micro-batch takes the heaviest shares of 1/M of
-#: the nodes rather than micro-batch 0 all of them
-FREE_NODES_MIN_UNITS = 256
+#: in its other micro-batches while the others' halves set those micro-batches' maxima (laid out
+#: with its nodes kept as well, node-major won few steps more, by little, for a whole-step layout
+#: more each: docs/BENCHMARKS.md). Beyond this many units the cut is turned too
+#: (:func:`node_major`'s ``turned``): each micro-batch takes the heaviest shares of 1/M of the nodes
+#: rather than micro-batch 0 all of them (up to it, the heaviest shares together are what balances
+#: each micro-batch)
+TURNED_CUT_MIN_UNITS = 256
 
 
 def search(state: StepState, parts: list[list[int]], found: Round) -> None:
@@ -41,7 +42,7 @@ def search(state: StepState, parts: list[list[int]], found: Round) -> None:
     if not (len(parts) > 1 and ctx.cluster.num_nodes > 1 and ctx.units_per_node > 1
             and ctx.num_units <= state.options.node_cp_max_units):
         return
-    assigned = node_major(state, len(parts), turned=free_alone(state, len(parts)))
+    assigned = node_major(state, len(parts), turned=turned_cut(state, len(parts)))
     if assigned is None:
         return
     if ctx.num_units <= ALL_LAYOUTS_MAX_UNITS:
@@ -61,20 +62,20 @@ def search(state: StepState, parts: list[list[int]], found: Round) -> None:
 
 
 def node_choices(state: StepState, M: int, nodes: list[int]) -> list:
-    """The node assignments node-major's micro-batches are laid out with: its own (``nodes``) and,
+    """The node assignment node-major's micro-batches are laid out with: its own (``nodes``) or,
     where micro-batches are coupled on more than :data:`ALL_LAYOUTS_MAX_UNITS` units, none (each
-    micro-batch over every node afresh) - beyond :data:`FREE_NODES_MIN_UNITS` units that alone."""
+    micro-batch over every node afresh)."""
     ctx = state.ctx
     if not (M > 1 and ctx.microbatches_coupled and ctx.num_units > ALL_LAYOUTS_MAX_UNITS):
         return [nodes]
-    return [None] if free_alone(state, M) else [nodes, None]
+    return [None]
 
 
-def free_alone(state: StepState, M: int) -> bool:
-    """Whether node-major's ``M`` micro-batches are laid out over every node afresh only (beyond
-    :data:`FREE_NODES_MIN_UNITS` units, coupled micro-batches)."""
+def turned_cut(state: StepState, M: int) -> bool:
+    """Whether node-major's cut into ``M`` micro-batches is turned (beyond
+    :data:`TURNED_CUT_MIN_UNITS` units, coupled micro-batches)."""
     ctx = state.ctx
-    return M > 1 and ctx.microbatches_coupled and ctx.num_units > FREE_NODES_MIN_UNITS
+    return M > 1 and ctx.microbatches_coupled and ctx.num_units > TURNED_CUT_MIN_UNITS
 
 
 def node_major(state: StepState, M: int, turned: bool = False):
@@ -86,11 +87,10 @@ def node_major(state: StepState, M: int, turned: bool = False):
     nothing fits.
 
     ``turned``: node ``n``'s ``k``-th share goes to micro-batch ``(k + n) mod M`` (its first, the
-    heaviest, to micro-batch ``n mod M``), for micro-batches laid out over every node afresh. Left
-    in place, micro-batch 0 holds every node's heaviest share: the step's long sequences
-    together, with too few denser short ones beside them - nodes without a long sequence fill their
-    memory before their time; turned, every micro-batch holds a like mix. With each node's shares on that node (the nodes kept), it is
-    left: there the heaviest shares together are what balances each micro-batch."""
+    heaviest, to micro-batch ``n mod M``). Left in place, micro-batch 0 holds every node's heaviest
+    share: the step's long sequences together, with too few denser short ones beside them - on
+    clusters of many nodes those without a long sequence fill their memory before their time;
+    turned, every micro-batch holds a like mix (:data:`TURNED_CUT_MIN_UNITS`)."""
     ctx, lengths = state.ctx, state.lengths
     nodes, per_node, cap = ctx.cluster.num_nodes, ctx.units_per_node, state.tiering.cap
     per_tok = zigzag_max_tokens_array(lengths, per_node).astype(np.float64)  # tokens per unit, node-wide split
