@@ -50,25 +50,25 @@ def search(state: StepState, parts: list[list[int]], found: Round) -> None:
         layouts = [([None], balances(state))] + ([([floor], ["total"])] if floor is not None else [])
     else:
         layouts = [(found.best_floors, ["total"])]
-    for fixed in node_choices(state, len(parts), assigned[1]):
-        for floors, objectives in layouts:
-            try:
-                built, t = whole_step(state, assigned[0], floors, objectives, fixed)
-            except PackInfeasible as e:
-                if state.last_error is None:
-                    state.last_error = str(e)
-                continue
-            found.offer(built, t)
+    fixed = kept_nodes(state, len(parts), assigned[1])
+    for floors, objectives in layouts:
+        try:
+            built, t = whole_step(state, assigned[0], floors, objectives, fixed)
+        except PackInfeasible as e:
+            if state.last_error is None:
+                state.last_error = str(e)
+            continue
+        found.offer(built, t)
 
 
-def node_choices(state: StepState, M: int, nodes: list[int]) -> list:
-    """The node assignment node-major's micro-batches are laid out with: its own (``nodes``) or,
+def kept_nodes(state: StepState, M: int, nodes: list[int]) -> list[int] | None:
+    """The node assignment node-major's micro-batches are laid out with: its own (``nodes``), or,
     where micro-batches are coupled on more than :data:`ALL_LAYOUTS_MAX_UNITS` units, none (each
     micro-batch over every node afresh)."""
     ctx = state.ctx
-    if not (M > 1 and ctx.microbatches_coupled and ctx.num_units > ALL_LAYOUTS_MAX_UNITS):
-        return [nodes]
-    return [None]
+    if M > 1 and ctx.microbatches_coupled and ctx.num_units > ALL_LAYOUTS_MAX_UNITS:
+        return None
+    return nodes
 
 
 def turned_cut(state: StepState, M: int) -> bool:
