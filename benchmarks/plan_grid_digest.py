@@ -33,21 +33,16 @@ def _grid():
 
 
 def _cell(arg) -> dict[str, str]:
-    cluster, model, tp, mix, gpus, steps, tokens_per_gpu, max_seq_len, planners = arg
-    from zeppelin.planner.core.base import PlanContext, get_planner
-    from zeppelin.planner.core.inputs import resolve_cluster, resolve_model, resolve_profile
-    from zeppelin.planner.core.sampler import run_max_seq_len, sample_steps
-    from zeppelin.planner.tools.compare import mix_dataset
-    from zeppelin.schemas.common import InputError
-    from zeppelin.schemas.plan import SamplerConfig
+    cluster, model, tp, zero_stage, mix, gpus, steps, tokens_per_gpu, max_seq_len, planners = arg
+    from types import SimpleNamespace
 
-    cl = resolve_cluster(f"{cluster}:{gpus // 8}")
-    md = resolve_model(model)
-    ctx = PlanContext(cl, md, resolve_profile(None, cl), tp=tp, seed=0)
-    cfg = SamplerConfig(tokens_per_step=tokens_per_gpu * gpus, seed=0, max_seq_len=max_seq_len)
-    ds = mix_dataset(mix)
-    ctx.max_seq_len = run_max_seq_len(ds, cfg)
-    sampled = sample_steps(ds, cfg, steps)
+    from zeppelin.planner.core.base import get_planner
+    from zeppelin.schemas.common import InputError
+
+    # the page's own context and steps (bench_compare.cell_steps: its ZeRO stage per model,
+    # ``--recompute auto``, seed 0)
+    opts = SimpleNamespace(seed=0, tokens_per_gpu=tokens_per_gpu, max_seq_len=max_seq_len, steps=steps)
+    ctx, _, sampled = _grid().cell_steps(cluster, model, tp, mix, gpus, opts, zero_stage)
     out = {}
     for name in planners:
         planner = get_planner(name)
@@ -74,7 +69,7 @@ def main() -> None:
     ap.add_argument("--planners", default=",".join(PLANNERS))
     args = ap.parse_args()
     g = _grid()
-    jobs = [(g.CLUSTERS[c], m, tp, mix, gpus, args.steps, 16384, 131072, args.planners.split(","))
+    jobs = [(g.CLUSTERS[c], m, tp, g.ZERO[m], mix, gpus, args.steps, 16384, 131072, args.planners.split(","))
             for c in g.CLUSTERS for m, tp in g.MODELS.items() for mix in g.MIXES for gpus in g.GPUS]
     cells: dict[str, str] = {}
     if args.workers <= 1:
