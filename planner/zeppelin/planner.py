@@ -28,6 +28,7 @@ Registered variants: ``zeppelin`` (everything), ``zeppelin-no-routing``, ``zeppe
 from __future__ import annotations
 
 import gc
+import math
 import time
 from functools import partial
 
@@ -35,6 +36,7 @@ import numpy as np
 
 from zeppelin.planner.core.base import PlanContext, Planner, PlanningError, register
 from zeppelin.planner.core.solver import SolveLimits
+from zeppelin.planner.costmodel.predict import lower_bounds
 from zeppelin.planner.zeppelin import families as families_mod
 from zeppelin.planner.zeppelin import recompute as recompute_mod
 from zeppelin.planner.zeppelin.options import ZeppelinOptions
@@ -231,7 +233,7 @@ class ZeppelinPlanner(Planner):
                           ilp_left=self.ilp_budget_calls)
         judge = self._judge(ctx)
         own = search_step(state, step, simulate=judge is not None)
-        own, suffices = self._tiered_suffices(ctx, own)
+        own, suffices = self._tiered_suffices(ctx, own, lengths, tiering.cap)
         if suffices:
             margin, names = None, []
         elif ctx.num_units <= self.families_max_units:
@@ -248,13 +250,15 @@ class ZeppelinPlanner(Planner):
                       simulator=self._confirmer(ctx), simulate_all=judge is not None, t0=t0,
                       wall_hit=state.wall_hit, collector=self.collector)
 
-    def _tiered_suffices(self, ctx: PlanContext, own: list) -> tuple[list, bool]:
+    def _tiered_suffices(self, ctx: PlanContext, own: list, lengths: np.ndarray, cap: int) -> tuple[list, bool]:
         """Whether the families are not searched for this step: on clusters of more than
         :data:`.select.BUILD_ALL_MAX_UNITS` units, where their searches cost more than the tiered
-        one, when the best tiered candidate's plan is predicted within ``family_gap`` of the step's
-        lower bound: what a family could still gain is less than what every plan pays above that
-        bound (splits, exposure; docs/BENCHMARKS.md, "Planner latency"). Returns the candidates
-        (the one built for this hands its plan on) and the verdict."""
+        one, when the best tiered candidate's plan is predicted within ``family_gap`` of the lower
+        bound of the fewest micro-batches of ``cap`` tokens a unit (the context's memory; under
+        ``--recompute auto`` each global mode's pass has its own, while the step's bound counts the
+        fewest recomputation allows): what a family could still gain is less than what every plan
+        pays above that bound (splits, exposure; docs/BENCHMARKS.md, "Planner latency"). Returns the
+        candidates (the one built for this hands its plan on) and the verdict."""
         if not own or ctx.num_units <= BUILD_ALL_MAX_UNITS or self.family_gap <= 0:
             return own, False
         best = min(own, key=lambda c: (c.score, c.index))
@@ -262,9 +266,10 @@ class ZeppelinPlanner(Planner):
             plan = best.build()
         except PlanningError:
             return own, False
-        pr = plan.prediction
         own = [c._replace(build=lambda plan=plan: plan) if c is best else c for c in own]
-        return own, pr.step_time_s <= (1 + self.family_gap) * pr.lower_bound_s
+        fewest = max(1, math.ceil(int(lengths.sum()) / (ctx.num_units * cap) - 1e-12))
+        bound = max(lower_bounds(ctx, lengths.astype(np.float64), microbatches=fewest))
+        return own, plan.prediction.step_time_s <= (1 + self.family_gap) * bound
 
     def _oversize_step(self, ctx: PlanContext, step: int, sequences: list[Sequence], t0: float) -> StepPlan:
         """A step with a sequence longer than the context's units can hold together, planned on

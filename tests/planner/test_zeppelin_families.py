@@ -237,3 +237,33 @@ def test_families_are_searched_only_where_the_tiered_plan_leaves_room(monkeypatc
         assert plan.model_dump(exclude={"solver"}) == ref.model_dump(exclude={"solver"}), k
     assert skipped == [True, True, False, True, False, False]
     assert family[4] == "long-blocks"
+
+
+def test_family_gap_under_auto_counts_each_pass_own_micro_batches(monkeypatch):
+    """Under ``--recompute auto`` each global mode plans the step in its own pass, while the step's
+    lower bound counts the fewest micro-batches recomputation allows (one, on these 64-GPU steps).
+    The ``none`` pass's plans need two: they are judged against the bound of two micro-batches,
+    whose memory that pass has, so on the latency benchmark's steps 0, 1 and 3 (within 5% of it)
+    the ``none`` pass searches no family - against the step's own bound it searched them on every
+    step - and every plan is the one searching them always (``family_gap=0``) makes."""
+    from zeppelin.planner.zeppelin import select as select_mod
+
+    passes = []
+    real = select_mod.family_plans
+
+    def recording(ctx, *a, **k):
+        passes.append(ctx.recompute)
+        return real(ctx, *a, **k)
+
+    monkeypatch.setattr(select_mod, "family_plans", recording)
+    ctx = make_ctx("zeppelin-c:8", recompute="auto")
+    gated, always = ZeppelinPlanner(), ZeppelinPlanner(family_gap=0)
+    searched_none = []
+    for k, seqs in enumerate(latency_steps_64(6)):
+        passes.clear()
+        plan = gated.plan_step(ctx, k, seqs)
+        searched_none.append("none" in passes)
+        assert "selective" in passes  # (that pass pays its recomputation above every bound: searched)
+        ref = always.plan_step(ctx, k, seqs)
+        assert plan.model_dump(exclude={"solver"}) == ref.model_dump(exclude={"solver"}), k
+    assert searched_none == [False, False, True, False, True, True]
