@@ -256,9 +256,10 @@ class ZeppelinPlanner(Planner):
         one, when the best tiered candidate's plan is predicted within ``family_gap`` of the lower
         bound of the fewest micro-batches of ``cap`` tokens a unit (the context's memory; under
         ``--recompute auto`` each global mode's pass has its own, while the step's bound counts the
-        fewest recomputation allows): what a family could still gain is less than what every plan
-        pays above that bound (splits, exposure; docs/BENCHMARKS.md, "Planner latency"). Returns the
-        candidates (the one built for this hands its plan on) and the verdict."""
+        fewest recomputation allows - a plan of the pass in fewer, its units recomputing beyond
+        ``cap``, pays that recomputation): what a family could still gain is less than what every
+        plan pays above that bound (splits, exposure; docs/BENCHMARKS.md, "Planner latency").
+        Returns the candidates (the one built for this hands its plan on) and the verdict."""
         if not own or ctx.num_units <= BUILD_ALL_MAX_UNITS or self.family_gap <= 0:
             return own, False
         best = min(own, key=lambda c: (c.score, c.index))
