@@ -268,12 +268,14 @@ def lower_bounds(ctx: PlanContext, lengths: np.ndarray, microbatches: int | None
     return v
 
 
-def forced_microbatches(ctx: PlanContext, lengths) -> int:
+def forced_microbatches(ctx: PlanContext, lengths, cap: float | None = None) -> int:
     """The fewest micro-batches that can hold the step's tokens: every unit holds at most its token
     capacity in each micro-batch (both layouts), under the most frugal recomputation the context
-    may choose (``full`` where it chooses per micro-batch or per unit, else its own mode)."""
+    may choose (``full`` where it chooses per micro-batch or per unit, else its own mode);
+    ``cap``: that many tokens a unit instead."""
     cost = ctx.cost
-    cap = cost.recompute_capacity("full") if cost.chooses_recompute or ctx.unit_recompute else cost.token_capacity
+    if cap is None:
+        cap = cost.recompute_capacity("full") if cost.chooses_recompute or ctx.unit_recompute else cost.token_capacity
     total = float(np.sum(lengths))
     if cap <= 0 or ctx.num_units <= 0:
         return 1

@@ -28,7 +28,6 @@ Registered variants: ``zeppelin`` (everything), ``zeppelin-no-routing``, ``zeppe
 from __future__ import annotations
 
 import gc
-import math
 import time
 from functools import partial
 
@@ -36,7 +35,7 @@ import numpy as np
 
 from zeppelin.planner.core.base import PlanContext, Planner, PlanningError, register
 from zeppelin.planner.core.solver import SolveLimits
-from zeppelin.planner.costmodel.predict import lower_bounds
+from zeppelin.planner.costmodel.predict import forced_microbatches, lower_bounds
 from zeppelin.planner.zeppelin import families as families_mod
 from zeppelin.planner.zeppelin import recompute as recompute_mod
 from zeppelin.planner.zeppelin.options import ZeppelinOptions
@@ -268,8 +267,8 @@ class ZeppelinPlanner(Planner):
         except PlanningError:
             return own, False
         own = [c._replace(build=lambda plan=plan: plan) if c is best else c for c in own]
-        fewest = max(1, math.ceil(int(lengths.sum()) / (ctx.num_units * cap) - 1e-12))
-        bound = max(lower_bounds(ctx, lengths.astype(np.float64), microbatches=fewest))
+        L = lengths.astype(np.float64)
+        bound = max(lower_bounds(ctx, L, microbatches=forced_microbatches(ctx, L, cap)))
         return own, plan.prediction.step_time_s <= (1 + self.family_gap) * bound
 
     def _oversize_step(self, ctx: PlanContext, step: int, sequences: list[Sequence], t0: float) -> StepPlan:
